@@ -1,0 +1,33 @@
+"""The batch contract between the engine and the model runner (DESIGN.md §3).
+
+One step's scheduled tokens, from every request, packed into one padding-free
+super-sequence. Request i owns tokens ``query_start_loc[i]:query_start_loc[i+1]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Batch:
+    input_ids: np.ndarray        # int32 [T]   token ids of the super-sequence
+    positions: np.ndarray        # int32 [T]   position of each token inside its request
+    slot_mapping: np.ndarray     # int32 [T]   where its K/V go: block * block_size + pos % block_size; -1 = skip
+    query_start_loc: np.ndarray  # int32 [B+1] prefix sum of tokens scheduled per request
+    seq_lens: np.ndarray         # int32 [B]   tokens in the cache for the request after this step
+    block_tables: np.ndarray     # int32 [B, max_blocks] block ids, -1 past the end
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        """The last scheduled token of each request: the only rows that need logits."""
+        return self.query_start_loc[1:] - 1

@@ -1,0 +1,26 @@
+"""The `ringserve` command. Each subcommand imports its module only when run, so that
+`ringserve download` never pays for the server and a frontend never loads GPU code."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ringserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("download", help="fetch and convert a model; prints its folder last")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a known model name (default: the default model) or a .gguf file")
+
+    args = parser.parse_args(argv)
+    if args.command == "download":
+        from ringserve.gpu.model_store import download_command
+        return download_command(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
