@@ -1,0 +1,33 @@
+"""The repository's top level is the `ringserve` package (pyproject.toml maps each folder).
+A wheel only contains the packages listed there, so every folder with an __init__.py must be listed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP = ("server", "engine", "gpu", "ipc", "tools")
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    found = {
+        "ringserve." + ".".join(init.parent.relative_to(ROOT).parts)
+        for top in TOP
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert found == listed
+    for name in listed:
+        folder = name.removeprefix("ringserve.").replace(".", "/")
+        assert setuptools["package-dir"].get(name, folder) == folder
+
+
+def test_cli_entry_point_imports():
+    from ringserve.server.cli import main
+
+    assert callable(main)
