@@ -1,0 +1,143 @@
+"""Single-producer single-consumer ring of variable-length records in shared memory.
+
+Layout (``Ring.region_size(capacity)`` bytes at some offset of a segment)::
+
+    [0:8]     head  uint64  bytes consumed so far (written only by the consumer)
+    [64:72]   tail  uint64  bytes published so far (written only by the producer)
+    [128:..]  data  ``capacity`` bytes, a multiple of 8
+
+Head and tail are monotonic byte counters (never wrapped; 2**64 bytes is centuries), on
+separate cache lines so that the two sides do not bounce one line between cores. A record is
+an 8-byte little-endian length followed by the payload, padded to 8 bytes; the header never
+straddles the end of the data area, the payload may, and is then copied in two pieces. So any
+record up to ``capacity - 8`` bytes fits (a 32k-token prompt is 128 KiB of int32: the default
+1 MiB ring holds several); a larger one raises :class:`RecordTooLarge`. A full ring makes
+``try_write`` return False (``write`` raises :class:`Full`): the writer backs off, nothing is lost.
+
+Memory ordering. The producer copies the payload and only then stores the new tail; the
+consumer loads the tail and only then reads the payload, and stores the head after copying
+the record out. Each counter is one aligned 8-byte store/load (CPython's memoryview item
+access compiles to one ``mov``), so it is never torn. On x86-64 this is enough: TSO keeps
+stores in order with stores and loads in order with loads, and every CPython operation is an
+opaque C call, so the compiler cannot reorder across it either. On a weakly ordered CPU
+(ARM64/aarch64, POWER) the tail store needs *release* semantics (``stlr``) and the tail load
+*acquire* semantics (``ldar``), likewise for the head; pure Python cannot issue those
+barriers, so :class:`Ring` refuses to run there unless ``RINGSERVE_ALLOW_WEAK_ORDERING=1`` is
+set, at your own risk (docs/ipc.md).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import struct
+
+HEAD, TAIL = 0, 8  # indices into the uint64 view of the 128-byte header
+HEADER_BYTES = 128
+RECORD_HEADER = 8
+_LEN = struct.Struct("<Q")
+_STRONG_ORDER_MACHINES = {"x86_64", "amd64", "i386", "i686", "x86"}
+
+
+class Full(Exception):
+    """The ring has no room for this record now; retry after the consumer catches up."""
+
+
+class RecordTooLarge(ValueError):
+    """The record can never fit this ring."""
+
+
+def check_memory_ordering() -> None:
+    machine = platform.machine().lower()
+    if machine in _STRONG_ORDER_MACHINES or os.environ.get("RINGSERVE_ALLOW_WEAK_ORDERING") == "1":
+        return
+    raise RuntimeError(
+        f"the shared-memory ring relies on x86-64 store ordering (TSO); this CPU is {machine!r}, "
+        "which needs acquire/release barriers that pure Python cannot issue (see docs/ipc.md). "
+        "Set RINGSERVE_ALLOW_WEAK_ORDERING=1 to run anyway at your own risk."
+    )
+
+
+class Ring:
+    """One side's handle on a ring living in ``buf[offset : offset + region_size(capacity)]``.
+
+    Use one handle per process and role: the producer calls only ``try_write``/``write``, the
+    consumer only ``read``. Each side caches its own counter, so it rereads only the other's.
+    """
+
+    def __init__(self, buf: memoryview, offset: int, capacity: int):
+        check_memory_ordering()
+        if capacity % 8 or capacity < 64:
+            raise ValueError(f"ring capacity must be a multiple of 8 and >= 64, got {capacity}")
+        if offset % 64:
+            raise ValueError("ring offset must be 64-byte aligned")
+        self.capacity = capacity
+        self.max_record = capacity - RECORD_HEADER
+        self._counters = buf[offset : offset + HEADER_BYTES].cast("Q")
+        self._data = buf[offset + HEADER_BYTES : offset + HEADER_BYTES + capacity]
+        self._head = self._counters[HEAD]
+        self._tail = self._counters[TAIL]
+
+    @staticmethod
+    def region_size(capacity: int) -> int:
+        return HEADER_BYTES + capacity
+
+    # -- producer --------------------------------------------------------------------
+    def try_write(self, payload) -> bool:
+        if not isinstance(payload, (bytes, bytearray)):
+            payload = memoryview(payload).cast("B")
+        n = len(payload)
+        size = RECORD_HEADER + ((n + 7) & ~7)
+        if n > self.max_record:
+            raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of {self.max_record} bytes")
+        tail = self._tail
+        if tail + size - self._counters[HEAD] > self.capacity:
+            return False
+        cap, data = self.capacity, self._data
+        pos = tail % cap
+        _LEN.pack_into(data, pos, n)
+        pos = (pos + RECORD_HEADER) % cap
+        first = cap - pos
+        if n <= first:
+            data[pos : pos + n] = payload
+        else:
+            view = memoryview(payload)
+            data[pos:cap] = view[:first]
+            data[: n - first] = view[first:]
+        self._tail = tail + size
+        self._counters[TAIL] = tail + size  # publish: after the payload (see module docstring)
+        return True
+
+    def write(self, payload) -> None:
+        if not self.try_write(payload):
+            raise Full(f"ring full ({self.used()} of {self.capacity} bytes in use)")
+
+    # -- consumer --------------------------------------------------------------------
+    def read(self) -> bytes | None:
+        """The next record's payload (a copy), or None when the ring is empty."""
+        head = self._head
+        if head == self._counters[TAIL]:
+            return None
+        cap, data = self.capacity, self._data
+        pos = head % cap
+        (n,) = _LEN.unpack_from(data, pos)
+        pos = (pos + RECORD_HEADER) % cap
+        first = cap - pos
+        if n <= first:
+            out = data[pos : pos + n].tobytes()
+        else:
+            out = data[pos:cap].tobytes() + data[: n - first].tobytes()
+        self._head = head + RECORD_HEADER + ((n + 7) & ~7)
+        self._counters[HEAD] = self._head  # release the space only after the copy
+        return out
+
+    def has_data(self) -> bool:
+        return self._head != self._counters[TAIL]
+
+    def used(self) -> int:
+        return self._counters[TAIL] - self._counters[HEAD]
+
+    def release(self) -> None:
+        """Drop the views into the segment so that it can be unmapped."""
+        self._counters.release()
+        self._data.release()

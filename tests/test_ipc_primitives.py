@@ -1,0 +1,317 @@
+"""ipc/ primitives with real processes and real shared memory: segments, rings, wire messages,
+doorbells, the control socket and the load score."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import stat
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ringserve.ipc import control, ring as ring_mod
+from ringserve.ipc.channel import Channel
+from ringserve.ipc.doorbell import Doorbell
+from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_outputs, decode_request,
+                                    encode_outputs, encode_request)
+from ringserve.ipc.ring import RecordTooLarge, Ring
+from ringserve.ipc.shm import SHM_DIR, Segment, list_segments, remove_stale_segments
+from ringserve.ipc.stats import EngineStats, least_loaded, score, stats_size
+
+ctx = mp.get_context("spawn")
+
+
+def _ours_left(before: set[str]) -> list[str]:
+    """Segments created during this module by this process or by processes now dead."""
+    left = []
+    for name in set(list_segments()) - before:
+        pid = int(name.split("-")[1])
+        if pid == os.getpid() or not Path(f"/proc/{pid}").exists():
+            left.append(name)
+    return left
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_segment_left_behind():
+    before = set(list_segments())
+    yield
+    assert _ours_left(before) == [], "shared-memory segments left in /dev/shm"
+
+
+# -- segments ----------------------------------------------------------------------------
+
+
+def _attach_and_write(name: str) -> None:
+    seg = Segment.attach(name)
+    seg.buf[:5] = b"hello"
+    seg.close()  # an attacher's close never unlinks
+
+
+def _create_and_die(conn) -> None:
+    seg = Segment.create(4096)
+    conn.send(seg.name)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_segment_is_private_shared_and_removed_by_its_creator():
+    seg = Segment.create(8192)
+    path = SHM_DIR / seg.name
+    assert seg.name.startswith(f"ringserve-{os.getpid()}-") and len(seg.name.rsplit("-", 1)[1]) == 16
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    p = ctx.Process(target=_attach_and_write, args=(seg.name,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    assert bytes(seg.buf[:5]) == b"hello"
+    assert path.exists()  # the attacher's exit did not unlink it (unlike multiprocessing.shared_memory)
+    seg.close()
+    assert not path.exists()
+
+
+def test_attach_refuses_foreign_names():
+    with pytest.raises(ValueError):
+        Segment.attach("../etc/passwd")
+
+
+def test_stale_segments_of_dead_creators_are_removed():
+    mine = Segment.create(4096)
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_create_and_die, args=(child,))
+    p.start()
+    stale = parent.recv()
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    assert (SHM_DIR / stale).exists()
+    removed = remove_stale_segments()
+    assert stale in removed and mine.name not in removed
+    assert not (SHM_DIR / stale).exists() and (SHM_DIR / mine.name).exists()
+    mine.close()
+
+
+# -- ring --------------------------------------------------------------------------------
+
+
+def _ring_pair(capacity: int) -> tuple[Segment, Ring, Ring]:
+    seg = Segment.create(Ring.region_size(capacity))
+    return seg, Ring(seg.buf, 0, capacity), Ring(seg.buf, 0, capacity)
+
+
+def test_records_wrap_around_the_end_intact():
+    seg, w, r = _ring_pair(256)
+    rng = np.random.default_rng(0)
+    for i in range(500):  # sizes chosen so that headers and payloads land on every offset
+        payload = rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes()
+        assert w.try_write(payload)
+        assert r.read() == payload
+    assert r.read() is None
+    w.release(), r.release(), seg.close()
+
+
+def test_full_ring_refuses_then_accepts_without_loss():
+    seg, w, r = _ring_pair(1024)
+    written = 0
+    while w.try_write(written.to_bytes(8, "little") * 4):
+        written += 1
+    assert written == 1024 // 40  # 8-byte header + 32-byte payload each
+    with pytest.raises(ring_mod.Full):
+        w.write(bytes(32))
+    assert int.from_bytes(r.read()[:8], "little") == 0
+    assert w.try_write(written.to_bytes(8, "little") * 4)
+    got = [int.from_bytes(m[:8], "little") for m in iter(r.read, None)]
+    assert got == list(range(1, written + 1))
+    w.release(), r.release(), seg.close()
+
+
+def test_record_larger_than_the_ring_is_refused_clearly():
+    seg, w, r = _ring_pair(1024)
+    with pytest.raises(RecordTooLarge, match="exceeds"):
+        w.try_write(bytes(1024))
+    w.release(), r.release(), seg.close()
+
+
+def test_weakly_ordered_cpu_is_refused_unless_overridden(monkeypatch):
+    monkeypatch.setattr(ring_mod.platform, "machine", lambda: "aarch64")
+    monkeypatch.delenv("RINGSERVE_ALLOW_WEAK_ORDERING", raising=False)
+    with pytest.raises(RuntimeError, match="acquire/release"):
+        ring_mod.check_memory_ordering()
+    monkeypatch.setenv("RINGSERVE_ALLOW_WEAK_ORDERING", "1")
+    ring_mod.check_memory_ordering()
+
+
+def _produce(name: str, capacity: int, count: int, conn) -> None:
+    ch = Channel.attach(name, capacity)
+    stalls = 0
+    for i in range(count):
+        msg = i.to_bytes(8, "little") * (1 + i % 7)  # variable length
+        while not ch.requests.try_write(msg):
+            stalls += 1
+    conn.send(stalls)
+    ch.close()
+
+
+def test_100k_messages_cross_in_order_with_backpressure():
+    count = 100_000
+    ch = Channel.create(capacity=16 * 1024)  # small: the producer must wait for the consumer
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_produce, args=(ch.segment.name, ch.capacity, count, child))
+    p.start()
+    expected = 0
+    while expected < count:
+        msg = ch.requests.read()
+        if msg is None:
+            if expected % 1000 == 0:
+                time.sleep(0.0005)  # a slow consumer, now and then
+            continue
+        assert msg == expected.to_bytes(8, "little") * (1 + expected % 7)
+        expected += 1
+    stalls = parent.recv()
+    p.join(30)
+    assert p.exitcode == 0
+    assert ch.requests.read() is None
+    assert stalls > 0  # the full ring pushed back, and still nothing was lost
+    ch.close()
+
+
+def _send_prompt(name: str, capacity: int, n_tokens: int) -> None:
+    ch = Channel.attach(name, capacity)
+    ids = np.arange(n_tokens, dtype=np.int32) * 7 % 49152
+    while not ch.requests.try_write(encode_request(AddRequest("long", ids, {"max_tokens": 1}))):
+        pass
+    ch.close()
+
+
+def test_32k_token_prompt_crosses():
+    ch = Channel.create()
+    p = ctx.Process(target=_send_prompt, args=(ch.segment.name, ch.capacity, 32768))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    msg = decode_request(ch.requests.read())
+    assert msg.request_id == "long" and msg.params == {"max_tokens": 1}
+    assert msg.prompt_token_ids == (np.arange(32768) * 7 % 49152).tolist()
+    ch.close()
+
+
+# -- messages ----------------------------------------------------------------------------
+
+
+def test_request_messages_round_trip():
+    add = AddRequest("req-é1", [1, -2, 2**31 - 1, 0], {"temperature": 0.5, "stop_token_ids": [2, 3]})
+    assert decode_request(encode_request(add)) == add
+    assert decode_request(encode_request(AddRequest("e", [], {}))) == AddRequest("e", [], {})
+    assert decode_request(encode_request(Abort("req-é1"))) == Abort("req-é1")
+    # token ids are raw int32: 4 bytes each plus a fixed header, id and params
+    assert len(encode_request(AddRequest("r", list(range(1000)), {}))) == 16 + 4000 + 1 + 1
+
+
+def test_output_messages_round_trip():
+    top_ids = np.array([[5, 6], [7, 8]], np.int32)
+    top_lps = np.array([[-0.5, -1.5], [-0.25, -3.0]], np.float32)
+    outs = [
+        Output("a", [11], None, num_prompt_tokens=17),
+        Output("b", [12, 13], "stop", index=2, num_prompt_tokens=3, stop_reason=13,
+               logprobs=[-0.5, -0.25], top_token_ids=top_ids, top_logprobs=top_lps),
+        Output("c", [], "error", error="prompt too long: 40000 > 32768"),
+        Output("d", [1, 2, 3], "length", logprobs=[-1.0, -2.0, -3.0]),
+    ]
+    back = decode_outputs(encode_outputs(outs))
+    for o, b in zip(outs, back, strict=True):
+        for f in ("request_id", "new_token_ids", "finish_reason", "index", "num_prompt_tokens",
+                  "stop_reason", "logprobs", "error"):
+            assert getattr(b, f) == getattr(o, f), f
+    np.testing.assert_array_equal(back[1].top_token_ids, top_ids)
+    np.testing.assert_array_equal(back[1].top_logprobs, top_lps)
+    assert back[0].top_token_ids is None and back[3].top_token_ids is None
+    assert decode_outputs(encode_outputs([])) == []
+
+
+# -- load score --------------------------------------------------------------------------
+
+
+def test_score_prefers_the_engine_design_md_names():
+    a, b = score(waiting=2, running=10), score(waiting=0, running=14)
+    assert (a, b) == (18, 14)
+    assert least_loaded([a, b]) == 1
+    assert least_loaded([None, a]) == 1 and least_loaded([None, None]) is None
+    assert score(0, 14, pending=1) == 18  # the caller's own uncounted submission weighs as waiting
+
+
+def test_stats_are_published_across_processes():
+    seg = Segment.create(stats_size(4))
+    st = EngineStats(seg.buf)
+    st.init(pid=os.getpid(), max_slots=4, num_blocks=100, block_size=16)
+    st.publish(waiting=2, running=10, free_blocks=60)
+    st.set_taken(3, 42)
+    reader = EngineStats(Segment.attach(seg.name).buf)
+    assert (reader.waiting, reader.running, reader.taken(3)) == (2, 10, 42)
+    assert 0 <= reader.heartbeat_age() < 5
+    reader.release(), st.release(), seg.close()
+
+
+# -- doorbells and the control socket ----------------------------------------------------
+
+
+def _client(path: str, conn) -> None:
+    sock, welcome, fds = control.connect(path)
+    ch = Channel.attach(welcome.segment, welcome.ring_capacity)
+    sock.send(control.ATTACHED)
+    engine_bell, my_bell = Doorbell(fds[0]), Doorbell(fds[1])
+    ch.requests.write(b"ping")
+    engine_bell.ring()
+    assert my_bell.wait(10)
+    my_bell.drain()
+    conn.send((welcome.slot, welcome.generation, ch.outputs.read()))
+    ch.close()
+    time.sleep(60)  # until killed
+
+
+def test_handshake_passes_fds_and_a_killed_peer_is_seen(tmp_path):
+    path = str(tmp_path / "engine.sock")
+    lsock = control.listen(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_client, args=(path, child))
+    p.start()
+    engine_bell, worker_bell = Doorbell(), Doorbell()
+    ch = Channel.create()
+    lsock.setblocking(True)
+    conn, _ = lsock.accept()
+    control.send_welcome(conn, control.Welcome(slot=3, generation=7, engine_pid=os.getpid(),
+                                               segment=ch.segment.name, stats_segment="",
+                                               ring_capacity=ch.capacity),
+                         [engine_bell.fd, worker_bell.fd])
+    assert conn.recv(64) == control.ATTACHED
+    ch.segment.unlink()
+    assert engine_bell.wait(10) and engine_bell.drain() == 1
+    assert ch.requests.read() == b"ping"
+    ch.outputs.write(b"pong")
+    worker_bell.ring()
+    assert parent.recv() == (3, 7, b"pong")
+    os.kill(p.pid, signal.SIGKILL)
+    conn.settimeout(5)
+    assert conn.recv(64) == b""  # the kernel closed the dead client's end
+    p.join(10)
+    for x in (conn, lsock, engine_bell, worker_bell, ch):
+        x.close()
+
+
+def test_refused_handshake_is_reported_and_a_stale_socket_file_replaced(tmp_path):
+    path = str(tmp_path / "engine.sock")
+    lsock = control.listen(path)
+    lsock.setblocking(True)
+    refuse = threading.Thread(target=lambda: control.send_refusal(lsock.accept()[0], "all 2 slots are taken"))
+    refuse.start()
+    with pytest.raises(control.HandshakeError, match="slots are taken"):
+        control.connect(path)
+    refuse.join()
+    with pytest.raises(OSError, match="already listening"):
+        control.listen(path)
+    lsock.close()  # the file stays, as after a crash
+    with pytest.raises(OSError):
+        control.connect(path, timeout=1)
+    control.listen(path).close()
