@@ -1,0 +1,290 @@
+"""The Falcon ASGI app: OpenAI's HTTP surface (DESIGN.md §7) over one worker's engine client.
+
+`create_app` builds it from a ready `ServerContext` (tests, tools); Gunicorn workers call
+`ringserve.server.worker:worker_app()`, which builds the context after the fork.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from dataclasses import dataclass, field
+from importlib.metadata import version as _pkg_version
+from typing import AsyncIterator, Awaitable, Callable
+
+import falcon
+import falcon.asgi
+import msgspec
+
+from ringserve.server import protocol as P
+from ringserve.server import serving_chat, serving_completions
+from ringserve.server.context import ServerContext
+from ringserve.server.errors import APIError, error_body
+from ringserve.server.generate import EngineError, Generation
+from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
+from ringserve.server.sse import error_event, watch_disconnect, DONE
+
+log = logging.getLogger("ringserve.server")
+
+MAX_BODY_BYTES = 1 << 20
+RECEIVE_KEY = "ringserve.receive"  # the ASGI receive callable, for the disconnect watcher
+_encode = msgspec.json.Encoder().encode
+
+
+@dataclass
+class AppOptions:
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    model_root: str | None = None
+    # Engine facts, read at request time: are engines alive, their published stats, pool shape.
+    engine_alive: Callable[[], bool] = lambda: True
+    engine_snapshots: Callable[[], list[EngineSnapshot]] = list
+    cache_config: Callable[[], CacheConfig | None] = lambda: None
+    on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+# --- plumbing --------------------------------------------------------------------------------
+
+async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
+    """The whole body, or a 413 as soon as it is known to exceed `limit`."""
+    too_big = APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+    if req.content_length is not None and req.content_length > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in req.stream:
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def json_response(resp: falcon.asgi.Response, obj, status: int = 200) -> None:
+    resp.status = status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = _encode(obj)
+
+
+async def _api_error(req, resp, ex: APIError, params) -> None:
+    resp.status = ex.status
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = ex.to_json()
+
+
+async def _http_error(req, resp, ex: falcon.HTTPError, params) -> None:
+    """Falcon's own errors (404 route, 405 method, bad headers) in OpenAI's shape."""
+    resp.status = ex.status
+    resp.content_type = falcon.MEDIA_JSON
+    message = ex.description or ex.title
+    if ex.status_code == 404:
+        message = f"no route for {req.method} {req.path}"
+    resp.data = error_body(message, "invalid_request_error" if ex.status_code < 500 else "server_error")
+    for name, value in (ex.headers or {}).items():
+        resp.set_header(name, value)
+
+
+async def _unexpected(req, resp, ex: Exception, params) -> None:
+    log.exception("unhandled error on %s %s", req.method, req.path)
+    resp.status = 500
+    resp.content_type = falcon.MEDIA_JSON
+    resp.data = error_body(f"internal error: {type(ex).__name__}", "server_error")
+
+
+class _Auth:
+    """Bearer-token check for the API routes when --api-key is set (as vLLM: /v1 and (de)tokenize)."""
+
+    def __init__(self, api_key: str):
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def process_request(self, req, resp) -> None:
+        if req.method == "OPTIONS" or not (req.path.startswith("/v1") or
+                                           req.path in ("/tokenize", "/detokenize")):
+            return
+        got = (req.get_header("Authorization") or "").encode()
+        if not hmac.compare_digest(got, self._expected):
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+
+
+class _Lifespan:
+    def __init__(self, options: AppOptions):
+        self._options = options
+
+    async def process_startup(self, scope, event) -> None:
+        for hook in self._options.on_startup:
+            await hook()
+
+    async def process_shutdown(self, scope, event) -> None:
+        for hook in self._options.on_shutdown:
+            await hook()
+
+
+# --- resources -------------------------------------------------------------------------------
+
+class _Generate:
+    """Shared body of the completions and chat resources."""
+
+    request_type: type
+    prefix: str
+    serving = None  # module with prepare / complete / stream
+
+    def __init__(self, ctx: ServerContext, options: AppOptions):
+        self._ctx, self._options = ctx, options
+
+    async def on_post(self, req, resp) -> None:
+        body = await read_body(req, self._options.max_body_bytes)
+        request = P.decode_request(body, self.request_type)
+        if not self._options.engine_alive():
+            raise APIError(503, "no engine is available", code="engine_unavailable")
+        request_id = P.new_id(self.prefix)
+        model = request.model or self._ctx.model_name
+        gen = self.serving.prepare(self._ctx, request, request_id)
+        receive = req.scope.get(RECEIVE_KEY)
+        watcher = watch_disconnect(receive, gen.abort) if receive is not None else None
+        if request.stream:
+            resp.content_type = "text/event-stream"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.set_header("X-Accel-Buffering", "no")
+            resp.stream = _guarded(self.serving.stream(self._ctx, request, gen, request_id, model),
+                                   gen, watcher)
+            return
+        try:
+            result = await self.serving.complete(self._ctx, request, gen, request_id, model)
+        except EngineError as exc:
+            raise APIError(500, str(exc), code="engine_error") from None
+        finally:
+            gen.abort()
+            if watcher is not None:
+                watcher.cancel()
+        json_response(resp, result)
+
+
+async def _guarded(chunks: AsyncIterator[bytes], gen: Generation,
+                   watcher: asyncio.Task | None) -> AsyncIterator[bytes]:
+    """A stream that ends with an error event instead of a cut connection, and that aborts
+    whatever is still running in the engine however it ends (client gone, error)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except EngineError as exc:
+        yield error_event(str(exc))
+        yield DONE
+    finally:
+        gen.abort()
+        if watcher is not None:
+            watcher.cancel()
+
+
+class Completions(_Generate):
+    request_type = P.CompletionRequest
+    prefix = "cmpl"
+    serving = serving_completions
+
+
+class ChatCompletions(_Generate):
+    request_type = P.ChatCompletionRequest
+    prefix = "chatcmpl"
+    serving = serving_chat
+
+
+class Tokenize:
+    def __init__(self, ctx: ServerContext, options: AppOptions):
+        self._ctx, self._options = ctx, options
+
+    async def on_post(self, req, resp) -> None:
+        request = P.decode_tokenize_request(await read_body(req, self._options.max_body_bytes))
+        P.check_model(request.model, self._ctx.served_model_names)
+        if isinstance(request, P.TokenizeChatRequest):
+            text = serving_chat.render_prompt(self._ctx, request.messages,
+                                              request.add_generation_prompt)
+        else:
+            text = request.prompt
+        ids = self._ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        json_response(resp, {"count": len(ids), "max_model_len": self._ctx.max_model_len,
+                             "tokens": ids, "token_strs": None})
+
+
+class Detokenize:
+    def __init__(self, ctx: ServerContext, options: AppOptions):
+        self._ctx, self._options = ctx, options
+
+    async def on_post(self, req, resp) -> None:
+        body = await read_body(req, self._options.max_body_bytes)
+        request = P.decode_request(body, P.DetokenizeRequest)
+        P.check_model(request.model, self._ctx.served_model_names)
+        vocab = self._ctx.tokenizer.vocab_size
+        if any(t >= vocab for t in request.tokens):
+            raise P.bad_request(f"token ids must be below the vocabulary size {vocab}",
+                                param="tokens")
+        json_response(resp, {"prompt": self._ctx.tokenizer.decode(request.tokens)})
+
+
+class Models:
+    def __init__(self, ctx: ServerContext, options: AppOptions):
+        self._ctx, self._options = ctx, options
+        self._created = P.now()
+
+    async def on_get(self, req, resp) -> None:
+        cards = [P.ModelCard(name, self._created, root=self._options.model_root or name,
+                             max_model_len=self._ctx.max_model_len)
+                 for name in self._ctx.served_model_names]
+        json_response(resp, P.ModelList(cards))
+
+
+class Health:
+    def __init__(self, options: AppOptions):
+        self._options = options
+
+    async def on_get(self, req, resp) -> None:
+        if self._options.engine_alive():
+            resp.status = 200
+            resp.content_type = falcon.MEDIA_JSON
+            resp.data = b"{}"
+        else:
+            raise APIError(503, "no engine is alive", code="engine_unavailable")
+
+
+class Version:
+    async def on_get(self, req, resp) -> None:
+        json_response(resp, {"version": _pkg_version("ringserve")})
+
+
+class Metrics:
+    def __init__(self, ctx: ServerContext, options: AppOptions):
+        self._ctx, self._options = ctx, options
+
+    async def on_get(self, req, resp) -> None:
+        resp.content_type = CONTENT_TYPE
+        resp.data = render(self._ctx.metrics, self._ctx.model_name,
+                           self._options.engine_snapshots(), self._options.cache_config())
+
+
+# --- assembly --------------------------------------------------------------------------------
+
+def create_app(ctx: ServerContext, options: AppOptions | None = None):
+    """The ASGI callable: the Falcon app, wrapped so that handlers can watch for disconnects."""
+    options = options or AppOptions()
+    middleware = [_Lifespan(options)]
+    if options.api_key:
+        middleware.append(_Auth(options.api_key))
+    app = falcon.asgi.App(middleware=middleware)
+    app.req_options.strip_url_path_trailing_slash = True
+    app.add_error_handler(Exception, _unexpected)
+    app.add_error_handler(falcon.HTTPError, _http_error)
+    app.add_error_handler(APIError, _api_error)
+    app.add_route("/v1/completions", Completions(ctx, options))
+    app.add_route("/v1/chat/completions", ChatCompletions(ctx, options))
+    app.add_route("/v1/models", Models(ctx, options))
+    app.add_route("/tokenize", Tokenize(ctx, options))
+    app.add_route("/detokenize", Detokenize(ctx, options))
+    app.add_route("/health", Health(options))
+    app.add_route("/version", Version())
+    app.add_route("/metrics", Metrics(ctx, options))
+
+    async def asgi(scope, receive, send):
+        if scope["type"] == "http":
+            scope[RECEIVE_KEY] = receive
+        await app(scope, receive, send)
+
+    asgi.falcon_app = app
+    return asgi

@@ -1,0 +1,182 @@
+"""All the engine requests behind one HTTP request, turned into per-choice text deltas.
+
+A completion with P prompts and `n` samples is P·n engine requests of n=1 each (as vLLM's
+parallel sampling: sample j gets seed + j), so that a stop string found in one choice aborts
+exactly that choice in the engine. Stop strings and detokenization live here, in the worker,
+never in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from ringserve.ipc.messages import Output
+from ringserve.server.metrics import RequestMetrics
+from ringserve.server.output_text import OutputText
+
+
+class EngineError(Exception):
+    """The engine failed a request (or died while it ran)."""
+
+
+class Engine(Protocol):
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: dict) -> AsyncIterator[Output]: ...
+    def abort(self, request_id: str) -> None: ...
+
+
+class Detokenizer(Protocol):
+    def decode_stream(self, skip_special_tokens: bool = True): ...
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Choice:
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    text: OutputText
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+@dataclass
+class Delta:
+    choice: Choice
+    text: str
+    logprobs: list[TokenLogprob]
+    finished: bool
+
+
+class Generation:
+    def __init__(self, engine: Engine, tokenizer: Detokenizer, metrics: RequestMetrics,
+                 request_id: str, prompts: list[list[int]], params: dict, n: int,
+                 stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True):
+        self._engine = engine
+        self._metrics = metrics
+        self._params = params
+        self.arrival = time.monotonic()
+        self.choices: list[Choice] = []
+        for p, prompt in enumerate(prompts):
+            for j in range(n):
+                idx = p * n + j
+                text = OutputText(tokenizer.decode_stream(skip_special_tokens), stop,
+                                  min_tokens=params.get("min_tokens", 0), include_stop=include_stop)
+                self.choices.append(Choice(idx, f"{request_id}-{idx}", prompt, text))
+        self._n = n
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Per-choice deltas as the engine produces tokens, until every choice has finished."""
+        if len(self.choices) == 1:
+            choice = self.choices[0]
+            async for out in self._outputs(choice):
+                if choice.finish_reason is not None:
+                    return  # aborted meanwhile (client gone)
+                delta = self._apply(choice, out)
+                if delta is not None:
+                    yield delta
+                if choice.finish_reason is not None:
+                    return
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for out in self._outputs(choice):
+                    queue.put_nowait((choice, out))
+                    if out.finish_reason is not None:
+                        return
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((choice, exc))
+
+        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        try:
+            while not self.finished:
+                choice, out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                if choice.finish_reason is not None:
+                    continue  # already ended by a stop string; late outputs are dropped
+                delta = self._apply(choice, out)
+                if delta is not None:
+                    yield delta
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def abort(self) -> None:
+        """Abort every engine request still running (client gone, or an error)."""
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+                self._engine.abort(c.request_id)
+                self._observe(c)
+
+    def _outputs(self, choice: Choice) -> AsyncIterator[Output]:
+        params = self._params
+        seed = params.get("seed")
+        if seed is not None and self._n > 1:
+            params = dict(params, seed=seed + choice.index % self._n)
+        return self._engine.generate(choice.request_id, choice.prompt_token_ids, params)
+
+    def _apply(self, choice: Choice, out: Output) -> Delta | None:
+        if out.finish_reason == "error":
+            raise EngineError(out.error or "the engine failed this request")
+        now = time.monotonic()
+        if out.new_token_ids:
+            if choice.first_token_at is None:
+                choice.first_token_at = now
+                self._metrics.ttft.observe(now - self.arrival)
+            else:
+                self._metrics.itl.observe(now - choice.last_token_at)
+            choice.last_token_at = now
+        before = choice.text.num_tokens
+        text = choice.text.push(out.new_token_ids)
+        kept = choice.text.num_tokens - before  # tokens after a stop string are dropped
+        choice.token_ids.extend(out.new_token_ids[:kept])
+        logprobs = _logprobs(out, kept)
+        choice.logprobs.extend(logprobs)
+        if choice.text.stop_string is not None:
+            choice.finish_reason, choice.stop_reason = "stop", choice.text.stop_string
+            if out.finish_reason is None:
+                self._engine.abort(choice.request_id)
+        elif out.finish_reason is not None:
+            text += choice.text.flush()
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+        if choice.finish_reason is not None:
+            self._observe(choice)
+        elif not text and not logprobs:
+            return None
+        return Delta(choice, text, logprobs, choice.finish_reason is not None)
+
+    def _observe(self, c: Choice) -> None:
+        self._metrics.finished(c.finish_reason, len(c.prompt_token_ids), len(c.token_ids),
+                               time.monotonic() - self.arrival)
+
+
+def _logprobs(out: Output, kept: int) -> list[TokenLogprob]:
+    if out.logprobs is None:
+        return []
+    result = []
+    for i in range(kept):
+        top = []
+        if out.top_token_ids is not None:
+            top = list(zip(out.top_token_ids[i].tolist(), out.top_logprobs[i].tolist()))
+        result.append(TokenLogprob(out.new_token_ids[i], out.logprobs[i], top))
+    return result

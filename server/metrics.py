@@ -1,0 +1,166 @@
+"""Prometheus metrics under vLLM's names and buckets, with the `ringserve:` prefix.
+
+Two sources make up one /metrics page:
+- request metrics (TTFT, inter-token latency, e2e latency, token counters, finish reasons) are
+  observed in the Gunicorn worker that served the request. With PROMETHEUS_MULTIPROC_DIR set (the
+  launcher sets it before any worker starts), prometheus_client writes them to per-process files
+  and `render` sums over all workers, alive or dead;
+- engine metrics (running/waiting requests, KV-cache usage, preemptions, cache config) are read
+  at scrape time from the stats every engine publishes in shared memory, one sample per engine.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+P = "ringserve:"
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, … up to max_value (vLLM's token-count buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > max_value:
+                return out
+            out.append(v)
+        exp += 1
+
+
+@dataclass
+class EngineSnapshot:
+    """What one engine publishes, as the frontend reads it."""
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float      # 0..1
+    num_preemptions: int       # cumulative
+    prompt_tokens: int = 0     # cumulative prefilled tokens (unused by the page; kept for logs)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    num_gpu_blocks: int
+
+
+class RequestMetrics:
+    """The per-request metrics one worker observes."""
+
+    def __init__(self, model_name: str, max_model_len: int):
+        self._registry = None if multiprocess() else CollectorRegistry()
+        labels = ["model_name"]
+        tokens_buckets = build_1_2_5_buckets(max_model_len)
+        kw = dict(labelnames=labels, registry=self._registry)
+        self.ttft = Histogram(P + "time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.",
+                              buckets=TTFT_BUCKETS, **kw).labels(model_name)
+        self.itl = Histogram(P + "inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.",
+                             buckets=ITL_BUCKETS, **kw).labels(model_name)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.",
+                             buckets=E2E_BUCKETS, **kw).labels(model_name)
+        self.request_prompt_tokens = Histogram(
+            P + "request_prompt_tokens", "Number of prefill tokens processed.",
+            buckets=tokens_buckets, **kw).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            P + "request_generation_tokens", "Number of generation tokens processed.",
+            buckets=tokens_buckets, **kw).labels(model_name)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Number of prefill tokens processed.",
+                                     **kw).labels(model_name)
+        self.generation_tokens = Counter(P + "generation_tokens",
+                                         "Number of generation tokens processed.",
+                                         **kw).labels(model_name)
+        self._success = Counter(P + "request_success",
+                                "Count of successfully processed requests.",
+                                labelnames=["model_name", "finished_reason"],
+                                registry=self._registry)
+        self._model_name = model_name
+
+    def finished(self, finish_reason: str, num_prompt_tokens: int, num_generated: int,
+                 e2e_seconds: float) -> None:
+        """One engine request ended (aborted ones count their tokens but not as a success)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generated)
+        if finish_reason in ("stop", "length"):
+            self._success.labels(self._model_name, finish_reason).inc()
+            self.e2e.observe(e2e_seconds)
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+            self.request_generation_tokens.observe(num_generated)
+        elif finish_reason == "abort":
+            self._success.labels(self._model_name, "abort").inc()
+
+    def registry(self) -> CollectorRegistry:
+        if self._registry is not None:
+            return self._registry
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return registry
+
+
+def multiprocess() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+class _EngineCollector:
+    def __init__(self, model_name: str, stats: list[EngineSnapshot], cache: CacheConfig | None):
+        self._model_name, self._stats, self._cache = model_name, stats, cache
+
+    def collect(self) -> Iterable:
+        labels = ["model_name", "engine"]
+        running = GaugeMetricFamily(P + "num_requests_running",
+                                    "Number of requests in model execution batches.",
+                                    labels=labels)
+        waiting = GaugeMetricFamily(P + "num_requests_waiting",
+                                    "Number of requests waiting to be processed.", labels=labels)
+        usage = GaugeMetricFamily(P + "kv_cache_usage_perc",
+                                  "KV-cache usage. 1 means 100 percent usage.", labels=labels)
+        preempt = CounterMetricFamily(P + "num_preemptions",
+                                      "Cumulative number of preemption from the engine.",
+                                      labels=labels)
+        for i, s in enumerate(self._stats):
+            lv = [self._model_name, str(i)]
+            running.add_metric(lv, s.num_running)
+            waiting.add_metric(lv, s.num_waiting)
+            usage.add_metric(lv, s.kv_cache_usage)
+            preempt.add_metric(lv, s.num_preemptions)
+        yield from (running, waiting, usage, preempt)
+        if self._cache is not None:
+            info = GaugeMetricFamily(P + "cache_config_info",
+                                     "Information of the LLMEngine CacheConfig",
+                                     labels=["block_size", "num_gpu_blocks"])
+            info.add_metric([str(self._cache.block_size), str(self._cache.num_gpu_blocks)], 1.0)
+            yield info
+
+
+def render(requests: RequestMetrics, model_name: str, engine_stats: list[EngineSnapshot],
+           cache: CacheConfig | None) -> bytes:
+    """The whole /metrics page: every worker's request metrics plus every engine's gauges."""
+    engines = CollectorRegistry()
+    engines.register(_EngineCollector(model_name, engine_stats, cache))
+    return generate_latest(requests.registry()) + generate_latest(engines)
+
+
+def mark_process_dead(pid: int) -> None:
+    """Gunicorn's child_exit hook: drop a dead worker's live-gauge files (counters stay)."""
+    if multiprocess():
+        from prometheus_client import multiprocess as mp
+        mp.mark_process_dead(pid)
+
+
+

@@ -1,0 +1,381 @@
+"""OpenAI request and response shapes (plus vLLM's sampling extensions), as msgspec Structs.
+
+Decoding a body with `decode_request` is the one place a request is validated: msgspec checks
+types and ranges (its message names the field, which becomes OpenAI's `param`), and
+`check_*` checks what types cannot say (model name, empty prompt, context length).
+Every failure is an `APIError(400)`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, TypeVar, Union
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+from ringserve.server.errors import APIError, bad_request, from_validation_error
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+TopK = Annotated[int, Meta(ge=-1)]  # -1 (or 0) = off, as in vLLM
+LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+class StreamOptions(Struct, forbid_unknown_fields=False):
+    include_usage: bool = False
+
+
+class _SamplingFields(Struct, kw_only=True):
+    """Fields that completions and chat share; names as OpenAI and vLLM spell them."""
+    model: str | None = None
+    n: PositiveInt = 1
+    temperature: NonNegFloat | None = None
+    top_p: TopP | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # One array-like type per union in msgspec: the list's items are checked in `prompt_inputs`.
+    prompt: str | list[Union[str, TokenId, list[TokenId]]]
+    max_tokens: PositiveInt | None = 16
+    echo: bool = False
+    logprobs: LogprobCount | None = None
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class ContentPart(Struct, forbid_unknown_fields=False):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, forbid_unknown_fields=False):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as a chat template expects it: text parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for i, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"content part of type {part.type!r} is not supported",
+                                      param=f"messages.content[{i}]")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: LogprobCount | None = None
+    add_generation_prompt: bool = True
+    echo: bool = False
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+
+class TokenizeCompletionRequest(Struct, kw_only=True):
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(Struct, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    model: str | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+# --- decoding and checks ---------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def decode_request(body: bytes, type: type[T]) -> T:
+    """Parse and type-check a JSON body; any failure is a 400 naming the field."""
+    try:
+        return msgspec.json.decode(body, type=type)
+    except UnicodeDecodeError:
+        raise bad_request("request body is not valid UTF-8") from None
+    except msgspec.ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"malformed JSON: {exc}") from None
+
+
+def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """vLLM's /tokenize takes either a `prompt` or chat `messages`."""
+    try:
+        raw = msgspec.json.decode(body)
+    except UnicodeDecodeError:
+        raise bad_request("request body is not valid UTF-8") from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"malformed JSON: {exc}") from None
+    kind = TokenizeChatRequest if isinstance(raw, dict) and "messages" in raw else TokenizeCompletionRequest
+    try:
+        return msgspec.convert(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def check_model(model: str | None, served_names: list[str]) -> str:
+    """The model name to answer with; a name we do not serve is a 400 (vLLM answers 404)."""
+    if model is None or model == "":
+        return served_names[0]
+    if model not in served_names:
+        raise APIError(400, f"The model `{model}` does not exist.", param="model",
+                       code="model_not_found")
+    return model
+
+
+PromptInput = Union[str, list[int]]
+
+
+def prompt_inputs(prompt: str | list) -> list[PromptInput]:
+    """The completion prompt as a list of single prompts: strings or token-id lists."""
+    if isinstance(prompt, str):
+        items: list[PromptInput] = [prompt]
+    elif not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        items = [list(prompt)]
+    elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        items = list(prompt)
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids "
+                          "or a list of token-id lists", param="prompt")
+    for item in items:
+        if len(item) == 0:
+            raise bad_request("prompt must not be empty", param="prompt")
+    return items
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must not be empty", param="stop")
+    return stops
+
+
+def check_common(req: _SamplingFields) -> None:
+    """Checks no type can express, shared by completions and chat."""
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if req.top_k == 0:
+        req.top_k = -1
+    stop_list(req.stop)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          param="stream_options")
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                 *, param: str) -> int:
+    """Max new tokens for one prompt, or a 400 when the prompt does not fit the context."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
+            f"input messages.", param=param, code="context_length_exceeded")
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"input, {max_tokens} in the completion). Please reduce the length of the input "
+            f"or completion.", param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> dict:
+    """Sampling parameters under vLLM's SamplingParams names (defaults as vLLM's)."""
+    if req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens "
+                          f"({max_tokens})", param="min_tokens")
+    return dict(
+        n=1,  # the frontend fans `n` out into n engine requests (so a stop string ends one)
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logprobs=logprobs,
+    )
+
+
+# --- responses -------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ResponseMessage(Struct):
+    role: str
+    content: str | None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str = "ringserve"
+    root: str | None = None
+    max_model_len: int | None = None
+    object: str = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"

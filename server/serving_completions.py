@@ -1,0 +1,112 @@
+"""POST /v1/completions: OpenAI's legacy completions, streaming and not."""
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from ringserve.server import protocol as P
+from ringserve.server.context import ServerContext
+from ringserve.server.generate import Choice, Generation, TokenLogprob
+from ringserve.server.sse import DONE, event
+
+
+def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Generation:
+    """Validate and tokenize; every problem is a 400 before anything reaches the engine."""
+    P.check_model(req.model, ctx.served_model_names)
+    P.check_common(req)
+    if req.suffix:
+        raise P.bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise P.bad_request("best_of must equal n", param="best_of")
+    prompts = []
+    for item in P.prompt_inputs(req.prompt):
+        if isinstance(item, str):
+            ids = ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+            if not ids:
+                raise P.bad_request("prompt must not be empty", param="prompt")
+        else:
+            ids = item
+            vocab = ctx.tokenizer.vocab_size
+            if any(t >= vocab for t in ids):
+                raise P.bad_request(f"token ids must be below the vocabulary size {vocab}",
+                                    param="prompt")
+        prompts.append(ids)
+    max_tokens = min(P.check_length(len(ids), req.max_tokens, ctx.max_model_len, param="prompt")
+                     for ids in prompts)
+    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, prompts, params, req.n,
+                      P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,
+                      skip_special_tokens=req.skip_special_tokens)
+
+
+def _usage(gen: Generation, n: int) -> P.UsageInfo:
+    prompt = sum(len(c.prompt_token_ids) for c in gen.choices[::n])
+    completion = sum(len(c.token_ids) for c in gen.choices)
+    return P.UsageInfo(prompt, completion, prompt + completion)
+
+
+def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int,
+              prompt_ids: list[int] | None = None) -> P.CompletionLogprobs:
+    """OpenAI's completion logprobs; echoed prompt tokens come first with no logprob."""
+    lp = P.CompletionLogprobs()
+    for tid in prompt_ids or ():
+        tok = ctx.token_text(tid)
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(None)
+        lp.top_logprobs.append(None)
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    for e in entries:
+        tok = ctx.token_text(e.token_id)
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(e.logprob)
+        top = {ctx.token_text(t): v for t, v in e.top}
+        top.setdefault(tok, e.logprob)
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    return lp
+
+
+def _echo(ctx: ServerContext, req: P.CompletionRequest, choice: Choice) -> str:
+    return ctx.tokenizer.decode(choice.prompt_token_ids, skip_special_tokens=False) if req.echo else ""
+
+
+async def complete(ctx: ServerContext, req: P.CompletionRequest, gen: Generation,
+                   request_id: str, model: str) -> P.CompletionResponse:
+    async for _ in gen.deltas():
+        pass
+    choices = []
+    for c in gen.choices:
+        prefix = _echo(ctx, req, c)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = _logprobs(ctx, c.logprobs, 0, c.prompt_token_ids if req.echo else None)
+        choices.append(P.CompletionChoice(c.index, prefix + c.text.text, logprobs,
+                                          c.finish_reason, c.stop_reason))
+    return P.CompletionResponse(request_id, P.now(), model, choices, _usage(gen, req.n))
+
+
+async def stream(ctx: ServerContext, req: P.CompletionRequest, gen: Generation,
+                 request_id: str, model: str) -> AsyncIterator[bytes]:
+    created = P.now()
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    offsets = [0] * len(gen.choices)
+    if req.echo:
+        for c in gen.choices:
+            prefix = _echo(ctx, req, c)
+            lp = _logprobs(ctx, [], 0, c.prompt_token_ids) if req.logprobs is not None else None
+            offsets[c.index] = len(prefix)
+            yield event(P.CompletionChunk(request_id, created, model,
+                                          [P.CompletionChoice(c.index, prefix, lp)]))
+    async for d in gen.deltas():
+        c = d.choice
+        lp = None
+        if req.logprobs is not None:
+            lp = _logprobs(ctx, d.logprobs, offsets[c.index])
+            offsets[c.index] += sum(len(t) for t in lp.tokens)
+        choice = P.CompletionChoice(c.index, d.text, lp, c.finish_reason if d.finished else None,
+                                    c.stop_reason if d.finished else None)
+        yield event(P.CompletionChunk(request_id, created, model, [choice]))
+    if include_usage:
+        yield event(P.CompletionChunk(request_id, created, model, [], _usage(gen, req.n)))
+    yield DONE

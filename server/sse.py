@@ -1,0 +1,37 @@
+"""Server-sent events framing (`data: {json}\\n\\n` … `data: [DONE]\\n\\n`) and the watcher
+that notices a client hanging up while its stream is open."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+import msgspec
+
+_encode = msgspec.json.Encoder().encode
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(obj: Any) -> bytes:
+    """One SSE event carrying `obj` as JSON."""
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def error_event(message: str, type: str = "server_error", code: int = 500) -> bytes:
+    return event({"error": {"message": message, "type": type, "param": None, "code": code}})
+
+
+def watch_disconnect(receive: Callable, on_disconnect: Callable[[], None]) -> asyncio.Task:
+    """Call `on_disconnect` as soon as the ASGI server reports that the client went away.
+
+    Only valid once the request body has been read in full: from then on the only event
+    `receive` can deliver is `http.disconnect`. The caller cancels the task when its stream ends.
+    """
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                on_disconnect()
+                return
+
+    return asyncio.get_running_loop().create_task(watch())
