@@ -1,0 +1,31 @@
+"""Engine arguments: the same names as the `ringserve serve` flags, in snake_case."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None                 # name, HF folder or .gguf (gpu.model_store.resolve_model)
+    max_model_len: int | None = None         # None: the model's max_position_embeddings
+    max_num_seqs: int = 256                  # sequences per step
+    max_num_batched_tokens: int = 8192       # tokens per step (longer prompts are chunked)
+    block_size: int = 16                     # tokens per KV-cache block
+    num_gpu_blocks_override: int | None = None  # pool size in blocks; None: from the memory budget
+    gpu_memory_utilization: float = 0.9      # cuda: share of GPU memory for weights + KV pool
+    kv_cache_memory_bytes: int | None = None  # cpu: bytes for the KV pool (None: the runner's default)
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0                            # seeds the generator of requests without their own seed
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")

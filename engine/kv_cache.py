@@ -1,0 +1,197 @@
+"""The KV-cache manager: a pool of fixed-size blocks, per-request block tables, prefix caching.
+
+Prefix caching follows vLLM V1. Every full block is named by a chain hash: the hash of its
+parent block's hash and its own tokens, so equal hashes mean equal prefixes. A block is
+registered under its hash as soon as it is allocated for tokens that fill it (their K/V are
+written by the same forward pass that may first read them: the runner writes a layer's K/V
+for the whole step before that layer's attention). A freed block keeps its hash and stays
+findable until it is taken for reuse; the free queue hands out the least recently freed
+block first, and a request's blocks are freed tail first, so a shared prefix outlives the
+tails that hang off it. The last prompt token is always recomputed: its logits are needed.
+
+With prefix caching off, no block is hashed, except for the n samples of one request, which
+share their prompt's blocks through hashes salted with their request id (Request.cache_salt).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ringserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None   # set while the block holds a full, registered block of tokens
+
+
+class BlockPool:
+    """All blocks, the free queue (LRU order) and the hash → cached block map."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Free blocks, oldest first. OrderedDict: O(1) pop from the head, append at the tail,
+        # and removal from the middle when a cached free block is hit again.
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVBlock] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def take_new(self, n: int) -> list[KVBlock]:
+        """Pop n blocks from the head of the free queue, evicting their cached hashes."""
+        assert n <= len(self.free_queue), "caller checks num_free first"
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cached blocks (out of the free queue if nobody held them)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def release(self, blocks_tail_first) -> None:
+        for block in blocks_tail_first:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def register(self, block: KVBlock, block_hash: int) -> None:
+        """Make a full block findable by its hash (the first block with a hash keeps it)."""
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_registered: dict[str, int] = {}   # per request: leading blocks already hashed
+        # Prefix-cache counters in tokens (vLLM's queries/hits), reset by take_stats().
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by requests (cached but free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.key, ())]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def _hashing(self, req: Request) -> bool:
+        return self.enable_caching or req.cache_salt is not None
+
+    def _update_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        hashes = req.block_hashes
+        bs = self.block_size
+        toks = req.all_token_ids
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else hash(("ringserve-root", req.cache_salt))
+            hashes.append(hash((parent, tuple(toks[i * bs:(i + 1) * bs]))))
+        return hashes
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """Cached blocks holding a prefix of a request that is not running, and their token count.
+
+        At most num_tokens - 1 tokens: the last one is always recomputed for its logits.
+        """
+        if not self._hashing(req):
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in self._update_hashes(req, max_blocks)[:max_blocks]:
+            block = self.pool.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Give a request room for num_new_tokens more tokens in the cache; False if the pool is short.
+
+        computed_blocks (from get_computed_blocks) are passed when a waiting request is admitted;
+        they become the head of its block table. Nothing changes when False is returned.
+        """
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.get(req.key)
+        admitting = blocks is None
+        if admitting:
+            blocks = []
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
+        reviving = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # these leave the free queue
+        if num_new_blocks > self.pool.num_free - reviving:
+            return False
+        if admitting:
+            self.req_blocks[req.key] = blocks
+            self._num_registered[req.key] = 0
+            if self._hashing(req):
+                self.prefix_queries += req.num_tokens
+                self.prefix_hits += len(computed_blocks) * self.block_size
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        if num_new_blocks > 0:
+            blocks.extend(self.pool.take_new(num_new_blocks))
+        if self._hashing(req):
+            self._register_full_blocks(req, blocks, total // self.block_size)
+        return True
+
+    def _register_full_blocks(self, req: Request, blocks: list[KVBlock], num_full: int) -> None:
+        start = self._num_registered[req.key]
+        if num_full <= start:
+            return
+        hashes = self._update_hashes(req, num_full)
+        for i in range(start, num_full):
+            self.pool.register(blocks[i], hashes[i])
+        self._num_registered[req.key] = num_full
+
+    def free(self, req: Request) -> None:
+        """Return a request's blocks to the pool (tail first: a prefix is evicted last)."""
+        blocks = self.req_blocks.pop(req.key, None)
+        self._num_registered.pop(req.key, None)
+        if blocks:
+            self.pool.release(reversed(blocks))
+
+    def take_stats(self) -> tuple[int, int]:
+        """(prefix-cache query tokens, hit tokens) since the last call."""
+        out = (self.prefix_queries, self.prefix_hits)
+        self.prefix_queries = self.prefix_hits = 0
+        return out

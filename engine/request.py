@@ -1,0 +1,67 @@
+"""The engine's state for one sequence: its tokens, how many are in the KV cache, its status."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ringserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"     # back in `waiting`, to be recomputed from scratch
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. A request with n > 1 samples is n of these (same request_id, index 0..n-1)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int                                  # admission order: FCFS and the preemption victim
+    index: int = 0                                # which of the n samples
+    eos_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16                          # params.max_tokens resolved against max_model_len
+    generator: np.random.Generator | None = None  # seeded requests own one
+    cache_salt: object = None                     # scopes prefix-cache sharing (n > 1, caching off)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0                  # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks (kv_cache)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        # prompt + output in one list: the scheduler works on token counts, not on phases.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def key(self) -> str:
+        """Unique within the engine (the n samples of a request share its request_id)."""
+        return self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

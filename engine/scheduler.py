@@ -1,0 +1,126 @@
+"""The scheduler: which requests run this step, and how many tokens each (DESIGN.md §1.3-4).
+
+One rule covers prefill, chunked prefill, decode and recompute after preemption: a request
+needs num_tokens - num_computed_tokens more tokens in the cache, and each step schedules as
+many of them as the budgets allow. Running requests go first, in admission order; waiting
+requests are admitted first-come-first-served while both budgets (max_num_batched_tokens,
+max_num_seqs) and the pool allow. When a running request needs a block and the pool is empty,
+the newest running request is preempted: its blocks are freed and it goes back to the head of
+`waiting`, to be recomputed (prompt and generated tokens) when there is room again.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ringserve.engine.kv_cache import KVCacheManager
+from ringserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int     # tokens already in the cache before this step
+    num_new_tokens: int          # tokens computed this step
+    # This step reaches the request's last token, so its logits give a new token
+    # (False for a partial prefill chunk: it samples nothing).
+    completes_prefill: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []     # admission order: the last one is the newest
+        self.num_preemptions = 0             # since the last take (stats)
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running requests, oldest first: a decode token each, or the next prefill chunk.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()       # the newest; never one already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break                             # it preempted itself: nothing after it remains
+            self._add_scheduled(out, req, n)
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, first come first served, unless this step had to preempt.
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break                             # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_scheduled(out, req, n)
+            budget -= n
+        return out
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        s = ScheduledRequest(req, req.num_computed_tokens, n,
+                             completes_prefill=req.num_computed_tokens + n == req.num_tokens)
+        out.scheduled.append(s)
+        # A decode step: one token, the last one, of a request already past its prompt.
+        if n == 1 and s.completes_prefill and req.num_output_tokens > 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += n
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """The step ran: the scheduled tokens are now in the cache."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request (stop, length, abort): its blocks are free for the very next step."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

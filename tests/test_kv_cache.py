@@ -1,0 +1,102 @@
+"""The block pool and prefix caching (engine/kv_cache.py)."""
+from ringserve.engine.kv_cache import KVCacheManager
+from ringserve.engine.request import Request
+from ringserve.engine.sampling_params import SamplingParams
+
+
+def make_req(rid: str, tokens: list[int], salt=None) -> Request:
+    return Request(rid, tokens, SamplingParams(), arrival=0, cache_salt=salt)
+
+
+def admit(kv: KVCacheManager, req: Request) -> int:
+    """Admit like the scheduler does; returns the prefix-cache hit in tokens."""
+    hits, n_hit = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - n_hit, hits)
+    req.num_computed_tokens = req.num_tokens
+    return n_hit
+
+
+def test_a_new_block_every_block_size_tokens():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    req = make_req("a", list(range(5)))           # 5 tokens -> 2 blocks
+    admit(kv, req)
+    assert len(kv.block_ids(req)) == 2
+    for n_tokens, n_blocks in [(6, 2), (7, 2), (8, 2), (9, 3)]:
+        req.append_output_token(1)
+        assert kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        assert req.num_tokens == n_tokens and len(kv.block_ids(req)) == n_blocks
+    assert kv.num_free_blocks == 5
+    kv.free(req)
+    assert kv.num_free_blocks == 8 and kv.usage == 0.0
+
+
+def test_allocation_fails_cleanly_when_the_pool_is_short():
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_caching=False)
+    a = make_req("a", list(range(8)))
+    admit(kv, a)
+    b = make_req("b", list(range(9)))             # needs 3 blocks, 1 free
+    assert not kv.allocate_slots(b, 9)
+    assert kv.num_free_blocks == 1 and kv.block_ids(b) == []
+
+
+def test_prefix_hit_reuses_blocks_and_recomputes_the_last_token():
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=True)
+    a = make_req("a", list(range(12)))            # 3 full blocks
+    assert admit(kv, a) == 0
+    b = make_req("b", list(range(12)))            # same prompt: only 2 blocks may hit
+    assert admit(kv, b) == 8
+    assert kv.block_ids(b)[:2] == kv.block_ids(a)[:2]
+    assert kv.block_ids(b)[2] != kv.block_ids(a)[2]
+    c = make_req("c", list(range(8)) + [99, 98, 97, 96, 95])   # diverges in block 2
+    assert admit(kv, c) == 8
+    assert kv.pool.blocks[kv.block_ids(a)[0]].ref_cnt == 3
+    assert kv.take_stats() == (12 + 12 + 13, 0 + 8 + 8)
+    d = make_req("d", [7] + list(range(1, 12)))   # differs in the first token: no hit at all
+    assert admit(kv, d) == 0
+
+
+def test_a_freed_block_keeps_its_hash_until_reused_in_lru_order():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=True)
+    a = make_req("a", [1, 2, 3, 4, 5])            # blocks [1,2] [3,4] [5]
+    admit(kv, a)
+    first, second, _ = kv.block_ids(a)
+    kv.free(a)
+    assert kv.num_free_blocks == 4
+    b = make_req("b", [1, 2, 3, 4, 9])
+    assert admit(kv, b) == 4                      # both full blocks found after the free
+    assert kv.block_ids(b)[:2] == [first, second]
+    kv.free(b)
+    # Tail blocks were freed first, so fresh allocations evict the tails before the prefix.
+    c = make_req("c", [50, 51])               # one block: the oldest free one, a tail
+    admit(kv, c)
+    d = make_req("d", [1, 2, 3, 4, 9])
+    assert admit(kv, d) == 4
+    kv.free(c), kv.free(d)
+    e = make_req("e", [60, 61, 62, 63, 64, 65, 66, 67])   # takes the whole pool: evicts everything
+    admit(kv, e)
+    kv.free(e)
+    assert admit(kv, make_req("f", [1, 2, 3, 4, 9])) == 0
+
+
+def test_caching_off_shares_only_within_a_salted_group():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False)
+    assert admit(kv, make_req("a", list(range(9)))) == 0
+    assert admit(kv, make_req("b", list(range(9)))) == 0
+    s0, s1 = make_req("g", list(range(9)), salt="g"), make_req("g#1", list(range(9)), salt="g")
+    assert admit(kv, s0) == 0
+    assert admit(kv, s1) == 8
+    assert kv.block_ids(s0)[:2] == kv.block_ids(s1)[:2]
+    assert admit(kv, make_req("h", list(range(9)), salt="h")) == 0
+
+
+def test_every_block_returns_to_the_pool():
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=True)
+    reqs = [make_req(str(i), list(range(10))) for i in range(3)]
+    for r in reqs:
+        admit(kv, r)
+    assert kv.num_free_blocks == 6 - 3 - 1 - 1    # 2 shared full blocks + one tail each
+    for r in reqs:
+        kv.free(r)
+    assert kv.num_free_blocks == 6
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
