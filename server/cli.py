@@ -14,10 +14,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", nargs="?", default=None,
                    help="a known model name (default: the default model) or a .gguf file")
 
+    p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    from ringserve.server.launch import add_serve_arguments  # argparse only; nothing heavy
+    add_serve_arguments(p)
+
     args = parser.parse_args(argv)
     if args.command == "download":
         from ringserve.gpu.model_store import download_command
         return download_command(args)
+    if args.command == "serve":
+        from ringserve.server.launch import serve_command
+        return serve_command(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -171,12 +171,12 @@ class Generation:
 
 
 def _logprobs(out: Output, kept: int) -> list[TokenLogprob]:
+    """Per kept token: the sampled token's logprob and the alternatives, best first."""
     if out.logprobs is None:
         return []
     result = []
-    for i in range(kept):
-        top = []
-        if out.top_token_ids is not None:
-            top = list(zip(out.top_token_ids[i].tolist(), out.top_logprobs[i].tolist()))
-        result.append(TokenLogprob(out.new_token_ids[i], out.logprobs[i], top))
+    for tid, entries in zip(out.new_token_ids[:kept], out.logprobs):
+        sampled = entries[0][1]
+        top = sorted(((t, lp) for t, lp, _rank in entries), key=lambda e: -e[1])
+        result.append(TokenLogprob(tid, sampled, top))
     return result

@@ -1,0 +1,28 @@
+"""Gunicorn settings for `ringserve serve` (loaded with `-c python:ringserve.server.gunicorn_conf`).
+
+The launcher passes everything through RINGSERVE_* environment variables, so this file is the
+one place the Gunicorn side of the deployment is written down.
+"""
+import os
+
+from ringserve.server.metrics import mark_process_dead
+
+bind = [os.environ.get("RINGSERVE_BIND", "127.0.0.1:8000")]
+workers = int(os.environ.get("RINGSERVE_WORKERS", "1"))
+# An ASGI worker: gthread cannot hold hundreds of open SSE streams (DESIGN.md §4).
+worker_class = "uvicorn_worker.UvicornWorker"
+# Hundreds of clients may connect in the same instant.
+backlog = int(os.environ.get("RINGSERVE_BACKLOG", "2048"))
+# SIGTERM: stop accepting, let open streams finish for this long, then stop the workers.
+graceful_timeout = float(os.environ.get("RINGSERVE_DRAIN_TIMEOUT", "30"))
+# A worker blocked this long (not streaming, not heartbeating) is restarted.
+timeout = 120
+keepalive = 5
+# Parallel servers on one machine must not fight over one control socket file.
+control_socket_disable = True
+accesslog = os.environ.get("RINGSERVE_ACCESS_LOG") or None
+loglevel = os.environ.get("RINGSERVE_LOG_LEVEL", "info")
+
+
+def child_exit(server, worker):
+    mark_process_dead(worker.pid)

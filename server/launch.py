@@ -1,0 +1,259 @@
+"""`ringserve serve`: resolve the model once, start the engine process(es), then Gunicorn.
+
+Process tree:  launcher ─┬─ engine 0..E-1   (multiprocessing spawn: run_engine on a control socket)
+                         └─ gunicorn master ── W Uvicorn workers (the Falcon app, one engine client each)
+
+The launcher is the only process that resolves (downloads/converts) the model; workers get the
+folder. It restarts an engine that dies (workers answer 503 meanwhile), and on SIGTERM/SIGINT
+lets Gunicorn drain open streams for --drain-timeout seconds, then stops the engines and removes
+its runtime folder (control sockets, Prometheus files) and any shared memory left behind.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("ringserve.launch")
+
+ENGINE_START_TIMEOUT_S = 600.0
+WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The `serve` flags, named as vLLM names them where they overlap."""
+    p.add_argument("--model", default=None,
+                   help="known model name, HF folder or .gguf file (default: the default model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the API answers to (default: the model folder's name)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="default: float32 on cpu, float16 on cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),
+                   help="require `Authorization: Bearer <key>` on the API routes")
+    p.add_argument("--engines", type=int, default=1, help="engine processes (one per GPU)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="Gunicorn workers (default: the core count)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="larger request bodies get 413 (default 1 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for open streams before stopping")
+    p.add_argument("--log-level", default="info")
+
+
+@dataclass
+class _Engine:
+    index: int
+    control_path: str
+    process: multiprocessing.Process
+
+
+def _default_device() -> str:
+    try:
+        import cupy  # noqa: F401 - only asks whether a GPU is there; no context in this process
+        return "cuda" if cupy.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - no cupy, no driver: the CPU backend
+        return "cpu"
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace, model_dir: Path, max_model_len: int):
+        self.args = args
+        self.model_dir = model_dir
+        self.max_model_len = max_model_len
+        self.device = args.device or _default_device()
+        self.runtime = Path(tempfile.mkdtemp(prefix="ringserve-"))  # 0700
+        self.engines: list[_Engine] = []
+        self.gunicorn: subprocess.Popen | None = None
+        self._stopping = False
+        self._mp = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
+
+    # -- engines -----------------------------------------------------------------------------
+    def _engine_config(self):
+        from ringserve.engine.config import EngineConfig
+        a = self.args
+        return EngineConfig(
+            model=str(self.model_dir), max_model_len=self.max_model_len,
+            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+            block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            enable_prefix_caching=a.enable_prefix_caching, device=self.device,
+            dtype=a.dtype or ("float16" if self.device == "cuda" else "float32"), seed=a.seed)
+
+    def _start_engine(self, index: int) -> _Engine:
+        from ringserve.engine.process import run_engine
+        path = str(self.runtime / f"engine-{index}.sock")
+        proc = self._mp.Process(target=run_engine, args=(self._engine_config(), path),
+                                kwargs={"max_slots": max(64, 2 * self.args.workers)},
+                                name=f"ringserve-engine-{index}", daemon=False)
+        proc.start()
+        return _Engine(index, path, proc)
+
+    def _wait_ready(self, engine: _Engine) -> tuple[int, int]:
+        """Block until the engine takes connections; its (num_blocks, block_size)."""
+        from ringserve.ipc import control
+        from ringserve.ipc.shm import Segment
+        from ringserve.ipc.stats import BLOCK_SIZE, NUM_BLOCKS, EngineStats
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while True:
+            if not engine.process.is_alive():
+                raise RuntimeError(f"engine {engine.index} exited with code "
+                                   f"{engine.process.exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {engine.index} did not start in {ENGINE_START_TIMEOUT_S} s")
+            if os.path.exists(engine.control_path):
+                try:
+                    conn, welcome, fds = control.connect(engine.control_path)
+                except (OSError, control.HandshakeError):
+                    time.sleep(0.1)
+                    continue
+                try:
+                    seg = Segment.attach(welcome.stats_segment)
+                    stats = EngineStats(seg.buf)
+                    shape = stats[NUM_BLOCKS], stats[BLOCK_SIZE]
+                    stats.release()
+                    seg.close()
+                    return shape
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                    conn.close()
+            time.sleep(0.1)
+
+    # -- gunicorn ----------------------------------------------------------------------------
+    def _start_gunicorn(self) -> subprocess.Popen:
+        a = self.args
+        prom = self.runtime / "prometheus"
+        prom.mkdir()
+        names = a.served_model_name or [self.model_dir.name]
+        worker_config = {
+            "model_dir": str(self.model_dir),
+            "served_model_names": names,
+            "max_model_len": self.max_model_len,
+            "api_key": a.api_key,
+            "max_body_bytes": a.max_body_bytes,
+            "control_paths": [e.control_path for e in self.engines],
+        }
+        env = dict(os.environ,
+                   PROMETHEUS_MULTIPROC_DIR=str(prom),
+                   RINGSERVE_BIND=f"{a.host}:{a.port}",
+                   RINGSERVE_WORKERS=str(a.workers),
+                   RINGSERVE_DRAIN_TIMEOUT=str(a.drain_timeout),
+                   RINGSERVE_LOG_LEVEL=a.log_level,
+                   **{WORKER_CONFIG_ENV: json.dumps(worker_config)})
+        cmd = [sys.executable, "-m", "gunicorn", "-c", "python:ringserve.server.gunicorn_conf",
+               "ringserve.server.worker:worker_app()"]
+        return subprocess.Popen(cmd, env=env)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            self.engines = [self._start_engine(i) for i in range(self.args.engines)]
+            shapes = [self._wait_ready(e) for e in self.engines]
+            if self._stopping:
+                return 0
+            self.gunicorn = self._start_gunicorn()
+            for e, (blocks, bs) in zip(self.engines, shapes):
+                log.info("engine %d: device %s, KV pool %d blocks x %d = %d tokens",
+                         e.index, self.device, blocks, bs, blocks * bs)
+            log.info("serving %s (%s) as %s on http://%s:%d with %d workers, max_model_len %d",
+                     self.model_dir.name, self.model_dir,
+                     ", ".join(self.args.served_model_name or [self.model_dir.name]),
+                     self.args.host, self.args.port, self.args.workers, self.max_model_len)
+            return self._supervise()
+        finally:
+            self._shutdown()
+
+    def _supervise(self) -> int:
+        while not self._stopping:
+            code = self.gunicorn.poll()
+            if code is not None:
+                log.error("gunicorn exited with code %s", code)
+                return 1
+            for i, e in enumerate(self.engines):
+                if not e.process.is_alive() and not self._stopping:
+                    log.error("engine %d died (exit code %s); restarting it", e.index,
+                              e.process.exitcode)
+                    self.engines[i] = self._start_engine(e.index)
+                    try:
+                        self._wait_ready(self.engines[i])
+                    except RuntimeError as exc:
+                        log.error("%s", exc)
+                        return 1
+            time.sleep(0.2)
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stopping = True
+
+    def _shutdown(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if self.gunicorn is not None and self.gunicorn.poll() is None:
+            log.info("draining open streams (up to %.0f s)", self.args.drain_timeout)
+            self.gunicorn.send_signal(signal.SIGTERM)  # graceful: workers finish their streams
+            try:
+                self.gunicorn.wait(self.args.drain_timeout + 10)
+            except subprocess.TimeoutExpired:
+                self.gunicorn.kill()
+                self.gunicorn.wait()
+        for e in self.engines:
+            if e.process.is_alive():
+                e.process.terminate()
+        for e in self.engines:
+            e.process.join(10)
+            if e.process.is_alive():
+                e.process.kill()
+                e.process.join()
+        from ringserve.ipc.shm import remove_stale_segments
+        remove_stale_segments()
+        shutil.rmtree(self.runtime, ignore_errors=True)
+        log.info("stopped")
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from ringserve.gpu.config import ModelConfig
+    from ringserve.gpu.errors import ModelError
+    from ringserve.gpu.model_store import resolve_model
+    try:
+        model_dir = Path(resolve_model(args.model))
+        model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
+    except ModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    max_model_len = args.max_model_len or model_len
+    if max_model_len > model_len:
+        print(f"error: --max-model-len {max_model_len} is longer than the model's "
+              f"max_position_embeddings {model_len}", file=sys.stderr)
+        return 1
+    for flag in ("engines", "workers", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if getattr(args, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 1
+    try:
+        return Launcher(args, model_dir, max_model_len).run()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
