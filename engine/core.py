@@ -1,0 +1,230 @@
+"""The engine core: one loop of schedule -> execute -> update per step (DESIGN.md §1.3).
+
+Refusals: a request that can never run (empty prompt, ids outside the vocabulary, prompt +
+max_tokens over max_model_len, or more blocks than the whole pool) is not queued; it comes back
+from the next step() as a finished RequestOutput with finish_reason "error" and the message in
+`.error` — the one answer that can travel back over the ipc rings. Invalid SamplingParams raise
+ValueError when they are built, in the frontend. An abort comes back the same way, with
+finish_reason "abort". So every sample of every request gets exactly one finished output.
+
+A request with n > 1 becomes n sequences (index 0..n-1, seed + index when seeded) that share
+the prompt's blocks through the prefix cache (scoped to the request when caching is off).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ringserve.engine.config import EngineConfig
+from ringserve.engine.inputs import build_batch
+from ringserve.engine.kv_cache import KVCacheManager
+from ringserve.engine.outputs import Logprob, PositionLogprobs, RequestOutput, SchedulerStats
+from ringserve.engine.request import Request
+from ringserve.engine.sampling_params import SamplingParams
+from ringserve.engine.scheduler import Scheduler, SchedulerOutput
+from ringserve.gpu.sampler import Logprobs, SamplingMetadata, sample
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner=None):
+        """runner: a ready ModelRunner-like object (execute, config, block_size, num_blocks);
+        None builds the ModelRunner for config.model."""
+        self.config = config
+        if runner is None:
+            runner = _make_runner(config)
+        self.runner = runner
+        model = runner.config
+        self.vocab_size = model.vocab_size
+        self.eos_token_ids = tuple(model.eos_token_ids)
+        self.max_model_len = config.max_model_len or model.max_position_embeddings
+        if self.max_model_len > model.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} is longer than the model's "
+                             f"max_position_embeddings {model.max_position_embeddings}")
+        self.block_size = runner.block_size
+        self.kv = KVCacheManager(runner.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.generator = np.random.default_rng(config.seed)   # for requests without a seed
+        self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
+        self._pending: list[RequestOutput] = []              # refusals and aborts, out next step
+        self._arrivals = 0
+        self.stats = SchedulerStats()
+
+    # -- requests in -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        prompt = [int(t) for t in prompt_token_ids]
+        error, max_tokens = self._check(prompt, params)
+        if error is not None:
+            self._pending.extend(RequestOutput(request_id, [], True, "error", index=i, error=error,
+                                               num_prompt_tokens=len(prompt))
+                                 for i in range(params.n))
+            return
+        sharing_salt = request_id if params.n > 1 and not self.config.enable_prefix_caching else None
+        group = []
+        for i in range(params.n):
+            req = Request(request_id, prompt, params, arrival=self._arrivals, index=i,
+                          eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                          max_tokens=max_tokens, cache_salt=sharing_salt,
+                          generator=(np.random.default_rng(params.seed + i) if params.seed is not None
+                                     else None if params.greedy else self.generator))
+            self._arrivals += 1
+            group.append(req)
+            self.scheduler.add(req)
+        self.groups[request_id] = group
+
+    def _check(self, prompt: list[int], params: SamplingParams) -> tuple[str | None, int]:
+        """(why the request can never run, or None; its max_tokens resolved)."""
+        n = len(prompt)
+        if n == 0:
+            return "the prompt is empty", 0
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", 0
+        if n >= self.max_model_len:
+            return (f"This model's maximum context length is {self.max_model_len} tokens, "
+                    f"but the prompt has {n} tokens and at least one token must be generated."), 0
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            return (f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                    f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for "
+                    f"the completion)."), 0
+        # The last sampled token is never written to the cache.
+        blocks = self.kv.blocks_needed(n + max_tokens - 1)
+        if blocks > self.kv.num_blocks:
+            return (f"the request needs {blocks} KV-cache blocks ({n} prompt + {max_tokens} "
+                    f"completion tokens) but the whole pool has {self.kv.num_blocks}"), 0
+        if params.prompt_logprobs is not None:
+            return "prompt_logprobs is not supported yet (the runner returns last-token logits only)", 0
+        return None, max_tokens
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its blocks are free for the next step. Unknown ids are ignored
+        (the request may have just finished)."""
+        group = self.groups.pop(request_id, None)
+        for req in group or ():
+            if not req.is_finished:
+                self.scheduler.finish(req, "abort")
+                self._pending.append(RequestOutput(request_id, [], True, "abort", index=req.index,
+                                                   num_prompt_tokens=req.num_prompt_tokens))
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            logits = self.runner.execute(build_batch(sched, self.kv))
+            self.scheduler.update_after_step(sched)
+            outputs.extend(self._update(sched, logits))
+        self._record_stats(sched)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
+        """Sample for each request whose last token was computed; append, check stops, finish."""
+        rows = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
+        if not rows:
+            return []
+        reqs = [sched.scheduled[i].request for i in rows]
+        result = sample(logits[rows], self._sampling_metadata(reqs))
+        outputs = []
+        for j, req in enumerate(reqs):
+            token = int(result.token_ids[j])
+            req.append_output_token(token)
+            out = RequestOutput(req.request_id, [token], index=req.index,
+                                num_prompt_tokens=req.num_prompt_tokens)
+            if req.params.logprobs is not None:
+                out.new_logprobs = [_position_logprobs(result.logprobs, j, req.params.logprobs)]
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                out.finished, out.finish_reason, out.stop_reason = True, reason, req.stop_reason
+                self._forget_if_done(req.request_id)
+            outputs.append(out)
+        return outputs
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        if req.num_output_tokens >= req.params.min_tokens:
+            if token in req.eos_token_ids:
+                return "stop"
+            if token in req.params.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _forget_if_done(self, request_id: str) -> None:
+        group = self.groups.get(request_id)
+        if group is not None and all(r.is_finished for r in group):
+            del self.groups[request_id]
+
+    def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
+        ps = [r.params for r in reqs]
+        meta = SamplingMetadata(
+            temperature=np.array([p.temperature for p in ps], np.float32),
+            top_k=np.array([p.top_k for p in ps], np.int32),
+            top_p=np.array([p.top_p for p in ps], np.float32),
+            min_p=np.array([p.min_p for p in ps], np.float32),
+            generators=[r.generator for r in reqs],
+        )
+        if any(p.has_penalties for p in ps):
+            meta.presence_penalty = np.array([p.presence_penalty for p in ps], np.float32)
+            meta.frequency_penalty = np.array([p.frequency_penalty for p in ps], np.float32)
+            meta.repetition_penalty = np.array([p.repetition_penalty for p in ps], np.float32)
+            meta.prompt_token_ids = [r.prompt_token_ids for r in reqs]
+            meta.output_token_ids = [r.output_token_ids for r in reqs]
+        if any(r.num_output_tokens < r.params.min_tokens for r in reqs):
+            meta.banned_token_ids = [
+                list(r.eos_token_ids) + r.params.stop_token_ids
+                if r.num_output_tokens < r.params.min_tokens else () for r in reqs]
+        wanted = [p.logprobs for p in ps if p.logprobs is not None]
+        meta.max_num_logprobs = max(wanted) if wanted else None
+        return meta
+
+    def _record_stats(self, sched: SchedulerOutput) -> None:
+        queries, hits = self.kv.take_stats()
+        self.stats = SchedulerStats(
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            kv_cache_usage=self.kv.usage,
+            num_preemptions=len(sched.preempted),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_scheduled_reqs=len(sched.scheduled),
+        )
+
+
+def _position_logprobs(lps: Logprobs, row: int, num_top: int) -> PositionLogprobs:
+    """The sampled token's logprob and rank, then the request's own top-N."""
+    ids, vals = lps.token_ids[row], lps.logprobs[row]
+    out: PositionLogprobs = {int(ids[0]): Logprob(float(vals[0]), int(lps.sampled_rank[row]))}
+    for rank in range(1, num_top + 1):
+        out.setdefault(int(ids[rank]), Logprob(float(vals[rank]), rank))
+    return out
+
+
+def _make_runner(config: EngineConfig):
+    from ringserve.gpu.model_store import resolve_model
+    from ringserve.gpu.runner import ModelRunner
+
+    model_dir: Path = resolve_model(config.model)
+    return ModelRunner(model_dir, device=config.device, dtype=config.dtype,
+                       block_size=config.block_size, num_blocks=config.num_gpu_blocks_override,
+                       kv_cache_memory_bytes=config.kv_cache_memory_bytes)

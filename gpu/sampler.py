@@ -1,0 +1,149 @@
+"""Token sampling in numpy: penalties, greedy, temperature, min_p, top_k, top_p, seeds, logprobs.
+
+It works on a logits matrix [B, V] and per-row arrays; it knows nothing of requests. Every row
+is sampled on its own (nothing is reduced across rows), with the row's own generator drawing
+exactly one uniform number per sampled token, so that a seeded row gives the same tokens
+whatever else is in the batch. The semantics are vLLM's:
+- repetition_penalty divides positive / multiplies negative logits of every token seen in the
+  prompt or the output; frequency_penalty subtracts count·f and presence_penalty subtracts p
+  for every token in the output. Then banned tokens (min_tokens: eos and stop ids) get -inf.
+- temperature < 1e-5 is greedy (argmax). Otherwise logits / temperature, then min_p (drop tokens
+  below min_p times the top probability), top_k, top_p (the smallest set whose mass reaches p).
+- logprobs are those of the raw model distribution (log_softmax of the logits as the model gave
+  them, before penalties and temperature: vLLM's default "raw_logprobs").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: np.ndarray                    # float32 [B]; < 1e-5: greedy
+    top_k: np.ndarray                          # int32 [B]; 0: off
+    top_p: np.ndarray                          # float32 [B]; 1: off
+    min_p: np.ndarray                          # float32 [B]; 0: off
+    generators: Sequence[np.random.Generator | None]   # [B]; None only for greedy rows
+    presence_penalty: np.ndarray | None = None         # float32 [B] (None: no penalties at all)
+    frequency_penalty: np.ndarray | None = None
+    repetition_penalty: np.ndarray | None = None
+    prompt_token_ids: Sequence[Sequence[int]] | None = None   # [B] for repetition_penalty
+    output_token_ids: Sequence[Sequence[int]] | None = None   # [B] for all penalties
+    banned_token_ids: Sequence[Sequence[int]] | None = None   # [B] tokens that may not be sampled
+    max_num_logprobs: int | None = None                # top-N logprobs per row (None: none)
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(np.all(self.temperature < GREEDY_EPS))
+
+
+@dataclass
+class Logprobs:
+    """Per row: the sampled token first, then the top-N (N = max_num_logprobs)."""
+    token_ids: np.ndarray      # int32 [B, 1+N]
+    logprobs: np.ndarray       # float32 [B, 1+N]
+    sampled_rank: np.ndarray   # int32 [B]; 1 = the most likely token
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: np.ndarray              # int32 [B]
+    logprobs: Logprobs | None = None
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float32, copy=False)
+    m = x.max(axis=-1, keepdims=True)
+    shifted = x - m
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def gather_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> Logprobs:
+    """Logprobs of token_ids[i] in row i, its rank, and the row's num_top best tokens."""
+    lp = log_softmax(logits)
+    rows = np.arange(lp.shape[0])
+    chosen = lp[rows, token_ids]
+    ranks = (lp > chosen[:, None]).sum(axis=-1) + 1
+    ids = token_ids[:, None].astype(np.int32)
+    vals = chosen[:, None]
+    if num_top > 0:
+        k = min(num_top, lp.shape[1])
+        top = np.argpartition(-lp, k - 1, axis=-1)[:, :k]
+        top_vals = np.take_along_axis(lp, top, axis=-1)
+        order = np.argsort(-top_vals, axis=-1, kind="stable")
+        top = np.take_along_axis(top, order, axis=-1)
+        ids = np.concatenate([ids, top.astype(np.int32)], axis=1)
+        vals = np.concatenate([vals, np.take_along_axis(top_vals, order, axis=-1)], axis=1)
+    return Logprobs(ids, vals.astype(np.float32), ranks.astype(np.int32))
+
+
+def apply_penalties(logits: np.ndarray, meta: SamplingMetadata) -> np.ndarray:
+    """Penalties and bans, in place on a float32 copy the caller owns."""
+    vocab = logits.shape[1]
+    if meta.presence_penalty is not None:
+        for i in range(logits.shape[0]):
+            rep = float(meta.repetition_penalty[i])
+            freq = float(meta.frequency_penalty[i])
+            pres = float(meta.presence_penalty[i])
+            if rep == 1.0 and freq == 0.0 and pres == 0.0:
+                continue
+            out = np.asarray(meta.output_token_ids[i], dtype=np.int64)
+            row = logits[i]
+            if rep != 1.0:
+                seen = np.zeros(vocab, dtype=bool)
+                seen[np.asarray(meta.prompt_token_ids[i], dtype=np.int64)] = True
+                seen[out] = True
+                row[seen] = np.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
+            if freq != 0.0 or pres != 0.0:
+                counts = np.bincount(out, minlength=vocab)[:vocab]
+                row -= freq * counts + pres * (counts > 0)
+    if meta.banned_token_ids is not None:
+        for i, banned in enumerate(meta.banned_token_ids):
+            if banned:
+                logits[i, np.asarray(banned, dtype=np.int64)] = -np.inf
+    return logits
+
+
+def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,
+               generator: np.random.Generator) -> int:
+    """One random token from one row of logits (float32 [V])."""
+    x = logits.astype(np.float64) / temperature
+    ids = np.arange(x.shape[0])
+    if top_k > 0 and top_k < x.shape[0]:
+        ids = np.argpartition(-x, top_k - 1)[:top_k]
+        x = x[ids]
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if min_p > 0.0:
+        probs = np.where(probs < min_p * probs.max(), 0.0, probs)
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        sorted_p = probs[order] / probs.sum()
+        before = np.cumsum(sorted_p) - sorted_p        # mass of the tokens ranked above
+        keep = order[before < top_p]                   # always keeps the top token
+        ids, probs = ids[keep], probs[keep]
+    cdf = np.cumsum(probs)
+    u = generator.random() * cdf[-1]
+    j = min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
+    return int(ids[j])
+
+
+def sample(logits: np.ndarray, meta: SamplingMetadata) -> SamplerOutput:
+    """Sample one token per row of logits [B, V]."""
+    raw = logits
+    x = np.array(logits, dtype=np.float32)      # our own copy: penalties work in place
+    apply_penalties(x, meta)
+    token_ids = x.argmax(axis=-1).astype(np.int32)
+    if not meta.all_greedy:
+        for i in np.flatnonzero(meta.temperature >= GREEDY_EPS):
+            token_ids[i] = sample_row(x[i], float(meta.temperature[i]), int(meta.top_k[i]),
+                                      float(meta.top_p[i]), float(meta.min_p[i]), meta.generators[i])
+    lps = None
+    if meta.max_num_logprobs is not None:
+        lps = gather_logprobs(raw, token_ids, meta.max_num_logprobs)
+    return SamplerOutput(token_ids, lps)
