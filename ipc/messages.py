@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import msgspec
-import numpy as np
+import numpy as np  # only to accept token id arrays
 
 KIND_ADD, KIND_ABORT, KIND_OUTPUTS = 1, 2, 3
 
@@ -29,8 +29,9 @@ _ADD = struct.Struct("<B3xIII")
 _ABORT = struct.Struct("<B3xI")
 # kind, pad, n_outputs
 _OUTPUTS = struct.Struct("<B3xI")
-# id_len, index, finish code, flags, n_tokens, num_prompt_tokens, top_n, stop_reason, err_len
-_ITEM = struct.Struct("<HHBB2xIIIiI")
+# id_len, index, finish code, flags, n_tokens, num_prompt_tokens, num_cached_tokens,
+# logprob entries, stop_reason, err_len
+_ITEM = struct.Struct("<HHBB2xIIIIiI")
 _HAS_LOGPROBS, _HAS_STOP_REASON = 1, 2
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
@@ -65,12 +66,11 @@ class Output:
     index: int = 0
     num_prompt_tokens: int = 0
     stop_reason: int | None = None          # the stop token id that ended it, if any
-    # When logprobs were asked: one float per new token (the sampled token's logprob), and the
-    # top-N alternatives as [len(new_token_ids), N] arrays.
-    logprobs: list[float] | None = None
-    top_token_ids: np.ndarray | None = None
-    top_logprobs: np.ndarray | None = None
-    error: str | None = None
+    # When logprobs were asked, one list per new token of (token_id, logprob, rank): the
+    # sampled token first, then the top-N alternatives not already listed.
+    logprobs: list[list[tuple[int, float, int]]] | None = None
+    error: str | None = None                # the message when finish_reason == "error"
+    num_cached_tokens: int = 0              # prompt tokens found in the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -116,23 +116,21 @@ def encode_outputs(outputs: Sequence[Output]) -> bytes:
         rid = o.request_id.encode()
         err = o.error.encode() if o.error else b""
         n = len(o.new_token_ids)
-        flags = 0
-        top_n = 0
-        if o.logprobs is not None:
-            flags |= _HAS_LOGPROBS
-            if o.top_token_ids is not None:
-                top_n = int(np.shape(o.top_token_ids)[1]) if n else 0
+        flags = _HAS_LOGPROBS if o.logprobs is not None else 0
+        entries = sum(map(len, o.logprobs)) if o.logprobs is not None else 0
         if o.stop_reason is not None:
             flags |= _HAS_STOP_REASON
         parts.append(_ITEM.pack(len(rid), o.index, _FINISH_CODE[o.finish_reason], flags, n,
-                                o.num_prompt_tokens, top_n,
+                                o.num_prompt_tokens, o.num_cached_tokens, entries,
                                 o.stop_reason if o.stop_reason is not None else 0, len(err)))
         parts.append(_int32_bytes(o.new_token_ids))
-        if flags & _HAS_LOGPROBS:
-            parts.append(np.asarray(o.logprobs, dtype=np.float32).tobytes())
-            if top_n:
-                parts.append(np.ascontiguousarray(o.top_token_ids, dtype=np.int32).tobytes())
-                parts.append(np.ascontiguousarray(o.top_logprobs, dtype=np.float32).tobytes())
+        if o.logprobs is not None:
+            # per position: its entry count; then all entries' ids, logprobs and ranks
+            parts.append(array("i", map(len, o.logprobs)).tobytes())
+            flat = [e for position in o.logprobs for e in position]
+            parts.append(array("i", [e[0] for e in flat]).tobytes())
+            parts.append(array("f", [e[1] for e in flat]).tobytes())
+            parts.append(array("i", [e[2] for e in flat]).tobytes())
         parts.append(rid)
         parts.append(err)
     return b"".join(parts)
@@ -146,25 +144,29 @@ def decode_outputs(buf: bytes) -> list[Output]:
     at = _OUTPUTS.size
     out = []
     for _ in range(count):
-        id_len, index, finish, flags, n, num_prompt, top_n, stop_reason, err_len = _ITEM.unpack_from(buf, at)
+        (id_len, index, finish, flags, n, num_prompt, num_cached, entries, stop_reason,
+         err_len) = _ITEM.unpack_from(buf, at)
         at += _ITEM.size
         tokens = view[at : at + 4 * n].cast("i").tolist()
         at += 4 * n
-        logprobs = top_ids = top_lps = None
+        logprobs = None
         if flags & _HAS_LOGPROBS:
-            logprobs = view[at : at + 4 * n].cast("f").tolist()
+            counts = view[at : at + 4 * n].cast("i").tolist()
             at += 4 * n
-            if top_n:
-                k = n * top_n
-                top_ids = np.frombuffer(buf, np.int32, k, at).reshape(n, top_n)
-                at += 4 * k
-                top_lps = np.frombuffer(buf, np.float32, k, at).reshape(n, top_n)
-                at += 4 * k
+            ids = view[at : at + 4 * entries].cast("i").tolist()
+            lps = view[at + 4 * entries : at + 8 * entries].cast("f").tolist()
+            ranks = view[at + 8 * entries : at + 12 * entries].cast("i").tolist()
+            at += 12 * entries
+            entry = list(zip(ids, lps, ranks))
+            logprobs, start = [], 0
+            for c in counts:
+                logprobs.append(entry[start : start + c])
+                start += c
         rid = bytes(view[at : at + id_len]).decode()
         at += id_len
         err = bytes(view[at : at + err_len]).decode() if err_len else None
         at += err_len
         out.append(Output(rid, tokens, FINISH_REASONS[finish], index, num_prompt,
                           stop_reason if flags & _HAS_STOP_REASON else None,
-                          logprobs, top_ids, top_lps, err))
+                          logprobs, err, num_cached))
     return out

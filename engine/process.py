@@ -1,0 +1,295 @@
+"""The engine process: EngineCore behind shared-memory rings (DESIGN.md §4).
+
+Each step: take every new record from every worker's request ring (no system call: the rings
+are plain memory), run one EngineCore.step(), write each worker's outputs as one record and
+ring that worker's doorbell at most once, then publish waiting/running counts and the
+heartbeat. With nothing to do, the loop drains its doorbell, rechecks the rings, and blocks in
+epoll on the doorbell and the control sockets (waking each second to beat).
+
+Workers arrive on the control socket and get a slot; a slot's requests are named inside the
+core as ``<slot>.<generation>.<request id>`` so that two workers may use the same ids. When a
+worker's control connection closes (it died or left), its requests are aborted — their blocks
+are free for the next step — and the slot is free for the next worker, with a new generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import selectors
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+from ringserve.engine.config import EngineConfig
+from ringserve.engine.core import EngineCore
+from ringserve.engine.outputs import RequestOutput
+from ringserve.engine.sampling_params import SamplingParams
+from ringserve.ipc import control
+from ringserve.ipc.channel import DEFAULT_RING_CAPACITY, Channel
+from ringserve.ipc.doorbell import Doorbell
+from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_request, encode_outputs)
+from ringserve.ipc.shm import Segment, remove_stale_segments
+from ringserve.ipc.stats import EngineStats, stats_size
+
+log = logging.getLogger("ringserve.engine")
+
+CONTROL_CHECK_S = 0.05   # while busy, look at the control sockets this often (one epoll call)
+IDLE_BEAT_S = 1.0        # while idle, wake this often to refresh the heartbeat
+
+
+@dataclass(eq=False)
+class _Slot:
+    index: int
+    generation: int
+    conn: socket.socket
+    channel: Channel
+    bell: Doorbell                                            # the worker's output doorbell
+    attached: bool = False
+    taken: int = 0                                            # AddRequest records consumed
+    open: dict[str, int] = field(default_factory=dict)       # request id -> unfinished samples
+    backlog: list[bytes] = field(default_factory=list)       # output records the ring had no room for
+
+    def key(self, request_id: str) -> str:
+        return f"{self.index}.{self.generation}.{request_id}"
+
+
+class EngineProcess:
+    def __init__(self, core: EngineCore, control_path: str, *, max_slots: int = 64,
+                 ring_capacity: int = DEFAULT_RING_CAPACITY):
+        remove_stale_segments()
+        self.core = core
+        self.ring_capacity = ring_capacity
+        self.slots: list[_Slot | None] = [None] * max_slots
+        self.generations = [0] * max_slots
+        self.bell = Doorbell()
+        self.stats_segment = Segment.create(stats_size(max_slots))
+        self.stats = EngineStats(self.stats_segment.buf)
+        self.stats.init(os.getpid(), max_slots, core.kv.num_blocks, core.block_size)
+        self.stats.publish(0, 0, core.kv.num_free_blocks)
+        self.listener = control.listen(control_path)
+        self.control_path = control_path
+        self.selector = selectors.EpollSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, None)
+        self.selector.register(self.bell.fd, selectors.EVENT_READ, None)
+        self._stopping = False
+
+    # -- the loop ----------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        last_check = time.monotonic()
+        while not self._stopping:
+            self._take_requests()
+            if self.core.has_unfinished_requests():
+                self._deliver(self.core.step())
+                self._publish()
+                now = time.monotonic()
+                if now - last_check >= CONTROL_CHECK_S:
+                    self._handle_control(0)
+                    last_check = now
+                continue
+            self._publish()
+            self.bell.drain()  # before the recheck: a record written after it rings again
+            if any(s is not None and s.channel.requests.has_data() for s in self.slots):
+                continue
+            self._handle_control(IDLE_BEAT_S)
+            last_check = time.monotonic()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def _publish(self) -> None:
+        for s in self.slots:
+            if s is not None:
+                self.stats.set_taken(s.index, s.taken)
+        self.stats.publish(self.core.num_waiting, self.core.num_running, self.core.kv.num_free_blocks)
+
+    # -- requests in -------------------------------------------------------------------
+    def _take_requests(self) -> None:
+        for slot in self.slots:
+            if slot is None or not slot.attached:
+                continue
+            ring = slot.channel.requests
+            while (record := ring.read()) is not None:
+                msg = decode_request(record)
+                if isinstance(msg, Abort):
+                    self.core.abort_request(slot.key(msg.request_id))
+                else:
+                    slot.taken += 1
+                    self._add(slot, msg)
+
+    def _add(self, slot: _Slot, msg: AddRequest) -> None:
+        try:
+            params = SamplingParams(**msg.params)
+            if msg.request_id in slot.open:
+                raise ValueError(f"request id {msg.request_id!r} is already open")
+            self.core.add_request(slot.key(msg.request_id), msg.prompt_token_ids, params)
+        except (TypeError, ValueError) as e:
+            self._write(slot, [Output(msg.request_id, [], "error", error=str(e),
+                                      num_prompt_tokens=len(msg.prompt_token_ids))])
+            slot.bell.ring()
+            return
+        slot.open[msg.request_id] = params.n
+
+    # -- outputs out -------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        per_slot: dict[int, list[Output]] = {}
+        for out in outputs:
+            index, generation, request_id = out.request_id.split(".", 2)
+            slot = self.slots[int(index)]
+            if slot is None or slot.generation != int(generation):
+                continue  # its worker is gone
+            if out.finished:
+                left = slot.open.get(request_id, 1) - 1
+                if left > 0:
+                    slot.open[request_id] = left
+                else:
+                    slot.open.pop(request_id, None)
+            per_slot.setdefault(slot.index, []).append(_to_wire(out, request_id))
+        for slot in self.slots:
+            if slot is None:
+                continue
+            wrote = self._flush_backlog(slot)
+            outs = per_slot.get(slot.index)
+            if outs:
+                self._write(slot, outs)
+                wrote = True
+            if wrote:
+                slot.bell.ring()  # once per step per worker
+
+    def _write(self, slot: _Slot, outs: list[Output]) -> None:
+        record = encode_outputs(outs)
+        if slot.backlog or not slot.channel.outputs.try_write(record):
+            slot.backlog.append(record)  # the worker is behind: keep order, never drop
+
+    def _flush_backlog(self, slot: _Slot) -> bool:
+        wrote = False
+        while slot.backlog and slot.channel.outputs.try_write(slot.backlog[0]):
+            slot.backlog.pop(0)
+            wrote = True
+        return wrote
+
+    # -- control sockets ---------------------------------------------------------------
+    def _handle_control(self, timeout: float) -> None:
+        for key, _ in self.selector.select(timeout):
+            if key.fileobj is self.listener:
+                self._accept()
+            elif key.data is not None:
+                self._on_worker_message(key.data)
+        self.stats.beat()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            free = next((i for i, s in enumerate(self.slots) if s is None), None)
+            if free is None:
+                control.send_refusal(conn, f"all {len(self.slots)} worker slots are taken")
+                conn.close()
+                continue
+            self.generations[free] += 1
+            channel = Channel.create(self.ring_capacity)
+            slot = _Slot(free, self.generations[free], conn, channel, Doorbell())
+            try:
+                control.send_welcome(conn, control.Welcome(
+                    slot=free, generation=slot.generation, engine_pid=os.getpid(),
+                    segment=channel.segment.name, stats_segment=self.stats_segment.name,
+                    ring_capacity=self.ring_capacity), [self.bell.fd, slot.bell.fd])
+            except OSError:
+                channel.close(), slot.bell.close(), conn.close()
+                continue
+            conn.setblocking(False)
+            self.slots[free] = slot
+            self.selector.register(conn, selectors.EVENT_READ, slot)
+
+    def _on_worker_message(self, slot: _Slot) -> None:
+        try:
+            data = slot.conn.recv(64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data == control.ATTACHED and not slot.attached:
+            slot.attached = True
+            slot.channel.segment.unlink()  # both sides have it mapped; nothing left to leak
+        elif not data:
+            self._drop(slot)
+
+    def _drop(self, slot: _Slot) -> None:
+        """The worker is gone: abort its requests (their blocks free now) and free its slot."""
+        for request_id in slot.open:
+            self.core.abort_request(slot.key(request_id))
+        self.selector.unregister(slot.conn)
+        slot.conn.close()
+        slot.bell.close()
+        slot.channel.close()
+        self.slots[slot.index] = None
+        log.info("worker in slot %d (generation %d) left; %d requests aborted",
+                 slot.index, slot.generation, len(slot.open))
+
+    def close(self) -> None:
+        for slot in self.slots:
+            if slot is not None:
+                self._drop(slot)
+        self.selector.close()
+        self.listener.close()
+        try:
+            os.unlink(self.control_path)
+        except FileNotFoundError:
+            pass
+        self.bell.close()
+        self.stats.release()
+        self.stats_segment.close()
+
+
+def _to_wire(out: RequestOutput, request_id: str) -> Output:
+    logprobs = None
+    if out.new_logprobs is not None:
+        logprobs = [[(tok, lp.logprob, lp.rank) for tok, lp in position.items()]
+                    for position in out.new_logprobs]
+    return Output(request_id, out.new_token_ids, out.finish_reason, out.index, out.num_prompt_tokens,
+                  out.stop_reason, logprobs, out.error, out.num_cached_tokens)
+
+
+def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
+               ring_capacity: int = DEFAULT_RING_CAPACITY) -> None:
+    """Build the core, serve until SIGTERM/SIGINT, clean up (the target of an engine process)."""
+    engine = EngineProcess(EngineCore(config), control_path, max_slots=max_slots,
+                           ring_capacity=ring_capacity)
+
+    def _stop(*_):
+        engine.stop()
+        engine.bell.ring()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        engine.serve_forever()
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="one ringserve engine process")
+    p.add_argument("--control", required=True, help="path of the UNIX control socket to listen on")
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--max-slots", type=int, default=64)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
+    config = EngineConfig(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
+                          max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                          num_gpu_blocks_override=a.num_gpu_blocks_override)
+    run_engine(config, a.control, max_slots=a.max_slots)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""The asyncio engine client of one frontend process (HTTP worker or load generator).
+
+It holds one slot on every engine that is up: a control connection (its closing means the
+engine died), a ring pair, the engine's doorbell and its own output doorbell, registered with
+the event loop. ``submit`` picks the least-loaded engine — ``4 * waiting + running`` from the
+engine's published counts, plus this client's submissions the engine has not counted yet —
+writes an AddRequest and rings the engine; outputs come back as an async iterator.
+
+When an engine dies, every open request on it ends at once with an ``error`` output, new work
+goes to the other engines (``EngineUnavailable`` when there is none: HTTP 503), and a
+background task reconnects when the engine is back. Imports only ringserve.ipc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+from typing import Any, Sequence
+
+from ringserve.ipc import control
+from ringserve.ipc.channel import Channel
+from ringserve.ipc.doorbell import Doorbell
+from ringserve.ipc.messages import Abort, AddRequest, Output, decode_outputs, encode_request
+from ringserve.ipc.shm import Segment
+from ringserve.ipc.stats import EngineStats, least_loaded, score
+
+log = logging.getLogger("ringserve.client")
+
+
+class EngineUnavailable(Exception):
+    """No engine can take work right now."""
+
+
+class RequestStream:
+    """The outputs of one request, in order; ends after its last sample finishes (or fails)."""
+
+    def __init__(self, request_id: str, engine: int, n: int):
+        self.request_id = request_id
+        self.engine = engine                 # index of the engine it runs on
+        self._unfinished = n
+        self._items: collections.deque[Output] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._unfinished == 0
+
+    def _put(self, out: Output, final: bool = False) -> None:
+        self._items.append(out)
+        if out.finished:
+            self._unfinished = 0 if final else self._unfinished - 1
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Output:
+        while not self._items:
+            if self.done:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
+
+
+class _Engine:
+    """This client's connection to one engine."""
+
+    def __init__(self, index: int, sock, welcome: control.Welcome, fds: list[int]):
+        self.index = index
+        self.sock = sock
+        self.welcome = welcome
+        self.engine_bell, self.bell = Doorbell(fds[0]), Doorbell(fds[1])
+        self.channel = Channel.attach(welcome.segment, welcome.ring_capacity)
+        self.stats_segment = Segment.attach(welcome.stats_segment)
+        self.stats = EngineStats(self.stats_segment.buf)
+        self.submitted = 0                   # AddRequest records written to this engine
+        self.streams: dict[str, RequestStream] = {}
+        self.alive = True
+
+    def score(self) -> int:
+        pending = self.submitted - self.stats.taken(self.welcome.slot)
+        return score(self.stats.waiting, self.stats.running, pending)
+
+    def close(self) -> None:
+        self.alive = False
+        self.sock.close()
+        self.engine_bell.close()
+        self.bell.close()
+        self.channel.close()
+        self.stats.release()
+        self.stats_segment.close()
+
+
+class EngineClient:
+    def __init__(self, control_paths: Sequence[str], *, reconnect_interval: float = 0.2,
+                 hung_after: float = 30.0, connect_timeout: float = 5.0):
+        self.control_paths = list(control_paths)
+        self.engines: list[_Engine | None] = [None] * len(self.control_paths)
+        self.streams: dict[str, RequestStream] = {}
+        self.reconnect_interval = reconnect_interval
+        self.hung_after = hung_after             # seconds without a heartbeat: treat as dead
+        self.connect_timeout = connect_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watch: asyncio.Task | None = None
+        self._connecting: set[int] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect to every engine that is up now; keep reconnecting the others in the background."""
+        self._loop = asyncio.get_running_loop()
+        await asyncio.gather(*(self._connect(i) for i in range(len(self.engines))))
+        self._watch = self._loop.create_task(self._watchdog())
+
+    async def wait_ready(self, count: int | None = None, timeout: float = 60.0) -> None:
+        """Wait until ``count`` engines (default: all) are connected."""
+        count = len(self.engines) if count is None else count
+        deadline = self._loop.time() + timeout
+        while sum(e is not None for e in self.engines) < count:
+            if self._loop.time() > deadline:
+                raise EngineUnavailable(f"only {sum(e is not None for e in self.engines)} of "
+                                        f"{count} engines connected after {timeout} s")
+            await asyncio.sleep(0.02)
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        for e in self.engines:
+            if e is not None:
+                self._lose(e, "the engine client closed")
+
+    @property
+    def num_ready(self) -> int:
+        return sum(e is not None for e in self.engines)
+
+    def loads(self) -> list[int | None]:
+        """Each engine's score (None: not connected)."""
+        return [e.score() if e is not None else None for e in self.engines]
+
+    # -- requests ----------------------------------------------------------------------
+    async def submit(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: dict[str, Any] | None = None) -> RequestStream:
+        """Send a request to the least-loaded engine; iterate the returned stream for outputs.
+
+        ``params``: SamplingParams fields by name (validated by the caller; the engine answers
+        an invalid one with an error output). Raises EngineUnavailable when no engine is up."""
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already open")
+        params = params or {}
+        record = encode_request(AddRequest(request_id, prompt_token_ids, params))
+        engine = self._choose()
+        stream = RequestStream(request_id, engine.index, int(params.get("n", 1)))
+        self.streams[request_id] = engine.streams[request_id] = stream
+        while not engine.channel.requests.try_write(record):  # full: the engine is behind
+            await asyncio.sleep(0.001)
+            if not engine.alive:
+                self.streams.pop(request_id, None)
+                raise EngineUnavailable(f"engine {engine.index} died before taking the request")
+        engine.submitted += 1
+        engine.engine_bell.ring()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (e.g. its HTTP client left); its stream ends with an "abort" output."""
+        stream = self.streams.pop(request_id, None)
+        if stream is None:
+            return
+        engine = self.engines[stream.engine]
+        stream._put(Output(request_id, [], "abort"), final=True)
+        if engine is not None and engine.alive:
+            engine.streams.pop(request_id, None)
+            self._send_abort(engine, encode_request(Abort(request_id)))
+
+    def _send_abort(self, engine: _Engine, record: bytes) -> None:
+        if not engine.alive:
+            return
+        if engine.channel.requests.try_write(record):
+            engine.engine_bell.ring()
+        else:
+            self._loop.call_later(0.001, self._send_abort, engine, record)
+
+    def _choose(self) -> _Engine:
+        up = [e for e in self.engines if e is not None]
+        if not up:
+            raise EngineUnavailable("no engine is available")
+        return up[least_loaded([e.score() for e in up])]
+
+    # -- outputs -----------------------------------------------------------------------
+    def _on_outputs(self, engine: _Engine) -> None:
+        engine.bell.drain()  # before reading: an output written after this rings again
+        ring = engine.channel.outputs
+        while (record := ring.read()) is not None:
+            for out in decode_outputs(record):
+                stream = engine.streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted here already
+                stream._put(out)
+                if stream.done:
+                    del engine.streams[out.request_id]
+                    self.streams.pop(out.request_id, None)
+
+    # -- engines coming and going ------------------------------------------------------
+    async def _connect(self, index: int) -> None:
+        if index in self._connecting:
+            return
+        self._connecting.add(index)
+        try:
+            sock, welcome, fds = await asyncio.to_thread(
+                control.connect, self.control_paths[index], self.connect_timeout)
+        except (OSError, control.HandshakeError):
+            return  # not up (yet); the watchdog tries again
+        finally:
+            self._connecting.discard(index)
+        try:
+            engine = _Engine(index, sock, welcome, fds)
+            sock.send(control.ATTACHED)
+        except OSError:  # the engine died mid-handshake
+            sock.close()
+            for fd in fds:
+                os.close(fd)
+            return
+        self.engines[index] = engine
+        self._loop.add_reader(engine.bell.fd, self._on_outputs, engine)
+        self._loop.add_reader(sock.fileno(), self._on_control, engine)
+        log.info("connected to engine %d (slot %d, generation %d)", index, welcome.slot, welcome.generation)
+
+    def _on_control(self, engine: _Engine) -> None:
+        try:
+            data = engine.sock.recv(64)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._lose(engine, f"engine {engine.index} died")
+
+    def _lose(self, engine: _Engine, reason: str) -> None:
+        """Fail every open request on the engine and forget it until it reconnects."""
+        if not engine.alive:
+            return
+        self._on_outputs(engine)  # what it sent before dying still counts
+        self._loop.remove_reader(engine.bell.fd)
+        self._loop.remove_reader(engine.sock.fileno())
+        for request_id, stream in engine.streams.items():
+            stream._put(Output(request_id, [], "error", error=reason), final=True)
+            self.streams.pop(request_id, None)
+        engine.streams.clear()
+        self.engines[engine.index] = None
+        engine.close()
+        log.warning("%s", reason)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.reconnect_interval)
+            for i, engine in enumerate(self.engines):
+                if engine is None:
+                    self._loop.create_task(self._connect(i))
+                elif engine.stats.heartbeat_age() > self.hung_after:
+                    self._lose(engine, f"engine {i} stopped beating for {self.hung_after} s")

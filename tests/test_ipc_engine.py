@@ -1,0 +1,233 @@
+"""Engine processes and the asyncio engine client, all real: spawned engine processes running
+EngineCore on the tiny Llama, clients in this process and in killed child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ringserve.engine.config import EngineConfig
+from ringserve.engine.process import run_engine
+from ringserve.ipc import control
+from ringserve.ipc.shm import list_segments
+from ringserve.server.engine_client import EngineClient, EngineUnavailable
+
+ctx = mp.get_context("spawn")
+PROMPT = list(range(1, 20))
+LONG = {"max_tokens": 1500, "ignore_eos": True}   # still running when the test acts on it
+NUM_BLOCKS = 512
+
+
+def _ours_left(before: set[str]) -> list[str]:
+    left = []
+    for name in set(list_segments()) - before:
+        pid = int(name.split("-")[1])
+        if pid == os.getpid() or not Path(f"/proc/{pid}").exists():
+            left.append(name)
+    return left
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_segment_left_behind():
+    before = set(list_segments())
+    yield
+    assert _ours_left(before) == [], "shared-memory segments left in /dev/shm"
+
+
+class Engines:
+    """Engine processes for one test, stopped (SIGTERM: a clean close) at its end."""
+
+    def __init__(self, model_dir: Path, tmp_path: Path):
+        self.config = EngineConfig(model=str(model_dir), num_gpu_blocks_override=NUM_BLOCKS)
+        self.tmp_path = tmp_path
+        self.procs: dict[str, mp.Process] = {}
+
+    def start(self, name: str, max_slots: int = 4) -> str:
+        path = str(self.tmp_path / f"{name}.sock")
+        p = ctx.Process(target=run_engine, args=(self.config, path), kwargs={"max_slots": max_slots})
+        p.start()
+        self.procs[name] = p
+        return path
+
+    def kill(self, name: str) -> None:
+        p = self.procs.pop(name)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            p.terminate()
+        for p in self.procs.values():
+            p.join(30)
+            assert p.exitcode == 0
+
+
+@pytest.fixture
+def engines(tiny_model_dir, tmp_path):
+    e = Engines(tiny_model_dir, tmp_path)
+    yield e
+    e.stop_all()
+
+
+async def _until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_requests_stream_back_through_the_rings(engines):
+    path = engines.start("a")
+
+    async def body():
+        client = EngineClient([path])
+        await client.start()
+        await client.wait_ready()
+        streams = [await client.submit(f"r{i}", PROMPT, {"max_tokens": 5 + i, "temperature": 0.0})
+                   for i in range(4)]
+        bad = await client.submit("bad", [10**6], {})
+        for i, s in enumerate(streams):
+            outs = [o async for o in s]
+            assert sum(len(o.new_token_ids) for o in outs) == 5 + i
+            assert outs[-1].finish_reason == "length" and outs[0].num_prompt_tokens == len(PROMPT)
+        (err,) = [o async for o in bad]
+        assert err.finish_reason == "error" and "vocabulary" in err.error
+        # abort: the stream ends with "abort" and the engine drops the request
+        s = await client.submit("gone", PROMPT, LONG)
+        await s.__anext__()
+        client.abort("gone")
+        assert [o.finish_reason async for o in s][-1] == "abort"
+        engine = client.engines[0]
+        await _until(lambda: engine.stats.running == 0 and engine.stats.waiting == 0)
+        await client.close()
+
+    asyncio.run(body())
+
+
+def _client_with_open_requests(path: str, count: int, conn) -> None:
+    async def main():
+        client = EngineClient([path])
+        await client.start()
+        await client.wait_ready()
+        for i in range(count):
+            await client.submit(f"r{i}", PROMPT, LONG)  # same ids as other clients: slots keep them apart
+        engine = client.engines[0]
+        conn.send((engine.welcome.slot, engine.welcome.generation))
+        await asyncio.sleep(600)  # until SIGKILL
+
+    asyncio.run(main())
+
+
+def test_killed_client_has_its_requests_aborted_and_its_slot_reused(engines):
+    path = engines.start("a", max_slots=2)
+
+    async def body():
+        watcher = EngineClient([path])
+        await watcher.start()
+        await watcher.wait_ready()
+        stats = watcher.engines[0].stats
+        mine = await watcher.submit("r0", PROMPT, LONG)  # another client's request must survive
+        parent, child = ctx.Pipe()
+        victim = ctx.Process(target=_client_with_open_requests, args=(path, 5, child))
+        victim.start()
+        slot, generation = await asyncio.to_thread(parent.recv)
+        await _until(lambda: stats.running + stats.waiting == 6)
+        assert stats[6] < NUM_BLOCKS  # NUM_FREE_BLOCKS: the requests hold blocks
+        with pytest.raises(control.HandshakeError, match="slots are taken"):
+            await asyncio.to_thread(control.connect, path)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        await _until(lambda: stats.running + stats.waiting == 1)
+        watcher.abort("r0")
+        await _until(lambda: stats.running + stats.waiting == 0 and stats[6] == NUM_BLOCKS)
+        assert [o.finish_reason async for o in mine][-1] == "abort"
+        # the freed slot goes to the next worker, with a new generation
+        sock, welcome, fds = await asyncio.to_thread(control.connect, path)
+        assert (welcome.slot, welcome.generation) == (slot, generation + 1)
+        sock.close()
+        for fd in fds:
+            os.close(fd)
+        await watcher.close()
+
+    asyncio.run(body())
+
+
+def test_killed_engine_fails_open_requests_fast_and_comes_back(engines):
+    path = engines.start("a")
+
+    async def body():
+        client = EngineClient([path], reconnect_interval=0.05)
+        await client.start()
+        await client.wait_ready()
+        streams = [await client.submit(f"r{i}", PROMPT, LONG) for i in range(3)]
+        for s in streams:
+            await s.__anext__()  # running
+        engines.kill("a")
+        killed = time.monotonic()
+        lasts = [[o async for o in s][-1] for s in streams]
+        elapsed = time.monotonic() - killed
+        assert all(o.finish_reason == "error" and "died" in o.error for o in lasts)
+        assert elapsed < 1.0, f"open requests failed {elapsed:.2f} s after the engine died"
+        with pytest.raises(EngineUnavailable):
+            await client.submit("refused", PROMPT, {})
+        engines.start("a")  # same control path; removes the dead engine's segment at start
+        await client.wait_ready(timeout=60)
+        outs = [o async for o in await client.submit("again", PROMPT, {"max_tokens": 3})]
+        assert outs[-1].finish_reason == "length"
+        await client.close()
+
+    asyncio.run(body())
+
+
+def _load_engine(path: str, count: int, conn) -> None:
+    async def main():
+        client = EngineClient([path])
+        await client.start()
+        await client.wait_ready()
+        for i in range(count):
+            await client.submit(f"load{i}", PROMPT, LONG)
+        conn.send("loaded")
+        await asyncio.sleep(600)
+
+    asyncio.run(main())
+
+
+def test_two_engines_receive_work_as_the_score_dictates(engines):
+    paths = [engines.start("a"), engines.start("b")]
+
+    async def body():
+        client = EngineClient(paths)
+        await client.start()
+        await client.wait_ready(timeout=60)
+        # idle engines tie: the first goes to engine 0; its own uncounted submission then
+        # weighs 4 (or 1 once running), so the second goes to engine 1
+        first = await client.submit("first", PROMPT, {"max_tokens": 2})
+        second = await client.submit("second", PROMPT, {"max_tokens": 2})
+        assert (first.engine, second.engine) == (0, 1)
+        for s in (first, second):
+            assert [o.finish_reason async for o in s][-1] == "length"
+        # another process loads engine 0 with 8 long requests: score >= 8 there
+        parent, child = ctx.Pipe()
+        loader = ctx.Process(target=_load_engine, args=(paths[0], 8, child))
+        loader.start()
+        await asyncio.to_thread(parent.recv)
+        a = client.engines[0].stats
+        await _until(lambda: a.running + a.waiting == 8)
+        assert client.loads()[0] >= 8
+        # engine 1 scores 0, then at most 4 (our one uncounted submission): both go there
+        placed = [await client.submit(f"n{i}", PROMPT, {"max_tokens": 2}) for i in range(2)]
+        assert [s.engine for s in placed] == [1, 1]
+        for s in placed:
+            outs = [o async for o in s]
+            assert outs[-1].finish_reason == "length"
+        os.kill(loader.pid, signal.SIGKILL)
+        loader.join(10)
+        await client.close()
+
+    asyncio.run(body())
