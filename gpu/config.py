@@ -1,0 +1,201 @@
+"""The model configuration, read from an HF ``config.json`` (Llama family only).
+
+Anything we do not implement is refused here, by name, so that a model we would compute
+wrongly never loads: an unknown architecture, sliding-window attention, a rope scaling type
+we lack, an activation other than SiLU.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ringserve.gpu.errors import ModelError
+
+# Architectures whose forward is exactly the Llama one (Qwen2 adds a bias on q/k/v).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """``rope_scaling`` of config.json: "linear" (positions / factor) or "llama3"."""
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    attention_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        raw = _read_json(model_dir / "config.json")
+        gen_path = model_dir / "generation_config.json"
+        generation = _read_json(gen_path) if gen_path.is_file() else {}
+        return cls.from_dict(raw, generation)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+        r = _Reader(raw)
+        archs = raw.get("architectures")
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise ModelError(f"config.json: architectures {archs!r} is not supported (Llama family only: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+        arch = archs[0]
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ModelError(f"config.json: hidden_act {hidden_act!r} is not supported (silu only)")
+        if raw.get("mlp_bias"):
+            raise ModelError("config.json: mlp_bias true is not supported")
+        # Mistral uses sliding_window directly; Qwen2 only when use_sliding_window is set.
+        window = raw.get("sliding_window")
+        if window is not None and (arch != "Qwen2ForCausalLM" or raw.get("use_sliding_window")):
+            raise ModelError(f"config.json: sliding_window {window!r} is not supported (full attention only)")
+
+        hidden = r.int("hidden_size")
+        heads = r.int("num_attention_heads")
+        kv_heads = r.int("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ModelError(f"config.json: num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {kv_heads}")
+        head_dim = r.int("head_dim", hidden // heads if hidden % heads == 0 else None)
+        if head_dim % 2:
+            raise ModelError(f"config.json: head_dim {head_dim} must be even for rotary embeddings")
+
+        rope_theta, rope_scaling = _rope(raw)
+        return cls(
+            architecture=arch,
+            vocab_size=r.int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=r.int("intermediate_size"),
+            num_hidden_layers=r.int("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=r.float("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            max_position_embeddings=r.int("max_position_embeddings", 2048),
+            tie_word_embeddings=r.bool("tie_word_embeddings", False),
+            bos_token_id=r.optional_int("bos_token_id"),
+            eos_token_ids=_eos_ids(raw, generation or {}),
+            attention_bias=(arch == "Qwen2ForCausalLM") or r.bool("attention_bias", False),
+            rope_scaling=rope_scaling,
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ModelError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{path}: expected a JSON object")
+    return data
+
+
+class _Reader:
+    """Typed access to config.json fields with errors that name the field."""
+
+    _MISSING = object()
+
+    def __init__(self, raw: dict[str, Any]):
+        self.raw = raw
+
+    def _get(self, name: str, default: Any) -> Any:
+        value = self.raw.get(name, default)
+        if value is None:
+            value = default
+        if value is self._MISSING or value is None:
+            raise ModelError(f"config.json: missing field {name!r}")
+        return value
+
+    def int(self, name: str, default: Any = _MISSING) -> int:
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelError(f"config.json: {name} {value!r} must be a positive integer")
+        return value
+
+    def optional_int(self, name: str) -> int | None:
+        value = self.raw.get(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ModelError(f"config.json: {name} {value!r} must be a token id")
+        return value
+
+    def float(self, name: str, default: Any = _MISSING) -> float:
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ModelError(f"config.json: {name} {value!r} must be a positive number")
+        return float(value)
+
+    def bool(self, name: str, default: Any = _MISSING) -> bool:
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise ModelError(f"config.json: {name} {value!r} must be true or false")
+        return value
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    # transformers >= 5 writes both into "rope_parameters"; older configs use the two fields.
+    params = raw.get("rope_parameters")
+    scaling = dict(params) if isinstance(params, dict) else raw.get("rope_scaling")
+    theta_source = params if isinstance(params, dict) and "rope_theta" in params else raw
+    theta = _Reader(theta_source).float("rope_theta", 10000.0)
+    if scaling is None:
+        return theta, None
+    if not isinstance(scaling, dict):
+        raise ModelError(f"config.json: rope_scaling {scaling!r} must be an object or null")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    r = _Reader(scaling)
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", factor=r.float("factor"))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3", factor=r.float("factor"), low_freq_factor=r.float("low_freq_factor"),
+            high_freq_factor=r.float("high_freq_factor"),
+            original_max_position_embeddings=r.int("original_max_position_embeddings"))
+    raise ModelError(f"config.json: rope_scaling type {rope_type!r} is not supported "
+                     f"(default, linear and llama3 only)")
+
+
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (raw.get("eos_token_id"), generation.get("eos_token_id")):
+        for token in source if isinstance(source, list) else [source]:
+            if isinstance(token, int) and not isinstance(token, bool) and token not in ids:
+                ids.append(token)
+    return tuple(ids)
