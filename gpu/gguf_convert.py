@@ -59,7 +59,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     tokenizer, tokenizer_config = build_tokenizer(meta)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
-    _write_safetensors(out_dir / "model.safetensors", tensors, progress=progress)
+    _write_safetensors(out_dir / "model.safetensors", tensors, progress=progress,
+                       desc=f"converting {gguf_path.name}")
     return out_dir
 
 
@@ -218,7 +219,7 @@ def _plan_tensors(reader, config: dict[str, Any], path: Path) -> list[_Tensor]:
     return planned
 
 
-def _write_safetensors(path: Path, tensors: list[_Tensor], *, progress: bool) -> None:
+def _write_safetensors(path: Path, tensors: list[_Tensor], *, progress: bool, desc: str) -> None:
     """Write float32 tensors one at a time: the header is known up front (every shape is), so the
     whole model never has to be held in memory at once, as safetensors' save_file would need."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -228,7 +229,7 @@ def _write_safetensors(path: Path, tensors: list[_Tensor], *, progress: bool) ->
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    bar = tqdm(total=offset, unit="B", unit_scale=True, desc="converting", file=sys.stderr,
+    bar = tqdm(total=offset, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
                disable=not progress)
     with open(path, "wb") as f, bar:
         f.write(struct.pack("<Q", len(raw)))

