@@ -129,21 +129,23 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.scheduled:
             logits = self.runner.execute(build_batch(sched, self.kv))
-            self.scheduler.update_after_step(sched)
-            outputs.extend(self._update(sched, logits))
+            outputs.extend(self.update(sched, logits))
         self._record_stats(sched)
         return outputs
 
-    def _update(self, sched: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
-        """Sample for each request whose last token was computed; append, check stops, finish."""
+    def update(self, sched: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
+        """The step's last phase: the scheduled tokens are in the cache; sample for each request
+        whose last token was computed; append, check stops, finish (blocks freed now)."""
+        self.scheduler.update_after_step(sched)
         rows = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
         if not rows:
             return []
         reqs = [sched.scheduled[i].request for i in rows]
-        result = sample(logits[rows], self._sampling_metadata(reqs))
+        if len(rows) < len(sched.scheduled):
+            logits = logits[rows]
+        result = sample(logits, self._sampling_metadata(reqs))
         outputs = []
-        for j, req in enumerate(reqs):
-            token = int(result.token_ids[j])
+        for j, (req, token) in enumerate(zip(reqs, result.token_ids.tolist())):
             req.append_output_token(token)
             out = RequestOutput(req.request_id, [token], index=req.index,
                                 num_prompt_tokens=req.num_prompt_tokens)
@@ -175,24 +177,24 @@ class EngineCore:
 
     def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
         ps = [r.params for r in reqs]
-        meta = SamplingMetadata(
-            temperature=np.array([p.temperature for p in ps], np.float32),
-            top_k=np.array([p.top_k for p in ps], np.int32),
-            top_p=np.array([p.top_p for p in ps], np.float32),
-            min_p=np.array([p.min_p for p in ps], np.float32),
-            generators=[r.generator for r in reqs],
-        )
-        if any(p.has_penalties for p in ps):
+        rows = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p in ps], np.float32).reshape(-1, 4)
+        meta = SamplingMetadata(temperature=rows[:, 0], top_k=rows[:, 1].astype(np.int32),
+                                top_p=rows[:, 2], min_p=rows[:, 3],
+                                generators=[r.generator for r in reqs])
+        special = [r for r in reqs if r.params.has_extras]
+        if not special:                                   # the common case: nothing more to do
+            return meta
+        if any(r.params.has_penalties for r in special):
             meta.presence_penalty = np.array([p.presence_penalty for p in ps], np.float32)
             meta.frequency_penalty = np.array([p.frequency_penalty for p in ps], np.float32)
             meta.repetition_penalty = np.array([p.repetition_penalty for p in ps], np.float32)
             meta.prompt_token_ids = [r.prompt_token_ids for r in reqs]
             meta.output_token_ids = [r.output_token_ids for r in reqs]
-        if any(r.num_output_tokens < r.params.min_tokens for r in reqs):
+        if any(r.num_output_tokens < r.params.min_tokens for r in special):
             meta.banned_token_ids = [
                 list(r.eos_token_ids) + r.params.stop_token_ids
                 if r.num_output_tokens < r.params.min_tokens else () for r in reqs]
-        wanted = [p.logprobs for p in ps if p.logprobs is not None]
+        wanted = [r.params.logprobs for r in special if r.params.logprobs is not None]
         meta.max_num_logprobs = max(wanted) if wanted else None
         return meta
 

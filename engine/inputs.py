@@ -18,7 +18,7 @@ def build_batch(out: SchedulerOutput, kv: KVCacheManager) -> Batch:
     seq_lens = starts + counts
 
     input_ids: list[int] = []
-    tables = [kv.block_ids(s.request) for s in out.scheduled]
+    tables = kv.block_ids_of(s.request for s in out.scheduled)
     for s in out.scheduled:
         input_ids.extend(s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens])
     block_tables = np.full((num_reqs, max(map(len, tables), default=0)), -1, np.int32)

@@ -110,6 +110,10 @@ class KVCacheManager:
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.key, ())]
 
+    def block_ids_of(self, reqs) -> list[list[int]]:
+        blocks = self.req_blocks
+        return [[b.block_id for b in blocks[r.key]] for r in reqs]
+
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
@@ -149,8 +153,15 @@ class KVCacheManager:
         computed_blocks (from get_computed_blocks) are passed when a waiting request is admitted;
         they become the head of its block table. Nothing changes when False is returned.
         """
-        computed_blocks = computed_blocks or []
         blocks = self.req_blocks.get(req.key)
+        bs = self.block_size
+        if blocks is not None and not computed_blocks:
+            # The common decode step: room in the last block, and no block filled up.
+            total = req.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * bs and (total // bs <= self._num_registered[req.key]
+                                               or not self._hashing(req)):
+                return True
+        computed_blocks = computed_blocks or []
         admitting = blocks is None
         if admitting:
             blocks = []

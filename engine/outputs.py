@@ -14,7 +14,7 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """New tokens of one sample of a request in one step (index: which of its n samples)."""
     request_id: str

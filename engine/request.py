@@ -40,11 +40,8 @@ class Request:
     def __post_init__(self) -> None:
         # prompt + output in one list: the scheduler works on token counts, not on phases.
         self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
-
-    @property
-    def key(self) -> str:
-        """Unique within the engine (the n samples of a request share its request_id)."""
-        return self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
+        # Unique within the engine (the n samples of a request share its request_id).
+        self.key: str = self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -71,6 +71,11 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
     @property
+    def has_extras(self) -> bool:
+        """Anything beyond plain sampling: penalties, min_tokens or logprobs."""
+        return self.has_penalties or self.min_tokens > 0 or self.logprobs is not None
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

@@ -93,11 +93,11 @@ class Scheduler:
         return out
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        s = ScheduledRequest(req, req.num_computed_tokens, n,
-                             completes_prefill=req.num_computed_tokens + n == req.num_tokens)
-        out.scheduled.append(s)
+        computed = req.num_computed_tokens
+        done = computed + n == len(req.all_token_ids)
+        out.scheduled.append(ScheduledRequest(req, computed, n, done))
         # A decode step: one token, the last one, of a request already past its prompt.
-        if n == 1 and s.completes_prefill and req.num_output_tokens > 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+        if n == 1 and done and computed >= len(req.prompt_token_ids):
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += n

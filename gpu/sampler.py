@@ -136,8 +136,11 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
 def sample(logits: np.ndarray, meta: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of logits [B, V]."""
     raw = logits
-    x = np.array(logits, dtype=np.float32)      # our own copy: penalties work in place
-    apply_penalties(x, meta)
+    if meta.presence_penalty is not None or meta.banned_token_ids is not None:
+        x = np.array(logits, dtype=np.float32)  # our own copy: penalties work in place
+        apply_penalties(x, meta)
+    else:
+        x = logits
     token_ids = x.argmax(axis=-1).astype(np.int32)
     if not meta.all_greedy:
         for i in np.flatnonzero(meta.temperature >= GREEDY_EPS):
