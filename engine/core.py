@@ -148,7 +148,8 @@ class EngineCore:
         for j, (req, token) in enumerate(zip(reqs, result.token_ids.tolist())):
             req.append_output_token(token)
             out = RequestOutput(req.request_id, [token], index=req.index,
-                                num_prompt_tokens=req.num_prompt_tokens)
+                                num_prompt_tokens=req.num_prompt_tokens,
+                                num_cached_tokens=req.num_cached_tokens)
             if req.params.logprobs is not None:
                 out.new_logprobs = [_position_logprobs(result.logprobs, j, req.params.logprobs)]
             reason = self._stop_reason(req, token)

@@ -36,6 +36,7 @@ class Request:
     stop_reason: int | None = None
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks (kv_cache)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache
 
     def __post_init__(self) -> None:
         # prompt + output in one list: the scheduler works on token counts, not on phases.

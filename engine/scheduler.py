@@ -86,6 +86,8 @@ class Scheduler:
                 break                             # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
+            if req.num_output_tokens == 0:
+                req.num_cached_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_scheduled(out, req, n)

@@ -148,6 +148,7 @@ def test_seeded_sampling_reproduces_whatever_the_batch_and_n_shares_blocks(tiny_
         assert got[("n", 0)] == alone[("s", 0)]
         assert len({tuple(got[("n", i)][0]) for i in range(3)}) > 1
         assert sum(s.prefix_cache_hits for s in stats) == 2 * 48
+        assert engine.stats.prefix_cache_hits == 0       # per step: the hits were counted once
     single, _ = run(make_engine(tiny_model_dir), {"one": (prompt, SamplingParams(
         temperature=1.0, top_p=0.9, seed=9, max_tokens=10, ignore_eos=True))})
     assert got[("n", 2)] == single[("one", 0)]

@@ -119,6 +119,7 @@ def test_prefix_cache_hit_skips_computed_blocks_but_not_the_last_token():
     out = run_step(sched)
     assert plan(out) == [("a", 1), ("b", 4)]      # 8 tokens hit, the last block recomputed
     assert sched.kv.block_ids(b)[:2] == sched.kv.block_ids(a)[:2]
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 8)
     queries, hits = sched.kv.take_stats()
     assert (queries, hits) == (24, 8)
 
