@@ -1,0 +1,125 @@
+"""The tokenizer of an HF-layout model folder: tokenizer.json through the `tokenizers` library,
+the chat template of tokenizer_config.json rendered with jinja2 the way transformers renders it,
+and an incremental detokenizer for streaming.
+
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    stream = tok.decode_stream()
+    text = "".join(stream.step(i) for i in generated_ids)
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (its raise_exception), or there is no template."""
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, one token at a time. While a multi-byte UTF-8 character
+    is split across tokens, step() returns "" and the character comes whole with its last byte."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer, int(token_id)) or ""
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict[str, Any]):
+        self._tokenizer = tokenizer
+        self._config = config
+        self.chat_template: str | None = _chat_template(config.get("chat_template"))
+        self.bos_token: str | None = _token_text(config.get("bos_token"))
+        self.eos_token: str | None = _token_text(config.get("eos_token"))
+        self.bos_token_id: int | None = self._id_of(self.bos_token)
+        self.eos_token_id: int | None = self._id_of(self.eos_token)
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        return cls(tokenizer, config)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are always
+        recognised; ``add_special_tokens`` is about the ones the tokenizer adds itself (a BOS)."""
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._tokenizer, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        """The prompt text for ``messages``, rendered as transformers' apply_chat_template does.
+        ``extra`` reaches the template too (``tools``, ...). Raises ChatTemplateError."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template")
+        specials = {k: _token_text(v) for k, v in self._config.items()
+                    if k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **specials, **extra)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(str(e)) from None
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        # The environment of transformers' _compile_jinja_template: a sandbox, trimmed blocks,
+        # loop controls, raise_exception(), strftime_now() and a tojson that keeps non-ASCII text.
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _token_text(token: Any) -> str | None:
+    """tokenizer_config.json writes a token either as its text or as an AddedToken object."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _chat_template(template: Any) -> str | None:
+    """A template string, or the "default" one of a list of named templates."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template if isinstance(template, str) else None
