@@ -1,6 +1,6 @@
 """The Falcon ASGI app: OpenAI's HTTP surface (DESIGN.md §7) over one worker's engine client.
 
-`create_app` builds it from a ready `ServerContext` (tests, tools); Gunicorn workers call
+`create_app` builds it from a ready `ServerContext`; Gunicorn workers call
 `ringserve.server.worker:worker_app()`, which builds the context after the fork.
 """
 from __future__ import annotations
@@ -19,10 +19,11 @@ import msgspec
 from ringserve.server import protocol as P
 from ringserve.server import serving_chat, serving_completions
 from ringserve.server.context import ServerContext
+from ringserve.server.engine_client import EngineUnavailable
 from ringserve.server.errors import APIError, error_body
 from ringserve.server.generate import EngineError, Generation
 from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
-from ringserve.server.sse import error_event, watch_disconnect, DONE
+from ringserve.server.sse import DONE, error_event, watch_disconnect
 
 log = logging.getLogger("ringserve.server")
 
@@ -139,6 +140,10 @@ class _Generate:
         request_id = P.new_id(self.prefix)
         model = request.model or self._ctx.model_name
         gen = self.serving.prepare(self._ctx, request, request_id)
+        try:
+            await gen.start()
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from None
         receive = req.scope.get(RECEIVE_KEY)
         watcher = watch_disconnect(receive, gen.abort) if receive is not None else None
         if request.stream:

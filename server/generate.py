@@ -22,8 +22,9 @@ class EngineError(Exception):
 
 
 class Engine(Protocol):
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: dict) -> AsyncIterator[Output]: ...
+    """The worker's engine client (ringserve.server.engine_client.EngineClient)."""
+    async def submit(self, request_id: str, prompt_token_ids: list[int],
+                     params: dict) -> AsyncIterator[Output]: ...
     def abort(self, request_id: str) -> None: ...
 
 
@@ -48,6 +49,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    outputs: AsyncIterator[Output] | None = None  # the engine's stream, once submitted
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -77,6 +79,19 @@ class Generation:
                 self.choices.append(Choice(idx, f"{request_id}-{idx}", prompt, text))
         self._n = n
 
+    async def start(self) -> None:
+        """Submit every choice to the engines (raises EngineUnavailable when none is up)."""
+        for c in self.choices:
+            params = self._params
+            seed = params.get("seed")
+            if seed is not None and self._n > 1:
+                params = dict(params, seed=seed + c.index % self._n)
+            try:
+                c.outputs = await self._engine.submit(c.request_id, c.prompt_token_ids, params)
+            except BaseException:
+                self.abort()
+                raise
+
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
@@ -85,7 +100,7 @@ class Generation:
         """Per-choice deltas as the engine produces tokens, until every choice has finished."""
         if len(self.choices) == 1:
             choice = self.choices[0]
-            async for out in self._outputs(choice):
+            async for out in choice.outputs:
                 if choice.finish_reason is not None:
                     return  # aborted meanwhile (client gone)
                 delta = self._apply(choice, out)
@@ -98,7 +113,7 @@ class Generation:
 
         async def pump(choice: Choice) -> None:
             try:
-                async for out in self._outputs(choice):
+                async for out in choice.outputs:
                     queue.put_nowait((choice, out))
                     if out.finish_reason is not None:
                         return
@@ -125,15 +140,9 @@ class Generation:
         for c in self.choices:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
-                self._engine.abort(c.request_id)
-                self._observe(c)
-
-    def _outputs(self, choice: Choice) -> AsyncIterator[Output]:
-        params = self._params
-        seed = params.get("seed")
-        if seed is not None and self._n > 1:
-            params = dict(params, seed=seed + choice.index % self._n)
-        return self._engine.generate(choice.request_id, choice.prompt_token_ids, params)
+                if c.outputs is not None:
+                    self._engine.abort(c.request_id)
+                    self._observe(c)
 
     def _apply(self, choice: Choice, out: Output) -> Delta | None:
         if out.finish_reason == "error":

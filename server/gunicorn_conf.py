@@ -14,7 +14,7 @@ worker_class = "uvicorn_worker.UvicornWorker"
 # Hundreds of clients may connect in the same instant.
 backlog = int(os.environ.get("RINGSERVE_BACKLOG", "2048"))
 # SIGTERM: stop accepting, let open streams finish for this long, then stop the workers.
-graceful_timeout = float(os.environ.get("RINGSERVE_DRAIN_TIMEOUT", "30"))
+graceful_timeout = int(float(os.environ.get("RINGSERVE_DRAIN_TIMEOUT", "30")))
 # A worker blocked this long (not streaming, not heartbeating) is restarted.
 timeout = 120
 keepalive = 5

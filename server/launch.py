@@ -27,7 +27,7 @@ from pathlib import Path
 log = logging.getLogger("ringserve.launch")
 
 ENGINE_START_TIMEOUT_S = 600.0
-WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"
+WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"  # the JSON a worker builds its app from (worker.py)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

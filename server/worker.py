@@ -1,0 +1,65 @@
+"""The app of one Gunicorn worker: `gunicorn ... 'ringserve.server.worker:worker_app()'`.
+
+Built after the fork, from the JSON the launcher puts in RINGSERVE_WORKER_CONFIG: the model
+folder (already resolved: a worker never downloads or converts), the served names, the
+engines' control sockets. The engine client connects at ASGI startup, on the worker's own loop.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from ringserve.ipc.stats import BLOCK_SIZE, NUM_BLOCKS, NUM_FREE_BLOCKS
+from ringserve.server.app import AppOptions, create_app
+from ringserve.server.context import ServerContext
+from ringserve.server.engine_client import EngineClient, EngineUnavailable
+from ringserve.server.launch import WORKER_CONFIG_ENV
+from ringserve.server.metrics import CacheConfig, EngineSnapshot, RequestMetrics
+from ringserve.server.tokenizer import Tokenizer
+
+log = logging.getLogger("ringserve.worker")
+
+
+def snapshots(client: EngineClient) -> list[EngineSnapshot]:
+    """What each connected engine last published (a dead engine has no sample)."""
+    out = []
+    for e in client.engines:
+        if e is None:
+            continue
+        s = e.stats
+        blocks = s[NUM_BLOCKS]
+        usage = 1.0 - s[NUM_FREE_BLOCKS] / blocks if blocks else 0.0
+        out.append(EngineSnapshot(s.running, s.waiting, usage, num_preemptions=0))
+    return out
+
+
+def cache_config(client: EngineClient) -> CacheConfig | None:
+    for e in client.engines:
+        if e is not None:
+            return CacheConfig(e.stats[BLOCK_SIZE], e.stats[NUM_BLOCKS])
+    return None
+
+
+def worker_app():
+    cfg = json.loads(os.environ[WORKER_CONFIG_ENV])
+    names = cfg["served_model_names"]
+    client = EngineClient(cfg["control_paths"])
+    ctx = ServerContext(Tokenizer.from_dir(cfg["model_dir"]), client, names, cfg["max_model_len"],
+                        RequestMetrics(names[0], cfg["max_model_len"]))
+
+    async def start() -> None:
+        await client.start()
+        try:  # engines are up before Gunicorn starts: accept only once connected
+            await client.wait_ready(timeout=30.0)
+        except EngineUnavailable as exc:  # one is restarting: answer 503 until it is back
+            log.warning("%s", exc)
+
+    options = AppOptions(
+        api_key=cfg.get("api_key"), max_body_bytes=cfg["max_body_bytes"],
+        model_root=cfg["model_dir"],
+        engine_alive=lambda: client.num_ready > 0,
+        engine_snapshots=lambda: snapshots(client),
+        cache_config=lambda: cache_config(client),
+        on_startup=[start], on_shutdown=[client.close])
+    return create_app(ctx, options)
