@@ -96,7 +96,8 @@ def server(default_model_dir, tmp_path_factory):
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.5)
     yield srv
-    proc.send_signal(signal.SIGTERM)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0, log.read_text()
     text = log.read_text()
     assert "stopped" in text and "Traceback" not in text, text
@@ -338,3 +339,21 @@ def test_killing_a_worker_leaves_other_streams_running(server):
     # Gunicorn replaced the worker; the server keeps answering.
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_sigterm_drains_open_streams(server):
+    """Last in this module: SIGTERM lets an open stream finish, then the server exits 0
+    (the fixture's teardown checks the exit code, the log and /dev/shm)."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={
+                "prompt": "Count:", "max_tokens": 24, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            server.proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    chunks = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(60) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=2)
