@@ -272,7 +272,7 @@ def build_tokenizer(meta: _Metadata):
 
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
-    added = [i for i, kind in enumerate(types) if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
+    added = {i for i, kind in enumerate(types) if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)}
     vocab = {}
     for i, token in enumerate(tokens):
         # Added tokens are matched on the raw text, so they keep their raw spelling; a plain
@@ -291,9 +291,9 @@ def build_tokenizer(meta: _Metadata):
     tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i in added if types[i] == TOKEN_TYPE_CONTROL])
+                            for i in sorted(added) if types[i] == TOKEN_TYPE_CONTROL])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i in added if types[i] == TOKEN_TYPE_USER_DEFINED])
+                    for i in sorted(added) if types[i] == TOKEN_TYPE_USER_DEFINED])
 
     def token_at(key: str) -> str | None:
         i = meta.get(key)

@@ -13,7 +13,6 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 import gguf
-from gguf import GGMLQuantizationType
 
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.gguf_convert import convert_gguf, unpermute_qk
