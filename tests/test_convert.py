@@ -7,12 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
-
-import gguf
 
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.gguf_convert import convert_gguf, unpermute_qk

@@ -1,8 +1,9 @@
 """Make tests/data/smollm2_reference.npz: what transformers computes for the default model.
 
-Run it with a Python that has torch, transformers and gguf (ringserve itself never imports torch):
+Run it with a Python that has torch, transformers, accelerate (transformers needs it to load a
+GGUF) and gguf, plus numpy, tokenizers and tqdm; ringserve itself never imports torch:
 
-    /tmp/refvenv/bin/python tools/make_reference_logits.py
+    /tmp/refvenv/bin/python tools/make_reference_logits.py      # about a minute on 2 cores
 
 It imports ringserve straight from this checkout (no install needed: see _import_checkout) and
 
