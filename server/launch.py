@@ -165,25 +165,33 @@ class Launcher:
         return subprocess.Popen(cmd, env=env)
 
     # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def control_paths(self) -> list[str]:
+        return [e.control_path for e in self.engines]
+
+    def start(self) -> None:
+        """Start the engines, wait until they take connections, then start Gunicorn."""
+        self.engines = [self._start_engine(i) for i in range(self.args.engines)]
+        shapes = [self._wait_ready(e) for e in self.engines]
+        if self._stopping:
+            return
+        self.gunicorn = self._start_gunicorn()
+        for e, (blocks, bs) in zip(self.engines, shapes):
+            log.info("engine %d: device %s, KV pool %d blocks x %d = %d tokens",
+                     e.index, self.device, blocks, bs, blocks * bs)
+        log.info("serving %s (%s) as %s on http://%s:%d with %d workers, max_model_len %d",
+                 self.model_dir.name, self.model_dir,
+                 ", ".join(self.args.served_model_name or [self.model_dir.name]),
+                 self.args.host, self.args.port, self.args.workers, self.max_model_len)
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            self.engines = [self._start_engine(i) for i in range(self.args.engines)]
-            shapes = [self._wait_ready(e) for e in self.engines]
-            if self._stopping:
-                return 0
-            self.gunicorn = self._start_gunicorn()
-            for e, (blocks, bs) in zip(self.engines, shapes):
-                log.info("engine %d: device %s, KV pool %d blocks x %d = %d tokens",
-                         e.index, self.device, blocks, bs, blocks * bs)
-            log.info("serving %s (%s) as %s on http://%s:%d with %d workers, max_model_len %d",
-                     self.model_dir.name, self.model_dir,
-                     ", ".join(self.args.served_model_name or [self.model_dir.name]),
-                     self.args.host, self.args.port, self.args.workers, self.max_model_len)
-            return self._supervise()
+            self.start()
+            return 0 if self.gunicorn is None else self._supervise()
         finally:
-            self._shutdown()
+            self.shutdown()
 
     def _supervise(self) -> int:
         while not self._stopping:
@@ -207,7 +215,7 @@ class Launcher:
     def _on_signal(self, signum, frame) -> None:
         self._stopping = True
 
-    def _shutdown(self) -> None:
+    def shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if self.gunicorn is not None and self.gunicorn.poll() is None:
             log.info("draining open streams (up to %.0f s)", self.args.drain_timeout)
