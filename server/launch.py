@@ -160,6 +160,11 @@ class Launcher:
                    RINGSERVE_DRAIN_TIMEOUT=str(a.drain_timeout),
                    RINGSERVE_LOG_LEVEL=a.log_level,
                    **{WORKER_CONFIG_ENV: json.dumps(worker_config)})
+        # What an outside engine client (`ringserve loadgen` in ring mode) needs to attach to
+        # the engines as a worker does; the runtime folder is 0700, the key stays out anyway.
+        server_info = dict(worker_config, url=f"http://{a.host}:{a.port}", pid=os.getpid())
+        del server_info["api_key"]
+        (self.runtime / "server.json").write_text(json.dumps(server_info))
         cmd = [sys.executable, "-m", "gunicorn", "-c", "python:ringserve.server.gunicorn_conf",
                "ringserve.server.worker:worker_app()"]
         return subprocess.Popen(cmd, env=env)
