@@ -37,16 +37,15 @@ class Server:
 
     def gunicorn_workers(self) -> list[int]:
         """Pids of the Gunicorn workers (grandchildren of the launcher)."""
-        def children(pid: int) -> list[int]:
-            out = []
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                text = (task / "children").read_text().split()
-                out += [int(p) for p in text]
-            return out
-        for child in children(self.proc.pid):
+        for child in _children(self.proc.pid):
             if b"gunicorn" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return children(child)
+                return _children(child)
         raise AssertionError("no gunicorn master under the launcher")
+
+    def engine_pids(self) -> list[int]:
+        """The engine processes: the launcher's multiprocessing-spawned children."""
+        return [pid for pid in _children(self.proc.pid)
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
     def kv_usage(self) -> float:
         return sum(v for _, v in _samples(httpx.get(self.url + "/metrics").text,
@@ -64,6 +63,13 @@ class Server:
                 return
             time.sleep(0.2)
         raise AssertionError(f"the engine did not become idle: {text}")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(p) for p in (task / "children").read_text().split()]
+    return out
 
 
 def _samples(text: str, name: str) -> list[tuple[str, float]]:
@@ -216,6 +222,27 @@ def test_bad_requests_then_still_serving(server):
         assert c.get("/v1/models").json()["data"][0]["id"] == "smol"
 
 
+def test_metrics_sum_over_workers(server):
+    def successes() -> list[float]:
+        # Fresh connections: each scrape may be answered by either worker; all must agree.
+        return [sum(v for labels, v in _samples(httpx.get(server.url + "/metrics").text,
+                                                "ringserve:request_success_total")
+                    if 'finished_reason="length"' in labels) for _ in range(4)]
+    before = successes()
+    assert len(set(before)) == 1
+    for _ in range(6):
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200
+    assert successes() == [before[0] + 6] * 4
+    text = httpx.get(server.url + "/metrics").text
+    (labels, value), = _samples(text, "ringserve:cache_config_info")
+    assert 'block_size="16"' in labels and "num_gpu_blocks=" in labels and value == 1.0
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds"):
+        assert _samples(text, f"ringserve:{name}_count")[0][1] > 0
+
+
 async def _stream_one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[str, str]:
     text, finish, done = "", None, False
     async with client.stream("POST", "/v1/completions", json={
@@ -339,6 +366,32 @@ def test_killing_a_worker_leaves_other_streams_running(server):
     # Gunicorn replaced the worker; the server keeps answering.
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_engine_death_fails_streams_then_recovers(server):
+    """An engine killed mid-stream: its streams end with an error event (never a hang), the
+    launcher restarts it, and the workers reconnect and serve again."""
+    (engine,) = server.engine_pids()
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json={
+                "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(engine, signal.SIGKILL)
+            rest = [x for x in lines if x]
+        assert rest[-1] == "data: [DONE]"
+        assert "error" in json.loads(rest[-2][6:])
+        deadline = time.monotonic() + 120
+        while True:  # every worker answers again (a new connection may reach either)
+            ok = [c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code
+                  for _ in range(6)]
+            if ok == [200] * 6:
+                break
+            assert set(ok) <= {200, 503}, ok
+            assert time.monotonic() < deadline, server.log.read_text()
+            time.sleep(0.5)
+    assert server.engine_pids() != [engine]
+    server.wait_idle()
 
 
 def test_sigterm_drains_open_streams(server):
