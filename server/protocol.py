@@ -36,7 +36,7 @@ class StreamOptions(Struct, forbid_unknown_fields=False):
 class _SamplingFields(Struct, kw_only=True):
     """Fields that completions and chat share; names as OpenAI and vLLM spell them."""
     model: str | None = None
-    n: PositiveInt = 1
+    n: Annotated[int, Meta(ge=1, le=128)] = 1  # OpenAI's limit; each choice is an engine request
     temperature: NonNegFloat | None = None
     top_p: TopP | None = None
     presence_penalty: Penalty = 0.0

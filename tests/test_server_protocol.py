@@ -51,6 +51,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 129}, "n"),
     ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "top_k": -2}, "top_k"),
