@@ -18,6 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     from ringserve.server.launch import add_serve_arguments  # argparse only; nothing heavy
     add_serve_arguments(p)
 
+    p = sub.add_parser("loadgen", help="load-test a server: ring mode (its engines, no HTTP) or "
+                                       "HTTP mode (any OpenAI-compatible server)")
+    from ringserve.tools.loadgen.cli import add_arguments as add_loadgen_arguments  # argparse only
+    add_loadgen_arguments(p)
+
     args = parser.parse_args(argv)
     if args.command == "download":
         from ringserve.gpu.model_store import download_command
@@ -25,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from ringserve.server.launch import serve_command
         return serve_command(args)
+    if args.command == "loadgen":
+        from ringserve.tools.loadgen.cli import command as loadgen_command
+        return loadgen_command(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
