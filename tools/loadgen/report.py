@@ -1,0 +1,113 @@
+"""Reports: vLLM `bench serve`-style text for one load point, a markdown table for a sweep,
+the JSON document of a run (``--json``), and two runs side by side (``--compare``)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ringserve.tools.loadgen.stats import LATENCY_METRICS, Summary
+
+FORMAT = "ringserve-loadgen/1"
+_TITLES = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+           "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
+
+
+def _f(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def format_point(label: str, s: dict[str, Any]) -> str:
+    """One load point, laid out as vLLM's `bench serve` prints it."""
+    w = 50
+    lines = [f" {label} ".center(w, "="),
+             f"{'Successful requests:':<40}{s['completed']:<10}",
+             f"{'Failed requests:':<40}{s['failed']:<10}",
+             f"{'Maximum request concurrency:':<40}{s['max_concurrency']:<10}",
+             f"{'Benchmark duration (s):':<40}{s['duration']:<10.2f}",
+             f"{'Total input tokens:':<40}{s['total_input_tokens']:<10}",
+             f"{'Total generated tokens:':<40}{s['total_output_tokens']:<10}",
+             f"{'Request throughput (req/s):':<40}{s['request_throughput']:<10.2f}"]
+    if s.get("goodput") is not None:
+        lines.append(f"{'Request goodput (req/s):':<40}{s['goodput']:<10.2f}")
+    lines += [f"{'Output token throughput (tok/s):':<40}{s['output_throughput']:<10.2f}",
+              f"{'Total Token throughput (tok/s):':<40}{s['total_token_throughput']:<10.2f}"]
+    for key in LATENCY_METRICS:
+        title, short = _TITLES[key]
+        d = s[key]
+        lines.append(f"{title}".center(w, "-"))
+        lines += [f"{f'Mean {short} (ms):':<40}{_f(d['mean']):<10}",
+                  f"{f'Median {short} (ms):':<40}{_f(d['median']):<10}",
+                  f"{f'P90 {short} (ms):':<40}{_f(d['p90']):<10}",
+                  f"{f'P99 {short} (ms):':<40}{_f(d['p99']):<10}"]
+    for err in s.get("errors") or []:
+        lines.append(f"error: {err}")
+    lines.append("=" * w)
+    return "\n".join(lines)
+
+
+def sweep_table(points: list[dict[str, Any]]) -> str:
+    """A markdown table, one row per load point."""
+    goodput = any(p["summary"].get("goodput") is not None for p in points)
+    head = ["load", "ok", "failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+            "TPOT p99", "ITL p50", "E2E p50"] + (["goodput req/s"] if goodput else [])
+    rows = []
+    for p in points:
+        s = p["summary"]
+        row = [p["label"], str(s["completed"]), str(s["failed"]), _f(s["request_throughput"]),
+               _f(s["output_throughput"], 1), _f(s["ttft"]["median"], 1), _f(s["ttft"]["p99"], 1),
+               _f(s["tpot"]["median"], 1), _f(s["tpot"]["p99"], 1), _f(s["itl"]["median"], 1),
+               _f(s["e2el"]["median"], 1)]
+        rows.append(row + ([_f(s.get("goodput"))] if goodput else []))
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    fmt = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([fmt(head), sep] + [fmt(r) for r in rows]) + "\n(latencies in ms)"
+
+
+def document(config: dict[str, Any], points: list[tuple[str, dict[str, Any], Summary]]) -> dict[str, Any]:
+    """The JSON of a run: its configuration and each load point's summary."""
+    return {"format": FORMAT, **config,
+            "points": [{"label": label, "load": load, "summary": asdict(s)} for label, load, s in points]}
+
+
+def load_document(path: str | Path) -> dict[str, Any]:
+    doc = json.loads(Path(path).read_text())
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a `ringserve loadgen --json` file")
+    return doc
+
+
+_COMPARE_ROWS = [
+    ("completed", lambda s: s["completed"], 0), ("failed", lambda s: s["failed"], 0),
+    ("req/s", lambda s: s["request_throughput"], 2), ("out tok/s", lambda s: s["output_throughput"], 1),
+    ("total tok/s", lambda s: s["total_token_throughput"], 1),
+    ("goodput req/s", lambda s: s.get("goodput"), 2),
+] + [(f"{_TITLES[k][1]} {stat} (ms)", (lambda s, k=k, stat=stat: s[k][stat]), 1)
+     for k in LATENCY_METRICS for stat in ("mean", "median", "p99")]
+
+
+def _describe(doc: dict[str, Any]) -> str:
+    b = doc.get("backend", {})
+    return f"{b.get('mode', '?')} {b.get('server', '')} {b.get('endpoint', '')}".strip()
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")) -> str:
+    """Two runs side by side, load point by load point (matched by label)."""
+    out = [f"{names[0]}: {_describe(a)}", f"{names[1]}: {_describe(b)}"]
+    b_points = {p["label"]: p for p in b["points"]}
+    for pa in a["points"]:
+        pb = b_points.pop(pa["label"], None)
+        out.append("")
+        out.append(f"{pa['label']:<26}{names[0]:>12}{names[1]:>12}{names[1] + '/' + names[0]:>10}")
+        for title, get, digits in _COMPARE_ROWS:
+            va = get(pa["summary"])
+            vb = get(pb["summary"]) if pb else None
+            if va is None and vb is None:
+                continue
+            ratio = f"{vb / va:.2f}x" if va and vb is not None else "-"
+            out.append(f"{title:<26}{_f(va, digits):>12}{_f(vb, digits):>12}{ratio:>10}")
+    for label in b_points:
+        out.append(f"\n{label}: only in {names[1]}")
+    return "\n".join(out)
