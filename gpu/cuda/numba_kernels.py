@@ -1,0 +1,205 @@
+"""The indexing-heavy kernels in Numba CUDA: embedding gather, slot-mapped K/V write, row
+gather at the last positions, greedy argmax, and paged attention (the reference and fallback
+to the RawKernel in attention.cu).
+
+Written so that Numba's CUDA simulator can run them (CI has no GPU, DESIGN.md §8): no warp
+shuffles (reductions go through shared memory), every loop strided by blockDim so a block of
+32 threads (the simulator) and of 128 (a device) compute the same thing. Math in float32;
+arrays fp16 on a device (any float dtype works).
+
+Each launcher takes `threads` (threads per block) and `stream` (a Numba stream; on a device,
+numba.cuda.external_stream(cupy_stream.ptr) so the launch joins a CuPy stream and its graph).
+"""
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, int32
+
+# Paged attention: one block per (token, head); each thread holds the outputs for up to
+# MAX_DIMS_PER_THREAD of the head's dims, and the block scores ATTN_TILE keys at a time.
+MAX_HEAD_DIM = 256
+MAX_DIMS_PER_THREAD = 8
+ATTN_TILE = 32  # keys per tile = the largest block size the launcher accepts (and the sim's)
+
+
+@cuda.jit
+def embedding_kernel(ids, table, out):  # pragma: no cover - device code
+    """out[t, :] = table[ids[t], :]; grid (T,)."""
+    t = cuda.blockIdx.x
+    row = ids[t]
+    for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        out[t, d] = table[row, d]
+
+
+@cuda.jit
+def store_kv_kernel(qkv, slot_mapping, k_cache, v_cache, num_heads):  # pragma: no cover
+    """Token t's k and v heads (columns after the q heads of qkv) go to its slot; -1 = skip.
+    grid (T,)."""
+    t = cuda.blockIdx.x
+    slot = slot_mapping[t]
+    if slot < 0:
+        return
+    block_size, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    b = slot // block_size
+    r = slot % block_size
+    k0 = num_heads * d
+    v0 = k0 + kvh * d
+    for i in range(cuda.threadIdx.x, kvh * d, cuda.blockDim.x):
+        h = i // d
+        j = i % d
+        k_cache[b, r, h, j] = qkv[t, k0 + i]
+        v_cache[b, r, h, j] = qkv[t, v0 + i]
+
+
+@cuda.jit
+def gather_rows_kernel(x, indices, out):  # pragma: no cover - device code
+    """out[b, :] = x[indices[b], :]; grid (B,)."""
+    b = cuda.blockIdx.x
+    src = indices[b]
+    for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        out[b, d] = x[src, d]
+
+
+@cuda.jit
+def argmax_kernel(logits, out):  # pragma: no cover - device code
+    """out[b] = first index of the max of logits[b]; grid (B,), blockDim a power of two ≤ 128."""
+    best_v = cuda.shared.array(128, float32)
+    best_i = cuda.shared.array(128, int32)
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    v = float32(-math.inf)
+    idx = int32(0x7FFFFFFF)
+    for j in range(tid, logits.shape[1], cuda.blockDim.x):
+        x = float32(logits[b, j])
+        if x > v:  # strided ascending j: the first max of this thread wins ties
+            v = x
+            idx = j
+    best_v[tid] = v
+    best_i[tid] = idx
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            ov, oi = best_v[tid + step], best_i[tid + step]
+            if ov > best_v[tid] or (ov == best_v[tid] and oi < best_i[tid]):
+                best_v[tid] = ov
+                best_i[tid] = oi
+        cuda.syncthreads()
+        step //= 2
+    if tid == 0:
+        out[b] = best_i[0]
+
+
+@cuda.jit(device=True, inline=True)
+def request_of(query_start_loc, t):  # pragma: no cover - device code
+    """The request owning token t: the last r with query_start_loc[r] <= t (binary search)."""
+    lo = 0
+    hi = query_start_loc.shape[0] - 2
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if query_start_loc[mid] <= t:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@cuda.jit
+def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens,
+                           block_tables, scale, out):  # pragma: no cover - device code
+    """out [T, H*D]: token t, head h attends causally to its request's keys through the block
+    table. grid (T, H). Tiles of ATTN_TILE keys: each thread scores one key of the tile into
+    shared memory, then every thread folds the tile into its dims' accumulators (online
+    softmax). Two barriers per tile, none per key."""
+    q_sh = cuda.shared.array(MAX_HEAD_DIM, float32)
+    s_sh = cuda.shared.array(ATTN_TILE, float32)
+    t = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    block_size, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_heads = out.shape[1] // d
+    kv = h // (num_heads // kvh)
+    r = request_of(query_start_loc, t)
+    n = min(positions[t] + 1, seq_lens[r])
+    for i in range(tid, d, nt):
+        q_sh[i] = float32(qkv[t, h * d + i]) * scale
+    acc = cuda.local.array(MAX_DIMS_PER_THREAD, float32)
+    for i in range(MAX_DIMS_PER_THREAD):
+        acc[i] = float32(0.0)
+    m = float32(-math.inf)
+    total = float32(0.0)
+    cuda.syncthreads()
+    for start in range(0, n, ATTN_TILE):
+        tile = min(ATTN_TILE, n - start)
+        for jj in range(tid, tile, nt):
+            j = start + jj
+            blk = block_tables[r, j // block_size]
+            row = j % block_size
+            s = float32(0.0)
+            for i in range(d):
+                s += q_sh[i] * float32(k_cache[blk, row, kv, i])
+            s_sh[jj] = s
+        cuda.syncthreads()
+        m_new = m
+        for jj in range(tile):
+            m_new = max(m_new, s_sh[jj])
+        corr = math.exp(m - m_new)
+        total *= corr
+        for c in range(MAX_DIMS_PER_THREAD):
+            acc[c] *= corr
+        for jj in range(tile):
+            j = start + jj
+            blk = block_tables[r, j // block_size]
+            row = j % block_size
+            p = math.exp(s_sh[jj] - m_new)
+            total += p
+            c = 0
+            for i in range(tid, d, nt):
+                acc[c] += p * float32(v_cache[blk, row, kv, i])
+                c += 1
+        m = m_new
+        cuda.syncthreads()
+    inv = float32(1.0) / total if total > 0 else float32(0.0)
+    c = 0
+    for i in range(tid, d, nt):
+        out[t, h * d + i] = acc[c] * inv
+        c += 1
+
+
+# Launchers: one place that knows each kernel's grid.
+
+def embedding(ids, table, out, *, threads=128, stream=0):
+    if ids.shape[0]:
+        embedding_kernel[ids.shape[0], threads, stream](ids, table, out)
+
+
+def store_kv(qkv, slot_mapping, k_cache, v_cache, num_heads, *, threads=128, stream=0):
+    if qkv.shape[0]:
+        store_kv_kernel[qkv.shape[0], threads, stream](qkv, slot_mapping, k_cache, v_cache, num_heads)
+
+
+def gather_rows(x, indices, out, *, threads=128, stream=0):
+    if indices.shape[0]:
+        gather_rows_kernel[indices.shape[0], threads, stream](x, indices, out)
+
+
+def argmax(logits, out, *, threads=128, stream=0):
+    if threads & (threads - 1) or threads > 128:
+        raise ValueError(f"argmax: threads {threads} must be a power of two <= 128")
+    if logits.shape[0]:
+        argmax_kernel[logits.shape[0], threads, stream](logits, out)
+
+
+def paged_attention(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
+                    scale, out, *, threads=128, stream=0):
+    head_dim = k_cache.shape[3]
+    if head_dim > MAX_HEAD_DIM or head_dim > MAX_DIMS_PER_THREAD * threads:
+        raise ValueError(f"paged_attention: head_dim {head_dim} needs at most {MAX_HEAD_DIM} "
+                         f"and {MAX_DIMS_PER_THREAD} dims per thread ({threads} threads)")
+    num_heads = out.shape[1] // head_dim
+    if qkv.shape[0]:
+        paged_attention_kernel[(qkv.shape[0], num_heads), threads, stream](
+            qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
+            float32(scale), out)

@@ -1,0 +1,92 @@
+"""numpy references for every CUDA kernel, in float32, on the same layouts the kernels use.
+
+The kernels are checked against these (in the CUDA simulator and on a device); these are
+checked on their own against the CPU backend and plain definitions (tests/test_cuda_reference.py).
+
+Layouts: qkv [T, (H + 2 KVH) * D] (q heads, then k heads, then v heads, per token); KV cache per
+layer [num_blocks, block_size, KVH, D]; slot s is row s % block_size of block s // block_size.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """[T, hidden] rows of table at ids."""
+    return table[ids]
+
+
+def add_rms_norm(h: np.ndarray, delta: np.ndarray | None, weight: np.ndarray,
+                 eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """(h + delta, RMSNorm(h + delta) * weight), both float32; delta None is a plain RMSNorm."""
+    h = h.astype(np.float32) + (0 if delta is None else delta.astype(np.float32))
+    r = 1.0 / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + np.float32(eps))
+    return h, (h * r * weight.astype(np.float32)).astype(np.float32)
+
+
+def rope(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+         num_heads: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
+    """qkv with its q and k heads rotated (HF rotate_half: two halves of a head) by each
+    token's position; cos/sin tables [max_pos, D/2]. v is unchanged."""
+    out = qkv.astype(np.float32).copy()
+    T, half = qkv.shape[0], head_dim // 2
+    heads = out[:, :(num_heads + num_kv_heads) * head_dim].reshape(T, -1, head_dim)
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    x1, x2 = heads[..., :half].copy(), heads[..., half:].copy()
+    heads[..., :half] = x1 * c - x2 * s
+    heads[..., half:] = x2 * c + x1 * s
+    return out
+
+
+def silu_mul(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
+    g, u = np.split(gate_up.astype(np.float32), 2, axis=-1)
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def store_kv(qkv: np.ndarray, slot_mapping: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+             num_heads: int) -> None:
+    """Write each token's k and v heads (from qkv) into the caches at its slot; -1 is skipped."""
+    _, block_size, kvh, d = k_cache.shape
+    k0, v0 = num_heads * d, (num_heads + kvh) * d
+    for t, slot in enumerate(slot_mapping):
+        if slot < 0:
+            continue
+        b, r = divmod(int(slot), block_size)
+        k_cache[b, r] = qkv[t, k0:v0].reshape(kvh, d)
+        v_cache[b, r] = qkv[t, v0:v0 + kvh * d].reshape(kvh, d)
+
+
+def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                    positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                    block_tables: np.ndarray, num_heads: int, scale: float) -> np.ndarray:
+    """[T, H * D] float32: token t of request r at position p attends to r's keys 0..p (also
+    capped at seq_lens[r]), read through r's block table. A request with no keys gets zeros."""
+    _, block_size, kvh, d = k_cache.shape
+    group = num_heads // kvh
+    out = np.zeros((qkv.shape[0], num_heads, d), np.float32)
+    for r in range(len(seq_lens)):
+        for t in range(query_start_loc[r], query_start_loc[r + 1]):
+            n = min(int(positions[t]) + 1, int(seq_lens[r]))
+            if n <= 0:
+                continue
+            j = np.arange(n)
+            blocks = block_tables[r, j // block_size]
+            k = k_cache[blocks, j % block_size].astype(np.float32)  # [n, KVH, D]
+            v = v_cache[blocks, j % block_size].astype(np.float32)
+            q = qkv[t, :num_heads * d].astype(np.float32).reshape(kvh, group, d)
+            s = np.einsum("hgd,nhd->hgn", q, k) * np.float32(scale)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out[t] = np.einsum("hgn,nhd->hgd", p, v).reshape(num_heads, d)
+    return out.reshape(qkv.shape[0], num_heads * d)
+
+
+def gather_rows(x: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """x[indices]: the hidden rows at each request's last position, before the LM head."""
+    return x[indices]
+
+
+def argmax_rows(logits: np.ndarray) -> np.ndarray:
+    """int32 [B]: the first index of each row's maximum (greedy sampling)."""
+    return np.argmax(logits, axis=-1).astype(np.int32)

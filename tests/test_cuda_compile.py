@@ -1,0 +1,91 @@
+"""Compile checks without a GPU (DESIGN.md §8.3): every Numba CUDA kernel to PTX and every CUDA
+C kernel through NVRTC, for sm_80 (A100) and sm_90 (H100/H200), then ptxas -v on the PTX: no
+spills, registers and shared memory within budget, no accidental float64.
+
+NVRTC, NVVM and ptxas come from the wheels numba-cuda[cu12] pulls in (the `test` extra).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda, types
+from numba.cuda.dispatcher import CUDADispatcher
+
+from ringserve.gpu.cuda import numba_kernels, toolchain
+
+pytestmark = pytest.mark.compile
+
+ARCHS = ["sm_80", "sm_90"]
+MAX_REGISTERS = 128            # 4 blocks of 128 threads per SM stay resident
+MAX_SHARED_BYTES = 48 * 1024   # static shared memory, no opt-in needed
+
+f16_1d, f16_2d, f16_4d = (types.Array(types.float16, n, "C") for n in (1, 2, 4))
+f32_1d, f32_2d = types.Array(types.float32, 1, "C"), types.Array(types.float32, 2, "C")
+i32_1d, i32_2d = types.Array(types.int32, 1, "C"), types.Array(types.int32, 2, "C")
+
+# Every kernel with the signatures the runner launches it with (fp16 activations and cache).
+NUMBA_SIGNATURES = {
+    "embedding_kernel": [(i32_1d, f16_2d, f16_2d), (i32_1d, f32_2d, f32_2d)],
+    "store_kv_kernel": [(f16_2d, i32_1d, f16_4d, f16_4d, types.int64)],
+    "gather_rows_kernel": [(f16_2d, i32_1d, f16_2d), (f32_2d, i32_1d, f32_2d)],
+    "argmax_kernel": [(f32_2d, i32_1d), (f16_2d, i32_1d)],
+    "paged_attention_kernel": [(f16_2d, f16_4d, f16_4d, i32_1d, i32_1d, i32_1d, i32_2d,
+                                types.float32, f16_2d)],
+}
+
+# Each CUDA C source with the -D variants the runner compiles it with (Llama shapes:
+# SmolLM2 64/3, Llama-3.2-1B 64/4, Llama-3-8B 128/4, Qwen2 128/7, 70B-style 128/8, 256/1).
+CUDA_C_VARIANTS = {
+    "fused.cu": [{}],
+    "attention.cu": [dict(HEAD_DIM=d, GQA_GROUP=g)
+                     for d, g in ((64, 3), (64, 4), (128, 4), (128, 7), (128, 8), (256, 1))],
+}
+
+
+def check_resources(report, where):
+    assert report, f"{where}: ptxas reported no kernel"
+    for k in report.values():
+        assert k.spill_stores == 0 and k.spill_loads == 0, f"{where}: {k}"
+        assert k.registers <= MAX_REGISTERS, f"{where}: {k}"
+        assert k.shared_bytes <= MAX_SHARED_BYTES, f"{where}: {k}"
+
+
+def test_every_numba_kernel_has_signatures():
+    kernels = {name for name, obj in vars(numba_kernels).items()
+               if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device")}
+    assert kernels == set(NUMBA_SIGNATURES)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", sorted(NUMBA_SIGNATURES))
+def test_numba_kernel_compiles(name, arch):
+    cc = (int(arch[3]), int(arch[4]))
+    for sig in NUMBA_SIGNATURES[name]:
+        ptx, _ = cuda.compile_ptx(getattr(numba_kernels, name).py_func, sig, cc=cc)
+        where = f"{name}{sig} {arch}"
+        assert ".f64" not in ptx, f"{where}: float64 in the PTX"
+        check_resources(toolchain.ptxas_report(ptx, arch), where)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", sorted(CUDA_C_VARIANTS))
+def test_cuda_c_compiles_with_nvrtc(name, arch):
+    for defines in CUDA_C_VARIANTS[name]:
+        ptx = toolchain.nvrtc_ptx(toolchain.source(name), arch, toolchain.options(defines), name)
+        where = f"{name} {defines} {arch}"
+        assert ".f64" not in ptx, f"{where}: float64 in the PTX"
+        check_resources(toolchain.ptxas_report(ptx, arch), where)
+
+
+def test_nvrtc_reports_errors():
+    with pytest.raises(RuntimeError, match="HEAD_DIM"):
+        toolchain.nvrtc_ptx(toolchain.source("attention.cu"), "sm_90", toolchain.options())
+
+
+def test_ptxas_report_sees_spills():
+    """The report parser is what the budget checks stand on: force a spill and see it."""
+    src = toolchain.source("attention.cu").replace("__launch_bounds__(WARPS * 32, 4)",
+                                                   "__launch_bounds__(WARPS * 32, 16)")
+    ptx = toolchain.nvrtc_ptx(src, "sm_90", toolchain.options(dict(HEAD_DIM=128, GQA_GROUP=8)))
+    k = toolchain.ptxas_report(ptx, "sm_90")["paged_attention"]
+    assert k.spill_stores > 0 and k.registers <= 32

@@ -1,0 +1,117 @@
+"""Numba CUDA kernels in Numba's CUDA simulator vs their numpy references (DESIGN.md §8.2).
+
+The simulator must be switched on before numba is first imported, so these tests run in a
+pytest process of their own: in the main run, the one test below launches this file again
+with NUMBA_ENABLE_CUDASIM=1. The simulator runs ~1 ms per thread per barrier: 32-thread
+blocks and tiny sizes.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.sim
+IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+THREADS = 32
+
+if not IN_SIMULATOR:
+    def test_simulator_tests_pass_in_their_own_process():
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "-m", "sim", __file__], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+
+else:
+    from numba import cuda
+
+    from ringserve.gpu.cuda import numba_kernels as nk
+    from ringserve.gpu.cuda import reference as ref
+
+    from numba import config as numba_config
+
+    assert numba_config.ENABLE_CUDASIM  # the kernels below run in the simulator, not on a device
+
+    def paged_case(rng, *, num_heads=4, kvh=2, d=16, block_size=4, num_blocks=24):
+        """Two prefill chunks (one with a cached prefix) and two decodes, shuffled blocks."""
+        prompt_lens = [(0, 5), (6, 3), (9, 1), (2, 1)]  # (tokens already cached, new tokens)
+        seq_lens = np.array([c + n for c, n in prompt_lens], np.int32)
+        max_blocks = int(np.ceil(seq_lens.max() / block_size))
+        perm = rng.permutation(num_blocks).astype(np.int32)
+        tables = np.full((len(seq_lens), max_blocks), -1, np.int32)
+        used = 0
+        for r, s in enumerate(seq_lens):
+            nb = -(-int(s) // block_size)
+            tables[r, :nb] = perm[used:used + nb]
+            used += nb
+        positions = np.concatenate([np.arange(c, c + n) for c, n in prompt_lens]).astype(np.int32)
+        qsl = np.concatenate([[0], np.cumsum([n for _, n in prompt_lens])]).astype(np.int32)
+        req = np.repeat(np.arange(len(seq_lens)), [n for _, n in prompt_lens])
+        slots = (tables[req, positions // block_size] * block_size + positions % block_size).astype(np.int32)
+        T = len(positions)
+        qkv = rng.standard_normal((T, (num_heads + 2 * kvh) * d)).astype(np.float16)
+        k_cache = rng.standard_normal((num_blocks, block_size, kvh, d)).astype(np.float16)
+        v_cache = rng.standard_normal((num_blocks, block_size, kvh, d)).astype(np.float16)
+        return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions,
+                    query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, slots=slots,
+                    num_heads=num_heads)
+
+    def test_embedding():
+        rng = np.random.default_rng(0)
+        table = rng.standard_normal((50, 40)).astype(np.float16)
+        ids = np.array([3, 0, 49, 3], np.int32)
+        out = np.zeros((4, 40), np.float16)
+        nk.embedding(ids, table, out, threads=THREADS)
+        np.testing.assert_array_equal(out, ref.embedding(ids, table))
+
+    def test_store_kv_skips_padding_slots():
+        rng = np.random.default_rng(1)
+        H, KVH, D, BS = 4, 2, 8, 4
+        qkv = rng.standard_normal((5, (H + 2 * KVH) * D)).astype(np.float16)
+        slots = np.array([7, -1, 0, 13, -1], np.int32)
+        k = rng.standard_normal((4, BS, KVH, D)).astype(np.float16)
+        v = rng.standard_normal((4, BS, KVH, D)).astype(np.float16)
+        k_ref, v_ref = k.copy(), v.copy()
+        ref.store_kv(qkv, slots, k_ref, v_ref, H)
+        nk.store_kv(qkv, slots, k, v, H, threads=THREADS)
+        np.testing.assert_array_equal(k, k_ref)
+        np.testing.assert_array_equal(v, v_ref)
+
+    def test_gather_rows_and_argmax():
+        rng = np.random.default_rng(2)
+        x = rng.standard_normal((7, 70)).astype(np.float32)
+        x[2, 5] = x[2, 60] = 100.0  # a tie: the first index wins
+        idx = np.array([6, 2, 0], np.int32)
+        rows = np.zeros((3, 70), np.float32)
+        nk.gather_rows(x, idx, rows, threads=THREADS)
+        np.testing.assert_array_equal(rows, ref.gather_rows(x, idx))
+        out = np.zeros(3, np.int32)
+        nk.argmax(rows, out, threads=THREADS)
+        np.testing.assert_array_equal(out, ref.argmax_rows(rows))
+        assert out[1] == 5
+
+    @pytest.mark.parametrize("threads", [8, THREADS])
+    def test_paged_attention_matches_reference(threads):
+        c = paged_case(np.random.default_rng(3))
+        ref.store_kv(c["qkv"], c["slots"], c["k_cache"], c["v_cache"], c["num_heads"])
+        out = np.zeros((len(c["positions"]), c["num_heads"] * 16), np.float32)
+        args = (c["qkv"], c["k_cache"], c["v_cache"], c["positions"], c["query_start_loc"],
+                c["seq_lens"], c["block_tables"])
+        nk.paged_attention(*args, 0.25, out, threads=threads)
+        expect = ref.paged_attention(*args, c["num_heads"], 0.25)
+        np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-4)
+
+    def test_paged_attention_padding_request_gets_zeros():
+        c = paged_case(np.random.default_rng(4))
+        seq_lens = c["seq_lens"].copy()
+        seq_lens[3] = 0  # a padded decode row (CUDA graph padding): no keys
+        out = np.full((len(c["positions"]), c["num_heads"] * 16), 7.0, np.float32)
+        nk.paged_attention(c["qkv"], c["k_cache"], c["v_cache"], c["positions"],
+                           c["query_start_loc"], seq_lens, c["block_tables"], 0.25, out,
+                           threads=THREADS)
+        assert np.all(out[-1] == 0) and np.all(np.isfinite(out))
