@@ -1,0 +1,274 @@
+"""Benchmark the frontend<->engine transports in one run (DESIGN.md §4).
+
+    .venv/bin/python -m ringserve.tools.bench_ipc [--quick]
+
+Each transport carries the same AddRequest (16 tokens ~ 64 B, or 4096 tokens = 16 KiB of
+token ids) with its natural encoding: our ring and os.pipe the binary wire format of
+ringserve.ipc.messages, multiprocessing.Queue pickle, pyzmq PUSH/PULL msgspec msgpack (vLLM's
+transport). Throughput: one process sends N, the other decodes them all. Round trip: ping-pong
+with an echoing process. Wake-up: the engine writes a record and rings the doorbell of an idle
+asyncio frontend, which notes the delay when its reader callback runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import struct
+import tempfile
+import time
+
+import msgspec
+import numpy as np
+
+from ringserve.ipc.channel import Channel
+from ringserve.ipc.doorbell import Doorbell
+from ringserve.ipc.messages import AddRequest, decode_request, encode_request
+
+ctx = mp.get_context("fork")  # transports are created first and inherited; nothing here holds CUDA
+
+
+class ZmqRequest(msgspec.Struct, array_like=True):  # as vLLM's EngineCoreRequest travels
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict
+
+
+# -- transports: two ends, each with send(msg) and recv() -> msg ------------------------
+
+
+class RingEnd:
+    def __init__(self, name: str, capacity: int, parent: bool):
+        self.ch = Channel.attach(name, capacity)
+        self.tx, self.rx = (self.ch.requests, self.ch.outputs) if parent else (self.ch.outputs, self.ch.requests)
+
+    def send(self, msg: AddRequest) -> None:
+        record = encode_request(msg)
+        while not self.tx.try_write(record):  # spin: the busy engine's mode
+            pass
+
+    def recv(self) -> AddRequest:
+        while (record := self.rx.read()) is None:
+            pass
+        return decode_request(record)
+
+
+class PipeEnd:
+    def __init__(self, fds: tuple[int, int]):
+        self.rfd, self.wfd = fds
+
+    def send(self, msg: AddRequest) -> None:
+        data = encode_request(msg)
+        data = struct.pack("<I", len(data)) + data
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.wfd, view):]
+
+    def _read(self, n: int) -> bytes:
+        parts = []
+        while n:
+            chunk = os.read(self.rfd, n)
+            parts.append(chunk)
+            n -= len(chunk)
+        return b"".join(parts)
+
+    def recv(self) -> AddRequest:
+        (n,) = struct.unpack("<I", self._read(4))
+        return decode_request(self._read(n))
+
+
+class QueueEnd:
+    def __init__(self, tx, rx):
+        self.tx, self.rx = tx, rx
+
+    def send(self, msg: AddRequest) -> None:
+        self.tx.put(msg)
+
+    def recv(self) -> AddRequest:
+        return self.rx.get()
+
+    def flush(self) -> None:  # put() hands off to a feeder thread: let it finish
+        self.tx.close()
+        self.tx.join_thread()
+
+
+class ZmqEnd:
+    def __init__(self, tx_addr: str, rx_addr: str):
+        import zmq
+
+        self.zctx = zmq.Context()
+        self.tx = self.zctx.socket(zmq.PUSH)
+        self.tx.bind(tx_addr)
+        self.rx = self.zctx.socket(zmq.PULL)
+        self.rx.connect(rx_addr)
+        self.enc = msgspec.msgpack.Encoder()
+        self.dec = msgspec.msgpack.Decoder(ZmqRequest)
+
+    def send(self, msg: AddRequest) -> None:
+        self.tx.send(self.enc.encode(ZmqRequest(msg.request_id, msg.prompt_token_ids, msg.params)), copy=False)
+
+    def recv(self) -> AddRequest:
+        m = self.dec.decode(self.rx.recv(copy=False).buffer)
+        return AddRequest(m.request_id, m.prompt_token_ids, m.params)
+
+    def flush(self) -> None:  # sends go out on zmq's I/O thread: wait for them, then stop it
+        self.tx.close(linger=5000)
+        self.rx.close(linger=0)
+        self.zctx.term()
+
+
+class Transport:
+    """Builds the parent's end now and the child's end after the fork."""
+
+    def __init__(self, kind: str, tmp: str):
+        self.kind = kind
+        if kind == "ring":
+            self.channel = Channel.create()
+            args = (self.channel.segment.name, self.channel.capacity)
+            self.parent = lambda: RingEnd(*args, parent=True)
+            self.child = lambda: RingEnd(*args, parent=False)
+        elif kind == "os.pipe":
+            a, b = os.pipe(), os.pipe()
+            self.parent = lambda: PipeEnd((b[0], a[1]))
+            self.child = lambda: PipeEnd((a[0], b[1]))
+        elif kind == "mp.Queue":
+            q1, q2 = ctx.Queue(), ctx.Queue()
+            self.parent = lambda: QueueEnd(q1, q2)
+            self.child = lambda: QueueEnd(q2, q1)
+        elif kind == "zmq+msgspec":
+            a, b = f"ipc://{tmp}/to_child", f"ipc://{tmp}/to_parent"
+            self.parent = lambda: ZmqEnd(a, b)
+            self.child = lambda: ZmqEnd(b, a)
+        else:
+            raise ValueError(kind)
+
+    def close(self) -> None:
+        if self.kind == "ring":
+            self.channel.close()
+
+
+def _child(transport: Transport, role: str, count: int) -> None:
+    end = transport.child()
+    if role == "echo":
+        for _ in range(count):
+            end.send(end.recv())
+    else:  # sink: take `count`, then say so
+        for _ in range(count):
+            end.recv()
+        end.send(AddRequest("done", [], {}))
+    if hasattr(end, "flush"):
+        end.flush()
+    os._exit(0)  # skip atexit handlers inherited through fork
+
+
+def _run(transport: Transport, role: str, count: int, body) -> object:
+    p = ctx.Process(target=_child, args=(transport, role, count))
+    p.start()
+    end = transport.parent()
+    try:
+        return body(end)
+    finally:
+        if hasattr(end, "flush"):
+            end.flush()
+        p.join(60)
+
+
+def measure(kind: str, tokens: int, n_msgs: int, n_rtt: int, tmp: str) -> tuple[float, float, float]:
+    msg = AddRequest("cmpl-0123456789", list(range(tokens)), {"max_tokens": 16})
+    warm = 200
+
+    def throughput(end) -> float:
+        for _ in range(warm):
+            end.send(msg)
+        t0 = time.perf_counter()
+        for _ in range(n_msgs):
+            end.send(msg)
+        end.recv()
+        return n_msgs / (time.perf_counter() - t0)
+
+    def round_trips(end) -> np.ndarray:
+        times = np.empty(n_rtt)
+        for i in range(warm + n_rtt):
+            t0 = time.perf_counter_ns()
+            end.send(msg)
+            end.recv()
+            if i >= warm:
+                times[i - warm] = time.perf_counter_ns() - t0
+        return times / 1000
+
+    t = Transport(kind, tmp)
+    rate = _run(t, "sink", warm + n_msgs, throughput)
+    t.close()
+    t = Transport(kind, tmp)
+    rtt = _run(t, "echo", warm + n_rtt, round_trips)
+    t.close()
+    return rate, float(np.percentile(rtt, 50)), float(np.percentile(rtt, 99))
+
+
+# -- wake-up latency of an idle asyncio frontend -----------------------------------------
+
+
+def _idle_frontend(name: str, capacity: int, bell_fd: int, count: int, result) -> None:
+    ch = Channel.attach(name, capacity)
+    bell = Doorbell(bell_fd)
+    delays: list[float] = []
+    loop = asyncio.new_event_loop()
+    done = loop.create_future()
+
+    def on_ring() -> None:
+        bell.drain()
+        while (record := ch.outputs.read()) is not None:
+            delays.append((time.perf_counter_ns() - int.from_bytes(record, "little")) / 1000)
+        if len(delays) >= count and not done.done():
+            done.set_result(None)
+
+    loop.add_reader(bell.fd, on_ring)
+    loop.run_until_complete(done)
+    result.send(delays)
+    os._exit(0)
+
+
+def wakeup_latency(count: int) -> tuple[float, float]:
+    ch = Channel.create()
+    bell = Doorbell()
+    rx, tx = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_idle_frontend, args=(ch.segment.name, ch.capacity, bell.fd, count, tx))
+    p.start()
+    time.sleep(0.5)
+    for _ in range(count):
+        time.sleep(0.002)  # let the frontend go back to sleep in epoll
+        ch.outputs.write(time.perf_counter_ns().to_bytes(8, "little"))
+        bell.ring()
+    delays = np.array(rx.recv())
+    p.join(30)
+    ch.close()
+    bell.close()
+    return float(np.percentile(delays, 50)), float(np.percentile(delays, 99))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer messages (a smoke run)")
+    args = ap.parse_args(argv)
+    scale = 0.1 if args.quick else 1.0
+    sizes = [("64 B (16 tok)", 16, int(100_000 * scale), int(20_000 * scale)),
+             ("16 KiB (4096 tok)", 4096, int(10_000 * scale), int(5_000 * scale))]
+    kinds = ["ring", "os.pipe", "mp.Queue", "zmq+msgspec"]
+    print(f"{'transport':<13} {'message':<18} {'msgs/s':>10} {'rtt p50 us':>11} {'rtt p99 us':>11}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, tokens, n_msgs, n_rtt in sizes:
+            results = {}
+            for kind in kinds:
+                results[kind] = rate, p50, p99 = measure(kind, tokens, n_msgs, n_rtt, tmp)
+                print(f"{kind:<13} {label:<18} {rate:>10,.0f} {p50:>11.1f} {p99:>11.1f}", flush=True)
+            ring, zmq = results["ring"], results["zmq+msgspec"]
+            print(f"{'ring vs zmq':<13} {label:<18} {ring[0] / zmq[0]:>9.1f}x {zmq[1] / ring[1]:>10.1f}x"
+                  f" {zmq[2] / ring[2]:>10.1f}x  (throughput higher / latency lower)")
+    p50, p99 = wakeup_latency(int(2000 * scale))
+    print(f"eventfd wake-up of an idle asyncio frontend: p50 {p50:.1f} us, p99 {p99:.1f} us")
+
+
+if __name__ == "__main__":
+    main()
