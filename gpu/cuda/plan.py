@@ -1,0 +1,129 @@
+"""The CUDA runner's host-side arithmetic, pure Python so that CI tests it without a GPU:
+which batch sizes get a CUDA graph, how a decode batch is padded up to one, how the KV pool
+is sized from free memory, and how many key splits a paged-attention launch uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ringserve.gpu.batch import Batch
+
+MAX_CAPTURED_BATCH = 512  # graphs beyond this cost capture time and memory for little gain
+
+
+def graph_batch_sizes(max_num_seqs: int, cap: int = MAX_CAPTURED_BATCH) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to max_num_seqs (rounded up to a multiple of 8 so the
+    largest batch has a graph), at most cap."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs {max_num_seqs} must be at least 1")
+    top = min(cap, max_num_seqs if max_num_seqs <= 8 else -(-max_num_seqs // 8) * 8)
+    sizes = [s for s in (1, 2, 4, 8) if s <= top]
+    if sizes[-1] < top and top <= 8:
+        sizes.append(top)
+    sizes += list(range(16, top + 1, 8))
+    return sizes
+
+
+def padded_size(num_reqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds num_reqs, or None (run eagerly)."""
+    for s in sizes:
+        if s >= num_reqs:
+            return s
+    return None
+
+
+def is_decode_only(batch: Batch) -> bool:
+    """Every request schedules exactly one token: the shape CUDA graphs are captured for."""
+    return batch.num_tokens == batch.num_reqs
+
+
+@dataclass
+class PaddedDecode:
+    """A decode batch padded to a captured size: padded tokens write nowhere (slot -1), belong
+    to requests with no keys (seq_len 0), and their logits rows are dropped."""
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray  # [size, max_blocks] with max_blocks the graph's fixed width
+    num_real: int
+
+
+def pad_decode(batch: Batch, size: int, max_blocks: int) -> PaddedDecode:
+    n = batch.num_reqs
+    if not is_decode_only(batch) or n > size:
+        raise ValueError(f"pad_decode: {batch.num_tokens} tokens for {n} requests into size {size}")
+    width = batch.block_tables.shape[1]
+    if width > max_blocks:
+        raise ValueError(f"pad_decode: {width} blocks per request exceed the graph's {max_blocks}")
+
+    def grow(a: np.ndarray, fill: int) -> np.ndarray:
+        out = np.full(size, fill, np.int32)
+        out[:n] = a
+        return out
+
+    tables = np.full((size, max_blocks), -1, np.int32)
+    tables[:n, :width] = batch.block_tables
+    return PaddedDecode(
+        input_ids=grow(batch.input_ids, 0), positions=grow(batch.positions, 0),
+        slot_mapping=grow(batch.slot_mapping, -1),
+        query_start_loc=np.arange(size + 1, dtype=np.int32),
+        seq_lens=grow(batch.seq_lens, 0), block_tables=tables, num_real=n)
+
+
+class GraphTable:
+    """Which decode sizes have a captured graph; the runner stores its graph objects here and
+    asks which one a batch replays."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sorted(sizes)
+        self.graphs: dict[int, object] = {}
+        self.capture_seconds: dict[int, float] = {}
+
+    def add(self, size: int, graph: object, seconds: float) -> None:
+        if size not in self.sizes:
+            raise ValueError(f"size {size} is not on the ladder {self.sizes}")
+        self.graphs[size] = graph
+        self.capture_seconds[size] = seconds
+
+    def pick(self, batch: Batch) -> int | None:
+        """The size whose graph runs this batch, or None (prefill, or too many requests)."""
+        if not self.graphs or not is_decode_only(batch):
+            return None
+        size = padded_size(batch.num_reqs, self.sizes)
+        return size if size in self.graphs else None
+
+
+def kv_bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       itemsize: int) -> int:
+    """K and V of one block over all layers."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+
+def num_kv_blocks(*, total_bytes: int, used_bytes_after_profile: int, bytes_per_block: int,
+                  gpu_memory_utilization: float) -> int:
+    """vLLM's rule: the process may use gpu_memory_utilization of the device; what the weights
+    and the profiling forward's peak left of that share goes to the KV pool."""
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization} must be in (0, 1]")
+    budget = int(total_bytes * gpu_memory_utilization) - used_bytes_after_profile
+    if budget < bytes_per_block:
+        raise ValueError(
+            f"no room for the KV cache: {gpu_memory_utilization:.0%} of {total_bytes / 2**30:.1f} GiB "
+            f"is {total_bytes * gpu_memory_utilization / 2**30:.1f} GiB and the model's forward "
+            f"already uses {used_bytes_after_profile / 2**30:.1f} GiB; raise --gpu-memory-utilization")
+    return budget // bytes_per_block
+
+
+def attention_splits(*, num_tokens: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                     partition_size: int = 512, max_splits: int = 16) -> int:
+    """Key splits for the paged-attention RawKernel: split only when the (token, KV head)
+    blocks fill less than two waves of SMs and the context is longer than one partition."""
+    blocks = num_tokens * num_kv_heads
+    if blocks >= 2 * num_sms or max_seq_len <= partition_size:
+        return 1
+    want = -(-2 * num_sms // max(blocks, 1))
+    return max(1, min(max_splits, want, -(-max_seq_len // partition_size)))

@@ -1,0 +1,115 @@
+"""The CUDA runner's host-side logic, on the CPU: graph ladder, padding, graph bookkeeping,
+KV pool sizing, attention splits."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.cuda import plan
+from ringserve.gpu.cuda import reference as ref
+
+
+def decode_batch(seq_lens, block_size=4, width=3, seed=0):
+    rng = np.random.default_rng(seed)
+    n = len(seq_lens)
+    tables = rng.permutation(64)[:n * width].reshape(n, width).astype(np.int32)
+    pos = np.array(seq_lens, np.int32) - 1
+    return Batch(input_ids=rng.integers(0, 50, n).astype(np.int32), positions=pos,
+                 slot_mapping=(tables[np.arange(n), pos // block_size] * block_size
+                               + pos % block_size).astype(np.int32),
+                 query_start_loc=np.arange(n + 1, dtype=np.int32),
+                 seq_lens=np.array(seq_lens, np.int32), block_tables=tables)
+
+
+def test_ladder():
+    assert plan.graph_batch_sizes(1) == [1]
+    assert plan.graph_batch_sizes(3) == [1, 2, 3]
+    assert plan.graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert plan.graph_batch_sizes(20) == [1, 2, 4, 8, 16, 24]
+    assert plan.graph_batch_sizes(256)[-3:] == [240, 248, 256]
+    assert plan.graph_batch_sizes(10_000)[-1] == plan.MAX_CAPTURED_BATCH
+    with pytest.raises(ValueError):
+        plan.graph_batch_sizes(0)
+
+
+def test_padded_size():
+    sizes = plan.graph_batch_sizes(64)
+    assert [plan.padded_size(n, sizes) for n in (1, 3, 5, 9, 17, 64)] == [1, 4, 8, 16, 24, 64]
+    assert plan.padded_size(65, sizes) is None
+
+
+def test_padding_leaves_real_rows_alone_and_writes_nothing():
+    """Attention over a padded batch equals attention over the real one, row for row."""
+    rng = np.random.default_rng(1)
+    b = decode_batch([5, 9, 2])
+    p = plan.pad_decode(b, 8, max_blocks=4)
+    assert p.num_real == 3 and np.all(p.slot_mapping[3:] == -1) and np.all(p.seq_lens[3:] == 0)
+    H, KVH, D = 2, 1, 4
+    qkv = rng.standard_normal((8, (H + 2 * KVH) * D)).astype(np.float32)
+    k = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
+    k2, v2 = k.copy(), v.copy()
+    ref.store_kv(qkv[:3], b.slot_mapping, k, v, H)
+    ref.store_kv(qkv, p.slot_mapping, k2, v2, H)
+    np.testing.assert_array_equal(k, k2)
+    real = ref.paged_attention(qkv[:3], k, v, b.positions, b.query_start_loc, b.seq_lens,
+                               b.block_tables, H, 0.5)
+    padded = ref.paged_attention(qkv, k2, v2, p.positions, p.query_start_loc, p.seq_lens,
+                                 p.block_tables, H, 0.5)
+    np.testing.assert_array_equal(padded[:3], real)
+    assert np.all(padded[3:] == 0)
+
+
+def test_pad_rejects_prefill_and_overflow():
+    b = decode_batch([5, 9])
+    prefill = Batch(b.input_ids[:2], np.array([0, 1], np.int32), b.slot_mapping[:2],
+                    np.array([0, 2], np.int32), np.array([2], np.int32), b.block_tables[:1])
+    with pytest.raises(ValueError):
+        plan.pad_decode(prefill, 2, 4)
+    with pytest.raises(ValueError):
+        plan.pad_decode(b, 1, 4)
+    with pytest.raises(ValueError):
+        plan.pad_decode(b, 2, 2)  # 3 blocks per request, graph has room for 2
+
+
+def test_graph_table_picks_captured_sizes_for_decode_only():
+    t = plan.GraphTable(plan.graph_batch_sizes(16))
+    assert t.pick(decode_batch([3])) is None  # nothing captured (eager, --enforce-eager)
+    t.add(1, "g1", 0.1)
+    t.add(4, "g4", 0.1)
+    assert t.pick(decode_batch([3])) == 1
+    assert t.pick(decode_batch([3, 4, 5])) == 4
+    assert t.pick(decode_batch([3] * 5)) is None  # size 8 not captured
+    b = decode_batch([3, 4])
+    prefill = Batch(np.zeros(3, np.int32), np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int32),
+                    np.array([0, 3], np.int32), np.array([3], np.int32), b.block_tables[:1])
+    assert t.pick(prefill) is None
+    with pytest.raises(ValueError):
+        t.add(3, "g3", 0.1)
+
+
+def test_kv_pool_sizing():
+    per_block = plan.kv_bytes_per_block(num_layers=16, block_size=16, num_kv_heads=8, head_dim=64,
+                                        itemsize=2)
+    assert per_block == 2 * 16 * 16 * 8 * 64 * 2 == 524288
+    gib = 2**30
+    n = plan.num_kv_blocks(total_bytes=141 * gib, used_bytes_after_profile=5 * gib,
+                           bytes_per_block=per_block, gpu_memory_utilization=0.9)
+    assert n == (int(141 * gib * 0.9) - 5 * gib) // per_block
+    with pytest.raises(ValueError, match="gpu-memory-utilization"):
+        plan.num_kv_blocks(total_bytes=8 * gib, used_bytes_after_profile=8 * gib,
+                           bytes_per_block=per_block, gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError):
+        plan.num_kv_blocks(total_bytes=8 * gib, used_bytes_after_profile=0,
+                           bytes_per_block=per_block, gpu_memory_utilization=1.5)
+
+
+def test_attention_splits():
+    # Prefill or big decode batches fill the GPU: no split.
+    assert plan.attention_splits(num_tokens=512, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 1
+    # Short contexts: no split.
+    assert plan.attention_splits(num_tokens=1, num_kv_heads=8, max_seq_len=500, num_sms=132) == 1
+    # Batch 1, 8 KV heads, 32k context: enough splits for two waves, capped.
+    assert plan.attention_splits(num_tokens=1, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 16
+    assert plan.attention_splits(num_tokens=4, num_kv_heads=8, max_seq_len=2048, num_sms=132) == 4
