@@ -5,9 +5,10 @@ control-socket handshake, a ring pair per engine, least-loaded routing: the serv
 EngineClient) and submits token ids straight into the rings — engine capacity without HTTP.
 
 HttpBackend: any OpenAI-compatible server, /v1/completions or /v1/chat/completions with
-``stream: true``, through httpx. A chunk that carries text is one output event (its arrival is
-TTFT or one ITL); the token count is the server's ``usage`` when it sends one, else the number of
-such chunks. Token-id prompts go as they are when the server takes them (``prompt_format``
+``stream: true``, through httpx. A chunk that carries text or a finish_reason is one output event
+(its arrival is TTFT or one ITL; a token that adds no text, such as a skipped special token,
+sends no chunk of its own); the token count is the server's ``usage`` when it sends one, else the
+number of such chunks. Token-id prompts go as they are when the server takes them (``prompt_format``
 "ids"), otherwise as the text they decode to ("text").
 """
 from __future__ import annotations
@@ -201,11 +202,10 @@ class HttpBackend:
                     usage = obj.get("usage") or usage
                     for choice in obj.get("choices") or []:
                         piece = choice.get("delta", {}).get("content") if self.chat else choice.get("text")
-                        if piece:
+                        if piece or choice.get("finish_reason"):
                             timer.event()
                             chunks += 1
-                        if choice.get("finish_reason"):
-                            finished = True
+                        finished = finished or bool(choice.get("finish_reason"))
         except (httpx.HTTPError, ValueError) as exc:
             r.error = f"{type(exc).__name__}: {exc}"
             return r
@@ -216,9 +216,9 @@ class HttpBackend:
         else:
             r.output_len = chunks
         if not r.error:
-            r.success = finished and chunks > 0
-            if not r.success:
-                r.error = "the stream ended without output" if finished else "the stream ended early"
+            r.success = finished
+            if not finished:
+                r.error = "the stream ended without a finish_reason or [DONE]"
         return r
 
     async def close(self) -> None:

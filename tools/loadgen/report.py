@@ -97,17 +97,18 @@ def compare(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A",
     """Two runs side by side, load point by load point (matched by label)."""
     out = [f"{names[0]}: {_describe(a)}", f"{names[1]}: {_describe(b)}"]
     b_points = {p["label"]: p for p in b["points"]}
+    w = max(12, *(len(n) + 2 for n in names))
     for pa in a["points"]:
         pb = b_points.pop(pa["label"], None)
         out.append("")
-        out.append(f"{pa['label']:<26}{names[0]:>12}{names[1]:>12}{names[1] + '/' + names[0]:>10}")
+        out.append(f"{pa['label']:<26}{names[0]:>{w}}{names[1]:>{w}}{names[1] + '/' + names[0]:>{w}}")
         for title, get, digits in _COMPARE_ROWS:
             va = get(pa["summary"])
             vb = get(pb["summary"]) if pb else None
             if va is None and vb is None:
                 continue
             ratio = f"{vb / va:.2f}x" if va and vb is not None else "-"
-            out.append(f"{title:<26}{_f(va, digits):>12}{_f(vb, digits):>12}{ratio:>10}")
+            out.append(f"{title:<26}{_f(va, digits):>{w}}{_f(vb, digits):>{w}}{ratio:>{w}}")
     for label in b_points:
         out.append(f"\n{label}: only in {names[1]}")
     return "\n".join(out)
