@@ -33,14 +33,14 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
             num_keys = min(positions[t] + 1, seq_lens[r])
             for kvh in range(num_kv_heads):
                 h0 = kvh * group
-                for j in range(num_keys):
-                    block = block_tables[r, j // block_size]
-                    row = j % block_size
-                    for g in range(group):
-                        s = np.float32(0.0)
-                        for d in range(head_dim):
-                            s += q[t, h0 + g, d] * k_cache[block, row, kvh, d]
-                        scores[g, j] = s * scale
+                for j0 in range(0, num_keys, block_size):  # block by block: no division per key
+                    block = block_tables[r, j0 // block_size]
+                    for row in range(min(block_size, num_keys - j0)):
+                        for g in range(group):
+                            s = np.float32(0.0)
+                            for d in range(head_dim):
+                                s += q[t, h0 + g, d] * k_cache[block, row, kvh, d]
+                            scores[g, j0 + row] = s * scale
                 for g in range(group):
                     m = scores[g, 0]
                     for j in range(1, num_keys):
@@ -54,13 +54,13 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
                     for j in range(num_keys):
                         scores[g, j] *= inv
                 acc[:, :] = 0.0
-                for j in range(num_keys):
-                    block = block_tables[r, j // block_size]
-                    row = j % block_size
-                    for g in range(group):
-                        w = scores[g, j]
-                        for d in range(head_dim):
-                            acc[g, d] += w * v_cache[block, row, kvh, d]
+                for j0 in range(0, num_keys, block_size):
+                    block = block_tables[r, j0 // block_size]
+                    for row in range(min(block_size, num_keys - j0)):
+                        for g in range(group):
+                            w = scores[g, j0 + row]
+                            for d in range(head_dim):
+                                acc[g, d] += w * v_cache[block, row, kvh, d]
                 for g in range(group):
                     for d in range(head_dim):
                         out[t, h0 + g, d] = acc[g, d]

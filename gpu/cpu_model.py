@@ -5,18 +5,28 @@ and the MLP run as matmuls over all T tokens at once. Attention (gpu/cpu_attenti
 after this step's K/V have been written into the paged cache at ``slot_mapping`` and reads
 keys and values only through each request's block table — so a request sees its own past
 (from earlier steps or earlier in this chunk) and nothing of anyone else's.
+
+Where the time goes (docs/bench_forward.md): a decode step streams every weight once, so the
+linears (gpu/cpu_linear.py) are bandwidth kernels; norms, RoPE and SiLU are fused Numba passes
+(gpu/cpu_kernels.py) over buffers allocated once per step, and the RoPE tables are computed once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu_attention import paged_attention
-from ringserve.gpu.rope import apply_rope, cos_sin, inv_freq
+from ringserve.gpu.cpu_kernels import add_rms_norm, rms_norm, rope_store_kv, silu_mul
+from ringserve.gpu.cpu_linear import linear, to_bfloat16, widen_bfloat16
+from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.weights import check_weights
+
+# How each weight dtype is stored: float32 as is, bfloat16 as its bits in uint16.
+WEIGHT_DTYPES = {"float32": lambda w: w, "bfloat16": to_bfloat16}
 
 
 @dataclass
@@ -44,70 +54,96 @@ class LayerWeights:
 
 
 class CpuLlama:
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], dtype=np.float32):
+    """weight_dtype "float32" (exact, the default) or "bfloat16" (weights rounded to bf16 and
+    stored in half the bytes; activations, K/V and sums stay float32). num_threads > 1 splits
+    the decode-size linears over Numba's threads (gpu/cpu_linear.py)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray],
+                 weight_dtype: str = "float32", num_threads: int = 1):
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight dtype {weight_dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
         check_weights(weights, config)
         self.config = config
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(np.float32)  # activations and the KV cache
+        self.weight_dtype = weight_dtype
+        self.num_threads = num_threads
+        store = WEIGHT_DTYPES[weight_dtype]
 
-        def w(name: str) -> np.ndarray:
-            return np.ascontiguousarray(weights[name], dtype=self.dtype)
+        def f32(name: str) -> np.ndarray:
+            return np.ascontiguousarray(weights[name], dtype=np.float32)
 
-        self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
-        self.final_norm = w("model.norm.weight")
+        def fused(*names: str) -> np.ndarray:
+            return store(np.concatenate([f32(n) for n in names]))
+
+        self.embed = store(f32("model.embed_tokens.weight"))
+        self.lm_head = self.embed if config.tie_word_embeddings else store(f32("lm_head.weight"))
+        self.final_norm = f32("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             self.layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv=np.concatenate([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
-                                    w(a + "v_proj.weight")]),
-                qkv_bias=np.concatenate([w(a + "q_proj.bias"), w(a + "k_proj.bias"),
-                                         w(a + "v_proj.bias")]) if config.attention_bias else None,
-                o=w(a + "o_proj.weight"),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=np.concatenate([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
+                input_norm=f32(p + "input_layernorm.weight"),
+                qkv=fused(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv_bias=np.concatenate([f32(a + "q_proj.bias"), f32(a + "k_proj.bias"),
+                                         f32(a + "v_proj.bias")]) if config.attention_bias else None,
+                o=fused(a + "o_proj.weight"),
+                post_norm=f32(p + "post_attention_layernorm.weight"),
+                gate_up=fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=fused(p + "mlp.down_proj.weight"),
             ))
         self.inv_freq = inv_freq(config)
-        self.scale = self.dtype.type(config.head_dim ** -0.5)
+        self.scale = np.float32(config.head_dim ** -0.5)
+        self.eps = np.float32(config.rms_norm_eps)
+        self._cos = self._sin = np.empty((0, config.head_dim // 2), dtype=np.float32)
+
+    def rope_tables(self, max_position: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin for positions 0..max_position at least, computed once (grown by doubling)."""
+        if max_position >= len(self._cos):
+            n = max(max_position + 1, 2 * len(self._cos), self.config.max_position_embeddings)
+            self._cos, self._sin = cos_sin(np.arange(n), self.inv_freq)
+        return self._cos, self._sin
+
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
+        rows = self.embed[ids]
+        return widen_bfloat16(rows) if rows.dtype == np.uint16 else rows
 
     def forward(self, batch: Batch, kv_caches: list[KVCache]) -> np.ndarray:
         """float32 logits [B, vocab] at each request's last scheduled token."""
         c = self.config
-        T, H, KVH, D = batch.num_tokens, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q_end, k_end = c.q_size, c.q_size + c.kv_size
-        cos, sin = cos_sin(batch.positions, self.inv_freq)
-        written = batch.slot_mapping >= 0
-        slots = batch.slot_mapping[written]
+        T, I = batch.num_tokens, c.intermediate_size
+        if T == 0:
+            return np.empty((batch.num_reqs, c.vocab_size), dtype=np.float32)
+        if self.num_threads > 1:
+            numba.set_num_threads(self.num_threads)  # per calling thread in Numba
+        parallel = self.num_threads > 1
+        cos, sin = self.rope_tables(int(batch.positions.max()))
+        positions, slots = batch.positions, batch.slot_mapping
 
-        attn = np.empty((T, H, D), dtype=self.dtype)
-        h = self.embed[batch.input_ids]
-        for layer, cache in zip(self.layers, kv_caches):
-            qkv = rms_norm(h, layer.input_norm, c.rms_norm_eps) @ layer.qkv.T
+        h = np.ascontiguousarray(self.embed_rows(batch.input_ids), dtype=np.float32)
+        x = np.empty_like(h)                      # the normed input of the next linear
+        delta = np.empty_like(h)                  # attention / MLP output, added to h
+        qkv = np.empty((T, c.q_size + 2 * c.kv_size), dtype=np.float32)
+        q = np.empty((T, c.num_attention_heads, c.head_dim), dtype=np.float32)
+        attn = np.empty_like(q)
+        gate_up = np.empty((T, 2 * I), dtype=np.float32)
+        act = np.empty((T, I), dtype=np.float32)
+
+        rms_norm(h, self.layers[0].input_norm, self.eps, x)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            linear(x, layer.qkv, qkv, parallel=parallel)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
-            q = apply_rope(qkv[:, :q_end].reshape(T, H, D), cos, sin)
-            k = apply_rope(qkv[:, q_end:k_end].reshape(T, KVH, D), cos, sin)
-            v = qkv[:, k_end:].reshape(T, KVH, D)
-            cache.k.reshape(-1, KVH, D)[slots] = k[written]
-            cache.v.reshape(-1, KVH, D)[slots] = v[written]
-            paged_attention(q, cache.k, cache.v, batch.positions, batch.query_start_loc,
+            rope_store_kv(qkv, positions, cos, sin, slots, cache.k, cache.v, q)
+            paged_attention(q, cache.k, cache.v, positions, batch.query_start_loc,
                             batch.seq_lens, batch.block_tables, self.scale, attn)
-            h = h + attn.reshape(T, H * D) @ layer.o.T
-            gate_up = rms_norm(h, layer.post_norm, c.rms_norm_eps) @ layer.gate_up.T
-            gate, up = gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:]
-            h = h + (silu(gate) * up) @ layer.down.T
-        last = rms_norm(h[batch.logits_indices], self.final_norm, c.rms_norm_eps)
-        return (last @ self.lm_head.T).astype(np.float32, copy=False)
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    variance = np.mean(np.square(x), axis=-1, keepdims=True)
-    return weight * (x * (1 / np.sqrt(variance + x.dtype.type(eps))))
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives the right 0
-        return x / (1 + np.exp(-x))
+            linear(attn.reshape(T, -1), layer.o, delta, parallel=parallel)
+            add_rms_norm(h, delta, layer.post_norm, self.eps, x)
+            linear(x, layer.gate_up, gate_up, parallel=parallel)
+            silu_mul(gate_up, act)
+            linear(act, layer.down, delta, parallel=parallel)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            add_rms_norm(h, delta, next_norm, self.eps, x)
+        # x now holds the final norm of every token; logits only at each request's last one.
+        last = np.ascontiguousarray(x[batch.logits_indices])
+        return linear(last, self.lm_head, parallel=parallel)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings, HF Llama convention (rotate_half over two halves of a head).
+"""Rotary position embeddings, HF Llama convention: the angle tables. The rotation itself
+(rotate_half over two halves of a head) is fused with the K/V cache write in gpu/cpu_kernels.py.
 
 The frequencies are computed in float32 exactly as transformers does, so that our logits
 match its logits to float32 rounding.
@@ -35,18 +36,7 @@ def inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 def cos_sin(positions: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, float32 [T, head_dim // 2], for each token's position."""
+    """cos and sin, float32 [T, head_dim // 2], for each token's position (with positions
+    0..n-1: the table the forward computes once and indexes by position)."""
     angles = positions.astype(np.float32)[:, None] * freq[None, :]
     return np.cos(angles), np.sin(angles)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate x [T, heads, head_dim] in place: (x1, x2) -> (x1·cos − x2·sin, x2·cos + x1·sin)."""
-    half = x.shape[-1] // 2
-    x1 = x[..., :half].copy()
-    x2 = x[..., half:]
-    c = cos[:, None, :]
-    s = sin[:, None, :]
-    x[..., :half] = x1 * c - x2 * s
-    x[..., half:] = x2 * c + x1 * s
-    return x

@@ -5,35 +5,46 @@ Batch into logits. The CPU backend is numpy; a CUDA backend will sit behind the 
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import numba
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu_model import CpuLlama, KVCache
 from ringserve.gpu.weights import load_weights
 
+_BLAS = ThreadpoolController()
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB of K and V over all layers
-CPU_DTYPES = {"auto": np.float32, "float32": np.float32}
+# dtype -> how the CPU backend stores weights; it always computes in float32. "bfloat16" is an
+# option that halves the bytes a decode step streams (its logits differ from float32's by bf16
+# rounding of the weights); float32 is the default and matches transformers.
+CPU_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "float32",
                  block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None):
+                 kv_cache_memory_bytes: int | None = None, num_threads: int | None = None):
         if device == "cuda":
             raise ValueError("device 'cuda': the CUDA backend is not built yet; use device='cpu'")
         if device != "cpu":
             raise ValueError(f"device {device!r} is not supported (cpu or cuda)")
         if dtype not in CPU_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported by the CPU backend "
-                             f"(it computes in float32: {', '.join(CPU_DTYPES)})")
+                             f"({', '.join(CPU_DTYPES)})")
         if block_size <= 0:
             raise ValueError(f"block_size {block_size} must be positive")
         self.device = device
         self.config = ModelConfig.from_dir(model_dir)
-        self.model = CpuLlama(self.config, load_weights(model_dir), dtype=CPU_DTYPES[dtype])
+        self.num_threads = default_num_threads() if num_threads is None else num_threads
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads {num_threads} must be at least 1")
+        self.model = CpuLlama(self.config, load_weights(model_dir), weight_dtype=CPU_DTYPES[dtype],
+                              num_threads=self.num_threads)
         self.block_size = block_size
 
         if num_blocks is None:
@@ -56,4 +67,18 @@ class ModelRunner:
     def execute(self, batch: Batch) -> np.ndarray:
         """float32 logits [B, vocab], one row per request at its last scheduled token;
         writes this step's K/V into the cache at batch.slot_mapping."""
-        return self.model.forward(batch, self.kv_caches)
+        # BLAS (the many-token matmuls) gets the same threads as our kernels, no more: OpenBLAS
+        # threads spin while they wait, and a second process on a busy core made a step ~4x
+        # slower (docs/bench_forward.md). Per call, so that nothing leaks into the process.
+        with _BLAS.limit(limits=self.num_threads, user_api="blas"):
+            return self.model.forward(batch, self.kv_caches)
+
+
+def default_num_threads() -> int:
+    """Half the cores this process may run on (at least 1, at most Numba's thread pool).
+
+    The other half is left to the frontend's workers. A step runs ~120 parallel regions, and
+    each one waits for its slowest thread: when another process holds the second core of a
+    2-core machine, a 2-thread decode step measured 40x slower than a 1-thread one, while on
+    an idle machine 2 threads gain only 1.4x (docs/bench_forward.md)."""
+    return max(1, min(len(os.sched_getaffinity(0)) // 2, numba.config.NUMBA_NUM_THREADS))

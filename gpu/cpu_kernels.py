@@ -1,0 +1,84 @@
+"""The Llama layer's small CPU kernels in Numba: RMSNorm (with the residual add fused), RoPE with
+the K/V cache write fused, and SiLU·mul.
+
+Each is one compiled pass over its rows instead of several numpy temporaries: at decode sizes a
+numpy call costs more in dispatch than in arithmetic, and the layer has 30 of each. The math is
+the HF Llama math in float32 (variance as the mean of squares, x * rsqrt(var + eps) then times
+the weight; rotate_half over two halves of a head).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# No 'nnan'/'ninf': silu's exp(-x) may overflow to inf, and x / inf must stay 0.
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, inline="always")
+def _norm_row(h, t, weight, eps, out):  # pragma: no cover - compiled
+    n = h.shape[1]
+    s = np.float32(0.0)
+    for i in range(n):
+        s += h[t, i] * h[t, i]
+    r = np.float32(1.0) / np.sqrt(s / np.float32(n) + eps)
+    for i in range(n):
+        out[t, i] = weight[i] * (h[t, i] * r)
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def rms_norm(h, weight, eps, out):  # pragma: no cover - compiled
+    """out [T, n] = RMSNorm(h [T, n]) * weight."""
+    for t in range(h.shape[0]):
+        _norm_row(h, t, weight, eps, out)
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def add_rms_norm(h, delta, weight, eps, out):  # pragma: no cover - compiled
+    """The residual step: h += delta (in place), then out = RMSNorm(h) * weight."""
+    for t in range(h.shape[0]):
+        for i in range(h.shape[1]):
+            h[t, i] += delta[t, i]
+        _norm_row(h, t, weight, eps, out)
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def silu_mul(gate_up, out):  # pragma: no cover - compiled
+    """gate_up [T, 2I] (gate then up) -> out [T, I] = silu(gate) * up."""
+    inter = out.shape[1]
+    for t in range(out.shape[0]):
+        for i in range(inter):
+            g = gate_up[t, i]
+            out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True)
+def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_out):  # pragma: no cover
+    """Split qkv [T, (H + 2 KVH) * D] into q, k, v; rotate q and k by each token's position
+    (cos, sin: [max_pos, D/2] tables) into q_out [T, H, D] and into the cache at the token's
+    slot, with v. A slot of -1 stores nothing (padding)."""
+    num_heads, head_dim = q_out.shape[1], q_out.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    half = head_dim // 2
+    k_off = num_heads * head_dim
+    v_off = k_off + num_kv_heads * head_dim
+    for t in range(qkv.shape[0]):
+        p = positions[t]
+        for h in range(num_heads):
+            base = h * head_dim
+            for i in range(half):
+                x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
+                q_out[t, h, i] = x1 * cos[p, i] - x2 * sin[p, i]
+                q_out[t, h, half + i] = x2 * cos[p, i] + x1 * sin[p, i]
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        block, row = slot // block_size, slot % block_size
+        for h in range(num_kv_heads):
+            base = k_off + h * head_dim
+            for i in range(half):
+                x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
+                k_cache[block, row, h, i] = x1 * cos[p, i] - x2 * sin[p, i]
+                k_cache[block, row, h, half + i] = x2 * cos[p, i] + x1 * sin[p, i]
+            for i in range(head_dim):
+                v_cache[block, row, h, i] = qkv[t, v_off + h * head_dim + i]

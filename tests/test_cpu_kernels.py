@@ -1,0 +1,57 @@
+"""The CPU forward's own kernels: every path of the linear (streaming, tiled, BLAS; float32 and
+bfloat16 weights; one thread and several) against numpy, bfloat16 rounding, and the runner's
+bfloat16 and multi-thread options against its float32 single-thread logits on the tiny model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.cpu_linear import SMALL_ROWS, STREAM_ROWS, linear, to_bfloat16, widen_bfloat16
+from ringserve.gpu.runner import ModelRunner
+
+
+@pytest.mark.parametrize("rows", [1, STREAM_ROWS, STREAM_ROWS + 1, 8, 9, SMALL_ROWS, SMALL_ROWS + 1])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_linear_matches_numpy(rows, parallel):
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((38, 20)).astype(np.float32)  # 38 rows: a remainder after 4-row tiles
+    x = rng.standard_normal((rows, 20)).astype(np.float32)
+    np.testing.assert_allclose(linear(x, w, parallel=parallel), x @ w.T, rtol=1e-5, atol=1e-5)
+    wb = to_bfloat16(w)
+    np.testing.assert_allclose(linear(x, wb, parallel=parallel), x @ widen_bfloat16(wb).T,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_rounds_to_nearest_even():
+    f = np.array([1.0, 1.00390625, 1.01171875, 1.0048828125, -2.5], dtype=np.float32)
+    # 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to the even mantissa (1.0); 1 + 3 * 2^-8
+    # is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (1 + 2^-6); 1 + 1.25 * 2^-8 is
+    # nearer to 1 + 2^-7 (truncation would give 1.0).
+    expected = np.array([1.0, 1.0, 1.015625, 1.0078125, -2.5], dtype=np.float32)
+    np.testing.assert_array_equal(widen_bfloat16(to_bfloat16(f)), expected)
+
+
+def step(tokens: list[int], start: int) -> Batch:
+    """One request at positions start.. in blocks 0, 1, 2, ... of 16."""
+    pos = np.arange(start, start + len(tokens), dtype=np.int32)
+    return Batch(input_ids=np.array(tokens, dtype=np.int32), positions=pos, slot_mapping=pos.copy(),
+                 query_start_loc=np.array([0, len(tokens)], dtype=np.int32),
+                 seq_lens=np.array([start + len(tokens)], dtype=np.int32),
+                 block_tables=np.arange(8, dtype=np.int32)[None])
+
+
+def run(runner: ModelRunner) -> np.ndarray:
+    """A 70-token prefill (BLAS path), a 5-token chunk (tiles), then one decode token (streaming)."""
+    tokens = np.random.default_rng(0).integers(3, 300, 76).tolist()
+    return np.stack([runner.execute(step(tokens[:70], 0))[0], runner.execute(step(tokens[70:75], 70))[0],
+                     runner.execute(step(tokens[75:], 75))[0]])
+
+
+def test_runner_options_agree(tiny_model_dir):
+    exact = run(ModelRunner(tiny_model_dir, num_blocks=8, num_threads=1))
+    threaded = run(ModelRunner(tiny_model_dir, num_blocks=8, num_threads=2))
+    np.testing.assert_allclose(threaded, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
+    bf16 = run(ModelRunner(tiny_model_dir, num_blocks=8, dtype="bfloat16"))
+    error = np.abs(bf16 - exact).max() / np.abs(exact).max()
+    assert 0 < error < 0.05  # bf16 weights: close, and not secretly float32

@@ -1,0 +1,234 @@
+"""CPU forward speed: decode-step time at batch 1, 8, 32 and 64 and prefill throughput of our
+forward (gpu/runner.py ModelRunner), beside HF transformers on the same weights in the same run.
+
+    .venv/bin/python -m ringserve.tools.bench_forward [--json FILE]      # ours only: no torch
+
+With the peer (torch is never a ringserve dependency, so it lives in a venv of its own; on the
+development machine `pip install torch==2.13.0` takes a local CPU wheel):
+
+    python -m venv /tmp/refvenv
+    /tmp/refvenv/bin/pip install torch==2.13.0 transformers
+    /tmp/refvenv/bin/pip install -e /work/main        # ringserve and its dependencies
+    /tmp/refvenv/bin/python -m ringserve.tools.bench_forward --json bench_forward.json
+
+Both sides run the default model folder (ringserve.gpu.model_store.resolve_model(None), the
+converted SmolLM2-135M-Instruct) in float32 with the same number of threads (ours: Numba and
+BLAS via the runner's num_threads; transformers: torch.set_num_threads). Decode: each of the B
+requests has a --context-token prompt in its KV cache (one prompt prefilled, its K/V copied to
+every request: same bytes per request as B different prompts, without B prefills); then
+--steps decode steps of one token per request, each timed alone, median reported. The peer runs
+`model(ids [B, 1], cache=...)` under torch.inference_mode with a DynamicCache of the same
+length: one decode forward, no generate() loop. Prefill: one --prefill-tokens prompt in one step.
+
+The roofline line: a batch-1 decode step must read every weight once; bytes per token over the
+single-thread read bandwidth measured here (numpy sum of a 256 MiB array) bounds its time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.model_store import resolve_model
+from ringserve.gpu.runner import ModelRunner, default_num_threads
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model folder or name (default: the default model)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens already cached per request")
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size (median)")
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--prefill-reps", type=int, default=3)
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="weight dtype(s) of ours; the peer is always float32")
+    ap.add_argument("--threads", type=int, default=default_num_threads())
+    ap.add_argument("--no-peer", action="store_true", help="skip transformers even if installed")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return ap.parse_args(argv)
+
+
+# -- ours ----------------------------------------------------------------------------------
+
+def decode_batch(step: int, context: int, tables: np.ndarray, block_size: int,
+                 rng: np.random.Generator, vocab: int) -> Batch:
+    """One decode token per request, at position context + step."""
+    b = tables.shape[0]
+    pos = np.full(b, context + step, dtype=np.int32)
+    slots = tables[np.arange(b), pos // block_size] * block_size + pos % block_size
+    return Batch(input_ids=rng.integers(3, vocab, b).astype(np.int32), positions=pos,
+                 slot_mapping=slots.astype(np.int32), query_start_loc=np.arange(b + 1, dtype=np.int32),
+                 seq_lens=pos + 1, block_tables=tables)
+
+
+def prefill_batch(ids: np.ndarray, blocks: np.ndarray, block_size: int) -> Batch:
+    n = len(ids)
+    pos = np.arange(n, dtype=np.int32)
+    return Batch(input_ids=ids.astype(np.int32), positions=pos,
+                 slot_mapping=(blocks[pos // block_size] * block_size + pos % block_size).astype(np.int32),
+                 query_start_loc=np.array([0, n], dtype=np.int32), seq_lens=np.array([n], dtype=np.int32),
+                 block_tables=blocks[None].astype(np.int32))
+
+
+def bench_ours(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict:
+    bs = 16
+    per_req = -(-(args.context + args.steps + 2) // bs)
+    prefill_blocks = -(-args.prefill_tokens // bs)
+    runner = ModelRunner(model_dir, dtype=dtype, block_size=bs, num_threads=args.threads,
+                         num_blocks=max(max(args.batch) * per_req, prefill_blocks))
+    vocab = runner.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, vocab, args.context)
+    decode = {}
+    for b in args.batch:
+        tables = np.arange(b * per_req, dtype=np.int32).reshape(b, per_req)
+        runner.execute(prefill_batch(prompt, tables[0], bs))
+        cached = tables[0, : -(-args.context // bs)]
+        for cache in runner.kv_caches:  # every request gets request 0's prompt K/V, in its own blocks
+            for r in range(1, b):
+                cache.k[tables[r, : len(cached)]] = cache.k[cached]
+                cache.v[tables[r, : len(cached)]] = cache.v[cached]
+        runner.execute(decode_batch(0, args.context, tables, bs, rng, vocab))  # warm-up
+        times = []
+        for step in range(1, args.steps + 1):
+            batch = decode_batch(step, args.context, tables, bs, rng, vocab)
+            t0 = time.perf_counter()
+            runner.execute(batch)
+            times.append(time.perf_counter() - t0)
+        decode[b] = statistics.median(times)
+    ids = rng.integers(3, vocab, args.prefill_tokens)
+    blocks = np.arange(prefill_blocks, dtype=np.int32)
+    runner.execute(prefill_batch(ids[:32], blocks, bs))  # warm-up
+    times = []
+    for _ in range(args.prefill_reps):
+        t0 = time.perf_counter()
+        runner.execute(prefill_batch(ids, blocks, bs))
+        times.append(time.perf_counter() - t0)
+    weight_bytes = sum(a.nbytes for a in weights_of(runner))
+    return {"decode_s": decode, "prefill_s": statistics.median(times), "weight_bytes": weight_bytes}
+
+
+def weights_of(runner: ModelRunner) -> list[np.ndarray]:
+    """The arrays a batch-1 decode step reads in full (the embedding: one row, not counted
+    unless it doubles as the lm_head)."""
+    m = runner.model
+    arrays = [m.lm_head]
+    for layer in m.layers:
+        arrays += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    return arrays
+
+
+# -- the peer -------------------------------------------------------------------------------
+
+def bench_transformers(model_dir: Path, args: argparse.Namespace) -> dict | None:
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    torch.set_num_threads(args.threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    decode = {}
+    with torch.inference_mode():
+        prompt = torch.randint(3, vocab, (1, args.context), generator=gen)
+        for b in args.batch:
+            cache = transformers.DynamicCache(config=model.config)
+            model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+            if b > 1:
+                cache.batch_repeat_interleave(b)
+            model(torch.randint(3, vocab, (b, 1), generator=gen), cache=cache, use_cache=True)  # warm-up
+            times = []
+            for _ in range(args.steps):
+                ids = torch.randint(3, vocab, (b, 1), generator=gen)
+                t0 = time.perf_counter()
+                model(ids, cache=cache, use_cache=True)
+                times.append(time.perf_counter() - t0)
+            assert cache.get_seq_length() == args.context + args.steps + 1
+            decode[b] = statistics.median(times)
+        ids = torch.randint(3, vocab, (1, args.prefill_tokens), generator=gen)
+        model(ids[:, :32], use_cache=True, logits_to_keep=1)  # warm-up
+        times = []
+        for _ in range(args.prefill_reps):
+            t0 = time.perf_counter()
+            model(ids, use_cache=True, logits_to_keep=1)
+            times.append(time.perf_counter() - t0)
+    return {"decode_s": decode, "prefill_s": statistics.median(times),
+            "version": f"transformers {transformers.__version__}, torch {torch.__version__}"}
+
+
+def read_bandwidth() -> float:
+    """Single-thread read bandwidth in bytes/s: best of 5 sums of a 256 MiB float32 array."""
+    a = np.ones(1 << 26, dtype=np.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+# -- report ---------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model_dir = resolve_model(args.model)
+    load_before = os.getloadavg()
+    ours = {dtype: bench_ours(model_dir, dtype, args) for dtype in args.dtype}
+    peer = None if args.no_peer else bench_transformers(model_dir, args)
+    bandwidth = read_bandwidth()
+    load_after = os.getloadavg()
+
+    cols = [f"ours {d}" for d in args.dtype] + (["transformers float32"] if peer else [])
+    print(f"model {model_dir.name}, {args.threads} thread(s), context {args.context}, "
+          f"median of {args.steps} decode steps; load average {load_before[0]:.2f} before, "
+          f"{load_after[0]:.2f} after")
+    print(f"{'batch':>5} " + " ".join(f"{c + ' ms/step':>28}" for c in cols)
+          + " " + " ".join(f"{'tok/s ratio ' + d:>22}" for d in args.dtype if peer))
+    rows = []
+    for b in args.batch:
+        times = [ours[d]["decode_s"][b] for d in args.dtype] + ([peer["decode_s"][b]] if peer else [])
+        ratios = [peer["decode_s"][b] / ours[d]["decode_s"][b] for d in args.dtype] if peer else []
+        cells = " ".join(f"{t * 1e3:>13.1f} ({b / t:>7.0f} tok/s)" for t in times)
+        print(f"{b:>5} {cells} " + " ".join(f"{r:>21.2f}x" for r in ratios))
+        rows.append({"batch": b, **{f"ours_{d}_ms": ours[d]["decode_s"][b] * 1e3 for d in args.dtype},
+                     **({"transformers_ms": peer["decode_s"][b] * 1e3} if peer else {}),
+                     **{f"ratio_{d}": r for d, r in zip(args.dtype, ratios)}})
+    n = args.prefill_tokens
+    pre = [ours[d]["prefill_s"] for d in args.dtype] + ([peer["prefill_s"]] if peer else [])
+    print(f"prefill {n} tokens: " + ", ".join(f"{c} {n / t:.0f} tok/s ({t:.2f} s)" for c, t in zip(cols, pre))
+          + (", ratio " + ", ".join(f"{peer['prefill_s'] / ours[d]['prefill_s']:.2f}x" for d in args.dtype)
+             if peer else ""))
+    for d in args.dtype:
+        wb = ours[d]["weight_bytes"]
+        bound = wb / bandwidth
+        print(f"roofline {d}: {wb / 1e6:.0f} MB of weights per batch-1 step / {bandwidth / 1e9:.1f} GB/s "
+              f"single-thread read = {bound * 1e3:.1f} ms; achieved {ours[d]['decode_s'][args.batch[0]] * 1e3:.1f} ms "
+              f"at batch {args.batch[0]} ({wb / ours[d]['decode_s'][args.batch[0]] / 1e9:.1f} GB/s)")
+    if peer:
+        print(f"peer: {peer['version']}")
+    else:
+        print("peer: transformers not measured (torch/transformers not installed here, or --no-peer)")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "model": str(model_dir), "threads": args.threads, "context": args.context, "steps": args.steps,
+            "load_average_before": load_before, "load_average_after": load_after,
+            "decode": rows,
+            "prefill": {"tokens": n, **{f"ours_{d}_s": ours[d]["prefill_s"] for d in args.dtype},
+                        **({"transformers_s": peer["prefill_s"]} if peer else {})},
+            "read_bandwidth_bytes_per_s": bandwidth,
+            "weight_bytes_per_step": {d: ours[d]["weight_bytes"] for d in args.dtype},
+            "peer": peer["version"] if peer else None,
+        }, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
