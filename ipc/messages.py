@@ -23,8 +23,9 @@ KIND_ADD, KIND_ABORT, KIND_OUTPUTS = 1, 2, 3
 FINISH_REASONS: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")
 _FINISH_CODE = {r: i for i, r in enumerate(FINISH_REASONS)}
 
-# kind, pad, n_tokens, id_len, params_len
-_ADD = struct.Struct("<B3xIII")
+# kind, flags, pad, n_tokens, id_len, params_len
+_ADD = struct.Struct("<BB2xIII")
+_ADD_TRACE = 1  # AddRequest flag: record this request's journey (engine/trace.py)
 # kind, pad, id_len
 _ABORT = struct.Struct("<B3xI")
 # kind, pad, n_outputs
@@ -32,7 +33,8 @@ _OUTPUTS = struct.Struct("<B3xI")
 # id_len, index, finish code, flags, n_tokens, num_prompt_tokens, num_cached_tokens,
 # logprob entries, stop_reason, err_len
 _ITEM = struct.Struct("<HHBB2xIIIIiI")
-_HAS_LOGPROBS, _HAS_STOP_REASON = 1, 2
+_HAS_LOGPROBS, _HAS_STOP_REASON, _HAS_TRACE = 1, 2, 4
+_TRACE_LEN = struct.Struct("<I")  # a traced request's journey: length, then the JSON blob
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
 _msgpack_decode = msgspec.msgpack.Decoder(dict).decode
@@ -49,6 +51,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields by name
+    trace: bool = False                   # record its journey; it comes back on the last Output
 
 
 @dataclass(slots=True)
@@ -71,6 +74,7 @@ class Output:
     logprobs: list[list[tuple[int, float, int]]] | None = None
     error: str | None = None                # the message when finish_reason == "error"
     num_cached_tokens: int = 0              # prompt tokens found in the prefix cache
+    trace: bytes | None = None              # traced requests only: the engine's journey, JSON
 
     @property
     def finished(self) -> bool:
@@ -86,7 +90,9 @@ def encode_request(msg: AddRequest | Abort) -> bytes:
         return _ABORT.pack(KIND_ABORT, len(rid)) + rid
     tokens = _int32_bytes(msg.prompt_token_ids)
     params = _msgpack_encode(msg.params)
-    return b"".join((_ADD.pack(KIND_ADD, len(tokens) // 4, len(rid), len(params)), tokens, rid, params))
+    flags = _ADD_TRACE if msg.trace else 0
+    return b"".join((_ADD.pack(KIND_ADD, flags, len(tokens) // 4, len(rid), len(params)),
+                     tokens, rid, params))
 
 
 def decode_request(buf: bytes) -> AddRequest | Abort:
@@ -96,7 +102,7 @@ def decode_request(buf: bytes) -> AddRequest | Abort:
         return Abort(bytes(buf[_ABORT.size : _ABORT.size + id_len]).decode())
     if kind != KIND_ADD:
         raise ValueError(f"not a request record (kind {kind})")
-    _, n, id_len, params_len = _ADD.unpack_from(buf)
+    _, flags, n, id_len, params_len = _ADD.unpack_from(buf)
     view = memoryview(buf)
     at = _ADD.size
     tokens = view[at : at + 4 * n].cast("i").tolist()
@@ -104,7 +110,7 @@ def decode_request(buf: bytes) -> AddRequest | Abort:
     rid = bytes(view[at : at + id_len]).decode()
     at += id_len
     params = _msgpack_decode(view[at : at + params_len])
-    return AddRequest(rid, tokens, params)
+    return AddRequest(rid, tokens, params, bool(flags & _ADD_TRACE))
 
 
 # -- engine -> worker ------------------------------------------------------------------
@@ -120,6 +126,8 @@ def encode_outputs(outputs: Sequence[Output]) -> bytes:
         entries = sum(map(len, o.logprobs)) if o.logprobs is not None else 0
         if o.stop_reason is not None:
             flags |= _HAS_STOP_REASON
+        if o.trace is not None:
+            flags |= _HAS_TRACE
         parts.append(_ITEM.pack(len(rid), o.index, _FINISH_CODE[o.finish_reason], flags, n,
                                 o.num_prompt_tokens, o.num_cached_tokens, entries,
                                 o.stop_reason if o.stop_reason is not None else 0, len(err)))
@@ -133,6 +141,9 @@ def encode_outputs(outputs: Sequence[Output]) -> bytes:
             parts.append(array("i", [e[2] for e in flat]).tobytes())
         parts.append(rid)
         parts.append(err)
+        if o.trace is not None:
+            parts.append(_TRACE_LEN.pack(len(o.trace)))
+            parts.append(o.trace)
     return b"".join(parts)
 
 
@@ -166,7 +177,13 @@ def decode_outputs(buf: bytes) -> list[Output]:
         at += id_len
         err = bytes(view[at : at + err_len]).decode() if err_len else None
         at += err_len
+        trace = None
+        if flags & _HAS_TRACE:
+            (trace_len,) = _TRACE_LEN.unpack_from(buf, at)
+            at += _TRACE_LEN.size
+            trace = bytes(view[at : at + trace_len])
+            at += trace_len
         out.append(Output(rid, tokens, FINISH_REASONS[finish], index, num_prompt,
                           stop_reason if flags & _HAS_STOP_REASON else None,
-                          logprobs, err, num_cached))
+                          logprobs, err, num_cached, trace))
     return out
