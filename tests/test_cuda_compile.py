@@ -25,7 +25,7 @@ i32_1d, i32_2d = types.Array(types.int32, 1, "C"), types.Array(types.int32, 2, "
 
 # Every kernel with the signatures the runner launches it with (fp16 activations and cache).
 NUMBA_SIGNATURES = {
-    "embedding_kernel": [(i32_1d, f16_2d, f16_2d), (i32_1d, f32_2d, f32_2d)],
+    "embedding_kernel": [(i32_1d, f16_2d, f32_2d), (i32_1d, f16_2d, f16_2d)],
     "store_kv_kernel": [(f16_2d, i32_1d, f16_4d, f16_4d, types.int64)],
     "gather_rows_kernel": [(f16_2d, i32_1d, f16_2d), (f32_2d, i32_1d, f32_2d)],
     "argmax_kernel": [(f32_2d, i32_1d), (f16_2d, i32_1d)],

@@ -58,7 +58,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) paged_attention(
     }
     const int r = lo;
     const int num_keys = min(positions[t] + 1, seq_lens[r]);
-    const int begin = split * partition_size, end = min(num_keys, begin + partition_size);
+    // One split covers every key; with several, split s covers [s * partition_size, ...).
+    const int begin = splits == 1 ? 0 : split * partition_size;
+    const int end = splits == 1 ? num_keys : min(num_keys, begin + partition_size);
 
     float q[GQA_GROUP][PER_LANE], acc[GQA_GROUP][PER_LANE], m[GQA_GROUP], l[GQA_GROUP];
 #pragma unroll

@@ -1,0 +1,44 @@
+"""Launcher for attention.cu (the paged-attention RawKernel, with split-K for long decodes)."""
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from ringserve.gpu.cuda import toolchain
+
+
+
+class PagedAttention:
+    def __init__(self, head_dim: int, group: int):
+        self.head_dim, self.group = head_dim, group
+        module = cp.RawModule(code=toolchain.source("attention.cu"), backend="nvrtc",
+                              options=toolchain.options(dict(HEAD_DIM=head_dim, GQA_GROUP=group)))
+        self._attn = module.get_function("paged_attention")
+        self._reduce = module.get_function("attention_reduce")
+
+    def workspace(self, num_tokens: int, num_heads: int, splits: int):
+        """Partial results for `splits` > 1 (allocate before a graph capture, not during)."""
+        if splits == 1:
+            return None, None
+        return (cp.empty((num_tokens, num_heads, splits, self.head_dim), cp.float32),
+                cp.empty((num_tokens, num_heads, splits, 2), cp.float32))
+
+    def __call__(self, qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
+                 scale: float, out, stream, splits: int = 1, max_seq_len: int = 0,
+                 workspace=(None, None)) -> None:
+        """splits > 1: split s takes keys [s * P, (s + 1) * P) with P = ceil(max_seq_len / splits),
+        so max_seq_len must bound every request's length (max_model_len in a graph)."""
+        T = qkv.shape[0]
+        num_blocks, block_size, kvh, d = k_cache.shape
+        part_acc, part_ml = workspace
+        partition = -(-max_seq_len // splits) if splits > 1 else 0
+        null = np.uint64(0)
+        self._attn((T, kvh, splits), (128,), (
+            qkv, np.int32(qkv.shape[1]), k_cache, v_cache, positions, query_start_loc, seq_lens,
+            block_tables, np.int32(block_tables.shape[1]), np.int32(seq_lens.shape[0]),
+            np.int32(kvh), np.int32(block_size), np.float32(scale), np.int32(partition),
+            out, null if part_acc is None else part_acc, null if part_ml is None else part_ml),
+            stream=stream)
+        if splits > 1:
+            self._reduce((T, kvh * self.group), (d,), (part_acc, part_ml, np.int32(splits), out),
+                         stream=stream)

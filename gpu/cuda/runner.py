@@ -1,0 +1,243 @@
+"""The CUDA model runner: the face of gpu/runner.py's ModelRunner (execute(batch) -> float32
+logits [B, V]) on one GPU. fp16 weights and KV cache, float32 residual stream and accumulation.
+
+GEMMs are cuBLAS through CuPy with fused QKV and gate-up weights; the fused math is CUDA C
+(fused.cu, attention.cu); the indexing is Numba CUDA (numba_kernels.py), launched on the same
+CuPy stream through numba.cuda.external_stream so that a CUDA graph captures it too. Decode
+batches replay graphs captured for the ladder in gpu/cuda/plan.py; everything a graph touches
+is allocated before its capture.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+from numba import cuda as nb_cuda
+
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.cuda import numba_kernels as nk
+from ringserve.gpu.cuda import plan
+from ringserve.gpu.cuda.attention import PagedAttention
+from ringserve.gpu.cuda.fused import FusedKernels
+from ringserve.gpu.rope import cos_sin, inv_freq
+
+log = logging.getLogger(__name__)
+
+
+def _nb(x):
+    """A Numba view of a CuPy array, without the CAI stream sync (illegal during capture)."""
+    return nb_cuda.as_cuda_array(x, sync=False)
+
+
+@dataclass
+class Layer:
+    input_norm: cp.ndarray
+    qkv: cp.ndarray
+    qkv_bias: cp.ndarray | None
+    o: cp.ndarray
+    post_norm: cp.ndarray
+    gate_up: cp.ndarray
+    down: cp.ndarray
+
+
+class StepBuffers:
+    """Every activation of one forward over T tokens and B requests (static for a graph)."""
+
+    def __init__(self, c: ModelConfig, T: int, B: int, max_blocks: int):
+        self.input_ids = cp.zeros(T, cp.int32)
+        self.positions = cp.zeros(T, cp.int32)
+        self.slot_mapping = cp.full(T, -1, cp.int32)
+        self.query_start_loc = cp.zeros(B + 1, cp.int32)
+        self.seq_lens = cp.zeros(B, cp.int32)
+        self.block_tables = cp.full((B, max_blocks), -1, cp.int32)
+        self.logits_indices = cp.zeros(B, cp.int32)
+        self.h = cp.empty((T, c.hidden_size), cp.float32)
+        self.x = cp.empty((T, c.hidden_size), cp.float16)
+        self.delta = cp.empty((T, c.hidden_size), cp.float16)
+        self.qkv = cp.empty((T, c.q_size + 2 * c.kv_size), cp.float16)
+        self.attn = cp.empty((T, c.q_size), cp.float16)
+        self.gate_up = cp.empty((T, 2 * c.intermediate_size), cp.float16)
+        self.act = cp.empty((T, c.intermediate_size), cp.float16)
+        self.last = cp.empty((B, c.hidden_size), cp.float16)
+        self.logits16 = cp.empty((B, c.vocab_size), cp.float16)
+        self.logits = cp.empty((B, c.vocab_size), cp.float32)
+
+    def load(self, b) -> None:
+        """Copy a Batch (or a padded decode) into the buffers' leading rows."""
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
+            getattr(self, name)[:len(getattr(b, name))].set(np.asarray(getattr(b, name), np.int32))
+        w = b.block_tables.shape[1]
+        self.block_tables[:b.block_tables.shape[0], :w].set(np.ascontiguousarray(b.block_tables, np.int32))
+        self.logits_indices.set(np.asarray(b.query_start_loc[1:] - 1, np.int32))
+
+
+class CudaModelRunner:
+    def __init__(self, config: ModelConfig, weights: dict, *, block_size: int = 16,
+                 num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None, enforce_eager: bool = False,
+                 attention_backend: str = "cuda"):
+        """weights: HF names -> numpy or CuPy arrays (gpu_check makes them on the GPU)."""
+        if attention_backend not in ("cuda", "numba"):
+            raise ValueError(f"attention_backend {attention_backend!r}: cuda or numba")
+        c = self.config = config
+        self.block_size = block_size
+        self.max_model_len = max_model_len or c.max_position_embeddings
+        self.max_blocks = -(-self.max_model_len // block_size)
+        self.attention_backend = attention_backend
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.nb_stream = nb_cuda.external_stream(self.stream.ptr)
+        self.fused = FusedKernels()
+        self.attention = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
+        self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self._load_weights(weights)
+        cos, sin = cos_sin(np.arange(self.max_model_len), inv_freq(c))
+        self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+        self.scale = c.head_dim ** -0.5
+        self.eps = c.rms_norm_eps
+
+        if num_blocks is None:
+            num_blocks = self._profile_num_blocks(max_num_batched_tokens, gpu_memory_utilization)
+        self.num_blocks = int(num_blocks)
+        shape = (self.num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_caches = [(cp.zeros(shape, cp.float16), cp.zeros(shape, cp.float16))
+                          for _ in range(c.num_hidden_layers)]
+        self.graphs = plan.GraphTable(plan.graph_batch_sizes(max_num_seqs))
+        self._graph_buffers: dict[int, tuple[StepBuffers, int, tuple]] = {}
+        if not enforce_eager:
+            self.capture_graphs()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, **kwargs) -> CudaModelRunner:
+        from ringserve.gpu.weights import load_weights
+        return cls(ModelConfig.from_dir(model_dir), load_weights(model_dir), **kwargs)
+
+    def _load_weights(self, w: dict) -> None:
+        c = self.config
+
+        def f16(*names):
+            return cp.ascontiguousarray(cp.concatenate([cp.asarray(w[n], cp.float16) for n in names]))
+
+        self.embed = f16("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else f16("lm_head.weight")
+        self.final_norm = f16("model.norm.weight")
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            self.layers.append(Layer(
+                input_norm=f16(p + "input_layernorm.weight"),
+                qkv=f16(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv_bias=f16(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+                if c.attention_bias else None,
+                o=f16(a + "o_proj.weight"), post_norm=f16(p + "post_attention_layernorm.weight"),
+                gate_up=f16(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=f16(p + "mlp.down_proj.weight")))
+
+    def _profile_num_blocks(self, max_tokens: int, utilization: float) -> int:
+        """Run the largest forward once (over a 1-block cache, writing nothing) and give the KV
+        pool what the weights and that forward's peak left of the allowed share."""
+        c = self.config
+        T = min(max_tokens, self.max_model_len)
+        tiny = [(cp.zeros((1, self.block_size, c.num_key_value_heads, c.head_dim), cp.float16),) * 2
+                for _ in range(c.num_hidden_layers)]
+        batch = Batch(np.zeros(T, np.int32), np.arange(T, dtype=np.int32), np.full(T, -1, np.int32),
+                      np.array([0, T], np.int32), np.array([T], np.int32),
+                      np.zeros((1, -(-T // self.block_size)), np.int32))
+        self._eager(batch, tiny)
+        self.stream.synchronize()
+        free, total = cp.cuda.runtime.memGetInfo()
+        per_block = plan.kv_bytes_per_block(num_layers=c.num_hidden_layers, block_size=self.block_size,
+                                            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                                            itemsize=2)
+        return plan.num_kv_blocks(total_bytes=total, used_bytes_after_profile=total - free,
+                                  bytes_per_block=per_block, gpu_memory_utilization=utilization)
+
+    # The forward over buffers already loaded with the step's arrays.
+    def _forward(self, buf: StepBuffers, caches, splits: int, max_seq_len: int, workspace) -> None:
+        c, s, f = self.config, self.stream, self.fused
+        threads = 128
+        nk.embedding(_nb(buf.input_ids), _nb(self.embed), _nb(buf.h), threads=threads, stream=self.nb_stream)
+        f.add_rms_norm(buf.h, None, self.layers[0].input_norm, buf.x, self.eps, s)
+        for i, (layer, (kc, vc)) in enumerate(zip(self.layers, caches)):
+            cp.matmul(buf.x, layer.qkv.T, out=buf.qkv)
+            if layer.qkv_bias is not None:
+                buf.qkv += layer.qkv_bias
+            f.rope(buf.qkv, buf.positions, self.cos, self.sin,
+                   c.num_attention_heads + c.num_key_value_heads, c.head_dim, s)
+            nk.store_kv(_nb(buf.qkv), _nb(buf.slot_mapping), _nb(kc), _nb(vc),
+                        c.num_attention_heads, threads=threads, stream=self.nb_stream)
+            args = (buf.qkv, kc, vc, buf.positions, buf.query_start_loc, buf.seq_lens, buf.block_tables)
+            if self.attention_backend == "cuda":
+                self.attention(*args, self.scale, buf.attn, s, splits=splits,
+                               max_seq_len=max_seq_len, workspace=workspace)
+            else:
+                nk.paged_attention(*(_nb(a) for a in args), self.scale, _nb(buf.attn),
+                                   threads=threads, stream=self.nb_stream)
+            cp.matmul(buf.attn, layer.o.T, out=buf.delta)
+            f.add_rms_norm(buf.h, buf.delta, layer.post_norm, buf.x, self.eps, s)
+            cp.matmul(buf.x, layer.gate_up.T, out=buf.gate_up)
+            f.silu_mul(buf.gate_up, buf.act, s)
+            cp.matmul(buf.act, layer.down.T, out=buf.delta)
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            f.add_rms_norm(buf.h, buf.delta, nxt, buf.x, self.eps, s)
+        nk.gather_rows(_nb(buf.x), _nb(buf.logits_indices), _nb(buf.last), threads=threads,
+                       stream=self.nb_stream)
+        cp.matmul(buf.last, self.lm_head.T, out=buf.logits16)
+        buf.logits[...] = buf.logits16
+
+    def _eager(self, batch: Batch, caches) -> cp.ndarray:
+        with self.stream:
+            buf = StepBuffers(self.config, batch.num_tokens, batch.num_reqs, batch.block_tables.shape[1])
+            buf.load(batch)
+            max_len = int(batch.seq_lens.max())
+            splits = plan.attention_splits(num_tokens=batch.num_tokens,
+                                           num_kv_heads=self.config.num_key_value_heads,
+                                           max_seq_len=max_len, num_sms=self.num_sms)
+            ws = self.attention.workspace(batch.num_tokens, self.config.num_attention_heads, splits)
+            self._forward(buf, caches, splits, max_len, ws)
+            return buf.logits
+
+    def capture_graphs(self) -> None:
+        """One graph per ladder size, largest first (later captures reuse the pool's memory)."""
+        t0 = time.perf_counter()
+        c = self.config
+        for size in reversed(self.graphs.sizes):
+            t = time.perf_counter()
+            with self.stream:
+                buf = StepBuffers(c, size, size, self.max_blocks)
+                buf.query_start_loc.set(np.arange(size + 1, dtype=np.int32))
+                buf.logits_indices.set(np.arange(size, dtype=np.int32))
+                splits = plan.attention_splits(num_tokens=size, num_kv_heads=c.num_key_value_heads,
+                                               max_seq_len=self.max_model_len, num_sms=self.num_sms)
+                ws = self.attention.workspace(size, c.num_attention_heads, splits)
+                self._forward(buf, self.kv_caches, splits, self.max_model_len, ws)  # warm-up: compiles, cuBLAS plans
+                self.stream.synchronize()
+                self.stream.begin_capture()
+                self._forward(buf, self.kv_caches, splits, self.max_model_len, ws)
+                graph = self.stream.end_capture()
+            self._graph_buffers[size] = (buf, splits, ws)
+            self.graphs.add(size, graph, time.perf_counter() - t)
+        log.info("captured %d CUDA graphs (batch sizes %s) in %.2f s", len(self.graphs.sizes),
+                 self.graphs.sizes, time.perf_counter() - t0)
+
+    def execute(self, batch: Batch) -> np.ndarray:
+        """float32 logits [B, vocab] at each request's last scheduled token; writes K/V."""
+        if batch.num_tokens == 0:
+            return np.empty((batch.num_reqs, self.config.vocab_size), np.float32)
+        size = self.graphs.pick(batch)
+        if size is not None and batch.block_tables.shape[1] <= self.max_blocks:
+            buf, _, _ = self._graph_buffers[size]
+            with self.stream:
+                buf.load(plan.pad_decode(batch, size, self.max_blocks))
+                self.graphs.graphs[size].launch(self.stream)
+                out = buf.logits[:batch.num_reqs].get(stream=self.stream)
+        else:
+            with self.stream:
+                out = self._eager(batch, self.kv_caches).get(stream=self.stream)
+        self.stream.synchronize()
+        return out
