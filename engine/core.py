@@ -13,6 +13,7 @@ the prompt's blocks through the prefix cache (scoped to the request when caching
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -53,16 +54,19 @@ class EngineCore:
 
     # -- requests in -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
+                    params: SamplingParams) -> None:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        prompt = [int(t) for t in prompt_token_ids]
+        # One C call, no per-token Python int: an int32 array from the rings is taken as it is.
+        prompt = np.asarray(prompt_token_ids)
         error, max_tokens = self._check(prompt, params)
         if error is not None:
             self._pending.extend(RequestOutput(request_id, [], True, "error", index=i, error=error,
                                                num_prompt_tokens=len(prompt))
                                  for i in range(params.n))
             return
+        prompt = prompt.astype(np.int32, copy=False)
         sharing_salt = request_id if params.n > 1 and not self.config.enable_prefix_caching else None
         group = []
         for i in range(params.n):
@@ -76,13 +80,15 @@ class EngineCore:
             self.scheduler.add(req)
         self.groups[request_id] = group
 
-    def _check(self, prompt: list[int], params: SamplingParams) -> tuple[str | None, int]:
+    def _check(self, prompt: np.ndarray, params: SamplingParams) -> tuple[str | None, int]:
         """(why the request can never run, or None; its max_tokens resolved)."""
         n = len(prompt)
         if n == 0:
             return "the prompt is empty", 0
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            return f"token ids must be integers below the vocabulary size {self.vocab_size}", 0
+        bad = prompt[(prompt < 0) | (prompt >= self.vocab_size)]
+        if len(bad):
             return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", 0
         if n >= self.max_model_len:
             return (f"This model's maximum context length is {self.max_model_len} tokens, "

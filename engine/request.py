@@ -21,7 +21,7 @@ class Request:
     """One sequence. A request with n > 1 samples is n of these (same request_id, index 0..n-1)."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: np.ndarray                  # int32; a list is converted
     params: SamplingParams
     arrival: int                                  # admission order: FCFS and the preemption victim
     index: int = 0                                # which of the n samples
@@ -39,8 +39,10 @@ class Request:
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache
 
     def __post_init__(self) -> None:
+        # An int32 array as it comes off the rings is kept as it is (no per-token Python object).
+        self.prompt_token_ids = np.asarray(self.prompt_token_ids, np.int32)
         # prompt + output in one list: the scheduler works on token counts, not on phases.
-        self.all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
+        self.all_token_ids: list[int] = self.prompt_token_ids.tolist() + self.output_token_ids
         # Unique within the engine (the n samples of a request share its request_id).
         self.key: str = self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
 

@@ -193,7 +193,8 @@ def test_32k_token_prompt_crosses():
     assert p.exitcode == 0
     msg = decode_request(ch.requests.read())
     assert msg.request_id == "long" and msg.params == {"max_tokens": 1}
-    assert msg.prompt_token_ids == (np.arange(32768) * 7 % 49152).tolist()
+    assert msg.prompt_token_ids.dtype == np.int32
+    assert np.array_equal(msg.prompt_token_ids, np.arange(32768) * 7 % 49152)
     ch.close()
 
 
@@ -201,9 +202,18 @@ def test_32k_token_prompt_crosses():
 
 
 def test_request_messages_round_trip():
-    add = AddRequest("req-é1", [1, -2, 2**31 - 1, 0], {"temperature": 0.5, "stop_token_ids": [2, 3]})
-    assert decode_request(encode_request(add)) == add
-    assert decode_request(encode_request(AddRequest("e", [], {}))) == AddRequest("e", [], {})
+    ids = [1, -2, 2**31 - 1, 0]
+    add = AddRequest("req-é1", ids, {"temperature": 0.5, "stop_token_ids": [2, 3]}, trace=True)
+    got = decode_request(encode_request(add))
+    # the prompt comes back as an int32 array (what the engine takes), read-only: it views the record
+    assert isinstance(got.prompt_token_ids, np.ndarray) and got.prompt_token_ids.dtype == np.int32
+    assert got.prompt_token_ids.tolist() == ids and not got.prompt_token_ids.flags.writeable
+    assert (got.request_id, got.params, got.trace) == (add.request_id, add.params, True)
+    # an int32 array goes out as it is
+    again = decode_request(encode_request(AddRequest("a", np.array(ids, np.int32), {})))
+    assert again.prompt_token_ids.tolist() == ids and again.trace is False
+    empty = decode_request(encode_request(AddRequest("e", [], {})))
+    assert (empty.request_id, len(empty.prompt_token_ids), empty.params) == ("e", 0, {})
     assert decode_request(encode_request(Abort("req-é1"))) == Abort("req-é1")
     # token ids are raw int32: 4 bytes each plus a fixed header, id and params
     assert len(encode_request(AddRequest("r", list(range(1000)), {}))) == 16 + 4000 + 1 + 1
