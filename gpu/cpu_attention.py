@@ -11,11 +11,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ringserve.gpu.cpu_kernels import fast_exp
+
 # Reassociation lets LLVM vectorize the dot products; no 'nnan'/'ninf', so -inf stays -inf.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True)
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
 def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
                     scale, out):  # pragma: no cover - compiled
     """q [T, H, D], k/v_cache [num_blocks, block_size, KVH, D] -> out [T, H, D] (written)."""
@@ -47,7 +49,7 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
                         m = max(m, scores[g, j])
                     total = np.float32(0.0)
                     for j in range(num_keys):
-                        e = np.exp(scores[g, j] - m)
+                        e = fast_exp(scores[g, j] - m)
                         scores[g, j] = e
                         total += e
                     inv = np.float32(1.0) / total

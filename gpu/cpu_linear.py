@@ -51,7 +51,7 @@ def _load_overload(w, n, k):
     return lambda w, n, k: w[n, k]
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, inline="always")
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _rows(x, w, out, lo, hi):  # pragma: no cover - compiled
     """out[:, lo:hi] for weight rows lo..hi."""
     num_tokens, k_dim = x.shape
@@ -92,12 +92,12 @@ def _rows(x, w, out, lo, hi):  # pragma: no cover - compiled
             out[t, i] = acc
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True)
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
 def _small(x, w, out):  # pragma: no cover - compiled
     _rows(x, w, out, 0, w.shape[0])
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, parallel=True)
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", parallel=True)
 def _small_parallel(x, w, out, tasks):  # pragma: no cover - compiled
     n = w.shape[0]
     for i in prange(tasks):

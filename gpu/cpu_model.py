@@ -147,3 +147,4 @@ class CpuLlama:
         # x now holds the final norm of every token; logits only at each request's last one.
         last = np.ascontiguousarray(x[batch.logits_indices])
         return linear(last, self.lm_head, parallel=parallel)
+

@@ -55,3 +55,14 @@ def test_runner_options_agree(tiny_model_dir):
     bf16 = run(ModelRunner(tiny_model_dir, num_blocks=8, dtype="bfloat16"))
     error = np.abs(bf16 - exact).max() / np.abs(exact).max()
     assert 0 < error < 0.05  # bf16 weights: close, and not secretly float32
+
+
+
+def test_fast_exp_and_silu_mul():
+    from ringserve.gpu.cpu_kernels import silu_mul
+    gate_up = (np.random.default_rng(1).standard_normal((5, 64)) * 40).astype(np.float32)
+    gate_up[0, :4] = [-200.0, 200.0, 0.0, -87.5]  # beyond the exp's clamp on both sides
+    out = np.empty((5, 32), np.float32)
+    silu_mul(gate_up, out)
+    g = gate_up[:, :32].astype(np.float64)
+    np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * gate_up[:, 32:], rtol=1e-6, atol=1e-30)
