@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import os
 import platform
-import struct
 
 HEAD, TAIL = 0, 8  # indices into the uint64 view of the 128-byte header
 HEADER_BYTES = 128
 RECORD_HEADER = 8
-_LEN = struct.Struct("<Q")
 _STRONG_ORDER_MACHINES = {"x86_64", "amd64", "i386", "i686", "x86"}
 
 
@@ -75,8 +73,14 @@ class Ring:
         self.max_record = capacity - RECORD_HEADER
         self._counters = buf[offset : offset + HEADER_BYTES].cast("Q")
         self._data = buf[offset + HEADER_BYTES : offset + HEADER_BYTES + capacity]
+        self._words = self._data.cast("Q")  # record headers: always at 8-byte aligned positions
         self._head = self._counters[HEAD]
         self._tail = self._counters[TAIL]
+        # The other side's counter as last read: reread only when it would change the answer
+        # (the producer's view of head can only be stale-low, the consumer's of tail stale-low,
+        # so a stale value only ever makes a side wait, never overrun).
+        self._head_seen = self._head
+        self._tail_seen = self._tail
 
     @staticmethod
     def region_size(capacity: int) -> int:
@@ -84,18 +88,21 @@ class Ring:
 
     # -- producer --------------------------------------------------------------------
     def try_write(self, payload) -> bool:
-        if not isinstance(payload, (bytes, bytearray)):
+        if type(payload) is not bytes and not isinstance(payload, bytearray):
             payload = memoryview(payload).cast("B")
         n = len(payload)
         size = RECORD_HEADER + ((n + 7) & ~7)
-        if n > self.max_record:
-            raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of {self.max_record} bytes")
         tail = self._tail
-        if tail + size - self._counters[HEAD] > self.capacity:
-            return False
-        cap, data = self.capacity, self._data
+        cap = self.capacity
+        if tail + size - self._head_seen > cap:
+            if n > self.max_record:
+                raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of {self.max_record} bytes")
+            self._head_seen = self._counters[HEAD]
+            if tail + size - self._head_seen > cap:
+                return False
+        data = self._data
         pos = tail % cap
-        _LEN.pack_into(data, pos, n)
+        self._words[pos >> 3] = n
         pos = (pos + RECORD_HEADER) % cap
         first = cap - pos
         if n <= first:
@@ -116,11 +123,13 @@ class Ring:
     def read(self) -> bytes | None:
         """The next record's payload (a copy), or None when the ring is empty."""
         head = self._head
-        if head == self._counters[TAIL]:
-            return None
+        if head == self._tail_seen:
+            self._tail_seen = self._counters[TAIL]
+            if head == self._tail_seen:
+                return None
         cap, data = self.capacity, self._data
         pos = head % cap
-        (n,) = _LEN.unpack_from(data, pos)
+        n = self._words[pos >> 3]
         pos = (pos + RECORD_HEADER) % cap
         first = cap - pos
         if n <= first:
@@ -139,5 +148,6 @@ class Ring:
 
     def release(self) -> None:
         """Drop the views into the segment so that it can be unmapped."""
+        self._words.release()
         self._counters.release()
         self._data.release()
