@@ -78,7 +78,7 @@ def default_num_threads() -> int:
     """Half the cores this process may run on (at least 1, at most Numba's thread pool).
 
     The other half is left to the frontend's workers. A step runs ~120 parallel regions, and
-    each one waits for its slowest thread: when another process holds the second core of a
-    2-core machine, a 2-thread decode step measured 40x slower than a 1-thread one, while on
-    an idle machine 2 threads gain only 1.4x (docs/bench_forward.md)."""
+    each one waits for its slowest thread: on the 2-core VM, with another process busy on both
+    cores, a 2-thread batch-1 decode step took ~960 ms against ~28 ms with 1 thread; with a core
+    to spare, 2 threads gained 1.4x (27.5 -> 19.5 ms). See docs/bench_forward.md."""
     return max(1, min(len(os.sched_getaffinity(0)) // 2, numba.config.NUMBA_NUM_THREADS))
