@@ -41,8 +41,9 @@ class ModelRunner:
         self.device = device
         self.config = ModelConfig.from_dir(model_dir)
         self.num_threads = default_num_threads() if num_threads is None else num_threads
-        if self.num_threads < 1:
-            raise ValueError(f"num_threads {num_threads} must be at least 1")
+        if not 1 <= self.num_threads <= numba.config.NUMBA_NUM_THREADS:
+            raise ValueError(f"num_threads {num_threads} must be between 1 and "
+                             f"{numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS)")
         self.model = CpuLlama(self.config, load_weights(model_dir), weight_dtype=CPU_DTYPES[dtype],
                               num_threads=self.num_threads)
         self.block_size = block_size
