@@ -106,8 +106,17 @@ def test_sweep_table_and_compare():
     cells = [c.strip() for c in table[2].split("|")[1:-1]]
     assert cells == ["concurrency 1", "4", "0", "4.00", "16.0", "100.0", "100.0", "10.0", "10.0",
                      "10.0", "130.0"]
-    text = compare(a, b, ("A", "B"))
+    text = compare([a, b], ["A", "B"])
     rows = {line[:26].strip(): line[26:].split() for line in text.splitlines() if line[:26].strip()}
     assert rows["req/s"] == ["4.00", "2.00", "0.50x"]
     assert rows["TTFT median (ms)"] == ["100.0", "200.0", "2.00x"]
     assert rows["TPOT median (ms)"] == ["10.0", "10.0", "1.00x"]
+
+
+def test_compare_three_runs_and_a_point_only_one_has():
+    a, b = _doc("concurrency 1", 0.1, 4), _doc("concurrency 1", 0.2, 2)
+    c = _doc("concurrency 8", 0.4, 8)
+    text = compare([a, b, c], ["A", "B", "C"])
+    rows = [line.split() for line in text.splitlines() if line.startswith("req/s")]
+    assert rows == [["req/s", "4.00", "2.00", "-", "0.50x", "-"],
+                    ["req/s", "-", "-", "8.00", "-", "-"]]

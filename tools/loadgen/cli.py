@@ -68,7 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens of each shared prefix")
     w.add_argument("--num-prefixes", type=int, default=4, help="prefix: how many distinct prefixes")
     w.add_argument("--temperature", type=float, default=0.0)
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0,
+                   help="the same seed sends the same prompts: give each run against one server its "
+                        "own seed, or it measures that server's prefix cache")
     a = p.add_argument_group("arrivals (a comma list sweeps)")
     m = a.add_mutually_exclusive_group()
     m.add_argument("--concurrency", type=_int_list, default=None,
@@ -87,8 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--json", default=None, metavar="FILE", help="write the run's results as JSON")
     r.add_argument("--plot", default=None, metavar="PNG",
                    help="latency against throughput (needs the `plot` extra: matplotlib)")
-    r.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"),
-                   help="print two runs side by side (with --plot: both on one chart) and exit")
+    r.add_argument("--compare", nargs="+", default=None, metavar="RUN.json",
+                   help="print two (or more) runs side by side (with --plot: all on one chart) and exit")
     r.add_argument("--names", nargs="+", default=None, help="names of the runs in --compare / --plot")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -202,9 +204,13 @@ def command(args: argparse.Namespace) -> int:
     logging.getLogger("ringserve.client").setLevel(logging.ERROR)  # "client closed" at the end
     try:
         if args.compare:
+            if len(args.compare) < 2:
+                raise ValueError("--compare needs two or more --json files")
             docs = [load_document(p) for p in args.compare]
-            names = tuple(args.names or [Path(p).stem for p in args.compare])[:2]
-            print(compare(docs[0], docs[1], names))
+            names = list(args.names or [Path(p).stem for p in args.compare])
+            if len(names) != len(docs):
+                raise ValueError(f"--names needs one name per run ({len(docs)})")
+            print(compare(docs, names))
             if args.plot:
                 _plot(list(zip(names, docs)), args.plot)
             return 0

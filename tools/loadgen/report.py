@@ -93,22 +93,23 @@ def _describe(doc: dict[str, Any]) -> str:
     return f"{b.get('mode', '?')} {b.get('server', '')} {b.get('endpoint', '')}".strip()
 
 
-def compare(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")) -> str:
-    """Two runs side by side, load point by load point (matched by label)."""
-    out = [f"{names[0]}: {_describe(a)}", f"{names[1]}: {_describe(b)}"]
-    b_points = {p["label"]: p for p in b["points"]}
+def compare(docs: list[dict[str, Any]], names: list[str]) -> str:
+    """Runs side by side, load point by load point (matched by label), with each run's ratio to
+    the first."""
+    out = [f"{n}: {_describe(d)}" for n, d in zip(names, docs)]
     w = max(12, *(len(n) + 2 for n in names))
-    for pa in a["points"]:
-        pb = b_points.pop(pa["label"], None)
+    labels = list(dict.fromkeys(p["label"] for d in docs for p in d["points"]))
+    by_label = [{p["label"]: p["summary"] for p in d["points"]} for d in docs]
+    for label in labels:
+        summaries = [b.get(label) for b in by_label]
         out.append("")
-        out.append(f"{pa['label']:<26}{names[0]:>{w}}{names[1]:>{w}}{names[1] + '/' + names[0]:>{w}}")
+        out.append(f"{label:<26}" + "".join(f"{n:>{w}}" for n in names)
+                   + "".join(f"{n + '/' + names[0]:>{w}}" for n in names[1:]))
         for title, get, digits in _COMPARE_ROWS:
-            va = get(pa["summary"])
-            vb = get(pb["summary"]) if pb else None
-            if va is None and vb is None:
+            values = [get(s) if s is not None else None for s in summaries]
+            if all(v is None for v in values):
                 continue
-            ratio = f"{vb / va:.2f}x" if va and vb is not None else "-"
-            out.append(f"{title:<26}{_f(va, digits):>{w}}{_f(vb, digits):>{w}}{ratio:>{w}}")
-    for label in b_points:
-        out.append(f"\n{label}: only in {names[1]}")
+            ratios = [f"{v / values[0]:.2f}x" if values[0] and v is not None else "-" for v in values[1:]]
+            out.append(f"{title:<26}" + "".join(f"{_f(v, digits):>{w}}" for v in values)
+                       + "".join(f"{r:>{w}}" for r in ratios))
     return "\n".join(out)
