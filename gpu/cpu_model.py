@@ -1,4 +1,4 @@
-"""The Llama forward on the CPU, in numpy, over the batch contract of gpu/batch.py.
+"""The Llama forward on the CPU, in numpy and Numba, over the batch contract of gpu/batch.py.
 
 One step is one padding-free super-sequence of T tokens from B requests. The projections
 and the MLP run as matmuls over all T tokens at once. Attention (gpu/cpu_attention.py) runs
@@ -112,8 +112,6 @@ class CpuLlama:
         """float32 logits [B, vocab] at each request's last scheduled token."""
         c = self.config
         T, I = batch.num_tokens, c.intermediate_size
-        if T == 0:
-            return np.empty((batch.num_reqs, c.vocab_size), dtype=np.float32)
         if self.num_threads > 1:
             numba.set_num_threads(self.num_threads)  # per calling thread in Numba
         parallel = self.num_threads > 1
