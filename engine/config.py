@@ -15,8 +15,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9      # cuda: share of GPU memory for weights + KV pool
     kv_cache_memory_bytes: int | None = None  # cpu: bytes for the KV pool (None: the runner's default)
     enable_prefix_caching: bool = True
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = "auto"                     # auto: cuda when CuPy sees a GPU, else cpu (gpu/devices.py)
+    dtype: str = "auto"                      # auto: float32 on cpu, float16 on cuda
+    enforce_eager: bool = False              # cuda: no CUDA graphs for decode
+    attention_backend: str = "auto"          # cuda paged attention: auto/rawkernel (CUDA C) or numba
     seed: int = 0                            # seeds the generator of requests without their own seed
 
     def __post_init__(self) -> None:
@@ -27,5 +29,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
+        if self.attention_backend not in ("auto", "rawkernel", "numba"):
+            raise ValueError(f"attention_backend must be auto, rawkernel or numba, got {self.attention_backend!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")

@@ -236,4 +236,9 @@ def _make_runner(config: EngineConfig):
     model_dir: Path = resolve_model(config.model)
     return ModelRunner(model_dir, device=config.device, dtype=config.dtype,
                        block_size=config.block_size, num_blocks=config.num_gpu_blocks_override,
-                       kv_cache_memory_bytes=config.kv_cache_memory_bytes)
+                       kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                       gpu_memory_utilization=config.gpu_memory_utilization,
+                       max_num_seqs=config.max_num_seqs,
+                       max_num_batched_tokens=config.max_num_batched_tokens,
+                       max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
+                       attention_backend=config.attention_backend)

@@ -1,7 +1,8 @@
 """The model runner: what the engine calls once per step (DESIGN.md §1 station 5).
 
 It owns the weights and the paged KV cache (allocated once, never resized) and turns a
-Batch into logits. The CPU backend is numpy; a CUDA backend will sit behind the same face.
+Batch into logits. The CPU backend is numpy + Numba; the CUDA backend (gpu/cuda/runner.py) sits
+behind the same face when device is "cuda" (or "auto" on a machine where CuPy sees a GPU).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from threadpoolctl import ThreadpoolController
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu_model import CpuLlama, KVCache
+from ringserve.gpu.devices import cupy_installed, resolve_device
 from ringserve.gpu.weights import load_weights
 
 _BLAS = ThreadpoolController()
@@ -23,22 +25,43 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB of K and V over all layers
 # option that halves the bytes a decode step streams (its logits differ from float32's by bf16
 # rounding of the weights); float32 is the default and matches transformers.
 CPU_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+CUDA_DTYPES = ("auto", "float16")  # fp16 weights and KV cache, float32 accumulation
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "float32",
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
                  block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, num_threads: int | None = None):
-        if device == "cuda":
-            raise ValueError("device 'cuda': the CUDA backend is not built yet; use device='cpu'")
-        if device != "cpu":
-            raise ValueError(f"device {device!r} is not supported (cpu or cuda)")
+                 kv_cache_memory_bytes: int | None = None, num_threads: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 enforce_eager: bool = False, attention_backend: str = "auto"):
+        """device "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). The arguments
+        after num_threads are the CUDA backend's (KV pool from free memory, graph ladder up to
+        max_num_seqs, the profiling forward's size, graphs off, paged-attention kernel)."""
+        self.device = resolve_device(device)
+        self._cuda = None
+        if self.device == "cuda":
+            if dtype not in CUDA_DTYPES:
+                raise ValueError(f"dtype {dtype!r} is not supported by the CUDA backend "
+                                 f"({', '.join(CUDA_DTYPES)})")
+            if not cupy_installed():
+                raise ValueError("device 'cuda' needs CuPy: pip install -e '.[cuda]' "
+                                 "(docs/deploy.md)")
+            from ringserve.gpu.cuda.runner import CudaModelRunner
+            self._cuda = CudaModelRunner.from_dir(
+                model_dir, block_size=block_size, num_blocks=num_blocks,
+                gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                enforce_eager=enforce_eager, attention_backend=attention_backend)
+            self.config = self._cuda.config
+            self.block_size = self._cuda.block_size
+            self.num_blocks = self._cuda.num_blocks
+            return
         if dtype not in CPU_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported by the CPU backend "
                              f"({', '.join(CPU_DTYPES)})")
         if block_size <= 0:
             raise ValueError(f"block_size {block_size} must be positive")
-        self.device = device
         self.config = ModelConfig.from_dir(model_dir)
         self.num_threads = default_num_threads() if num_threads is None else num_threads
         if not 1 <= self.num_threads <= numba.config.NUMBA_NUM_THREADS:
@@ -68,6 +91,8 @@ class ModelRunner:
     def execute(self, batch: Batch) -> np.ndarray:
         """float32 logits [B, vocab], one row per request at its last scheduled token;
         writes this step's K/V into the cache at batch.slot_mapping."""
+        if self._cuda is not None:
+            return self._cuda.execute(batch)
         # BLAS (the many-token matmuls) gets the same threads as our kernels, no more: OpenBLAS
         # threads spin while they wait, and a second process on a busy core made a step ~4x
         # slower (docs/bench_forward.md). Per call, so that nothing leaks into the process.

@@ -45,12 +45,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
+                   help="auto (default): cuda when CuPy is installed and a GPU is visible, else cpu")
     p.add_argument("--dtype", default=None, help="default: float32 on cpu, float16 on cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="cuda: no CUDA graphs for decode (debugging; slower)")
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "rawkernel", "numba"),
+                   help="cuda paged attention: the tuned CUDA C kernel (auto) or the Numba fallback")
     p.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),
                    help="require `Authorization: Bearer <key>` on the API routes")
-    p.add_argument("--engines", type=int, default=1, help="engine processes (one per GPU)")
+    p.add_argument("--engines", type=int, default=None,
+                   help="engine processes (default: one per visible GPU on cuda, 1 on cpu)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="Gunicorn workers (default: the core count)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
@@ -67,12 +73,13 @@ class _Engine:
     process: multiprocessing.Process
 
 
-def _default_device() -> str:
-    try:
-        import cupy  # noqa: F401 - only asks whether a GPU is there; no context in this process
-        return "cuda" if cupy.cuda.is_available() else "cpu"
-    except Exception:  # noqa: BLE001 - no cupy, no driver: the CPU backend
-        return "cpu"
+def _engine_main(gpu: str | None, config, control_path: str, **kwargs) -> None:
+    """An engine process's entry: its GPU is CUDA_VISIBLE_DEVICES (it then sees one device, 0),
+    set before anything in it initializes CUDA."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    from ringserve.engine.process import run_engine
+    run_engine(config, control_path, **kwargs)
 
 
 class Launcher:
@@ -80,7 +87,9 @@ class Launcher:
         self.args = args
         self.model_dir = model_dir
         self.max_model_len = max_model_len
-        self.device = args.device or _default_device()
+        from ringserve.gpu.devices import plan_engines
+        # Counted without initializing CUDA here (gpu/devices.py); one engine per GPU by default.
+        self.device, self.engine_gpus = plan_engines(args.device, args.engines)
         self.runtime = Path(tempfile.mkdtemp(prefix="ringserve-"))  # 0700
         self.engines: list[_Engine] = []
         self.gunicorn: subprocess.Popen | None = None
@@ -97,12 +106,13 @@ class Launcher:
             block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
             gpu_memory_utilization=a.gpu_memory_utilization,
             enable_prefix_caching=a.enable_prefix_caching, device=self.device,
-            dtype=a.dtype or ("float16" if self.device == "cuda" else "float32"), seed=a.seed)
+            dtype=a.dtype or ("float16" if self.device == "cuda" else "float32"), seed=a.seed,
+            enforce_eager=a.enforce_eager, attention_backend=a.attention_backend)
 
     def _start_engine(self, index: int) -> _Engine:
-        from ringserve.engine.process import run_engine
         path = str(self.runtime / f"engine-{index}.sock")
-        proc = self._mp.Process(target=run_engine, args=(self._engine_config(), path),
+        proc = self._mp.Process(target=_engine_main,
+                                args=(self.engine_gpus[index], self._engine_config(), path),
                                 kwargs={"max_slots": max(64, 2 * self.args.workers)},
                                 name=f"ringserve-engine-{index}", daemon=False)
         proc.start()
@@ -176,14 +186,16 @@ class Launcher:
 
     def start(self) -> None:
         """Start the engines, wait until they take connections, then start Gunicorn."""
-        self.engines = [self._start_engine(i) for i in range(self.args.engines)]
+        self.engines = [self._start_engine(i) for i in range(len(self.engine_gpus))]
         shapes = [self._wait_ready(e) for e in self.engines]
         if self._stopping:
             return
         self.gunicorn = self._start_gunicorn()
         for e, (blocks, bs) in zip(self.engines, shapes):
-            log.info("engine %d: device %s, KV pool %d blocks x %d = %d tokens",
-                     e.index, self.device, blocks, bs, blocks * bs)
+            gpu = self.engine_gpus[e.index]
+            log.info("engine %d: device %s%s, KV pool %d blocks x %d = %d tokens", e.index,
+                     self.device, "" if gpu is None else f" (CUDA_VISIBLE_DEVICES={gpu})",
+                     blocks, bs, blocks * bs)
         log.info("serving %s (%s) as %s on http://%s:%d with %d workers, max_model_len %d",
                  self.model_dir.name, self.model_dir,
                  ", ".join(self.args.served_model_name or [self.model_dir.name]),
@@ -262,11 +274,11 @@ def serve_command(args: argparse.Namespace) -> int:
               f"max_position_embeddings {model_len}", file=sys.stderr)
         return 1
     for flag in ("engines", "workers", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             print(f"error: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 1
     try:
         return Launcher(args, model_dir, max_model_len).run()
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

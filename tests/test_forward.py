@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ringserve.gpu.batch import Batch
+from ringserve.gpu.devices import cupy_installed
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.weights import load_weights
 from reference_llama import reference_logits  # pytest puts tests/ on sys.path
@@ -173,9 +174,14 @@ def test_cache_sized_from_memory_budget(tiny_model_dir):
     assert runner.kv_caches[0].k.shape == (runner.num_blocks, 16, c.num_key_value_heads, c.head_dim)
 
 
-def test_cuda_backend_not_built_yet(tiny_model_dir):
-    with pytest.raises(ValueError, match="CUDA backend is not built yet"):
+@pytest.mark.skipif(cupy_installed(), reason="CuPy is installed here")
+def test_device_choice_without_cupy(tiny_model_dir):
+    with pytest.raises(ValueError, match="needs CuPy"):
         ModelRunner(tiny_model_dir, device="cuda")
+    with pytest.raises(ValueError, match="tpu"):
+        ModelRunner(tiny_model_dir, device="tpu")
+    runner = ModelRunner(tiny_model_dir, device="auto", num_blocks=4)
+    assert runner.device == "cpu" and runner.num_blocks == 4
 
 
 def test_untied_lm_head(tmp_path):

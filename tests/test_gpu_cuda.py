@@ -113,7 +113,7 @@ def _greedy(runner, prompts, steps, block_size=16):
     return outs
 
 
-@pytest.mark.parametrize("backend", ["cuda", "numba"])
+@pytest.mark.parametrize("backend", ["rawkernel", "numba"])
 def test_greedy_matches_cpu_backend_and_graphs_match_eager(tiny_model_dir, backend):
     from ringserve.gpu.cuda.runner import CudaModelRunner
     from ringserve.gpu.runner import ModelRunner

@@ -81,10 +81,12 @@ class CudaModelRunner:
                  num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 attention_backend: str = "cuda"):
-        """weights: HF names -> numpy or CuPy arrays (gpu_check makes them on the GPU)."""
-        if attention_backend not in ("cuda", "numba"):
-            raise ValueError(f"attention_backend {attention_backend!r}: cuda or numba")
+                 attention_backend: str = "auto"):
+        """weights: HF names -> numpy or CuPy arrays (gpu_check makes them on the GPU).
+        attention_backend: "rawkernel" (attention.cu, the fast path; also "auto") or "numba"."""
+        if attention_backend not in ("auto", "rawkernel", "numba"):
+            raise ValueError(f"attention_backend {attention_backend!r}: auto, rawkernel or numba")
+        attention_backend = "rawkernel" if attention_backend == "auto" else attention_backend
         c = self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len or c.max_position_embeddings
@@ -172,7 +174,7 @@ class CudaModelRunner:
             nk.store_kv(_nb(buf.qkv), _nb(buf.slot_mapping), _nb(kc), _nb(vc),
                         c.num_attention_heads, threads=threads, stream=self.nb_stream)
             args = (buf.qkv, kc, vc, buf.positions, buf.query_start_loc, buf.seq_lens, buf.block_tables)
-            if self.attention_backend == "cuda":
+            if self.attention_backend == "rawkernel":
                 self.attention(*args, self.scale, buf.attn, s, splits=splits,
                                max_seq_len=max_seq_len, workspace=workspace)
             else:

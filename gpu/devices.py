@@ -1,0 +1,87 @@
+"""Which backend to run on, and which GPUs a machine has (DESIGN.md §5: the backend choice is
+automatic, overridable with --device).
+
+Two questions, asked in two kinds of process:
+- an engine (or LLM) asks `resolve_device("auto")`: CuPy imports and sees a device -> "cuda".
+- the launcher asks `visible_gpus()` to start one engine per GPU. It must not initialize CUDA
+  itself (its children are spawned and Gunicorn is exec'd, but a CUDA context in the parent
+  would hold GPU memory for nothing), so it reads CUDA_VISIBLE_DEVICES or `nvidia-smi -L`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+from typing import Mapping
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def cuda_available() -> bool:
+    """CuPy imports and the driver reports at least one device (this initializes the driver)."""
+    try:
+        import cupy
+        return bool(cupy.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no cupy, no driver, a broken install: the CPU backend
+        return False
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" when CUDA is usable here, else "cpu"; "cpu" and "cuda" stay."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r} is not supported ({', '.join(DEVICES)})")
+    if device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    return device
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None, nvidia_smi: str = "nvidia-smi") -> list[str]:
+    """The ids of the GPUs this process may use, without initializing CUDA: the entries of
+    CUDA_VISIBLE_DEVICES when it is set (CUDA stops at the first "-1"), else one index per
+    `nvidia-smi -L` line; [] when neither says there is a GPU."""
+    env = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in env:
+        ids = []
+        for entry in env["CUDA_VISIBLE_DEVICES"].split(","):
+            entry = entry.strip()
+            if not entry or entry == "-1" or entry.lower() == "nodevfiles":
+                break
+            ids.append(entry)
+        return ids
+    try:
+        proc = subprocess.run([nvidia_smi, "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if proc.returncode != 0:
+        return []
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GPU ")]
+    return [str(i) for i in range(len(lines))]
+
+
+def cupy_installed() -> bool:
+    """CuPy can be imported (found, not imported: importing it is the engine's business)."""
+    return importlib.util.find_spec("cupy") is not None
+
+
+def plan_engines(device: str | None, engines: int | None,
+                 environ: Mapping[str, str] | None = None) -> tuple[str, list[str | None]]:
+    """The launcher's choice, made without initializing CUDA: the device the engines run on
+    and, per engine, the GPU id it gets as CUDA_VISIBLE_DEVICES (None on the CPU).
+
+    device None/"auto": cuda when CuPy is installed and a GPU is visible, else cpu.
+    engines None: one per visible GPU on cuda, 1 on cpu. More engines than GPUs share them
+    round-robin."""
+    requested = device or "auto"
+    if requested not in DEVICES:
+        raise ValueError(f"--device {requested!r} is not supported ({', '.join(DEVICES)})")
+    gpus = visible_gpus(environ) if requested != "cpu" else []
+    if requested == "auto":
+        requested = "cuda" if gpus and cupy_installed() else "cpu"
+    if requested == "cuda" and not gpus:
+        raise ValueError("--device cuda: no GPU is visible (CUDA_VISIBLE_DEVICES / nvidia-smi -L)")
+    count = engines if engines is not None else (len(gpus) if requested == "cuda" else 1)
+    if count < 1:
+        raise ValueError(f"--engines must be at least 1, got {count}")
+    if requested == "cpu":
+        return "cpu", [None] * count
+    return "cuda", [gpus[i % len(gpus)] for i in range(count)]
