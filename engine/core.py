@@ -12,6 +12,7 @@ the prompt's blocks through the prefix cache (scoped to the request when caching
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -24,6 +25,7 @@ from ringserve.engine.outputs import Logprob, PositionLogprobs, RequestOutput, S
 from ringserve.engine.request import Request
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
+from ringserve.engine.trace import EngineTracer
 from ringserve.gpu.sampler import Logprobs, SamplingMetadata, sample
 
 
@@ -51,11 +53,14 @@ class EngineCore:
         self._pending: list[RequestOutput] = []              # refusals and aborts, out next step
         self._arrivals = 0
         self.stats = SchedulerStats()
+        self.num_steps = 0
+        self.tracer = EngineTracer(self)                      # records only traced requests
 
     # -- requests in -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int] | np.ndarray,
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, trace: bool = False) -> None:
+        """trace: record the request's journey (engine/trace.py); it comes back on its last output."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         # One C call, no per-token Python int: an int32 array from the rings is taken as it is.
@@ -77,6 +82,8 @@ class EngineCore:
                                      else None if params.greedy else self.generator))
             self._arrivals += 1
             group.append(req)
+            if trace:
+                self.tracer.watch(req)
             self.scheduler.add(req)
         self.groups[request_id] = group
 
@@ -132,11 +139,19 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        tracing = self.tracer.active
+        start = time.monotonic() if tracing else 0.0
         sched = self.scheduler.schedule()
         if sched.scheduled:
-            logits = self.runner.execute(build_batch(sched, self.kv))
+            batch = build_batch(sched, self.kv)
+            if tracing:
+                self.tracer.on_scheduled(self.num_steps, start, sched, batch)
+            logits = self.runner.execute(batch)
             outputs.extend(self.update(sched, logits))
         self._record_stats(sched)
+        if tracing:
+            self.tracer.on_step_end(self.num_steps, start, sched, outputs)
+        self.num_steps += 1
         return outputs
 
     def update(self, sched: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:

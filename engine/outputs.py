@@ -28,6 +28,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, first position None
     error: str | None = None                # the message when finish_reason == "error"
     num_cached_tokens: int = 0              # prompt tokens found in the prefix cache
+    trace: bytes | None = None              # a traced request's journey (JSON), on its last output
 
 
 @dataclass

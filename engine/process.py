@@ -27,6 +27,7 @@ from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.outputs import RequestOutput
 from ringserve.engine.sampling_params import SamplingParams
+from ringserve.engine.trace import DebugPublisher, debug_path
 from ringserve.ipc import control
 from ringserve.ipc.channel import DEFAULT_RING_CAPACITY, Channel
 from ringserve.ipc.doorbell import Doorbell
@@ -37,6 +38,7 @@ from ringserve.ipc.stats import EngineStats, stats_size
 log = logging.getLogger("ringserve.engine")
 
 CONTROL_CHECK_S = 0.05   # while busy, look at the control sockets this often (one epoll call)
+DEBUG_STEPS = 120        # with debug on: the recent steps kept for /debug/engines
 IDLE_BEAT_S = 1.0        # while idle, wake this often to refresh the heartbeat
 
 
@@ -58,7 +60,9 @@ class _Slot:
 
 class EngineProcess:
     def __init__(self, core: EngineCore, control_path: str, *, max_slots: int = 64,
-                 ring_capacity: int = DEFAULT_RING_CAPACITY):
+                 ring_capacity: int = DEFAULT_RING_CAPACITY, debug: bool = False):
+        """debug: publish a snapshot (queues, block pool, recent steps) beside the control
+        socket for /debug/engines (engine/trace.py)."""
         remove_stale_segments()
         self.core = core
         self.ring_capacity = ring_capacity
@@ -75,6 +79,10 @@ class EngineProcess:
         self.selector.register(self.listener, selectors.EVENT_READ, None)
         self.selector.register(self.bell.fd, selectors.EVENT_READ, None)
         self._stopping = False
+        self.debug: DebugPublisher | None = None
+        if debug:
+            core.tracer.keep_history(DEBUG_STEPS)
+            self.debug = DebugPublisher(debug_path(control_path))
 
     # -- the loop ----------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -82,7 +90,9 @@ class EngineProcess:
         while not self._stopping:
             self._take_requests()
             if self.core.has_unfinished_requests():
-                self._deliver(self.core.step())
+                outputs = self.core.step()
+                self._count_step(outputs)
+                self._deliver(outputs)
                 self._publish()
                 now = time.monotonic()
                 if now - last_check >= CONTROL_CHECK_S:
@@ -99,11 +109,23 @@ class EngineProcess:
     def stop(self) -> None:
         self._stopping = True
 
+    def _count_step(self, outputs: list[RequestOutput]) -> None:
+        """Add the step to the cumulative counters that /metrics reads."""
+        s = self.core.stats
+        self.stats.count_step(preemptions=s.num_preemptions,
+                              prefix_cache_queries=s.prefix_cache_queries,
+                              prefix_cache_hits=s.prefix_cache_hits,
+                              prompt_tokens_computed=s.num_prefill_tokens,
+                              generation_tokens=sum(len(o.new_token_ids) for o in outputs))
+
     def _publish(self) -> None:
         for s in self.slots:
             if s is not None:
                 self.stats.set_taken(s.index, s.taken)
         self.stats.publish(self.core.num_waiting, self.core.num_running, self.core.kv.num_free_blocks)
+        if self.debug is not None:
+            self.debug.maybe_write(self.core, self.core.num_steps,
+                                   idle=not self.core.has_unfinished_requests())
 
     # -- requests in -------------------------------------------------------------------
     def _take_requests(self) -> None:
@@ -124,7 +146,8 @@ class EngineProcess:
             params = SamplingParams(**msg.params)
             if msg.request_id in slot.open:
                 raise ValueError(f"request id {msg.request_id!r} is already open")
-            self.core.add_request(slot.key(msg.request_id), msg.prompt_token_ids, params)
+            self.core.add_request(slot.key(msg.request_id), msg.prompt_token_ids, params,
+                                  trace=msg.trace)
         except (TypeError, ValueError) as e:
             self._write(slot, [Output(msg.request_id, [], "error", error=str(e),
                                       num_prompt_tokens=len(msg.prompt_token_ids))])
@@ -240,6 +263,11 @@ class EngineProcess:
             os.unlink(self.control_path)
         except FileNotFoundError:
             pass
+        if self.debug is not None:
+            try:
+                os.unlink(self.debug.path)
+            except FileNotFoundError:
+                pass
         self.bell.close()
         self.stats.release()
         self.stats_segment.close()
@@ -251,14 +279,14 @@ def _to_wire(out: RequestOutput, request_id: str) -> Output:
         logprobs = [[(tok, lp.logprob, lp.rank) for tok, lp in position.items()]
                     for position in out.new_logprobs]
     return Output(request_id, out.new_token_ids, out.finish_reason, out.index, out.num_prompt_tokens,
-                  out.stop_reason, logprobs, out.error, out.num_cached_tokens)
+                  out.stop_reason, logprobs, out.error, out.num_cached_tokens, out.trace)
 
 
 def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
-               ring_capacity: int = DEFAULT_RING_CAPACITY) -> None:
+               ring_capacity: int = DEFAULT_RING_CAPACITY, debug: bool = False) -> None:
     """Build the core, serve until SIGTERM/SIGINT, clean up (the target of an engine process)."""
     engine = EngineProcess(EngineCore(config), control_path, max_slots=max_slots,
-                           ring_capacity=ring_capacity)
+                           ring_capacity=ring_capacity, debug=debug)
 
     def _stop(*_):
         engine.stop()

@@ -17,6 +17,7 @@ import asyncio
 import collections
 import logging
 import os
+import time
 from typing import Any, Sequence
 
 from ringserve.ipc import control
@@ -42,6 +43,7 @@ class RequestStream:
         self._unfinished = n
         self._items: collections.deque[Output] = collections.deque()
         self._waiter: asyncio.Future | None = None
+        self.route: dict[str, Any] | None = None  # traced requests: the choice and every score
 
     @property
     def done(self) -> bool:
@@ -142,17 +144,22 @@ class EngineClient:
 
     # -- requests ----------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: Sequence[int],
-                     params: dict[str, Any] | None = None) -> RequestStream:
+                     params: dict[str, Any] | None = None, trace: bool = False) -> RequestStream:
         """Send a request to the least-loaded engine; iterate the returned stream for outputs.
 
         ``params``: SamplingParams fields by name (validated by the caller; the engine answers
-        an invalid one with an error output). Raises EngineUnavailable when no engine is up."""
+        an invalid one with an error output). Raises EngineUnavailable when no engine is up.
+        ``trace``: the engine records the request's journey and returns it on the last output;
+        the stream's ``route`` then holds the engine chosen and every engine's score."""
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already open")
         params = params or {}
-        record = encode_request(AddRequest(request_id, prompt_token_ids, params))
+        record = encode_request(AddRequest(request_id, prompt_token_ids, params, trace))
+        scores = self.loads() if trace else None
         engine = self._choose()
         stream = RequestStream(request_id, engine.index, int(params.get("n", 1)))
+        if trace:
+            stream.route = {"engine": engine.index, "scores": scores, "chosen_at": time.monotonic()}
         self.streams[request_id] = engine.streams[request_id] = stream
         while not engine.channel.requests.try_write(record):  # full: the engine is behind
             await asyncio.sleep(0.001)
@@ -161,6 +168,8 @@ class EngineClient:
                 raise EngineUnavailable(f"engine {engine.index} died before taking the request")
         engine.submitted += 1
         engine.engine_bell.ring()
+        if trace:
+            stream.route["written_at"] = time.monotonic()
         return stream
 
     def abort(self, request_id: str) -> None:
