@@ -19,6 +19,8 @@ every request: same bytes per request as B different prompts, without B prefills
 --steps decode steps of one token per request, each timed alone, median reported. The peer runs
 `model(ids [B, 1], cache=...)` under torch.inference_mode with a DynamicCache of the same
 length: one decode forward, no generate() loop. Prefill: one --prefill-tokens prompt in one step.
+Each batch size runs on every side before the next size, so that a change in the machine's
+load during the run hits both sides alike.
 
 The roofline line: a batch-1 decode step must read every weight once; bytes per token over the
 single-thread read bandwidth measured here (numpy sum of a 256 MiB array) bounds its time.
@@ -77,92 +79,111 @@ def prefill_batch(ids: np.ndarray, blocks: np.ndarray, block_size: int) -> Batch
                  block_tables=blocks[None].astype(np.int32))
 
 
-def bench_ours(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict:
-    bs = 16
-    per_req = -(-(args.context + args.steps + 2) // bs)
-    prefill_blocks = -(-args.prefill_tokens // bs)
-    runner = ModelRunner(model_dir, dtype=dtype, block_size=bs, num_threads=args.threads,
-                         num_blocks=max(max(args.batch) * per_req, prefill_blocks))
-    vocab = runner.config.vocab_size
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(3, vocab, args.context)
-    decode = {}
-    for b in args.batch:
-        tables = np.arange(b * per_req, dtype=np.int32).reshape(b, per_req)
-        runner.execute(prefill_batch(prompt, tables[0], bs))
+class Ours:
+    """Our ModelRunner, with KV blocks for the largest batch and for the prefill prompt."""
+
+    def __init__(self, model_dir: Path, dtype: str, args: argparse.Namespace):
+        self.args, self.bs = args, 16
+        self.per_req = -(-(args.context + args.steps + 2) // self.bs)
+        self.prefill_blocks = np.arange(-(-args.prefill_tokens // self.bs), dtype=np.int32)
+        self.runner = ModelRunner(model_dir, dtype=dtype, block_size=self.bs, num_threads=args.threads,
+                                  num_blocks=max(max(args.batch) * self.per_req, len(self.prefill_blocks)))
+        self.vocab = self.runner.config.vocab_size
+        self.rng = np.random.default_rng(0)
+        self.prompt = self.rng.integers(3, self.vocab, args.context)
+
+    def decode(self, b: int) -> float:
+        """Median seconds of one decode step of b requests with context-token prompts cached."""
+        args, bs, runner = self.args, self.bs, self.runner
+        tables = np.arange(b * self.per_req, dtype=np.int32).reshape(b, self.per_req)
+        runner.execute(prefill_batch(self.prompt, tables[0], bs))
         cached = tables[0, : -(-args.context // bs)]
         for cache in runner.kv_caches:  # every request gets request 0's prompt K/V, in its own blocks
             for r in range(1, b):
                 cache.k[tables[r, : len(cached)]] = cache.k[cached]
                 cache.v[tables[r, : len(cached)]] = cache.v[cached]
-        runner.execute(decode_batch(0, args.context, tables, bs, rng, vocab))  # warm-up
+        runner.execute(decode_batch(0, args.context, tables, bs, self.rng, self.vocab))  # warm-up
         times = []
         for step in range(1, args.steps + 1):
-            batch = decode_batch(step, args.context, tables, bs, rng, vocab)
+            batch = decode_batch(step, args.context, tables, bs, self.rng, self.vocab)
             t0 = time.perf_counter()
             runner.execute(batch)
             times.append(time.perf_counter() - t0)
-        decode[b] = statistics.median(times)
-    ids = rng.integers(3, vocab, args.prefill_tokens)
-    blocks = np.arange(prefill_blocks, dtype=np.int32)
-    runner.execute(prefill_batch(ids[:32], blocks, bs))  # warm-up
-    times = []
-    for _ in range(args.prefill_reps):
-        t0 = time.perf_counter()
-        runner.execute(prefill_batch(ids, blocks, bs))
-        times.append(time.perf_counter() - t0)
-    weight_bytes = sum(a.nbytes for a in weights_of(runner))
-    return {"decode_s": decode, "prefill_s": statistics.median(times), "weight_bytes": weight_bytes}
+        return statistics.median(times)
 
+    def prefill(self) -> float:
+        """Median seconds of one prefill-tokens prompt in one step."""
+        ids = self.rng.integers(3, self.vocab, self.args.prefill_tokens)
+        self.runner.execute(prefill_batch(ids[:32], self.prefill_blocks, self.bs))  # warm-up
+        times = []
+        for _ in range(self.args.prefill_reps):
+            t0 = time.perf_counter()
+            self.runner.execute(prefill_batch(ids, self.prefill_blocks, self.bs))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
 
-def weights_of(runner: ModelRunner) -> list[np.ndarray]:
-    """The arrays a batch-1 decode step reads in full (the embedding: one row, not counted
-    unless it doubles as the lm_head)."""
-    m = runner.model
-    arrays = [m.lm_head]
-    for layer in m.layers:
-        arrays += [layer.qkv, layer.o, layer.gate_up, layer.down]
-    return arrays
+    def weight_bytes(self) -> int:
+        """What a batch-1 decode step reads in full (the embedding: one row, not counted unless
+        it doubles as the lm_head)."""
+        m = self.runner.model
+        return m.lm_head.nbytes + sum(layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes
+                                      + layer.down.nbytes for layer in m.layers)
 
 
 # -- the peer -------------------------------------------------------------------------------
 
-def bench_transformers(model_dir: Path, args: argparse.Namespace) -> dict | None:
-    try:
+class Transformers:
+    """HF transformers on the same folder, float32, one decode forward per step."""
+
+    def __init__(self, model_dir: Path, args: argparse.Namespace):
         import torch
         import transformers
-    except ImportError:
-        return None
-    torch.set_num_threads(args.threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    decode = {}
-    with torch.inference_mode():
-        prompt = torch.randint(3, vocab, (1, args.context), generator=gen)
-        for b in args.batch:
-            cache = transformers.DynamicCache(config=model.config)
-            model(prompt, cache=cache, use_cache=True, logits_to_keep=1)
+        self.torch, self.transformers, self.args = torch, transformers, args
+        torch.set_num_threads(args.threads)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.vocab = self.model.config.vocab_size
+        self.gen = torch.Generator().manual_seed(0)
+        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+
+    def ids(self, *shape: int):
+        return self.torch.randint(3, self.vocab, shape, generator=self.gen)
+
+    def decode(self, b: int) -> float:
+        args, model = self.args, self.model
+        with self.torch.inference_mode():
+            cache = self.transformers.DynamicCache(config=model.config)
+            model(self.ids(1, args.context), cache=cache, use_cache=True, logits_to_keep=1)
             if b > 1:
                 cache.batch_repeat_interleave(b)
-            model(torch.randint(3, vocab, (b, 1), generator=gen), cache=cache, use_cache=True)  # warm-up
+            model(self.ids(b, 1), cache=cache, use_cache=True)  # warm-up
             times = []
             for _ in range(args.steps):
-                ids = torch.randint(3, vocab, (b, 1), generator=gen)
+                ids = self.ids(b, 1)
                 t0 = time.perf_counter()
                 model(ids, cache=cache, use_cache=True)
                 times.append(time.perf_counter() - t0)
             assert cache.get_seq_length() == args.context + args.steps + 1
-            decode[b] = statistics.median(times)
-        ids = torch.randint(3, vocab, (1, args.prefill_tokens), generator=gen)
-        model(ids[:, :32], use_cache=True, logits_to_keep=1)  # warm-up
-        times = []
-        for _ in range(args.prefill_reps):
-            t0 = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)
-            times.append(time.perf_counter() - t0)
-    return {"decode_s": decode, "prefill_s": statistics.median(times),
-            "version": f"transformers {transformers.__version__}, torch {torch.__version__}"}
+        return statistics.median(times)
+
+    def prefill(self) -> float:
+        ids = self.ids(1, self.args.prefill_tokens)
+        with self.torch.inference_mode():
+            self.model(ids[:, :32], use_cache=True, logits_to_keep=1)  # warm-up
+            times = []
+            for _ in range(self.args.prefill_reps):
+                t0 = time.perf_counter()
+                self.model(ids, use_cache=True, logits_to_keep=1)
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def make_peer(model_dir: Path, args: argparse.Namespace) -> Transformers | None:
+    if args.no_peer:
+        return None
+    try:
+        return Transformers(model_dir, args)
+    except ImportError:
+        return None
 
 
 def read_bandwidth() -> float:
@@ -182,8 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_dir = resolve_model(args.model)
     load_before = os.getloadavg()
-    ours = {dtype: bench_ours(model_dir, dtype, args) for dtype in args.dtype}
-    peer = None if args.no_peer else bench_transformers(model_dir, args)
+    sides = {d: Ours(model_dir, d, args) for d in args.dtype}
+    transformers = make_peer(model_dir, args)
+    if transformers:
+        sides["peer"] = transformers
+    # Side by side for each size, so that a change in the machine's load hits both alike.
+    decode = {name: {} for name in sides}
+    for b in args.batch:
+        for name, side in sides.items():
+            decode[name][b] = side.decode(b)
+    prefill = {name: side.prefill() for name, side in sides.items()}
+    ours = {d: {"decode_s": decode[d], "prefill_s": prefill[d], "weight_bytes": sides[d].weight_bytes()}
+            for d in args.dtype}
+    peer = ({"decode_s": decode["peer"], "prefill_s": prefill["peer"], "version": transformers.version}
+            if transformers else None)
     bandwidth = read_bandwidth()
     load_after = os.getloadavg()
 
