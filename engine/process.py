@@ -27,7 +27,7 @@ from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.outputs import RequestOutput
 from ringserve.engine.sampling_params import SamplingParams
-from ringserve.engine.trace import DebugPublisher, debug_path
+from ringserve.engine.trace import DebugPublisher
 from ringserve.ipc import control
 from ringserve.ipc.channel import DEFAULT_RING_CAPACITY, Channel
 from ringserve.ipc.doorbell import Doorbell
@@ -60,9 +60,9 @@ class _Slot:
 
 class EngineProcess:
     def __init__(self, core: EngineCore, control_path: str, *, max_slots: int = 64,
-                 ring_capacity: int = DEFAULT_RING_CAPACITY, debug: bool = False):
-        """debug: publish a snapshot (queues, block pool, recent steps) beside the control
-        socket for /debug/engines (engine/trace.py)."""
+                 ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None):
+        """debug_path: where to publish a snapshot (queues, block pool, recent steps) for
+        /debug/engines (engine/trace.py); None: no snapshot, no step history."""
         remove_stale_segments()
         self.core = core
         self.ring_capacity = ring_capacity
@@ -80,9 +80,9 @@ class EngineProcess:
         self.selector.register(self.bell.fd, selectors.EVENT_READ, None)
         self._stopping = False
         self.debug: DebugPublisher | None = None
-        if debug:
+        if debug_path is not None:
             core.tracer.keep_history(DEBUG_STEPS)
-            self.debug = DebugPublisher(debug_path(control_path))
+            self.debug = DebugPublisher(debug_path)
 
     # -- the loop ----------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -272,10 +272,10 @@ def _to_wire(out: RequestOutput, request_id: str) -> Output:
 
 
 def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
-               ring_capacity: int = DEFAULT_RING_CAPACITY, debug: bool = False) -> None:
+               ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None) -> None:
     """Build the core, serve until SIGTERM/SIGINT, clean up (the target of an engine process)."""
     engine = EngineProcess(EngineCore(config), control_path, max_slots=max_slots,
-                           ring_capacity=ring_capacity, debug=debug)
+                           ring_capacity=ring_capacity, debug_path=debug_path)
 
     def _stop(*_):
         engine.stop()

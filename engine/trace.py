@@ -201,8 +201,9 @@ def _queue_entry(req: Request, kv) -> dict:
 
 
 class DebugPublisher:
-    """Writes the engine's snapshot to a JSON file beside its control socket (atomically, by
-    rename), at most every `interval` seconds while busy and once more when it goes idle."""
+    """Writes the engine's snapshot to a JSON file (atomically, by rename) in the server's
+    private runtime folder, at most every `interval` seconds while busy and once more when it
+    goes idle. Only with --enable-debug-endpoints."""
 
     def __init__(self, path: str, interval: float = 0.1):
         self.path = path
@@ -221,8 +222,3 @@ class DebugPublisher:
             json.dump(core.tracer.snapshot(num_steps), f, separators=(",", ":"))
         os.replace(tmp, self.path)
         self._last_write, self._last_steps = now, num_steps
-
-
-def debug_path(control_path: str) -> str:
-    """Where the engine listening on control_path publishes its debug snapshot."""
-    return control_path + ".debug.json"

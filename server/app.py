@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from dataclasses import dataclass, field
 from importlib.metadata import version as _pkg_version
 from typing import AsyncIterator, Awaitable, Callable
@@ -24,6 +25,8 @@ from ringserve.server.errors import APIError, error_body
 from ringserve.server.generate import EngineError, Generation
 from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
 from ringserve.server.sse import DONE, error_event, watch_disconnect
+from ringserve.server.trace import (TRACE_FIELD, TRACE_HEADER, start_trace, stream_with_trace,
+                                    wants_trace)
 
 log = logging.getLogger("ringserve.server")
 
@@ -43,6 +46,8 @@ class AppOptions:
     cache_config: Callable[[], CacheConfig | None] = lambda: None
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # --enable-debug-endpoints: what /debug/engines shows (server/debug.py); None: no such routes
+    debug_engines: Callable[[], list[dict]] | None = None
 
 
 # --- plumbing --------------------------------------------------------------------------------
@@ -133,6 +138,7 @@ class _Generate:
         self._ctx, self._options = ctx, options
 
     async def on_post(self, req, resp) -> None:
+        arrival, arrival_unix = time.monotonic(), time.time()
         body = await read_body(req, self._options.max_body_bytes)
         request = P.decode_request(body, self.request_type)
         if not self._options.engine_alive():
@@ -140,6 +146,8 @@ class _Generate:
         request_id = P.new_id(self.prefix)
         model = request.model or self._ctx.model_name
         gen = self.serving.prepare(self._ctx, request, request_id)
+        if wants_trace(request.ringserve_trace, req.get_header(TRACE_HEADER)):
+            gen.trace = start_trace(request_id, arrival, arrival_unix)
         try:
             await gen.start()
         except EngineUnavailable as exc:
@@ -150,8 +158,10 @@ class _Generate:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
             resp.set_header("X-Accel-Buffering", "no")
-            resp.stream = _guarded(self.serving.stream(self._ctx, request, gen, request_id, model),
-                                   gen, watcher)
+            chunks = self.serving.stream(self._ctx, request, gen, request_id, model)
+            if gen.trace is not None:
+                chunks = stream_with_trace(chunks, gen, gen.trace, self.chunk_object, model)
+            resp.stream = _guarded(chunks, gen, watcher)
             return
         try:
             result = await self.serving.complete(self._ctx, request, gen, request_id, model)
@@ -161,6 +171,9 @@ class _Generate:
             gen.abort()
             if watcher is not None:
                 watcher.cancel()
+        if gen.trace is not None:
+            result = msgspec.to_builtins(result)
+            result[TRACE_FIELD] = gen.trace.journey(gen)
         json_response(resp, result)
 
 
@@ -183,12 +196,14 @@ async def _guarded(chunks: AsyncIterator[bytes], gen: Generation,
 class Completions(_Generate):
     request_type = P.CompletionRequest
     prefix = "cmpl"
+    chunk_object = "text_completion"
     serving = serving_completions
 
 
 class ChatCompletions(_Generate):
     request_type = P.ChatCompletionRequest
     prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
     serving = serving_chat
 
 
@@ -285,6 +300,9 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
     app.add_route("/health", Health(options))
     app.add_route("/version", Version())
     app.add_route("/metrics", Metrics(ctx, options))
+    if options.debug_engines is not None:
+        from ringserve.server.debug import add_debug_routes
+        add_debug_routes(app, options.debug_engines)
 
     async def asgi(scope, receive, send):
         if scope["type"] == "http":

@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     from ringserve.tools.loadgen.cli import add_arguments as add_loadgen_arguments  # argparse only
     add_loadgen_arguments(p)
 
+    p = sub.add_parser("trace", help="send one traced request to a running server and print "
+                                     "its journey, station by station")
+    from ringserve.server.trace_cli import add_arguments as add_trace_arguments  # argparse + httpx
+    add_trace_arguments(p)
+
     args = parser.parse_args(argv)
     if args.command == "download":
         from ringserve.gpu.model_store import download_command
@@ -33,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "loadgen":
         from ringserve.tools.loadgen.cli import command as loadgen_command
         return loadgen_command(args)
+    if args.command == "trace":
+        from ringserve.server.trace_cli import command as trace_command
+        return trace_command(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -24,7 +24,7 @@ class EngineError(Exception):
 class Engine(Protocol):
     """The worker's engine client (ringserve.server.engine_client.EngineClient)."""
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: dict) -> AsyncIterator[Output]: ...
+                     params: dict, trace: bool = False) -> AsyncIterator[Output]: ...
     def abort(self, request_id: str) -> None: ...
 
 
@@ -52,6 +52,8 @@ class Choice:
     outputs: AsyncIterator[Output] | None = None  # the engine's stream, once submitted
     first_token_at: float | None = None
     last_token_at: float | None = None
+    finished_at: float | None = None
+    engine_trace: bytes | None = None             # traced requests: the engine's journey (JSON)
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Generation:
                                   min_tokens=params.get("min_tokens", 0), include_stop=include_stop)
                 self.choices.append(Choice(idx, f"{request_id}-{idx}", prompt, text))
         self._n = n
+        self.trace = None  # a FrontendTrace (server/trace.py) when the request asked to be traced
 
     async def start(self) -> None:
         """Submit every choice to the engines (raises EngineUnavailable when none is up)."""
@@ -87,7 +90,8 @@ class Generation:
             if seed is not None and self._n > 1:
                 params = dict(params, seed=seed + c.index % self._n)
             try:
-                c.outputs = await self._engine.submit(c.request_id, c.prompt_token_ids, params)
+                c.outputs = await self._engine.submit(c.request_id, c.prompt_token_ids, params,
+                                                      trace=self.trace is not None)
             except BaseException:
                 self.abort()
                 raise
@@ -147,6 +151,8 @@ class Generation:
     def _apply(self, choice: Choice, out: Output) -> Delta | None:
         if out.finish_reason == "error":
             raise EngineError(out.error or "the engine failed this request")
+        if out.trace is not None:
+            choice.engine_trace = out.trace
         now = time.monotonic()
         if out.new_token_ids:
             if choice.first_token_at is None:
@@ -174,7 +180,12 @@ class Generation:
             return None
         return Delta(choice, text, logprobs, choice.finish_reason is not None)
 
+    @property
+    def n(self) -> int:
+        return self._n
+
     def _observe(self, c: Choice) -> None:
+        c.finished_at = time.monotonic()
         self._metrics.finished(c.finish_reason, len(c.prompt_token_ids), len(c.token_ids),
                                time.monotonic() - self.arrival)
 

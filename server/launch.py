@@ -64,6 +64,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for open streams before stopping")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="serve GET /debug/engines and /dashboard (engines publish a snapshot)")
 
 
 @dataclass
@@ -109,11 +111,18 @@ class Launcher:
             dtype=a.dtype or ("float16" if self.device == "cuda" else "float32"), seed=a.seed,
             enforce_eager=a.enforce_eager, attention_backend=a.attention_backend)
 
+    def _debug_path(self, index: int) -> str | None:
+        """Where engine `index` publishes its debug snapshot (None: debug endpoints off)."""
+        if not getattr(self.args, "enable_debug_endpoints", False):
+            return None
+        return str(self.runtime / f"engine-{index}.debug.json")
+
     def _start_engine(self, index: int) -> _Engine:
         path = str(self.runtime / f"engine-{index}.sock")
         proc = self._mp.Process(target=_engine_main,
                                 args=(self.engine_gpus[index], self._engine_config(), path),
-                                kwargs={"max_slots": max(64, 2 * self.args.workers)},
+                                kwargs={"max_slots": max(64, 2 * self.args.workers),
+                                        "debug_path": self._debug_path(index)},
                                 name=f"ringserve-engine-{index}", daemon=False)
         proc.start()
         return _Engine(index, path, proc)
@@ -162,6 +171,8 @@ class Launcher:
             "api_key": a.api_key,
             "max_body_bytes": a.max_body_bytes,
             "control_paths": [e.control_path for e in self.engines],
+            "debug_paths": ([self._debug_path(e.index) for e in self.engines]
+                            if getattr(a, "enable_debug_endpoints", False) else None),
         }
         env = dict(os.environ,
                    PROMETHEUS_MULTIPROC_DIR=str(prom),

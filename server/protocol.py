@@ -56,6 +56,8 @@ class _SamplingFields(Struct, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # ringserve extension: answer with the request's journey (server/trace.py)
+    ringserve_trace: bool = False
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -12,6 +12,7 @@ import os
 
 from ringserve.ipc.stats import BLOCK_SIZE, NUM_BLOCKS, NUM_FREE_BLOCKS
 from ringserve.server.app import AppOptions, create_app
+from ringserve.server.debug import engine_views
 from ringserve.server.context import ServerContext
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
 from ringserve.server.launch import WORKER_CONFIG_ENV
@@ -61,5 +62,7 @@ def worker_app():
         engine_alive=lambda: client.num_ready > 0,
         engine_snapshots=lambda: snapshots(client),
         cache_config=lambda: cache_config(client),
-        on_startup=[start], on_shutdown=[client.close])
+        on_startup=[start], on_shutdown=[client.close],
+        debug_engines=((lambda: engine_views(client, cfg["debug_paths"]))
+                       if cfg.get("debug_paths") else None))
     return create_app(ctx, options)
