@@ -13,6 +13,7 @@ the prompt's blocks through the prefix cache (scoped to the request when caching
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -26,12 +27,22 @@ from ringserve.engine.request import Request
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.engine.trace import EngineTracer
-from ringserve.gpu.sampler import Logprobs, SamplingMetadata, sample
+from ringserve.gpu.sampler import Logprobs, SamplerOutput, SamplingMetadata
+
+
+@dataclass
+class InFlightStep:
+    """A step between launch_step and finish_step."""
+    sched: SchedulerOutput
+    reqs: list[Request]              # the requests sampled this step, in the runner's row order
+    handle: object | None            # runner.submit(...): result() -> SamplerOutput; None: nothing ran
+    outputs: list[RequestOutput]     # refusals and aborts queued before the step
+    start: float                     # monotonic start (tracing only)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, runner=None):
-        """runner: a ready ModelRunner-like object (execute, config, block_size, num_blocks);
+        """runner: a ready ModelRunner-like object (submit, config, block_size, num_blocks);
         None builds the ModelRunner for config.model."""
         self.config = config
         if runner is None:
@@ -51,6 +62,8 @@ class EngineCore:
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
         self._pending: list[RequestOutput] = []              # refusals and aborts, out next step
+        self._in_flight: InFlightStep | None = None          # launched, not finished
+        self._deferred_aborts: list[str] = []                 # arrived while a step was in flight
         self._arrivals = 0
         self.stats = SchedulerStats()
         self.num_steps = 0
@@ -116,7 +129,11 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks are free for the next step. Unknown ids are ignored
-        (the request may have just finished)."""
+        (the request may have just finished). While a step is in flight, the abort waits for
+        its end (the device may still be writing the request's blocks)."""
+        if self._in_flight is not None:
+            self._deferred_aborts.append(request_id)
+            return
         group = self.groups.pop(request_id, None)
         for req in group or ():
             if not req.is_finished:
@@ -138,33 +155,59 @@ class EngineCore:
         return len(self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
+        """One schedule -> execute -> update; the same as finish_step(launch_step())."""
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> InFlightStep:
+        """Schedule, build the batch and sampling rows, and hand them to the runner, which
+        may return before the device is done (CUDA). Until finish_step, the caller may do host
+        work that does not change this step: deliver the previous step's outputs, add requests
+        (they wait for the next schedule), abort (applied in finish_step, after this step's
+        tokens). Results are the same as step()'s."""
+        if self._in_flight is not None:
+            raise RuntimeError("launch_step: the previous step is not finished")
         outputs, self._pending = self._pending, []
         tracing = self.tracer.active
         start = time.monotonic() if tracing else 0.0
         sched = self.scheduler.schedule()
+        handle, reqs = None, []
         if sched.scheduled:
             batch = build_batch(sched, self.kv)
             if tracing:
                 self.tracer.on_scheduled(self.num_steps, start, sched, batch)
-            logits = self.runner.execute(batch)
-            outputs.extend(self.update(sched, logits))
-        self._record_stats(sched)
-        if tracing:
-            self.tracer.on_step_end(self.num_steps, start, sched, outputs)
+            rows = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
+            reqs = [sched.scheduled[i].request for i in rows]
+            handle = self.runner.submit(batch, np.asarray(rows, np.int64),
+                                        self._sampling_metadata(reqs) if reqs else None)
+        self._in_flight = InFlightStep(sched, reqs, handle, outputs, start)
+        return self._in_flight
+
+    def finish_step(self, step: InFlightStep) -> list[RequestOutput]:
+        """Wait for the step's tokens, append them, check stops; then the aborts that came
+        while it ran. Returns the step's outputs (with the refusals queued before it)."""
+        if step is not self._in_flight:
+            raise RuntimeError("finish_step: not the step in flight")
+        outputs = step.outputs
+        if step.handle is not None:
+            result = step.handle.result()
+            self.scheduler.update_after_step(step.sched)
+            outputs.extend(self.update(step.reqs, result))
+        self._in_flight = None
+        for request_id in self._deferred_aborts:
+            self.abort_request(request_id)
+        self._deferred_aborts.clear()
+        outputs.extend(self._pending)  # those aborts, out with this step
+        self._pending = []
+        self._record_stats(step.sched)
+        if self.tracer.active:
+            self.tracer.on_step_end(self.num_steps, step.start, step.sched, outputs)
         self.num_steps += 1
         return outputs
 
-    def update(self, sched: SchedulerOutput, logits: np.ndarray) -> list[RequestOutput]:
-        """The step's last phase: the scheduled tokens are in the cache; sample for each request
-        whose last token was computed; append, check stops, finish (blocks freed now)."""
-        self.scheduler.update_after_step(sched)
-        rows = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
-        if not rows:
-            return []
-        reqs = [sched.scheduled[i].request for i in rows]
-        if len(rows) < len(sched.scheduled):
-            logits = logits[rows]
-        result = sample(logits, self._sampling_metadata(reqs))
+    def update(self, reqs: list[Request], result: SamplerOutput) -> list[RequestOutput]:
+        """The step's last phase: the scheduled tokens are in the cache and result holds one
+        sampled token per request of reqs (those whose last token was computed); append,
+        check stops, finish (blocks freed now)."""
         outputs = []
         for j, (req, token) in enumerate(zip(reqs, result.token_ids.tolist())):
             req.append_output_token(token)

@@ -7,6 +7,7 @@ behind the same face when device is "cuda" (or "auto" on a machine where CuPy se
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numba
@@ -17,6 +18,7 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu_model import CpuLlama, KVCache
 from ringserve.gpu.devices import cupy_installed, resolve_device
+from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
 from ringserve.gpu.weights import load_weights
 
 _BLAS = ThreadpoolController()
@@ -26,6 +28,16 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB of K and V over all layers
 # rounding of the weights); float32 is the default and matches transformers.
 CPU_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 CUDA_DTYPES = ("auto", "float16")  # fp16 weights and KV cache, float32 accumulation
+
+
+@dataclass
+class CompletedStep:
+    """A step whose sampled tokens are already on the host (the CPU backend computes in submit;
+    the CUDA backend returns a gpu.cuda.sampler.PendingSample with the same result())."""
+    output: SamplerOutput
+
+    def result(self) -> SamplerOutput:
+        return self.output
 
 
 class ModelRunner:
@@ -98,6 +110,25 @@ class ModelRunner:
         # slower (docs/bench_forward.md). Per call, so that nothing leaks into the process.
         with _BLAS.limit(limits=self.num_threads, user_api="blas"):
             return self.model.forward(batch, self.kv_caches)
+
+    def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata):
+        """One engine step: the forward, then one token sampled for each of `rows` (indices of
+        the batch's requests whose last token this step computes) with `metadata` (their rows
+        in the same order). Returns something whose result() is the SamplerOutput: on the CPU
+        it is computed here; on CUDA everything is enqueued on the GPU and only the token ids
+        come back, so the caller can do host work until it asks for result()."""
+        if self._cuda is not None:
+            return self._cuda.submit(batch, rows, metadata)
+        return sample_on_host(self.execute(batch), rows, metadata)
+
+
+def sample_on_host(logits: np.ndarray, rows: np.ndarray, metadata: SamplingMetadata | None) -> CompletedStep:
+    """Sample `rows` of host logits [B, V] with gpu/sampler.py (the CPU backend's submit)."""
+    if len(rows) == 0:
+        return CompletedStep(SamplerOutput(np.zeros(0, np.int32)))
+    if len(rows) < len(logits):
+        logits = logits[rows]
+    return CompletedStep(sample(logits, metadata))
 
 
 def default_num_threads() -> int:

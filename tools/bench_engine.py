@@ -17,6 +17,7 @@ from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.inputs import build_batch
 from ringserve.engine.sampling_params import SamplingParams
+from ringserve.gpu.runner import sample_on_host
 
 
 class RandomLogitsRunner:
@@ -32,6 +33,9 @@ class RandomLogitsRunner:
     def execute(self, batch) -> np.ndarray:
         self._row = (self._row + 1) % 64
         return self._logits[self._row:self._row + batch.num_reqs]
+
+    def submit(self, batch, rows, metadata):
+        return sample_on_host(self.execute(batch), rows, metadata)
 
 
 def bench(num_running: int, steps: int, vocab: int, prompt_len: int = 32) -> dict[str, float]:
@@ -52,7 +56,10 @@ def bench(num_running: int, steps: int, vocab: int, prompt_len: int = 32) -> dic
         t2 = time.perf_counter()
         logits = engine.runner.execute(batch)
         t3 = time.perf_counter()
-        engine.update(sched, logits)
+        reqs = [s.request for s in sched.scheduled]  # steady decode: every row is sampled
+        result = sample_on_host(logits, np.arange(len(reqs)), engine._sampling_metadata(reqs)).result()
+        engine.scheduler.update_after_step(sched)
+        engine.update(reqs, result)
         t4 = time.perf_counter()
         assert len(sched.scheduled) == num_running
         for k, dt in zip(t, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):

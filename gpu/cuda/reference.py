@@ -90,3 +90,28 @@ def gather_rows(x: np.ndarray, indices: np.ndarray) -> np.ndarray:
 def argmax_rows(logits: np.ndarray) -> np.ndarray:
     """int32 [B]: the first index of each row's maximum (greedy sampling)."""
     return np.argmax(logits, axis=-1).astype(np.int32)
+
+
+def sampling_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                   min_p: float) -> np.ndarray:
+    """float64 [V]: the distribution sampling_kernels.sample_kernel draws one row's token from
+    (gpu/sampler.sample_row's, with every token tied with a top_k/top_p cutoff kept)."""
+    x = logits.astype(np.float64)
+    p = np.exp((x - x.max()) / temperature)
+    keep = np.ones(len(x), bool)
+    if 0 < top_k < len(x):
+        keep &= x >= np.sort(x)[-top_k]
+    keep &= p >= min_p
+    if top_p < 1.0:
+        kept = np.sort(p[keep])[::-1]
+        m = int(np.searchsorted(np.cumsum(kept), top_p * kept.sum()))  # first prefix reaching top_p
+        keep &= p >= kept[min(m, len(kept) - 1)]
+    probs = np.where(keep, p, 0.0)
+    return probs / probs.sum()
+
+
+def inverse_cdf(probs: np.ndarray, u: float) -> int:
+    """The token at u in [0, 1) of the CDF over the vocabulary in id order (the kernel's order)."""
+    cdf = np.cumsum(probs)
+    j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(np.flatnonzero(probs)[-1]) if j >= len(cdf) else j

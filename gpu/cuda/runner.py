@@ -24,7 +24,9 @@ from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import plan
 from ringserve.gpu.cuda.attention import PagedAttention
 from ringserve.gpu.cuda.fused import FusedKernels
+from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample
 from ringserve.gpu.rope import cos_sin, inv_freq
+from ringserve.gpu.sampler import SamplingMetadata
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class CudaModelRunner:
         self.fused = FusedKernels()
         self.attention = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        self.sampler = CudaSampler(threads=1024, stream=self.nb_stream)
         self._load_weights(weights)
         cos, sin = cos_sin(np.arange(self.max_model_len), inv_freq(c))
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
@@ -227,19 +230,38 @@ class CudaModelRunner:
         log.info("captured %d CUDA graphs (batch sizes %s) in %.2f s", len(self.graphs.sizes),
                  self.graphs.sizes, time.perf_counter() - t0)
 
-    def execute(self, batch: Batch) -> np.ndarray:
-        """float32 logits [B, vocab] at each request's last scheduled token; writes K/V."""
-        if batch.num_tokens == 0:
-            return np.empty((batch.num_reqs, self.config.vocab_size), np.float32)
+    def _launch(self, batch: Batch) -> cp.ndarray:
+        """Enqueue the forward on self.stream; the logits [B, V] float32 on the device (in a
+        graph's static buffer: valid until the next launch, which the stream orders after
+        everything enqueued on them)."""
         size = self.graphs.pick(batch)
         if size is not None and batch.block_tables.shape[1] <= self.max_blocks:
             buf, _, _ = self._graph_buffers[size]
             with self.stream:
                 buf.load(plan.pad_decode(batch, size, self.max_blocks))
                 self.graphs.graphs[size].launch(self.stream)
-                out = buf.logits[:batch.num_reqs].get(stream=self.stream)
-        else:
-            with self.stream:
-                out = self._eager(batch, self.kv_caches).get(stream=self.stream)
+            return buf.logits[:batch.num_reqs]
+        with self.stream:
+            return self._eager(batch, self.kv_caches)
+
+    def execute(self, batch: Batch) -> np.ndarray:
+        """float32 logits [B, vocab] at each request's last scheduled token; writes K/V."""
+        if batch.num_tokens == 0:
+            return np.empty((batch.num_reqs, self.config.vocab_size), np.float32)
+        out = self._launch(batch).get(stream=self.stream)
         self.stream.synchronize()
         return out
+
+    def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata) -> PendingSample:
+        """The forward, then sampling on the device for `rows` (the batch's requests whose last
+        token this step computes), all enqueued on self.stream: only the token ids (and the
+        logprobs asked for) come back, into pinned memory. Returns at once; result() waits."""
+        logits = self._launch(batch)
+        if len(rows) == 0:  # chunked prefills only: nothing to sample, the forward still runs
+            event = nb_cuda.event()
+            event.record(self.nb_stream)
+            return PendingSample(event, np.zeros(0, np.int32), None)
+        if len(rows) < batch.num_reqs:
+            with self.stream:
+                logits = logits[cp.asarray(np.asarray(rows, np.int64))]
+        return self.sampler.sample_async(_nb(logits), metadata)

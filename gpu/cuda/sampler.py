@@ -1,0 +1,199 @@
+"""Sampling on the GPU: gpu/sampler.py's semantics over device-resident logits, so that a step
+copies B token ids to the host instead of B x V logits (the kernels: sampling_kernels.py).
+
+The host does what needs the requests' state and is cheap: it draws each sampled row's one
+uniform number from the row's own generator (the numpy sampler's exact draws, in the same row
+order, so a seeded request gets the same random stream on either backend) and packs the
+penalty inputs as flat per-row lists (ids seen once, output ids with their counts, banned ids).
+
+Written against Numba's CUDA API, so the same code runs in the CUDA simulator in CI and on a
+device, where the logits come from CuPy (numba.cuda.as_cuda_array) and the stream is the
+runner's (numba.cuda.external_stream). Device and pinned buffers persist and only grow: no
+allocation (no cudaFree and its implicit device sync) per step.
+
+    sampler = CudaSampler(stream=nb_stream)
+    pending = sampler.sample_async(logits_dev, metadata)   # enqueued: kernels, then D2H + event
+    ...                                                    # the host is free meanwhile
+    out = pending.result()                                 # SamplerOutput, as gpu/sampler.sample
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from ringserve.gpu.cuda import sampling_kernels as sk
+from ringserve.gpu.sampler import GREEDY_EPS, Logprobs, SamplerOutput, SamplingMetadata
+
+
+@dataclass
+class PackedPenalties:
+    """Per-row lists, flattened with offsets [B + 1] (row r: ids[offsets[r]:offsets[r + 1]])."""
+    seen_ids: np.ndarray       # int32: prompt and output ids, each once (repetition penalty)
+    seen_offsets: np.ndarray
+    count_ids: np.ndarray      # int32: output ids, each once ...
+    counts: np.ndarray         # int32: ... with its count (frequency, presence)
+    count_offsets: np.ndarray
+    banned_ids: np.ndarray     # int32: tokens that may not be sampled (min_tokens)
+    banned_offsets: np.ndarray
+    presence: np.ndarray       # float32 [B]
+    frequency: np.ndarray
+    repetition: np.ndarray
+
+
+def _flatten(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(rows) + 1, np.int32)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    flat = np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32)
+    return flat, offsets
+
+
+def pack_penalties(meta: SamplingMetadata, num_rows: int) -> PackedPenalties | None:
+    """What the penalties kernel needs, or None when no row has a penalty or a ban."""
+    if meta.presence_penalty is None and meta.banned_token_ids is None:
+        return None
+    empty = np.zeros(0, np.int64)
+    seen, count_ids, counts = [], [], []
+    if meta.presence_penalty is not None:
+        pres = np.asarray(meta.presence_penalty, np.float32)
+        freq = np.asarray(meta.frequency_penalty, np.float32)
+        rep = np.asarray(meta.repetition_penalty, np.float32)
+        for i in range(num_rows):
+            out = np.asarray(meta.output_token_ids[i], np.int64)
+            if rep[i] != 1.0:
+                seen.append(np.unique(np.concatenate(
+                    [np.asarray(meta.prompt_token_ids[i], np.int64), out])))
+            else:
+                seen.append(empty)
+            if freq[i] != 0.0 or pres[i] != 0.0:
+                ids, n = np.unique(out, return_counts=True)
+                count_ids.append(ids)
+                counts.append(n)
+            else:
+                count_ids.append(empty)
+                counts.append(empty)
+    else:
+        pres = freq = np.zeros(num_rows, np.float32)
+        rep = np.ones(num_rows, np.float32)
+        seen = count_ids = counts = [empty] * num_rows
+    banned = [np.unique(np.asarray(b, np.int64)) if len(b) else empty
+              for b in (meta.banned_token_ids or [()] * num_rows)]
+    seen_ids, seen_off = _flatten(seen)
+    count_flat, count_off = _flatten(count_ids)
+    counts_flat, _ = _flatten(counts)
+    banned_ids, banned_off = _flatten(banned)
+    return PackedPenalties(seen_ids, seen_off, count_flat, counts_flat, count_off, banned_ids,
+                           banned_off, pres, freq, rep)
+
+
+def draw_uniforms(meta: SamplingMetadata) -> np.ndarray:
+    """float32 [B]: one generator.random() per sampled (non-greedy) row, in row order, as
+    gpu/sampler.sample draws them; 0 for greedy rows (unused)."""
+    u = np.zeros(len(meta.temperature), np.float32)
+    for i in np.flatnonzero(np.asarray(meta.temperature) >= GREEDY_EPS):
+        u[i] = meta.generators[i].random()
+    return u
+
+
+class _Arena:
+    """Named device (or pinned host) arrays that persist between calls and only grow."""
+
+    def __init__(self, pinned: bool = False):
+        self.pinned = pinned
+        self.arrays: dict[str, object] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype) -> object:
+        have = self.arrays.get(name)
+        if have is None or have.shape[0] < shape[0] or have.shape[1:] != shape[1:] or have.dtype != dtype:
+            rows = 1 << max(0, int(shape[0]) - 1).bit_length()  # powers of two: few regrowths
+            alloc = cuda.pinned_array if self.pinned else cuda.device_array
+            have = self.arrays[name] = alloc((rows,) + tuple(shape[1:]), dtype=dtype)
+        return have[:shape[0]]
+
+
+class PendingSample:
+    """A sample enqueued on the stream; result() waits for its copy to the host."""
+
+    def __init__(self, event, token_ids, logprobs):
+        self._event = event
+        self._token_ids = token_ids          # pinned host views, valid once the event is done
+        self._logprobs = logprobs            # (ids, vals, rank) pinned views, or None
+        self._result: SamplerOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def result(self) -> SamplerOutput:
+        if self._result is None:
+            self._event.synchronize()
+            lps = None
+            if self._logprobs is not None:
+                ids, vals, rank = self._logprobs
+                lps = Logprobs(ids.copy(), vals.copy(), rank.copy())
+            self._result = SamplerOutput(self._token_ids.copy(), lps)  # the pinned buffers are reused
+        return self._result
+
+
+class CudaSampler:
+    def __init__(self, *, threads: int = 1024, stream=0):
+        """threads: per row (a power of two <= 1024; 32 or fewer in the simulator)."""
+        sk._check_threads(threads)
+        self.threads = threads
+        self.stream = stream
+        self._dev = _Arena()
+        self._host = _Arena(pinned=True)
+        self._pending: PendingSample | None = None
+
+    def _to_device(self, name: str, host: np.ndarray):
+        dev = self._dev.get(name, host.shape, host.dtype)
+        if host.size:
+            dev.copy_to_device(np.ascontiguousarray(host), stream=self.stream)
+        return dev
+
+    def sample(self, logits, meta: SamplingMetadata) -> SamplerOutput:
+        return self.sample_async(logits, meta).result()
+
+    def sample_async(self, logits, meta: SamplingMetadata) -> PendingSample:
+        """logits: float32 [B, V], contiguous, on the device as a Numba device array (a CuPy
+        array through numba.cuda.as_cuda_array(x, sync=False)), left unchanged. One pending sample at a time: the
+        previous one's result() must have been taken (its pinned buffers are reused)."""
+        if self._pending is not None and not self._pending.done:
+            raise RuntimeError("CudaSampler: take the previous sample's result() first")
+        B, V = logits.shape
+        kw = dict(threads=self.threads, stream=self.stream)
+        packed = pack_penalties(meta, B)
+        x = logits
+        if packed is not None:  # penalties on a copy: logprobs are the raw model's
+            x = self._dev.get("work", (B, V), np.float32)
+            x.copy_to_device(logits, stream=self.stream)
+            p = packed
+            sk.penalties(x, *(self._to_device(n, getattr(p, n)) for n in (
+                "seen_ids", "seen_offsets", "count_ids", "counts", "count_offsets", "banned_ids",
+                "banned_offsets", "presence", "frequency", "repetition")),
+                threads=min(self.threads, 256), stream=self.stream)
+        token_ids = self._dev.get("token_ids", (B,), np.int32)
+        sk.sample(x, self._to_device("temperature", np.asarray(meta.temperature, np.float32)),
+                  self._to_device("top_k", np.asarray(meta.top_k, np.int32)),
+                  self._to_device("top_p", np.asarray(meta.top_p, np.float32)),
+                  self._to_device("min_p", np.asarray(meta.min_p, np.float32)),
+                  self._to_device("uniforms", draw_uniforms(meta)), token_ids, **kw)
+        host_ids = self._host.get("token_ids", (B,), np.int32)
+        token_ids.copy_to_host(host_ids, stream=self.stream)
+        host_lps = None
+        if meta.max_num_logprobs is not None:
+            n = 1 + min(meta.max_num_logprobs, V)
+            ids = self._dev.get("lp_ids", (B, n), np.int32)
+            vals = self._dev.get("lp_vals", (B, n), np.float32)
+            rank = self._dev.get("lp_rank", (B,), np.int32)
+            sk.logprobs(logits, token_ids, ids, vals, rank, **kw)
+            host_lps = (self._host.get("lp_ids", (B, n), np.int32),
+                        self._host.get("lp_vals", (B, n), np.float32),
+                        self._host.get("lp_rank", (B,), np.int32))
+            for dev, host in zip((ids, vals, rank), host_lps):
+                dev.copy_to_host(host, stream=self.stream)
+        event = cuda.event()
+        event.record(self.stream)
+        self._pending = PendingSample(event, host_ids, host_lps)
+        return self._pending

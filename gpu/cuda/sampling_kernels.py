@@ -1,0 +1,322 @@
+"""Sampling on the GPU in Numba CUDA (the semantics of gpu/sampler.py; references in
+gpu/cuda/reference.py; the host side in gpu/cuda/sampler.py). One block per row, nothing
+reduced across rows, so a row's token never depends on the rest of the batch.
+
+- penalties_kernel: repetition / frequency / presence penalties and banned tokens, in place on a
+  float32 copy of the logits, from per-row lists the host packed (ids seen, output-id counts,
+  banned ids).
+- sample_kernel: greedy (first argmax) or temperature + min_p + top_k + top_p, then inverse-CDF
+  sampling with the row's one uniform number (drawn on the host from the request's own
+  generator, exactly as the numpy sampler draws it). No sort: top_k and top_p are thresholds
+  found by bisection over the order-preserving 32-bit keys of the float32 logits (32 passes
+  each, exact: the threshold is an actual logit), min_p is a test per token. Tokens tied with
+  the cutoff are all kept (numpy's argpartition/argsort keep an arbitrary subset of the ties).
+  The CDF runs over the kept tokens in vocabulary order.
+- logprobs_kernel: log_softmax of the raw logits at the sampled token, its rank, and the top-N
+  (by value, ties by lower id).
+
+Simulator-friendly like numba_kernels.py: reductions through shared memory (no warp shuffles),
+loops strided by blockDim (a power of two, at most SAMPLE_MAX_THREADS), float32 only.
+"""
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, int32, int64
+
+SAMPLE_MAX_THREADS = 1024
+GREEDY_EPS = 1e-5            # gpu/sampler.py: temperature below this is greedy
+_KEY_END = 1 << 32           # one past the largest key
+
+
+@cuda.jit(device=True, inline=True)
+def order_key(bits):  # pragma: no cover - device code
+    """A float32's bits (uint32) -> an integer in the float's order (larger float, larger key)."""
+    b = int64(bits)
+    if b >= 0x80000000:
+        return 0xFFFFFFFF - b
+    return b + 0x80000000
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum_f32(v, sh):  # pragma: no cover - device code
+    """The block's sum of v (a fixed tree: the same bits for the same blockDim), to every thread."""
+    tid = cuda.threadIdx.x
+    sh[tid] = v
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            sh[tid] += sh[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    total = sh[0]
+    cuda.syncthreads()  # sh is free again
+    return total
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum_i32(v, sh):  # pragma: no cover - device code
+    tid = cuda.threadIdx.x
+    sh[tid] = v
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            sh[tid] += sh[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    total = sh[0]
+    cuda.syncthreads()
+    return total
+
+
+@cuda.jit(device=True, inline=True)
+def block_argmax(v, i, fsh, ish):  # pragma: no cover - device code
+    """(max, first index of the max) over the block's (v, i) pairs, to every thread."""
+    tid = cuda.threadIdx.x
+    fsh[tid] = v
+    ish[tid] = i
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step:
+            ov, oi = fsh[tid + step], ish[tid + step]
+            if ov > fsh[tid] or (ov == fsh[tid] and oi < ish[tid]):
+                fsh[tid] = ov
+                ish[tid] = oi
+        cuda.syncthreads()
+        step //= 2
+    best_v, best_i = fsh[0], ish[0]
+    cuda.syncthreads()
+    return best_v, best_i
+
+
+@cuda.jit
+def penalties_kernel(x, seen_ids, seen_offsets, count_ids, counts, count_offsets, banned_ids,
+                     banned_offsets, presence, frequency, repetition):  # pragma: no cover
+    """In place on x [B, V] float32, row by row (grid (B,)), in gpu/sampler.py's order:
+    repetition over the ids seen (prompt and output, each once), then frequency·count +
+    presence over the output ids (each once, with its count), then banned ids -> -inf."""
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    rep = repetition[row]
+    if rep != float32(1.0):
+        for e in range(seen_offsets[row] + tid, seen_offsets[row + 1], nt):
+            j = seen_ids[e]
+            v = x[row, j]
+            x[row, j] = v / rep if v > float32(0.0) else v * rep
+    cuda.syncthreads()
+    freq = frequency[row]
+    pres = presence[row]
+    if freq != float32(0.0) or pres != float32(0.0):
+        for e in range(count_offsets[row] + tid, count_offsets[row + 1], nt):
+            j = count_ids[e]
+            x[row, j] -= freq * float32(counts[e]) + pres
+    cuda.syncthreads()
+    for e in range(banned_offsets[row] + tid, banned_offsets[row + 1], nt):
+        x[row, banned_ids[e]] = float32(-math.inf)
+
+
+@cuda.jit(device=True, inline=True)
+def _prob(v, xmax, inv_t):  # pragma: no cover - device code
+    """exp((v - max) / T): the unnormalized probability (0 for -inf)."""
+    return math.exp((v - xmax) * inv_t)
+
+
+@cuda.jit
+def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  # pragma: no cover
+    """out[row] = the token sampled from x[row] (float32 [B, V]; xbits is the same memory as
+    uint32). grid (B,)."""
+    fsh = cuda.shared.array(SAMPLE_MAX_THREADS, float32)
+    ish = cuda.shared.array(SAMPLE_MAX_THREADS, int32)
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = x.shape[1]
+
+    best_v = float32(-math.inf)
+    best_i = int32(V)
+    for j in range(tid, V, nt):
+        v = x[row, j]
+        if v > best_v:  # ascending j per thread: its first max wins ties
+            best_v = v
+            best_i = j
+    xmax, argmax = block_argmax(best_v, best_i, fsh, ish)
+    if argmax >= V:  # every logit is -inf (all banned): token 0, as numpy's argmax gives
+        argmax = 0
+    t = temperature[row]
+    if t < float32(GREEDY_EPS):
+        if tid == 0:
+            out[row] = argmax
+        return
+    inv_t = float32(1.0) / t
+    top_key = order_key(xbits[row, argmax]) + 1  # no token has this key or more
+
+    # top_k: the largest key K with count(key >= K) >= k, i.e. the k-th largest logit.
+    k = top_k[row]
+    k_key = int64(0)
+    if k > 0 and k < V:
+        lo, hi = int64(0), top_key
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            c = int32(0)
+            for j in range(tid, V, nt):
+                if order_key(xbits[row, j]) >= mid:
+                    c += 1
+            if block_sum_i32(c, ish) >= k:
+                lo = mid
+            else:
+                hi = mid
+        k_key = lo
+
+    # min_p is a test per token; the mass left after top_k and min_p is what top_p divides.
+    mp = min_p[row]
+    cut = k_key
+    p_top = top_p[row]
+    if p_top < float32(1.0):
+        z = float32(0.0)
+        for j in range(tid, V, nt):
+            if order_key(xbits[row, j]) >= k_key:
+                p = _prob(x[row, j], xmax, inv_t)
+                if p >= mp:
+                    z += p
+        target = p_top * block_sum_f32(z, fsh)
+        # The largest key K with mass(key >= K) >= top_p * mass: the p_m of the smallest
+        # prefix of the sorted probabilities whose mass reaches top_p.
+        lo, hi = k_key, top_key
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            m = float32(0.0)
+            for j in range(tid, V, nt):
+                if order_key(xbits[row, j]) >= mid:
+                    p = _prob(x[row, j], xmax, inv_t)
+                    if p >= mp:
+                        m += p
+            if block_sum_f32(m, fsh) >= target:
+                lo = mid
+            else:
+                hi = mid
+        cut = lo
+
+    # Inverse CDF over the kept tokens in vocabulary order: each thread sums a contiguous
+    # chunk, thread 0 scans the chunks and walks the one that holds u * total.
+    chunk = (V + nt - 1) // nt
+    start = tid * chunk
+    stop = min(V, start + chunk)
+    m = float32(0.0)
+    for j in range(start, stop):
+        if order_key(xbits[row, j]) >= cut:
+            p = _prob(x[row, j], xmax, inv_t)
+            if p >= mp:
+                m += p
+    fsh[tid] = m
+    cuda.syncthreads()
+    if tid == 0:
+        total = float32(0.0)
+        for c in range(nt):
+            total += fsh[c]
+        target = uniforms[row] * total
+        acc = float32(0.0)
+        last = -1
+        c = 0
+        while c < nt:  # the first chunk whose end passes the target
+            if fsh[c] > float32(0.0):
+                last = c
+                if acc + fsh[c] > target:
+                    break
+                acc += fsh[c]
+            c += 1
+        if c == nt:  # rounding ran past the end: the last kept token
+            c = last
+            acc -= fsh[c]
+        picked = argmax
+        for j in range(c * chunk, min(V, (c + 1) * chunk)):
+            if order_key(xbits[row, j]) >= cut:
+                p = _prob(x[row, j], xmax, inv_t)
+                if p >= mp and p > float32(0.0):
+                    picked = j
+                    acc += p
+                    if acc > target:
+                        break
+        out[row] = picked
+
+
+@cuda.jit
+def logprobs_kernel(logits, token_ids, out_ids, out_vals, out_rank):  # pragma: no cover
+    """Row r: out_ids[r, 0] = token_ids[r] with its log_softmax value and rank (1 + the number
+    of larger logits), then the top N = out_ids.shape[1] - 1 tokens (value descending, ties by
+    lower id). grid (B,)."""
+    fsh = cuda.shared.array(SAMPLE_MAX_THREADS, float32)
+    ish = cuda.shared.array(SAMPLE_MAX_THREADS, int32)
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = logits.shape[1]
+    best_v = float32(-math.inf)
+    best_i = int32(V)
+    for j in range(tid, V, nt):
+        v = float32(logits[row, j])
+        if v > best_v:
+            best_v = v
+            best_i = j
+    xmax, _ = block_argmax(best_v, best_i, fsh, ish)
+    s = float32(0.0)
+    for j in range(tid, V, nt):
+        s += math.exp(float32(logits[row, j]) - xmax)
+    lse = xmax + math.log(block_sum_f32(s, fsh))
+    chosen = token_ids[row]
+    xc = float32(logits[row, chosen])
+    above = int32(0)
+    for j in range(tid, V, nt):
+        if float32(logits[row, j]) > xc:
+            above += 1
+    above = block_sum_i32(above, ish)
+    if tid == 0:
+        out_ids[row, 0] = chosen
+        out_vals[row, 0] = xc - lse
+        out_rank[row] = above + 1
+    prev_v = float32(math.inf)
+    prev_i = int32(-1)
+    for n in range(1, out_ids.shape[1]):
+        best_v = float32(-math.inf)
+        best_i = int32(V)
+        for j in range(tid, V, nt):
+            v = float32(logits[row, j])
+            if (v < prev_v or (v == prev_v and j > prev_i)) and (v > best_v or best_i == V):
+                best_v = v
+                best_i = j
+        prev_v, prev_i = block_argmax(best_v, best_i, fsh, ish)
+        if tid == 0:
+            out_ids[row, n] = prev_i
+            out_vals[row, n] = prev_v - lse
+
+
+def _check_threads(threads: int) -> None:
+    if threads & (threads - 1) or not 1 <= threads <= SAMPLE_MAX_THREADS:
+        raise ValueError(f"sampling: threads {threads} must be a power of two <= {SAMPLE_MAX_THREADS}")
+
+
+# Launchers: one place that knows each kernel's grid.
+
+def penalties(x, seen_ids, seen_offsets, count_ids, counts, count_offsets, banned_ids,
+              banned_offsets, presence, frequency, repetition, *, threads=128, stream=0):
+    if x.shape[0]:
+        penalties_kernel[x.shape[0], threads, stream](
+            x, seen_ids, seen_offsets, count_ids, counts, count_offsets, banned_ids,
+            banned_offsets, presence, frequency, repetition)
+
+
+def sample(x, temperature, top_k, top_p, min_p, uniforms, out, *, threads=1024, stream=0):
+    """x float32 [B, V], contiguous (its uint32 view is taken here)."""
+    _check_threads(threads)
+    if x.shape[0]:
+        sample_kernel[x.shape[0], threads, stream](x, x.view("uint32"), temperature, top_k, top_p,
+                                                   min_p, uniforms, out)
+
+
+def logprobs(logits, token_ids, out_ids, out_vals, out_rank, *, threads=1024, stream=0):
+    _check_threads(threads)
+    if logits.shape[0]:
+        logprobs_kernel[logits.shape[0], threads, stream](logits, token_ids, out_ids, out_vals, out_rank)

@@ -1,0 +1,181 @@
+"""Sampling on the GPU without a GPU (DESIGN.md §8): the host side (uniform draws, penalty
+packing) and the reference distribution against gpu/sampler.py on the CPU; the kernels and the
+CudaSampler in Numba's CUDA simulator (its own process, like tests/test_cuda_sim.py) against
+gpu/sampler.py and the references. The compile checks are in tests/test_cuda_compile.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ringserve.gpu import sampler as cpu_sampler
+from ringserve.gpu.cuda import reference as ref
+from ringserve.gpu.sampler import SamplingMetadata
+
+IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+THREADS = 4  # the simulator runs a thread per CUDA thread: few threads, few barriers
+
+
+def _meta(rows, seed=0, **extra):
+    """rows: (temperature, top_k, top_p, min_p) per row; seeded generators for sampled rows."""
+    a = np.array(rows, np.float32).reshape(-1, 4)
+    c = [np.ascontiguousarray(a[:, i]) for i in range(4)]
+    return SamplingMetadata(temperature=c[0], top_k=c[1].astype(np.int32), top_p=c[2],
+                            min_p=c[3], generators=[np.random.default_rng(seed + i)
+                                                       for i in range(len(a))], **extra)
+
+
+def _penalty_meta(rng, B, V):
+    meta = _meta([(1.0, 0, 1.0, 0.0)] * B)
+    meta.presence_penalty = np.array([0.0, 0.5, 0.0, 1.5][:B], np.float32)
+    meta.frequency_penalty = np.array([0.0, 0.0, 0.3, -0.4][:B], np.float32)
+    meta.repetition_penalty = np.array([1.3, 1.0, 1.0, 0.8][:B], np.float32)
+    meta.prompt_token_ids = [rng.integers(0, V, 6).tolist() for _ in range(B)]
+    meta.output_token_ids = [rng.integers(0, V, n).tolist() for n in (5, 0, 9, 4)[:B]]
+    meta.banned_token_ids = [[], [3, 7, 3], [], [0]][:B]
+    return meta
+
+
+if not IN_SIMULATOR:
+    pytestmark = pytest.mark.sim
+
+    def test_simulator_tests_pass_in_their_own_process():
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               __file__], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+
+    def test_uniforms_are_the_numpy_samplers_draws():
+        from ringserve.gpu.cuda.sampler import draw_uniforms
+        rows = [(0.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 5, 0.9, 0.0)]
+        shared = np.random.default_rng(9)  # one generator for unseeded rows: order matters
+        meta = _meta(rows)
+        meta.generators = [None, shared, shared]
+        u = draw_uniforms(meta)
+        expect = np.random.default_rng(9).random(2)
+        assert u[0] == 0 and np.allclose(u[1:], expect.astype(np.float32))
+
+    def test_packed_penalties_hold_each_id_once():
+        from ringserve.gpu.cuda.sampler import pack_penalties
+        meta = _penalty_meta(np.random.default_rng(1), 4, 20)
+        p = pack_penalties(meta, 4)
+        for r in range(4):
+            seen = p.seen_ids[p.seen_offsets[r]:p.seen_offsets[r + 1]]
+            if meta.repetition_penalty[r] != 1.0:
+                assert sorted(seen) == sorted(set(meta.prompt_token_ids[r]) | set(meta.output_token_ids[r]))
+            else:
+                assert len(seen) == 0
+            ids = p.count_ids[p.count_offsets[r]:p.count_offsets[r + 1]]
+            counts = p.counts[p.count_offsets[r]:p.count_offsets[r + 1]]
+            if meta.frequency_penalty[r] or meta.presence_penalty[r]:
+                assert dict(zip(ids.tolist(), counts.tolist())) == {
+                    t: meta.output_token_ids[r].count(t) for t in set(meta.output_token_ids[r])}
+            banned = p.banned_ids[p.banned_offsets[r]:p.banned_offsets[r + 1]]
+            assert sorted(banned) == sorted(set(meta.banned_token_ids[r]))
+        assert pack_penalties(_meta([(1.0, 0, 1.0, 0.0)]), 1) is None
+
+    @pytest.mark.parametrize("params", [(0.8, 0, 1.0, 0.0), (1.0, 4, 1.0, 0.0), (1.2, 0, 0.7, 0.0),
+                                        (0.9, 0, 1.0, 0.2), (1.0, 6, 0.8, 0.05)])
+    def test_reference_distribution_is_the_numpy_samplers(params):
+        """sampling_probs (what the kernel draws from) vs gpu/sampler.sample_row, by drawing."""
+        rng = np.random.default_rng(2)
+        logits = (rng.standard_normal(12) * 2).astype(np.float32)
+        probs = ref.sampling_probs(logits, *params)
+        gen = np.random.default_rng(3)
+        n = 20000
+        draws = np.bincount([cpu_sampler.sample_row(logits, *params, gen) for _ in range(n)],
+                            minlength=12) / n
+        assert set(np.flatnonzero(draws)) == set(np.flatnonzero(probs))
+        assert 0.5 * np.abs(draws - probs).sum() < 0.015
+
+else:
+    from numba import config as numba_config
+    from numba import cuda
+
+    from ringserve.gpu.cuda import sampling_kernels as sk
+    from ringserve.gpu.cuda.sampler import CudaSampler, pack_penalties
+
+    assert numba_config.ENABLE_CUDASIM
+
+    def _logits(rng, B, V):
+        x = (rng.standard_normal((B, V)) * 2).astype(np.float32)
+        x[:, 5] = x[:, 9] = x.max() + 1.0  # a tie at the top: greedy takes the first
+        return x
+
+    def test_penalties_match_the_numpy_sampler():
+        rng = np.random.default_rng(4)
+        x = _logits(rng, 4, 20)
+        meta = _penalty_meta(rng, 4, 20)
+        expect = cpu_sampler.apply_penalties(x.copy(), meta)
+        p = pack_penalties(meta, 4)
+        got = x.copy()
+        sk.penalties(got, p.seen_ids, p.seen_offsets, p.count_ids, p.counts, p.count_offsets,
+                     p.banned_ids, p.banned_offsets, p.presence, p.frequency, p.repetition,
+                     threads=THREADS)
+        np.testing.assert_allclose(got, expect, rtol=1e-6, atol=1e-6)
+
+    def test_greedy_and_filtered_sampling_match_the_references():
+        rng = np.random.default_rng(5)
+        rows = [(0.0, 0, 1.0, 0.0), (0.9, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (1.3, 0, 0.6, 0.0),
+                (0.8, 0, 1.0, 0.3), (1.0, 5, 0.9, 0.02), (0.7, 1, 1.0, 0.0)]
+        x = _logits(rng, len(rows), 24)
+        meta = _meta(rows)
+        u = np.array([0.0, 0.13, 0.5, 0.77, 0.999, 0.31, 0.6], np.float32)
+        out = np.full(len(rows), -1, np.int32)
+        sk.sample(x, meta.temperature, meta.top_k, meta.top_p, meta.min_p, u, out, threads=THREADS)
+        assert out[0] == 5  # first of the tied maxima, as np.argmax
+        for r, params in enumerate(rows[1:], 1):
+            assert out[r] == ref.inverse_cdf(ref.sampling_probs(x[r], *params), float(u[r])), (r, params)
+        # u sweeps [0, 1) over one row (top_p and min_p): every draw is the reference's token
+        params = (4.0, 0, 0.9, 0.02)  # flat enough for several tokens to be kept
+        sweep = np.linspace(0, 0.999, 6, dtype=np.float32)
+        probs = ref.sampling_probs(x[3], *params)
+        xs = np.repeat(x[3:4], len(sweep), 0)
+        m = _meta([params] * len(sweep))
+        got = np.zeros(len(sweep), np.int32)
+        sk.sample(xs, m.temperature, m.top_k, m.top_p, m.min_p, sweep, got, threads=THREADS)
+        assert [ref.inverse_cdf(probs, float(s)) for s in sweep] == got.tolist()
+        assert len(set(got.tolist())) > 2
+
+    def test_cuda_sampler_matches_the_numpy_sampler():
+        """The whole host + device path: the same seeds give the same tokens as gpu/sampler.py
+        where its draw is unambiguous (greedy, top_k 1, or one dominant token), and logprobs agree."""
+        rng = np.random.default_rng(6)
+        B, V = 4, 30
+        x = (rng.standard_normal((B, V))).astype(np.float32)
+        x[1, 17] += 30.0  # sampled row with one dominant token
+        meta = _penalty_meta(rng, B, V)
+        meta.temperature = np.array([0.0, 1.0, 0.0, 0.7], np.float32)
+        meta.top_k = np.array([0, 0, 0, 1], np.int32)
+        meta.max_num_logprobs = 3
+        expect = cpu_sampler.sample(x, _copy_meta(meta, seed=11))
+        sampler = CudaSampler(threads=THREADS)
+        got = sampler.sample(cuda.to_device(x), _copy_meta(meta, seed=11))
+        np.testing.assert_array_equal(got.token_ids, expect.token_ids)
+        np.testing.assert_array_equal(got.logprobs.token_ids, expect.logprobs.token_ids)
+        np.testing.assert_allclose(got.logprobs.logprobs, expect.logprobs.logprobs, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got.logprobs.sampled_rank, expect.logprobs.sampled_rank)
+        # a second call reuses the buffers; a smaller batch without extras
+        small = _meta([(0.0, 0, 1.0, 0.0)] * 2)
+        again = sampler.sample(cuda.to_device(x[:2]), small)
+        np.testing.assert_array_equal(again.token_ids, x[:2].argmax(-1))
+        assert again.logprobs is None
+
+    def test_one_pending_sample_at_a_time():
+        sampler = CudaSampler(threads=THREADS)
+        x = cuda.to_device(np.arange(8, dtype=np.float32).reshape(2, 4))
+        pending = sampler.sample_async(x, _meta([(0.0, 0, 1.0, 0.0)] * 2))
+        with pytest.raises(RuntimeError, match="result"):
+            sampler.sample_async(x, _meta([(0.0, 0, 1.0, 0.0)] * 2))
+        assert pending.result().token_ids.tolist() == [3, 3]
+        assert sampler.sample(x, _meta([(0.0, 0, 1.0, 0.0)] * 2)).token_ids.tolist() == [3, 3]
+
+    def _copy_meta(meta, seed):
+        import copy
+        m = copy.copy(meta)
+        m.generators = [np.random.default_rng(seed + i) for i in range(len(meta.temperature))]
+        return m
