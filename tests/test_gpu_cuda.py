@@ -126,3 +126,46 @@ def test_greedy_matches_cpu_backend_and_graphs_match_eager(tiny_model_dir, backe
     assert graphs.graphs.graphs  # captured
     assert _greedy(eager, prompts, 12) == cpu
     assert _greedy(graphs, prompts, 12) == cpu
+
+
+def test_sampler_on_device_matches_references():
+    """The sampling kernels at a real vocabulary size and 1024 threads per row."""
+    import cupy as cp
+    from numba import cuda
+    from ringserve.gpu.cuda.sampler import CudaSampler, draw_uniforms
+    from ringserve.gpu.sampler import SamplingMetadata, sample
+    rng = np.random.default_rng(7)
+    B, V = 6, 128256
+    x = (rng.standard_normal((B, V)) * 3).astype(np.float32)
+    rows = np.array([(0.0, 0, 1.0, 0.0), (0.8, 0, 1.0, 0.0), (1.0, 50, 1.0, 0.0),
+                     (1.0, 0, 0.9, 0.0), (0.7, 0, 1.0, 0.1), (1.0, 40, 0.8, 0.05)], np.float32)
+
+    def meta():
+        return SamplingMetadata(np.ascontiguousarray(rows[:, 0]), rows[:, 1].astype(np.int32),
+                                np.ascontiguousarray(rows[:, 2]), np.ascontiguousarray(rows[:, 3]),
+                                [np.random.default_rng(i) for i in range(B)], max_num_logprobs=5)
+    got = CudaSampler().sample(cuda.as_cuda_array(cp.asarray(x)), meta())
+    u = draw_uniforms(meta())
+    assert got.token_ids[0] == x[0].argmax()
+    for r in range(1, B):
+        assert got.token_ids[r] == ref.inverse_cdf(ref.sampling_probs(x[r], *rows[r]), float(u[r]))
+    expect = sample(x, meta())
+    np.testing.assert_array_equal(got.logprobs.token_ids[:, 1:], expect.logprobs.token_ids[:, 1:])
+    np.testing.assert_allclose(got.logprobs.logprobs[:, 1:], expect.logprobs.logprobs[:, 1:], atol=1e-4)
+
+
+def test_submit_samples_on_device(tiny_model_dir):
+    """ModelRunner(device="cuda").submit: greedy tokens sampled on the GPU = argmax of execute."""
+    from ringserve.gpu.batch import Batch
+    from ringserve.gpu.runner import ModelRunner
+    from ringserve.gpu.sampler import SamplingMetadata
+    r = ModelRunner(tiny_model_dir, device="cuda", num_blocks=64, max_num_seqs=8)
+    tables = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
+    b = Batch(np.array([1, 5, 9, 1, 200, 3], np.int32), np.array([0, 1, 2, 0, 1, 0], np.int32),
+              np.array([0, 1, 2, 128, 129, 256], np.int32), np.array([0, 3, 5, 6], np.int32),
+              np.array([3, 2, 1], np.int32), tables)
+    logits = r.execute(b)
+    meta = SamplingMetadata(np.zeros(2, np.float32), np.zeros(2, np.int32), np.ones(2, np.float32),
+                            np.zeros(2, np.float32), [None, None])
+    out = r.submit(b, np.array([0, 2]), meta).result()
+    np.testing.assert_array_equal(out.token_ids, logits[[0, 2]].argmax(-1))
