@@ -2,10 +2,15 @@
 
     python -m ringserve.tools.gpu_check [--json FILE] [--skip-tests] [--budget-s 360]
 
-1. pytest -m gpu (kernels vs references, graphs == eager, greedy == CPU backend).
-2. Decode-step time at batch 1/16/64/256 for random-weight Llama shapes (~1B, ~8B; weights
+1. pytest -m gpu (kernels vs references, graphs == eager, greedy == CPU backend, sampling).
+2. The device-to-device copy bandwidth (the yardstick), then paged-attention decode bandwidth:
+   bytes of K/V one decode step reads, over its time, for the RawKernel and the Numba kernel.
+3. Decode-step time at batch 1/16/64/256 for random-weight Llama shapes (~1B, ~8B; weights
    made on the GPU), eager vs CUDA graphs; transformers (torch) on the same shapes as the peer
-   when it is installed; paged-attention read bandwidth vs a measured device-to-device copy.
+   when it is installed.
+The whole run fits --budget-s (6 minutes) by construction: every phase is timed, the tests get
+a timeout, a phase starts only if its estimate fits in what is left (else it is skipped with a
+message, and the JSON says so), and the loops inside a phase stop at the deadline.
 Without a CUDA device it says so and exits 1.
 """
 from __future__ import annotations
@@ -87,13 +92,114 @@ def time_steps(fn, n=20) -> float:
     return (time.perf_counter() - t) / n
 
 
-def copy_bandwidth() -> float:
+class Budget:
+    """The run's deadline: phases are timed, and a phase whose estimate does not fit in what
+    is left is skipped with a message instead of run."""
+
+    def __init__(self, seconds: float, clock=time.monotonic):
+        self.clock = clock
+        self.deadline = clock() + seconds
+        self.phases: dict[str, float] = {}   # name -> seconds it took
+        self.skipped: list[str] = []
+
+    def left(self) -> float:
+        return self.deadline - self.clock()
+
+    def run(self, name: str, estimate_s: float, fn):
+        """fn() if estimate_s fits in what is left (its result), else None and a message."""
+        left = self.left()
+        if left < estimate_s:
+            msg = f"{name}: skipped ({left:.0f} s left of the budget, it needs ~{estimate_s:.0f} s)"
+            self.skipped.append(msg)
+            print(f"gpu_check: {msg}", file=sys.stderr)
+            return None
+        t = self.clock()
+        try:
+            return fn()
+        finally:
+            self.phases[name] = self.clock() - t
+
+
+def gpu_time(fn, stream, n=20, graph=False) -> float:
+    """Seconds per call of fn (which enqueues work on stream), by CUDA events. graph: the n
+    calls are captured into one CUDA graph first, so that host launch gaps (~5-50 us, more
+    than a short kernel) are not counted."""
     import cupy as cp
-    a = cp.empty(1 << 30, cp.uint8)
+    fn()
+    launch, reps = (lambda: [fn() for _ in range(n)]), n
+    if graph:
+        stream.synchronize()
+        stream.begin_capture()
+        launch()
+        g = stream.end_capture()
+        launch, reps = (lambda: [g.launch(stream) for _ in range(3)]), 3 * n
+        launch()  # the first replay uploads the graph
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    launch()
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / 1e3 / reps
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, counting the read and the write."""
+    import cupy as cp
+    a = cp.ones(1 << 30, cp.uint8)
     b = cp.empty_like(a)
-    cp.cuda.Device().synchronize()
-    dt = time_steps(lambda: (b.__setitem__(Ellipsis, a), cp.cuda.Device().synchronize()), 10)
-    return 2 * a.nbytes / dt  # read + write
+    stream = cp.cuda.Stream(non_blocking=True)
+    dt = gpu_time(lambda: cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, a.nbytes,
+                                                      cp.cuda.runtime.memcpyDeviceToDevice,
+                                                      stream.ptr), stream, 10)
+    return 2 * a.nbytes / dt
+
+
+ATTN_SHAPE = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)  # Llama-3-8B
+ATTN_CASES = [(B, ctx) for ctx in (1024, 8192) for B in (1, 16, 64, 256)]
+
+
+def bench_attention(rows, copy_bps, deadline) -> None:
+    """One decode step of paged attention (one layer): K/V bytes read over its time, for the
+    RawKernel (with the runner's split-K choice) and the Numba kernel; the block tables point
+    at shuffled blocks, as a long-running pool's do."""
+    import cupy as cp
+    from numba import cuda as nb_cuda
+    from ringserve.gpu.cuda import numba_kernels as nk
+    from ringserve.gpu.cuda import plan
+    from ringserve.gpu.cuda.attention import PagedAttention
+    H, KVH, D, BS = (ATTN_SHAPE[k] for k in ("num_heads", "num_kv_heads", "head_dim", "block_size"))
+    attn = PagedAttention(D, H // KVH)
+    num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    stream = cp.cuda.Stream(non_blocking=True)
+    nb_stream = nb_cuda.external_stream(stream.ptr)
+    for B, ctx in ATTN_CASES:
+        if time.monotonic() > deadline:
+            print("gpu_check: attention benchmark stopped at the deadline", file=sys.stderr)
+            return
+        per_req = -(-ctx // BS)
+        k = cp.full((B * per_req, BS, KVH, D), 0.01, cp.float16)
+        v = cp.full_like(k, 0.02)
+        tables = cp.random.permutation(B * per_req).astype(cp.int32).reshape(B, per_req)
+        qkv = cp.full((B, (H + 2 * KVH) * D), 0.1, cp.float16)
+        positions = cp.full(B, ctx - 1, cp.int32)
+        qsl = cp.arange(B + 1, dtype=cp.int32)
+        seq_lens = cp.full(B, ctx, cp.int32)
+        out = cp.empty((B, H * D), cp.float16)
+        kv_bytes = 2 * B * ctx * KVH * D * 2   # K and V, fp16
+        splits = plan.attention_splits(num_tokens=B, num_kv_heads=KVH, max_seq_len=ctx, num_sms=num_sms)
+        ws = attn.workspace(B, H, splits)
+        args = (qkv, k, v, positions, qsl, seq_lens, tables)
+        kernels = {"rawkernel": lambda: attn(*args, D ** -0.5, out, stream, splits=splits,
+                                             max_seq_len=ctx, workspace=ws),
+                   "numba": lambda: nk.paged_attention(
+                       *(nb_cuda.as_cuda_array(a, sync=False) for a in args), D ** -0.5,
+                       nb_cuda.as_cuda_array(out, sync=False), stream=nb_stream)}
+        for name, fn in kernels.items():
+            dt = gpu_time(fn, stream, 10, graph=True)
+            rows.append(dict(kernel=name, batch=B, context=ctx, splits=splits if name == "rawkernel" else 1,
+                             us=dt * 1e6, GBps=kv_bytes / dt / 1e9, pct_copy=kv_bytes / dt / copy_bps * 100))
+        del k, v
+        cp.get_default_memory_pool().free_all_blocks()
 
 
 def bench_ours(name, shape, rows, deadline) -> None:
@@ -109,6 +215,9 @@ def bench_ours(name, shape, rows, deadline) -> None:
         r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES),
                             max_model_len=2048, enforce_eager=eager)
         for B in BATCHES:
+            if time.monotonic() > deadline:
+                print(f"gpu_check: {name} benchmark stopped at the deadline", file=sys.stderr)
+                break
             b = decode_batch(B, 16)
             dt = time_steps(lambda: r.execute(b))
             rows.append(dict(model=name, impl="ringserve " + ("eager" if eager else "graphs"),
@@ -146,34 +255,74 @@ def bench_transformers(name, shape, rows, deadline) -> None:
     torch.cuda.empty_cache()
 
 
+# Seconds each phase is expected to take at most on an A100/H100-class GPU (weights made on
+# the device, 36 graphs captured per runner); a phase starts only when its estimate fits.
+ESTIMATES = {"copy": 5, "attention": 30, "ours 1B": 60, "transformers 1B": 45, "ours 8B": 100,
+             "transformers 8B": 70}
+TESTS_TIMEOUT_S = 150
+
+
+def print_tables(result) -> None:
+    print(f"{result['device']}  {result['date']}  tests: {result['tests']}  "
+          f"d2d copy: {result['copy_GBps']:.0f} GB/s" if result.get("copy_GBps") else
+          f"{result['device']}  tests: {result['tests']}")
+    if result["attention"]:
+        print(f"\npaged attention, one decode step of one layer (H {ATTN_SHAPE['num_heads']}, "
+              f"KVH {ATTN_SHAPE['num_kv_heads']}, D {ATTN_SHAPE['head_dim']}, fp16 K/V)")
+        print(f"{'kernel':10} {'batch':>5} {'context':>7} {'splits':>6} {'us':>9} {'GB/s':>7} {'%copy':>6}")
+        for r in result["attention"]:
+            print(f"{r['kernel']:10} {r['batch']:>5} {r['context']:>7} {r['splits']:>6} "
+                  f"{r['us']:>9.1f} {r['GBps']:>7.0f} {r['pct_copy']:>6.1f}")
+    if result["rows"]:
+        print(f"\n{'model':6} {'impl':20} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'%bound':>7}")
+        for r in result["rows"]:
+            bound = (r["weight_bytes"] / (result["copy_GBps"] * 1e9) * 1e3 / r["step_ms"] * 100
+                     if "weight_bytes" in r and result.get("copy_GBps") else float("nan"))
+            print(f"{r['model']:6} {r['impl']:20} {r['batch']:>5} {r['step_ms']:>9.3f} "
+                  f"{r['tok_s']:>10.0f} {bound:>7.1f}")
+    for msg in result["skipped"]:
+        print(f"skipped: {msg}")
+    print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in result["phases"].items()))
+
+
+def run_tests(budget: Budget) -> str:
+    tests = Path(__file__).resolve().parent.parent / "tests" / "test_gpu_cuda.py"
+    timeout = max(1.0, min(TESTS_TIMEOUT_S, budget.left() - sum(ESTIMATES.values()) / 2))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(tests)],
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    return "passed" if proc.returncode == 0 else f"failed (rc {proc.returncode})"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=360.0)
+    ap.add_argument("--budget-s", type=float, default=360.0, help="the whole run, tests included")
     args = ap.parse_args(argv)
+    budget = Budget(args.budget_s)
     device = cuda_device_name()
     if device is None:
         print("gpu_check: no CUDA device (CuPy sees none); nothing to check here. "
               "Run it on a machine with an NVIDIA GPU and `pip install -e .[cuda]`.", file=sys.stderr)
         return 1
-    result = dict(device=device, date=time.strftime("%Y-%m-%d"), tests=None, rows=[])
+    result = dict(device=device, date=time.strftime("%Y-%m-%d"), tests=None, copy_GBps=None,
+                  attention=[], rows=[], skipped=budget.skipped, phases=budget.phases)
     if not args.skip_tests:
-        tests = Path(__file__).resolve().parent.parent / "tests" / "test_gpu_cuda.py"
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(tests)])
-        result["tests"] = "passed" if proc.returncode == 0 else f"failed (rc {proc.returncode})"
-    deadline = time.monotonic() + args.budget_s
-    result["copy_GBps"] = copy_bandwidth() / 1e9
+        result["tests"] = budget.run("tests", 30, lambda: run_tests(budget)) or "skipped"
+    copy = budget.run("copy", ESTIMATES["copy"], copy_bandwidth)
+    if copy is not None:
+        result["copy_GBps"] = copy / 1e9
+        budget.run("attention", ESTIMATES["attention"],
+                   lambda: bench_attention(result["attention"], copy, budget.deadline))
     for name, shape in SHAPES.items():
-        bench_ours(name, shape, result["rows"], deadline)
-        bench_transformers(name, shape, result["rows"], deadline)
-    print(f"{device}  tests: {result['tests']}  d2d copy: {result['copy_GBps']:.0f} GB/s")
-    print(f"{'model':6} {'impl':20} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'%bound':>7}")
-    for r in result["rows"]:
-        bound = (r["weight_bytes"] / (result["copy_GBps"] * 1e9) * 1e3 / r["step_ms"] * 100
-                 if "weight_bytes" in r else float("nan"))
-        print(f"{r['model']:6} {r['impl']:20} {r['batch']:>5} {r['step_ms']:>9.3f} "
-              f"{r['tok_s']:>10.0f} {bound:>7.1f}")
+        budget.run(f"ours {name}", ESTIMATES[f"ours {name}"],
+                   lambda: bench_ours(name, shape, result["rows"], budget.deadline))
+        budget.run(f"transformers {name}", ESTIMATES[f"transformers {name}"],
+                   lambda: bench_transformers(name, shape, result["rows"], budget.deadline))
+    print_tables(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0 if result["tests"] in (None, "passed") else 1
