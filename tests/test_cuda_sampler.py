@@ -40,8 +40,7 @@ def _penalty_meta(rng, B, V):
 
 
 if not IN_SIMULATOR:
-    pytestmark = pytest.mark.sim
-
+    @pytest.mark.sim
     def test_simulator_tests_pass_in_their_own_process():
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -89,10 +88,12 @@ if not IN_SIMULATOR:
         n = 20000
         draws = np.bincount([cpu_sampler.sample_row(logits, *params, gen) for _ in range(n)],
                             minlength=12) / n
-        assert set(np.flatnonzero(draws)) == set(np.flatnonzero(probs))
+        assert set(np.flatnonzero(draws)) <= set(np.flatnonzero(probs))   # nothing filtered is drawn
+        assert set(np.flatnonzero(probs > 1e-3)) <= set(np.flatnonzero(draws))
         assert 0.5 * np.abs(draws - probs).sum() < 0.015
 
 else:
+    pytestmark = pytest.mark.sim
     from numba import config as numba_config
     from numba import cuda
 
