@@ -98,18 +98,20 @@ def compare(docs: list[dict[str, Any]], names: list[str]) -> str:
     the first."""
     out = [f"{n}: {_describe(d)}" for n, d in zip(names, docs)]
     w = max(12, *(len(n) + 2 for n in names))
+    ratio_heads = [f"{n}/{names[0]}" for n in names[1:]]
+    rw = [max(10, len(h) + 2) for h in ratio_heads]
     labels = list(dict.fromkeys(p["label"] for d in docs for p in d["points"]))
     by_label = [{p["label"]: p["summary"] for p in d["points"]} for d in docs]
     for label in labels:
         summaries = [b.get(label) for b in by_label]
         out.append("")
         out.append(f"{label:<26}" + "".join(f"{n:>{w}}" for n in names)
-                   + "".join(f"{n + '/' + names[0]:>{w}}" for n in names[1:]))
+                   + "".join(f"{h:>{x}}" for h, x in zip(ratio_heads, rw)))
         for title, get, digits in _COMPARE_ROWS:
             values = [get(s) if s is not None else None for s in summaries]
             if all(v is None for v in values):
                 continue
             ratios = [f"{v / values[0]:.2f}x" if values[0] and v is not None else "-" for v in values[1:]]
             out.append(f"{title:<26}" + "".join(f"{_f(v, digits):>{w}}" for v in values)
-                       + "".join(f"{r:>{w}}" for r in ratios))
+                       + "".join(f"{r:>{x}}" for r, x in zip(ratios, rw)))
     return "\n".join(out)
