@@ -19,6 +19,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
 from ringserve.engine.request import Request
 from ringserve.engine.scheduler import SchedulerOutput
@@ -159,14 +160,15 @@ class EngineTracer:
         kv = core.kv
         sch = core.scheduler
         owners: list[str] = []
-        # per block: -1 free, -2 free but still holding a cached prefix, else an index into owners
-        state = [-2 if b.block_hash is not None else -1 for b in kv.pool.blocks]
+        # Per block: -1 free, -2 free but still holding a cached prefix, else an index into
+        # owners. Work in proportion to cached and held blocks, never to the whole pool.
+        state = np.full(kv.num_blocks, -1, np.int32)
+        cached = [b.block_id for b in kv.pool.cached.values() if b.ref_cnt == 0]
+        state[cached] = -2
         for req in sch.running:
-            owner = len(owners)
+            ids = [b for b in kv.block_ids(req) if state[b] < 0]   # a shared block: first holder
+            state[ids] = len(owners)
             owners.append(_public_id(req.key))
-            for block_id in kv.block_ids(req):
-                if state[block_id] < 0:
-                    state[block_id] = owner
         return {
             "pid": os.getpid(),
             "time": time.monotonic(),
@@ -174,7 +176,7 @@ class EngineTracer:
             "block_size": kv.block_size,
             "num_blocks": kv.num_blocks,
             "num_free_blocks": kv.num_free_blocks,
-            "num_cached_free_blocks": sum(1 for s in state if s == -2),
+            "num_cached_free_blocks": len(cached),
             "max_num_seqs": sch.max_num_seqs,
             "max_num_batched_tokens": sch.max_num_batched_tokens,
             "waiting": [_queue_entry(r, kv) for r in list(sch.waiting)[:64]],
@@ -182,9 +184,19 @@ class EngineTracer:
             "running": [_queue_entry(r, kv) for r in sch.running[:256]],
             "num_running": len(sch.running),
             "block_owners": owners,
-            "blocks": state,
+            "blocks_rle": run_lengths(state),
             "steps": list(self.history or ()),
         }
+
+
+def run_lengths(values: np.ndarray) -> list[list[int]]:
+    """[-1, -1, 0, 0, 0, -2] -> [[-1, 2], [0, 3], [-2, 1]]: a pool of 100k blocks, mostly free,
+    in a few hundred bytes."""
+    if len(values) == 0:
+        return []
+    starts = np.flatnonzero(np.diff(values)) + 1
+    edges = np.concatenate(([0], starts, [len(values)]))
+    return [[int(values[a]), int(b - a)] for a, b in zip(edges[:-1], edges[1:])]
 
 
 def _public_id(key: str) -> str:
@@ -205,7 +217,7 @@ class DebugPublisher:
     private runtime folder, at most every `interval` seconds while busy and once more when it
     goes idle. Only with --enable-debug-endpoints."""
 
-    def __init__(self, path: str, interval: float = 0.1):
+    def __init__(self, path: str, interval: float = 0.2):
         self.path = path
         self.interval = interval
         self._last_write = 0.0

@@ -1,7 +1,7 @@
 """GET /debug/engines and GET /dashboard, only with `ringserve serve --enable-debug-endpoints`.
 
 Each engine then writes a JSON snapshot of itself (queues, the block pool block by block, its
-recent steps; engine/trace.py) into the server's private runtime folder, at most ten times a
+recent steps; engine/trace.py) into the server's private runtime folder, at most five times a
 second while busy. /debug/engines adds what this worker's engine client sees (connected, the
 routing score) and returns them all; /dashboard is one self-contained HTML page (inline CSS and
 JS, no outside assets) that polls it and draws the pool and the step composition.
