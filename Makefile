@@ -5,24 +5,35 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# The `cuda` extra only where there is an NVIDIA driver to use it.
-EXTRAS := test$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,cuda)
 comma  := ,
-STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+# The `cuda` extra only where there is an NVIDIA driver to use it.
+CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,cuda)
+TEST_EXTRAS  := test,plot$(CUDA)
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test clean
+.PHONY: install install-test browser model serve test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+$(VENV)/.installed$(subst $(comma),-,$(CUDA)): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".$(if $(CUDA),[cuda])"
 	touch $@
 
-install: $(STAMP)
+$(VENV)/.installed-$(subst $(comma),-,$(TEST_EXTRAS)): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[$(TEST_EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed$(subst $(comma),-,$(CUDA))
+
+install-test: $(VENV)/.installed-$(subst $(comma),-,$(TEST_EXTRAS))
+
+# Headless Chromium for the /dashboard test (Debian's package; needs root, else that test skips and says why).
+browser:
+	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 model: install
 	$(BIN)/ringserve download
@@ -30,7 +41,7 @@ model: install
 serve: model
 	$(BIN)/ringserve serve $(ARGS)
 
-test: model
+test: install-test model browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
