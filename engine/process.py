@@ -90,7 +90,9 @@ class EngineProcess:
         while not self._stopping:
             self._take_requests()
             if self.core.has_unfinished_requests():
-                self._deliver(self.core.step())
+                outputs = self.core.step()
+                self._count_step(outputs)
+                self._deliver(outputs)
                 self._publish()
                 now = time.monotonic()
                 if now - last_check >= CONTROL_CHECK_S:
@@ -106,6 +108,15 @@ class EngineProcess:
 
     def stop(self) -> None:
         self._stopping = True
+
+    def _count_step(self, outputs: list[RequestOutput]) -> None:
+        """Add the step to the cumulative counters that /metrics reads."""
+        s = self.core.stats
+        self.stats.count_step(preemptions=s.num_preemptions,
+                              prefix_cache_queries=s.prefix_cache_queries,
+                              prefix_cache_hits=s.prefix_cache_hits,
+                              prompt_tokens_computed=s.num_prefill_tokens,
+                              generation_tokens=sum(len(o.new_token_ids) for o in outputs))
 
     def _publish(self) -> None:
         for s in self.slots:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-# uint64 word indices
-PID, HEARTBEAT_NS, STEPS, WAITING, RUNNING, NUM_BLOCKS, NUM_FREE_BLOCKS, BLOCK_SIZE, MAX_SLOTS = range(9)
+# uint64 word indices. The first nine are the engine's state now; the rest are cumulative since
+# the engine started, added once per step (/metrics counters).
+(PID, HEARTBEAT_NS, STEPS, WAITING, RUNNING, NUM_BLOCKS, NUM_FREE_BLOCKS, BLOCK_SIZE, MAX_SLOTS,
+ NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PROMPT_TOKENS_COMPUTED,
+ GENERATION_TOKENS) = range(14)
 HEADER_WORDS = 16  # then one word per slot: AddRequest records the engine has taken from that slot
 
 
@@ -51,8 +54,20 @@ class EngineStats:
     def publish(self, waiting: int, running: int, free_blocks: int) -> None:
         w = self._words
         w[WAITING], w[RUNNING], w[NUM_FREE_BLOCKS] = waiting, running, free_blocks
-        w[STEPS] += 1
         w[HEARTBEAT_NS] = time.monotonic_ns()
+
+    def count_step(self, *, preemptions: int, prefix_cache_queries: int, prefix_cache_hits: int,
+                   prompt_tokens_computed: int, generation_tokens: int) -> None:
+        """One engine step ran: add what it did. prefix_cache_*: prompt tokens looked up in the
+        prefix cache and found; prompt_tokens_computed: prompt (or recomputed) tokens run through
+        the model; generation_tokens: tokens sampled."""
+        w = self._words
+        w[STEPS] += 1
+        w[NUM_PREEMPTIONS] += preemptions
+        w[PREFIX_CACHE_QUERIES] += prefix_cache_queries
+        w[PREFIX_CACHE_HITS] += prefix_cache_hits
+        w[PROMPT_TOKENS_COMPUTED] += prompt_tokens_computed
+        w[GENERATION_TOKENS] += generation_tokens
 
     def beat(self) -> None:
         self._words[HEARTBEAT_NS] = time.monotonic_ns()

@@ -5,8 +5,10 @@ Two sources make up one /metrics page:
   observed in the Gunicorn worker that served the request. With PROMETHEUS_MULTIPROC_DIR set (the
   launcher sets it before any worker starts), prometheus_client writes them to per-process files
   and `render` sums over all workers, alive or dead;
-- engine metrics (running/waiting requests, KV-cache usage, preemptions, cache config) are read
-  at scrape time from the stats every engine publishes in shared memory, one sample per engine.
+- engine metrics (running/waiting requests, KV-cache usage, cache config; cumulative preemptions
+  and prefix-cache queries/hits) are read at scrape time from the stats every engine publishes
+  in shared memory, one sample per engine (label `engine`, as vLLM labels them): a restarted
+  engine's counters start again at 0, which rate() reads as a reset of that one series only.
 """
 from __future__ import annotations
 
@@ -48,8 +50,9 @@ class EngineSnapshot:
     num_running: int
     num_waiting: int
     kv_cache_usage: float      # 0..1
-    num_preemptions: int       # cumulative
-    prompt_tokens: int = 0     # cumulative prefilled tokens (unused by the page; kept for logs)
+    num_preemptions: int = 0          # the rest: cumulative since the engine started
+    prefix_cache_queries: int = 0     # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0        # of which found
 
 
 @dataclass
@@ -133,13 +136,21 @@ class _EngineCollector:
         preempt = CounterMetricFamily(P + "num_preemptions",
                                       "Cumulative number of preemption from the engine.",
                                       labels=labels)
+        queries = CounterMetricFamily(
+            P + "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.", labels=labels)
+        hits = CounterMetricFamily(
+            P + "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.", labels=labels)
         for i, s in enumerate(self._stats):
             lv = [self._model_name, str(i)]
             running.add_metric(lv, s.num_running)
             waiting.add_metric(lv, s.num_waiting)
             usage.add_metric(lv, s.kv_cache_usage)
             preempt.add_metric(lv, s.num_preemptions)
-        yield from (running, waiting, usage, preempt)
+            queries.add_metric(lv, s.prefix_cache_queries)
+            hits.add_metric(lv, s.prefix_cache_hits)
+        yield from (running, waiting, usage, preempt, queries, hits)
         if self._cache is not None:
             info = GaugeMetricFamily(P + "cache_config_info",
                                      "Information of the LLMEngine CacheConfig",

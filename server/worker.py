@@ -10,7 +10,8 @@ import json
 import logging
 import os
 
-from ringserve.ipc.stats import BLOCK_SIZE, NUM_BLOCKS, NUM_FREE_BLOCKS
+from ringserve.ipc.stats import (BLOCK_SIZE, NUM_BLOCKS, NUM_FREE_BLOCKS, NUM_PREEMPTIONS,
+                                 PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES)
 from ringserve.server.app import AppOptions, create_app
 from ringserve.server.debug import engine_views
 from ringserve.server.context import ServerContext
@@ -31,7 +32,9 @@ def snapshots(client: EngineClient) -> list[EngineSnapshot]:
         s = e.stats
         blocks = s[NUM_BLOCKS]
         usage = 1.0 - s[NUM_FREE_BLOCKS] / blocks if blocks else 0.0
-        out.append(EngineSnapshot(s.running, s.waiting, usage, num_preemptions=0))
+        out.append(EngineSnapshot(s.running, s.waiting, usage, num_preemptions=s[NUM_PREEMPTIONS],
+                                  prefix_cache_queries=s[PREFIX_CACHE_QUERIES],
+                                  prefix_cache_hits=s[PREFIX_CACHE_HITS]))
     return out
 
 

@@ -4,6 +4,7 @@ EngineCore on the tiny Llama, clients in this process and in killed child proces
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -16,12 +17,19 @@ from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
 from ringserve.ipc import control
 from ringserve.ipc.shm import list_segments
+from ringserve.ipc.stats import (GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_HITS,
+                                 PREFIX_CACHE_QUERIES, PROMPT_TOKENS_COMPUTED, STEPS)
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
+from ringserve.server.metrics import RequestMetrics, render
+from ringserve.server.worker import snapshots
+from ringserve.tools.tiny_llama import make_tiny_llama
 
 ctx = mp.get_context("spawn")
 PROMPT = list(range(1, 20))
-LONG = {"max_tokens": 1500, "ignore_eos": True}   # still running when the test acts on it
-NUM_BLOCKS = 512
+# Still running when the test acts on it: a decode step of the tiny model takes well under a
+# millisecond, so "long" needs a long context (tens of seconds of steps; tests abort it).
+LONG = {"max_tokens": 30000, "ignore_eos": True}
+NUM_BLOCKS = 4096
 
 
 def _ours_left(before: set[str]) -> list[str]:
@@ -48,9 +56,11 @@ class Engines:
         self.tmp_path = tmp_path
         self.procs: dict[str, mp.Process] = {}
 
-    def start(self, name: str, max_slots: int = 4) -> str:
+    def start(self, name: str, max_slots: int = 4, **config) -> str:
+        """config: EngineConfig fields to change for this engine."""
         path = str(self.tmp_path / f"{name}.sock")
-        p = ctx.Process(target=run_engine, args=(self.config, path), kwargs={"max_slots": max_slots})
+        p = ctx.Process(target=run_engine, args=(dataclasses.replace(self.config, **config), path),
+                        kwargs={"max_slots": max_slots})
         p.start()
         self.procs[name] = p
         return path
@@ -68,9 +78,15 @@ class Engines:
             assert p.exitcode == 0
 
 
+@pytest.fixture(scope="module")
+def long_context_model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with room for LONG."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-32k"), max_position_embeddings=32768)
+
+
 @pytest.fixture
-def engines(tiny_model_dir, tmp_path):
-    e = Engines(tiny_model_dir, tmp_path)
+def engines(long_context_model_dir, tmp_path):
+    e = Engines(long_context_model_dir, tmp_path)
     yield e
     e.stop_all()
 
@@ -228,6 +244,41 @@ def test_two_engines_receive_work_as_the_score_dictates(engines):
             assert outs[-1].finish_reason == "length"
         os.kill(loader.pid, signal.SIGKILL)
         loader.join(10)
+        await client.close()
+
+    asyncio.run(body())
+
+
+def test_engine_counters_reach_the_metrics_page(engines):
+    # 8 blocks of 16 tokens: each request fits alone (19 + 60 tokens: 5 blocks), four at once
+    # do not, so the engine must preempt; they share PROMPT's first block in the prefix cache.
+    path = engines.start("a", num_gpu_blocks_override=8)
+
+    async def body():
+        client = EngineClient([path])
+        await client.start()
+        await client.wait_ready()
+        stats = client.engines[0].stats
+        params = {"max_tokens": 60, "ignore_eos": True, "temperature": 0.0}
+        streams = [await client.submit(f"r{i}", PROMPT, params) for i in range(4)]
+        generated = 0
+        for s in streams:
+            outs = [o async for o in s]
+            assert outs[-1].finish_reason == "length"
+            generated += sum(len(o.new_token_ids) for o in outs)
+        await _until(lambda: stats.running + stats.waiting == 0)
+        assert generated == 4 * 60 and stats[GENERATION_TOKENS] == generated
+        assert stats[NUM_PREEMPTIONS] > 0, "the 8-block pool should force preemption"
+        assert stats[STEPS] >= 60
+        # every prompt token is computed or found in the cache; recomputation adds more
+        assert stats[PROMPT_TOKENS_COMPUTED] + stats[PREFIX_CACHE_HITS] >= 4 * len(PROMPT)
+        assert 0 < stats[PREFIX_CACHE_HITS] <= stats[PREFIX_CACHE_QUERIES]
+
+        page = render(RequestMetrics("tiny", 128), "tiny", snapshots(client), None).decode()
+        labels = '{engine="0",model_name="tiny"}'
+        assert f"ringserve:num_preemptions_total{labels} {float(stats[NUM_PREEMPTIONS])}" in page
+        assert f"ringserve:prefix_cache_queries_total{labels} {float(stats[PREFIX_CACHE_QUERIES])}" in page
+        assert f"ringserve:prefix_cache_hits_total{labels} {float(stats[PREFIX_CACHE_HITS])}" in page
         await client.close()
 
     asyncio.run(body())

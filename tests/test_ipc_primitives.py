@@ -21,7 +21,9 @@ from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_outputs, d
                                     encode_outputs, encode_request)
 from ringserve.ipc.ring import RecordTooLarge, Ring
 from ringserve.ipc.shm import SHM_DIR, Segment, list_segments, remove_stale_segments
-from ringserve.ipc.stats import EngineStats, least_loaded, score, stats_size
+from ringserve.ipc.stats import (GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_HITS,
+                                 PREFIX_CACHE_QUERIES, PROMPT_TOKENS_COMPUTED, STEPS, EngineStats,
+                                 least_loaded, score, stats_size)
 
 ctx = mp.get_context("spawn")
 
@@ -251,8 +253,14 @@ def test_stats_are_published_across_processes():
     st.init(pid=os.getpid(), max_slots=4, num_blocks=100, block_size=16)
     st.publish(waiting=2, running=10, free_blocks=60)
     st.set_taken(3, 42)
+    for preemptions in (1, 2):  # counters add up step by step
+        st.count_step(preemptions=preemptions, prefix_cache_queries=32, prefix_cache_hits=16,
+                      prompt_tokens_computed=20, generation_tokens=3)
     reader = EngineStats(Segment.attach(seg.name).buf)
     assert (reader.waiting, reader.running, reader.taken(3)) == (2, 10, 42)
+    counters = [reader[w] for w in (STEPS, NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS,
+                                    PROMPT_TOKENS_COMPUTED, GENERATION_TOKENS)]
+    assert counters == [2, 3, 64, 32, 40, 6]
     assert 0 <= reader.heartbeat_age() < 5
     reader.release(), st.release(), seg.close()
 
