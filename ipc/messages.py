@@ -99,6 +99,7 @@ def encode_request(msg: AddRequest | Abort) -> bytes:
 
 
 def decode_request(buf: bytes) -> AddRequest | Abort:
+    """``buf``: one record as Ring.read returns it (bytes, which the prompt array then views)."""
     kind = buf[0]
     if kind == KIND_ABORT:
         _, id_len = _ABORT.unpack_from(buf)
@@ -106,13 +107,12 @@ def decode_request(buf: bytes) -> AddRequest | Abort:
     if kind != KIND_ADD:
         raise ValueError(f"not a request record (kind {kind})")
     _, flags, n, id_len, params_len = _ADD.unpack_from(buf)
-    view = memoryview(buf)
     at = _ADD.size
     tokens = np.frombuffer(buf, np.int32, n, at)  # no copy: the record is already ours
     at += 4 * n
-    rid = bytes(view[at : at + id_len]).decode()
+    rid = str(buf[at : at + id_len], "utf-8")
     at += id_len
-    params = _msgpack_decode(view[at : at + params_len])
+    params = _msgpack_decode(buf[at : at + params_len])
     return AddRequest(rid, tokens, params, bool(flags & _ADD_TRACE))
 
 

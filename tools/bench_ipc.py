@@ -2,12 +2,17 @@
 
     .venv/bin/python -m ringserve.tools.bench_ipc [--quick]
 
-Each transport carries the same AddRequest (16 tokens ~ 64 B, or 4096 tokens = 16 KiB of
-token ids) with its natural encoding: our ring and os.pipe the binary wire format of
-ringserve.ipc.messages, multiprocessing.Queue pickle, pyzmq PUSH/PULL msgspec msgpack (vLLM's
-transport). Throughput: one process sends N, the other decodes them all. Round trip: ping-pong
-with an echoing process. Wake-up: the engine writes a record and rings the doorbell of an idle
-asyncio frontend, which notes the delay when its reader callback runs.
+Every transport carries the same thing: an AddRequest whose prompt is a Python list of ints
+(what the tokenizer gives; 16 tokens ~ 64 B, or 4096 tokens = 16 KiB of ids) in, and on the
+other side token ids that EngineCore.add_request takes as they are, each with its natural
+encoding: our ring and os.pipe the binary wire format of ringserve.ipc.messages (int32 bytes
+in, an int32 array out), multiprocessing.Queue pickle (a list out), pyzmq PUSH/PULL msgspec
+msgpack (a list out, as vLLM's EngineCoreRequest travels). Encoding and decoding are inside
+the timings. Throughput: one process sends N requests, the other decodes them all. Round trip:
+a request goes to an engine-like process, which decodes it and answers with one step's output
+(one token, the natural encoding of each transport again). Wake-up: the engine writes a record
+and rings the doorbell of an idle asyncio frontend, which notes the delay when its reader
+callback runs. Codec: the encode and decode cost alone, in this process.
 """
 
 from __future__ import annotations
@@ -16,16 +21,19 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import pickle
 import struct
 import tempfile
 import time
+import timeit
 
 import msgspec
 import numpy as np
 
 from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import AddRequest, decode_request, encode_request
+from ringserve.ipc.messages import (AddRequest, Output, decode_outputs, decode_request,
+                                   encode_outputs, encode_request)
 
 ctx = mp.get_context("fork")  # transports are created first and inherited; nothing here holds CUDA
 
@@ -36,6 +44,16 @@ class ZmqRequest(msgspec.Struct, array_like=True):  # as vLLM's EngineCoreReques
     params: dict
 
 
+class ZmqOutput(msgspec.Struct, array_like=True):  # as vLLM's EngineCoreOutput travels
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class ZmqOutputs(msgspec.Struct, array_like=True):
+    outputs: list[ZmqOutput]
+
+
 # -- transports: two ends, each with send(msg) and recv() -> msg ------------------------
 
 
@@ -44,25 +62,34 @@ class RingEnd:
         self.ch = Channel.attach(name, capacity)
         self.tx, self.rx = (self.ch.requests, self.ch.outputs) if parent else (self.ch.outputs, self.ch.requests)
 
-    def send(self, msg: AddRequest) -> None:
-        record = encode_request(msg)
+    def _put(self, record: bytes) -> None:
         while not self.tx.try_write(record):  # spin: the busy engine's mode
             pass
 
-    def recv(self) -> AddRequest:
+    def _get(self) -> bytes:
         while (record := self.rx.read()) is None:
             pass
-        return decode_request(record)
+        return record
+
+    def send(self, msg: AddRequest) -> None:
+        self._put(encode_request(msg))
+
+    def recv(self) -> AddRequest:
+        return decode_request(self._get())
+
+    def send_outputs(self, outs: list[Output]) -> None:
+        self._put(encode_outputs(outs))
+
+    def recv_outputs(self) -> list[Output]:
+        return decode_outputs(self._get())
 
 
 class PipeEnd:
     def __init__(self, fds: tuple[int, int]):
         self.rfd, self.wfd = fds
 
-    def send(self, msg: AddRequest) -> None:
-        data = encode_request(msg)
-        data = struct.pack("<I", len(data)) + data
-        view = memoryview(data)
+    def _put(self, data: bytes) -> None:
+        view = memoryview(struct.pack("<I", len(data)) + data)
         while view:
             view = view[os.write(self.wfd, view):]
 
@@ -74,9 +101,21 @@ class PipeEnd:
             n -= len(chunk)
         return b"".join(parts)
 
-    def recv(self) -> AddRequest:
+    def _get(self) -> bytes:
         (n,) = struct.unpack("<I", self._read(4))
-        return decode_request(self._read(n))
+        return self._read(n)
+
+    def send(self, msg: AddRequest) -> None:
+        self._put(encode_request(msg))
+
+    def recv(self) -> AddRequest:
+        return decode_request(self._get())
+
+    def send_outputs(self, outs: list[Output]) -> None:
+        self._put(encode_outputs(outs))
+
+    def recv_outputs(self) -> list[Output]:
+        return decode_outputs(self._get())
 
 
 class QueueEnd:
@@ -88,6 +127,9 @@ class QueueEnd:
 
     def recv(self) -> AddRequest:
         return self.rx.get()
+
+    send_outputs = send
+    recv_outputs = recv
 
     def flush(self) -> None:  # put() hands off to a feeder thread: let it finish
         self.tx.close()
@@ -105,6 +147,7 @@ class ZmqEnd:
         self.rx.connect(rx_addr)
         self.enc = msgspec.msgpack.Encoder()
         self.dec = msgspec.msgpack.Decoder(ZmqRequest)
+        self.dec_out = msgspec.msgpack.Decoder(ZmqOutputs)
 
     def send(self, msg: AddRequest) -> None:
         self.tx.send(self.enc.encode(ZmqRequest(msg.request_id, msg.prompt_token_ids, msg.params)), copy=False)
@@ -112,6 +155,14 @@ class ZmqEnd:
     def recv(self) -> AddRequest:
         m = self.dec.decode(self.rx.recv(copy=False).buffer)
         return AddRequest(m.request_id, m.prompt_token_ids, m.params)
+
+    def send_outputs(self, outs: list[Output]) -> None:
+        wire = ZmqOutputs([ZmqOutput(o.request_id, o.new_token_ids, o.finish_reason) for o in outs])
+        self.tx.send(self.enc.encode(wire), copy=False)
+
+    def recv_outputs(self) -> list[Output]:
+        m = self.dec_out.decode(self.rx.recv(copy=False).buffer)
+        return [Output(o.request_id, o.new_token_ids, o.finish_reason) for o in m.outputs]
 
     def flush(self) -> None:  # sends go out on zmq's I/O thread: wait for them, then stop it
         self.tx.close(linger=5000)
@@ -151,13 +202,15 @@ class Transport:
 
 def _child(transport: Transport, role: str, count: int) -> None:
     end = transport.child()
-    if role == "echo":
+    if role == "engine":  # answer each request with one step's output: its first token
         for _ in range(count):
-            end.send(end.recv())
+            msg = end.recv()
+            end.send_outputs([Output(msg.request_id, [int(msg.prompt_token_ids[-1])])])
     else:  # sink: take `count`, then say so
         for _ in range(count):
-            end.recv()
-        end.send(AddRequest("done", [], {}))
+            msg = end.recv()
+        assert len(msg.prompt_token_ids) == 0 or int(msg.prompt_token_ids[-1]) == len(msg.prompt_token_ids) - 1
+        end.send_outputs([Output("done", [])])
     if hasattr(end, "flush"):
         end.flush()
     os._exit(0)  # skip atexit handlers inherited through fork
@@ -185,7 +238,7 @@ def measure(kind: str, tokens: int, n_msgs: int, n_rtt: int, tmp: str) -> tuple[
         t0 = time.perf_counter()
         for _ in range(n_msgs):
             end.send(msg)
-        end.recv()
+        end.recv_outputs()
         return n_msgs / (time.perf_counter() - t0)
 
     def round_trips(end) -> np.ndarray:
@@ -193,16 +246,17 @@ def measure(kind: str, tokens: int, n_msgs: int, n_rtt: int, tmp: str) -> tuple[
         for i in range(warm + n_rtt):
             t0 = time.perf_counter_ns()
             end.send(msg)
-            end.recv()
+            (out,) = end.recv_outputs()
             if i >= warm:
                 times[i - warm] = time.perf_counter_ns() - t0
+        assert out.new_token_ids == [tokens - 1]  # the ids crossed intact
         return times / 1000
 
     t = Transport(kind, tmp)
     rate = _run(t, "sink", warm + n_msgs, throughput)
     t.close()
     t = Transport(kind, tmp)
-    rtt = _run(t, "echo", warm + n_rtt, round_trips)
+    rtt = _run(t, "engine", warm + n_rtt, round_trips)
     t.close()
     return rate, float(np.percentile(rtt, 50)), float(np.percentile(rtt, 99))
 
@@ -248,6 +302,32 @@ def wakeup_latency(count: int) -> tuple[float, float]:
     return float(np.percentile(delays, 50)), float(np.percentile(delays, 99))
 
 
+# -- codec cost alone ---------------------------------------------------------------------
+
+
+def codec_costs(tokens: int, number: int) -> dict[str, tuple[float, float, float]]:
+    """Per codec: (encode us, decode us, us for EngineCore.add_request to turn the decoded ids
+    into its int32 array: np.asarray, free for an int32 array)."""
+    msg = AddRequest("cmpl-0123456789", list(range(tokens)), {"max_tokens": 16})
+    enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(ZmqRequest)
+    codecs = {
+        "ring wire": (lambda: encode_request(msg), decode_request),
+        "msgspec": (lambda: enc.encode(ZmqRequest(msg.request_id, msg.prompt_token_ids, msg.params)),
+                    dec.decode),
+        "pickle": (lambda: pickle.dumps(msg, pickle.HIGHEST_PROTOCOL), pickle.loads),
+    }
+    out = {}
+    for name, (encode, decode) in codecs.items():
+        data = encode()
+        ids = decode(data).prompt_token_ids
+        cost = [min(timeit.repeat(f, number=number, repeat=5)) / number * 1e6
+                for f in (encode, lambda: decode(data),
+                          lambda: np.asarray(ids).astype(np.int32, copy=False))]
+        out[name] = tuple(cost)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer messages (a smoke run)")
@@ -268,6 +348,10 @@ def main(argv: list[str] | None = None) -> None:
                   f" {zmq[2] / ring[2]:>10.1f}x  (throughput higher / latency lower)")
     p50, p99 = wakeup_latency(int(2000 * scale))
     print(f"eventfd wake-up of an idle asyncio frontend: p50 {p50:.1f} us, p99 {p99:.1f} us")
+    print(f"\n{'codec':<13} {'message':<18} {'encode us':>10} {'decode us':>10} {'to int32 us':>12}")
+    for label, tokens, *_ in sizes:
+        for name, (e, d, i) in codec_costs(tokens, max(20, int(2000 * scale))).items():
+            print(f"{name:<13} {label:<18} {e:>10.1f} {d:>10.1f} {i:>12.1f}")
 
 
 if __name__ == "__main__":
