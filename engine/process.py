@@ -278,8 +278,13 @@ def _to_wire(out: RequestOutput, request_id: str) -> Output:
     if out.new_logprobs is not None:
         logprobs = [[(tok, lp.logprob, lp.rank) for tok, lp in position.items()]
                     for position in out.new_logprobs]
+    prompt_logprobs = None
+    if out.prompt_logprobs is not None:  # the first prompt token has none: not sent
+        prompt_logprobs = [[(tok, lp.logprob, lp.rank) for tok, lp in position.items()]
+                           for position in out.prompt_logprobs[1:]]
     return Output(request_id, out.new_token_ids, out.finish_reason, out.index, out.num_prompt_tokens,
-                  out.stop_reason, logprobs, out.error, out.num_cached_tokens, out.trace)
+                  out.stop_reason, logprobs, out.error, out.num_cached_tokens, out.trace,
+                  prompt_logprobs)
 
 
 def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,

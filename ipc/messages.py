@@ -35,8 +35,9 @@ _OUTPUTS = struct.Struct("<B3xI")
 # id_len, index, finish code, flags, n_tokens, num_prompt_tokens, num_cached_tokens,
 # logprob entries, stop_reason, err_len
 _ITEM = struct.Struct("<HHBB2xIIIIiI")
-_HAS_LOGPROBS, _HAS_STOP_REASON, _HAS_TRACE = 1, 2, 4
+_HAS_LOGPROBS, _HAS_STOP_REASON, _HAS_TRACE, _HAS_PROMPT_LOGPROBS = 1, 2, 4, 8
 _TRACE_LEN = struct.Struct("<I")  # a traced request's journey: length, then the JSON blob
+_PROMPT_LOGPROBS = struct.Struct("<II")  # positions, entries; then laid out as logprobs
 
 _msgpack_encode = msgspec.msgpack.Encoder().encode
 _msgpack_decode = msgspec.msgpack.Decoder(dict).decode
@@ -78,6 +79,9 @@ class Output:
     error: str | None = None                # the message when finish_reason == "error"
     num_cached_tokens: int = 0              # prompt tokens found in the prefix cache
     trace: bytes | None = None              # traced requests only: the engine's journey, JSON
+    # When prompt_logprobs were asked, once (on the first output): per prompt token from the
+    # second on (the first has none), (token_id, logprob, rank): the prompt's token, then the top-N.
+    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -131,23 +135,49 @@ def encode_outputs(outputs: Sequence[Output]) -> bytes:
             flags |= _HAS_STOP_REASON
         if o.trace is not None:
             flags |= _HAS_TRACE
+        if o.prompt_logprobs is not None:
+            flags |= _HAS_PROMPT_LOGPROBS
         parts.append(_ITEM.pack(len(rid), o.index, _FINISH_CODE[o.finish_reason], flags, n,
                                 o.num_prompt_tokens, o.num_cached_tokens, entries,
                                 o.stop_reason if o.stop_reason is not None else 0, len(err)))
         parts.append(_int32_bytes(o.new_token_ids))
         if o.logprobs is not None:
-            # per position: its entry count; then all entries' ids, logprobs and ranks
-            parts.append(array("i", map(len, o.logprobs)).tobytes())
-            flat = [e for position in o.logprobs for e in position]
-            parts.append(array("i", [e[0] for e in flat]).tobytes())
-            parts.append(array("f", [e[1] for e in flat]).tobytes())
-            parts.append(array("i", [e[2] for e in flat]).tobytes())
+            _encode_positions(parts, o.logprobs)
         parts.append(rid)
         parts.append(err)
         if o.trace is not None:
             parts.append(_TRACE_LEN.pack(len(o.trace)))
             parts.append(o.trace)
+        if o.prompt_logprobs is not None:
+            parts.append(_PROMPT_LOGPROBS.pack(len(o.prompt_logprobs), sum(map(len, o.prompt_logprobs))))
+            _encode_positions(parts, o.prompt_logprobs)
     return b"".join(parts)
+
+
+def _encode_positions(parts: list[bytes], positions: list[list[tuple[int, float, int]]]) -> None:
+    """Per position its entry count; then all entries' ids, logprobs and ranks."""
+    parts.append(array("i", map(len, positions)).tobytes())
+    flat = [e for position in positions for e in position]
+    parts.append(array("i", [e[0] for e in flat]).tobytes())
+    parts.append(array("f", [e[1] for e in flat]).tobytes())
+    parts.append(array("i", [e[2] for e in flat]).tobytes())
+
+
+def _decode_positions(view: memoryview, at: int, n: int, entries: int,
+                      ) -> tuple[list[list[tuple[int, float, int]]], int]:
+    """What _encode_positions wrote for n positions of `entries` entries in all; the end offset."""
+    counts = view[at : at + 4 * n].cast("i").tolist()
+    at += 4 * n
+    ids = view[at : at + 4 * entries].cast("i").tolist()
+    lps = view[at + 4 * entries : at + 8 * entries].cast("f").tolist()
+    ranks = view[at + 8 * entries : at + 12 * entries].cast("i").tolist()
+    at += 12 * entries
+    entry = list(zip(ids, lps, ranks))
+    positions, start = [], 0
+    for c in counts:
+        positions.append(entry[start : start + c])
+        start += c
+    return positions, at
 
 
 def decode_outputs(buf: bytes) -> list[Output]:
@@ -165,17 +195,7 @@ def decode_outputs(buf: bytes) -> list[Output]:
         at += 4 * n
         logprobs = None
         if flags & _HAS_LOGPROBS:
-            counts = view[at : at + 4 * n].cast("i").tolist()
-            at += 4 * n
-            ids = view[at : at + 4 * entries].cast("i").tolist()
-            lps = view[at + 4 * entries : at + 8 * entries].cast("f").tolist()
-            ranks = view[at + 8 * entries : at + 12 * entries].cast("i").tolist()
-            at += 12 * entries
-            entry = list(zip(ids, lps, ranks))
-            logprobs, start = [], 0
-            for c in counts:
-                logprobs.append(entry[start : start + c])
-                start += c
+            logprobs, at = _decode_positions(view, at, n, entries)
         rid = bytes(view[at : at + id_len]).decode()
         at += id_len
         err = bytes(view[at : at + err_len]).decode() if err_len else None
@@ -186,7 +206,12 @@ def decode_outputs(buf: bytes) -> list[Output]:
             at += _TRACE_LEN.size
             trace = bytes(view[at : at + trace_len])
             at += trace_len
+        prompt_logprobs = None
+        if flags & _HAS_PROMPT_LOGPROBS:
+            positions, prompt_entries = _PROMPT_LOGPROBS.unpack_from(buf, at)
+            prompt_logprobs, at = _decode_positions(view, at + _PROMPT_LOGPROBS.size, positions,
+                                                    prompt_entries)
         out.append(Output(rid, tokens, FINISH_REASONS[finish], index, num_prompt,
                           stop_reason if flags & _HAS_STOP_REASON else None,
-                          logprobs, err, num_cached, trace))
+                          logprobs, err, num_cached, trace, prompt_logprobs))
     return out
