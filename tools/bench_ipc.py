@@ -1,6 +1,6 @@
 """Benchmark the frontend<->engine transports in one run (DESIGN.md §4).
 
-    .venv/bin/python -m ringserve.tools.bench_ipc [--quick]
+    .venv/bin/python -m ringserve.tools.bench_ipc [--quick] [--repeats 3]
 
 Every transport carries the same thing: an AddRequest whose prompt is a Python list of ints
 (what the tokenizer gives; 16 tokens ~ 64 B, or 4096 tokens = 16 KiB of ids) in, and on the
@@ -8,11 +8,11 @@ other side token ids that EngineCore.add_request takes as they are, each with it
 encoding: our ring and os.pipe the binary wire format of ringserve.ipc.messages (int32 bytes
 in, an int32 array out), multiprocessing.Queue pickle (a list out), pyzmq PUSH/PULL msgspec
 msgpack (a list out, as vLLM's EngineCoreRequest travels). Encoding and decoding are inside
-the timings. Throughput: one process sends N requests, the other decodes them all. Round trip:
-a request goes to an engine-like process, which decodes it and answers with one step's output
-(one token, the natural encoding of each transport again). Wake-up: the engine writes a record
-and rings the doorbell of an idle asyncio frontend, which notes the delay when its reader
-callback runs. Codec: the encode and decode cost alone, in this process.
+the timings. Throughput: one process sends N requests, the other decodes them all (the median
+of --repeats runs). Round trip: a request goes to an engine-like process, which decodes it and
+answers with one step's output (one token, each transport's natural encoding again). Wake-up:
+the engine writes a record and rings the doorbell of an idle asyncio frontend, which notes the
+delay when its reader callback runs. Codec: the encode and decode cost alone, in this process.
 """
 
 from __future__ import annotations
@@ -228,7 +228,9 @@ def _run(transport: Transport, role: str, count: int, body) -> object:
         p.join(60)
 
 
-def measure(kind: str, tokens: int, n_msgs: int, n_rtt: int, tmp: str) -> tuple[float, float, float]:
+def measure(kind: str, tokens: int, n_msgs: int, n_rtt: int, tmp: str,
+            repeats: int) -> tuple[float, float, float]:
+    """(msgs/s, the median of ``repeats`` runs; round trip p50 and p99 in us)."""
     msg = AddRequest("cmpl-0123456789", list(range(tokens)), {"max_tokens": 16})
     warm = 200
 
@@ -252,9 +254,12 @@ def measure(kind: str, tokens: int, n_msgs: int, n_rtt: int, tmp: str) -> tuple[
         assert out.new_token_ids == [tokens - 1]  # the ids crossed intact
         return times / 1000
 
-    t = Transport(kind, tmp)
-    rate = _run(t, "sink", warm + n_msgs, throughput)
-    t.close()
+    rates = []
+    for _ in range(repeats):  # on a shared machine one run can be unlucky; all transports alike
+        t = Transport(kind, tmp)
+        rates.append(_run(t, "sink", warm + n_msgs, throughput))
+        t.close()
+    rate = float(np.median(rates))
     t = Transport(kind, tmp)
     rtt = _run(t, "engine", warm + n_rtt, round_trips)
     t.close()
@@ -331,6 +336,7 @@ def codec_costs(tokens: int, number: int) -> dict[str, tuple[float, float, float
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer messages (a smoke run)")
+    ap.add_argument("--repeats", type=int, default=3, help="throughput runs per transport (median)")
     args = ap.parse_args(argv)
     scale = 0.1 if args.quick else 1.0
     sizes = [("64 B (16 tok)", 16, int(100_000 * scale), int(20_000 * scale)),
@@ -341,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         for label, tokens, n_msgs, n_rtt in sizes:
             results = {}
             for kind in kinds:
-                results[kind] = rate, p50, p99 = measure(kind, tokens, n_msgs, n_rtt, tmp)
+                results[kind] = rate, p50, p99 = measure(kind, tokens, n_msgs, n_rtt, tmp, args.repeats)
                 print(f"{kind:<13} {label:<18} {rate:>10,.0f} {p50:>11.1f} {p99:>11.1f}", flush=True)
             ring, zmq = results["ring"], results["zmq+msgspec"]
             print(f"{'ring vs zmq':<13} {label:<18} {ring[0] / zmq[0]:>9.1f}x {zmq[1] / ring[1]:>10.1f}x"
