@@ -7,6 +7,10 @@ from the next step() as a finished RequestOutput with finish_reason "error" and 
 ValueError when they are built, in the frontend. An abort comes back the same way, with
 finish_reason "abort". So every sample of every request gets exactly one finished output.
 
+prompt_logprobs: the runner scores the prompt tokens of the rows each prefill chunk computes
+(vLLM V1 semantics; such a request does not read the prefix cache); they come back once, on the
+request's first output, as [None, position 1, ...].
+
 A request with n > 1 becomes n sequences (index 0..n-1, seed + index when seeded) that share
 the prompt's blocks through the prefix cache (scoped to the request when caching is off).
 """
@@ -27,6 +31,8 @@ from ringserve.engine.request import Request
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.engine.trace import EngineTracer
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
 from ringserve.gpu.sampler import Logprobs, SamplerOutput, SamplingMetadata
 
 
@@ -36,6 +42,7 @@ class InFlightStep:
     sched: SchedulerOutput
     reqs: list[Request]              # the requests sampled this step, in the runner's row order
     handle: object | None            # runner.submit(...): result() -> SamplerOutput; None: nothing ran
+    prompt_rows: list[tuple[Request, int]]  # requests scoring prompt tokens, how many each, in order
     outputs: list[RequestOutput]     # refusals and aborts queued before the step
     start: float                     # monotonic start (tracing only)
 
@@ -63,7 +70,7 @@ class EngineCore:
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
         self._pending: list[RequestOutput] = []              # refusals and aborts, out next step
         self._in_flight: InFlightStep | None = None          # launched, not finished
-        self._deferred_aborts: list[str] = []                 # arrived while a step was in flight
+        self._deferred_aborts: list[tuple[str, int | None]] = []  # arrived while a step was in flight
         self._arrivals = 0
         self.stats = SchedulerStats()
         self.num_steps = 0
@@ -123,23 +130,22 @@ class EngineCore:
         if blocks > self.kv.num_blocks:
             return (f"the request needs {blocks} KV-cache blocks ({n} prompt + {max_tokens} "
                     f"completion tokens) but the whole pool has {self.kv.num_blocks}"), 0
-        if params.prompt_logprobs is not None:
-            return "prompt_logprobs is not supported yet (the runner returns last-token logits only)", 0
         return None, max_tokens
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now; its blocks are free for the next step. Unknown ids are ignored
-        (the request may have just finished). While a step is in flight, the abort waits for
-        its end (the device may still be writing the request's blocks)."""
+    def abort_request(self, request_id: str, index: int | None = None) -> None:
+        """Stop a request now (only its sample `index` when given: a stop string ended that one);
+        its blocks are free for the next step. Unknown ids are ignored (the request may have
+        just finished). While a step is in flight, the abort waits for its end (the device may
+        still be writing the request's blocks)."""
         if self._in_flight is not None:
-            self._deferred_aborts.append(request_id)
+            self._deferred_aborts.append((request_id, index))
             return
-        group = self.groups.pop(request_id, None)
-        for req in group or ():
-            if not req.is_finished:
+        for req in self.groups.get(request_id, ()):
+            if not req.is_finished and (index is None or req.index == index):
                 self.scheduler.finish(req, "abort")
                 self._pending.append(RequestOutput(request_id, [], True, "abort", index=req.index,
                                                    num_prompt_tokens=req.num_prompt_tokens))
+        self._forget_if_done(request_id)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -170,16 +176,17 @@ class EngineCore:
         tracing = self.tracer.active
         start = time.monotonic() if tracing else 0.0
         sched = self.scheduler.schedule()
-        handle, reqs = None, []
+        handle, reqs, prompt_rows = None, [], []
         if sched.scheduled:
             batch = build_batch(sched, self.kv)
             if tracing:
                 self.tracer.on_scheduled(self.num_steps, start, sched, batch)
             rows = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
             reqs = [sched.scheduled[i].request for i in rows]
+            spec, prompt_rows = _prompt_logprobs_spec(sched, batch)
             handle = self.runner.submit(batch, np.asarray(rows, np.int64),
-                                        self._sampling_metadata(reqs) if reqs else None)
-        self._in_flight = InFlightStep(sched, reqs, handle, outputs, start)
+                                        self._sampling_metadata(reqs) if reqs else None, spec)
+        self._in_flight = InFlightStep(sched, reqs, handle, prompt_rows, outputs, start)
         return self._in_flight
 
     def finish_step(self, step: InFlightStep) -> list[RequestOutput]:
@@ -191,10 +198,11 @@ class EngineCore:
         if step.handle is not None:
             result = step.handle.result()
             self.scheduler.update_after_step(step.sched)
+            _take_prompt_logprobs(step.prompt_rows, result.prompt_logprobs)
             outputs.extend(self.update(step.reqs, result))
         self._in_flight = None
-        for request_id in self._deferred_aborts:
-            self.abort_request(request_id)
+        for request_id, index in self._deferred_aborts:
+            self.abort_request(request_id, index)
         self._deferred_aborts.clear()
         outputs.extend(self._pending)  # those aborts, out with this step
         self._pending = []
@@ -216,6 +224,8 @@ class EngineCore:
                                 num_cached_tokens=req.num_cached_tokens)
             if req.params.logprobs is not None:
                 out.new_logprobs = [_position_logprobs(result.logprobs, j, req.params.logprobs)]
+            if req.num_output_tokens == 1 and req.index == 0 and req.params.prompt_logprobs is not None:
+                out.prompt_logprobs = [None, *req.prompt_logprobs]
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.scheduler.finish(req, reason)
@@ -285,6 +295,43 @@ def _position_logprobs(lps: Logprobs, row: int, num_top: int) -> PositionLogprob
     for rank in range(1, num_top + 1):
         out.setdefault(int(ids[rank]), Logprob(float(vals[rank]), rank))
     return out
+
+
+def _prompt_logprobs_spec(sched: SchedulerOutput, batch: Batch,
+                          ) -> tuple[PromptLogprobsSpec | None, list[tuple[Request, int]]]:
+    """The rows of this step's batch whose logits score a prompt token: for a request that
+    asked for prompt_logprobs, each computed position p < num_prompt - 1 not yet scored (p's
+    logits predict prompt token p + 1). Also which request owns how many of them, in order."""
+    rows, targets, owners = [], [], []
+    for i, s in enumerate(sched.scheduled):
+        req = s.request
+        if not req.needs_prompt_logprobs:
+            continue
+        # Positions before len(req.prompt_logprobs) were scored in an earlier step (or before
+        # a preemption); the prefix cache is not read, so nothing between is skipped.
+        first = max(s.num_computed_tokens, len(req.prompt_logprobs))
+        end = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+        if first >= end:
+            continue
+        assert first == len(req.prompt_logprobs), "prompt positions computed but never scored"
+        start = int(batch.query_start_loc[i]) - s.num_computed_tokens
+        rows.append(np.arange(start + first, start + end, dtype=np.int64))
+        targets.append(req.prompt_token_ids[first + 1:end + 1])
+        owners.append((req, end - first))
+    if not owners:
+        return None, []
+    num_top = max(req.params.prompt_logprobs for req, _ in owners)
+    return PromptLogprobsSpec(np.concatenate(rows), np.concatenate(targets).astype(np.int32),
+                              num_top), owners
+
+
+def _take_prompt_logprobs(owners: list[tuple[Request, int]], lps: Logprobs | None) -> None:
+    """Hand each request its rows of the step's prompt logprobs (spec order)."""
+    at = 0
+    for req, count in owners:
+        num_top = req.params.prompt_logprobs
+        req.prompt_logprobs.extend(_position_logprobs(lps, j, num_top) for j in range(at, at + count))
+        at += count
 
 
 def _make_runner(config: EngineConfig):

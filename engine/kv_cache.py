@@ -133,9 +133,10 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Cached blocks holding a prefix of a request that is not running, and their token count.
 
-        At most num_tokens - 1 tokens: the last one is always recomputed for its logits.
+        At most num_tokens - 1 tokens: the last one is always recomputed for its logits. None
+        for a request that still needs its prompt's logits (prompt_logprobs).
         """
-        if not self._hashing(req):
+        if not self._hashing(req) or req.needs_prompt_logprobs:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -174,7 +175,7 @@ class KVCacheManager:
         if admitting:
             self.req_blocks[req.key] = blocks
             self._num_registered[req.key] = 0
-            if self._hashing(req):
+            if self._hashing(req) and not req.needs_prompt_logprobs:
                 self.prefix_queries += req.num_tokens
                 self.prefix_hits += len(computed_blocks) * self.block_size
         self.pool.touch(computed_blocks)

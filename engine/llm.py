@@ -5,7 +5,9 @@
     outs[0].outputs[0].text
 
 It runs an EngineCore in this process until every request of the call is done. It is a
-frontend facade (like vLLM's entrypoints/llm.py): the one engine module that tokenizes.
+frontend facade (like vLLM's entrypoints/llm.py): the one engine module that tokenizes and
+detokenizes, with the HTTP server's own code (server/tokenizer.py, server/output_text.py), so
+that stop strings end a sample exactly as they do over HTTP (the engine sample is aborted).
 A request the engine refuses (too long for max_model_len or the pool) raises ValueError.
 """
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Sequence, Union
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.outputs import PositionLogprobs
+from ringserve.engine.outputs import PositionLogprobs, RequestOutput
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.model_store import resolve_model
+from ringserve.server.output_text import OutputText
 from ringserve.server.tokenizer import Tokenizer
 
 PromptType = Union[str, Sequence[int]]
@@ -32,7 +35,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None    # the stop token id or stop string that ended it
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -49,6 +52,9 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # With SamplingParams(prompt_logprobs=N): per prompt token, None for the first, then
+    # {token id: Logprob} with the prompt's own token and the top N.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class LLM:
@@ -74,6 +80,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
         results: dict[str, GenerationOutput] = {}
+        texts: dict[tuple[str, int], OutputText] = {}
         for prompt, params in zip(prompts, sampling_params):
             if isinstance(prompt, str):
                 text, ids = prompt, self.tokenizer.encode(prompt)
@@ -81,11 +88,14 @@ class LLM:
                 text, ids = None, [int(t) for t in prompt]
             rid = str(next(self._ids))
             results[rid] = GenerationOutput(rid, text, ids, [CompletionOutput(i) for i in range(params.n)])
+            for i in range(params.n):
+                texts[rid, i] = OutputText(self.tokenizer.decode_stream(skip_special_tokens=True),
+                                           params.stop, min_tokens=params.min_tokens,
+                                           include_stop=params.include_stop_str_in_output)
             self.engine.add_request(rid, ids, params)
-        self._run(results)
-        for res in results.values():
-            for c in res.outputs:
-                c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        self._run(results, texts)
+        for (rid, i), text in texts.items():
+            results[rid].outputs[i].text = text.text
         return list(results.values())
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
@@ -101,7 +111,7 @@ class LLM:
             out.prompt = text
         return outs
 
-    def _run(self, results: dict[str, GenerationOutput]) -> None:
+    def _run(self, results: dict[str, GenerationOutput], texts: dict[tuple[str, int], OutputText]) -> None:
         error = None
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
@@ -110,13 +120,26 @@ class LLM:
                     for rid in results:                # give the rest up: the call will raise
                         self.engine.abort_request(rid)
                 res = results.get(out.request_id)
-                if res is None:
-                    continue
-                c = res.outputs[out.index]
-                c.token_ids.extend(out.new_token_ids)
-                if out.new_logprobs is not None:
-                    c.logprobs = (c.logprobs or []) + out.new_logprobs
-                if out.finished:
-                    c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+                if res is not None and res.outputs[out.index].finish_reason is None:
+                    self._apply(res, texts[out.request_id, out.index], out)
         if error is not None:
             raise ValueError(error)
+
+    def _apply(self, res: GenerationOutput, text: OutputText, out: RequestOutput) -> None:
+        """One engine output into its sample; a stop string ends the sample here (the tokens
+        after the one that completed it are dropped) and aborts it in the engine."""
+        c = res.outputs[out.index]
+        if out.prompt_logprobs is not None:
+            res.prompt_logprobs = out.prompt_logprobs
+        before = text.num_tokens
+        text.push(out.new_token_ids)
+        kept = text.num_tokens - before
+        c.token_ids.extend(out.new_token_ids[:kept])
+        if out.new_logprobs is not None:
+            c.logprobs = (c.logprobs or []) + out.new_logprobs[:kept]
+        if text.stop_string is not None:
+            c.finish_reason, c.stop_reason = "stop", text.stop_string
+            if not out.finished:
+                self.engine.abort_request(out.request_id, out.index)
+        elif out.finished:
+            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ringserve.engine.outputs import PositionLogprobs
 from ringserve.engine.sampling_params import SamplingParams
 
 
@@ -37,6 +38,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks (kv_cache)
     num_preemptions: int = 0
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache
+    # prompt_logprobs so far: entry p scores prompt token p + 1 (the first token has none).
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # An int32 array as it comes off the rings is kept as it is (no per-token Python object).
@@ -57,6 +60,14 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt_logprobs (sample 0 scores the prompt for all n) and not all scored
+        yet. Such a request does not read the prefix cache: a cached token is never computed,
+        so its logits never exist (as vLLM)."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
 
     @property
     def is_finished(self) -> bool:

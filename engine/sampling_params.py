@@ -1,4 +1,8 @@
-"""Sampling parameters of one request, with vLLM's names, defaults and meaning."""
+"""Sampling parameters of one request, with vLLM's names, defaults and meaning.
+
+Stop strings (stop, include_stop_str_in_output) are text: the frontends apply them while they
+detokenize (server/output_text.py, for the HTTP server and the offline LLM alike) and abort the
+engine request when one appears; the engine core sees token ids only."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,12 +27,20 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None      # top-N logprobs per sampled token (plus the sampled one)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None   # top-N per prompt token (plus the prompt's own)
+    stop: list[str] | str | None = None  # a str is one stop string
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -65,6 +77,8 @@ class SamplingParams:
             bad(f"logprobs must be non-negative, got {self.logprobs}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad(f"stop must be a list of non-empty strings, got {self.stop!r}.")
 
     @property
     def greedy(self) -> bool:

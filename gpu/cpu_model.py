@@ -108,8 +108,15 @@ class CpuLlama:
         rows = self.embed[ids]
         return widen_bfloat16(rows) if rows.dtype == np.uint16 else rows
 
-    def forward(self, batch: Batch, kv_caches: list[KVCache]) -> np.ndarray:
-        """float32 logits [B, vocab] at each request's last scheduled token."""
+    def forward(self, batch: Batch, kv_caches: list[KVCache],
+                logits_indices: np.ndarray | None = None) -> np.ndarray:
+        """float32 logits at rows logits_indices of the super-sequence [len, vocab]; by default
+        at each request's last scheduled token [B, vocab]."""
+        x = self.hidden_states(batch, kv_caches)
+        return self.logits(x[batch.logits_indices if logits_indices is None else logits_indices])
+
+    def hidden_states(self, batch: Batch, kv_caches: list[KVCache]) -> np.ndarray:
+        """The final-normed hidden state of every token [T, hidden]; writes the step's K/V."""
         c = self.config
         T, I = batch.num_tokens, c.intermediate_size
         if self.num_threads > 1:
@@ -142,7 +149,11 @@ class CpuLlama:
             linear(act, layer.down, delta, parallel=parallel)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             add_rms_norm(h, delta, next_norm, self.eps, x)
-        # x now holds the final norm of every token; logits only at each request's last one.
-        last = np.ascontiguousarray(x[batch.logits_indices])
-        return linear(last, self.lm_head, parallel=parallel)
+        return x
+
+    def logits(self, x_rows: np.ndarray) -> np.ndarray:
+        """float32 logits [rows, vocab] of final-normed hidden states: only the rows that need them."""
+        if self.num_threads > 1:
+            numba.set_num_threads(self.num_threads)
+        return linear(np.ascontiguousarray(x_rows), self.lm_head, parallel=self.num_threads > 1)
 

@@ -18,6 +18,7 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu_model import CpuLlama, KVCache
 from ringserve.gpu.devices import cupy_installed, resolve_device
+from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
 from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
 from ringserve.gpu.weights import load_weights
 
@@ -100,26 +101,37 @@ class ModelRunner:
         return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
                 * self.model.dtype.itemsize)
 
-    def execute(self, batch: Batch) -> np.ndarray:
-        """float32 logits [B, vocab], one row per request at its last scheduled token;
-        writes this step's K/V into the cache at batch.slot_mapping."""
+    def execute(self, batch: Batch, logits_indices: np.ndarray | None = None) -> np.ndarray:
+        """float32 logits at rows logits_indices of the super-sequence [len, vocab]; by default
+        one row per request at its last scheduled token [B, vocab]. Writes this step's K/V into
+        the cache at batch.slot_mapping."""
         if self._cuda is not None:
-            return self._cuda.execute(batch)
+            return self._cuda.execute(batch, logits_indices)
         # BLAS (the many-token matmuls) gets the same threads as our kernels, no more: OpenBLAS
         # threads spin while they wait, and a second process on a busy core made a step ~4x
         # slower (docs/bench_forward.md). Per call, so that nothing leaks into the process.
         with _BLAS.limit(limits=self.num_threads, user_api="blas"):
-            return self.model.forward(batch, self.kv_caches)
+            return self.model.forward(batch, self.kv_caches, logits_indices)
 
-    def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata):
+    def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata,
+               prompt_logprobs: PromptLogprobsSpec | None = None):
         """One engine step: the forward, then one token sampled for each of `rows` (indices of
         the batch's requests whose last token this step computes) with `metadata` (their rows
         in the same order). Returns something whose result() is the SamplerOutput: on the CPU
         it is computed here; on CUDA everything is enqueued on the GPU and only the token ids
-        come back, so the caller can do host work until it asks for result()."""
+        come back, so the caller can do host work until it asks for result().
+        prompt_logprobs: also score tokens at these rows of the super-sequence (the result's
+        .prompt_logprobs, in the spec's order)."""
         if self._cuda is not None:
-            return self._cuda.submit(batch, rows, metadata)
-        return sample_on_host(self.execute(batch), rows, metadata)
+            return self._cuda.submit(batch, rows, metadata, prompt_logprobs)
+        if prompt_logprobs is None:
+            return sample_on_host(self.execute(batch), rows, metadata)
+        with _BLAS.limit(limits=self.num_threads, user_api="blas"):
+            x = self.model.hidden_states(batch, self.kv_caches)
+            step = sample_on_host(self.model.logits(x[batch.logits_indices]), rows, metadata)
+            step.output.prompt_logprobs = host_prompt_logprobs(
+                lambda r: self.model.logits(x[r]), prompt_logprobs)
+        return step
 
 
 def sample_on_host(logits: np.ndarray, rows: np.ndarray, metadata: SamplingMetadata | None) -> CompletedStep:

@@ -54,6 +54,7 @@ class Logprobs:
 class SamplerOutput:
     token_ids: np.ndarray              # int32 [B]
     logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None  # at the rows of a PromptLogprobsSpec (gpu/prompt_logprobs.py)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -35,8 +35,8 @@ class Detokenizer(Protocol):
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None                 # None: the first prompt token (nothing precedes it)
+    top: list[tuple[int, float]] | None
 
 
 @dataclass
@@ -47,6 +47,8 @@ class Choice:
     text: OutputText
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With params["prompt_logprobs"]: per prompt token from the second on, once the first output came.
+    prompt_logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     outputs: AsyncIterator[Output] | None = None  # the engine's stream, once submitted
@@ -153,6 +155,8 @@ class Generation:
             raise EngineError(out.error or "the engine failed this request")
         if out.trace is not None:
             choice.engine_trace = out.trace
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = _token_logprobs(choice.prompt_token_ids[1:], out.prompt_logprobs)
         now = time.monotonic()
         if out.new_token_ids:
             if choice.first_token_at is None:
@@ -165,7 +169,8 @@ class Generation:
         text = choice.text.push(out.new_token_ids)
         kept = choice.text.num_tokens - before  # tokens after a stop string are dropped
         choice.token_ids.extend(out.new_token_ids[:kept])
-        logprobs = _logprobs(out, kept)
+        logprobs = (_token_logprobs(out.new_token_ids[:kept], out.logprobs)
+                    if out.logprobs is not None else [])
         choice.logprobs.extend(logprobs)
         if choice.text.stop_string is not None:
             choice.finish_reason, choice.stop_reason = "stop", choice.text.stop_string
@@ -190,13 +195,11 @@ class Generation:
                                time.monotonic() - self.arrival)
 
 
-def _logprobs(out: Output, kept: int) -> list[TokenLogprob]:
-    """Per kept token: the sampled token's logprob and the alternatives, best first."""
-    if out.logprobs is None:
-        return []
+def _token_logprobs(token_ids: list[int], positions: list[list[tuple[int, float, int]]],
+                    ) -> list[TokenLogprob]:
+    """Per token: its logprob (the position's first entry) and the alternatives, best first."""
     result = []
-    for tid, entries in zip(out.new_token_ids[:kept], out.logprobs):
-        sampled = entries[0][1]
+    for tid, entries in zip(token_ids, positions):
         top = sorted(((t, lp) for t, lp, _rank in entries), key=lambda e: -e[1])
-        result.append(TokenLogprob(tid, sampled, top))
+        result.append(TokenLogprob(tid, entries[0][1], top))
     return result

@@ -33,6 +33,8 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
     max_tokens = min(P.check_length(len(ids), req.max_tokens, ctx.max_model_len, param="prompt")
                      for ids in prompts)
     params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs, as vLLM gives them
+        params["prompt_logprobs"] = req.logprobs
     return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, prompts, params, req.n,
                       P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens)
@@ -44,27 +46,29 @@ def _usage(gen: Generation, n: int) -> P.UsageInfo:
     return P.UsageInfo(prompt, completion, prompt + completion)
 
 
-def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int,
-              prompt_ids: list[int] | None = None) -> P.CompletionLogprobs:
-    """OpenAI's completion logprobs; echoed prompt tokens come first with no logprob."""
+def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
+    """OpenAI's completion logprobs from `offset` in the text (echoed prompt tokens included)."""
     lp = P.CompletionLogprobs()
-    for tid in prompt_ids or ():
-        tok = ctx.token_text(tid)
-        lp.tokens.append(tok)
-        lp.token_logprobs.append(None)
-        lp.top_logprobs.append(None)
-        lp.text_offset.append(offset)
-        offset += len(tok)
     for e in entries:
         tok = ctx.token_text(e.token_id)
         lp.tokens.append(tok)
         lp.token_logprobs.append(e.logprob)
-        top = {ctx.token_text(t): v for t, v in e.top}
-        top.setdefault(tok, e.logprob)
+        top = None
+        if e.logprob is not None:
+            top = {ctx.token_text(t): v for t, v in e.top}
+            top.setdefault(tok, e.logprob)
         lp.top_logprobs.append(top)
         lp.text_offset.append(offset)
         offset += len(tok)
     return lp
+
+
+def _echoed(c: Choice) -> list[TokenLogprob]:
+    """The prompt's entries: the first token has no logprob (nothing precedes it), as in
+    OpenAI's and vLLM's echo; the others come from the engine's prompt_logprobs."""
+    ids = c.prompt_token_ids
+    scored = c.prompt_logprobs or [TokenLogprob(t, None, None) for t in ids[1:]]
+    return [TokenLogprob(ids[0], None, None), *scored]
 
 
 def _echo(ctx: ServerContext, req: P.CompletionRequest, choice: Choice) -> str:
@@ -80,7 +84,7 @@ async def complete(ctx: ServerContext, req: P.CompletionRequest, gen: Generation
         prefix = _echo(ctx, req, c)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = _logprobs(ctx, c.logprobs, 0, c.prompt_token_ids if req.echo else None)
+            logprobs = _logprobs(ctx, (_echoed(c) if req.echo else []) + c.logprobs, 0)
         choices.append(P.CompletionChoice(c.index, prefix + c.text.text, logprobs,
                                           c.finish_reason, c.stop_reason))
     return P.CompletionResponse(request_id, P.now(), model, choices, _usage(gen, req.n))
@@ -91,20 +95,20 @@ async def stream(ctx: ServerContext, req: P.CompletionRequest, gen: Generation,
     created = P.now()
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     offsets = [0] * len(gen.choices)
-    if req.echo:
-        for c in gen.choices:
-            prefix = _echo(ctx, req, c)
-            lp = _logprobs(ctx, [], 0, c.prompt_token_ids) if req.logprobs is not None else None
-            offsets[c.index] = len(prefix)
-            yield event(P.CompletionChunk(request_id, created, model,
-                                          [P.CompletionChoice(c.index, prefix, lp)]))
+    echoed = [not req.echo] * len(gen.choices)
     async for d in gen.deltas():
         c = d.choice
+        # The echo goes with a choice's first chunk: its prompt logprobs come with its first token.
+        prefix, entries = "", d.logprobs
+        if not echoed[c.index]:
+            echoed[c.index] = True
+            prefix, entries = _echo(ctx, req, c), _echoed(c) + entries
         lp = None
         if req.logprobs is not None:
-            lp = _logprobs(ctx, d.logprobs, offsets[c.index])
+            lp = _logprobs(ctx, entries, offsets[c.index])
             offsets[c.index] += sum(len(t) for t in lp.tokens)
-        choice = P.CompletionChoice(c.index, d.text, lp, c.finish_reason if d.finished else None,
+        choice = P.CompletionChoice(c.index, prefix + d.text, lp,
+                                    c.finish_reason if d.finished else None,
                                     c.stop_reason if d.finished else None)
         yield event(P.CompletionChunk(request_id, created, model, [choice]))
     if include_usage:

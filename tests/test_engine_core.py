@@ -165,3 +165,73 @@ def test_logprobs_and_stats(tiny_model_dir):
     assert lp[token].rank == 1 and lp[token].logprob <= 0 and len(lp) == 2
     engine.step()
     assert engine.stats.num_decode_tokens == 1 and engine.stats.num_prefill_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def prompt_reference(tiny_model_dir):
+    """Two prompts and their dense-reference log-softmax at every position."""
+    import numpy as np
+
+    from ringserve.gpu.sampler import log_softmax
+    from ringserve.gpu.weights import load_weights
+    from reference_llama import reference_logits
+    rng = random.Random(5)
+    prompts = {"p": [rng.randrange(3, 384) for _ in range(45)],
+               "q": [rng.randrange(3, 384) for _ in range(21)]}
+    weights = load_weights(tiny_model_dir)
+    return {k: (p, log_softmax(reference_logits(tiny_model_dir, weights, p).astype(np.float32)))
+            for k, p in prompts.items()}
+
+
+@pytest.mark.parametrize("kw", [
+    dict(max_num_batched_tokens=8192),
+    dict(max_num_batched_tokens=7),
+    dict(max_num_batched_tokens=16, enable_prefix_caching=True),
+    dict(max_num_batched_tokens=16, num_gpu_blocks_override=8, block_size=8),
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_prompt_logprobs_are_the_reference_whatever_the_chunking(tiny_model_dir, prompt_reference, kw):
+    """vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob and
+    rank plus the top N, once, on the first output; only sample 0 of n carries them. With
+    prefix caching the prompt is cached first: a request with prompt_logprobs recomputes it.
+    The small pool preempts (and recomputes) mid-prefill."""
+    import numpy as np
+    engine = make_engine(tiny_model_dir, **kw)
+    p, ref_p = prompt_reference["p"]
+    q, ref_q = prompt_reference["q"]
+    if kw.get("enable_prefix_caching"):
+        run(engine, {"warm": (p, GREEDY)})
+    for rid, prompt, params in [
+            ("plain", q, GREEDY),
+            ("p", p, SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)),
+            ("q", q, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)),
+            ("one", [7], SamplingParams(max_tokens=2, prompt_logprobs=1))]:
+        engine.add_request(rid, prompt, params)
+    got, firsts, hits, preempted = {}, {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            key = (out.request_id, out.index)
+            if out.prompt_logprobs is not None:
+                assert key not in got and key not in firsts, "prompt logprobs come once, first"
+                got[key] = out.prompt_logprobs
+            firsts.setdefault(key, out)
+        hits += engine.stats.prefix_cache_hits
+        preempted += engine.stats.num_preemptions
+    assert set(got) == {("p", 0), ("q", 0), ("one", 0)}
+    assert got["one", 0] == [None]
+    for key, prompt, ref, top in ((("p", 0), p, ref_p, 3), (("q", 0), q, ref_q, 0)):
+        lps = got[key]
+        assert len(lps) == len(prompt) and lps[0] is None
+        for pos in range(1, len(prompt)):
+            want = ref[pos - 1]
+            entry = lps[pos]
+            token = prompt[pos]
+            assert abs(entry[token].logprob - want[token]) < 1e-4, (key, pos)
+            assert entry[token].rank == int((want > want[token]).sum()) + 1
+            best = np.argsort(-want)[:top].tolist()
+            assert set(entry) == {token, *best}
+            assert all(entry[t].rank == r for r, t in enumerate(best, 1))
+    if kw.get("enable_prefix_caching"):
+        assert hits > 0          # "plain" and sample 1 of "p" read the cache; sample 0 did not
+    if "num_gpu_blocks_override" in kw:
+        assert preempted > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

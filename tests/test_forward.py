@@ -192,3 +192,47 @@ def test_untied_lm_head(tmp_path):
     logits = runner.execute(pack([Chunk(seq, 0, [4, 1, 6])]))[0]
     ref = reference_logits(model_dir, load_weights(model_dir), seq)[-1]
     np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-4)
+
+
+def test_logits_at_every_row_and_prompt_logprobs_spec(tiny_model_dir, weights, make_runner, seqs):
+    """execute(batch, logits_indices) gives logits at any rows of the super-sequence, and
+    submit(..., PromptLogprobsSpec) scores given tokens at given rows: both as the dense reference."""
+    from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
+    from ringserve.gpu.sampler import SamplingMetadata, log_softmax
+    A, B = seqs["A"], seqs["B"]
+    pool = list(range(64))
+    ta, tb = blocks_for(len(A), pool), blocks_for(len(B), pool)
+    ref_a = reference_logits(tiny_model_dir, weights, A)
+    ref_b = reference_logits(tiny_model_dir, weights, B)
+    # Step 1: A's first 10 tokens and all of B; every row's logits.
+    runner = make_runner()
+    batch = pack([Chunk(A[:10], 0, ta), Chunk(B, 0, tb)])
+    every = runner.execute(batch, np.arange(batch.num_tokens))
+    np.testing.assert_allclose(every, np.concatenate([ref_a[:10], ref_b]), rtol=0, atol=1e-4)
+    # Step 2: A's rest; sample its last token and score A's tokens 11.. at rows 0..len-12.
+    batch = pack([Chunk(A[10:], 10, ta)])
+    rows = np.arange(len(A) - 11)
+    spec = PromptLogprobsSpec(rows, np.asarray(A[11:], np.int32), num_top=3)
+    meta = SamplingMetadata(np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32),
+                            np.zeros(1, np.float32), [None])
+    out = runner.submit(batch, np.array([0]), meta, spec).result()
+    assert out.token_ids.tolist() == [int(ref_a[-1].argmax())]
+    want = log_softmax(ref_a[10:-1].astype(np.float32))
+    lps = out.prompt_logprobs
+    np.testing.assert_allclose(lps.logprobs[:, 0], want[rows, A[11:]], rtol=0, atol=1e-4)
+    assert lps.token_ids[:, 0].tolist() == A[11:]
+    assert lps.sampled_rank.tolist() == [int((w > w[t]).sum()) + 1 for w, t in zip(want, A[11:])]
+    assert (lps.token_ids[:, 1:] == np.argsort(-want, axis=1)[:, :3]).all()
+
+
+def test_prompt_logprobs_in_slices_equal_one_piece(monkeypatch):
+    """host_prompt_logprobs over more rows than SLICE_ROWS: the same as one gather."""
+    from ringserve.gpu import prompt_logprobs as pl
+    from ringserve.gpu.sampler import gather_logprobs
+    logits = np.random.default_rng(0).normal(size=(23, 50)).astype(np.float32)
+    spec = pl.PromptLogprobsSpec(np.arange(23)[::-1].copy(), np.arange(23, dtype=np.int32), 4)
+    monkeypatch.setattr(pl, "SLICE_ROWS", 5)
+    got = pl.host_prompt_logprobs(lambda r: logits[r], spec)
+    whole = gather_logprobs(logits[spec.rows], spec.token_ids, 4)
+    for name in ("token_ids", "logprobs", "sampled_rank"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(whole, name))

@@ -169,3 +169,35 @@ def test_submit_samples_on_device(tiny_model_dir):
                             np.zeros(2, np.float32), [None, None])
     out = r.submit(b, np.array([0, 2]), meta).result()
     np.testing.assert_array_equal(out.token_ids, logits[[0, 2]].argmax(-1))
+
+
+def test_prompt_logprobs_and_logits_at_any_row_match_the_cpu_backend(tiny_model_dir):
+    """execute(batch, logits_indices) and submit(..., PromptLogprobsSpec) on the GPU (eager and
+    in a graph-shaped batch) = the CPU backend's, to fp16 tolerance."""
+    from ringserve.gpu.batch import Batch
+    from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
+    from ringserve.gpu.runner import ModelRunner
+    from ringserve.gpu.sampler import SamplingMetadata
+    tables = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
+    prefill = Batch(np.array([1, 5, 9, 1, 200, 3], np.int32), np.array([0, 1, 2, 0, 1, 0], np.int32),
+                    np.array([0, 1, 2, 128, 129, 256], np.int32), np.array([0, 3, 5, 6], np.int32),
+                    np.array([3, 2, 1], np.int32), tables)
+    one_each = Batch(np.array([7, 8, 9], np.int32), np.array([3, 2, 1], np.int32),  # decode-shaped
+                     np.array([3, 130, 257], np.int32), np.array([0, 1, 2, 3], np.int32),
+                     np.array([4, 3, 2], np.int32), tables)
+    spec = [PromptLogprobsSpec(np.array([0, 1, 3]), np.array([5, 9, 200], np.int32), 4),
+            PromptLogprobsSpec(np.array([1]), np.array([11], np.int32), 2)]
+    meta = SamplingMetadata(np.zeros(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32),
+                            np.zeros(1, np.float32), [None])
+    results = []
+    for device in ("cpu", "cuda"):
+        r = ModelRunner(tiny_model_dir, device=device, num_blocks=64, max_num_seqs=8)
+        every = r.execute(prefill, np.arange(6))
+        outs = [r.submit(b, np.array([2]), meta, s).result() for b, s in zip((prefill, one_each), spec)]
+        results.append((every, outs))
+    (cpu_every, cpu_outs), (gpu_every, gpu_outs) = results
+    np.testing.assert_allclose(gpu_every, cpu_every, atol=2e-2)
+    for c, g in zip(cpu_outs, gpu_outs):
+        np.testing.assert_array_equal(g.token_ids, c.token_ids)
+        np.testing.assert_array_equal(g.prompt_logprobs.token_ids[:, 0], c.prompt_logprobs.token_ids[:, 0])
+        np.testing.assert_allclose(g.prompt_logprobs.logprobs, c.prompt_logprobs.logprobs, atol=2e-2)

@@ -166,7 +166,7 @@ def test_greedy_http_equals_offline_llm(client, default_model_dir):
         [o.outputs[0].text for o in offline]
 
 
-def test_n_stop_logprobs_echo(client):
+def test_n_stop_logprobs_echo(client, default_model_dir):
     base = client.completions.create(model="smol", prompt="One, two, three,", max_tokens=10,
                                      temperature=0).choices[0].text
     assert "," in base
@@ -178,6 +178,25 @@ def test_n_stop_logprobs_echo(client):
         assert c.text == "One, two, three," + cut and c.finish_reason == "stop"
         assert c.logprobs.token_logprobs[-1] <= 0.0
         assert all(len(t) <= 3 for t in c.logprobs.top_logprobs[-2:])
+    # The echoed prompt's logprobs: null for the first token (nothing precedes it), then each
+    # prompt token's own logprob with the top 2, as the offline API's prompt_logprobs.
+    from ringserve.engine.llm import LLM
+    from ringserve.engine.sampling_params import SamplingParams
+    llm = LLM(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN)
+    offline = llm.generate("One, two, three,", SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    n_prompt = len(offline.prompt_token_ids)
+    for c in r.choices:
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert "".join(lp.tokens[:n_prompt]) == "One, two, three,"
+        want = [e[t].logprob for t, e in zip(offline.prompt_token_ids[1:], offline.prompt_logprobs[1:])]
+        assert lp.token_logprobs[1:n_prompt] == pytest.approx(want, abs=1e-3)
+        assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:n_prompt])
+    chunks = list(client.completions.create(model="smol", prompt="One, two, three,", max_tokens=3,
+                                            temperature=0, echo=True, logprobs=1, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text.startswith("One, two, three,") and first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.token_logprobs[1:n_prompt] == pytest.approx(want, abs=1e-3)
     # Streaming never sends any of the stop string.
     text, finish = _stream_text(client.completions.create(
         model="smol", prompt="One, two, three,", max_tokens=10, temperature=0, stop=[","],

@@ -44,6 +44,54 @@ def test_chat_uses_the_template_and_refusals_raise(tiny_llm):
     assert not tiny_llm.engine.has_unfinished_requests()
 
 
+def test_prompt_logprobs_on_the_output(tiny_llm):
+    """vLLM's shape: out.prompt_logprobs[0] is None, then {token id: Logprob} per prompt token,
+    the prompt's own token among them; the same whatever else the prompt is batched with."""
+    prompt = "the quick brown fox jumps"
+    ids = tiny_llm.tokenizer.encode(prompt)
+    asked = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    alone = tiny_llm.generate(prompt, asked)[0]
+    assert alone.prompt_logprobs[0] is None and len(alone.prompt_logprobs) == len(ids) > 4
+    for token, entry in zip(ids[1:], alone.prompt_logprobs[1:]):
+        assert token in entry and entry[token].logprob <= 0 and len(entry) in (2, 3)
+        assert {1, 2} <= {lp.rank for lp in entry.values()}        # the top 2, and the token's own
+    crowd = tiny_llm.generate(["a long other prompt " * 4, prompt], [SamplingParams(max_tokens=5), asked])
+    assert crowd[0].prompt_logprobs is None
+    for a, b in zip(alone.prompt_logprobs[1:], crowd[1].prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
+
+
+def test_stop_strings_end_a_sample_like_the_server(tiny_llm):
+    """SamplingParams(stop=[...]): the text is cut before the stop string (or keeps it with
+    include_stop_str_in_output), finish_reason "stop", stop_reason the string, tokens after the
+    one that completed it dropped, the engine sample aborted (its blocks freed)."""
+    prompt = "hello world"
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    base = tiny_llm.generate(prompt, free)[0].outputs[0]
+    stop = base.text[8:11]              # a piece from the middle of the greedy text
+    cut = base.text.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop, "never seen"])
+    out = tiny_llm.generate(prompt, params)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (base.text[:cut], "stop", stop)
+    assert out.token_ids == base.token_ids[:len(out.token_ids)] and len(out.token_ids) < 30
+    assert stop in tiny_llm.tokenizer.decode(out.token_ids)     # the completing token is kept
+    assert stop not in tiny_llm.tokenizer.decode(out.token_ids[:-1])
+    kept = tiny_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                    stop=stop, include_stop_str_in_output=True))
+    assert kept[0].outputs[0].text == base.text[:cut + len(stop)]
+    # n = 2: each sample stops on its own; a sample without the string runs to its length.
+    two = tiny_llm.generate(prompt, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=30,
+                                                   ignore_eos=True, stop=[stop]))[0].outputs
+    for c in two:
+        assert (c.finish_reason == "stop") == (stop in tiny_llm.tokenizer.decode(c.token_ids))
+        assert stop not in c.text
+    assert not tiny_llm.engine.has_unfinished_requests()
+    assert tiny_llm.engine.kv.num_free_blocks == tiny_llm.engine.kv.num_blocks
+    with pytest.raises(ValueError, match="stop"):
+        SamplingParams(stop=[""])
+
+
 @pytest.mark.slow
 def test_default_model_explains_the_kv_cache_and_seeds_reproduce(default_model_dir):
     llm = LLM(model=str(default_model_dir), max_model_len=512)

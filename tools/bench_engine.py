@@ -34,7 +34,7 @@ class RandomLogitsRunner:
         self._row = (self._row + 1) % 64
         return self._logits[self._row:self._row + batch.num_reqs]
 
-    def submit(self, batch, rows, metadata):
+    def submit(self, batch, rows, metadata, prompt_logprobs=None):  # no prompt logprobs asked here
         return sample_on_host(self.execute(batch), rows, metadata)
 
 

@@ -24,9 +24,11 @@ from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import plan
 from ringserve.gpu.cuda.attention import PagedAttention
 from ringserve.gpu.cuda.fused import FusedKernels
+from ringserve.gpu.cuda import sampling_kernels as sk
 from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample
+from ringserve.gpu.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
 from ringserve.gpu.rope import cos_sin, inv_freq
-from ringserve.gpu.sampler import SamplingMetadata
+from ringserve.gpu.sampler import Logprobs, SamplingMetadata
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +197,7 @@ class CudaModelRunner:
         cp.matmul(buf.last, self.lm_head.T, out=buf.logits16)
         buf.logits[...] = buf.logits16
 
-    def _eager(self, batch: Batch, caches) -> cp.ndarray:
+    def _eager(self, batch: Batch, caches) -> StepBuffers:
         with self.stream:
             buf = StepBuffers(self.config, batch.num_tokens, batch.num_reqs, batch.block_tables.shape[1])
             buf.load(batch)
@@ -205,7 +207,7 @@ class CudaModelRunner:
                                            max_seq_len=max_len, num_sms=self.num_sms)
             ws = self.attention.workspace(batch.num_tokens, self.config.num_attention_heads, splits)
             self._forward(buf, caches, splits, max_len, ws)
-            return buf.logits
+            return buf
 
     def capture_graphs(self) -> None:
         """One graph per ladder size, largest first (later captures reuse the pool's memory)."""
@@ -230,38 +232,78 @@ class CudaModelRunner:
         log.info("captured %d CUDA graphs (batch sizes %s) in %.2f s", len(self.graphs.sizes),
                  self.graphs.sizes, time.perf_counter() - t0)
 
-    def _launch(self, batch: Batch) -> cp.ndarray:
-        """Enqueue the forward on self.stream; the logits [B, V] float32 on the device (in a
-        graph's static buffer: valid until the next launch, which the stream orders after
-        everything enqueued on them)."""
+    def _launch(self, batch: Batch) -> tuple[cp.ndarray, StepBuffers]:
+        """Enqueue the forward on self.stream; the logits [B, V] float32 on the device and the
+        buffers holding every token's final hidden state (.x). A graph's buffers are static:
+        valid until the next launch, which the stream orders after everything enqueued on them."""
         size = self.graphs.pick(batch)
         if size is not None and batch.block_tables.shape[1] <= self.max_blocks:
             buf, _, _ = self._graph_buffers[size]
             with self.stream:
                 buf.load(plan.pad_decode(batch, size, self.max_blocks))
                 self.graphs.graphs[size].launch(self.stream)
-            return buf.logits[:batch.num_reqs]
+            return buf.logits[:batch.num_reqs], buf
         with self.stream:
-            return self._eager(batch, self.kv_caches)
+            buf = self._eager(batch, self.kv_caches)
+        return buf.logits, buf
 
-    def execute(self, batch: Batch) -> np.ndarray:
-        """float32 logits [B, vocab] at each request's last scheduled token; writes K/V."""
+    def _logits_at(self, x: cp.ndarray, rows: np.ndarray) -> cp.ndarray:
+        """float32 logits [len(rows), V] of final hidden states x at `rows` (enqueued)."""
+        with self.stream:
+            h = x[cp.asarray(np.asarray(rows, np.int64))]
+            return cp.matmul(h, self.lm_head.T).astype(cp.float32)
+
+    def execute(self, batch: Batch, logits_indices: np.ndarray | None = None) -> np.ndarray:
+        """float32 logits at rows logits_indices of the super-sequence (default: each request's
+        last scheduled token, [B, vocab]); writes K/V."""
         if batch.num_tokens == 0:
             return np.empty((batch.num_reqs, self.config.vocab_size), np.float32)
-        out = self._launch(batch).get(stream=self.stream)
+        logits, buf = self._launch(batch)
+        if logits_indices is not None:
+            logits = self._logits_at(buf.x, logits_indices)
+        out = logits.get(stream=self.stream)
         self.stream.synchronize()
         return out
 
-    def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata) -> PendingSample:
+    def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata,
+               prompt_logprobs: PromptLogprobsSpec | None = None):
         """The forward, then sampling on the device for `rows` (the batch's requests whose last
         token this step computes), all enqueued on self.stream: only the token ids (and the
-        logprobs asked for) come back, into pinned memory. Returns at once; result() waits."""
-        logits = self._launch(batch)
+        logprobs asked for) come back, into pinned memory. Returns at once; result() waits.
+        prompt_logprobs: also score tokens at those rows of the super-sequence, on the device
+        (gpu/cuda/sampling_kernels.logprobs over SLICE_ROWS rows of logits at a time)."""
+        logits, buf = self._launch(batch)
         if len(rows) == 0:  # chunked prefills only: nothing to sample, the forward still runs
             event = nb_cuda.event()
             event.record(self.nb_stream)
-            return PendingSample(event, np.zeros(0, np.int32), None)
-        if len(rows) < batch.num_reqs:
-            with self.stream:
-                logits = logits[cp.asarray(np.asarray(rows, np.int64))]
-        return self.sampler.sample_async(_nb(logits), metadata)
+            step = PendingSample(event, np.zeros(0, np.int32), None)
+        else:
+            if len(rows) < batch.num_reqs:
+                with self.stream:
+                    logits = logits[cp.asarray(np.asarray(rows, np.int64))]
+            step = self.sampler.sample_async(_nb(logits), metadata)
+        if prompt_logprobs is None:
+            return step
+        return WithPromptLogprobs(step, self._prompt_logprobs(buf.x, prompt_logprobs))
+
+    def _prompt_logprobs(self, x: cp.ndarray, spec: PromptLogprobsSpec):
+        """Enqueue the logprobs of spec's tokens at spec's rows; returns fetch() -> Logprobs."""
+        P, V = len(spec), self.config.vocab_size
+        n = 1 + min(spec.num_top, V)
+        with self.stream:
+            ids = cp.empty((P, n), cp.int32)
+            vals = cp.empty((P, n), cp.float32)
+            rank = cp.empty(P, cp.int32)
+            targets = cp.asarray(np.asarray(spec.token_ids, np.int32))
+            for s in range(0, P, SLICE_ROWS):
+                e = min(P, s + SLICE_ROWS)
+                logits = self._logits_at(x, spec.rows[s:e])
+                sk.logprobs(_nb(logits), _nb(targets[s:e]), _nb(ids[s:e]), _nb(vals[s:e]),
+                            _nb(rank[s:e]), threads=self.sampler.threads, stream=self.nb_stream)
+
+        def fetch() -> Logprobs:
+            out = Logprobs(ids.get(stream=self.stream), vals.get(stream=self.stream),
+                           rank.get(stream=self.stream))
+            self.stream.synchronize()
+            return out
+        return fetch
