@@ -224,7 +224,7 @@ class EngineCore:
                                 num_cached_tokens=req.num_cached_tokens)
             if req.params.logprobs is not None:
                 out.new_logprobs = [_position_logprobs(result.logprobs, j, req.params.logprobs)]
-            if req.num_output_tokens == 1 and req.index == 0 and req.params.prompt_logprobs is not None:
+            if req.params.prompt_logprobs is not None and req.index == 0 and req.num_output_tokens == 1:
                 out.prompt_logprobs = [None, *req.prompt_logprobs]
             reason = self._stop_reason(req, token)
             if reason is not None:
@@ -305,7 +305,7 @@ def _prompt_logprobs_spec(sched: SchedulerOutput, batch: Batch,
     rows, targets, owners = [], [], []
     for i, s in enumerate(sched.scheduled):
         req = s.request
-        if not req.needs_prompt_logprobs:
+        if req.params.prompt_logprobs is None or not req.needs_prompt_logprobs:
             continue
         # Positions before len(req.prompt_logprobs) were scored in an earlier step (or before
         # a preemption); the prefix cache is not read, so nothing between is skipped.
