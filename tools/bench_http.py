@@ -1,6 +1,7 @@
 """What the HTTP frontend costs, measured against the engine client in one run, same engine.
 
     .venv/bin/python -m ringserve.tools.bench_http [--concurrency 16] [--max-tokens 32] [--model M]
+                                                  [--json FILE]
 
 Starts the launcher's engine and Gunicorn (1 worker by default), then runs the same requests
 (the same prompt token ids, greedy, ignore_eos) twice, one phase after the other:
@@ -8,7 +9,8 @@ Starts the launcher's engine and Gunicorn (1 worker by default), then runs the s
   HTTP + SSE     httpx streams /v1/completions through a Gunicorn worker.
 It prints TTFT and inter-token latency (p50 / p90) of each path, and the CPU time the Gunicorn
 workers spent per streamed token (parse, tokenize, detokenize, SSE) next to the CPU time this
-process spent per token as a bare engine client.
+process spent per token as a bare engine client, with the ratio HTTP / engine client of each.
+Prompts are random ids below the model's vocabulary size.
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import socket
 import time
 from pathlib import Path
@@ -26,13 +27,13 @@ import numpy as np
 
 from ringserve.server.engine_client import EngineClient
 from ringserve.server.launch import Launcher, add_serve_arguments
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
+from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+    """CPU time of the process's live threads in ns resolution (schedstat's run time; the
+    clock-tick utime + stime of /proc/PID/stat is too coarse for a few thousand tokens)."""
+    return sum(int((task / "schedstat").read_text().split()[0])
+               for task in Path(f"/proc/{pid}/task").iterdir()) / 1e9
 
 
 def _children(pid: int) -> list[int]:
@@ -78,13 +79,21 @@ async def _via_http(url: str, prompts: list[list[int]], max_tokens: int):
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def _latencies(results) -> tuple[np.ndarray, np.ndarray, int]:
+def _summary(results, cpu_s: float, tokens: int) -> dict[str, float]:
+    """TTFT and ITL percentiles (ms), CPU microseconds per generated token, and how many
+    stream events carried them (a token that ends inside a UTF-8 character waits for the next)."""
     ttft, itl, events = [], [], 0
     for start, times in results:
         ttft.append(times[0] - start)
         itl += list(np.diff(times))
         events += len(times)
-    return np.array(ttft), np.array(itl), events
+    ms = lambda a, q: float(np.percentile(a, q)) * 1e3
+    return {"TTFT p50 ms": ms(ttft, 50), "TTFT p90 ms": ms(ttft, 90), "ITL p50 ms": ms(itl, 50),
+            "ITL p90 ms": ms(itl, 90), "CPU us/token": cpu_s / tokens * 1e6, "stream events": events}
+
+
+COLUMNS = [Column("metric", "metric", align="<"), Column("engine_client", "engine client", ".2f"),
+           Column("http", "HTTP + SSE", ".2f"), Column("ratio", "HTTP / engine client", ".2f")]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,32 +102,39 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=32)
     add_serve_arguments(p)
+    add_json_argument(p)
     args = p.parse_args(argv)
     logging.getLogger("ringserve.client").setLevel(logging.ERROR)  # "client closed" at the end
     if "--workers" not in (argv or []):
         args.workers = 1
     args.port = _free_port()
     args.log_level = "warning"
+    run = BenchRun.start("bench_http", args)
 
     from ringserve.gpu.config import ModelConfig
     from ringserve.gpu.model_store import resolve_model
     model_dir = Path(resolve_model(args.model))
-    max_len = args.max_model_len or ModelConfig.from_dir(model_dir).max_position_embeddings
+    config = ModelConfig.from_dir(model_dir)
+    max_len = args.max_model_len or config.max_position_embeddings
     launcher = Launcher(args, model_dir, max_len)
     try:
         launcher.start()
         url = f"http://127.0.0.1:{args.port}"
+        deadline = time.monotonic() + 120
         while True:
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
+            if launcher.gunicorn.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not become healthy")
             time.sleep(0.3)
         # Fresh prompts per phase (same length): no phase may profit from the other's prefix cache.
         rng = np.random.default_rng(0)
+        low, high = min(100, config.vocab_size // 4), config.vocab_size
         warm, prompts, prompts_http = (
-            [rng.integers(100, 40000, args.prompt_tokens).tolist() for _ in range(args.concurrency)]
+            [rng.integers(low, high, args.prompt_tokens).tolist() for _ in range(args.concurrency)]
             for _ in range(3))
         workers = _children(launcher.gunicorn.pid)
 
@@ -140,19 +156,20 @@ def main(argv: list[str] | None = None) -> None:
         worker_cpu = sum(_cpu_seconds(w) for w in workers) - w0
     finally:
         launcher.shutdown()
+    run.finish()
 
-    print(f"{args.concurrency} concurrent streams x {args.max_tokens} tokens, "
-          f"{args.prompt_tokens}-token prompts, {args.workers} worker(s), device {launcher.device}")
-    print(f"{'path':<16}{'TTFT p50':>11}{'TTFT p90':>11}{'ITL p50':>11}{'ITL p90':>11}"
-          f"{'CPU/token':>12}")
-    for name, res, cpu in (("engine client", engine_res, engine_cpu),
-                           ("HTTP + SSE", http_res, worker_cpu)):
-        ttft, itl, events = _latencies(res)
-        print(f"{name:<16}{np.median(ttft)*1e3:>9.1f}ms{np.percentile(ttft, 90)*1e3:>9.1f}ms"
-              f"{np.median(itl)*1e3:>9.1f}ms{np.percentile(itl, 90)*1e3:>9.1f}ms"
-              f"{cpu / events * 1e6:>10.0f}us")
-    print("CPU/token: engine client = this process; HTTP = all Gunicorn workers (tokenize, "
+    tokens = args.concurrency * args.max_tokens  # ignore_eos: every stream runs to max_tokens
+    engine, http = _summary(engine_res, engine_cpu, tokens), _summary(http_res, worker_cpu, tokens)
+    rows = [{"metric": k, "engine_client": engine[k], "http": http[k],
+             "ratio": http[k] / engine[k] if engine[k] and k != "stream events" else None}
+            for k in engine]
+    print(run.header())
+    print(f"{args.concurrency} concurrent streams x {args.max_tokens} tokens, {args.prompt_tokens}-token "
+          f"prompts, model {model_dir.name}, {args.workers} worker(s), device {launcher.device}")
+    print(table(rows, COLUMNS))
+    print("CPU us/token: engine client = this process; HTTP = all Gunicorn workers (tokenize, "
           "detokenize, JSON, SSE, HTTP) per streamed token")
+    run.write(args.json, rows, model=str(model_dir), device=launcher.device)
 
 
 if __name__ == "__main__":

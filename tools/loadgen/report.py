@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ringserve.tools.bench_report import markdown_table
 from ringserve.tools.loadgen.stats import LATENCY_METRICS, Summary
 
 FORMAT = "ringserve-loadgen/1"
@@ -60,10 +61,7 @@ def sweep_table(points: list[dict[str, Any]]) -> str:
                _f(s["tpot"]["median"], 1), _f(s["tpot"]["p99"], 1), _f(s["itl"]["median"], 1),
                _f(s["e2el"]["median"], 1)]
         rows.append(row + ([_f(s.get("goodput"))] if goodput else []))
-    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
-    fmt = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"
-    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([fmt(head), sep] + [fmt(r) for r in rows]) + "\n(latencies in ms)"
+    return markdown_table(head, rows) + "\n(latencies in ms)"
 
 
 def document(config: dict[str, Any], points: list[tuple[str, dict[str, Any], Summary]]) -> dict[str, Any]:

@@ -1,0 +1,102 @@
+"""Every benchmark under tools/ runs at a tiny size, prints the shared table and writes its
+--json document with the rows it promises (tools/bench_report.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ringserve.tools import bench_engine, bench_trace
+from ringserve.tools.bench_report import FORMAT, BenchRun, Column, markdown_table, table
+
+
+def _doc(path, tool: str) -> dict:
+    doc = json.loads(path.read_text())
+    assert doc["format"] == FORMAT and doc["tool"] == tool
+    assert doc["machine"]["cores"] >= 1 and doc["machine"]["cpu_model"]
+    assert len(doc["load_average_before"]) == 3 and len(doc["load_average_after"]) == 3
+    return doc
+
+
+def _table_rows(text: str, first_cell: str) -> list[list[str]]:
+    """The cells of the markdown table whose header starts with first_cell."""
+    lines = text.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith("| " + first_cell))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_markdown_table_aligns_and_formats():
+    text = table([{"name": "ab", "v": 1.5}, {"name": "c", "v": None}],
+                 [Column("name", "name", align="<"), Column("v", "value ms", ".2f")])
+    assert text.splitlines() == ["| name | value ms |",
+                                 "|:-----|---------:|",
+                                 "| ab   |     1.50 |",
+                                 "| c    |        - |"]
+    assert markdown_table(["a"], [["123"]]).splitlines()[1] == "|----:|"
+
+
+def test_bench_run_document(tmp_path):
+    import argparse
+    run = BenchRun.start("bench_x", argparse.Namespace(n=3, json=tmp_path / "x.json"))
+    run.write(tmp_path / "x.json", [{"n": 3}], extra=1)
+    doc = _doc(tmp_path / "x.json", "bench_x")
+    assert doc["args"] == {"n": 3, "json": str(tmp_path / "x.json")} and doc["rows"] == [{"n": 3}]
+    assert doc["extra"] == 1 and doc["date"][:2] == "20"
+
+
+def test_bench_engine(tmp_path, capsys):
+    bench_engine.main(["--running", "4", "16", "--steps", "5", "--rounds", "3",
+                       "--json", str(tmp_path / "e.json")])
+    rows = _doc(tmp_path / "e.json", "bench_engine")["rows"]
+    assert [r["running"] for r in rows] == [4, 16]
+    for r in rows:
+        phases = [r["schedule_ms"], r["prepare_ms"], r["update_ms"]]
+        assert all(p > 0 for p in phases) and r["sample_ms"] > 0
+        assert r["engine_ms"] == pytest.approx(sum(phases))
+        assert len(r["engine_ms_rounds"]) == 3 and r["engine_ms"] == sorted(r["engine_ms_rounds"])[1]
+    printed = _table_rows(capsys.readouterr().out, "running")
+    assert [c[0] for c in printed] == ["4", "16"]
+    assert printed[1][4] == f"{rows[1]['engine_ms']:.3f}"
+
+
+def test_bench_trace(tmp_path, capsys):
+    bench_trace.main(["--running", "4", "--steps", "5", "--rounds", "1", "--vocab", "512",
+                      "--json", str(tmp_path / "t.json")])
+    [row] = _doc(tmp_path / "t.json", "bench_trace")["rows"]
+    assert row["running"] == 4
+    for mode in bench_trace.MODES:
+        assert row[mode.replace(" ", "_") + "_ms"] > 0
+    assert row["off_vs_bare"] == pytest.approx(row["off_ms"] / row["bare_ms"])
+    assert row["all_vs_off"] == pytest.approx(row["all_traced_ms"] / row["off_ms"])
+    assert [c[0] for c in _table_rows(capsys.readouterr().out, "running")] == ["4"]
+
+
+def test_bench_http(tiny_model_dir, tmp_path):
+    """A real engine and Gunicorn worker on the tiny model: both paths stream every token."""
+    out = subprocess.run(
+        [sys.executable, "-m", "ringserve.tools.bench_http", "--model", str(tiny_model_dir),
+         "--device", "cpu", "--max-model-len", "256", "--concurrency", "4", "--max-tokens", "8",
+         "--prompt-tokens", "8", "--json", str(tmp_path / "h.json")],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = _doc(tmp_path / "h.json", "bench_http")
+    rows = {r["metric"]: r for r in doc["rows"]}
+    assert list(rows) == ["TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "CPU us/token",
+                          "stream events"]
+    assert rows["stream events"]["engine_client"] == 4 * 8   # one event per token
+    assert 4 <= rows["stream events"]["http"] <= 4 * 8   # a token may wait for the next one's text
+    for r in rows.values():
+        assert r["engine_client"] > 0 and r["http"] >= 0
+    assert rows["CPU us/token"]["http"] > 0
+    assert rows["TTFT p50 ms"]["ratio"] == pytest.approx(rows["TTFT p50 ms"]["http"]
+                                                         / rows["TTFT p50 ms"]["engine_client"])
+    assert doc["device"] == "cpu"
+    printed = _table_rows(out.stdout, "metric")
+    assert [c[0] for c in printed] == list(rows)
