@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ringserve.tools import bench_engine, bench_trace
+from ringserve.tools import bench_engine, bench_forward, bench_trace
 from ringserve.tools.bench_report import FORMAT, BenchRun, Column, markdown_table, table
 
 
@@ -100,3 +100,15 @@ def test_bench_http(tiny_model_dir, tmp_path):
     assert doc["device"] == "cpu"
     printed = _table_rows(out.stdout, "metric")
     assert [c[0] for c in printed] == list(rows)
+
+
+def test_bench_forward(tiny_model_dir, tmp_path, capsys):
+    bench_forward.main(["--model", str(tiny_model_dir), "--batch", "1", "4", "--steps", "2",
+                        "--context", "16", "--prefill-tokens", "32", "--prefill-reps", "1",
+                        "--no-peer", "--json", str(tmp_path / "f.json")])
+    doc = _doc(tmp_path / "f.json", "bench_forward")
+    assert [r["batch"] for r in doc["rows"]] == [1, 4] and doc["peer"] is None
+    for r in doc["rows"]:
+        assert r["ours_float32_tok_s"] == pytest.approx(r["batch"] / r["ours_float32_ms"] * 1e3)
+    assert doc["prefill"]["tokens"] == 32 and doc["prefill"]["ours_float32_s"] > 0
+    assert [c[0] for c in _table_rows(capsys.readouterr().out, "batch")] == ["1", "4"]

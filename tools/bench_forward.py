@@ -28,8 +28,6 @@ single-thread read bandwidth measured here (numpy sum of a 256 MiB array) bounds
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -39,6 +37,7 @@ import numpy as np
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.model_store import resolve_model
 from ringserve.gpu.runner import ModelRunner, default_num_threads
+from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weight dtype(s) of ours; the peer is always float32")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--no-peer", action="store_true", help="skip transformers even if installed")
-    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    add_json_argument(ap)
     return ap.parse_args(argv)
 
 
@@ -199,10 +198,21 @@ def read_bandwidth() -> float:
 
 # -- report ---------------------------------------------------------------------------------
 
+def columns(dtypes: list[str], peer: bool) -> list[Column]:
+    cols = [Column("batch", "batch", "d")]
+    for d in dtypes:
+        cols += [Column(f"ours_{d}_ms", f"ours {d} ms/step", ".1f"), Column(f"ours_{d}_tok_s", "tok/s", ".0f")]
+    if peer:
+        cols += [Column("transformers_ms", "transformers float32 ms/step", ".1f"),
+                 Column("transformers_tok_s", "tok/s", ".0f")]
+        cols += [Column(f"ratio_{d}", f"tok/s ratio {d}", ".2f") for d in dtypes]
+    return cols
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_dir = resolve_model(args.model)
-    load_before = os.getloadavg()
+    run = BenchRun.start("bench_forward", args)
     sides = {d: Ours(model_dir, d, args) for d in args.dtype}
     transformers = make_peer(model_dir, args)
     if transformers:
@@ -218,24 +228,25 @@ def main(argv: list[str] | None = None) -> None:
     peer = ({"decode_s": decode["peer"], "prefill_s": prefill["peer"], "version": transformers.version}
             if transformers else None)
     bandwidth = read_bandwidth()
-    load_after = os.getloadavg()
+    run.finish()
 
-    cols = [f"ours {d}" for d in args.dtype] + (["transformers float32"] if peer else [])
-    print(f"model {model_dir.name}, {args.threads} thread(s), context {args.context}, "
-          f"median of {args.steps} decode steps; load average {load_before[0]:.2f} before, "
-          f"{load_after[0]:.2f} after")
-    print(f"{'batch':>5} " + " ".join(f"{c + ' ms/step':>28}" for c in cols)
-          + " " + " ".join(f"{'tok/s ratio ' + d:>22}" for d in args.dtype if peer))
     rows = []
     for b in args.batch:
-        times = [ours[d]["decode_s"][b] for d in args.dtype] + ([peer["decode_s"][b]] if peer else [])
-        ratios = [peer["decode_s"][b] / ours[d]["decode_s"][b] for d in args.dtype] if peer else []
-        cells = " ".join(f"{t * 1e3:>13.1f} ({b / t:>7.0f} tok/s)" for t in times)
-        print(f"{b:>5} {cells} " + " ".join(f"{r:>21.2f}x" for r in ratios))
-        rows.append({"batch": b, **{f"ours_{d}_ms": ours[d]["decode_s"][b] * 1e3 for d in args.dtype},
-                     **({"transformers_ms": peer["decode_s"][b] * 1e3} if peer else {}),
-                     **{f"ratio_{d}": r for d, r in zip(args.dtype, ratios)}})
+        row = {"batch": b}
+        for d in args.dtype:
+            row[f"ours_{d}_ms"] = ours[d]["decode_s"][b] * 1e3
+            row[f"ours_{d}_tok_s"] = b / ours[d]["decode_s"][b]
+        if peer:
+            row["transformers_ms"] = peer["decode_s"][b] * 1e3
+            row["transformers_tok_s"] = b / peer["decode_s"][b]
+            row.update({f"ratio_{d}": peer["decode_s"][b] / ours[d]["decode_s"][b] for d in args.dtype})
+        rows.append(row)
+    print(run.header())
+    print(f"model {model_dir.name}, {args.threads} thread(s), context {args.context}, "
+          f"median of {args.steps} decode steps")
+    print(table(rows, columns(args.dtype, peer is not None)))
     n = args.prefill_tokens
+    cols = [f"ours {d}" for d in args.dtype] + (["transformers float32"] if peer else [])
     pre = [ours[d]["prefill_s"] for d in args.dtype] + ([peer["prefill_s"]] if peer else [])
     print(f"prefill {n} tokens: " + ", ".join(f"{c} {n / t:.0f} tok/s ({t:.2f} s)" for c, t in zip(cols, pre))
           + (", ratio " + ", ".join(f"{peer['prefill_s'] / ours[d]['prefill_s']:.2f}x" for d in args.dtype)
@@ -250,17 +261,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"peer: {peer['version']}")
     else:
         print("peer: transformers not measured (torch/transformers not installed here, or --no-peer)")
-    if args.json:
-        args.json.write_text(json.dumps({
-            "model": str(model_dir), "threads": args.threads, "context": args.context, "steps": args.steps,
-            "load_average_before": load_before, "load_average_after": load_after,
-            "decode": rows,
-            "prefill": {"tokens": n, **{f"ours_{d}_s": ours[d]["prefill_s"] for d in args.dtype},
-                        **({"transformers_s": peer["prefill_s"]} if peer else {})},
-            "read_bandwidth_bytes_per_s": bandwidth,
-            "weight_bytes_per_step": {d: ours[d]["weight_bytes"] for d in args.dtype},
-            "peer": peer["version"] if peer else None,
-        }, indent=2) + "\n")
+    run.write(args.json, rows, model=str(model_dir),
+              prefill={"tokens": n, **{f"ours_{d}_s": ours[d]["prefill_s"] for d in args.dtype},
+                       **({"transformers_s": peer["prefill_s"]} if peer else {})},
+              read_bandwidth_bytes_per_s=bandwidth,
+              weight_bytes_per_step={d: ours[d]["weight_bytes"] for d in args.dtype},
+              peer=peer["version"] if peer else None)
 
 
 if __name__ == "__main__":
