@@ -27,9 +27,10 @@ NUMBA_MODULES = (numba_kernels, sampling_kernels)
 
 # Every kernel with the signatures the runner launches it with (fp16 activations and cache).
 NUMBA_SIGNATURES = {
-    "embedding_kernel": [(i32_1d, f16_2d, f32_2d), (i32_1d, f16_2d, f16_2d)],
     "store_kv_kernel": [(f16_2d, i32_1d, f16_4d, f16_4d, types.int64)],
-    "gather_rows_kernel": [(f16_2d, i32_1d, f16_2d), (f32_2d, i32_1d, f32_2d)],
+    # gather_rows also serves the embedding (fp16 table -> fp32 or fp16 rows)
+    "gather_rows_kernel": [(f16_2d, i32_1d, f16_2d), (f32_2d, i32_1d, f32_2d),
+                           (f16_2d, i32_1d, f32_2d)],
     "argmax_kernel": [(f32_2d, i32_1d), (f16_2d, i32_1d)],
     "paged_attention_kernel": [(f16_2d, f16_4d, f16_4d, i32_1d, i32_1d, i32_1d, i32_2d,
                                 types.float32, f16_2d)],

@@ -16,20 +16,13 @@ import math
 
 from numba import cuda, float32, int32
 
+from ringserve.gpu.cuda.block_reduce import block_argmax
+
 # Paged attention: one block per (token, head); each thread holds the outputs for up to
 # MAX_DIMS_PER_THREAD of the head's dims, and the block scores ATTN_TILE keys at a time.
 MAX_HEAD_DIM = 256
 MAX_DIMS_PER_THREAD = 8
 ATTN_TILE = 32  # keys per tile = the largest block size the launcher accepts (and the sim's)
-
-
-@cuda.jit
-def embedding_kernel(ids, table, out):  # pragma: no cover - device code
-    """out[t, :] = table[ids[t], :]; grid (T,)."""
-    t = cuda.blockIdx.x
-    row = ids[t]
-    for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
-        out[t, d] = table[row, d]
 
 
 @cuda.jit
@@ -75,20 +68,9 @@ def argmax_kernel(logits, out):  # pragma: no cover - device code
         if x > v:  # strided ascending j: the first max of this thread wins ties
             v = x
             idx = j
-    best_v[tid] = v
-    best_i[tid] = idx
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if tid < step:
-            ov, oi = best_v[tid + step], best_i[tid + step]
-            if ov > best_v[tid] or (ov == best_v[tid] and oi < best_i[tid]):
-                best_v[tid] = ov
-                best_i[tid] = oi
-        cuda.syncthreads()
-        step //= 2
+    _, first = block_argmax(v, idx, best_v, best_i)
     if tid == 0:
-        out[b] = best_i[0]
+        out[b] = first
 
 
 @cuda.jit(device=True, inline=True)
@@ -171,8 +153,8 @@ def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, se
 # Launchers: one place that knows each kernel's grid.
 
 def embedding(ids, table, out, *, threads=128, stream=0):
-    if ids.shape[0]:
-        embedding_kernel[ids.shape[0], threads, stream](ids, table, out)
+    """out[t, :] = table[ids[t], :]: a row gather of the embedding table."""
+    gather_rows(table, ids, out, threads=threads, stream=stream)
 
 
 def store_kv(qkv, slot_mapping, k_cache, v_cache, num_heads, *, threads=128, stream=0):

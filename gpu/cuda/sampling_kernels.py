@@ -15,7 +15,7 @@ reduced across rows, so a row's token never depends on the rest of the batch.
 - logprobs_kernel: log_softmax of the raw logits at the sampled token, its rank, and the top-N
   (by value, ties by lower id).
 
-Simulator-friendly like numba_kernels.py: reductions through shared memory (no warp shuffles),
+Simulator-friendly like numba_kernels.py: reductions through shared memory (gpu/cuda/block_reduce.py),
 loops strided by blockDim (a power of two, at most SAMPLE_MAX_THREADS), float32 only.
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 
 from numba import cuda, float32, int32, int64
+
+from ringserve.gpu.cuda.block_reduce import block_argmax, block_sum
 
 SAMPLE_MAX_THREADS = 1024
 GREEDY_EPS = 1e-5            # gpu/sampler.py: temperature below this is greedy
@@ -36,60 +38,6 @@ def order_key(bits):  # pragma: no cover - device code
     if b >= 0x80000000:
         return 0xFFFFFFFF - b
     return b + 0x80000000
-
-
-@cuda.jit(device=True, inline=True)
-def block_sum_f32(v, sh):  # pragma: no cover - device code
-    """The block's sum of v (a fixed tree: the same bits for the same blockDim), to every thread."""
-    tid = cuda.threadIdx.x
-    sh[tid] = v
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if tid < step:
-            sh[tid] += sh[tid + step]
-        cuda.syncthreads()
-        step //= 2
-    total = sh[0]
-    cuda.syncthreads()  # sh is free again
-    return total
-
-
-@cuda.jit(device=True, inline=True)
-def block_sum_i32(v, sh):  # pragma: no cover - device code
-    tid = cuda.threadIdx.x
-    sh[tid] = v
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if tid < step:
-            sh[tid] += sh[tid + step]
-        cuda.syncthreads()
-        step //= 2
-    total = sh[0]
-    cuda.syncthreads()
-    return total
-
-
-@cuda.jit(device=True, inline=True)
-def block_argmax(v, i, fsh, ish):  # pragma: no cover - device code
-    """(max, first index of the max) over the block's (v, i) pairs, to every thread."""
-    tid = cuda.threadIdx.x
-    fsh[tid] = v
-    ish[tid] = i
-    cuda.syncthreads()
-    step = cuda.blockDim.x // 2
-    while step > 0:
-        if tid < step:
-            ov, oi = fsh[tid + step], ish[tid + step]
-            if ov > fsh[tid] or (ov == fsh[tid] and oi < ish[tid]):
-                fsh[tid] = ov
-                ish[tid] = oi
-        cuda.syncthreads()
-        step //= 2
-    best_v, best_i = fsh[0], ish[0]
-    cuda.syncthreads()
-    return best_v, best_i
 
 
 @cuda.jit
@@ -165,7 +113,7 @@ def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  #
             for j in range(tid, V, nt):
                 if order_key(xbits[row, j]) >= mid:
                     c += 1
-            if block_sum_i32(c, ish) >= k:
+            if block_sum(c, ish) >= k:
                 lo = mid
             else:
                 hi = mid
@@ -182,7 +130,7 @@ def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  #
                 p = _prob(x[row, j], xmax, inv_t)
                 if p >= mp:
                     z += p
-        target = p_top * block_sum_f32(z, fsh)
+        target = p_top * block_sum(z, fsh)
         # The largest key K with mass(key >= K) >= top_p * mass: the p_m of the smallest
         # prefix of the sorted probabilities whose mass reaches top_p.
         lo, hi = k_key, top_key
@@ -194,7 +142,7 @@ def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  #
                     p = _prob(x[row, j], xmax, inv_t)
                     if p >= mp:
                         m += p
-            if block_sum_f32(m, fsh) >= target:
+            if block_sum(m, fsh) >= target:
                 lo = mid
             else:
                 hi = mid
@@ -265,14 +213,14 @@ def logprobs_kernel(logits, token_ids, out_ids, out_vals, out_rank):  # pragma: 
     s = float32(0.0)
     for j in range(tid, V, nt):
         s += math.exp(float32(logits[row, j]) - xmax)
-    lse = xmax + math.log(block_sum_f32(s, fsh))
+    lse = xmax + math.log(block_sum(s, fsh))
     chosen = token_ids[row]
     xc = float32(logits[row, chosen])
     above = int32(0)
     for j in range(tid, V, nt):
         if float32(logits[row, j]) > xc:
             above += 1
-    above = block_sum_i32(above, ish)
+    above = block_sum(above, ish)
     if tid == 0:
         out_ids[row, 0] = chosen
         out_vals[row, 0] = xc - lse
