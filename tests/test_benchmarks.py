@@ -83,15 +83,15 @@ def test_bench_http(tiny_model_dir, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "ringserve.tools.bench_http", "--model", str(tiny_model_dir),
          "--device", "cpu", "--max-model-len", "256", "--concurrency", "4", "--max-tokens", "8",
-         "--prompt-tokens", "8", "--json", str(tmp_path / "h.json")],
+         "--prompt-tokens", "8", "--idle-s", "0.2", "--json", str(tmp_path / "h.json")],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     doc = _doc(tmp_path / "h.json", "bench_http")
     rows = {r["metric"]: r for r in doc["rows"]}
-    assert list(rows) == ["TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "CPU us/token",
-                          "stream events"]
-    assert rows["stream events"]["engine_client"] == 4 * 8   # one event per token
-    assert 4 <= rows["stream events"]["http"] <= 4 * 8   # a token may wait for the next one's text
+    assert list(rows) == ["TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "CPU us/token"]
+    assert doc["tokens"] == 4 * 8 and doc["stream_events"]["engine_client"] == 4 * 8
+    assert 4 <= doc["stream_events"]["http"] <= 4 * 8   # a token may wait for the next one's text
+    assert doc["idle_worker_cpu_us_per_s"] >= 0
     for r in rows.values():
         assert r["engine_client"] > 0 and r["http"] >= 0
     assert rows["CPU us/token"]["http"] > 0

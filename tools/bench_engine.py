@@ -35,11 +35,12 @@ class RandomLogitsRunner:
     """The ModelRunner face (config, block_size, num_blocks, execute, submit) without a
     model. `seconds` adds up the time spent in submit (the runner's share of a step)."""
 
-    def __init__(self, vocab_size: int, num_blocks: int, block_size: int = 16):
+    def __init__(self, vocab_size: int, num_blocks: int, block_size: int = 16, max_num_reqs: int = 4096):
         self.config = SimpleNamespace(vocab_size=vocab_size, eos_token_ids=(),
                                       max_position_embeddings=1 << 20)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self._logits = np.random.default_rng(0).normal(size=(4096, vocab_size)).astype(np.float32)
+        # Rows for the largest batch at any of 64 offsets (so that steps see different logits).
+        self._logits = np.random.default_rng(0).standard_normal((max_num_reqs + 64, vocab_size), np.float32)
         self._row = 0
         self.seconds = 0.0
 
@@ -60,7 +61,7 @@ def decode_engine(num_running: int, steps: int, vocab: int, prompt_len: int = 32
     of them traced): the next steps are steady decode, enough blocks for steps + 64 more."""
     num_blocks = num_running * ((prompt_len + steps + 64) // 16 + 1)
     engine = EngineCore(EngineConfig(max_num_seqs=num_running, max_num_batched_tokens=1 << 20),
-                        runner=RandomLogitsRunner(vocab, num_blocks))
+                        runner=RandomLogitsRunner(vocab, num_blocks, max_num_reqs=num_running))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     rng = np.random.default_rng(1)
     for i in range(num_running):

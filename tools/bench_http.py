@@ -79,7 +79,7 @@ async def _via_http(url: str, prompts: list[list[int]], max_tokens: int):
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def _summary(results, cpu_s: float, tokens: int) -> dict[str, float]:
+def _summary(results, cpu_s: float, tokens: int) -> tuple[dict[str, float], int]:
     """TTFT and ITL percentiles (ms), CPU microseconds per generated token, and how many
     stream events carried them (a token that ends inside a UTF-8 character waits for the next)."""
     ttft, itl, events = [], [], 0
@@ -89,7 +89,7 @@ def _summary(results, cpu_s: float, tokens: int) -> dict[str, float]:
         events += len(times)
     ms = lambda a, q: float(np.percentile(a, q)) * 1e3
     return {"TTFT p50 ms": ms(ttft, 50), "TTFT p90 ms": ms(ttft, 90), "ITL p50 ms": ms(itl, 50),
-            "ITL p90 ms": ms(itl, 90), "CPU us/token": cpu_s / tokens * 1e6, "stream events": events}
+            "ITL p90 ms": ms(itl, 90), "CPU us/token": cpu_s / tokens * 1e6}, events
 
 
 COLUMNS = [Column("metric", "metric", align="<"), Column("engine_client", "engine client", ".2f"),
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--idle-s", type=float, default=1.0,
+                   help="seconds the idle workers' CPU is sampled before the HTTP phase")
     add_serve_arguments(p)
     add_json_argument(p)
     args = p.parse_args(argv)
@@ -151,25 +153,35 @@ def main(argv: list[str] | None = None) -> None:
 
         engine_res, engine_cpu = asyncio.run(engine_phase())
         asyncio.run(_via_http(url, [q[::-1] for q in warm], 4))  # warm-up of the HTTP path
-        w0 = sum(_cpu_seconds(w) for w in workers)
+        # What the idle workers burn (event loop, heartbeats), to tell it from per-token work.
+        w0, t0 = sum(_cpu_seconds(w) for w in workers), time.perf_counter()
+        time.sleep(args.idle_s)
+        w1, t1 = sum(_cpu_seconds(w) for w in workers), time.perf_counter()
+        idle_us_per_s = (w1 - w0) / (t1 - t0) * 1e6
         http_res = asyncio.run(_via_http(url, prompts_http, args.max_tokens))
-        worker_cpu = sum(_cpu_seconds(w) for w in workers) - w0
+        worker_cpu = sum(_cpu_seconds(w) for w in workers) - w1
+        http_s = time.perf_counter() - t1
     finally:
         launcher.shutdown()
     run.finish()
 
     tokens = args.concurrency * args.max_tokens  # ignore_eos: every stream runs to max_tokens
-    engine, http = _summary(engine_res, engine_cpu, tokens), _summary(http_res, worker_cpu, tokens)
+    (engine, engine_events), (http, http_events) = (_summary(engine_res, engine_cpu, tokens),
+                                                    _summary(http_res, worker_cpu, tokens))
     rows = [{"metric": k, "engine_client": engine[k], "http": http[k],
-             "ratio": http[k] / engine[k] if engine[k] and k != "stream events" else None}
-            for k in engine]
+             "ratio": http[k] / engine[k] if engine[k] else None} for k in engine]
     print(run.header())
     print(f"{args.concurrency} concurrent streams x {args.max_tokens} tokens, {args.prompt_tokens}-token "
-          f"prompts, model {model_dir.name}, {args.workers} worker(s), device {launcher.device}")
+          f"prompts, model {model_dir.name}, {args.workers} worker(s), device {launcher.device}; "
+          f"stream events: engine client {engine_events}, HTTP {http_events}")
     print(table(rows, COLUMNS))
     print("CPU us/token: engine client = this process; HTTP = all Gunicorn workers (tokenize, "
           "detokenize, JSON, SSE, HTTP) per streamed token")
-    run.write(args.json, rows, model=str(model_dir), device=launcher.device)
+    print(f"idle workers: {idle_us_per_s:.0f} us of CPU per second, "
+          f"{idle_us_per_s * http_s / tokens:.1f} us/token of the HTTP figure over its {http_s:.2f} s")
+    run.write(args.json, rows, model=str(model_dir), device=launcher.device, tokens=tokens,
+              stream_events={"engine_client": engine_events, "http": http_events},
+              idle_worker_cpu_us_per_s=idle_us_per_s, http_phase_s=http_s)
 
 
 if __name__ == "__main__":
