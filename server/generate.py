@@ -15,6 +15,7 @@ from typing import AsyncIterator, Protocol
 from ringserve.ipc.messages import Output
 from ringserve.server.metrics import RequestMetrics
 from ringserve.server.output_text import OutputText
+from ringserve.server.protocol import UsageInfo
 
 
 class EngineError(Exception):
@@ -188,6 +189,12 @@ class Generation:
     @property
     def n(self) -> int:
         return self._n
+
+    def usage(self) -> UsageInfo:
+        """Tokens so far: each prompt once (its n choices share it), every choice's output."""
+        prompt = sum(len(c.prompt_token_ids) for c in self.choices[::self._n])
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return UsageInfo(prompt, completion, prompt + completion)
 
     def _observe(self, c: Choice) -> None:
         c.finished_at = time.monotonic()

@@ -39,12 +39,6 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
                       skip_special_tokens=req.skip_special_tokens)
 
 
-def _usage(gen: Generation) -> P.UsageInfo:
-    prompt = len(gen.choices[0].prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in gen.choices)
-    return P.UsageInfo(prompt, completion, prompt + completion)
-
-
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], top_n: int) -> P.ChatLogprobs:
     content = []
     for e in entries:
@@ -64,13 +58,12 @@ async def complete(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Genera
         lp = _logprobs(ctx, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
         choices.append(P.ChatChoice(c.index, P.ResponseMessage("assistant", c.text.text), lp,
                                     c.finish_reason, c.stop_reason))
-    return P.ChatCompletionResponse(request_id, P.now(), model, choices, _usage(gen))
+    return P.ChatCompletionResponse(request_id, P.now(), model, choices, gen.usage())
 
 
 async def stream(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generation,
                  request_id: str, model: str) -> AsyncIterator[bytes]:
     created = P.now()
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
     for c in gen.choices:
         first = P.ChatChunkChoice(c.index, P.DeltaMessage(role="assistant", content=""))
         yield event(P.ChatCompletionChunk(request_id, created, model, [first]))
@@ -81,6 +74,6 @@ async def stream(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generati
                                    c.finish_reason if d.finished else None,
                                    c.stop_reason if d.finished else None)
         yield event(P.ChatCompletionChunk(request_id, created, model, [choice]))
-    if include_usage:
-        yield event(P.ChatCompletionChunk(request_id, created, model, [], _usage(gen)))
+    if req.include_usage:
+        yield event(P.ChatCompletionChunk(request_id, created, model, [], gen.usage()))
     yield DONE

@@ -40,12 +40,6 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
                       skip_special_tokens=req.skip_special_tokens)
 
 
-def _usage(gen: Generation, n: int) -> P.UsageInfo:
-    prompt = sum(len(c.prompt_token_ids) for c in gen.choices[::n])
-    completion = sum(len(c.token_ids) for c in gen.choices)
-    return P.UsageInfo(prompt, completion, prompt + completion)
-
-
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
     """OpenAI's completion logprobs from `offset` in the text (echoed prompt tokens included)."""
     lp = P.CompletionLogprobs()
@@ -87,13 +81,12 @@ async def complete(ctx: ServerContext, req: P.CompletionRequest, gen: Generation
             logprobs = _logprobs(ctx, (_echoed(c) if req.echo else []) + c.logprobs, 0)
         choices.append(P.CompletionChoice(c.index, prefix + c.text.text, logprobs,
                                           c.finish_reason, c.stop_reason))
-    return P.CompletionResponse(request_id, P.now(), model, choices, _usage(gen, req.n))
+    return P.CompletionResponse(request_id, P.now(), model, choices, gen.usage())
 
 
 async def stream(ctx: ServerContext, req: P.CompletionRequest, gen: Generation,
                  request_id: str, model: str) -> AsyncIterator[bytes]:
     created = P.now()
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
     offsets = [0] * len(gen.choices)
     echoed = [not req.echo] * len(gen.choices)
     async for d in gen.deltas():
@@ -111,6 +104,6 @@ async def stream(ctx: ServerContext, req: P.CompletionRequest, gen: Generation,
                                     c.finish_reason if d.finished else None,
                                     c.stop_reason if d.finished else None)
         yield event(P.CompletionChunk(request_id, created, model, [choice]))
-    if include_usage:
-        yield event(P.CompletionChunk(request_id, created, model, [], _usage(gen, req.n)))
+    if req.include_usage:
+        yield event(P.CompletionChunk(request_id, created, model, [], gen.usage()))
     yield DONE
