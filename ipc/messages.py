@@ -1,70 +1,43 @@
 """Wire messages between an engine client (server/) and an engine process, one ring record each.
 
-Binary and compact (DESIGN.md §3): token ids travel as raw native int32 (both ends are on the
-same host), logprobs as raw float32. Only the small sampling-parameter dict is msgpack. A
-decoded prompt stays an int32 array (a view of the record, no per-token Python int): the engine
-takes it as it is, so a 32k-token prompt costs one C call on each side, not 32k objects.
+msgpack through msgspec (one C call each way, reused Encoder/Decoder), array-like structs (a
+record is a msgpack array, no field names). A prompt's token ids travel as one raw native int32
+``bin`` (both ends are on the same host; DESIGN.md §3) and come out as an int32 array over the
+decoded bytes: the engine takes it as it is, so a 32k-token prompt costs a few C calls on each
+side, not 32k Python ints. A step's new token ids (usually one per output, and the frontend
+needs them as Python ints for detokenizing) travel as msgpack ints: 1-5 bytes each, decoded in
+C straight into the list; as raw int32 they measured 3-8x slower on both sides (docs/ipc.md).
 
-Worker -> engine records: :class:`AddRequest`, :class:`Abort` (``encode_request``/``decode_request``).
-Engine -> worker record: one list of :class:`Output` per step (``encode_outputs``/``decode_outputs``).
-Every record starts with a one-byte kind.
+Worker -> engine records: :class:`AddRequest`, :class:`Abort` (``encode_request``/``decode_request``),
+told apart by their tag (the array's first item).
+Engine -> worker record: one step's list of :class:`Output` (``encode_outputs``/``decode_outputs``).
 """
 
 from __future__ import annotations
 
 import struct
-from array import array
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import msgspec
 import numpy as np
 
-KIND_ADD, KIND_ABORT, KIND_OUTPUTS = 1, 2, 3
-
-FINISH_REASONS: tuple[str | None, ...] = (None, "stop", "length", "abort", "error")
-_FINISH_CODE = {r: i for i, r in enumerate(FINISH_REASONS)}
-
-# kind, flags, pad, n_tokens, id_len, params_len
-_ADD = struct.Struct("<BB2xIII")
-_ADD_TRACE = 1  # AddRequest flag: record this request's journey (engine/trace.py)
-# kind, pad, id_len
-_ABORT = struct.Struct("<B3xI")
-# kind, pad, n_outputs
-_OUTPUTS = struct.Struct("<B3xI")
-# id_len, index, finish code, flags, n_tokens, num_prompt_tokens, num_cached_tokens,
-# logprob entries, stop_reason, err_len
-_ITEM = struct.Struct("<HHBB2xIIIIiI")
-_HAS_LOGPROBS, _HAS_STOP_REASON, _HAS_TRACE, _HAS_PROMPT_LOGPROBS = 1, 2, 4, 8
-_TRACE_LEN = struct.Struct("<I")  # a traced request's journey: length, then the JSON blob
-_PROMPT_LOGPROBS = struct.Struct("<II")  # positions, entries; then laid out as logprobs
-
-_msgpack_encode = msgspec.msgpack.Encoder().encode
-_msgpack_decode = msgspec.msgpack.Decoder(dict).decode
+# Structs hold no reference cycles, so the garbage collector need not track them (cheaper).
 
 
-def _int32_bytes(ids: Sequence[int] | np.ndarray) -> bytes:
-    if isinstance(ids, np.ndarray):
-        return np.ascontiguousarray(ids, dtype=np.int32).tobytes()
-    # For a list, ~3x faster than np.asarray(ids, np.int32) or array("i", ids) (docs/ipc.md).
-    return struct.pack(f"{len(ids)}i", *ids)
-
-
-@dataclass(slots=True)
-class AddRequest:
+class AddRequest(msgspec.Struct, tag=1, array_like=True, gc=False):
     request_id: str
-    prompt_token_ids: Sequence[int] | np.ndarray  # decoded: a read-only int32 array
-    params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields by name
+    # In: a list of ints (what the tokenizer gives) or an int32 array. Out of decode_request: a
+    # read-only int32 array over the record's bytes. On the wire: raw int32 bytes.
+    prompt_token_ids: Any
+    params: dict[str, Any] = {}           # SamplingParams fields by name
     trace: bool = False                   # record its journey; it comes back on the last Output
 
 
-@dataclass(slots=True)
-class Abort:
+class Abort(msgspec.Struct, tag=2, array_like=True, gc=False):
     request_id: str
 
 
-@dataclass(slots=True)
-class Output:
+class Output(msgspec.Struct, array_like=True, gc=False):
     """What one step produced for one request (one of its ``n`` samples: ``index``)."""
 
     request_id: str
@@ -88,130 +61,52 @@ class Output:
         return self.finish_reason is not None
 
 
+_encode = msgspec.msgpack.Encoder().encode
+_decode_request = msgspec.msgpack.Decoder(AddRequest | Abort).decode
+_decode_outputs = msgspec.msgpack.Decoder(list[Output]).decode
+
+_INT32 = np.dtype(np.int32)  # a dtype object: np.frombuffer converts np.int32 on every call
+_PACKERS: dict[int, struct.Struct] = {}  # prompt length -> its int32 packer
+
+
+def _int32_bytes(ids: Sequence[int] | np.ndarray) -> bytes:
+    if type(ids) is not list:  # an array (or another sequence): numpy converts it in C
+        return np.ascontiguousarray(ids, dtype=_INT32).tobytes()
+    # For a list, a Struct per length is the fastest of the ways measured (docs/ipc.md):
+    # 4096 ids ~25 us, against ~31 us for struct.pack with a format, ~55-70 us for
+    # np.fromiter, np.array or array("i", ...).
+    n = len(ids)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        if len(_PACKERS) >= 4096:  # bound the cache; prompt lengths are many
+            _PACKERS.clear()
+        packer = _PACKERS[n] = struct.Struct(f"{n}i")
+    return packer.pack(*ids)
+
+
 # -- worker -> engine ------------------------------------------------------------------
 
 
 def encode_request(msg: AddRequest | Abort) -> bytes:
-    rid = msg.request_id.encode()
-    if isinstance(msg, Abort):
-        return _ABORT.pack(KIND_ABORT, len(rid)) + rid
-    tokens = _int32_bytes(msg.prompt_token_ids)
-    params = _msgpack_encode(msg.params)
-    flags = _ADD_TRACE if msg.trace else 0
-    return b"".join((_ADD.pack(KIND_ADD, flags, len(tokens) // 4, len(rid), len(params)),
-                     tokens, rid, params))
+    if type(msg) is Abort:
+        return _encode(msg)
+    # AddRequest's array-like layout, [tag, fields...], with the ids as raw int32 bytes
+    return _encode((1, msg.request_id, _int32_bytes(msg.prompt_token_ids), msg.params, msg.trace))
 
 
-def decode_request(buf: bytes) -> AddRequest | Abort:
-    """``buf``: one record as Ring.read returns it (bytes, which the prompt array then views)."""
-    kind = buf[0]
-    if kind == KIND_ABORT:
-        _, id_len = _ABORT.unpack_from(buf)
-        return Abort(bytes(buf[_ABORT.size : _ABORT.size + id_len]).decode())
-    if kind != KIND_ADD:
-        raise ValueError(f"not a request record (kind {kind})")
-    _, flags, n, id_len, params_len = _ADD.unpack_from(buf)
-    at = _ADD.size
-    tokens = np.frombuffer(buf, np.int32, n, at)  # no copy: the record is already ours
-    at += 4 * n
-    rid = str(buf[at : at + id_len], "utf-8")
-    at += id_len
-    params = _msgpack_decode(buf[at : at + params_len])
-    return AddRequest(rid, tokens, params, bool(flags & _ADD_TRACE))
+def decode_request(buf: bytes | memoryview) -> AddRequest | Abort:
+    msg = _decode_request(buf)
+    if type(msg) is AddRequest:
+        msg.prompt_token_ids = np.frombuffer(msg.prompt_token_ids, _INT32)  # a view: no copy
+    return msg
 
 
 # -- engine -> worker ------------------------------------------------------------------
 
 
 def encode_outputs(outputs: Sequence[Output]) -> bytes:
-    parts = [_OUTPUTS.pack(KIND_OUTPUTS, len(outputs))]
-    for o in outputs:
-        rid = o.request_id.encode()
-        err = o.error.encode() if o.error else b""
-        n = len(o.new_token_ids)
-        flags = _HAS_LOGPROBS if o.logprobs is not None else 0
-        entries = sum(map(len, o.logprobs)) if o.logprobs is not None else 0
-        if o.stop_reason is not None:
-            flags |= _HAS_STOP_REASON
-        if o.trace is not None:
-            flags |= _HAS_TRACE
-        if o.prompt_logprobs is not None:
-            flags |= _HAS_PROMPT_LOGPROBS
-        parts.append(_ITEM.pack(len(rid), o.index, _FINISH_CODE[o.finish_reason], flags, n,
-                                o.num_prompt_tokens, o.num_cached_tokens, entries,
-                                o.stop_reason if o.stop_reason is not None else 0, len(err)))
-        parts.append(_int32_bytes(o.new_token_ids))
-        if o.logprobs is not None:
-            _encode_positions(parts, o.logprobs)
-        parts.append(rid)
-        parts.append(err)
-        if o.trace is not None:
-            parts.append(_TRACE_LEN.pack(len(o.trace)))
-            parts.append(o.trace)
-        if o.prompt_logprobs is not None:
-            parts.append(_PROMPT_LOGPROBS.pack(len(o.prompt_logprobs), sum(map(len, o.prompt_logprobs))))
-            _encode_positions(parts, o.prompt_logprobs)
-    return b"".join(parts)
+    return _encode(outputs)
 
 
-def _encode_positions(parts: list[bytes], positions: list[list[tuple[int, float, int]]]) -> None:
-    """Per position its entry count; then all entries' ids, logprobs and ranks."""
-    parts.append(array("i", map(len, positions)).tobytes())
-    flat = [e for position in positions for e in position]
-    parts.append(array("i", [e[0] for e in flat]).tobytes())
-    parts.append(array("f", [e[1] for e in flat]).tobytes())
-    parts.append(array("i", [e[2] for e in flat]).tobytes())
-
-
-def _decode_positions(view: memoryview, at: int, n: int, entries: int,
-                      ) -> tuple[list[list[tuple[int, float, int]]], int]:
-    """What _encode_positions wrote for n positions of `entries` entries in all; the end offset."""
-    counts = view[at : at + 4 * n].cast("i").tolist()
-    at += 4 * n
-    ids = view[at : at + 4 * entries].cast("i").tolist()
-    lps = view[at + 4 * entries : at + 8 * entries].cast("f").tolist()
-    ranks = view[at + 8 * entries : at + 12 * entries].cast("i").tolist()
-    at += 12 * entries
-    entry = list(zip(ids, lps, ranks))
-    positions, start = [], 0
-    for c in counts:
-        positions.append(entry[start : start + c])
-        start += c
-    return positions, at
-
-
-def decode_outputs(buf: bytes) -> list[Output]:
-    kind, count = _OUTPUTS.unpack_from(buf)
-    if kind != KIND_OUTPUTS:
-        raise ValueError(f"not an outputs record (kind {kind})")
-    view = memoryview(buf)
-    at = _OUTPUTS.size
-    out = []
-    for _ in range(count):
-        (id_len, index, finish, flags, n, num_prompt, num_cached, entries, stop_reason,
-         err_len) = _ITEM.unpack_from(buf, at)
-        at += _ITEM.size
-        tokens = view[at : at + 4 * n].cast("i").tolist()
-        at += 4 * n
-        logprobs = None
-        if flags & _HAS_LOGPROBS:
-            logprobs, at = _decode_positions(view, at, n, entries)
-        rid = bytes(view[at : at + id_len]).decode()
-        at += id_len
-        err = bytes(view[at : at + err_len]).decode() if err_len else None
-        at += err_len
-        trace = None
-        if flags & _HAS_TRACE:
-            (trace_len,) = _TRACE_LEN.unpack_from(buf, at)
-            at += _TRACE_LEN.size
-            trace = bytes(view[at : at + trace_len])
-            at += trace_len
-        prompt_logprobs = None
-        if flags & _HAS_PROMPT_LOGPROBS:
-            positions, prompt_entries = _PROMPT_LOGPROBS.unpack_from(buf, at)
-            prompt_logprobs, at = _decode_positions(view, at + _PROMPT_LOGPROBS.size, positions,
-                                                    prompt_entries)
-        out.append(Output(rid, tokens, FINISH_REASONS[finish], index, num_prompt,
-                          stop_reason if flags & _HAS_STOP_REASON else None,
-                          logprobs, err, num_cached, trace, prompt_logprobs))
-    return out
+def decode_outputs(buf: bytes | memoryview) -> list[Output]:
+    return _decode_outputs(buf)

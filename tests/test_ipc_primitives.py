@@ -217,8 +217,9 @@ def test_request_messages_round_trip():
     empty = decode_request(encode_request(AddRequest("e", [], {})))
     assert (empty.request_id, len(empty.prompt_token_ids), empty.params) == ("e", 0, {})
     assert decode_request(encode_request(Abort("req-é1"))) == Abort("req-é1")
-    # token ids are raw int32: 4 bytes each plus a fixed header, id and params
-    assert len(encode_request(AddRequest("r", list(range(1000)), {}))) == 16 + 4000 + 1 + 1
+    # prompt ids are raw int32: 4 bytes each in one msgpack bin (3-byte header), plus the array
+    # header, tag, id, params and trace flag
+    assert len(encode_request(AddRequest("r", list(range(1000)), {}))) == 1 + 1 + 2 + 3 + 4000 + 1 + 1
 
 
 def test_output_messages_round_trip():
@@ -232,8 +233,8 @@ def test_output_messages_round_trip():
     ]
     assert decode_outputs(encode_outputs(outs)) == outs
     assert decode_outputs(encode_outputs([])) == []
-    # one decode token of one request: a 32-byte item header plus 4 bytes per token and the id
-    assert len(encode_outputs([Output("abcd", [5])])) == 8 + 32 + 4 + 4
+    # one decode token of one request: 18 bytes (an 11-field array, the id, a 1-item id list)
+    assert len(encode_outputs([Output("abcd", [5])])) == 18
 
 
 # -- load score --------------------------------------------------------------------------
