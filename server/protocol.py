@@ -59,6 +59,11 @@ class _SamplingFields(Struct, kw_only=True):
     # ringserve extension: answer with the request's journey (server/trace.py)
     ringserve_trace: bool = False
 
+    @property
+    def include_usage(self) -> bool:
+        """A stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     # One array-like type per union in msgspec: the list's items are checked in `prompt_inputs`.
