@@ -143,27 +143,28 @@ def decode_request(body: bytes, type: type[T]) -> T:
     """Parse and type-check a JSON body; any failure is a 400 naming the field."""
     try:
         return msgspec.json.decode(body, type=type)
-    except UnicodeDecodeError:
-        raise bad_request("request body is not valid UTF-8") from None
-    except msgspec.ValidationError as exc:
-        raise from_validation_error(exc) from None
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"malformed JSON: {exc}") from None
+    except (UnicodeDecodeError, msgspec.DecodeError) as exc:
+        raise _decode_error(exc) from None
 
 
 def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """vLLM's /tokenize takes either a `prompt` or chat `messages`."""
     try:
         raw = msgspec.json.decode(body)
-    except UnicodeDecodeError:
-        raise bad_request("request body is not valid UTF-8") from None
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"malformed JSON: {exc}") from None
-    kind = TokenizeChatRequest if isinstance(raw, dict) and "messages" in raw else TokenizeCompletionRequest
-    try:
+        kind = (TokenizeChatRequest if isinstance(raw, dict) and "messages" in raw
+                else TokenizeCompletionRequest)
         return msgspec.convert(raw, type=kind)
-    except msgspec.ValidationError as exc:
-        raise from_validation_error(exc) from None
+    except (UnicodeDecodeError, msgspec.DecodeError) as exc:
+        raise _decode_error(exc) from None
+
+
+def _decode_error(exc: Exception) -> APIError:
+    """The 400 for a body that is not UTF-8, not JSON, or not the request's shape."""
+    if isinstance(exc, UnicodeDecodeError):
+        return bad_request("request body is not valid UTF-8")
+    if isinstance(exc, msgspec.ValidationError):  # a DecodeError too: test it first
+        return from_validation_error(exc)
+    return bad_request(f"malformed JSON: {exc}")
 
 
 def check_model(model: str | None, served_names: list[str]) -> str:
