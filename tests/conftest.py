@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -28,40 +29,79 @@ def default_model_dir() -> Path:
     return resolve_model(None)
 
 
-@pytest.fixture(scope="module")
-def tiny_server(tiny_model_dir, tmp_path_factory):
-    """Start a real `ringserve serve` on the tiny model (1 worker, CPU): call it with extra serve
-    flags, get its base URL. Every server it started is stopped (SIGTERM) after the module,
-    and must exit 0 with no traceback in its log."""
-    started: list[tuple[subprocess.Popen, Path]] = []
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def start(*extra: str) -> str:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        log = tmp_path_factory.mktemp("tiny-serve") / "serve.log"
-        cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(tiny_model_dir),
-               "--port", str(port), "--workers", "1", "--max-model-len", "256", "--device", "cpu",
-               "--drain-timeout", "2", *extra]
+
+@pytest.fixture
+def unused_port() -> int:
+    return free_port()
+
+
+@dataclass
+class ServeProcess:
+    """A real `ringserve serve` (the launcher process) on 127.0.0.1."""
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> str:
+        """SIGTERM (unless it has already exited): it must exit 0 with no traceback in its log.
+        Returns the log."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(60) == 0, self.log.read_text()
+        text = self.log.read_text()
+        assert "Traceback" not in text, text
+        return text
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    """Start a real `ringserve serve --model MODEL_DIR FLAGS...` and wait until /health answers
+    200: call it as serve(model_dir, *flags, timeout=...), get a ServeProcess. Every server it
+    started is stopped after the module (ServeProcess.stop: exit 0, no traceback)."""
+    started: list[ServeProcess] = []
+
+    def start(model_dir: Path, *flags: str, timeout: float = 120.0) -> ServeProcess:
+        port = free_port()
+        log = tmp_path_factory.mktemp("serve") / "serve.log"
+        cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(model_dir),
+               "--port", str(port), *flags]
         with open(log, "wb") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        started.append((proc, log))
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
+            server = ServeProcess(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), port, log)
+        started.append(server)
+        deadline = time.monotonic() + timeout
         while True:
-            assert proc.poll() is None, log.read_text()
+            assert server.proc.poll() is None, log.read_text()
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return url
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    return server
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.3)
 
     yield start
-    for proc, log in started:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc, log in started:
-        assert proc.wait(60) == 0, log.read_text()
-        assert "Traceback" not in log.read_text(), log.read_text()
+    for server in started:  # SIGTERM them all first, so that they drain in parallel
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGTERM)
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(serve, tiny_model_dir):
+    """Start a real `ringserve serve` on the tiny model (1 worker, CPU): call it with extra serve
+    flags, get its base URL. Stopped after the module as `serve` stops its servers."""
+    def start(*extra: str) -> str:
+        return serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
+                     "--drain-timeout", "2", *extra).url
+    return start

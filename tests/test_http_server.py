@@ -6,15 +6,13 @@ import asyncio
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from conftest import ServeProcess
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +22,8 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def fibonacci(n):",
            "import numpy as"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
-        self.proc, self.port, self.log = proc, port, log
-        self.url = f"http://127.0.0.1:{port}"
+class Server(ServeProcess):
+    """The serve process, and what these tests read of it."""
 
     def gunicorn_workers(self) -> list[int]:
         """Pids of the Gunicorn workers (grandchildren of the launcher)."""
@@ -82,31 +72,13 @@ def _samples(text: str, name: str) -> list[tuple[str, float]]:
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(default_model_dir),
-           "--port", str(port), "--workers", "2", "--max-model-len", str(MAX_MODEL_LEN),
-           "--served-model-name", "smol", "--drain-timeout", "5"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    srv = Server(proc, port, log)
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.5)
+def server(serve, default_model_dir):
+    started = serve(default_model_dir, "--workers", "2", "--max-model-len", str(MAX_MODEL_LEN),
+                    "--served-model-name", "smol", "--drain-timeout", "5", timeout=180)
+    srv = Server(started.proc, started.port, started.log)
     yield srv
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0, log.read_text()
-    text = log.read_text()
-    assert "stopped" in text and "Traceback" not in text, text
+    text = srv.stop()
+    assert "stopped" in text, text
     # Nothing of this server is left in /dev/shm.
     leftovers = [p.name for p in Path("/dev/shm").glob("ringserve-*")
                  if not Path(f"/proc/{p.name.split('-')[1]}").exists()]

@@ -4,13 +4,7 @@ and /v1/chat/completions, then --compare and --plot on what they wrote."""
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
 from ringserve.server.cli import main
@@ -18,34 +12,10 @@ from ringserve.server.cli import main
 INPUT_LEN, OUTPUT_LEN = 24, 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server_url(tiny_model_dir, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("loadgen-serve") / "serve.log"
-    cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(tiny_model_dir),
-           "--port", str(port), "--workers", "1", "--max-model-len", "256", "--drain-timeout", "5"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.3)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0, log.read_text()
+def server_url(serve, tiny_model_dir):
+    return serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256",
+                 "--drain-timeout", "5").url
 
 
 def _loadgen(tmp_path, name, *args) -> dict:
@@ -136,10 +106,10 @@ def _has_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def test_errors_are_one_line(capsys, tmp_path):
+def test_errors_are_one_line(capsys, tmp_path, unused_port):
     assert main(["loadgen", "--mode", "ring", "--server-dir", str(tmp_path)]) == 1
     assert capsys.readouterr().err.startswith("error: ")
-    assert main(["loadgen", "--mode", "http", "--base-url", f"http://127.0.0.1:{_free_port()}",
+    assert main(["loadgen", "--mode", "http", "--base-url", f"http://127.0.0.1:{unused_port}",
                  "--dataset", "jsonl", "--dataset-path", "/nonexistent.jsonl", "--prompt-format", "text"]) == 1
     assert capsys.readouterr().err.startswith("error: ")
     assert main(["loadgen", "--goodput", "itl:5"]) == 1
