@@ -1,6 +1,7 @@
 """Shared fixtures. Other test files may add fixtures here."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -34,6 +35,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def no_segment_left_behind():
+    """The module must leave no ringserve segment in /dev/shm made by this process or by a
+    process now dead (live servers of other runs may own some)."""
+    from ringserve.ipc.shm import list_segments
+    before = set(list_segments())
+    yield
+    left = []
+    for name in set(list_segments()) - before:
+        pid = int(name.split("-")[1])
+        if pid == os.getpid() or not Path(f"/proc/{pid}").exists():
+            left.append(name)
+    assert left == [], "shared-memory segments left in /dev/shm"
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pytest
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
 from ringserve.ipc import control
-from ringserve.ipc.shm import list_segments
 from ringserve.ipc.stats import (GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_HITS,
                                  PREFIX_CACHE_QUERIES, PROMPT_TOKENS_COMPUTED, STEPS)
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
@@ -32,20 +31,7 @@ LONG = {"max_tokens": 30000, "ignore_eos": True}
 NUM_BLOCKS = 4096
 
 
-def _ours_left(before: set[str]) -> list[str]:
-    left = []
-    for name in set(list_segments()) - before:
-        pid = int(name.split("-")[1])
-        if pid == os.getpid() or not Path(f"/proc/{pid}").exists():
-            left.append(name)
-    return left
-
-
-@pytest.fixture(autouse=True, scope="module")
-def no_segment_left_behind():
-    before = set(list_segments())
-    yield
-    assert _ours_left(before) == [], "shared-memory segments left in /dev/shm"
+pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
 
 
 class Engines:

@@ -9,7 +9,6 @@ import signal
 import stat
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from ringserve.ipc.doorbell import Doorbell
 from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_outputs, decode_request,
                                     encode_outputs, encode_request)
 from ringserve.ipc.ring import RecordTooLarge, Ring
-from ringserve.ipc.shm import SHM_DIR, Segment, list_segments, remove_stale_segments
+from ringserve.ipc.shm import SHM_DIR, Segment, remove_stale_segments
 from ringserve.ipc.stats import (GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_HITS,
                                  PREFIX_CACHE_QUERIES, PROMPT_TOKENS_COMPUTED, STEPS, EngineStats,
                                  least_loaded, score, stats_size)
@@ -28,21 +27,7 @@ from ringserve.ipc.stats import (GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACH
 ctx = mp.get_context("spawn")
 
 
-def _ours_left(before: set[str]) -> list[str]:
-    """Segments created during this module by this process or by processes now dead."""
-    left = []
-    for name in set(list_segments()) - before:
-        pid = int(name.split("-")[1])
-        if pid == os.getpid() or not Path(f"/proc/{pid}").exists():
-            left.append(name)
-    return left
-
-
-@pytest.fixture(autouse=True, scope="module")
-def no_segment_left_behind():
-    before = set(list_segments())
-    yield
-    assert _ours_left(before) == [], "shared-memory segments left in /dev/shm"
+pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
 
 
 # -- segments ----------------------------------------------------------------------------
