@@ -2,6 +2,8 @@
 A wheel only contains the packages listed there, so every folder with an __init__.py must be listed."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 try:
@@ -31,3 +33,13 @@ def test_cli_entry_point_imports():
     from ringserve.server.cli import main
 
     assert callable(main)
+
+
+def test_frontend_worker_imports_no_gpu_or_engine_code():
+    """DESIGN.md §2: a Gunicorn worker must never import ringserve.gpu or the engine (nor CUDA
+    libraries), so that it never initializes CUDA. Checked in a fresh interpreter."""
+    code = ("import sys, ringserve.server.worker, ringserve.server.gunicorn_conf\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'numba')"
+            " or m.startswith(('ringserve.gpu', 'ringserve.engine'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
