@@ -85,7 +85,8 @@ class Segment:
         self.close()
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (ours or someone else's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -100,7 +101,7 @@ def remove_stale_segments() -> list[str]:
     removed = []
     for path in SHM_DIR.glob(PREFIX + "*"):
         m = _NAME_RE.match(path.name)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         try:
             path.unlink()

@@ -8,11 +8,12 @@ worker does.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from ringserve.ipc.shm import pid_alive
 
 SERVER_FILE = "server.json"
 
@@ -31,16 +32,6 @@ class ServerInfo:
         d = json.loads(path.read_text())
         return cls(d["url"], d["pid"], d["model_dir"], d["max_model_len"],
                    d["served_model_names"], d["control_paths"])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -64,7 +55,7 @@ def find_server(url: str | None = None, server_dir: str | Path | None = None) ->
             info = ServerInfo.read(path)
         except (OSError, ValueError, KeyError):
             continue
-        if _alive(info.pid):
+        if pid_alive(info.pid):
             live.append(info)
     if url is not None:
         want = _host_port(url)
