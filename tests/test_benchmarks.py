@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ringserve.tools import bench_engine, bench_forward, bench_trace
+from ringserve.tools import bench_engine, bench_forward, bench_ipc, bench_trace
 from ringserve.tools.bench_report import FORMAT, BenchRun, Column, markdown_table, table
 
 
@@ -112,3 +112,25 @@ def test_bench_forward(tiny_model_dir, tmp_path, capsys):
         assert r["ours_float32_tok_s"] == pytest.approx(r["batch"] / r["ours_float32_ms"] * 1e3)
     assert doc["prefill"]["tokens"] == 32 and doc["prefill"]["ours_float32_s"] > 0
     assert [c[0] for c in _table_rows(capsys.readouterr().out, "batch")] == ["1", "4"]
+
+
+def test_bench_ipc(tmp_path, capsys):
+    pytest.importorskip("zmq")
+    bench_ipc.main(["--quick", "--repeats", "1", "--json", str(tmp_path / "i.json")])
+    doc = _doc(tmp_path / "i.json", "bench_ipc")
+    kinds = ["ring", "os.pipe", "mp.Queue", "zmq+msgspec"]
+    assert [(r["transport"], r["tokens"]) for r in doc["rows"]] == [(k, n) for n in (16, 4096) for k in kinds]
+    for n in (16, 4096):
+        rows = {r["transport"]: r for r in doc["rows"] if r["tokens"] == n}
+        zmq = rows["zmq+msgspec"]
+        assert zmq["throughput_vs_zmq"] == 1.0 and zmq["rtt_p50_zmq_over"] == 1.0
+        ring = rows["ring"]
+        assert ring["msgs_per_s"] > 0 and 0 < ring["rtt_p50_us"] <= ring["rtt_p99_us"]
+        assert ring["throughput_vs_zmq"] == pytest.approx(ring["msgs_per_s"] / zmq["msgs_per_s"])
+        assert ring["rtt_p50_zmq_over"] == pytest.approx(zmq["rtt_p50_us"] / ring["rtt_p50_us"])
+    assert [(c["codec"], c["tokens"]) for c in doc["codec"]] == [
+        (c, n) for n in (16, 4096) for c in ("ring wire", "msgspec", "pickle")]
+    assert 0 < doc["wakeup_us"]["p50"] <= doc["wakeup_us"]["p99"]
+    out = capsys.readouterr().out
+    assert [c[0] for c in _table_rows(out, "transport")] == kinds * 2
+    assert [c[0] for c in _table_rows(out, "codec")] == ["ring wire", "msgspec", "pickle"] * 2

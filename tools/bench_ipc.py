@@ -1,6 +1,6 @@
 """Benchmark the frontend<->engine transports in one run (DESIGN.md §4).
 
-    .venv/bin/python -m ringserve.tools.bench_ipc [--quick] [--repeats 3]
+    .venv/bin/python -m ringserve.tools.bench_ipc [--quick] [--repeats 3] [--json FILE]
 
 Every transport carries the same thing: an AddRequest whose prompt is a Python list of ints
 (what the tokenizer gives; 16 tokens ~ 64 B, or 4096 tokens = 16 KiB of ids) in, and on the
@@ -34,6 +34,7 @@ from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
 from ringserve.ipc.messages import (AddRequest, Output, decode_outputs, decode_request,
                                    encode_outputs, encode_request)
+from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
 ctx = mp.get_context("fork")  # transports are created first and inherited; nothing here holds CUDA
 
@@ -333,31 +334,49 @@ def codec_costs(tokens: int, number: int) -> dict[str, tuple[float, float, float
     return out
 
 
+TRANSPORT_COLUMNS = [Column("transport", "transport", align="<"), Column("message", "message", align="<"),
+                     Column("msgs_per_s", "msgs/s", ",.0f"), Column("rtt_p50_us", "rtt p50 us", ".1f"),
+                     Column("rtt_p99_us", "rtt p99 us", ".1f"),
+                     Column("throughput_vs_zmq", "msgs/s / zmq's", ".2f"),
+                     Column("rtt_p50_zmq_over", "zmq's rtt p50 / this", ".2f")]
+CODEC_COLUMNS = [Column("codec", "codec", align="<"), Column("message", "message", align="<"),
+                 Column("encode_us", "encode us", ".1f"), Column("decode_us", "decode us", ".1f"),
+                 Column("to_int32_us", "to int32 us", ".1f")]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer messages (a smoke run)")
     ap.add_argument("--repeats", type=int, default=3, help="throughput runs per transport (median)")
+    add_json_argument(ap)
     args = ap.parse_args(argv)
+    run = BenchRun.start("bench_ipc", args)
     scale = 0.1 if args.quick else 1.0
     sizes = [("64 B (16 tok)", 16, int(100_000 * scale), int(20_000 * scale)),
              ("16 KiB (4096 tok)", 4096, int(10_000 * scale), int(5_000 * scale))]
     kinds = ["ring", "os.pipe", "mp.Queue", "zmq+msgspec"]
-    print(f"{'transport':<13} {'message':<18} {'msgs/s':>10} {'rtt p50 us':>11} {'rtt p99 us':>11}")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for label, tokens, n_msgs, n_rtt in sizes:
-            results = {}
-            for kind in kinds:
-                results[kind] = rate, p50, p99 = measure(kind, tokens, n_msgs, n_rtt, tmp, args.repeats)
-                print(f"{kind:<13} {label:<18} {rate:>10,.0f} {p50:>11.1f} {p99:>11.1f}", flush=True)
-            ring, zmq = results["ring"], results["zmq+msgspec"]
-            print(f"{'ring vs zmq':<13} {label:<18} {ring[0] / zmq[0]:>9.1f}x {zmq[1] / ring[1]:>10.1f}x"
-                  f" {zmq[2] / ring[2]:>10.1f}x  (throughput higher / latency lower)")
+            results = {kind: measure(kind, tokens, n_msgs, n_rtt, tmp, args.repeats) for kind in kinds}
+            zmq = results["zmq+msgspec"]
+            for kind, (rate, p50, p99) in results.items():
+                rows.append({"transport": kind, "message": label, "tokens": tokens, "msgs_per_s": rate,
+                             "rtt_p50_us": p50, "rtt_p99_us": p99, "throughput_vs_zmq": rate / zmq[0],
+                             "rtt_p50_zmq_over": zmq[1] / p50, "rtt_p99_zmq_over": zmq[2] / p99})
     p50, p99 = wakeup_latency(int(2000 * scale))
-    print(f"eventfd wake-up of an idle asyncio frontend: p50 {p50:.1f} us, p99 {p99:.1f} us")
-    print(f"\n{'codec':<13} {'message':<18} {'encode us':>10} {'decode us':>10} {'to int32 us':>12}")
-    for label, tokens, *_ in sizes:
-        for name, (e, d, i) in codec_costs(tokens, max(20, int(2000 * scale))).items():
-            print(f"{name:<13} {label:<18} {e:>10.1f} {d:>10.1f} {i:>12.1f}")
+    codec = [{"codec": name, "message": label, "tokens": tokens, "encode_us": e, "decode_us": d,
+              "to_int32_us": i}
+             for label, tokens, *_ in sizes
+             for name, (e, d, i) in codec_costs(tokens, max(20, int(2000 * scale))).items()]
+    run.finish()
+    print(run.header())
+    print(f"throughput: median of {args.repeats} runs; ratios against zmq+msgspec in the same run "
+          f"(higher is better for both)")
+    print(table(rows, TRANSPORT_COLUMNS))
+    print(f"\neventfd wake-up of an idle asyncio frontend: p50 {p50:.1f} us, p99 {p99:.1f} us\n")
+    print(table(codec, CODEC_COLUMNS))
+    run.write(args.json, rows, wakeup_us={"p50": p50, "p99": p99}, codec=codec)
 
 
 if __name__ == "__main__":
