@@ -4,9 +4,9 @@ msgpack through msgspec (one C call each way, reused Encoder/Decoder), array-lik
 record is a msgpack array, no field names). A prompt's token ids travel as one raw native int32
 ``bin`` (both ends are on the same host; DESIGN.md §3) and come out as an int32 array over the
 decoded bytes: the engine takes it as it is, so a 32k-token prompt costs a few C calls on each
-side, not 32k Python ints. A step's new token ids (usually one per output, and the frontend
-needs them as Python ints for detokenizing) travel as msgpack ints: 1-5 bytes each, decoded in
-C straight into the list; as raw int32 they measured 3-8x slower on both sides (docs/ipc.md).
+side, not 32k Python ints. A step's new token ids travel as raw int32 too, all of the step's
+outputs together in one block (usually one id per output; a block per output measured 3-8x
+slower than msgpack ints, one per step costs one pack and one frombuffer+tolist per step).
 
 Worker -> engine records: :class:`AddRequest`, :class:`Abort` (``encode_request``/``decode_request``),
 told apart by their tag (the array's first item).
@@ -41,7 +41,9 @@ class Output(msgspec.Struct, array_like=True, gc=False):
     """What one step produced for one request (one of its ``n`` samples: ``index``)."""
 
     request_id: str
-    new_token_ids: list[int]
+    # On the wire this holds the count: the ids of the whole step travel together as one raw
+    # int32 block beside the outputs, and decode_outputs slices them back in.
+    new_token_ids: list[int] | int
     finish_reason: str | None = None        # None while running; "stop" | "length" | "abort" | "error"
     index: int = 0
     num_prompt_tokens: int = 0
@@ -63,7 +65,7 @@ class Output(msgspec.Struct, array_like=True, gc=False):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(AddRequest | Abort).decode
-_decode_outputs = msgspec.msgpack.Decoder(list[Output]).decode
+_decode_step = msgspec.msgpack.Decoder(tuple[bytes, list[Output]]).decode
 
 _INT32 = np.dtype(np.int32)  # a dtype object: np.frombuffer converts np.int32 on every call
 _PACKERS: dict[int, struct.Struct] = {}  # prompt length -> its int32 packer
@@ -105,8 +107,20 @@ def decode_request(buf: bytes | memoryview) -> AddRequest | Abort:
 
 
 def encode_outputs(outputs: Sequence[Output]) -> bytes:
-    return _encode(outputs)
+    ids: list[int] = []
+    wire = []
+    for out in outputs:  # the ids move to the step's block; each output carries their count
+        ids += out.new_token_ids
+        wire.append(msgspec.structs.replace(out, new_token_ids=len(out.new_token_ids)))
+    return _encode((_int32_bytes(ids), wire))
 
 
 def decode_outputs(buf: bytes | memoryview) -> list[Output]:
-    return _decode_outputs(buf)
+    block, outputs = _decode_step(buf)
+    ids = np.frombuffer(block, _INT32).tolist()
+    start = 0
+    for out in outputs:
+        end = start + out.new_token_ids
+        out.new_token_ids = ids[start:end]
+        start = end
+    return outputs

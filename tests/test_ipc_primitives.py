@@ -218,8 +218,9 @@ def test_output_messages_round_trip():
     ]
     assert decode_outputs(encode_outputs(outs)) == outs
     assert decode_outputs(encode_outputs([])) == []
-    # one decode token of one request: 18 bytes (an 11-field array, the id, a 1-item id list)
-    assert len(encode_outputs([Output("abcd", [5])])) == 18
+    # one decode token of one request: 24 bytes (the step's 4-byte int32 id block, then an
+    # 11-field array holding the id and the count of its new ids)
+    assert len(encode_outputs([Output("abcd", [5])])) == 24
 
 
 # -- load score --------------------------------------------------------------------------
