@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -80,12 +82,19 @@ def test_bench_trace(tmp_path, capsys):
 
 def test_bench_http(tiny_model_dir, tmp_path):
     """A real engine and Gunicorn worker on the tiny model: both paths stream every token."""
-    out = subprocess.run(
-        [sys.executable, "-m", "ringserve.tools.bench_http", "--model", str(tiny_model_dir),
-         "--device", "cpu", "--max-model-len", "256", "--concurrency", "4", "--max-tokens", "8",
-         "--prompt-tokens", "8", "--idle-s", "0.2", "--json", str(tmp_path / "h.json")],
-        capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    cmd = [sys.executable, "-m", "ringserve.tools.bench_http", "--model", str(tiny_model_dir),
+           "--device", "cpu", "--max-model-len", "256", "--concurrency", "4", "--max-tokens", "8",
+           "--prompt-tokens", "8", "--idle-s", "0.2", "--json", str(tmp_path / "h.json")]
+    # Its own session: on a timeout the engine and Gunicorn it started go down with it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"bench_http did not finish in 90 s:\n{stdout}\n{stderr}")
+    assert proc.returncode == 0, stderr
     doc = _doc(tmp_path / "h.json", "bench_http")
     rows = {r["metric"]: r for r in doc["rows"]}
     assert list(rows) == ["TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms", "ITL p90 ms", "CPU us/token"]
@@ -98,7 +107,7 @@ def test_bench_http(tiny_model_dir, tmp_path):
     assert rows["TTFT p50 ms"]["ratio"] == pytest.approx(rows["TTFT p50 ms"]["http"]
                                                          / rows["TTFT p50 ms"]["engine_client"])
     assert doc["device"] == "cpu"
-    printed = _table_rows(out.stdout, "metric")
+    printed = _table_rows(stdout, "metric")
     assert [c[0] for c in printed] == list(rows)
 
 
