@@ -46,10 +46,11 @@ def test_markdown_table_aligns_and_formats():
 
 def test_bench_run_document(tmp_path):
     import argparse
-    run = BenchRun.start("bench_x", argparse.Namespace(n=3, json=tmp_path / "x.json"))
+    run = BenchRun.start("bench_x", argparse.Namespace(n=3, json=tmp_path / "x.json", api_key="sk-1"))
     run.write(tmp_path / "x.json", [{"n": 3}], extra=1)
     doc = _doc(tmp_path / "x.json", "bench_x")
-    assert doc["args"] == {"n": 3, "json": str(tmp_path / "x.json")} and doc["rows"] == [{"n": 3}]
+    assert doc["args"] == {"n": 3, "json": str(tmp_path / "x.json"), "api_key": "<withheld>"}
+    assert doc["rows"] == [{"n": 3}] and "sk-1" not in (tmp_path / "x.json").read_text()
     assert doc["extra"] == 1 and doc["date"][:2] == "20"
 
 

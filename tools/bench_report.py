@@ -77,6 +77,13 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
                         help="also write the run (machine, load, arguments, rows) here as JSON")
 
 
+def _public(name: str, value: Any) -> Any:
+    """An argument as the JSON may show it: paths as text, secrets (`--api-key`) withheld."""
+    if value is not None and any(w in name for w in ("key", "secret", "password")):
+        return "<withheld>"
+    return str(value) if isinstance(value, Path) else value
+
+
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -95,7 +102,7 @@ class BenchRun:
     @classmethod
     def start(cls, tool: str, args: argparse.Namespace | dict[str, Any]) -> BenchRun:
         a = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
-        return cls(tool, {k: str(v) if isinstance(v, Path) else v for k, v in a.items()},
+        return cls(tool, {k: _public(k, v) for k, v in a.items()},
                    datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                    machine_info(), _load())
 
