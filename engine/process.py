@@ -101,7 +101,7 @@ class EngineProcess:
                 continue
             self._publish()
             self.bell.drain()  # before the recheck: a record written after it rings again
-            if any(s is not None and s.channel.requests.has_data() for s in self.slots):
+            if any(s is not None and s.attached and s.channel.requests.has_data() for s in self.slots):
                 continue
             self._handle_control(IDLE_BEAT_S)
             last_check = time.monotonic()

@@ -268,3 +268,36 @@ def test_engine_counters_reach_the_metrics_page(engines):
         await client.close()
 
     asyncio.run(body())
+
+
+def test_a_request_written_before_the_attach_is_served_once_attached(engines):
+    """A client may write into its ring before the engine has read ATTACHED: the idle engine
+    must not spin on that unattached slot's data and starve its control socket."""
+    from ringserve.ipc.channel import Channel
+    from ringserve.ipc.doorbell import Doorbell
+    from ringserve.ipc.messages import AddRequest, decode_outputs, encode_request
+
+    path, deadline = engines.start("a"), time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the engine is still loading its model
+    sock, welcome, (engine_bell_fd, output_bell_fd) = control.connect(path)
+    channel = Channel.attach(welcome.segment, welcome.ring_capacity)
+    engine_bell, output_bell = Doorbell(engine_bell_fd), Doorbell(output_bell_fd)
+    try:
+        channel.requests.write(encode_request(AddRequest("early", PROMPT, {"max_tokens": 3})))
+        engine_bell.ring()
+        time.sleep(0.3)  # the engine wakes, sees the record on a slot not yet attached
+        sock.send(control.ATTACHED)
+        deadline, tokens = time.monotonic() + 20, 0
+        while tokens < 3 and time.monotonic() < deadline:
+            record = channel.outputs.read()
+            if record is None:
+                output_bell.wait(0.1)
+                continue
+            tokens += sum(len(o.new_token_ids) for o in decode_outputs(record))
+        assert tokens == 3
+    finally:
+        channel.close()
+        engine_bell.close()
+        output_bell.close()
+        sock.close()
