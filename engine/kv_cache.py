@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from ringserve.engine.request import Request
 
 
@@ -83,12 +85,55 @@ class BlockPool:
             self.cached[block_hash] = block
 
 
+class BlockTables:
+    """Every request's block ids as one row of a numpy array, written when its blocks change
+    (every block_size tokens), so that a step's block tables are one gather of rows instead of
+    a rebuild from Python lists (which costs per block of every running request, every step).
+    A row holds -1 past the request's last block. Rows and columns grow by doubling."""
+
+    def __init__(self, num_rows: int = 64, num_cols: int = 16):
+        self.ids = np.full((num_rows, num_cols), -1, np.int32)
+        self.lens = np.zeros(num_rows, np.int32)      # blocks in each row
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+
+    def add_row(self) -> int:
+        if not self._free_rows:
+            old = len(self.lens)
+            self.ids = np.vstack([self.ids, np.full_like(self.ids, -1)])
+            self.lens = np.concatenate([self.lens, np.zeros(old, np.int32)])
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.lens[row])
+        end = start + len(block_ids)
+        if end > self.ids.shape[1]:
+            cols = max(end, 2 * self.ids.shape[1])
+            grown = np.full((len(self.lens), cols), -1, np.int32)
+            grown[:, :self.ids.shape[1]] = self.ids
+            self.ids = grown
+        self.ids[row, start:end] = block_ids
+        self.lens[row] = end
+
+    def free_row(self, row: int) -> None:
+        self.ids[row, :self.lens[row]] = -1
+        self.lens[row] = 0
+        self._free_rows.append(row)
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """The block tables [len(rows), the longest row's length] of these rows."""
+        width = int(self.lens[rows].max()) if len(rows) else 0
+        return self.ids[rows, :width]
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.tables = BlockTables()
+        self.req_rows: dict[str, int] = {}          # per request: its row in self.tables
         self._num_registered: dict[str, int] = {}   # per request: leading blocks already hashed
         # Prefix-cache counters in tokens (vLLM's queries/hits), reset by take_stats().
         self.prefix_queries = 0
@@ -110,9 +155,10 @@ class KVCacheManager:
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.key, ())]
 
-    def block_ids_of(self, reqs) -> list[list[int]]:
-        blocks = self.req_blocks
-        return [[b.block_id for b in blocks[r.key]] for r in reqs]
+    def block_tables_of(self, reqs) -> np.ndarray:
+        """int32 [len(reqs), their most blocks]: each request's block ids, then -1."""
+        rows = self.req_rows
+        return self.tables.gather(np.fromiter((rows[r.key] for r in reqs), np.intp))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -174,14 +220,15 @@ class KVCacheManager:
             return False
         if admitting:
             self.req_blocks[req.key] = blocks
+            self.req_rows[req.key] = self.tables.add_row()
             self._num_registered[req.key] = 0
             if self._hashing(req) and not req.needs_prompt_logprobs:
                 self.prefix_queries += req.num_tokens
                 self.prefix_hits += len(computed_blocks) * self.block_size
         self.pool.touch(computed_blocks)
-        blocks.extend(computed_blocks)
-        if num_new_blocks > 0:
-            blocks.extend(self.pool.take_new(num_new_blocks))
+        new_blocks = computed_blocks + self.pool.take_new(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
+        self.tables.append(self.req_rows[req.key], [b.block_id for b in new_blocks])
         if self._hashing(req):
             self._register_full_blocks(req, blocks, total // self.block_size)
         return True
@@ -199,6 +246,9 @@ class KVCacheManager:
         """Return a request's blocks to the pool (tail first: a prefix is evicted last)."""
         blocks = self.req_blocks.pop(req.key, None)
         self._num_registered.pop(req.key, None)
+        row = self.req_rows.pop(req.key, None)
+        if row is not None:
+            self.tables.free_row(row)
         if blocks:
             self.pool.release(reversed(blocks))
 
