@@ -58,19 +58,14 @@ class ZmqOutputs(msgspec.Struct, array_like=True):
 # -- transports: two ends, each with send(msg) and recv() -> msg ------------------------
 
 
-class RingEnd:
-    def __init__(self, name: str, capacity: int, parent: bool):
-        self.ch = Channel.attach(name, capacity)
-        self.tx, self.rx = (self.ch.requests, self.ch.outputs) if parent else (self.ch.outputs, self.ch.requests)
+class RecordEnd:
+    """An end that moves whole records (ring, pipe) and speaks the ring's wire format."""
 
     def _put(self, record: bytes) -> None:
-        while not self.tx.try_write(record):  # spin: the busy engine's mode
-            pass
+        raise NotImplementedError
 
     def _get(self) -> bytes:
-        while (record := self.rx.read()) is None:
-            pass
-        return record
+        raise NotImplementedError
 
     def send(self, msg: AddRequest) -> None:
         self._put(encode_request(msg))
@@ -85,7 +80,23 @@ class RingEnd:
         return decode_outputs(self._get())
 
 
-class PipeEnd:
+class RingEnd(RecordEnd):
+    def __init__(self, name: str, capacity: int, parent: bool):
+        self.ch = Channel.attach(name, capacity)
+        self.tx, self.rx = (self.ch.requests, self.ch.outputs) if parent else (self.ch.outputs, self.ch.requests)
+
+    def _put(self, record: bytes) -> None:
+        while not self.tx.try_write(record):  # spin: the busy engine's mode
+            pass
+
+    def _get(self) -> bytes:
+        while (record := self.rx.read()) is None:
+            pass
+        return record
+
+
+
+class PipeEnd(RecordEnd):
     def __init__(self, fds: tuple[int, int]):
         self.rfd, self.wfd = fds
 
@@ -106,17 +117,6 @@ class PipeEnd:
         (n,) = struct.unpack("<I", self._read(4))
         return self._read(n)
 
-    def send(self, msg: AddRequest) -> None:
-        self._put(encode_request(msg))
-
-    def recv(self) -> AddRequest:
-        return decode_request(self._get())
-
-    def send_outputs(self, outs: list[Output]) -> None:
-        self._put(encode_outputs(outs))
-
-    def recv_outputs(self) -> list[Output]:
-        return decode_outputs(self._get())
 
 
 class QueueEnd:
