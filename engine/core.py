@@ -216,15 +216,17 @@ class EngineCore:
         """The step's last phase: the scheduled tokens are in the cache and result holds one
         sampled token per request of reqs (those whose last token was computed); append,
         check stops, finish (blocks freed now)."""
+        # Once per running request per step: the plain attributes, not the properties.
         outputs = []
         for j, (req, token) in enumerate(zip(reqs, result.token_ids.tolist())):
             req.append_output_token(token)
             out = RequestOutput(req.request_id, [token], index=req.index,
-                                num_prompt_tokens=req.num_prompt_tokens,
+                                num_prompt_tokens=len(req.prompt_token_ids),
                                 num_cached_tokens=req.num_cached_tokens)
-            if req.params.logprobs is not None:
-                out.new_logprobs = [_position_logprobs(result.logprobs, j, req.params.logprobs)]
-            if req.params.prompt_logprobs is not None and req.index == 0 and req.num_output_tokens == 1:
+            params = req.params
+            if params.logprobs is not None:
+                out.new_logprobs = [_position_logprobs(result.logprobs, j, params.logprobs)]
+            if params.prompt_logprobs is not None and req.index == 0 and len(req.output_token_ids) == 1:
                 out.prompt_logprobs = [None, *req.prompt_logprobs]
             reason = self._stop_reason(req, token)
             if reason is not None:
@@ -235,13 +237,14 @@ class EngineCore:
         return outputs
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
-        if req.num_output_tokens >= req.params.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= req.params.min_tokens:
             if token in req.eos_token_ids:
                 return "stop"
             if token in req.params.stop_token_ids:
                 req.stop_reason = token
                 return "stop"
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return "length"
         return None
 
@@ -251,14 +254,14 @@ class EngineCore:
             del self.groups[request_id]
 
     def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
-        ps = [r.params for r in reqs]
-        rows = np.array([(p.temperature, p.top_k, p.top_p, p.min_p) for p in ps], np.float32).reshape(-1, 4)
+        rows = np.array([r.sampling_row for r in reqs], np.float32).reshape(-1, 4)
         meta = SamplingMetadata(temperature=rows[:, 0], top_k=rows[:, 1].astype(np.int32),
                                 top_p=rows[:, 2], min_p=rows[:, 3],
                                 generators=[r.generator for r in reqs])
-        special = [r for r in reqs if r.params.has_extras]
+        special = [r for r in reqs if r.has_sampling_extras]
         if not special:                                   # the common case: nothing more to do
             return meta
+        ps = [r.params for r in reqs]
         if any(r.params.has_penalties for r in special):
             meta.presence_penalty = np.array([p.presence_penalty for p in ps], np.float32)
             meta.frequency_penalty = np.array([p.frequency_penalty for p in ps], np.float32)

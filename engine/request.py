@@ -48,6 +48,11 @@ class Request:
         self.all_token_ids: list[int] = self.prompt_token_ids.tolist() + self.output_token_ids
         # Unique within the engine (the n samples of a request share its request_id).
         self.key: str = self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
+        # The request's SamplingMetadata row, and whether it needs more than that row; the
+        # params do not change, so they are read once here rather than every step.
+        p = self.params
+        self.sampling_row: tuple[float, int, float, float] = (p.temperature, p.top_k, p.top_p, p.min_p)
+        self.has_sampling_extras: bool = p.has_extras
 
     @property
     def num_prompt_tokens(self) -> int:

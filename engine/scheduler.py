@@ -17,7 +17,7 @@ from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_computed_tokens: int     # tokens already in the cache before this step
@@ -63,7 +63,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()       # the newest; never one already scheduled
                 self._preempt(victim)
