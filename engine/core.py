@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Sequence
 
@@ -254,7 +255,9 @@ class EngineCore:
             del self.groups[request_id]
 
     def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
-        rows = np.array([r.sampling_row for r in reqs], np.float32).reshape(-1, 4)
+        # One flat pass (np.array over a list of tuples is ~1.5x slower).
+        rows = np.fromiter(chain.from_iterable(r.sampling_row for r in reqs), np.float32,
+                           4 * len(reqs)).reshape(-1, 4)
         meta = SamplingMetadata(temperature=rows[:, 0], top_k=rows[:, 1].astype(np.int32),
                                 top_p=rows[:, 2], min_p=rows[:, 3],
                                 generators=[r.generator for r in reqs])

@@ -1,8 +1,6 @@
 """From a SchedulerOutput to the gpu Batch: the super-sequence, positions, slots, block tables."""
 from __future__ import annotations
 
-from itertools import chain
-
 import numpy as np
 
 from ringserve.engine.kv_cache import KVCacheManager
@@ -23,9 +21,7 @@ def build_batch(out: SchedulerOutput, kv: KVCacheManager) -> Batch:
     num_tokens = int(query_start_loc[-1])
     seq_lens = starts + counts
 
-    input_ids = np.fromiter(chain.from_iterable(
-        s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
-        for s in scheduled), np.int32, num_tokens)
+    input_ids = np.fromiter(_new_token_ids(out), np.int32, num_tokens)
     block_tables = kv.block_tables_of(s.request for s in scheduled)
 
     # Per token: its request, its position, and its slot (block_table[pos // bs] * bs + pos % bs).
@@ -41,3 +37,14 @@ def build_batch(out: SchedulerOutput, kv: KVCacheManager) -> Batch:
         seq_lens=seq_lens.astype(np.int32),
         block_tables=block_tables,
     )
+
+
+def _new_token_ids(out: SchedulerOutput):
+    """The tokens each request computes this step, in batch order. A decode step's single
+    token is read without slicing a list (the most common row, once per running request)."""
+    for s in out.scheduled:
+        tokens = s.request.all_token_ids
+        if s.num_new_tokens == 1:
+            yield tokens[s.num_computed_tokens]
+        else:
+            yield from tokens[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
