@@ -227,8 +227,9 @@ class KVCacheManager:
                 self.prefix_hits += len(computed_blocks) * self.block_size
         self.pool.touch(computed_blocks)
         new_blocks = computed_blocks + self.pool.take_new(max(num_new_blocks, 0))
-        blocks.extend(new_blocks)
-        self.tables.append(self.req_rows[req.key], [b.block_id for b in new_blocks])
+        if new_blocks:
+            blocks.extend(new_blocks)
+            self.tables.append(self.req_rows[req.key], [b.block_id for b in new_blocks])
         if self._hashing(req):
             self._register_full_blocks(req, blocks, total // self.block_size)
         return True
