@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request, RequestStatus
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
+class ScheduledRequest(msgspec.Struct, gc=False):
+    """One per scheduled request per step. A Struct without GC tracking: these are the most
+    numerous objects a step makes, and tracked ones trigger collections that walk the heap."""
     request: Request
     num_computed_tokens: int     # tokens already in the cache before this step
     num_new_tokens: int          # tokens computed this step
