@@ -15,6 +15,7 @@ are free for the next step — and the slot is free for the next worker, with a 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import selectors
@@ -292,6 +293,10 @@ def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
     """Build the core, serve until SIGTERM/SIGINT, clean up (the target of an engine process)."""
     engine = EngineProcess(EngineCore(config), control_path, max_slots=max_slots,
                            ring_capacity=ring_capacity, debug_path=debug_path)
+    # What exists now (weights, the block pool's KVBlocks) lives as long as the process: keep it
+    # out of the cyclic collector, whose full passes otherwise walk it (25-31 ms at 1024 running).
+    gc.collect()
+    gc.freeze()
 
     def _stop(*_):
         engine.stop()
@@ -309,8 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="one ringserve engine process")
     p.add_argument("--control", required=True, help="path of the UNIX control socket to listen on")
     p.add_argument("--model", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
