@@ -154,6 +154,11 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     @property
+    def runner_is_asynchronous(self) -> bool:
+        """Does runner.submit return before the device is done (so host work can overlap it)?"""
+        return getattr(self.runner, "asynchronous", False)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 

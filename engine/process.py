@@ -1,9 +1,11 @@
 """The engine process: EngineCore behind shared-memory rings (DESIGN.md §4).
 
 Each step: take every new record from every worker's request ring (no system call: the rings
-are plain memory), run one EngineCore.step(), write each worker's outputs as one record and
+are plain memory), run one EngineCore step, write each worker's outputs as one record and
 ring that worker's doorbell at most once, then publish waiting/running counts and the
-heartbeat. With nothing to do, the loop drains its doorbell, rechecks the rings, and blocks in
+heartbeat. On a device whose steps run asynchronously (CUDA), step N-1's outputs go out while
+step N runs (launch_step, deliver N-1, finish_step): the host work hides behind the device's,
+and results are the same because nothing delivered feeds the step in flight. With nothing to do, the loop drains its doorbell, rechecks the rings, and blocks in
 epoll on the doorbell and the control sockets (waking each second to beat).
 
 Workers arrive on the control socket and get a slot; a slot's requests are named inside the
@@ -61,11 +63,16 @@ class _Slot:
 
 class EngineProcess:
     def __init__(self, core: EngineCore, control_path: str, *, max_slots: int = 64,
-                 ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None):
+                 ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None,
+                 overlap: bool | None = None):
         """debug_path: where to publish a snapshot (queues, block pool, recent steps) for
-        /debug/engines (engine/trace.py); None: no snapshot, no step history."""
+        /debug/engines (engine/trace.py); None: no snapshot, no step history.
+        overlap: deliver each step's outputs while the next step runs on the device; None:
+        when the runner's submit returns before the device is done (CUDA). On the CPU, submit
+        computes the step, so overlapping would only hold every token back one step."""
         remove_stale_segments()
         self.core = core
+        self.overlap = core.runner_is_asynchronous if overlap is None else overlap
         self.ring_capacity = ring_capacity
         self.slots: list[_Slot | None] = [None] * max_slots
         self.generations = [0] * max_slots
@@ -88,17 +95,28 @@ class EngineProcess:
     # -- the loop ----------------------------------------------------------------------
     def serve_forever(self) -> None:
         last_check = time.monotonic()
+        undelivered: list[RequestOutput] | None = None  # overlap: the last step's outputs
         while not self._stopping:
             self._take_requests()
             if self.core.has_unfinished_requests():
-                outputs = self.core.step()
-                self._count_step(outputs)
-                self._deliver(outputs)
-                self._publish()
+                in_flight = self.core.launch_step()
+                if self.overlap:
+                    # The device runs step N while the host delivers step N-1 and reads new
+                    # records (added requests wait for the next schedule, aborts for its end).
+                    if undelivered is not None:
+                        self._complete(undelivered)
+                    self._take_requests()
+                    undelivered = self.core.finish_step(in_flight)
+                else:
+                    self._complete(self.core.finish_step(in_flight))
                 now = time.monotonic()
                 if now - last_check >= CONTROL_CHECK_S:
                     self._handle_control(0)
                     last_check = now
+                continue
+            if undelivered is not None:  # the last step before going idle
+                self._complete(undelivered)
+                undelivered = None
                 continue
             self._publish()
             self.bell.drain()  # before the recheck: a record written after it rings again
@@ -106,6 +124,12 @@ class EngineProcess:
                 continue
             self._handle_control(IDLE_BEAT_S)
             last_check = time.monotonic()
+
+    def _complete(self, outputs: list[RequestOutput]) -> None:
+        """A finished step's host work: count it, hand its outputs to the workers, publish."""
+        self._count_step(outputs)
+        self._deliver(outputs)
+        self._publish()
 
     def stop(self) -> None:
         self._stopping = True
@@ -289,10 +313,11 @@ def _to_wire(out: RequestOutput, request_id: str) -> Output:
 
 
 def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
-               ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None) -> None:
+               ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None,
+               overlap: bool | None = None) -> None:
     """Build the core, serve until SIGTERM/SIGINT, clean up (the target of an engine process)."""
     engine = EngineProcess(EngineCore(config), control_path, max_slots=max_slots,
-                           ring_capacity=ring_capacity, debug_path=debug_path)
+                           ring_capacity=ring_capacity, debug_path=debug_path, overlap=overlap)
     # What exists now (weights, the block pool's KVBlocks) lives as long as the process: keep it
     # out of the cyclic collector, whose full passes otherwise walk it (25-31 ms at 1024 running).
     gc.collect()

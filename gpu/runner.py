@@ -53,6 +53,8 @@ class ModelRunner:
         max_num_seqs, the profiling forward's size, graphs off, paged-attention kernel)."""
         self.device = resolve_device(device)
         self._cuda = None
+        # submit() returns before the step is computed: the CUDA backend only enqueues it.
+        self.asynchronous = self.device == "cuda"
         if self.device == "cuda":
             if dtype not in CUDA_DTYPES:
                 raise ValueError(f"dtype {dtype!r} is not supported by the CUDA backend "

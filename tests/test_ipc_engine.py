@@ -42,11 +42,11 @@ class Engines:
         self.tmp_path = tmp_path
         self.procs: dict[str, mp.Process] = {}
 
-    def start(self, name: str, max_slots: int = 4, **config) -> str:
+    def start(self, name: str, max_slots: int = 4, overlap: bool | None = None, **config) -> str:
         """config: EngineConfig fields to change for this engine."""
         path = str(self.tmp_path / f"{name}.sock")
         p = ctx.Process(target=run_engine, args=(dataclasses.replace(self.config, **config), path),
-                        kwargs={"max_slots": max_slots})
+                        kwargs={"max_slots": max_slots, "overlap": overlap})
         p.start()
         self.procs[name] = p
         return path
@@ -301,3 +301,49 @@ def test_a_request_written_before_the_attach_is_served_once_attached(engines):
         engine_bell.close()
         output_bell.close()
         sock.close()
+
+
+def test_overlapped_delivery_gives_the_same_outputs(engines):
+    """The overlapped loop (CUDA's: step N-1 delivered while step N runs) against the plain one,
+    on the same requests: greedy and seeded samples with logprobs, n = 2, a prompt chunked over
+    steps that sample nothing, a refusal, an abort. Every output arrives, the last ones when
+    the engine goes idle, and the pool is whole again."""
+    chunked = dict(max_num_batched_tokens=32)
+    paths = [engines.start("plain", overlap=False, **chunked), engines.start("overlap", overlap=True, **chunked)]
+    requests = {
+        "greedy": (PROMPT, {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 2}),
+        "seeded": (PROMPT[:7], {"max_tokens": 9, "temperature": 0.9, "top_p": 0.9, "seed": 11,
+                                "ignore_eos": True, "n": 2}),
+        "chunked": (list(range(3, 103)), {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}),
+        "refused": ([10**6], {}),
+    }
+
+    async def run(path):
+        client = EngineClient([path])
+        await client.start()
+        await client.wait_ready(timeout=60)
+        streams = {rid: await client.submit(rid, prompt, params) for rid, (prompt, params) in requests.items()}
+        gone = await client.submit("gone", PROMPT, LONG)
+        await gone.__anext__()
+        client.abort("gone")
+        got = {}
+        for rid, stream in streams.items():
+            async for o in stream:
+                tokens, reasons, logprobs = got.setdefault((rid, o.index), ([], [], []))
+                tokens += o.new_token_ids
+                reasons.append(o.finish_reason)
+                logprobs += [sorted((t, round(lp, 3)) for t, lp, _ in pos) for pos in o.logprobs or ()]
+        assert [o.finish_reason async for o in gone][-1] == "abort"
+        stats = client.engines[0].stats
+        await _until(lambda: stats.running + stats.waiting == 0 and stats[6] == NUM_BLOCKS)
+        await client.close()
+        return got
+
+    async def body():
+        return [await asyncio.wait_for(run(path), 60) for path in paths]
+
+    plain, overlapped = asyncio.run(body())
+    assert overlapped == plain
+    assert plain[("greedy", 0)][1][-1] == "length" and len(plain[("greedy", 0)][2]) == 12
+    assert {k for k in plain if k[0] == "seeded"} == {("seeded", 0), ("seeded", 1)}
+    assert plain[("chunked", 0)][0] and plain[("refused", 0)][1] == ["error"]
