@@ -40,11 +40,14 @@ def test_padded_size():
 
 
 def test_padding_leaves_real_rows_alone_and_writes_nothing():
-    """Attention over a padded batch equals attention over the real one, row for row."""
+    """Attention over a padded batch equals attention over the real one, row for row, with
+    the graph's device table holding stale blocks everywhere but the real rows' corner."""
     rng = np.random.default_rng(1)
     b = decode_batch([5, 9, 2])
     p = plan.pad_decode(b, 8, max_blocks=4)
     assert p.num_real == 3 and np.all(p.slot_mapping[3:] == -1) and np.all(p.seq_lens[3:] == 0)
+    device_table = rng.integers(0, 64, (8, 4)).astype(np.int32)  # what earlier steps left
+    device_table[:3, :p.block_tables.shape[1]] = p.block_tables
     H, KVH, D = 2, 1, 4
     qkv = rng.standard_normal((8, (H + 2 * KVH) * D)).astype(np.float32)
     k = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
@@ -56,7 +59,7 @@ def test_padding_leaves_real_rows_alone_and_writes_nothing():
     real = ref.paged_attention(qkv[:3], k, v, b.positions, b.query_start_loc, b.seq_lens,
                                b.block_tables, H, 0.5)
     padded = ref.paged_attention(qkv, k2, v2, p.positions, p.query_start_loc, p.seq_lens,
-                                 p.block_tables, H, 0.5)
+                                 device_table, H, 0.5)
     np.testing.assert_array_equal(padded[:3], real)
     assert np.all(padded[3:] == 0)
 

@@ -42,13 +42,19 @@ def is_decode_only(batch: Batch) -> bool:
 @dataclass
 class PaddedDecode:
     """A decode batch padded to a captured size: padded tokens write nowhere (slot -1), belong
-    to requests with no keys (seq_len 0), and their logits rows are dropped."""
+    to requests with no keys (seq_len 0), and their logits rows are dropped.
+
+    block_tables stays the real [n, width] rows: they are copied into the top-left corner of
+    the graph's [size, max_blocks] device table and the rest keeps what earlier steps left
+    there. Nothing reads it: a padded row has no keys, and a real row reads only the blocks
+    of its seq_len, all within width. (A full-width host table would be size x max_blocks,
+    e.g. 8 MB per step at 256 requests and a 128k context.)"""
     input_ids: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
-    block_tables: np.ndarray  # [size, max_blocks] with max_blocks the graph's fixed width
+    block_tables: np.ndarray  # [n, width], the batch's own
     num_real: int
 
 
@@ -65,13 +71,11 @@ def pad_decode(batch: Batch, size: int, max_blocks: int) -> PaddedDecode:
         out[:n] = a
         return out
 
-    tables = np.full((size, max_blocks), -1, np.int32)
-    tables[:n, :width] = batch.block_tables
     return PaddedDecode(
         input_ids=grow(batch.input_ids, 0), positions=grow(batch.positions, 0),
         slot_mapping=grow(batch.slot_mapping, -1),
         query_start_loc=np.arange(size + 1, dtype=np.int32),
-        seq_lens=grow(batch.seq_lens, 0), block_tables=tables, num_real=n)
+        seq_lens=grow(batch.seq_lens, 0), block_tables=batch.block_tables, num_real=n)
 
 
 class GraphTable:

@@ -52,6 +52,10 @@ class Layer:
 class StepBuffers:
     """Every activation of one forward over T tokens and B requests (static for a graph)."""
 
+    PER_TOKEN = ("input_ids", "positions", "slot_mapping", "h", "x", "delta", "qkv", "attn",
+                 "gate_up", "act")
+    PER_REQUEST = ("seq_lens", "block_tables", "logits_indices", "last", "logits16", "logits")
+
     def __init__(self, c: ModelConfig, T: int, B: int, max_blocks: int):
         self.input_ids = cp.zeros(T, cp.int32)
         self.positions = cp.zeros(T, cp.int32)
@@ -71,13 +75,34 @@ class StepBuffers:
         self.logits16 = cp.empty((B, c.vocab_size), cp.float16)
         self.logits = cp.empty((B, c.vocab_size), cp.float32)
 
+    def leading(self, T: int, B: int) -> StepBuffers:
+        """Views of the first T tokens and B requests. Every graph size takes its buffers from
+        the largest one's: graphs replay one at a time on one stream, and the memory of the
+        smaller sizes' activations and logits is not spent again."""
+        view = object.__new__(StepBuffers)
+        for name in self.PER_TOKEN:
+            setattr(view, name, getattr(self, name)[:T])
+        for name in self.PER_REQUEST:
+            setattr(view, name, getattr(self, name)[:B])
+        view.query_start_loc = self.query_start_loc[:B + 1]
+        return view
+
     def load(self, b) -> None:
-        """Copy a Batch (or a padded decode) into the buffers' leading rows."""
+        """Copy a Batch (or a padded decode) into the buffers' leading rows, on the current
+        stream. The block table goes into the top-left [B, width] corner with one 2-D copy;
+        the columns past width are never read (plan.PaddedDecode)."""
         for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
-            getattr(self, name)[:len(getattr(b, name))].set(np.asarray(getattr(b, name), np.int32))
-        w = b.block_tables.shape[1]
-        self.block_tables[:b.block_tables.shape[0], :w].set(np.ascontiguousarray(b.block_tables, np.int32))
-        self.logits_indices.set(np.asarray(b.query_start_loc[1:] - 1, np.int32))
+            src = np.ascontiguousarray(getattr(b, name), np.int32)
+            getattr(self, name)[:len(src)].set(src)
+        self.logits_indices[:len(b.seq_lens)].set(np.ascontiguousarray(b.query_start_loc[1:] - 1, np.int32))
+        tables = np.ascontiguousarray(b.block_tables, np.int32)
+        rows, width = tables.shape
+        if rows and width:
+            dst = self.block_tables
+            cp.cuda.runtime.memcpy2DAsync(dst.data.ptr, dst.strides[0], tables.ctypes.data,
+                                          tables.strides[0], width * 4, rows,
+                                          cp.cuda.runtime.memcpyHostToDevice,
+                                          cp.cuda.get_current_stream().ptr)
 
 
 class CudaModelRunner:
@@ -115,7 +140,7 @@ class CudaModelRunner:
         self.kv_caches = [(cp.zeros(shape, cp.float16), cp.zeros(shape, cp.float16))
                           for _ in range(c.num_hidden_layers)]
         self.graphs = plan.GraphTable(plan.graph_batch_sizes(max_num_seqs))
-        self._graph_buffers: dict[int, tuple[StepBuffers, int, tuple]] = {}
+        self._graph_buffers: dict[int, StepBuffers] = {}  # views of one set (capture_graphs)
         if not enforce_eager:
             self.capture_graphs()
 
@@ -210,25 +235,36 @@ class CudaModelRunner:
             return buf
 
     def capture_graphs(self) -> None:
-        """One graph per ladder size, largest first (later captures reuse the pool's memory)."""
+        """One graph per ladder size over views of one set of buffers (the largest size's) and
+        one attention workspace (the largest any size needs): nothing is allocated per size,
+        and nothing during a capture."""
         t0 = time.perf_counter()
         c = self.config
+        splits = {size: plan.attention_splits(num_tokens=size, num_kv_heads=c.num_key_value_heads,
+                                              max_seq_len=self.max_model_len, num_sms=self.num_sms)
+                  for size in self.graphs.sizes}
+        largest = self.graphs.sizes[-1]
+        with self.stream:
+            shared = StepBuffers(c, largest, largest, self.max_blocks)
+            # The kernels index the workspace by their own launch's (T, H, splits): any buffer
+            # of at least T * H * splits rows of each size serves them all.
+            ws = self.attention.workspace(largest, c.num_attention_heads, max(splits.values()))
+            shared.query_start_loc.set(np.arange(largest + 1, dtype=np.int32))
+            shared.logits_indices.set(np.arange(largest, dtype=np.int32))
         for size in reversed(self.graphs.sizes):
             t = time.perf_counter()
+            buf = shared.leading(size, size)
+            workspace = ws if splits[size] > 1 else (None, None)
             with self.stream:
-                buf = StepBuffers(c, size, size, self.max_blocks)
-                buf.query_start_loc.set(np.arange(size + 1, dtype=np.int32))
-                buf.logits_indices.set(np.arange(size, dtype=np.int32))
-                splits = plan.attention_splits(num_tokens=size, num_kv_heads=c.num_key_value_heads,
-                                               max_seq_len=self.max_model_len, num_sms=self.num_sms)
-                ws = self.attention.workspace(size, c.num_attention_heads, splits)
-                self._forward(buf, self.kv_caches, splits, self.max_model_len, ws)  # warm-up: compiles, cuBLAS plans
+                # warm-up: compiles, cuBLAS plans; slots -1 and seq_lens 0 write and read nothing
+                self._forward(buf, self.kv_caches, splits[size], self.max_model_len, workspace)
                 self.stream.synchronize()
                 self.stream.begin_capture()
-                self._forward(buf, self.kv_caches, splits, self.max_model_len, ws)
+                self._forward(buf, self.kv_caches, splits[size], self.max_model_len, workspace)
                 graph = self.stream.end_capture()
-            self._graph_buffers[size] = (buf, splits, ws)
+            self._graph_buffers[size] = buf
             self.graphs.add(size, graph, time.perf_counter() - t)
+        self.stream.synchronize()
         log.info("captured %d CUDA graphs (batch sizes %s) in %.2f s", len(self.graphs.sizes),
                  self.graphs.sizes, time.perf_counter() - t0)
 
@@ -238,7 +274,7 @@ class CudaModelRunner:
         valid until the next launch, which the stream orders after everything enqueued on them."""
         size = self.graphs.pick(batch)
         if size is not None and batch.block_tables.shape[1] <= self.max_blocks:
-            buf, _, _ = self._graph_buffers[size]
+            buf = self._graph_buffers[size]
             with self.stream:
                 buf.load(plan.pad_decode(batch, size, self.max_blocks))
                 self.graphs.graphs[size].launch(self.stream)
