@@ -201,3 +201,47 @@ def test_prompt_logprobs_and_logits_at_any_row_match_the_cpu_backend(tiny_model_
         np.testing.assert_array_equal(g.token_ids, c.token_ids)
         np.testing.assert_array_equal(g.prompt_logprobs.token_ids[:, 0], c.prompt_logprobs.token_ids[:, 0])
         np.testing.assert_allclose(g.prompt_logprobs.logprobs, c.prompt_logprobs.logprobs, atol=2e-2)
+
+
+def _serve_on(path, model_dir, device):
+    from ringserve.engine.config import EngineConfig
+    from ringserve.engine.process import run_engine
+    run_engine(EngineConfig(model=str(model_dir), device=device, num_gpu_blocks_override=256,
+                            max_num_seqs=8, max_num_batched_tokens=32), path)
+
+
+def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_model_dir, tmp_path):
+    """A real engine process on the GPU (its loop overlaps: step N-1 delivered while step N
+    runs) against the CPU backend's offline LLM: the same greedy tokens for requests batched
+    together, a chunked prefill among them."""
+    import asyncio
+    import multiprocessing as mp
+    from ringserve.engine.llm import LLM
+    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.server.engine_client import EngineClient
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], list(range(3, 83))]  # the last one chunked
+    params = [dict(max_tokens=10, temperature=0.0, ignore_eos=True)] * 3
+    cpu = LLM(model=str(tiny_model_dir), device="cpu", max_num_batched_tokens=32)
+    expect = [o.outputs[0].token_ids for o in cpu.generate(
+        prompts, [SamplingParams(**p) for p in params])]
+    path = str(tmp_path / "engine.sock")
+    proc = mp.get_context("spawn").Process(target=_serve_on, args=(path, tiny_model_dir, "cuda"))
+    proc.start()
+
+    async def run():
+        client = EngineClient([path])
+        await client.start()
+        await client.wait_ready(timeout=120)
+        streams = [await client.submit(f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))]
+        got = []
+        for s in streams:
+            got.append([t async for o in s for t in o.new_token_ids])
+        await client.close()
+        return got
+
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), 300)) == expect
+    finally:
+        proc.terminate()
+        proc.join(30)
+    assert proc.exitcode == 0
