@@ -6,7 +6,8 @@
 2. The device-to-device copy bandwidth (the yardstick), then paged-attention decode bandwidth:
    bytes of K/V one decode step reads, over its time, for the RawKernel and the Numba kernel.
 3. Decode-step time at batch 1/16/64/256 for random-weight Llama shapes (~1B, ~8B; weights
-   made on the GPU), eager vs CUDA graphs; transformers (torch) on the same shapes as the peer
+   made on the GPU), the engine's step (forward + greedy sampling on the device, token ids
+   to the host), eager vs CUDA graphs; transformers (torch) on the same shapes as the peer
    when it is installed.
 The whole run fits --budget-s (6 minutes) by construction: every phase is timed, the tests get
 a timeout, a phase starts only if its estimate fits in what is left (else it is skipped with a
@@ -202,8 +203,16 @@ def bench_attention(rows, copy_bps, deadline) -> None:
         cp.get_default_memory_pool().free_all_blocks()
 
 
+def greedy_metadata(B: int):
+    import numpy as np
+    from ringserve.gpu.sampler import SamplingMetadata
+    return SamplingMetadata(np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32),
+                            np.zeros(B, np.float32), [None] * B)
+
+
 def bench_ours(name, shape, rows, deadline) -> None:
     import cupy as cp
+    import numpy as np
     from ringserve.gpu.cuda.runner import CudaModelRunner
     c = config_for(shape)
     w = random_weights(c)
@@ -218,11 +227,13 @@ def bench_ours(name, shape, rows, deadline) -> None:
             if time.monotonic() > deadline:
                 print(f"gpu_check: {name} benchmark stopped at the deadline", file=sys.stderr)
                 break
-            b = decode_batch(B, 16)
-            dt = time_steps(lambda: r.execute(b))
+            b, rows_, meta = decode_batch(B, 16), np.arange(B), greedy_metadata(B)
+            # What the engine runs per step: the forward and sampling on the device, B token
+            # ids back to the host (execute() would copy B x V float32 logits instead).
+            dt = time_steps(lambda: r.submit(b, rows_, meta).result())
             rows.append(dict(model=name, impl="ringserve " + ("eager" if eager else "graphs"),
                              batch=B, step_ms=dt * 1e3, tok_s=B / dt, weight_bytes=weight_bytes))
-        del r
+        r = None  # free its device memory before the next runner
         cp.get_default_memory_pool().free_all_blocks()
 
 
@@ -251,7 +262,7 @@ def bench_transformers(name, shape, rows, deadline) -> None:
                 cache.crop(CONTEXT) if isinstance(cache, DynamicCache) else None
             dt = time_steps(one, 10)
         rows.append(dict(model=name, impl="transformers", batch=B, step_ms=dt * 1e3, tok_s=B / dt))
-    del model
+    model = None
     torch.cuda.empty_cache()
 
 
