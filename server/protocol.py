@@ -168,11 +168,11 @@ def _decode_error(exc: Exception) -> APIError:
 
 
 def check_model(model: str | None, served_names: list[str]) -> str:
-    """The model name to answer with; a name we do not serve is a 400 (vLLM answers 404)."""
+    """The model name to answer with; a name we do not serve is a 404, as OpenAI and vLLM answer."""
     if model is None or model == "":
         return served_names[0]
     if model not in served_names:
-        raise APIError(400, f"The model `{model}` does not exist.", param="model",
+        raise APIError(404, f"The model `{model}` does not exist.", param="model",
                        code="model_not_found")
     return model
 

@@ -188,7 +188,7 @@ BAD = [
     (json.dumps({"prompt": "hi", "max_tokens": -1}).encode(), 400),
     (json.dumps({"prompt": "hi", "temperature": -1}).encode(), 400),
     (json.dumps({"prompt": "hi", "top_p": 1.5}).encode(), 400),
-    (json.dumps({"prompt": "hi", "model": "nope"}).encode(), 400),
+    (json.dumps({"prompt": "hi", "model": "nope"}).encode(), 404),
     (json.dumps({"prompt": ""}).encode(), 400),
     (json.dumps({"prompt": "hi", "n": 0}).encode(), 400),
     (json.dumps({"prompt": "hello " * 600}).encode(), 400),
