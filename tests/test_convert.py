@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.gguf_convert import convert_gguf, unpermute_qk
+from ringserve.gpu import model_store
 from ringserve.gpu.model_store import default_gguf_path, gguf_cache_key, resolve_model
 from ringserve.tools.tiny_gguf import LAYER_TENSORS, make_tiny_gguf, permute_qk
 
@@ -195,7 +196,8 @@ def test_gguf_is_converted_once_and_cached_by_name_size_mtime(tiny, cache, tmp_p
     path = tmp_path / "model.gguf"
     path.write_bytes(tiny[0].read_bytes())
     first = resolve_model(str(path))
-    assert first.parent == cache / "models" and first.name == gguf_cache_key(path)
+    assert first.parent == cache / "models" / f"v{model_store.CONVERTER_VERSION}"
+    assert first.name == gguf_cache_key(path)
     assert all((first / f).is_file() for f in FIVE_FILES)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert resolve_model(str(path)) == first
@@ -210,15 +212,23 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, cache):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
     with pytest.raises(ModelError):
         resolve_model(str(tmp_path / "junk.gguf"))
-    assert list((cache / "models").iterdir()) == []
+    assert list(model_store.models_dir().iterdir()) == []
+
+
+def test_a_new_converter_version_converts_again_and_frees_the_old(tiny, cache, monkeypatch):
+    old = resolve_model(str(tiny[0]))
+    monkeypatch.setattr(model_store, "CONVERTER_VERSION", model_store.CONVERTER_VERSION + 1)
+    new = resolve_model(str(tiny[0]))
+    assert new != old and new.name == old.name and (new / "model.safetensors").is_file()
+    assert not old.exists() and resolve_model(str(tiny[0])) == new
 
 
 def test_abandoned_work_folders_are_removed(tiny, cache):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
     key = gguf_cache_key(tiny[0])
-    abandoned = cache / "models" / f".{key}.{dead}.x1"
-    alive = cache / "models" / f".{key}.{os.getpid()}.x2"
+    abandoned = model_store.models_dir() / f".{key}.{dead}.x1"
+    alive = model_store.models_dir() / f".{key}.{os.getpid()}.x2"
     for folder in (abandoned, alive):
         (folder / "model").mkdir(parents=True)
     resolve_model(str(tiny[0]))
