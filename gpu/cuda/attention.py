@@ -4,8 +4,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ringserve.gpu.cuda import toolchain
-
+from ringserve.gpu.cuda import launch, toolchain
 
 
 class PagedAttention:
@@ -31,14 +30,14 @@ class PagedAttention:
         T = qkv.shape[0]
         num_blocks, block_size, kvh, d = k_cache.shape
         part_acc, part_ml = workspace
-        partition = -(-max_seq_len // splits) if splits > 1 else 0
+        partition = launch.attention_partition(max_seq_len, splits)
         null = np.uint64(0)
-        self._attn((T, kvh, splits), (128,), (
+        self._attn(*launch.attention_launch(T, kvh, splits), (
             qkv, np.int32(qkv.shape[1]), k_cache, v_cache, positions, query_start_loc, seq_lens,
             block_tables, np.int32(block_tables.shape[1]), np.int32(seq_lens.shape[0]),
             np.int32(kvh), np.int32(block_size), np.float32(scale), np.int32(partition),
             out, null if part_acc is None else part_acc, null if part_ml is None else part_ml),
             stream=stream)
         if splits > 1:
-            self._reduce((T, kvh * self.group), (d,), (part_acc, part_ml, np.int32(splits), out),
-                         stream=stream)
+            self._reduce(*launch.reduce_launch(T, kvh * self.group, d),
+                         (part_acc, part_ml, np.int32(splits), out), stream=stream)

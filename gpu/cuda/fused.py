@@ -5,7 +5,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ringserve.gpu.cuda import toolchain
+from ringserve.gpu.cuda import launch, toolchain
 
 _NULL = np.uint64(0)  # a null pointer argument: plain RMSNorm, no residual add
 
@@ -21,18 +21,16 @@ class FusedKernels:
     def add_rms_norm(self, h, delta, weight, out, eps: float, stream) -> None:
         """h [T, n] float32 += delta [T, n] fp16 (None: no add); out fp16 = RMSNorm(h) * weight."""
         T, n = h.shape
-        threads = min(1024, max(32, -(-n // 4 // 32) * 32))
-        self._norm((T,), (threads,), (h, _NULL if delta is None else delta, weight, out,
-                                      np.int32(n), np.float32(eps)), stream=stream)
+        self._norm(*launch.norm_launch(T, n), (h, _NULL if delta is None else delta, weight, out,
+                                               np.int32(n), np.float32(eps)), stream=stream)
 
     def rope(self, qkv, positions, cos, sin, num_rot_heads: int, head_dim: int, stream) -> None:
         T = qkv.shape[0]
-        threads = min(256, max(32, num_rot_heads * head_dim // 2))
-        self._rope((T,), (threads,), (qkv, positions, cos, sin, np.int32(num_rot_heads),
-                                      np.int32(head_dim), np.int32(qkv.shape[1])), stream=stream)
+        self._rope(*launch.rope_launch(T, num_rot_heads, head_dim),
+                   (qkv, positions, cos, sin, np.int32(num_rot_heads), np.int32(head_dim),
+                    np.int32(qkv.shape[1])), stream=stream)
 
     def silu_mul(self, gate_up, out, stream) -> None:
         T, inter = out.shape
-        n = T * inter // 2
-        blocks = max(1, min(65535, -(-n // 256)))
-        self._silu((blocks,), (256,), (gate_up, out, np.int32(T), np.int32(inter // 2)), stream=stream)
+        self._silu(*launch.silu_launch(T, inter), (gate_up, out, np.int32(T), np.int32(inter // 2)),
+                   stream=stream)

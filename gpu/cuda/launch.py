@@ -1,0 +1,43 @@
+"""Launch geometry of the CUDA C kernels (fused.cu, attention.cu), pure Python so that the CuPy
+launchers and the host-compiled kernel tests (tests/test_cuda_host.py) use the same numbers.
+
+Each function returns (grid, block) as CUDA dim tuples, or the scalar a launch passes.
+"""
+from __future__ import annotations
+
+Dims = tuple[int, ...]
+
+ATTENTION_THREADS = 128  # attention.cu: WARPS (4) * 32, one block per (token, KV head, split)
+
+
+def norm_launch(num_tokens: int, hidden: int) -> tuple[Dims, Dims]:
+    """add_rms_norm: one block per token, ~4 elements per thread, whole warps (block_sum
+    shuffles over full warps), at most 1024 threads (its __launch_bounds__)."""
+    threads = min(1024, max(32, -(-hidden // 4 // 32) * 32))
+    return (num_tokens,), (threads,)
+
+
+def rope_launch(num_tokens: int, num_rot_heads: int, head_dim: int) -> tuple[Dims, Dims]:
+    """rope: one block per token, one thread per (head, pair) up to 256."""
+    return (num_tokens,), (min(256, max(32, num_rot_heads * head_dim // 2)),)
+
+
+def silu_launch(num_tokens: int, inter: int) -> tuple[Dims, Dims]:
+    """silu_mul: grid-stride over the T * I / 2 half2 pairs, 256 threads, grid.x <= 65535."""
+    n = num_tokens * inter // 2
+    return (max(1, min(65535, -(-n // 256))),), (256,)
+
+
+def attention_partition(max_seq_len: int, splits: int) -> int:
+    """Keys per split (0 for one split): split s takes keys [s * P, (s + 1) * P)."""
+    return -(-max_seq_len // splits) if splits > 1 else 0
+
+
+def attention_launch(num_tokens: int, num_kv_heads: int, splits: int) -> tuple[Dims, Dims]:
+    """paged_attention: grid (T, KVH, splits)."""
+    return (num_tokens, num_kv_heads, splits), (ATTENTION_THREADS,)
+
+
+def reduce_launch(num_tokens: int, num_heads: int, head_dim: int) -> tuple[Dims, Dims]:
+    """attention_reduce: grid (T, H), one thread per dim."""
+    return (num_tokens, num_heads), (head_dim,)
