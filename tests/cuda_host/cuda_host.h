@@ -1,0 +1,159 @@
+// CUDA on the host: enough of CUDA C for g++ (-std=c++20) to compile gpu/cuda/*.cu unchanged
+// and run them on the CPU (tests/test_cuda_host.py). Each block's threads are real threads, so
+// __syncthreads() and warp shuffles really synchronize; blocks run one after another, so one
+// static copy of each __shared__ array is the block's shared memory. Launches are serialized.
+#pragma once
+
+#include <algorithm>
+#include <barrier>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <math.h>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+// One copy per .so in a section of its own, so the launcher can fill it with NaN bytes before
+// each block: a read of shared memory the block did not write shows up in the results.
+#define __shared__ static __attribute__((section("cuda_host_shared")))
+
+struct uint3 { unsigned x, y, z; };
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct float2 { float x, y; };
+constexpr int warpSize = 32;
+
+// ---- fp16: IEEE binary16 bits; conversions through _Float16 round to nearest even.
+struct __half { uint16_t bits; };
+struct alignas(4) __half2 { __half x, y; };
+
+__forceinline__ float __half2float(__half h) { return (float)std::bit_cast<_Float16>(h.bits); }
+__forceinline__ __half __float2half(float f) { return {std::bit_cast<uint16_t>((_Float16)f)}; }
+__forceinline__ float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
+__forceinline__ __half2 __floats2half2_rn(float a, float b) { return {__float2half(a), __float2half(b)}; }
+
+// ---- math intrinsics (host libm: at least as accurate as the device's fast versions)
+__forceinline__ float __expf(float x) { return expf(x); }
+__forceinline__ float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+__forceinline__ float __int_as_float(int x) { return std::bit_cast<float>(x); }
+__forceinline__ int __float_as_int(float x) { return std::bit_cast<int>(x); }
+__forceinline__ int min(int a, int b) { return a < b ? a : b; }
+__forceinline__ int max(int a, int b) { return a > b ? a : b; }
+__forceinline__ unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+__forceinline__ unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+
+namespace cuda_host {
+
+// Per-block state every emulated thread of the block points at.
+struct Warp {
+    explicit Warp(int n) : size(n), bar(n) {}
+    int size;
+    std::barrier<> bar;
+    uint64_t slots[2][32];  // double-buffered: one barrier per shuffle suffices
+};
+struct Block {
+    explicit Block(int n) : sync(n) {
+        for (int w = 0; w < (n + 31) / 32; ++w) warps.push_back(std::make_unique<Warp>(std::min(32, n - 32 * w)));
+    }
+    std::barrier<> sync;
+    std::vector<std::unique_ptr<Warp>> warps;
+};
+
+inline std::mutex error_mutex;
+inline std::string first_error;
+inline void fail(const std::string& what) {
+    std::lock_guard<std::mutex> lock(error_mutex);
+    if (first_error.empty()) first_error = what;
+}
+
+inline thread_local Block* tl_block;
+inline thread_local Warp* tl_warp;
+inline thread_local int tl_lane, tl_phase;
+
+}  // namespace cuda_host
+
+inline thread_local uint3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;  // the same for every thread of a launch
+
+__forceinline__ void __syncthreads() { cuda_host::tl_block->sync.arrive_and_wait(); }
+
+// Lane i gets v from lane i ^ lane_mask. All lanes of the warp call it together (full mask).
+template <class T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = warpSize) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+    using namespace cuda_host;
+    Warp& w = *tl_warp;
+    const unsigned want = w.size == 32 ? 0xffffffffu : (1u << w.size) - 1;
+    if (mask != want) fail("__shfl_xor_sync: mask " + std::to_string(mask) + " is not the warp's lanes");
+    if (width != warpSize) fail("__shfl_xor_sync: only width 32 is emulated");
+    const int src = tl_lane ^ lane_mask;
+    if (src >= w.size) fail("__shfl_xor_sync: source lane " + std::to_string(src) + " is not in the warp");
+    uint64_t* slot = w.slots[tl_phase];
+    tl_phase ^= 1;
+    std::memcpy(&slot[tl_lane], &v, sizeof(T));
+    w.bar.arrive_and_wait();
+    T r = v;
+    if (src < w.size) std::memcpy(&r, &slot[src], sizeof(T));
+    return r;
+}
+
+extern "C" __attribute__((weak)) char __start_cuda_host_shared[], __stop_cuda_host_shared[];
+
+namespace cuda_host {
+
+inline std::mutex launch_mutex;
+
+// Runs kernel() over grid x block like a CUDA launch; max_threads is the kernel's
+// __launch_bounds__ (else the device's 1024). Returns 0, or 1 with the reason in first_error.
+inline int launch(const unsigned* dims, unsigned max_threads, const std::function<void()>& kernel) {
+    std::lock_guard<std::mutex> lock(launch_mutex);
+    first_error.clear();
+    const dim3 grid{dims[0], dims[1], dims[2]}, block{dims[3], dims[4], dims[5]};
+    const unsigned long long threads = 1ull * block.x * block.y * block.z;
+    if (!grid.x || !grid.y || !grid.z || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
+        fail("invalid grid");
+    if (!threads || threads > max_threads || block.x > 1024 || block.y > 1024 || block.z > 64)
+        fail("invalid block: " + std::to_string(threads) + " threads, at most " + std::to_string(max_threads));
+    if (!first_error.empty()) return 1;
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                if (__start_cuda_host_shared)
+                    std::memset(__start_cuda_host_shared, 0xff, __stop_cuda_host_shared - __start_cuda_host_shared);
+                Block state((int)threads);
+                std::vector<std::thread> pool;
+                pool.reserve(threads);
+                for (unsigned i = 0; i < threads; ++i)
+                    pool.emplace_back([&, i] {
+                        tl_block = &state;
+                        tl_warp = state.warps[i / 32].get();
+                        tl_lane = i % 32;
+                        tl_phase = 0;
+                        threadIdx = {i % block.x, i / block.x % block.y, i / (block.x * block.y)};
+                        blockIdx = {bx, by, bz};
+                        kernel();
+                        // An exited thread no longer holds back the barriers of the others.
+                        tl_warp->bar.arrive_and_drop();
+                        state.sync.arrive_and_drop();
+                    });
+                for (auto& t : pool) t.join();
+            }
+    return first_error.empty() ? 0 : 1;
+}
+
+}  // namespace cuda_host
+
+extern "C" const char* cuda_host_error() { return cuda_host::first_error.c_str(); }

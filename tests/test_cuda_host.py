@@ -1,0 +1,254 @@
+"""The CUDA C kernels (gpu/cuda/fused.cu, attention.cu) executed on the CPU: g++ compiles the
+sources NVRTC gets (toolchain.source/options) unchanged against a CUDA-on-host shim
+(tests/cuda_host/), each block's threads run as real threads (real __syncthreads and warp
+shuffles), launched with the launchers' own geometry (gpu/cuda/launch.py), and the results are
+checked against gpu/cuda/reference.py (DESIGN.md §8).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ringserve.gpu.cuda import launch, toolchain
+from ringserve.gpu.cuda import reference as ref
+
+pytestmark = pytest.mark.sim
+HOST_DIR = Path(__file__).parent / "cuda_host"
+# (HEAD_DIM, GQA_GROUP) -> KV heads: SmolLM2 (64, 9/3), Llama-3.2-1B-like 64/4, 128 with MHA and GQA.
+ATTENTION_VARIANTS = {(64, 1): 2, (64, 3): 3, (64, 4): 2, (128, 1): 2, (128, 4): 1}
+VARIANT_IDS = [f"d{d}g{g}" for d, g in ATTENTION_VARIANTS]
+
+
+def gxx_defines(defines: dict[str, int] | None) -> list[str]:
+    """toolchain.options() as g++ flags: the -D defines as they are, NVRTC's --std dropped (the
+    shim needs C++20, a superset); any other NVRTC option has to be taught to this test."""
+    flags = []
+    for opt in toolchain.options(defines):
+        if opt.startswith("-D"):
+            flags.append(opt)
+        elif not opt.startswith("--std="):
+            raise AssertionError(f"NVRTC option {opt!r} has no host equivalent in {__file__}")
+    return flags
+
+
+class HostKernels:
+    """A host-compiled .cu: call(kernel, (grid, block), *args) runs one emulated launch."""
+
+    def __init__(self, path: Path):
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.cuda_host_error.restype = ctypes.c_char_p
+
+    def call(self, kernel: str, geometry: tuple[tuple[int, ...], tuple[int, ...]], *args) -> None:
+        grid, block = geometry
+        dims = (ctypes.c_uint * 6)(*(tuple(grid) + (1,) * (3 - len(grid))),
+                                   *(tuple(block) + (1,) * (3 - len(block))))
+        if getattr(self.lib, f"launch_{kernel}")(dims, *map(_c_arg, args)) != 0:
+            raise RuntimeError(f"{kernel}: {self.lib.cuda_host_error().decode()}")
+
+
+def _c_arg(a):
+    if a is None:
+        return ctypes.c_void_p(None)
+    if isinstance(a, np.ndarray):
+        assert a.flags.c_contiguous, "kernels take dense row-major buffers"
+        return ctypes.c_void_p(a.ctypes.data)
+    if isinstance(a, np.int32):
+        return ctypes.c_int(int(a))
+    if isinstance(a, np.float32):
+        return ctypes.c_float(float(a))
+    raise TypeError(f"pass np.int32 / np.float32 / arrays, like the CuPy launchers: {a!r}")
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    """Every variant built once, in parallel, on first use of this module's tests."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not found: the CUDA C host tests compile the .cu files with it")
+    tmp = tmp_path_factory.mktemp("cuda_host")
+    for name in ("fused.cu", "attention.cu"):
+        (tmp / name).write_text(toolchain.source(name))
+
+    def build(entry: str, out: str, defines: dict[str, int] | None) -> HostKernels:
+        cmd = [gxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", f"-I{HOST_DIR / 'include'}",
+               "-iquote", str(tmp), *gxx_defines(defines), str(HOST_DIR / entry), "-o", str(tmp / out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-6000:]}"
+        return HostKernels(tmp / out)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        builds: dict[object, Future] = {"fused": pool.submit(build, "fused_host.cpp", "fused.so", None)}
+        for d, g in ATTENTION_VARIANTS:
+            builds[d, g] = pool.submit(build, "attention_host.cpp", f"attention_{d}_{g}.so",
+                                       dict(HEAD_DIM=d, GQA_GROUP=g))
+        yield {key: f.result() for key, f in builds.items()}
+
+
+def assert_fp16_close(actual: np.ndarray, expect: np.ndarray, atol: float = 1e-5) -> None:
+    """actual (fp16) is expect (float32) rounded to fp16: within one fp16 step of it, plus atol
+    for float32 summation-order noise on tiny values."""
+    actual = actual.astype(np.float32)
+    tol = np.spacing(np.abs(expect).astype(np.float16)).astype(np.float32) + np.float32(atol)
+    bad = ~(np.abs(actual - expect) <= tol)  # NaN (an unwritten output) is bad too
+    assert not bad.any(), (f"{bad.sum()} of {bad.size} off, first at {np.argwhere(bad)[0]}: "
+                           f"{actual[bad][:5]} vs {expect[bad][:5]}")
+
+
+# ---- fused.cu
+
+@pytest.mark.parametrize("hidden", [576, 64])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm(host_kernels, hidden, with_delta):
+    rng = np.random.default_rng(hidden)
+    T, eps = 3, 1e-5
+    h = (rng.standard_normal((T, hidden)) * 2).astype(np.float32)
+    delta = rng.standard_normal((T, hidden)).astype(np.float16) if with_delta else None
+    weight = (1 + 0.3 * rng.standard_normal(hidden)).astype(np.float16)
+    out = np.full((T, hidden), np.nan, np.float16)
+    expect_h, expect_out = ref.add_rms_norm(h, delta, weight, eps)
+    host_kernels["fused"].call("add_rms_norm", launch.norm_launch(T, hidden), h, delta, weight, out,
+                               np.int32(hidden), np.float32(eps))
+    np.testing.assert_array_equal(h, expect_h)  # the same float32 adds, in place
+    assert_fp16_close(out, expect_out)
+
+
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 2)])
+def test_rope_rotates_q_and_k_only(host_kernels, head_dim, num_heads, num_kv_heads):
+    rng = np.random.default_rng(head_dim)
+    T, max_pos, half = 5, 100, head_dim // 2
+    inv_freq = 1.0 / 10000.0 ** (np.arange(half) / half)
+    angles = np.arange(max_pos)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    positions = rng.integers(0, max_pos, T).astype(np.int32)
+    qkv = rng.standard_normal((T, (num_heads + 2 * num_kv_heads) * head_dim)).astype(np.float16)
+    expect = ref.rope(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim)
+    x = qkv.copy()
+    rot = num_heads + num_kv_heads
+    host_kernels["fused"].call("rope", launch.rope_launch(T, rot, head_dim), x, positions, cos, sin,
+                               np.int32(rot), np.int32(head_dim), np.int32(qkv.shape[1]))
+    assert_fp16_close(x[:, :rot * head_dim], expect[:, :rot * head_dim])
+    np.testing.assert_array_equal(x[:, rot * head_dim:], qkv[:, rot * head_dim:])  # v untouched
+
+
+def test_silu_mul_odd_token_count(host_kernels):
+    rng = np.random.default_rng(5)
+    T, inter = 7, 96
+    gate_up = (rng.standard_normal((T, 2 * inter)) * 3).astype(np.float16)
+    out = np.full((T, inter), np.nan, np.float16)
+    host_kernels["fused"].call("silu_mul", launch.silu_launch(T, inter), gate_up, out, np.int32(T),
+                               np.int32(inter // 2))
+    assert_fp16_close(out, ref.silu_mul(gate_up))
+
+
+# ---- attention.cu
+
+def guarded(a: np.ndarray) -> np.ndarray:
+    """a inside a buffer one block larger at each end, filled with 7: a kernel that reads block
+    -1 (a padding row's table entry) or past the pool gets keys and values of 7, not memory that
+    happens to be there (not NaN: fmaxf drops a NaN score and the row would still come out 0)."""
+    buf = np.full((a.shape[0] + 2, *a.shape[1:]), 7.0, a.dtype)
+    buf[1:-1] = a
+    return buf[1:-1]
+
+
+def paged_case(rng, *, head_dim: int, group: int, kvh: int, requests: list[tuple[int, int]],
+               pad: int = 0, block_size: int = 16) -> dict:
+    """requests: (tokens already cached, new tokens) each, blocks shuffled over a pool with
+    spare blocks; pad: graph padding rows after them (one token, seq_len 0, slot -1, table -1).
+    The new tokens' K/V are stored first, as the runner does before attention."""
+    seq_lens = np.array([c + n for c, n in requests] + [0] * pad, np.int32)
+    new = [n for _, n in requests] + [1] * pad
+    max_blocks = max(1, -(-int(seq_lens.max()) // block_size))
+    num_blocks = sum(-(-int(s) // block_size) for s in seq_lens) + 5
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.full((len(seq_lens), max_blocks), -1, np.int32)
+    used = 0
+    for r, s in enumerate(seq_lens):
+        nb = -(-int(s) // block_size)
+        tables[r, :nb] = perm[used:used + nb]
+        used += nb
+    positions = np.concatenate([np.arange(c, c + n) for c, n in requests] + [np.zeros(pad)]).astype(np.int32)
+    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    req = np.repeat(np.arange(len(seq_lens)), new)
+    slots = np.where(seq_lens[req] > 0, tables[req, positions // block_size] * block_size
+                     + positions % block_size, -1).astype(np.int32)
+    num_heads = kvh * group
+    qkv = rng.standard_normal((len(positions), (num_heads + 2 * kvh) * head_dim)).astype(np.float16)
+    k_cache = guarded(rng.standard_normal((num_blocks, block_size, kvh, head_dim)).astype(np.float16))
+    v_cache = guarded(rng.standard_normal((num_blocks, block_size, kvh, head_dim)).astype(np.float16))
+    ref.store_kv(qkv, slots, k_cache, v_cache, num_heads)
+    return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions, query_start_loc=qsl,
+                seq_lens=seq_lens, block_tables=tables, num_heads=num_heads)
+
+
+def attention_args(c: dict, out: np.ndarray, partition: int = 0, part_acc=None, part_ml=None) -> tuple:
+    """paged_attention's arguments in the order PagedAttention.__call__ passes them."""
+    _, block_size, kvh, d = c["k_cache"].shape
+    return (c["qkv"], np.int32(c["qkv"].shape[1]), c["k_cache"], c["v_cache"], c["positions"],
+            c["query_start_loc"], c["seq_lens"], c["block_tables"], np.int32(c["block_tables"].shape[1]),
+            np.int32(len(c["seq_lens"])), np.int32(kvh), np.int32(block_size), np.float32(d ** -0.5),
+            np.int32(partition), out, part_acc, part_ml)
+
+
+def run_attention(kernels: HostKernels, c: dict, splits: int, max_seq_len: int) -> np.ndarray:
+    """What PagedAttention.__call__ launches, with NaN-filled outputs and workspace."""
+    T, (_, _, kvh, d), H = len(c["positions"]), c["k_cache"].shape, c["num_heads"]
+    out = np.full((T, H * d), np.nan, np.float16)
+    part_acc = np.full((T, H, splits, d), np.nan, np.float32) if splits > 1 else None
+    part_ml = np.full((T, H, splits, 2), np.nan, np.float32) if splits > 1 else None
+    kernels.call("paged_attention", launch.attention_launch(T, kvh, splits),
+                 *attention_args(c, out, launch.attention_partition(max_seq_len, splits), part_acc, part_ml))
+    if splits > 1:
+        kernels.call("attention_reduce", launch.reduce_launch(T, H, d), part_acc, part_ml,
+                     np.int32(splits), out)
+    return out
+
+
+def expected_attention(c: dict) -> np.ndarray:
+    return ref.paged_attention(c["qkv"], c["k_cache"], c["v_cache"], c["positions"],
+                               c["query_start_loc"], c["seq_lens"], c["block_tables"], c["num_heads"],
+                               c["k_cache"].shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS), ids=VARIANT_IDS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_attention_prefill_and_decode(host_kernels, variant, splits):
+    """A fresh prefill, a prefill chunk over a cached prefix, two decodes; eager split-K (the
+    partition from the batch's longest sequence: the 4-key decode leaves splits 1, 2 empty)."""
+    d, g = variant
+    c = paged_case(np.random.default_rng(d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
+                   requests=[(0, 5), (21, 4), (40, 1), (3, 1)])
+    out = run_attention(host_kernels[variant], c, splits, int(c["seq_lens"].max()))
+    assert_fp16_close(out, expected_attention(c))
+
+
+@pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS), ids=VARIANT_IDS)
+@pytest.mark.parametrize("splits", [1, 8])
+def test_paged_attention_padded_graph_decode(host_kernels, variant, splits):
+    """A graph replay: decodes padded to the captured size with seq_len-0 rows, partitions
+    from max_model_len (256 / 8 = 32 keys): the 10-key decode sees only split 0, the 200-key
+    one not split 7. Padding rows must come out exactly zero."""
+    d, g = variant
+    c = paged_case(np.random.default_rng(10 * d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
+                   requests=[(9, 1), (199, 1), (0, 1)], pad=2)
+    out = run_attention(host_kernels[variant], c, splits, max_seq_len=256)
+    expect = expected_attention(c)
+    assert_fp16_close(out, expect)
+    assert np.all(out[-2:] == 0)
+
+
+def test_launch_outside_the_kernels_bounds_is_refused(host_kernels):
+    """The shim refuses what a device would: more threads than __launch_bounds__ allows."""
+    c = paged_case(np.random.default_rng(0), head_dim=64, group=1, kvh=2, requests=[(0, 1)])
+    (grid, block), kernels = launch.attention_launch(1, 2, 1), host_kernels[64, 1]
+    out = np.zeros((1, 2 * 64), np.float16)
+    kernels.call("paged_attention", (grid, block), *attention_args(c, out))
+    with pytest.raises(RuntimeError, match="invalid block"):
+        kernels.call("paged_attention", (grid, (2 * block[0],)), *attention_args(c, out))
