@@ -3,7 +3,8 @@
 // -DHEAD_DIM=<64|128|256> -DGQA_GROUP=<query heads per KV head>.
 //
 // One block (4 warps) per (query token, KV head, split): the GQA group's query heads share
-// every K/V row read. Each warp walks keys j = warp, warp + 4, ...; its 32 lanes hold
+// every K/V row read. Each warp walks runs of KEYS_PER_WARP keys (loaded together, then
+// scored), the warps' runs interleaved; its 32 lanes hold
 // HEAD_DIM/32 contiguous dims each, a dot is a warp-shuffle sum, and each warp keeps an online
 // softmax per head. Works for prefill chunks and decode alike (each token attends to its own
 // request's keys 0..pos through the block table). Long contexts with few tokens (decode) are
@@ -25,13 +26,35 @@
 
 static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "HEAD_DIM: 64, 128, 192 or 256");
 
+// Keys a warp loads before it uses any: a decode step is bound by memory latency, and one
+// K/V row in flight per warp leaves most of the bandwidth idle. Fewer when the GQA group's
+// q and acc registers are many (the 128-register cap below must not spill).
+#define KEYS_PER_WARP ((GQA_GROUP * PER_LANE <= 16) ? 4 : 2)
+
+// A lane's PER_LANE contiguous halves (4, 8 or 16 bytes) in one vector load; its offset is a
+// multiple of PER_LANE halves, and CuPy allocations are 256-byte aligned. The union reads the
+// loaded bits as halves (GCC and NVCC define union punning; a pointer cast would break
+// strict aliasing).
+#if PER_LANE == 8
+typedef uint4 RowVector;
+#elif PER_LANE == 4
+typedef uint2 RowVector;
+#else
+typedef unsigned int RowVector;
+#endif
+union RowBits {
+    RowVector vector;
+    __half2 pairs[PER_LANE / 2];
+};
+
 __device__ __forceinline__ void load_row(const __half* p, float* f) {
-    // PER_LANE contiguous halves (4, 8 or 16 bytes): vector loads.
+    RowBits bits;
+    bits.vector = *reinterpret_cast<const RowVector*>(p);
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i += 2) {
-        const float2 x = __half22float2(*reinterpret_cast<const __half2*>(p + i));
-        f[i] = x.x;
-        f[i + 1] = x.y;
+    for (int i = 0; i < PER_LANE / 2; ++i) {
+        const float2 x = __half22float2(bits.pairs[i]);
+        f[2 * i] = x.x;
+        f[2 * i + 1] = x.y;
     }
 }
 
@@ -72,24 +95,53 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) paged_attention(
         l[g] = 0.0f;
     }
     const int* table = block_tables + (size_t)r * max_blocks;
-    for (int j = begin + warp; j < end; j += WARPS) {
-        const size_t off = (((size_t)table[j / block_size] * block_size + j % block_size) * num_kv_heads
-                            + kvh) * HEAD_DIM + lane * PER_LANE;
-        float k[PER_LANE], v[PER_LANE];
-        load_row(k_cache + off, k);
-        load_row(v_cache + off, v);
+    // Warp w takes keys [j0, j0 + KEYS_PER_WARP) for j0 = begin + w * KEYS_PER_WARP, then
+    // strides by WARPS * KEYS_PER_WARP; all its loads are issued before the first use.
+    for (int j0 = begin + warp * KEYS_PER_WARP; j0 < end; j0 += WARPS * KEYS_PER_WARP) {
+        float k[KEYS_PER_WARP][PER_LANE], v[KEYS_PER_WARP][PER_LANE];
+#pragma unroll
+        for (int u = 0; u < KEYS_PER_WARP; ++u) {
+            const int j = j0 + u;
+            if (j < end) {
+                const size_t off = (((size_t)table[j / block_size] * block_size + j % block_size)
+                                    * num_kv_heads + kvh) * HEAD_DIM + lane * PER_LANE;
+                load_row(k_cache + off, k[u]);
+                load_row(v_cache + off, v[u]);
+            } else {  // past the end: weight 0, and 0 * v must not be 0 * garbage (NaN)
+#pragma unroll
+                for (int i = 0; i < PER_LANE; ++i) { k[u][i] = 0.0f; v[u][i] = 0.0f; }
+            }
+        }
 #pragma unroll
         for (int g = 0; g < GQA_GROUP; ++g) {
-            float s = 0.0f;
+            float s[KEYS_PER_WARP];
+            float m_new = m[g];
 #pragma unroll
-            for (int i = 0; i < PER_LANE; ++i) s += q[g][i] * k[i];
+            for (int u = 0; u < KEYS_PER_WARP; ++u) {
+                float dot = 0.0f;
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
-            const float m_new = fmaxf(m[g], s);
-            const float corr = __expf(m[g] - m_new), p = __expf(s - m_new);
-            l[g] = l[g] * corr + p;
+                for (int i = 0; i < PER_LANE; ++i) dot += q[g][i] * k[u][i];
 #pragma unroll
-            for (int i = 0; i < PER_LANE; ++i) acc[g][i] = acc[g][i] * corr + p * v[i];
+                for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+                s[u] = j0 + u < end ? dot : NEG_INF;
+                m_new = fmaxf(m_new, s[u]);
+            }
+            // key j0 < end is real, so m_new is finite: no exp(-inf - -inf)
+            const float corr = __expf(m[g] - m_new);
+            float p[KEYS_PER_WARP], p_sum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < KEYS_PER_WARP; ++u) {
+                p[u] = __expf(s[u] - m_new);
+                p_sum += p[u];
+            }
+            l[g] = l[g] * corr + p_sum;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                float a = acc[g][i] * corr;
+#pragma unroll
+                for (int u = 0; u < KEYS_PER_WARP; ++u) a += p[u] * v[u][i];
+                acc[g][i] = a;
+            }
             m[g] = m_new;
         }
     }

@@ -32,6 +32,8 @@
 struct uint3 { unsigned x, y, z; };
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 struct float2 { float x, y; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
 constexpr int warpSize = 32;
 
 // ---- fp16: IEEE binary16 bits; conversions through _Float16 round to nearest even.
