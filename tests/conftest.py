@@ -22,6 +22,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session", params=["tied-g3", "untied-g2"])
+def tiny_cuda_model_dir(request, tmp_path_factory) -> Path:
+    """Tiny random Llamas with head_dim 64, the smallest attention.cu compiles for: GQA 3/1
+    with tied embeddings (SmolLM2's group), and GQA 4/2 with an lm_head of its own."""
+    if request.param == "tied-g3":
+        return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-g3"), hidden=192, heads=3,
+                               kv_heads=1, ffn=256)
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-g2"), hidden=256, heads=4,
+                           kv_heads=2, ffn=256, tie_embeddings=False, seed=1)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model (SmolLM2-135M-Instruct), converted once into the cache folder
@@ -121,3 +132,14 @@ def tiny_server(serve, tiny_model_dir):
         return serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
                      "--drain-timeout", "2", *extra).url
     return start
+
+
+@pytest.fixture(scope="session")
+def cuda_host(tmp_path_factory):
+    """The CUDA C kernels compiled for the host, each variant once per session
+    (tests/cuda_host_kernels.py); skips the test where g++ is missing."""
+    from cuda_host_kernels import HostBuild, find_gxx
+    gxx = find_gxx()
+    if gxx is None:
+        pytest.skip("g++ not found: the CUDA C host tests compile the .cu files with it")
+    return HostBuild(gxx, tmp_path_factory.mktemp("cuda_host"))

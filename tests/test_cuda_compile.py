@@ -6,7 +6,6 @@ NVRTC, NVVM and ptxas come from the wheels numba-cuda[cu12] pulls in (the `test`
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from numba import cuda, types
 from numba.cuda.dispatcher import CUDADispatcher
@@ -42,11 +41,11 @@ NUMBA_SIGNATURES = {
 }
 
 # Each CUDA C source with the -D variants the runner compiles it with (Llama shapes:
-# SmolLM2 64/3, Llama-3.2-1B 64/4, Llama-3-8B 128/4, Qwen2 128/7, 70B-style 128/8, 256/1).
+# SmolLM2 64/3, Llama-3.2-1B 64/4, Llama-3-8B 128/4, Qwen2 128/7, 70B-style 128/8, 192/2, 256/1).
 CUDA_C_VARIANTS = {
     "fused.cu": [{}],
     "attention.cu": [dict(HEAD_DIM=d, GQA_GROUP=g)
-                     for d, g in ((64, 3), (64, 4), (128, 4), (128, 7), (128, 8), (256, 1))],
+                     for d, g in ((64, 3), (64, 4), (128, 4), (128, 7), (128, 8), (192, 2), (256, 1))],
 }
 
 

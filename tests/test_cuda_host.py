@@ -6,89 +6,30 @@ checked against gpu/cuda/reference.py (DESIGN.md §8).
 """
 from __future__ import annotations
 
-import ctypes
-import os
-import shutil
-import subprocess
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ringserve.gpu.cuda import launch, toolchain
+from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda import reference as ref
 
 pytestmark = pytest.mark.sim
-HOST_DIR = Path(__file__).parent / "cuda_host"
-# (HEAD_DIM, GQA_GROUP) -> KV heads: SmolLM2 (64, 9/3), Llama-3.2-1B-like 64/4, 128 with MHA and GQA.
-ATTENTION_VARIANTS = {(64, 1): 2, (64, 3): 3, (64, 4): 2, (128, 1): 2, (128, 4): 1}
+# (HEAD_DIM, GQA_GROUP) -> KV heads: SmolLM2 (64, 9/3), Llama-3.2-1B-like 64/4, 128 with MHA
+# and GQA, 192 (six dims per lane: the 12-byte row load).
+ATTENTION_VARIANTS = {(64, 1): 2, (64, 3): 3, (64, 4): 2, (128, 1): 2, (128, 4): 1, (192, 2): 1}
 VARIANT_IDS = [f"d{d}g{g}" for d, g in ATTENTION_VARIANTS]
 
 
-def gxx_defines(defines: dict[str, int] | None) -> list[str]:
-    """toolchain.options() as g++ flags: the -D defines as they are, NVRTC's --std dropped (the
-    shim needs C++20, a superset); any other NVRTC option has to be taught to this test."""
-    flags = []
-    for opt in toolchain.options(defines):
-        if opt.startswith("-D"):
-            flags.append(opt)
-        elif not opt.startswith("--std="):
-            raise AssertionError(f"NVRTC option {opt!r} has no host equivalent in {__file__}")
-    return flags
-
-
-class HostKernels:
-    """A host-compiled .cu: call(kernel, (grid, block), *args) runs one emulated launch."""
-
-    def __init__(self, path: Path):
-        self.lib = ctypes.CDLL(str(path))
-        self.lib.cuda_host_error.restype = ctypes.c_char_p
-
-    def call(self, kernel: str, geometry: tuple[tuple[int, ...], tuple[int, ...]], *args) -> None:
-        grid, block = geometry
-        dims = (ctypes.c_uint * 6)(*(tuple(grid) + (1,) * (3 - len(grid))),
-                                   *(tuple(block) + (1,) * (3 - len(block))))
-        if getattr(self.lib, f"launch_{kernel}")(dims, *map(_c_arg, args)) != 0:
-            raise RuntimeError(f"{kernel}: {self.lib.cuda_host_error().decode()}")
-
-
-def _c_arg(a):
-    if a is None:
-        return ctypes.c_void_p(None)
-    if isinstance(a, np.ndarray):
-        assert a.flags.c_contiguous, "kernels take dense row-major buffers"
-        return ctypes.c_void_p(a.ctypes.data)
-    if isinstance(a, np.int32):
-        return ctypes.c_int(int(a))
-    if isinstance(a, np.float32):
-        return ctypes.c_float(float(a))
-    raise TypeError(f"pass np.int32 / np.float32 / arrays, like the CuPy launchers: {a!r}")
-
-
 @pytest.fixture(scope="module")
-def host_kernels(tmp_path_factory):
-    """Every variant built once, in parallel, on first use of this module's tests."""
-    gxx = shutil.which("g++")
-    if gxx is None:
-        pytest.skip("g++ not found: the CUDA C host tests compile the .cu files with it")
-    tmp = tmp_path_factory.mktemp("cuda_host")
-    for name in ("fused.cu", "attention.cu"):
-        (tmp / name).write_text(toolchain.source(name))
-
-    def build(entry: str, out: str, defines: dict[str, int] | None) -> HostKernels:
-        cmd = [gxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", f"-I{HOST_DIR / 'include'}",
-               "-iquote", str(tmp), *gxx_defines(defines), str(HOST_DIR / entry), "-o", str(tmp / out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-6000:]}"
-        return HostKernels(tmp / out)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        builds: dict[object, Future] = {"fused": pool.submit(build, "fused_host.cpp", "fused.so", None)}
-        for d, g in ATTENTION_VARIANTS:
-            builds[d, g] = pool.submit(build, "attention_host.cpp", f"attention_{d}_{g}.so",
-                                       dict(HEAD_DIM=d, GQA_GROUP=g))
-        yield {key: f.result() for key, f in builds.items()}
+def host_kernels(cuda_host):
+    """Every variant of this module, built in parallel on first use."""
+    variants = [("fused.cu", None)] + [("attention.cu", dict(HEAD_DIM=d, GQA_GROUP=g))
+                                       for d, g in ATTENTION_VARIANTS]
+    cuda_host.prebuild(variants)
+    kernels = {"fused": cuda_host.get("fused.cu")}
+    kernels.update({(d, g): cuda_host.get("attention.cu", dict(HEAD_DIM=d, GQA_GROUP=g))
+                    for d, g in ATTENTION_VARIANTS})
+    return kernels
 
 
 def assert_fp16_close(actual: np.ndarray, expect: np.ndarray, atol: float = 1e-5) -> None:
@@ -197,7 +138,7 @@ def attention_args(c: dict, out: np.ndarray, partition: int = 0, part_acc=None, 
             np.int32(partition), out, part_acc, part_ml)
 
 
-def run_attention(kernels: HostKernels, c: dict, splits: int, max_seq_len: int) -> np.ndarray:
+def run_attention(kernels, c: dict, splits: int, max_seq_len: int) -> np.ndarray:
     """What PagedAttention.__call__ launches, with NaN-filled outputs and workspace."""
     T, (_, _, kvh, d), H = len(c["positions"]), c["k_cache"].shape, c["num_heads"]
     out = np.full((T, H * d), np.nan, np.float16)

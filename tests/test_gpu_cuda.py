@@ -86,46 +86,33 @@ def test_fused_kernels_match_reference():
     np.testing.assert_allclose(act.get().astype(np.float32), ref.silu_mul(gu), rtol=1e-2, atol=1e-2)
 
 
-def _greedy(runner, prompts, steps, block_size=16):
-    """Greedy decode of several prompts together: one prefill step, then batched decode steps."""
-    from ringserve.gpu.batch import Batch
-    B = len(prompts)
-    tables = np.arange(B * 8, dtype=np.int32).reshape(B, 8)
-    seqs = [list(p) for p in prompts]
-    new = [list(p) for p in prompts]
-    outs = [[] for _ in prompts]
-    for _ in range(steps):
-        ids, pos, slots, qsl = [], [], [], [0]
-        for r in range(B):
-            start = len(seqs[r]) - len(new[r])
-            p = np.arange(start, len(seqs[r]))
-            ids += new[r]
-            pos += list(p)
-            slots += list(tables[r, p // block_size] * block_size + p % block_size)
-            qsl.append(qsl[-1] + len(new[r]))
-        b = Batch(np.array(ids, np.int32), np.array(pos, np.int32), np.array(slots, np.int32),
-                  np.array(qsl, np.int32), np.array([len(s) for s in seqs], np.int32), tables)
-        tok = runner.execute(b).argmax(-1)
-        for r in range(B):
-            outs[r].append(int(tok[r]))
-            seqs[r].append(int(tok[r]))
-            new[r] = [int(tok[r])]
-    return outs
-
-
 @pytest.mark.parametrize("backend", ["rawkernel", "numba"])
-def test_greedy_matches_cpu_backend_and_graphs_match_eager(tiny_model_dir, backend):
+def test_forward_matches_cpu_backend_and_graphs_match_eager(tiny_cuda_model_dir, backend):
+    """Prefill then 11 decode steps of three requests, the CPU backend's greedy tokens fed to
+    every runner: eager and graph-replayed logits as the CPU backend's (fp16 tolerance, the
+    same token wherever it is clear), and graphs as eager."""
+    from fp16_checks import assert_logits_close, next_batch
     from ringserve.gpu.cuda.runner import CudaModelRunner
     from ringserve.gpu.runner import ModelRunner
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1, 17, 17, 17, 17, 17, 40, 41, 42]]
-    cpu = _greedy(ModelRunner(tiny_model_dir, num_blocks=64), prompts, 12)
-    eager = CudaModelRunner.from_dir(tiny_model_dir, num_blocks=64, max_num_seqs=8,
+    tables = np.random.default_rng(0).permutation(64)[:3 * 8].reshape(3, 8).astype(np.int32)
+    cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=64)
+    eager = CudaModelRunner.from_dir(tiny_cuda_model_dir, num_blocks=64, max_num_seqs=8,
                                      enforce_eager=True, attention_backend=backend)
-    graphs = CudaModelRunner.from_dir(tiny_model_dir, num_blocks=64, max_num_seqs=8,
+    graphs = CudaModelRunner.from_dir(tiny_cuda_model_dir, num_blocks=64, max_num_seqs=8,
                                       attention_backend=backend)
     assert graphs.graphs.graphs  # captured
-    assert _greedy(eager, prompts, 12) == cpu
-    assert _greedy(graphs, prompts, 12) == cpu
+    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
+    for step in range(12):
+        batch = next_batch(seqs, new, tables, 16)
+        want = cpu.execute(batch)
+        got_eager, got_graphs = eager.execute(batch), graphs.execute(batch)
+        assert_logits_close(got_eager, want)
+        assert_logits_close(got_graphs, want)
+        np.testing.assert_allclose(got_graphs, got_eager, atol=1e-2 * np.abs(got_eager).max())
+        for r, seq in enumerate(seqs):
+            seq.append(int(want[r].argmax()))
+            new[r] = [seq[-1]]
 
 
 def test_sampler_on_device_matches_references():
@@ -154,12 +141,12 @@ def test_sampler_on_device_matches_references():
     np.testing.assert_allclose(got.logprobs.logprobs[:, 1:], expect.logprobs.logprobs[:, 1:], atol=1e-4)
 
 
-def test_submit_samples_on_device(tiny_model_dir):
+def test_submit_samples_on_device(tiny_cuda_model_dir):
     """ModelRunner(device="cuda").submit: greedy tokens sampled on the GPU = argmax of execute."""
     from ringserve.gpu.batch import Batch
     from ringserve.gpu.runner import ModelRunner
     from ringserve.gpu.sampler import SamplingMetadata
-    r = ModelRunner(tiny_model_dir, device="cuda", num_blocks=64, max_num_seqs=8)
+    r = ModelRunner(tiny_cuda_model_dir, device="cuda", num_blocks=64, max_num_seqs=8)
     tables = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
     b = Batch(np.array([1, 5, 9, 1, 200, 3], np.int32), np.array([0, 1, 2, 0, 1, 0], np.int32),
               np.array([0, 1, 2, 128, 129, 256], np.int32), np.array([0, 3, 5, 6], np.int32),
@@ -171,7 +158,7 @@ def test_submit_samples_on_device(tiny_model_dir):
     np.testing.assert_array_equal(out.token_ids, logits[[0, 2]].argmax(-1))
 
 
-def test_prompt_logprobs_and_logits_at_any_row_match_the_cpu_backend(tiny_model_dir):
+def test_prompt_logprobs_and_logits_at_any_row_match_the_cpu_backend(tiny_cuda_model_dir):
     """execute(batch, logits_indices) and submit(..., PromptLogprobsSpec) on the GPU (eager and
     in a graph-shaped batch) = the CPU backend's, to fp16 tolerance."""
     from ringserve.gpu.batch import Batch
@@ -191,7 +178,7 @@ def test_prompt_logprobs_and_logits_at_any_row_match_the_cpu_backend(tiny_model_
                             np.zeros(1, np.float32), [None])
     results = []
     for device in ("cpu", "cuda"):
-        r = ModelRunner(tiny_model_dir, device=device, num_blocks=64, max_num_seqs=8)
+        r = ModelRunner(tiny_cuda_model_dir, device=device, num_blocks=64, max_num_seqs=8)
         every = r.execute(prefill, np.arange(6))
         outs = [r.submit(b, np.array([2]), meta, s).result() for b, s in zip((prefill, one_each), spec)]
         results.append((every, outs))
@@ -203,6 +190,12 @@ def test_prompt_logprobs_and_logits_at_any_row_match_the_cpu_backend(tiny_model_
         np.testing.assert_allclose(g.prompt_logprobs.logprobs, c.prompt_logprobs.logprobs, atol=2e-2)
 
 
+def _lead(position) -> float:
+    """How far a greedy position's best token leads the runner-up (logprobs=2: the top two)."""
+    values = sorted((lp.logprob for lp in position.values()), reverse=True)
+    return values[0] - values[1] if len(values) > 1 else float("inf")
+
+
 def _serve_on(path, model_dir, device):
     from ringserve.engine.config import EngineConfig
     from ringserve.engine.process import run_engine
@@ -210,7 +203,7 @@ def _serve_on(path, model_dir, device):
                             max_num_seqs=8, max_num_batched_tokens=32), path)
 
 
-def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_model_dir, tmp_path):
+def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_model_dir, tmp_path):
     """A real engine process on the GPU (its loop overlaps: step N-1 delivered while step N
     runs) against the CPU backend's offline LLM: the same greedy tokens for requests batched
     together, a chunked prefill among them."""
@@ -219,13 +212,15 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_model_dir, 
     from ringserve.engine.llm import LLM
     from ringserve.engine.sampling_params import SamplingParams
     from ringserve.server.engine_client import EngineClient
+    from fp16_checks import assert_same_generation
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], list(range(3, 83))]  # the last one chunked
     params = [dict(max_tokens=10, temperature=0.0, ignore_eos=True)] * 3
-    cpu = LLM(model=str(tiny_model_dir), device="cpu", max_num_batched_tokens=32)
-    expect = [o.outputs[0].token_ids for o in cpu.generate(
-        prompts, [SamplingParams(**p) for p in params])]
+    cpu = LLM(model=str(tiny_cuda_model_dir), device="cpu", max_num_batched_tokens=32)
+    done = cpu.generate(prompts, [SamplingParams(**p, logprobs=2) for p in params])
+    expect = [list(o.outputs[0].token_ids) for o in done]
+    leads = [[_lead(pos) for pos in o.outputs[0].logprobs] for o in done]
     path = str(tmp_path / "engine.sock")
-    proc = mp.get_context("spawn").Process(target=_serve_on, args=(path, tiny_model_dir, "cuda"))
+    proc = mp.get_context("spawn").Process(target=_serve_on, args=(path, tiny_cuda_model_dir, "cuda"))
     proc.start()
 
     async def run():
@@ -240,7 +235,9 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_model_dir, 
         return got
 
     try:
-        assert asyncio.run(asyncio.wait_for(run(), 300)) == expect
+        got = asyncio.run(asyncio.wait_for(run(), 300))
+        compared = [assert_same_generation(g, e, lead) for g, e, lead in zip(got, expect, leads)]
+        assert sum(compared) >= 5, f"too few clear choices to compare: {compared}"
     finally:
         proc.terminate()
         proc.join(30)

@@ -31,12 +31,14 @@ static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "HEAD_DIM: 64, 128, 192 or 
 // q and acc registers are many (the 128-register cap below must not spill).
 #define KEYS_PER_WARP ((GQA_GROUP * PER_LANE <= 16) ? 4 : 2)
 
-// A lane's PER_LANE contiguous halves (4, 8 or 16 bytes) in one vector load; its offset is a
+// A lane's PER_LANE contiguous halves (4, 8, 12 or 16 bytes) in one vector load; its offset is a
 // multiple of PER_LANE halves, and CuPy allocations are 256-byte aligned. The union reads the
 // loaded bits as halves (GCC and NVCC define union punning; a pointer cast would break
 // strict aliasing).
 #if PER_LANE == 8
 typedef uint4 RowVector;
+#elif PER_LANE == 6
+typedef uint3 RowVector;  // HEAD_DIM 192: 12 bytes, 4-byte aligned (three loads)
 #elif PER_LANE == 4
 typedef uint2 RowVector;
 #else

@@ -1,0 +1,97 @@
+"""gpu/cuda/*.cu compiled for the host with g++ against the CUDA-on-host shim (tests/cuda_host/)
+and called through ctypes: shared by tests/test_cuda_host.py (each kernel vs its reference)
+and tests/test_cuda_forward_host.py (the whole CUDA forward vs the CPU backend)."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ringserve.gpu.cuda import toolchain
+
+HOST_DIR = Path(__file__).parent / "cuda_host"
+# source -> the shim's entry points for it
+ENTRIES = {"fused.cu": "fused_host.cpp", "attention.cu": "attention_host.cpp"}
+
+
+def gxx_defines(defines: dict[str, int] | None) -> list[str]:
+    """toolchain.options() as g++ flags: the -D defines as they are, NVRTC's --std dropped (the
+    shim needs C++20, a superset); any other NVRTC option has to be taught to this module."""
+    flags = []
+    for opt in toolchain.options(defines):
+        if opt.startswith("-D"):
+            flags.append(opt)
+        elif not opt.startswith("--std="):
+            raise AssertionError(f"NVRTC option {opt!r} has no host equivalent in {__file__}")
+    return flags
+
+
+class HostKernels:
+    """A host-compiled .cu: call(kernel, (grid, block), *args) runs one emulated launch."""
+
+    def __init__(self, path: Path):
+        self.lib = ctypes.CDLL(str(path))
+        self.lib.cuda_host_error.restype = ctypes.c_char_p
+
+    def call(self, kernel: str, geometry: tuple[tuple[int, ...], tuple[int, ...]], *args) -> None:
+        grid, block = geometry
+        dims = (ctypes.c_uint * 6)(*(tuple(grid) + (1,) * (3 - len(grid))),
+                                   *(tuple(block) + (1,) * (3 - len(block))))
+        if getattr(self.lib, f"launch_{kernel}")(dims, *map(_c_arg, args)) != 0:
+            raise RuntimeError(f"{kernel}: {self.lib.cuda_host_error().decode()}")
+
+
+def _c_arg(a):
+    if a is None:
+        return ctypes.c_void_p(None)
+    if isinstance(a, np.ndarray):
+        assert a.flags.c_contiguous, "kernels take dense row-major buffers"
+        return ctypes.c_void_p(a.ctypes.data)
+    if isinstance(a, np.int32):
+        return ctypes.c_int(int(a))
+    if isinstance(a, np.float32):
+        return ctypes.c_float(float(a))
+    raise TypeError(f"pass np.int32 / np.float32 / arrays, like the CuPy launchers: {a!r}")
+
+
+class HostBuild:
+    """Builds each (source, defines) once into a folder; get() returns its HostKernels."""
+
+    def __init__(self, gxx: str, folder: Path):
+        self.gxx, self.folder = gxx, folder
+        self.built: dict[tuple, HostKernels] = {}
+        for name in ENTRIES:
+            (folder / name).write_text(toolchain.source(name))
+
+    def get(self, source: str, defines: dict[str, int] | None = None) -> HostKernels:
+        key = (source, tuple(sorted((defines or {}).items())))
+        if key not in self.built:
+            self.built[key] = self._build(source, defines)
+        return self.built[key]
+
+    def prebuild(self, variants: list[tuple[str, dict[str, int] | None]]) -> None:
+        """Build several at once (two cores: about half the time of one after another)."""
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for source, defines in variants:
+                key = (source, tuple(sorted((defines or {}).items())))
+                if key not in self.built:
+                    self.built[key] = pool.submit(self._build, source, defines)
+        self.built = {k: v.result() if hasattr(v, "result") else v for k, v in self.built.items()}
+
+    def _build(self, source: str, defines: dict[str, int] | None) -> HostKernels:
+        suffix = "_".join(f"{k}{v}" for k, v in sorted((defines or {}).items()))
+        out = self.folder / f"{Path(source).stem}{'_' + suffix if suffix else ''}.so"
+        cmd = [self.gxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-pthread",
+               f"-I{HOST_DIR / 'include'}", "-iquote", str(self.folder), *gxx_defines(defines),
+               str(HOST_DIR / ENTRIES[source]), "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr[-6000:]}"
+        return HostKernels(out)
+
+
+def find_gxx() -> str | None:
+    return shutil.which("g++")

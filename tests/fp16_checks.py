@@ -1,0 +1,43 @@
+"""Comparing an fp16 backend (CUDA; its host-run forward) with the float32 CPU backend. Random
+tiny models have near-ties among their top logits, which fp16 rounding may flip: greedy tokens
+are compared only where float32's best leads its runner-up clearly, and a generation is
+compared only up to its first unclear choice."""
+from __future__ import annotations
+
+import numpy as np
+
+from ringserve.gpu.batch import Batch
+
+CLEAR = 0.02  # a lead (over the largest |logit|, or in logprob) beyond fp16 noise
+
+
+def assert_logits_close(got: np.ndarray, expect: np.ndarray) -> None:
+    """Close in value; the same argmax wherever expect's best leads clearly."""
+    scale = np.abs(expect).max()
+    np.testing.assert_allclose(got, expect, atol=0.05 * scale)
+    top2 = np.sort(expect, axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > CLEAR * scale
+    assert clear.any(), "no row with a clear best token: the check would check nothing"
+    np.testing.assert_array_equal(got.argmax(-1)[clear], expect.argmax(-1)[clear])
+
+
+def assert_same_generation(got: list[int], expect: list[int], leads: list[float]) -> int:
+    """got == expect up to the first position whose float32 lead (best logprob minus the
+    runner-up's) is unclear; returns how many positions were compared."""
+    n = next((i for i, lead in enumerate(leads) if lead <= CLEAR), len(expect))
+    assert got[:n] == expect[:n], f"differ before position {n}: {got} vs {expect}"
+    return n
+
+
+def next_batch(seqs: list[list[int]], new: list[list[int]], tables: np.ndarray,
+               block_size: int) -> Batch:
+    """The step computing each request's `new` tokens (the last of seqs[r]) through tables."""
+    ids, pos, slots, qsl = [], [], [], [0]
+    for r, seq in enumerate(seqs):
+        p = np.arange(len(seq) - len(new[r]), len(seq))
+        ids += new[r]
+        pos += list(p)
+        slots += list(tables[r, p // block_size] * block_size + p % block_size)
+        qsl.append(qsl[-1] + len(new[r]))
+    return Batch(np.array(ids, np.int32), np.array(pos, np.int32), np.array(slots, np.int32),
+                 np.array(qsl, np.int32), np.array([len(s) for s in seqs], np.int32), tables)

@@ -1,0 +1,167 @@
+"""The CUDA backend's whole forward without a GPU: gpu/cuda/forward.py's llama_forward, the
+layer sequence CudaModelRunner runs, over HostOps: the real CUDA C kernels (fused.cu,
+attention.cu) compiled for the host (tests/cuda_host_kernels.py), numpy in place of cuBLAS
+(fp16 in and out, float32 accumulation) and the numpy references of the Numba kernels (which
+run in the CUDA simulator in tests/test_cuda_sim.py). Against the CPU backend's logits on tiny
+random Llamas: eager prefill and decode, and decode the way a CUDA graph replays it (padded to
+a ladder size, the shared buffers' block table holding stale rows, split-K from
+max_model_len). What it cannot check: cuBLAS, CuPy, Numba on a device, graph capture.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fp16_checks import assert_logits_close, next_batch
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.cuda import launch, plan
+from ringserve.gpu.cuda import reference as ref
+from ringserve.gpu.cuda.forward import AttentionLaunch, LlamaWeights, StepBuffers, llama_forward
+from ringserve.gpu.rope import cos_sin, inv_freq
+from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.weights import load_weights
+
+pytestmark = pytest.mark.sim
+BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN = 16, 48, 256
+F16, F32 = np.float16, np.float32
+
+
+class HostOps:
+    """forward.DeviceOps on the CPU (see the module docstring)."""
+
+    def __init__(self, c: ModelConfig, cuda_host):
+        self.fused = cuda_host.get("fused.cu")
+        self.paged = cuda_host.get("attention.cu", dict(
+            HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
+        self.scale = np.float32(c.head_dim ** -0.5)
+        self.num_heads = c.num_attention_heads
+
+    def copy_in(self, dst, src):
+        dst[:len(src)] = src
+
+    def copy_in_corner(self, dst, src):
+        dst[:src.shape[0], :src.shape[1]] = src
+
+    def embedding(self, ids, table, out):
+        out[...] = ref.embedding(ids, table)
+
+    def matmul(self, x, weight, out):
+        out[...] = (x.astype(F32) @ weight.astype(F32).T).astype(F16)
+
+    def add_bias(self, x, bias):
+        x += bias
+
+    def add_rms_norm(self, h, delta, weight, out, eps):
+        T, n = h.shape
+        self.fused.call("add_rms_norm", launch.norm_launch(T, n), h, delta, weight, out,
+                        np.int32(n), np.float32(eps))
+
+    def rope(self, qkv, positions, cos, sin, num_rot_heads, head_dim):
+        self.fused.call("rope", launch.rope_launch(qkv.shape[0], num_rot_heads, head_dim), qkv,
+                        positions, cos, sin, np.int32(num_rot_heads), np.int32(head_dim),
+                        np.int32(qkv.shape[1]))
+
+    def store_kv(self, qkv, slot_mapping, k_cache, v_cache, num_heads):
+        ref.store_kv(qkv, slot_mapping, k_cache, v_cache, num_heads)
+
+    def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch):
+        """What PagedAttention.__call__ launches."""
+        T, (_, block_size, kvh, d) = buf.qkv.shape[0], k_cache.shape
+        part_acc, part_ml = attn.workspace
+        self.paged.call("paged_attention", launch.attention_launch(T, kvh, attn.splits),
+                        buf.qkv, np.int32(buf.qkv.shape[1]), k_cache, v_cache, buf.positions,
+                        buf.query_start_loc, buf.seq_lens, buf.block_tables,
+                        np.int32(buf.block_tables.shape[1]), np.int32(len(buf.seq_lens)),
+                        np.int32(kvh), np.int32(block_size), self.scale,
+                        np.int32(launch.attention_partition(attn.max_seq_len, attn.splits)),
+                        buf.attn, part_acc, part_ml)
+        if attn.splits > 1:
+            self.paged.call("attention_reduce", launch.reduce_launch(T, self.num_heads, d),
+                            part_acc, part_ml, np.int32(attn.splits), buf.attn)
+
+    def silu_mul(self, gate_up, out):
+        T, inter = out.shape
+        self.fused.call("silu_mul", launch.silu_launch(T, inter), gate_up, out, np.int32(T),
+                        np.int32(inter // 2))
+
+    def gather_rows(self, x, indices, out):
+        out[...] = x[indices]
+
+    def to_float32(self, src, out):
+        out[...] = src
+
+
+def workspace(T: int, num_heads: int, head_dim: int, splits: int) -> tuple:
+    """PagedAttention.workspace's shapes, NaN-filled: a partial nobody wrote shows up."""
+    if splits == 1:
+        return None, None
+    return (np.full((T, num_heads, splits, head_dim), np.nan, F32),
+            np.full((T, num_heads, splits, 2), np.nan, F32))
+
+
+class HostRunner:
+    """CudaModelRunner's eager and graph-shaped paths, on HostOps."""
+
+    def __init__(self, model_dir, cuda_host, num_sms: int = 16):
+        c = self.config = ModelConfig.from_dir(model_dir)
+        self.ops = HostOps(c, cuda_host)
+        self.weights = LlamaWeights.fuse(c, load_weights(model_dir), lambda arrays: np.ascontiguousarray(
+            np.concatenate([np.asarray(a, F16) for a in arrays])))
+        shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
+        self.caches = [(np.zeros(shape, F16), np.zeros(shape, F16)) for _ in range(c.num_hidden_layers)]
+        self.cos, self.sin = cos_sin(np.arange(MAX_MODEL_LEN), inv_freq(c))
+        self.num_sms = num_sms  # few "SMs": split-K kicks in at these tiny batches
+        self.ladder = plan.graph_batch_sizes(8)
+        self.max_blocks = MAX_MODEL_LEN // BLOCK_SIZE
+        # the graphs' one set of buffers, with stale garbage where no step wrote yet
+        self.shared = StepBuffers(c, self.ladder[-1], self.ladder[-1], self.max_blocks, np)
+        self.shared.block_tables[...] = np.random.default_rng(0).integers(0, NUM_BLOCKS, self.shared.block_tables.shape)
+
+    def splits(self, num_tokens: int, max_seq_len: int) -> int:
+        return plan.attention_splits(num_tokens=num_tokens, num_kv_heads=self.config.num_key_value_heads,
+                                     max_seq_len=max_seq_len, num_sms=self.num_sms, partition_size=32)
+
+    def eager(self, batch: Batch) -> np.ndarray:
+        c = self.config
+        buf = StepBuffers(c, batch.num_tokens, batch.num_reqs, batch.block_tables.shape[1], np)
+        buf.load(batch, self.ops)
+        max_len = int(batch.seq_lens.max())
+        s = self.splits(batch.num_tokens, max_len)
+        llama_forward(self.ops, c, self.weights, buf, self.caches,
+                      AttentionLaunch(s, max_len, workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
+                      self.cos, self.sin)
+        return buf.logits.copy()
+
+    def graph_shaped(self, batch: Batch) -> np.ndarray:
+        """A decode as its graph replays it: padded to the ladder size, leading views of the
+        shared buffers, split-K planned for max_model_len."""
+        c = self.config
+        size = plan.padded_size(batch.num_reqs, self.ladder)
+        buf = self.shared.leading(size, size)
+        buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
+        s = self.splits(size, MAX_MODEL_LEN)
+        llama_forward(self.ops, c, self.weights, buf, self.caches,
+                      AttentionLaunch(s, MAX_MODEL_LEN, workspace(size, c.num_attention_heads, c.head_dim, s)),
+                      self.cos, self.sin)
+        return buf.logits[:batch.num_reqs].copy()
+
+
+@pytest.mark.parametrize("decode", ["eager", "graph"])
+def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, decode):
+    """Three requests (one prompt spans two blocks) prefilled together, then decoded greedily
+    (the CPU backend's tokens fed to both): every step's logits as the CPU backend's, K/V
+    written and read through shuffled block tables."""
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 60))]
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    host = HostRunner(tiny_cuda_model_dir, cuda_host)
+    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
+    for step in range(6):
+        batch = next_batch(seqs, new, tables, BLOCK_SIZE)
+        want = cpu.execute(batch)
+        got = host.graph_shaped(batch) if step and decode == "graph" else host.eager(batch)
+        assert_logits_close(got, want)
+        for r, seq in enumerate(seqs):
+            seq.append(int(want[r].argmax()))
+            new[r] = [seq[-1]]
