@@ -28,7 +28,6 @@ if not IN_SIMULATOR:
         assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
 
 else:
-    from numba import cuda
 
     from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda import reference as ref

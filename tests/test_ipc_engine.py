@@ -172,7 +172,9 @@ def test_killed_engine_fails_open_requests_fast_and_comes_back(engines):
             await s.__anext__()  # running
         engines.kill("a")
         killed = time.monotonic()
-        lasts = [[o async for o in s][-1] for s in streams]
+        lasts = []
+        for s in streams:
+            lasts.append([o async for o in s][-1])
         elapsed = time.monotonic() - killed
         assert all(o.finish_reason == "error" and "died" in o.error for o in lasts)
         assert elapsed < 1.0, f"open requests failed {elapsed:.2f} s after the engine died"

@@ -16,7 +16,6 @@ the median engine total is reported.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from types import SimpleNamespace
 
