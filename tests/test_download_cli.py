@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ringserve.gpu.model_store import CONVERTER_VERSION
 from ringserve.tools.tiny_gguf import make_tiny_gguf
 
 FIVE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -42,7 +43,7 @@ def test_gguf_file_is_converted_once(tmp_path):
     make_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1)
     first = download(str(tmp_path / "tiny.gguf"), cache=tmp_path / "cache")
     path = folder_printed(first)
-    assert path.parent == tmp_path / "cache" / "models"
+    assert path.parent == tmp_path / "cache" / "models" / f"v{CONVERTER_VERSION}"
     assert "converting tiny.gguf" in first.stderr
     stamp = (path / "model.safetensors").stat().st_mtime_ns
 
@@ -79,5 +80,5 @@ def test_bad_input_is_one_error_line(tmp_path):
         assert done.stdout == "", case
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, (case, done.stderr)
         assert message in done.stderr and "Traceback" not in done.stderr, (case, done.stderr)
-    models = tmp_path / "cache" / "models"
+    models = tmp_path / "cache" / "models" / f"v{CONVERTER_VERSION}"
     assert not models.exists() or list(models.iterdir()) == []  # no half-converted folder

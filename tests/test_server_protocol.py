@@ -59,7 +59,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "hi", "stop": ["ok", ""]}, "stop"),
     ({"prompt": "hi", "stop": 5}, "stop"),
-    ({"prompt": "hi", "model": "gpt-4"}, "model"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
@@ -79,6 +78,14 @@ BAD_COMPLETIONS = [
 def test_bad_completion_requests_are_400(client, body, param):
     err = _error(client.simulate_post("/v1/completions", json=body), 400, param)
     assert err["type"] == "invalid_request_error"
+
+
+def test_a_model_not_served_is_404(client):
+    for path, body in (("/v1/completions", {"prompt": "hi", "model": "gpt-4"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                 "model": "gpt-4"})):
+        err = _error(client.simulate_post(path, json=body), 404, "model")
+        assert err["code"] == "model_not_found" and "gpt-4" in err["message"]
 
 
 BAD_CHAT = [
