@@ -22,15 +22,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="session", params=["tied-g3", "untied-g2"])
-def tiny_cuda_model_dir(request, tmp_path_factory) -> Path:
-    """Tiny random Llamas with head_dim 64, the smallest attention.cu compiles for: GQA 3/1
-    with tied embeddings (SmolLM2's group), and GQA 4/2 with an lm_head of its own."""
-    if request.param == "tied-g3":
-        return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-g3"), hidden=192, heads=3,
-                               kv_heads=1, ffn=256)
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-g2"), hidden=256, heads=4,
-                           kv_heads=2, ffn=256, tie_embeddings=False, seed=1)
+TINY_CUDA_MODELS = {  # head_dim 64, the smallest attention.cu compiles for
+    "tied-g3": dict(hidden=192, heads=3, kv_heads=1, ffn=256),  # SmolLM2's GQA group, tied
+    "untied-g2": dict(hidden=256, heads=4, kv_heads=2, ffn=256, tie_embeddings=False, seed=1),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_cuda_models(tmp_path_factory):
+    """name -> folder, each made on first use (tiny_cuda_model_dir)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_tiny_llama(tmp_path_factory.mktemp(f"tiny-llama-{name}"),
+                                         **TINY_CUDA_MODELS[name])
+        return made[name]
+    return get
+
+
+@pytest.fixture(scope="session", params=list(TINY_CUDA_MODELS))
+def tiny_cuda_model_dir(request, tiny_cuda_models) -> Path:
+    """Each of TINY_CUDA_MODELS in turn: a test using it runs for both."""
+    return tiny_cuda_models(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -203,7 +203,7 @@ def _serve_on(path, model_dir, device):
                             max_num_seqs=8, max_num_batched_tokens=32), path)
 
 
-def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_model_dir, tmp_path):
+def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models, tmp_path):
     """A real engine process on the GPU (its loop overlaps: step N-1 delivered while step N
     runs) against the CPU backend's offline LLM: the same greedy tokens for requests batched
     together, a chunked prefill among them."""
@@ -213,6 +213,7 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_model_
     from ringserve.engine.sampling_params import SamplingParams
     from ringserve.server.engine_client import EngineClient
     from fp16_checks import assert_same_generation
+    tiny_cuda_model_dir = tiny_cuda_models("tied-g3")  # one model: a spawned engine compiles every kernel
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], list(range(3, 83))]  # the last one chunked
     params = [dict(max_tokens=10, temperature=0.0, ignore_eos=True)] * 3
     cpu = LLM(model=str(tiny_cuda_model_dir), device="cpu", max_num_batched_tokens=32)
