@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cuda_host_kernels import paged_attention
 from fp16_checks import assert_logits_close, next_batch
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
@@ -34,8 +35,7 @@ class HostOps:
         self.fused = cuda_host.get("fused.cu")
         self.paged = cuda_host.get("attention.cu", dict(
             HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
-        self.scale = np.float32(c.head_dim ** -0.5)
-        self.num_heads = c.num_attention_heads
+        self.scale = c.head_dim ** -0.5
 
     def copy_in(self, dst, src):
         dst[:len(src)] = src
@@ -66,19 +66,9 @@ class HostOps:
         ref.store_kv(qkv, slot_mapping, k_cache, v_cache, num_heads)
 
     def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch):
-        """What PagedAttention.__call__ launches."""
-        T, (_, block_size, kvh, d) = buf.qkv.shape[0], k_cache.shape
-        part_acc, part_ml = attn.workspace
-        self.paged.call("paged_attention", launch.attention_launch(T, kvh, attn.splits),
-                        buf.qkv, np.int32(buf.qkv.shape[1]), k_cache, v_cache, buf.positions,
-                        buf.query_start_loc, buf.seq_lens, buf.block_tables,
-                        np.int32(buf.block_tables.shape[1]), np.int32(len(buf.seq_lens)),
-                        np.int32(kvh), np.int32(block_size), self.scale,
-                        np.int32(launch.attention_partition(attn.max_seq_len, attn.splits)),
-                        buf.attn, part_acc, part_ml)
-        if attn.splits > 1:
-            self.paged.call("attention_reduce", launch.reduce_launch(T, self.num_heads, d),
-                            part_acc, part_ml, np.int32(attn.splits), buf.attn)
+        paged_attention(self.paged, buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc,
+                        buf.seq_lens, buf.block_tables, self.scale, buf.attn, attn.splits,
+                        attn.max_seq_len, attn.workspace)
 
     def silu_mul(self, gate_up, out):
         T, inter = out.shape

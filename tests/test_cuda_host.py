@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cuda_host_kernels import paged_attention, paged_attention_args
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda import reference as ref
 
@@ -129,26 +130,19 @@ def paged_case(rng, *, head_dim: int, group: int, kvh: int, requests: list[tuple
                 seq_lens=seq_lens, block_tables=tables, num_heads=num_heads)
 
 
-def attention_args(c: dict, out: np.ndarray, partition: int = 0, part_acc=None, part_ml=None) -> tuple:
-    """paged_attention's arguments in the order PagedAttention.__call__ passes them."""
-    _, block_size, kvh, d = c["k_cache"].shape
-    return (c["qkv"], np.int32(c["qkv"].shape[1]), c["k_cache"], c["v_cache"], c["positions"],
-            c["query_start_loc"], c["seq_lens"], c["block_tables"], np.int32(c["block_tables"].shape[1]),
-            np.int32(len(c["seq_lens"])), np.int32(kvh), np.int32(block_size), np.float32(d ** -0.5),
-            np.int32(partition), out, part_acc, part_ml)
+def case_args(c: dict) -> tuple:
+    """A case's arrays in paged_attention's order, up to the scale."""
+    return (c["qkv"], c["k_cache"], c["v_cache"], c["positions"], c["query_start_loc"],
+            c["seq_lens"], c["block_tables"], c["k_cache"].shape[-1] ** -0.5)
 
 
 def run_attention(kernels, c: dict, splits: int, max_seq_len: int) -> np.ndarray:
     """What PagedAttention.__call__ launches, with NaN-filled outputs and workspace."""
-    T, (_, _, kvh, d), H = len(c["positions"]), c["k_cache"].shape, c["num_heads"]
+    T, d, H = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"]
     out = np.full((T, H * d), np.nan, np.float16)
-    part_acc = np.full((T, H, splits, d), np.nan, np.float32) if splits > 1 else None
-    part_ml = np.full((T, H, splits, 2), np.nan, np.float32) if splits > 1 else None
-    kernels.call("paged_attention", launch.attention_launch(T, kvh, splits),
-                 *attention_args(c, out, launch.attention_partition(max_seq_len, splits), part_acc, part_ml))
-    if splits > 1:
-        kernels.call("attention_reduce", launch.reduce_launch(T, H, d), part_acc, part_ml,
-                     np.int32(splits), out)
+    workspace = (np.full((T, H, splits, d), np.nan, np.float32),
+                 np.full((T, H, splits, 2), np.nan, np.float32)) if splits > 1 else (None, None)
+    paged_attention(kernels, *case_args(c), out, splits, max_seq_len, workspace)
     return out
 
 
@@ -190,6 +184,6 @@ def test_launch_outside_the_kernels_bounds_is_refused(host_kernels):
     c = paged_case(np.random.default_rng(0), head_dim=64, group=1, kvh=2, requests=[(0, 1)])
     (grid, block), kernels = launch.attention_launch(1, 2, 1), host_kernels[64, 1]
     out = np.zeros((1, 2 * 64), np.float16)
-    kernels.call("paged_attention", (grid, block), *attention_args(c, out))
+    kernels.call("paged_attention", (grid, block), *paged_attention_args(*case_args(c), out))
     with pytest.raises(RuntimeError, match="invalid block"):
-        kernels.call("paged_attention", (grid, (2 * block[0],)), *attention_args(c, out))
+        kernels.call("paged_attention", (grid, (2 * block[0],)), *paged_attention_args(*case_args(c), out))
