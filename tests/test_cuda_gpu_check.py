@@ -47,3 +47,36 @@ def test_budget_times_phases_and_skips_what_does_not_fit():
     assert b.phases == {"a": 40, "c": 65}
     assert [m.split(":")[0] for m in b.skipped] == ["b", "d"]
     assert "needs ~70 s" in b.skipped[0]
+
+
+def test_a_failing_phase_is_reported_and_the_next_still_runs():
+    from ringserve.tools.gpu_check import Budget
+
+    def broken():
+        raise RuntimeError("cuBLAS said no")
+
+    b = Budget(100)
+    assert b.run("ours 1B", 1, broken) is None
+    assert b.run("copy", 1, lambda: 5) == 5
+    assert b.errors == {"ours 1B": "RuntimeError: cuBLAS said no"}
+    assert set(b.phases) == {"ours 1B", "copy"}
+
+
+def test_the_table_prints_every_section(capsys):
+    from ringserve.tools.gpu_check import print_tables
+    result = dict(device="NVIDIA H200", date="2026-11-29", tests="passed", copy_GBps=4000.0,
+                  attention=[dict(kernel="rawkernel", batch=1, context=1024, splits=8, us=12.5,
+                                  GBps=1342.0, pct_copy=33.5)],
+                  rows=[dict(model="1B", impl="ringserve graphs", batch=1, step_ms=1.0, tok_s=1000.0,
+                             weight_bytes=3_000_000_000),
+                        dict(model="1B", impl="transformers", batch=1, step_ms=9.0, tok_s=111.0)],
+                  skipped=["ours 8B: skipped (10 s left of the budget, it needs ~100 s)"],
+                  phases={"tests": 80.0, "copy": 2.0}, errors={"transformers 8B": "OutOfMemoryError: x"})
+    print_tables(result)
+    out = capsys.readouterr().out
+    assert "NVIDIA H200  2026-11-29  tests: passed  d2d copy: 4000 GB/s" in out
+    assert "rawkernel      1    1024      8      12.5    1342   33.5" in out
+    # the graphs row streams 3 GB at 4000 GB/s: 0.75 ms of a 1.0 ms step = 75 % of the bound
+    assert "ringserve graphs         1     1.000       1000    75.0" in out
+    assert "transformers             1     9.000        111     nan" in out
+    assert "skipped: ours 8B" in out and "failed: transformers 8B: OutOfMemoryError" in out

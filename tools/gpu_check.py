@@ -21,6 +21,7 @@ import json
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 SHAPES = {  # Llama-3.2-1B and Llama-3-8B
@@ -102,12 +103,14 @@ class Budget:
         self.deadline = clock() + seconds
         self.phases: dict[str, float] = {}   # name -> seconds it took
         self.skipped: list[str] = []
+        self.errors: dict[str, str] = {}     # name -> the exception that ended it
 
     def left(self) -> float:
         return self.deadline - self.clock()
 
     def run(self, name: str, estimate_s: float, fn):
-        """fn() if estimate_s fits in what is left (its result), else None and a message."""
+        """fn() if estimate_s fits in what is left (its result), else None and a message; a
+        phase that raises is reported (traceback, .errors) and gives None."""
         left = self.left()
         if left < estimate_s:
             msg = f"{name}: skipped ({left:.0f} s left of the budget, it needs ~{estimate_s:.0f} s)"
@@ -117,6 +120,11 @@ class Budget:
         t = self.clock()
         try:
             return fn()
+        except Exception as e:  # one broken phase must not cost the others' figures
+            traceback.print_exc()
+            self.errors[name] = f"{type(e).__name__}: {e}"
+            print(f"gpu_check: {name} failed: {self.errors[name]}", file=sys.stderr)
+            return None
         finally:
             self.phases[name] = self.clock() - t
 
@@ -293,6 +301,8 @@ def print_tables(result) -> None:
                   f"{r['tok_s']:>10.0f} {bound:>7.1f}")
     for msg in result["skipped"]:
         print(f"skipped: {msg}")
+    for name, error in result["errors"].items():
+        print(f"failed: {name}: {error}")
     print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in result["phases"].items()))
 
 
@@ -320,7 +330,8 @@ def main(argv=None) -> int:
               "Run it on a machine with an NVIDIA GPU and `pip install -e .[cuda]`.", file=sys.stderr)
         return 1
     result = dict(device=device, date=time.strftime("%Y-%m-%d"), tests=None, copy_GBps=None,
-                  attention=[], rows=[], skipped=budget.skipped, phases=budget.phases)
+                  attention=[], rows=[], skipped=budget.skipped, phases=budget.phases,
+                  errors=budget.errors)
     if not args.skip_tests:
         result["tests"] = budget.run("tests", 30, lambda: run_tests(budget)) or "skipped"
     copy = budget.run("copy", ESTIMATES["copy"], copy_bandwidth)
@@ -336,7 +347,7 @@ def main(argv=None) -> int:
     print_tables(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
-    return 0 if result["tests"] in (None, "passed") else 1
+    return 0 if result["tests"] in (None, "passed") and not result["errors"] else 1
 
 
 if __name__ == "__main__":
