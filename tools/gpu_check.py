@@ -44,6 +44,21 @@ def cuda_device_name() -> str | None:
         return None
 
 
+def software_versions() -> dict[str, str]:
+    """What the figures were measured with (CuPy wheel, Numba, CUDA runtime and driver, torch)."""
+    import importlib.metadata as md
+    import cupy
+    rt = cupy.cuda.runtime
+    out = {"cupy": cupy.__version__, "cuda_runtime": str(rt.runtimeGetVersion()),
+           "cuda_driver": str(rt.driverGetVersion())}
+    for dist in ("numba", "numba-cuda", "torch", "transformers"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
 def config_for(shape: dict):
     from ringserve.gpu.config import ModelConfig
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
@@ -285,6 +300,8 @@ def print_tables(result) -> None:
     print(f"{result['device']}  {result['date']}  tests: {result['tests']}  "
           f"d2d copy: {result['copy_GBps']:.0f} GB/s" if result.get("copy_GBps") else
           f"{result['device']}  tests: {result['tests']}")
+    if result.get("versions"):
+        print(", ".join(f"{k} {v}" for k, v in result["versions"].items()))
     if result["attention"]:
         print(f"\npaged attention, one decode step of one layer (H {ATTN_SHAPE['num_heads']}, "
               f"KVH {ATTN_SHAPE['num_kv_heads']}, D {ATTN_SHAPE['head_dim']}, fp16 K/V)")
@@ -331,7 +348,7 @@ def main(argv=None) -> int:
         return 1
     result = dict(device=device, date=time.strftime("%Y-%m-%d"), tests=None, copy_GBps=None,
                   attention=[], rows=[], skipped=budget.skipped, phases=budget.phases,
-                  errors=budget.errors)
+                  errors=budget.errors, versions=software_versions())
     if not args.skip_tests:
         result["tests"] = budget.run("tests", 30, lambda: run_tests(budget)) or "skipped"
     copy = budget.run("copy", ESTIMATES["copy"], copy_bandwidth)
