@@ -5,8 +5,9 @@ are plain memory), run one EngineCore step, write each worker's outputs as one r
 ring that worker's doorbell at most once, then publish waiting/running counts and the
 heartbeat. On a device whose steps run asynchronously (CUDA), step N-1's outputs go out while
 step N runs (launch_step, deliver N-1, finish_step): the host work hides behind the device's,
-and results are the same because nothing delivered feeds the step in flight. With nothing to do, the loop drains its doorbell, rechecks the rings, and blocks in
-epoll on the doorbell and the control sockets (waking each second to beat).
+and results are the same because nothing delivered feeds the step in flight. With nothing to
+do, the loop drains its doorbell, rechecks the rings, and blocks in epoll on the doorbell and
+the control sockets (waking each second to beat).
 
 Workers arrive on the control socket and get a slot; a slot's requests are named inside the
 core as ``<slot>.<generation>.<request id>`` so that two workers may use the same ids. When a
