@@ -174,11 +174,14 @@ class CudaSampler:
                 "banned_offsets", "presence", "frequency", "repetition")),
                 threads=min(self.threads, 256), stream=self.stream)
         token_ids = self._dev.get("token_ids", (B,), np.int32)
-        sk.sample(x, self._to_device("temperature", np.asarray(meta.temperature, np.float32)),
-                  self._to_device("top_k", np.asarray(meta.top_k, np.int32)),
-                  self._to_device("top_p", np.asarray(meta.top_p, np.float32)),
-                  self._to_device("min_p", np.asarray(meta.min_p, np.float32)),
-                  self._to_device("uniforms", draw_uniforms(meta)), token_ids, **kw)
+        # The five per-row parameters travel as one float32 block (one copy, not five): rows of
+        # B values, flat so that the arena grows with B; top_k's row holds int32 bits.
+        host = np.empty((5, B), np.float32)
+        host[0], host[2], host[3], host[4] = meta.temperature, meta.top_p, meta.min_p, draw_uniforms(meta)
+        host[1].view(np.int32)[:] = meta.top_k
+        flat = self._to_device("sampling_rows", host.reshape(-1))
+        temperature, top_k, top_p, min_p, uniforms = (flat[i * B:(i + 1) * B] for i in range(5))
+        sk.sample(x, temperature, top_k.view(np.int32), top_p, min_p, uniforms, token_ids, **kw)
         host_ids = self._host.get("token_ids", (B,), np.int32)
         token_ids.copy_to_host(host_ids, stream=self.stream)
         host_lps = None
