@@ -67,9 +67,14 @@ def test_the_table_prints_every_section(capsys):
     result = dict(device="NVIDIA H200", date="2026-11-29", tests="passed", copy_GBps=4000.0,
                   attention=[dict(kernel="rawkernel", batch=1, context=1024, splits=8, us=12.5,
                                   GBps=1342.0, pct_copy=33.5)],
-                  rows=[dict(model="1B", impl="ringserve graphs", batch=1, step_ms=1.0, tok_s=1000.0,
+                  rows=[dict(model="1B", impl="ringserve eager", batch=1, step_ms=2.5, tok_s=400.0,
                              weight_bytes=3_000_000_000),
-                        dict(model="1B", impl="transformers", batch=1, step_ms=9.0, tok_s=111.0)],
+                        dict(model="1B", impl="ringserve graphs", batch=1, step_ms=1.0, tok_s=1000.0,
+                             weight_bytes=3_000_000_000),
+                        dict(model="1B", impl="transformers", batch=1, step_ms=9.0, tok_s=111.0),
+                        dict(model="1B", impl="ringserve graphs", batch=64, step_ms=4.0, tok_s=16000.0,
+                             weight_bytes=3_000_000_000),
+                        dict(model="1B", impl="transformers", batch=64, step_ms=10.0, tok_s=6400.0)],
                   skipped=["ours 8B: skipped (10 s left of the budget, it needs ~100 s)"],
                   phases={"tests": 80.0, "copy": 2.0}, errors={"transformers 8B": "OutOfMemoryError: x"})
     print_tables(result)
@@ -80,3 +85,7 @@ def test_the_table_prints_every_section(capsys):
     assert "ringserve graphs         1     1.000       1000    75.0" in out
     assert "transformers             1     9.000        111     nan" in out
     assert "skipped: ours 8B" in out and "failed: transformers 8B: OutOfMemoryError" in out
+    # the ratios, same run: 1000 / 400 tok/s = 2.5x eager, 1000 / 111 = 9.01x transformers
+    assert ("1B         1        2.50x           9.01x    75.0  %bound >= 60: met, "
+            "graphs >= 2x eager: met") in out
+    assert "1B        64         nanx           2.50x    18.8  tok/s >= 3x transformers: MISSED" in out

@@ -296,6 +296,40 @@ ESTIMATES = {"copy": 5, "attention": 30, "ours 1B": 60, "transformers 1B": 45, "
 TESTS_TIMEOUT_S = 240  # NVRTC and Numba compile every kernel on first use, in each process
 
 
+def weight_bound_pct(row: dict, copy_GBps: float | None) -> float:
+    """A step's share of the weight-streaming bound: the time to read the weights once at the
+    measured copy bandwidth, over the step's time, in %."""
+    if "weight_bytes" not in row or not copy_GBps:
+        return float("nan")
+    return row["weight_bytes"] / (copy_GBps * 1e9) * 1e3 / row["step_ms"] * 100
+
+
+def ratios(result: dict) -> list[dict]:
+    """Per model and batch: graphs over eager and over transformers (tokens/s, same run), the
+    graphs' % of the weight-streaming bound, and the issue's targets where they apply."""
+    by = {(r["model"], r["batch"], r["impl"]): r for r in result["rows"]}
+    out = []
+    for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in result["rows"]):
+        graphs = by.get((model, batch, "ringserve graphs"))
+        if graphs is None:
+            continue
+        eager = by.get((model, batch, "ringserve eager"))
+        peer = by.get((model, batch, "transformers"))
+        row = dict(model=model, batch=batch,
+                   graphs_vs_eager=graphs["tok_s"] / eager["tok_s"] if eager else float("nan"),
+                   vs_transformers=graphs["tok_s"] / peer["tok_s"] if peer else float("nan"),
+                   pct_bound=weight_bound_pct(graphs, result.get("copy_GBps")))
+        targets = []
+        if model == "1B" and batch == 1:
+            targets += [("%bound >= 60", row["pct_bound"] >= 60),
+                        ("graphs >= 2x eager", row["graphs_vs_eager"] >= 2)]
+        if batch == 64:
+            targets.append(("tok/s >= 3x transformers", row["vs_transformers"] >= 3))
+        row["targets"] = targets
+        out.append(row)
+    return out
+
+
 def print_tables(result) -> None:
     print(f"{result['device']}  {result['date']}  tests: {result['tests']}  "
           f"d2d copy: {result['copy_GBps']:.0f} GB/s" if result.get("copy_GBps") else
@@ -312,10 +346,14 @@ def print_tables(result) -> None:
     if result["rows"]:
         print(f"\n{'model':6} {'impl':20} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'%bound':>7}")
         for r in result["rows"]:
-            bound = (r["weight_bytes"] / (result["copy_GBps"] * 1e9) * 1e3 / r["step_ms"] * 100
-                     if "weight_bytes" in r and result.get("copy_GBps") else float("nan"))
             print(f"{r['model']:6} {r['impl']:20} {r['batch']:>5} {r['step_ms']:>9.3f} "
-                  f"{r['tok_s']:>10.0f} {bound:>7.1f}")
+                  f"{r['tok_s']:>10.0f} {weight_bound_pct(r, result.get('copy_GBps')):>7.1f}")
+        print(f"\n{'model':6} {'batch':>5} {'graphs/eager':>12} {'vs transformers':>15} "
+              f"{'%bound':>7}  targets")
+        for r in ratios(result):
+            met = ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in r["targets"])
+            print(f"{r['model']:6} {r['batch']:>5} {r['graphs_vs_eager']:>11.2f}x "
+                  f"{r['vs_transformers']:>14.2f}x {r['pct_bound']:>7.1f}  {met}")
     for msg in result["skipped"]:
         print(f"skipped: {msg}")
     for name, error in result["errors"].items():
