@@ -60,20 +60,26 @@ class LlamaWeights:
 
 class StepBuffers:
     """Every activation of one forward over T tokens and B requests (static for a graph).
-    xp: the array module the device allocates with (cupy; numpy on the host)."""
+    xp: the array module the device allocates with (cupy; numpy on the host).
+
+    The step's small int32 inputs share one block, so that a step loads them in one copy:
+    [input_ids T | positions T | slot_mapping T | query_start_loc B+1 | seq_lens B |
+    logits_indices B]; the block table has its own copy (a corner of a wide table)."""
 
     PER_TOKEN = ("input_ids", "positions", "slot_mapping", "h", "x", "delta", "qkv", "attn",
                  "gate_up", "act")
     PER_REQUEST = ("seq_lens", "block_tables", "logits_indices", "last", "logits16", "logits")
 
     def __init__(self, c: ModelConfig, T: int, B: int, max_blocks: int, xp):
-        self.input_ids = xp.zeros(T, xp.int32)
-        self.positions = xp.zeros(T, xp.int32)
-        self.slot_mapping = xp.full(T, -1, xp.int32)
-        self.query_start_loc = xp.zeros(B + 1, xp.int32)
-        self.seq_lens = xp.zeros(B, xp.int32)
+        self.inputs = xp.zeros(3 * T + 3 * B + 1, xp.int32)
+        self.offsets = {"input_ids": 0, "positions": T, "slot_mapping": 2 * T,
+                        "query_start_loc": 3 * T, "seq_lens": 3 * T + B + 1,
+                        "logits_indices": 3 * T + 2 * B + 1}
+        for name, n in (("input_ids", T), ("positions", T), ("slot_mapping", T),
+                        ("query_start_loc", B + 1), ("seq_lens", B), ("logits_indices", B)):
+            setattr(self, name, self.inputs[self.offsets[name]:self.offsets[name] + n])
+        self.slot_mapping[...] = -1
         self.block_tables = xp.full((B, max_blocks), -1, xp.int32)
-        self.logits_indices = xp.zeros(B, xp.int32)
         self.h = xp.empty((T, c.hidden_size), xp.float32)
         self.x = xp.empty((T, c.hidden_size), xp.float16)
         self.delta = xp.empty((T, c.hidden_size), xp.float16)
@@ -90,6 +96,7 @@ class StepBuffers:
         the largest one's: graphs replay one at a time on one stream, and the memory of the
         smaller sizes' activations and logits is not spent again."""
         view = object.__new__(StepBuffers)
+        view.inputs, view.offsets = self.inputs, self.offsets
         for name in self.PER_TOKEN:
             setattr(view, name, getattr(self, name)[:T])
         for name in self.PER_REQUEST:
@@ -98,11 +105,18 @@ class StepBuffers:
         return view
 
     def load(self, b, ops: DeviceOps) -> None:
-        """Copy a Batch (or a plan.PaddedDecode) into the leading rows. The block table goes
-        into the top-left [B, width] corner; the columns past width are never read."""
+        """Copy a Batch (or a plan.PaddedDecode) into the leading rows: the int32 inputs in one
+        copy of the whole block (rows past this view's get slot -1 and seq_len 0: they write and
+        read nothing), the block table into its top-left [B, width] corner (the columns past
+        width are never read)."""
+        host = np.zeros(len(self.inputs), np.int32)
+        o = self.offsets
+        host[o["slot_mapping"]:o["query_start_loc"]] = -1
         for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
-            ops.copy_in(getattr(self, name), np.ascontiguousarray(getattr(b, name), np.int32))
-        ops.copy_in(self.logits_indices, np.ascontiguousarray(b.query_start_loc[1:] - 1, np.int32))
+            values = getattr(b, name)
+            host[o[name]:o[name] + len(values)] = values
+        host[o["logits_indices"]:o["logits_indices"] + len(b.seq_lens)] = b.query_start_loc[1:] - 1
+        ops.copy_in(self.inputs, host)
         tables = np.ascontiguousarray(b.block_tables, np.int32)
         if tables.size:
             ops.copy_in_corner(self.block_tables, tables)
