@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cuda_host_kernels import paged_attention, paged_attention_args
+from paged_cases import paged_layout
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda import reference as ref
 
@@ -105,29 +106,16 @@ def paged_case(rng, *, head_dim: int, group: int, kvh: int, requests: list[tuple
     """requests: (tokens already cached, new tokens) each, blocks shuffled over a pool with
     spare blocks; pad: graph padding rows after them (one token, seq_len 0, slot -1, table -1).
     The new tokens' K/V are stored first, as the runner does before attention."""
-    seq_lens = np.array([c + n for c, n in requests] + [0] * pad, np.int32)
-    new = [n for _, n in requests] + [1] * pad
-    max_blocks = max(1, -(-int(seq_lens.max()) // block_size))
-    num_blocks = sum(-(-int(s) // block_size) for s in seq_lens) + 5
-    perm = rng.permutation(num_blocks).astype(np.int32)
-    tables = np.full((len(seq_lens), max_blocks), -1, np.int32)
-    used = 0
-    for r, s in enumerate(seq_lens):
-        nb = -(-int(s) // block_size)
-        tables[r, :nb] = perm[used:used + nb]
-        used += nb
-    positions = np.concatenate([np.arange(c, c + n) for c, n in requests] + [np.zeros(pad)]).astype(np.int32)
-    qsl = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    req = np.repeat(np.arange(len(seq_lens)), new)
-    slots = np.where(seq_lens[req] > 0, tables[req, positions // block_size] * block_size
-                     + positions % block_size, -1).astype(np.int32)
+    layout = paged_layout(rng, requests, block_size=block_size, pad=pad)
+    positions, slots, num_blocks = layout["positions"], layout["slots"], layout["num_blocks"]
     num_heads = kvh * group
     qkv = rng.standard_normal((len(positions), (num_heads + 2 * kvh) * head_dim)).astype(np.float16)
     k_cache = guarded(rng.standard_normal((num_blocks, block_size, kvh, head_dim)).astype(np.float16))
     v_cache = guarded(rng.standard_normal((num_blocks, block_size, kvh, head_dim)).astype(np.float16))
     ref.store_kv(qkv, slots, k_cache, v_cache, num_heads)
-    return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions, query_start_loc=qsl,
-                seq_lens=seq_lens, block_tables=tables, num_heads=num_heads)
+    return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions,
+                query_start_loc=layout["query_start_loc"], seq_lens=layout["seq_lens"],
+                block_tables=layout["block_tables"], num_heads=num_heads)
 
 
 def case_args(c: dict) -> tuple:

@@ -28,7 +28,7 @@ if not IN_SIMULATOR:
         assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
 
 else:
-
+    from paged_cases import paged_layout
     from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda import reference as ref
 
@@ -38,27 +38,16 @@ else:
 
     def paged_case(rng, *, num_heads=4, kvh=2, d=16, block_size=4, num_blocks=24):
         """Two prefill chunks (one with a cached prefix) and two decodes, shuffled blocks."""
-        prompt_lens = [(0, 5), (6, 3), (9, 1), (2, 1)]  # (tokens already cached, new tokens)
-        seq_lens = np.array([c + n for c, n in prompt_lens], np.int32)
-        max_blocks = int(np.ceil(seq_lens.max() / block_size))
-        perm = rng.permutation(num_blocks).astype(np.int32)
-        tables = np.full((len(seq_lens), max_blocks), -1, np.int32)
-        used = 0
-        for r, s in enumerate(seq_lens):
-            nb = -(-int(s) // block_size)
-            tables[r, :nb] = perm[used:used + nb]
-            used += nb
-        positions = np.concatenate([np.arange(c, c + n) for c, n in prompt_lens]).astype(np.int32)
-        qsl = np.concatenate([[0], np.cumsum([n for _, n in prompt_lens])]).astype(np.int32)
-        req = np.repeat(np.arange(len(seq_lens)), [n for _, n in prompt_lens])
-        slots = (tables[req, positions // block_size] * block_size + positions % block_size).astype(np.int32)
+        layout = paged_layout(rng, [(0, 5), (6, 3), (9, 1), (2, 1)],  # (cached, new tokens)
+                              block_size=block_size, num_blocks=num_blocks)
+        positions = layout["positions"]
         T = len(positions)
         qkv = rng.standard_normal((T, (num_heads + 2 * kvh) * d)).astype(np.float16)
         k_cache = rng.standard_normal((num_blocks, block_size, kvh, d)).astype(np.float16)
         v_cache = rng.standard_normal((num_blocks, block_size, kvh, d)).astype(np.float16)
         return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions,
-                    query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, slots=slots,
-                    num_heads=num_heads)
+                    query_start_loc=layout["query_start_loc"], seq_lens=layout["seq_lens"],
+                    block_tables=layout["block_tables"], slots=layout["slots"], num_heads=num_heads)
 
     def test_embedding():
         rng = np.random.default_rng(0)

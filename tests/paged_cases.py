@@ -1,0 +1,32 @@
+"""The layout of a paged-attention test case: requests of (tokens already cached, new tokens)
+packed into one super-sequence, their blocks shuffled over the pool; shared by the kernel tests
+(tests/test_cuda_sim.py, tests/test_cuda_host.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def paged_layout(rng, requests: list[tuple[int, int]], *, block_size: int,
+                 num_blocks: int | None = None, pad: int = 0) -> dict:
+    """seq_lens, block_tables (-1 past each request's blocks), positions, query_start_loc and
+    slots (slot_mapping) of the requests, then `pad` graph padding rows (one token, seq_len 0,
+    slot -1, table -1). num_blocks: the pool (default: what the requests hold, plus 5 spare)."""
+    seq_lens = np.array([c + n for c, n in requests] + [0] * pad, np.int32)
+    new = [n for _, n in requests] + [1] * pad
+    if num_blocks is None:
+        num_blocks = sum(-(-int(s) // block_size) for s in seq_lens) + 5
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.full((len(seq_lens), max(1, -(-int(seq_lens.max()) // block_size))), -1, np.int32)
+    used = 0
+    for r, s in enumerate(seq_lens):
+        nb = -(-int(s) // block_size)
+        tables[r, :nb] = perm[used:used + nb]
+        used += nb
+    positions = np.concatenate([np.arange(c, c + n) for c, n in requests]
+                               + [np.zeros(pad)]).astype(np.int32)
+    req = np.repeat(np.arange(len(seq_lens)), new)
+    slots = np.where(seq_lens[req] > 0, tables[req, positions // block_size] * block_size
+                     + positions % block_size, -1).astype(np.int32)
+    return dict(seq_lens=seq_lens, block_tables=tables, positions=positions,
+                query_start_loc=np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
+                slots=slots, num_blocks=num_blocks)
