@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ringserve.gpu.cuda.launch import ATTENTION_BACKENDS
+
 
 @dataclass
 class EngineConfig:
@@ -31,7 +33,7 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}.")
-        if self.attention_backend not in ("auto", "rawkernel", "numba"):
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, rawkernel or numba, got {self.attention_backend!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")

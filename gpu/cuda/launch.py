@@ -9,13 +9,14 @@ Dims = tuple[int, ...]
 
 ATTENTION_THREADS = 128  # attention.cu: WARPS (4) * 32, one block per (token, KV head, split)
 ATTENTION_HEAD_DIMS = (64, 128, 192, 256)  # attention.cu: 32 lanes x an even number of dims each
+ATTENTION_BACKENDS = ("auto", "rawkernel", "numba")  # --attention-backend
 
 
 def attention_backend_for(requested: str, head_dim: int) -> str:
     """The paged-attention kernel a model gets: "auto" is the RawKernel where attention.cu
     compiles for the head size, else the Numba kernel (any head_dim up to 256)."""
-    if requested not in ("auto", "rawkernel", "numba"):
-        raise ValueError(f"attention_backend {requested!r}: auto, rawkernel or numba")
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend {requested!r}: {', '.join(ATTENTION_BACKENDS)}")
     if requested == "auto":
         return "rawkernel" if head_dim in ATTENTION_HEAD_DIMS else "numba"
     if requested == "rawkernel" and head_dim not in ATTENTION_HEAD_DIMS:
