@@ -1,7 +1,10 @@
 """The KV-cache manager: a pool of fixed-size blocks, per-request block tables, prefix caching.
 
-Prefix caching follows vLLM V1. Every full block is named by a chain hash: the hash of its
-parent block's hash and its own tokens, so equal hashes mean equal prefixes. A block is
+Prefix caching follows vLLM V1. Every full block is named by a chain hash: sha256 of its
+parent block's hash and its own token ids (raw int32), so equal hashes mean equal prefixes. A
+cryptographic hash because a collision would serve one request another's KV (vLLM moved from
+Python's hash() to sha256 after exactly that report); and each hit is still checked against
+the block's parent hash and tokens, so even a forced collision cannot reuse a wrong block. A block is
 registered under its hash as soon as it is allocated for tokens that fill it (their K/V are
 written by the same forward pass that may first read them: the runner writes a layer's K/V
 for the whole step before that layer's attention). A freed block keeps its hash and stays
@@ -14,6 +17,8 @@ share their prompt's blocks through hashes salted with their request id (Request
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -26,11 +31,25 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_ROOT = b"ringserve-prefix-cache-v1"
+
+
+def hash_block(block_key: bytes) -> bytes:
+    """A block's chain hash: sha256 of its key (the parent block's hash + its int32 token ids)."""
+    return hashlib.sha256(block_key).digest()
+
+
+def root_hash(cache_salt: object) -> bytes:
+    """The parent hash of a request's first block; a salt scopes sharing (n > 1, caching off)."""
+    return hash_block(_ROOT + (b"" if cache_salt is None else str(cache_salt).encode()))
+
+
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None   # set while the block holds a full, registered block of tokens
+    block_hash: bytes | None = None  # set while the block holds a full, registered block of tokens
+    block_key: bytes | None = None   # what was hashed (parent hash + token bytes): checked on a hit
 
 
 class BlockPool:
@@ -59,7 +78,7 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
-                block.block_hash = None
+                block.block_hash = block.block_key = None
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -78,11 +97,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def register(self, block: KVBlock, block_hash: int) -> None:
+    def register(self, block: KVBlock, block_hash: bytes, block_key: bytes) -> None:
         """Make a full block findable by its hash (the first block with a hash keeps it)."""
         if block.block_hash is None and block_hash not in self.cached:
-            block.block_hash = block_hash
+            block.block_hash, block.block_key = block_hash, block_key
             self.cached[block_hash] = block
+
+    def lookup(self, block_hash: bytes, block_key: bytes) -> KVBlock | None:
+        """The cached block of this hash if it really holds these tokens after this parent."""
+        block = self.cached.get(block_hash)
+        return block if block is not None and block.block_key == block_key else None
 
 
 class BlockTables:
@@ -130,6 +154,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self._pack_block = struct.Struct(f"{block_size}i").pack  # a block's ids as int32 bytes
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.tables = BlockTables()
@@ -166,14 +191,19 @@ class KVCacheManager:
     def _hashing(self, req: Request) -> bool:
         return self.enable_caching or req.cache_salt is not None
 
-    def _update_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
-        hashes = req.block_hashes
+    def _block_key(self, req: Request, i: int) -> bytes:
+        """What block i of a request hashes: its parent's hash and its token ids (int32 bytes).
+        Needs req.block_hashes[:i] (a parent is always hashed before its child)."""
         bs = self.block_size
-        toks = req.all_token_ids
+        parent = req.block_hashes[i - 1] if i else root_hash(req.cache_salt)
+        # PERF: struct over a list slice, ~3x faster than np.array(...).tobytes() here.
+        return parent + self._pack_block(*req.all_token_ids[i * bs:(i + 1) * bs])
+
+    def _update_hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
+        # PERF: once per full block of a request (every block_size tokens), ~1 us each.
+        hashes = req.block_hashes
         while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else hash(("ringserve-root", req.cache_salt))
-            hashes.append(hash((parent, tuple(toks[i * bs:(i + 1) * bs]))))
+            hashes.append(hash_block(self._block_key(req, len(hashes))))
         return hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
@@ -186,8 +216,8 @@ class KVCacheManager:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for h in self._update_hashes(req, max_blocks)[:max_blocks]:
-            block = self.pool.cached.get(h)
+        for i, h in enumerate(self._update_hashes(req, max_blocks)[:max_blocks]):
+            block = self.pool.lookup(h, self._block_key(req, i))
             if block is None:
                 break
             hits.append(block)
@@ -240,7 +270,7 @@ class KVCacheManager:
             return
         hashes = self._update_hashes(req, num_full)
         for i in range(start, num_full):
-            self.pool.register(blocks[i], hashes[i])
+            self.pool.register(blocks[i], hashes[i], self._block_key(req, i))
         self._num_registered[req.key] = num_full
 
     def free(self, req: Request) -> None:

@@ -35,7 +35,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | None = None
-    block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks (kv_cache)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full blocks (kv_cache)
     num_preemptions: int = 0
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache
     # prompt_logprobs so far: entry p scores prompt token p + 1 (the first token has none).

@@ -100,3 +100,39 @@ def test_every_block_returns_to_the_pool():
         kv.free(r)
     assert kv.num_free_blocks == 6
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_blocks_are_keyed_by_sha256_of_parent_hash_and_int32_tokens():
+    import hashlib
+
+    import numpy as np
+
+    from ringserve.engine.kv_cache import root_hash
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
+    a = make_req("a", list(range(9)))             # 2 full blocks
+    admit(kv, a)
+    h0 = hashlib.sha256(root_hash(None) + np.arange(4, dtype=np.int32).tobytes()).digest()
+    h1 = hashlib.sha256(h0 + np.arange(4, 8, dtype=np.int32).tobytes()).digest()
+    assert a.block_hashes == [h0, h1]
+    assert kv.pool.cached[h0].block_id == kv.block_ids(a)[0]
+
+
+def test_a_forced_hash_collision_never_reuses_a_wrong_block(monkeypatch):
+    """Every block hashes to one of two keys: a hit must still check the tokens (and the
+    parent), so requests with other prompts get no block of another's KV."""
+    from ringserve.engine import kv_cache
+    monkeypatch.setattr(kv_cache, "hash_block", lambda key: bytes([len(key) % 2]))
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True)
+    a = make_req("a", list(range(12)))
+    assert admit(kv, a) == 0
+    assert len(set(a.block_hashes)) == 1          # the collision really happens
+    b = make_req("b", [50, 51, 52, 53] + list(range(4, 12)))  # block 0 differs, 1-2 equal
+    assert admit(kv, b) == 0
+    assert not set(kv.block_ids(b)) & set(kv.block_ids(a))
+    c = make_req("c", list(range(4)) + [60, 61, 62, 63, 8, 9, 10, 11])  # block 1 differs
+    assert admit(kv, c) == 4                      # only block 0 is really the same
+    assert kv.block_ids(c)[0] == kv.block_ids(a)[0]
+    assert not set(kv.block_ids(c)[1:]) & set(kv.block_ids(a))
+    d = make_req("d", list(range(12)))            # the same prompt still hits where it can:
+    assert admit(kv, d) == 4                      # one block per key, the first registered
+    assert kv.block_ids(d)[0] == kv.block_ids(a)[0]
