@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 
 INT32_MAX = 2**31 - 1
@@ -18,6 +19,12 @@ INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38   # the largest finite float32
 FLOAT32_TINY = 2.0**-126               # the smallest normal float32: below it, 0 or a subnormal
 # (a GPU kernel may flush subnormals to zero, so they are refused like an underflow)
+_F32 = struct.Struct("f")  # packing rounds to the nearest float32, and refuses what becomes inf
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:20] + f"... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -29,15 +36,18 @@ class FloatRange:
     def why_not(self, value: object) -> str | None:
         """Why `value` cannot be used (None: it can)."""
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            return f"must be a number, got {value!r}"
-        x = float(value) if abs(value) <= FLOAT32_MAX * 2 else math.inf  # a huge int: no OverflowError
-        if math.isnan(x) or math.isinf(x) or abs(x) > FLOAT32_MAX:
-            return f"must be a finite float32 (at most {FLOAT32_MAX:.7g} in magnitude), got {value!r}"
-        if x != 0.0 and abs(x) < FLOAT32_TINY:
+            return f"must be a number, got {_show(value)}"
+        try:  # the value as the engine's float32 will hold it (rounded to nearest)
+            x = value if abs(value) > FLOAT32_MAX * 2 else _F32.unpack(_F32.pack(float(value)))[0]
+        except OverflowError:  # rounds to inf
+            x = math.inf
+        if abs(x) > FLOAT32_MAX or math.isnan(x):  # (a huge int is not converted to float)
+            return f"must be a finite float32 (at most {FLOAT32_MAX:.8g} in magnitude), got {_show(value)}"
+        if x == 0.0 and value != 0 or 0.0 < abs(x) < FLOAT32_TINY:
             return (f"underflows float32 (a nonzero value must be at least {FLOAT32_TINY:.8g} in "
-                    f"magnitude), got {value!r}")
+                    f"magnitude), got {_show(value)}")
         if x < self.lo or x > self.hi or (self.lo_open and x == self.lo):
-            return f"must be in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}], got {value!r}"
+            return f"must be in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}], got {_show(value)}"
         return None
 
 
@@ -48,9 +58,9 @@ class IntRange:
 
     def why_not(self, value: object) -> str | None:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            return f"must be an integer, got {value!r}"
+            return f"must be an integer, got {_show(value)}"
         if not self.lo <= value <= self.hi:
-            return f"must be in [{self.lo}, {self.hi}], got {value}"
+            return f"must be in [{self.lo}, {self.hi}], got {_show(value)}"
         return None
 
 

@@ -8,6 +8,7 @@ body from costing the server much more than its size. Every failure is an `APIEr
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -168,7 +169,7 @@ def decode_request(body: bytes, type: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=type)
     except (UnicodeDecodeError, msgspec.DecodeError) as exc:
-        raise _decode_error(exc) from None
+        raise _decode_error(exc, body) from None
 
 
 def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -179,16 +180,26 @@ def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | Tokenize
                 else TokenizeCompletionRequest)
         return msgspec.convert(raw, type=kind)
     except (UnicodeDecodeError, msgspec.DecodeError) as exc:
-        raise _decode_error(exc) from None
+        raise _decode_error(exc, body) from None
 
 
-def _decode_error(exc: Exception) -> APIError:
+_AT_BYTE = re.compile(r"\(byte (\d+)\)$")
+# The key whose value was being read: `"name":` then the start of the value (e.g. `[1, `).
+_KEY_BEFORE = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]*)"\s*:[^:{}"]*$')
+
+
+def _decode_error(exc: Exception, body: bytes) -> APIError:
     """The 400 for a body that is not UTF-8, not JSON, or not the request's shape."""
     if isinstance(exc, UnicodeDecodeError):
         return bad_request("request body is not valid UTF-8")
     if isinstance(exc, msgspec.ValidationError):  # a DecodeError too: test it first
         return from_validation_error(exc)
-    return bad_request(f"malformed JSON: {exc}")
+    # Malformed inside a value (NaN, Infinity: not JSON): name the field it belongs to.
+    at, param = _AT_BYTE.search(str(exc)), None
+    if at is not None:
+        key = _KEY_BEFORE.search(body[:int(at.group(1))])
+        param = key.group(1).decode() if key else None
+    return bad_request(f"malformed JSON: {exc}", param=param)
 
 
 def check_model(model: str | None, served_names: list[str]) -> str:
