@@ -68,6 +68,7 @@ def server(serve, tiny_model_dir, no_segment_left_behind):
     with httpx.Client(base_url=s.url, timeout=60) as client:
         yield s, client
     assert engine_pids(s.proc.pid) == pids, "the engine was restarted"
+    s.stop()
 
 
 def check(client: httpx.Client, endpoint: str, body: dict) -> int:
