@@ -46,11 +46,11 @@ class OutputText:
         return self._take(final=True)
 
     def _check_stop(self, before: int) -> None:
-        # A stop string s can only newly appear in the window of its length ending at the new
-        # text (as vLLM): the work per token is the stops' total length, not count x longest.
+        # A stop string can only newly appear in a window ending at the new text.
+        start = max(0, before - self._max_stop + 1)
         best = -1
         for s in self._stop:
-            i = self.text.find(s, max(0, before - len(s) + 1))
+            i = self.text.find(s, start)
             if i != -1 and (best == -1 or i < best):
                 best, self.stop_string = i, s
         if best != -1:
@@ -68,17 +68,10 @@ class OutputText:
         return out
 
     def _held_tail(self) -> int:
-        """Length of the longest suffix of the unsent text that is a proper prefix of a stop string."""
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
         text = self.text
-        end, avail = len(text), len(text) - self._sent
-        best = 0
-        for s in self._stop:
-            # PERF: only where s's first character occurs in the tail can s begin: str.find
-            # scans in C, and a stop string costs about its length per token at worst.
-            i = text.find(s[0], end - min(len(s) - 1, avail))
-            while i != -1 and end - i > best:
-                if s.startswith(text[i:]):
-                    best = end - i  # the longest candidate for s comes first
-                    break
-                i = text.find(s[0], i + 1)
-        return best
+        for k in range(min(self._max_stop - 1, len(text) - self._sent), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
