@@ -35,10 +35,12 @@ class FloatRange:
 
     def why_not(self, value: object) -> str | None:
         """Why `value` cannot be used (None: it can)."""
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        t = type(value)  # PERF: the exact types first; the ABC check only for others (numpy's)
+        if t is not float and t is not int and (t is bool or not isinstance(value, numbers.Real)):
             return f"must be a number, got {_show(value)}"
+        v = value if t is int else float(value)
         try:  # the value as the engine's float32 will hold it (rounded to nearest)
-            x = value if abs(value) > FLOAT32_MAX * 2 else _F32.unpack(_F32.pack(float(value)))[0]
+            x = v if abs(v) > FLOAT32_MAX * 2 else _F32.unpack(_F32.pack(v))[0]
         except OverflowError:  # rounds to inf
             x = math.inf
         if abs(x) > FLOAT32_MAX or math.isnan(x):  # (a huge int is not converted to float)
@@ -57,7 +59,8 @@ class IntRange:
     hi: int
 
     def why_not(self, value: object) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        t = type(value)
+        if t is not int and (t is bool or not isinstance(value, numbers.Integral)):
             return f"must be an integer, got {_show(value)}"
         if not self.lo <= value <= self.hi:
             return f"must be in [{self.lo}, {self.hi}], got {_show(value)}"
@@ -82,14 +85,17 @@ INTS: dict[str, IntRange] = {
     "logprobs": IntRange(0, INT32_MAX),
     "prompt_logprobs": IntRange(0, INT32_MAX),
 }
+_RULES: dict[str, FloatRange | IntRange] = {**FLOATS, **INTS}
 TOKEN_ID = IntRange(0, INT32_MAX)             # and below the vocabulary size, which each side knows
 
 
 def why_not(name: str, value: object, label: str | None = None) -> str | None:
     """Why sampling parameter `name` cannot be `value`, as "<label> <reason>" (label: the name
     the caller knows it by, `name` by default; None: it can)."""
-    rule = FLOATS.get(name) or INTS.get(name)
-    if rule is None or value is None:
+    if value is None:
+        return None
+    rule = _RULES.get(name)
+    if rule is None:
         return None
     reason = rule.why_not(value)
     return None if reason is None else f"{label or name} {reason}"
