@@ -77,7 +77,7 @@ FLOATS: dict[str, FloatRange] = {
     "repetition_penalty": FloatRange(0.0, FLOAT32_MAX, lo_open=True),
 }
 INTS: dict[str, IntRange] = {
-    "n": IntRange(1, INT32_MAX),
+    "n": IntRange(1, 1024),                    # sequences one request adds (the frontend sends 1)
     "top_k": IntRange(-1, INT32_MAX),          # -1 or 0: off; at or above the vocabulary: off too
     "seed": IntRange(INT64_MIN, INT64_MAX),    # vLLM's range; see generator_seed
     "max_tokens": IntRange(1, INT32_MAX),

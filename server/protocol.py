@@ -34,7 +34,7 @@ class RequestLimits:
     max_stop_strings: int = 64
     max_stop_bytes: int = 4096
     max_stop_token_ids: int = 1024
-    max_response_logprobs: int = 1 << 20
+    max_response_logprobs: int = 1 << 21     # n=8 x 8k tokens x 21 fits; ~100 B of worker memory each
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -98,7 +98,8 @@ def test_invalid_sampling_params_are_refused(kw):
                                 dict(repetition_penalty=1e-300), dict(repetition_penalty=float("inf")),
                                 dict(top_k=2**31), dict(seed=2**63), dict(seed=-2**63 - 1),
                                 dict(temperature=True), dict(top_k=1.5), dict(stop_token_ids=[-1]),
-                                dict(stop_token_ids=[2**31]), dict(max_tokens=2**31)])
+                                dict(stop_token_ids=[2**31]), dict(max_tokens=2**31),
+                                dict(n=2**31 - 1)])
 def test_values_the_engine_dtypes_cannot_hold_are_refused(kw):
     """A ring record is not trusted: the engine checks ipc/limits.py's ranges too."""
     with pytest.raises(ValueError):
