@@ -20,8 +20,9 @@ from msgspec import Meta, Struct, field
 from ringserve.ipc import limits
 from ringserve.server.errors import APIError, bad_request, from_validation_error
 
-# Ranges of sampling values are checked in check_ranges (ipc/limits.py), not by these types.
-TokenId = Annotated[int, Meta(ge=0)]
+# Ranges of sampling values are checked in check_ranges (ipc/limits.py), not by the types; a
+# token id's lower bound is here so that msgspec names the item (`prompt[3]`).
+TokenId = Annotated[int, Meta(ge=limits.TOKEN_ID.lo)]
 
 
 @dataclass(frozen=True)
