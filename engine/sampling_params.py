@@ -7,8 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ringserve.ipc import limits
+
 # Below this temperature a request is sampled greedily (as vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
+# The sampling row carries top_k as a float32 (exact up to 2**24); no vocabulary comes near it,
+# so a top_k this large is "off", as any top_k at or above the vocabulary size is.
+TOP_K_OFF_FROM = 2**24
 
 
 @dataclass
@@ -34,51 +39,35 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
-        if self.top_k == -1:
-            self.top_k = 0
         self._validate()
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.top_k == -1 or self.top_k >= TOP_K_OFF_FROM:
+            self.top_k = 0
+        if self.seed is not None:  # any int64 seed (vLLM's range); numpy wants a non-negative one
+            self.seed = limits.generator_seed(self.seed)
 
     def _validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(msg)
-
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be at least 1, got {self.n}.")
-        if self.temperature < 0.0:
-            bad(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            bad(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        """The ranges of ipc/limits.py (what the engine's dtypes can hold), then the relations
+        between fields. The engine checks again what the frontend checked: a record from a ring
+        is not trusted."""
+        for name in (*limits.FLOATS, *limits.INTS):
+            why = limits.why_not(name, getattr(self, name))
+            if why is not None:
+                raise ValueError(why + ".")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if self.repetition_penalty <= 0.0:
-            bad(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
-        if self.logprobs is not None and self.logprobs < 0:
-            bad(f"logprobs must be non-negative, got {self.logprobs}.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}.")
+            raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}.")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                limits.TOKEN_ID.why_not(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids in [0, {limits.INT32_MAX}].")
         if not all(isinstance(s, str) and s for s in self.stop):
-            bad(f"stop must be a list of non-empty strings, got {self.stop!r}.")
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}.")
 
     @property
     def greedy(self) -> bool:

@@ -98,15 +98,20 @@ async def _unexpected(req, resp, ex: Exception, params) -> None:
 
 
 class _Auth:
-    """Bearer-token check for the API routes when --api-key is set (as vLLM: /v1 and (de)tokenize)."""
+    """Bearer-token check when --api-key is set, on every route but those marked `public`
+    (/health, /version, /metrics: open as in vLLM, for load balancers and Prometheus).
+
+    NOTE: it runs on the resource Falcon's router resolved, never on the raw path: the router
+    ignores empty and `.` segments and the server has already decoded %2F, so `//v1/models`,
+    `/%2Fv1/models`, `/./v1/models` and `/v1//models` reach the same resource as `/v1/models`
+    and meet the same check. A new route is protected unless it says otherwise."""
 
     def __init__(self, api_key: str):
         self._expected = f"Bearer {api_key}".encode()
 
-    async def process_request(self, req, resp) -> None:
-        if req.method == "OPTIONS" or not (req.path.startswith("/v1") or
-                                           req.path in ("/tokenize", "/detokenize")):
-            return
+    async def process_resource(self, req, resp, resource, params) -> None:
+        if resource is None or getattr(resource, "public", False) or req.method == "OPTIONS":
+            return  # no route (404) or an open one
         got = (req.get_header("Authorization") or "").encode()
         if not hmac.compare_digest(got, self._expected):
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
@@ -232,10 +237,7 @@ class Detokenize:
         body = await read_body(req, self._options.max_body_bytes)
         request = P.decode_request(body, P.DetokenizeRequest)
         P.check_model(request.model, self._ctx.served_model_names)
-        vocab = self._ctx.tokenizer.vocab_size
-        if any(t >= vocab for t in request.tokens):
-            raise P.bad_request(f"token ids must be below the vocabulary size {vocab}",
-                                param="tokens")
+        P.check_token_ids(request.tokens, self._ctx.vocab_size, param="tokens")
         json_response(resp, {"prompt": self._ctx.tokenizer.decode(request.tokens)})
 
 
@@ -252,6 +254,8 @@ class Models:
 
 
 class Health:
+    public = True  # no API key needed (_Auth)
+
     def __init__(self, options: AppOptions):
         self._options = options
 
@@ -265,11 +269,15 @@ class Health:
 
 
 class Version:
+    public = True
+
     async def on_get(self, req, resp) -> None:
         json_response(resp, {"version": _pkg_version("ringserve")})
 
 
 class Metrics:
+    public = True  # Prometheus scrapes it without a key, as vLLM's /metrics
+
     def __init__(self, ctx: ServerContext, options: AppOptions):
         self._ctx, self._options = ctx, options
 

@@ -1,11 +1,12 @@
 """What the request handlers of one worker share: tokenizer, engine client, model facts, metrics."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.server.generate import Engine
 from ringserve.server.metrics import RequestMetrics
+from ringserve.server.protocol import RequestLimits
 
 
 @dataclass
@@ -15,6 +16,14 @@ class ServerContext:
     served_model_names: list[str]
     max_model_len: int
     metrics: RequestMetrics
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    model_vocab_size: int | None = None  # the model's (config.json); None: the tokenizer's
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids below this are valid for both the tokenizer and the model."""
+        tok = self.tokenizer.vocab_size
+        return tok if self.model_vocab_size is None else min(tok, self.model_vocab_size)
 
     @property
     def model_name(self) -> str:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
+from ringserve.ipc.limits import sample_seed
 from ringserve.ipc.messages import Output
 from ringserve.server.metrics import RequestMetrics
 from ringserve.server.output_text import OutputText
@@ -91,7 +92,7 @@ class Generation:
             params = self._params
             seed = params.get("seed")
             if seed is not None and self._n > 1:
-                params = dict(params, seed=seed + c.index % self._n)
+                params = dict(params, seed=sample_seed(seed, c.index % self._n))
             try:
                 c.outputs = await self._engine.submit(c.request_id, c.prompt_token_ids, params,
                                                       trace=self.trace is not None)

@@ -66,6 +66,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
     p.add_argument("--enable-debug-endpoints", action="store_true",
                    help="serve GET /debug/engines and /dashboard (engines publish a snapshot)")
+    from ringserve.server.protocol import LIMIT_HELP, RequestLimits
+    for name, default in vars(RequestLimits()).items():  # per-request limits: 400 above them
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
+                       help=f"{LIMIT_HELP[name]} (default {default})")
 
 
 @dataclass
@@ -89,6 +93,8 @@ class Launcher:
         self.args = args
         self.model_dir = model_dir
         self.max_model_len = max_model_len
+        from ringserve.server.protocol import RequestLimits  # a bad flag fails before anything starts
+        self.request_limits = RequestLimits(**{k: getattr(args, k) for k in vars(RequestLimits())})
         from ringserve.gpu.devices import plan_engines
         # Counted without initializing CUDA here (gpu/devices.py); one engine per GPU by default.
         self.device, self.engine_gpus = plan_engines(args.device, args.engines)
@@ -170,6 +176,8 @@ class Launcher:
             "max_model_len": self.max_model_len,
             "api_key": a.api_key,
             "max_body_bytes": a.max_body_bytes,
+            "request_limits": vars(self.request_limits),
+            "vocab_size": _model_vocab_size(self.model_dir),
             "control_paths": [e.control_path for e in self.engines],
             "debug_paths": ([self._debug_path(e.index) for e in self.engines]
                             if getattr(a, "enable_debug_endpoints", False) else None),
@@ -265,6 +273,11 @@ class Launcher:
         remove_stale_segments()
         shutil.rmtree(self.runtime, ignore_errors=True)
         log.info("stopped")
+
+
+def _model_vocab_size(model_dir: Path) -> int:
+    from ringserve.gpu.config import ModelConfig
+    return ModelConfig.from_dir(model_dir).vocab_size
 
 
 def serve_command(args: argparse.Namespace) -> int:

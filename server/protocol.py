@@ -1,32 +1,58 @@
 """OpenAI request and response shapes (plus vLLM's sampling extensions), as msgspec Structs.
 
-Decoding a body with `decode_request` is the one place a request is validated: msgspec checks
-types and ranges (its message names the field, which becomes OpenAI's `param`), and
-`check_*` checks what types cannot say (model name, empty prompt, context length).
-Every failure is an `APIError(400)`.
+Decoding a body with `decode_request` checks types (msgspec's message names the field, which
+becomes OpenAI's `param`); `check_*` checks the rest: each sampling value against what the
+engine's dtypes can hold (ipc/limits.py, the rules the engine applies again), the model name,
+empty prompts, context length, and the per-request limits (`RequestLimits`) that keep a small
+body from costing the server much more than its size. Every failure is an `APIError(400)`.
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar, Union
 
 import msgspec
 from msgspec import Meta, Struct, field
 
+from ringserve.ipc import limits
 from ringserve.server.errors import APIError, bad_request, from_validation_error
 
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+# Ranges of sampling values are checked in check_ranges (ipc/limits.py), not by the types; a
+# token id's lower bound is here so that msgspec names the item (`prompt[3]`).
+TokenId = Annotated[int, Meta(ge=limits.TOKEN_ID.lo)]
 
-NonNegFloat = Annotated[float, Meta(ge=0.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
-MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegInt = Annotated[int, Meta(ge=0)]
-TopK = Annotated[int, Meta(ge=-1)]  # -1 (or 0) = off, as in vLLM
-LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
-TokenId = Annotated[int, Meta(ge=0)]
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for: each field is the `ringserve serve` flag of its name
+    (LIMIT_HELP), with a default no real client reaches. Each bounds work or memory that a
+    small body could otherwise multiply."""
+    max_logprobs: int = 20                     # vLLM's flag and default
+    max_choices_per_request: int = 1024
+    max_stop_strings: int = 64
+    max_stop_bytes: int = 4096
+    max_stop_token_ids: int = 1024
+    max_response_logprobs: int = 1 << 21     # n=8 x 8k tokens x 21 fits; ~100 B of worker memory each
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < (0 if name == "max_logprobs" else 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be at least "
+                                 f"{0 if name == 'max_logprobs' else 1}, got {value}")
+
+
+LIMIT_HELP = {
+    "max_logprobs": "most logprobs / top_logprobs a request may ask for (vLLM's flag)",
+    "max_choices_per_request": "most engine requests one request may start: prompts x n",
+    "max_stop_strings": "most stop strings per request (each is searched at every token)",
+    "max_stop_bytes": "most UTF-8 bytes of a request's stop strings together",
+    "max_stop_token_ids": "most stop_token_ids per request",
+    "max_response_logprobs": "most logprob entries one answer may hold: choices x tokens "
+                             "(echoed prompt included) x (1 + logprobs)",
+}
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):
@@ -37,10 +63,10 @@ class _SamplingFields(Struct, kw_only=True):
     """Fields that completions and chat share; names as OpenAI and vLLM spell them."""
     model: str | None = None
     n: Annotated[int, Meta(ge=1, le=128)] = 1  # OpenAI's limit; each choice is an engine request
-    temperature: NonNegFloat | None = None
-    top_p: TopP | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -48,11 +74,11 @@ class _SamplingFields(Struct, kw_only=True):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extensions
-    top_k: TopK | None = None
-    min_p: MinP | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: NonNegInt = 0
+    min_tokens: int = 0
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -68,10 +94,10 @@ class _SamplingFields(Struct, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     # One array-like type per union in msgspec: the list's items are checked in `prompt_inputs`.
     prompt: str | list[Union[str, TokenId, list[TokenId]]]
-    max_tokens: PositiveInt | None = 16
+    max_tokens: int | None = 16
     echo: bool = False
-    logprobs: LogprobCount | None = None
-    best_of: PositiveInt | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -105,10 +131,10 @@ class ChatMessage(Struct, forbid_unknown_fields=False):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: LogprobCount | None = None
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
     echo: bool = False
     tools: list[Any] | None = None
@@ -144,7 +170,7 @@ def decode_request(body: bytes, type: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=type)
     except (UnicodeDecodeError, msgspec.DecodeError) as exc:
-        raise _decode_error(exc) from None
+        raise _decode_error(exc, body) from None
 
 
 def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -155,16 +181,26 @@ def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | Tokenize
                 else TokenizeCompletionRequest)
         return msgspec.convert(raw, type=kind)
     except (UnicodeDecodeError, msgspec.DecodeError) as exc:
-        raise _decode_error(exc) from None
+        raise _decode_error(exc, body) from None
 
 
-def _decode_error(exc: Exception) -> APIError:
+_AT_BYTE = re.compile(r"\(byte (\d+)\)$")
+# The key whose value was being read: `"name":` then the start of the value (e.g. `[1, `).
+_KEY_BEFORE = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]*)"\s*:[^:{}"]*$')
+
+
+def _decode_error(exc: Exception, body: bytes) -> APIError:
     """The 400 for a body that is not UTF-8, not JSON, or not the request's shape."""
     if isinstance(exc, UnicodeDecodeError):
         return bad_request("request body is not valid UTF-8")
     if isinstance(exc, msgspec.ValidationError):  # a DecodeError too: test it first
         return from_validation_error(exc)
-    return bad_request(f"malformed JSON: {exc}")
+    # Malformed inside a value (NaN, Infinity: not JSON): name the field it belongs to.
+    at, param = _AT_BYTE.search(str(exc)), None
+    if at is not None:
+        key = _KEY_BEFORE.search(body[:int(at.group(1))])
+        param = key.group(1).decode() if key else None
+    return bad_request(f"malformed JSON: {exc}", param=param)
 
 
 def check_model(model: str | None, served_names: list[str]) -> str:
@@ -208,16 +244,84 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def check_common(req: _SamplingFields) -> None:
+# Request field -> the SamplingParams field (ipc/limits.py's name) whose range it must fit.
+_RANGES = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p",
+           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+           "repetition_penalty": "repetition_penalty", "top_k": "top_k", "seed": "seed",
+           "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+           "min_tokens": "min_tokens", "best_of": "n", "top_logprobs": "logprobs"}
+
+
+def check_ranges(req: _SamplingFields) -> None:
+    """Every sampling value against what the engine's dtypes hold (ipc/limits.py)."""
+    for field_name, name in _RANGES.items():
+        why = limits.why_not(name, getattr(req, field_name, None), label=field_name)
+        if why is not None:
+            raise bad_request(why, param=field_name)
+    if type(req.logprobs) is int:  # completions' count (chat's is a bool)
+        why = limits.why_not("logprobs", req.logprobs)
+        if why is not None:
+            raise bad_request(why, param="logprobs")
+
+
+def check_common(req: _SamplingFields, lim: RequestLimits, vocab_size: int) -> None:
     """Checks no type can express, shared by completions and chat."""
+    check_ranges(req)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
     if req.top_k == 0:
         req.top_k = -1
-    stop_list(req.stop)
+    stops = stop_list(req.stop)
+    if len(stops) > lim.max_stop_strings:
+        raise bad_request(f"at most {lim.max_stop_strings} stop strings are allowed "
+                          f"(--max-stop-strings), got {len(stops)}", param="stop")
+    size = sum(len(s.encode()) for s in stops)
+    if size > lim.max_stop_bytes:
+        raise bad_request(f"stop strings may have at most {lim.max_stop_bytes} bytes together "
+                          f"(--max-stop-bytes), got {size}", param="stop")
+    if req.stop_token_ids:
+        if len(req.stop_token_ids) > lim.max_stop_token_ids:
+            raise bad_request(f"at most {lim.max_stop_token_ids} stop_token_ids are allowed "
+                              f"(--max-stop-token-ids), got {len(req.stop_token_ids)}",
+                              param="stop_token_ids")
+        check_token_ids(req.stop_token_ids, vocab_size, param="stop_token_ids")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
+
+
+def check_token_ids(ids: list[int], vocab_size: int, *, param: str) -> None:
+    """Token ids the model has (the types already refused negative ones)."""
+    if any(t >= vocab_size for t in ids):
+        raise bad_request(f"token ids must be below the vocabulary size {vocab_size}", param=param)
+
+
+def check_logprobs(num_top: int | None, lim: RequestLimits, *, param: str) -> None:
+    if num_top is not None and num_top > lim.max_logprobs:
+        raise bad_request(f"{param} must be at most {lim.max_logprobs} (--max-logprobs), "
+                          f"got {num_top}", param=param)
+
+
+def check_choices(num_prompts: int, n: int, lim: RequestLimits) -> None:
+    """Each prompt x sample is an engine request: bound how many one body may start."""
+    if num_prompts * n > lim.max_choices_per_request:
+        raise bad_request(f"a request may ask for at most {lim.max_choices_per_request} choices (number of "
+                          f"prompts x n, --max-choices-per-request), got {num_prompts} x {n}",
+                          param="n" if num_prompts == 1 else "prompt")
+
+
+def check_response_logprobs(positions: int, num_top: int | None, lim: RequestLimits,
+                            *, param: str) -> None:
+    """Bound the logprob entries of one answer: positions (tokens with logprobs, summed over
+    choices, echoed prompts included) x (the token's own + num_top alternatives)."""
+    if num_top is None:
+        return
+    entries = positions * (1 + num_top)
+    if entries > lim.max_response_logprobs:
+        raise bad_request(f"this request could return {entries} logprob entries (choices x "
+                          f"tokens x (1 + {param})), more than the limit "
+                          f"{lim.max_response_logprobs} (--max-response-logprobs); ask for "
+                          f"fewer tokens, choices or logprobs", param=param)
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,

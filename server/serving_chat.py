@@ -20,7 +20,9 @@ def render_prompt(ctx: ServerContext, messages: list[P.ChatMessage],
 
 def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -> Generation:
     P.check_model(req.model, ctx.served_model_names)
-    P.check_common(req)
+    P.check_common(req, ctx.limits, ctx.vocab_size)
+    P.check_logprobs(req.top_logprobs, ctx.limits, param="top_logprobs")
+    P.check_choices(1, req.n, ctx.limits)
     if req.tools:
         raise P.bad_request("tools are not supported", param="tools")
     if req.top_logprobs is not None and not req.logprobs:
@@ -33,6 +35,7 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = P.check_length(len(ids), asked, ctx.max_model_len, param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    P.check_response_logprobs(req.n * max_tokens, logprobs, ctx.limits, param="top_logprobs")
     params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs)
     return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, [ids], params, req.n,
                       P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,

@@ -12,26 +12,29 @@ from ringserve.server.sse import DONE, event
 def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Generation:
     """Validate and tokenize; every problem is a 400 before anything reaches the engine."""
     P.check_model(req.model, ctx.served_model_names)
-    P.check_common(req)
+    P.check_common(req, ctx.limits, ctx.vocab_size)
+    P.check_logprobs(req.logprobs, ctx.limits, param="logprobs")
     if req.suffix:
         raise P.bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise P.bad_request("best_of must equal n", param="best_of")
+    inputs = P.prompt_inputs(req.prompt)
+    P.check_choices(len(inputs), req.n, ctx.limits)  # before any tokenizing
     prompts = []
-    for item in P.prompt_inputs(req.prompt):
+    for item in inputs:
         if isinstance(item, str):
             ids = ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
             if not ids:
                 raise P.bad_request("prompt must not be empty", param="prompt")
         else:
             ids = item
-            vocab = ctx.tokenizer.vocab_size
-            if any(t >= vocab for t in ids):
-                raise P.bad_request(f"token ids must be below the vocabulary size {vocab}",
-                                    param="prompt")
+            P.check_token_ids(ids, ctx.vocab_size, param="prompt")
         prompts.append(ids)
     max_tokens = min(P.check_length(len(ids), req.max_tokens, ctx.max_model_len, param="prompt")
                      for ids in prompts)
+    # Every choice answers with its own copy of its (echoed) prompt's logprobs.
+    positions = req.n * sum(max_tokens + (len(ids) if req.echo else 0) for ids in prompts)
+    P.check_response_logprobs(positions, req.logprobs, ctx.limits, param="logprobs")
     params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs)
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs, as vLLM gives them
         params["prompt_logprobs"] = req.logprobs

@@ -18,6 +18,7 @@ from ringserve.server.context import ServerContext
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
 from ringserve.server.launch import WORKER_CONFIG_ENV
 from ringserve.server.metrics import CacheConfig, EngineSnapshot, RequestMetrics
+from ringserve.server.protocol import RequestLimits
 from ringserve.server.tokenizer import Tokenizer
 
 log = logging.getLogger("ringserve.worker")
@@ -50,7 +51,8 @@ def worker_app():
     names = cfg["served_model_names"]
     client = EngineClient(cfg["control_paths"])
     ctx = ServerContext(Tokenizer.from_dir(cfg["model_dir"]), client, names, cfg["max_model_len"],
-                        RequestMetrics(names[0], cfg["max_model_len"]))
+                        RequestMetrics(names[0], cfg["max_model_len"]),
+                        RequestLimits(**cfg["request_limits"]), cfg["vocab_size"])
 
     async def start() -> None:
         await client.start()

@@ -93,6 +93,28 @@ def test_invalid_sampling_params_are_refused(kw):
         SamplingParams(**kw)
 
 
+@pytest.mark.parametrize("kw", [dict(top_p=1e-46), dict(top_p=1e-300), dict(temperature=1e308),
+                                dict(temperature=float("nan")), dict(min_p=1e-40),
+                                dict(repetition_penalty=1e-300), dict(repetition_penalty=float("inf")),
+                                dict(top_k=2**31), dict(seed=2**63), dict(seed=-2**63 - 1),
+                                dict(temperature=True), dict(top_k=1.5), dict(stop_token_ids=[-1]),
+                                dict(stop_token_ids=[2**31]), dict(max_tokens=2**31),
+                                dict(n=2**31 - 1)])
+def test_values_the_engine_dtypes_cannot_hold_are_refused(kw):
+    """A ring record is not trusted: the engine checks ipc/limits.py's ranges too."""
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
+
+
+def test_any_int64_seed_seeds_a_generator():
+    for seed in (-1, -2**63, 2**63 - 1, 0):
+        p = SamplingParams(seed=seed, n=3)
+        for i in range(3):  # the engine seeds sample i with seed + i
+            np.random.default_rng(p.seed + i).random()
+    assert SamplingParams(seed=5).seed == 5 and SamplingParams(seed=-1).seed != SamplingParams(seed=1).seed
+    assert SamplingParams(top_k=2**31 - 1).top_k == 0  # larger than any vocabulary: off
+
+
 def test_sampling_params_defaults_are_vllms():
     p = SamplingParams(top_k=-1)
     assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens) == (1, 1.0, 1.0, 0, 16)

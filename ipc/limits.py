@@ -1,0 +1,113 @@
+"""What a sampling parameter may be, judged by what the engine does with it (server/engine contract).
+
+The engine carries temperature, top_p, min_p and the penalties as float32, top_k in a float32
+sampling row then int32, token ids as int32, and seeds a numpy Generator with the seed. A value
+that is fine as a Python number can still break there: top_p 1e-46 rounds to 0 in float32 (the
+sampler then keeps no token), 1e308 becomes inf. These rules are written once, here: the frontend
+(server/protocol.py) answers 400 naming the field, and the engine (engine/sampling_params.py)
+checks again, because a ring record is not trusted.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import struct
+from dataclasses import dataclass
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38   # the largest finite float32
+FLOAT32_TINY = 2.0**-126               # the smallest normal float32: below it, 0 or a subnormal
+# (a GPU kernel may flush subnormals to zero, so they are refused like an underflow)
+_F32 = struct.Struct("f")  # packing rounds to the nearest float32, and refuses what becomes inf
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:20] + f"... ({len(text)} characters)"
+
+
+@dataclass(frozen=True)
+class FloatRange:
+    lo: float
+    hi: float
+    lo_open: bool = False   # lo itself is not allowed
+
+    def why_not(self, value: object) -> str | None:
+        """Why `value` cannot be used (None: it can)."""
+        t = type(value)  # PERF: the exact types first; the ABC check only for others (numpy's)
+        if t is not float and t is not int and (t is bool or not isinstance(value, numbers.Real)):
+            return f"must be a number, got {_show(value)}"
+        v = value if t is int else float(value)
+        try:  # the value as the engine's float32 will hold it (rounded to nearest)
+            x = v if abs(v) > FLOAT32_MAX * 2 else _F32.unpack(_F32.pack(v))[0]
+        except OverflowError:  # rounds to inf
+            x = math.inf
+        if abs(x) > FLOAT32_MAX or math.isnan(x):  # (a huge int is not converted to float)
+            return f"must be a finite float32 (at most {FLOAT32_MAX:.8g} in magnitude), got {_show(value)}"
+        if x == 0.0 and value != 0 or 0.0 < abs(x) < FLOAT32_TINY:
+            return (f"underflows float32 (a nonzero value must be at least {FLOAT32_TINY:.8g} in "
+                    f"magnitude), got {_show(value)}")
+        if x < self.lo or x > self.hi or (self.lo_open and x == self.lo):
+            return f"must be in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}], got {_show(value)}"
+        return None
+
+
+@dataclass(frozen=True)
+class IntRange:
+    lo: int
+    hi: int
+
+    def why_not(self, value: object) -> str | None:
+        t = type(value)
+        if t is not int and (t is bool or not isinstance(value, numbers.Integral)):
+            return f"must be an integer, got {_show(value)}"
+        if not self.lo <= value <= self.hi:
+            return f"must be in [{self.lo}, {self.hi}], got {_show(value)}"
+        return None
+
+
+# Sampling parameters by their SamplingParams names. None is allowed wherever the field is optional.
+FLOATS: dict[str, FloatRange] = {
+    "temperature": FloatRange(0.0, FLOAT32_MAX),
+    "top_p": FloatRange(0.0, 1.0, lo_open=True),
+    "min_p": FloatRange(0.0, 1.0),
+    "presence_penalty": FloatRange(-2.0, 2.0),
+    "frequency_penalty": FloatRange(-2.0, 2.0),
+    "repetition_penalty": FloatRange(0.0, FLOAT32_MAX, lo_open=True),
+}
+INTS: dict[str, IntRange] = {
+    "n": IntRange(1, 1024),                    # sequences one request adds (the frontend sends 1)
+    "top_k": IntRange(-1, INT32_MAX),          # -1 or 0: off; at or above the vocabulary: off too
+    "seed": IntRange(INT64_MIN, INT64_MAX),    # vLLM's range; see generator_seed
+    "max_tokens": IntRange(1, INT32_MAX),
+    "min_tokens": IntRange(0, INT32_MAX),
+    "logprobs": IntRange(0, INT32_MAX),
+    "prompt_logprobs": IntRange(0, INT32_MAX),
+}
+_RULES: dict[str, FloatRange | IntRange] = {**FLOATS, **INTS}
+TOKEN_ID = IntRange(0, INT32_MAX)             # and below the vocabulary size, which each side knows
+
+
+def why_not(name: str, value: object, label: str | None = None) -> str | None:
+    """Why sampling parameter `name` cannot be `value`, as "<label> <reason>" (label: the name
+    the caller knows it by, `name` by default; None: it can)."""
+    if value is None:
+        return None
+    rule = _RULES.get(name)
+    if rule is None:
+        return None
+    reason = rule.why_not(value)
+    return None if reason is None else f"{label or name} {reason}"
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a seeded request (seed + index, as vLLM), wrapped to stay
+    in int64 so that it travels and is accepted like any seed."""
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def generator_seed(seed: int) -> int:
+    """The non-negative number a numpy Generator is seeded with for an int64 seed (its two's
+    complement bits): seeds 0..2^63-1 seed as themselves, and -1 is a valid seed too."""
+    return seed % 2**64

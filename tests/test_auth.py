@@ -1,0 +1,123 @@
+"""--api-key against a real server: every protected route, however its path is spelled, is 401
+without the key and served with it; /health, /version and /metrics stay open; the key given as
+RINGSERVE_API_KEY appears on no command line of the server's processes."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+KEY = "sesame-7f3a1c"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+# (method, path, body): a valid request to every route the key protects.
+PROTECTED = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 1}),
+    ("POST", "/tokenize", {"prompt": "hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/debug/engines", None),
+    ("GET", "/dashboard", None),
+]
+OPEN = ["/health", "/version", "/metrics"]
+
+
+def spellings(path: str) -> list[str]:
+    """Ways to write `path` that Falcon's router resolves to the same route."""
+    first, _, rest = path[1:].partition("/")
+    out = [path, "/" + path, "/%2F" + path[1:], "/%2f" + path[1:], "/." + path, path + "/",
+           path.replace("/", "//"), "/./" + path.replace("/", "/./")[3:]]
+    if rest:
+        out += [f"/{first}//{rest}", f"/{first}/./{rest}", f"/{first}%2F{rest}"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(serve, tiny_model_dir, no_segment_left_behind):
+    """A server whose key comes from the environment, not from its command line."""
+    os.environ["RINGSERVE_API_KEY"] = KEY
+    try:
+        return serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
+                     "--drain-timeout", "2", "--enable-debug-endpoints")
+    finally:
+        del os.environ["RINGSERVE_API_KEY"]
+
+
+def request(port: int, method: str, path: str, body=None, headers=None) -> tuple[int, bytes]:
+    """The path exactly as written: no client-side normalization of `//`, `.` or `%2F`."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        hdrs = dict(headers or {})
+        if data is not None:
+            hdrs["Content-Type"] = "application/json"
+        conn.request(method, path, body=data, headers=hdrs)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("method,path,body", PROTECTED, ids=[p for _, p, _ in PROTECTED])
+def test_every_spelling_of_a_protected_route_needs_the_key(server, method, path, body):
+    served = []
+    for spelled in spellings(path):
+        with_key, data = request(server.port, method, spelled, body, AUTH)
+        assert with_key in (200, 404), (spelled, with_key, data[:200])
+        status, data = request(server.port, method, spelled, body)
+        if with_key == 404:  # a spelling the router does not resolve: nothing to guard
+            assert status == 404, (spelled, status, data[:200])
+            continue
+        served.append(spelled)
+        assert status == 401, (spelled, status, data[:200])
+        err = json.loads(data)["error"]
+        assert err["code"] == "invalid_api_key" and err["message"], spelled
+        status, _ = request(server.port, method, spelled, body, {"Authorization": "Bearer wrong"})
+        assert status == 401, spelled
+    # The spellings the router resolves today (the leading empty segment is ignored, %2F is
+    # decoded before routing): each was once served without the key.
+    assert {path, "/" + path, "/%2F" + path[1:], path + "/"} <= set(served), served
+
+
+def test_health_version_metrics_stay_open(server):
+    for path in OPEN:
+        status, _ = request(server.port, "GET", path)
+        assert status == 200, path
+
+
+def test_an_unknown_path_is_404_with_or_without_the_key(server):
+    for headers in ({}, AUTH):
+        status, data = request(server.port, "GET", "/v1/nothing", headers=headers)
+        assert status == 404 and json.loads(data)["error"]["message"]
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def test_the_key_is_on_no_command_line(server):
+    pids = _descendants(server.proc.pid)
+    assert len(pids) >= 4  # launcher, engine, gunicorn master, a worker (at least)
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue  # exited meanwhile
+        assert KEY.encode() not in cmdline, (pid, cmdline)
