@@ -209,30 +209,36 @@ async def _drain(stream) -> list:
 
 
 def test_long_prompt_under_default_flags_fails_no_stream(launch, default_model_dir):
-    """An 8,000-token prompt under default flags (CPU: chunked into short steps) with 8 streams
-    open beside it: every request completes; the engine is never declared dead or restarted."""
+    """An 8,000-token prompt under default flags arrives while 8 streams are open: every request
+    completes, the engine is never declared dead or restarted, and (CPU: the prompt is chunked
+    into short steps) the open streams keep getting tokens during its prefill, so they end
+    before it does. With one step for the whole prompt they would end after it."""
     server = launch(default_model_dir, timeout=300)
     (engine,) = _engines(server.proc.pid)
     tok = httpx.post(server.url + "/tokenize", json={"prompt": "word " * 9000}, timeout=60).json()
     prompt = tok["tokens"][:8000]
-    result: dict = {}
+    ended: dict[str, float] = {}
 
     def long_request() -> None:
-        result["r"] = httpx.post(server.url + "/v1/completions", timeout=600,
-                                 json={"prompt": prompt, "max_tokens": 2})
+        r = httpx.post(server.url + "/v1/completions", timeout=900,
+                       json={"prompt": prompt, "max_tokens": 2})
+        ended["long"] = time.monotonic()
+        ended["response"] = r
 
+    streams = Streams(server.url, 8, prompt="Count to ten:", max_tokens=12, ignore_eos=True)
+    streams.wait_started()  # running: each step gives them a token before the prompt's chunk
     long = threading.Thread(target=long_request)
     long.start()
-    time.sleep(1.0)  # it is taken first: the streams run beside its prefill
-    streams = Streams(server.url, 8, prompt="Count to ten:", max_tokens=12, ignore_eos=True)
-    for events in streams.join(600):
+    for events in streams.join(900):
         assert _finish(events) == ("length", None), events
         assert events[-1] == "[DONE]"
-    long.join(600)
-    r = result["r"]
+    streams_ended = time.monotonic()
+    long.join(900)
+    r = ended["response"]
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert r.json()["usage"]["prompt_tokens"] == 8000
+    assert streams_ended < ended["long"], "the open streams waited for the whole prompt"
     assert _engines(server.proc.pid) == [engine]
     text = server.stop()
     assert "died" not in text and "hung" not in text, text
