@@ -30,7 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ringserve.ipc.stats import hang_reason
+from ringserve.ipc.shm import Segment, remove_stale_segments
+from ringserve.ipc.stats import EngineStats, hang_reason
 from ringserve.server.supervision import (LAUNCHER_PID_ENV, die_with_parent, make_runtime_dir,
                                           remove_stale_runtime_dirs)
 
@@ -96,8 +97,8 @@ class _Engine:
     index: int
     control_path: str
     process: multiprocessing.Process
-    segment: object | None = None   # its stats segment (ipc.shm.Segment), attached once ready
-    stats: object | None = None     # ipc.stats.EngineStats over it: what the hang check reads
+    segment: Segment | None = None    # its stats segment, attached once it is ready
+    stats: EngineStats | None = None  # a view of it: what the hang check reads
 
     def detach(self) -> None:
         if self.stats is not None:
@@ -127,7 +128,6 @@ class Launcher:
         # Counted without initializing CUDA here (gpu/devices.py); one engine per GPU by default.
         self.device, self.engine_gpus = plan_engines(args.device, args.engines)
         # What a launcher killed before its cleanup left: runtime folders, segments.
-        from ringserve.ipc.shm import remove_stale_segments
         remove_stale_runtime_dirs()
         remove_stale_segments()
         self.runtime, self._runtime_lock = make_runtime_dir()  # 0700, locked while we live
@@ -170,8 +170,7 @@ class Launcher:
         """Block until the engine takes connections; its (num_blocks, block_size). Keeps its
         stats segment attached (engine.stats) for the hang check."""
         from ringserve.ipc import control
-        from ringserve.ipc.shm import Segment
-        from ringserve.ipc.stats import BLOCK_SIZE, NUM_BLOCKS, EngineStats
+        from ringserve.ipc.stats import BLOCK_SIZE, NUM_BLOCKS
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
             if not engine.process.is_alive():
@@ -315,7 +314,6 @@ class Launcher:
                 e.process.kill()
                 e.process.join()
             e.detach()
-        from ringserve.ipc.shm import remove_stale_segments
         remove_stale_segments()
         shutil.rmtree(self.runtime, ignore_errors=True)
         os.close(self._runtime_lock)

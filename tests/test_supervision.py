@@ -103,8 +103,9 @@ def launch(tmp_path):
     for server in started:
         if server.proc.poll() is None:
             tree = _tree(server.proc.pid)
-            for pid in tree:  # SIGCONT: a test may have stopped one
-                os.kill(pid, signal.SIGCONT) if _running(pid) else None
+            for pid in tree:  # a test may have stopped one
+                if _running(pid):
+                    os.kill(pid, signal.SIGCONT)
             server.proc.send_signal(signal.SIGTERM)
             try:
                 server.proc.wait(60)
