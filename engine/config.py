@@ -9,7 +9,7 @@ from ringserve.gpu.cuda.launch import ATTENTION_BACKENDS
 CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 # The CPU's is small so that a step stays short: every running request waits for the whole
 # step for its next token. Measured (docs/engine.md, the default model, 2 cores): an 8,000-token
-# prompt is one 85-170 s step at 8192, 4 steps of up to 37 s at 2048, 16 of 3.6-9 s at 512;
+# prompt is one 84-166 s step at 8192, 4 steps of up to 37 s at 2048, 16 of 3.6-9 s at 512;
 # its total cost is the same at any budget. 512 = 2 x the default max_num_seqs: all running
 # sequences decode every step with room left for a prompt chunk.
 CPU_MAX_NUM_BATCHED_TOKENS = 512
