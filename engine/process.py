@@ -2,12 +2,14 @@
 
 Each step: take every new record from every worker's request ring (no system call: the rings
 are plain memory), run one EngineCore step, write each worker's outputs as one record and
-ring that worker's doorbell at most once, then publish waiting/running counts and the
-heartbeat. On a device whose steps run asynchronously (CUDA), step N-1's outputs go out while
+ring that worker's doorbell at most once, then publish waiting/running counts. The heartbeat
+is a thread of its own (ipc/stats.Heartbeat), beating whatever the step does; the loop
+publishes when each step starts (0 when idle) so the launcher can tell a stuck step from a
+long one. On a device whose steps run asynchronously (CUDA), step N-1's outputs go out while
 step N runs (launch_step, deliver N-1, finish_step): the host work hides behind the device's,
 and results are the same because nothing delivered feeds the step in flight. With nothing to
 do, the loop drains its doorbell, rechecks the rings, and blocks in epoll on the doorbell and
-the control sockets (waking each second to beat).
+the control sockets.
 
 Workers arrive on the control socket and get a slot; a slot's requests are named inside the
 core as ``<slot>.<generation>.<request id>`` so that two workers may use the same ids. When a
@@ -37,13 +39,13 @@ from ringserve.ipc.channel import DEFAULT_RING_CAPACITY, Channel
 from ringserve.ipc.doorbell import Doorbell
 from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_request, encode_outputs)
 from ringserve.ipc.shm import Segment, remove_stale_segments
-from ringserve.ipc.stats import EngineStats, stats_size
+from ringserve.ipc.stats import EngineStats, Heartbeat, stats_size
 
 log = logging.getLogger("ringserve.engine")
 
 CONTROL_CHECK_S = 0.05   # while busy, look at the control sockets this often (one epoll call)
 DEBUG_STEPS = 120        # with debug on: the recent steps kept for /debug/engines
-IDLE_BEAT_S = 1.0        # while idle, wake this often to refresh the heartbeat
+IDLE_BEAT_S = 1.0        # while idle, wake this often (a missed wake-up costs at most this)
 
 
 @dataclass(eq=False)
@@ -82,6 +84,8 @@ class EngineProcess:
         self.stats = EngineStats(self.stats_segment.buf)
         self.stats.init(os.getpid(), max_slots, core.kv.num_blocks, core.block_size)
         self.stats.publish(0, 0, core.kv.num_free_blocks)
+        self.heartbeat = Heartbeat(self.stats)
+        self.heartbeat.start()
         self.listener = control.listen(control_path)
         self.control_path = control_path
         self.selector = selectors.EpollSelector()
@@ -100,6 +104,7 @@ class EngineProcess:
         while not self._stopping:
             self._take_requests()
             if self.core.has_unfinished_requests():
+                self.stats.step_began()
                 in_flight = self.core.launch_step()
                 if self.overlap:
                     # The device runs step N while the host delivers step N-1 and reads new
@@ -119,6 +124,7 @@ class EngineProcess:
                 self._complete(undelivered)
                 undelivered = None
                 continue
+            self.stats.went_idle()
             self._publish()
             self.bell.drain()  # before the recheck: a record written after it rings again
             if any(s is not None and s.attached and s.channel.requests.has_data() for s in self.slots):
@@ -226,7 +232,6 @@ class EngineProcess:
                 self._accept()
             elif key.data is not None:
                 self._on_worker_message(key.data)
-        self.stats.beat()
 
     def _accept(self) -> None:
         while True:
@@ -295,6 +300,7 @@ class EngineProcess:
             except FileNotFoundError:
                 pass
         self.bell.close()
+        self.heartbeat.stop()
         self.stats.release()
         self.stats_segment.close()
 
@@ -344,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: by device (engine/config.py)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--max-slots", type=int, default=64)
     a = p.parse_args(argv)

@@ -5,33 +5,42 @@ resource tracker, which unlinks the segment when that attacher exits and so pull
 under the other side. Here only the creator ever unlinks.
 
 Names are ``ringserve-<creator pid>-<random hex>``: unguessable (another local user cannot
-pre-create or open them; they are 0600 anyway), and the pid lets a later start find the
-segments of a creator that died without cleaning up (:func:`remove_stale_segments`).
+pre-create or open them; they are 0600 anyway); the pid only tells a reader who made it.
+
+Liveness is a lock, not a pid: the creator keeps the segment's file open with an exclusive
+flock(2) on it for as long as the segment lives, and the kernel drops the lock when the creator
+exits, however it exits. :func:`remove_stale_segments` removes only segments whose lock it can
+take. A pid check could not tell a dead creator from a live one in another PID namespace that
+shares /dev/shm (a container), nor from an unrelated process that reused the pid.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
 import secrets
+import time
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "ringserve-"
 _NAME_RE = re.compile(r"^ringserve-(\d+)-[0-9a-f]{16,}$")
+EMPTY_GRACE_S = 60.0  # an empty, unlocked segment younger than this may be one being created
 
 
 class Segment:
     """One mapped shared-memory segment. ``buf`` is a writable memoryview of all of it."""
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool, lock_fd: int | None = None):
         self.name = name
         self.size = len(mm)
         self.owner = owner
         self._mmap = mm
         self.buf = memoryview(mm)
         self._unlinked = False
+        self._lock_fd = lock_fd  # creator: the open file whose flock says "alive"
 
     @classmethod
     def create(cls, size: int) -> Segment:
@@ -39,15 +48,17 @@ class Segment:
         # O_EXCL | O_NOFOLLOW: never reuse or follow something someone else put there.
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
+            # Locked before it has a size: a cleaner that takes the lock first sees an empty
+            # file, which it leaves alone (remove_stale_segments); this blocks until it is done.
+            fcntl.flock(fd, fcntl.LOCK_EX)
             os.fchmod(fd, 0o600)  # independent of the umask
             os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(SHM_DIR / name)
-            raise
-        finally:
             os.close(fd)
-        return cls(name, mm, owner=True)
+            raise
+        return cls(name, mm, owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -71,6 +82,9 @@ class Segment:
 
     def close(self) -> None:
         self.unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # drops the lock
+            self._lock_fd = None
         self.buf.release()
         try:
             self._mmap.close()
@@ -97,17 +111,31 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_segments() -> list[str]:
-    """Unlink every ringserve segment whose creator process no longer exists; return their names."""
+    """Unlink every ringserve segment no live creator holds (its flock is free); return their
+    names. Never touches a live instance's segment, whatever pid its name carries."""
     removed = []
     for path in SHM_DIR.glob(PREFIX + "*"):
-        m = _NAME_RE.match(path.name)
-        if m is None or pid_alive(int(m.group(1))):
+        if _NAME_RE.match(path.name) is None:
             continue
         try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # gone meanwhile, or someone else's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its creator is alive
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0 and time.time() - st.st_ctime < EMPTY_GRACE_S:
+                continue  # created this instant: its creator has not taken the lock yet
             path.unlink()
             removed.append(path.name)
         except (FileNotFoundError, PermissionError):
             pass
+        finally:
+            os.close(fd)  # unlocks
     return removed
 
 

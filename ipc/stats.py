@@ -3,18 +3,26 @@
 The engine owns one small segment and rewrites it every step; clients only read it. Each
 word has a single writer (the engine) and is one aligned 8-byte store, so readers never see a
 torn value; a reader may see counts from two adjacent steps, which is fine for routing.
+
+Liveness is two words. HEARTBEAT_NS is written by a thread of its own (:class:`Heartbeat`), so it
+goes on during a long step (the CPU kernels are Numba nogil and BLAS releases the GIL): a stale
+heartbeat means the process is stopped or frozen, never that a step is long. STEP_STARTED_NS is
+when the step now running began (0: idle), so a step that never ends can be told from a long
+one. The launcher alone judges both against --engine-hang-timeout (:func:`hang_reason`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Sequence
 
 # uint64 word indices. The first nine are the engine's state now; the rest are cumulative since
-# the engine started, added once per step (/metrics counters).
+# the engine started, added once per step (/metrics counters); then the step start.
 (PID, HEARTBEAT_NS, STEPS, WAITING, RUNNING, NUM_BLOCKS, NUM_FREE_BLOCKS, BLOCK_SIZE, MAX_SLOTS,
  NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PROMPT_TOKENS_COMPUTED,
- GENERATION_TOKENS) = range(14)
+ GENERATION_TOKENS, STEP_STARTED_NS) = range(15)
+BEAT_INTERVAL_S = 0.5  # the heartbeat thread's period
 HEADER_WORDS = 16  # then one word per slot: AddRequest records the engine has taken from that slot
 
 
@@ -54,7 +62,6 @@ class EngineStats:
     def publish(self, waiting: int, running: int, free_blocks: int) -> None:
         w = self._words
         w[WAITING], w[RUNNING], w[NUM_FREE_BLOCKS] = waiting, running, free_blocks
-        w[HEARTBEAT_NS] = time.monotonic_ns()
 
     def count_step(self, *, preemptions: int, prefix_cache_queries: int, prefix_cache_hits: int,
                    prompt_tokens_computed: int, generation_tokens: int) -> None:
@@ -71,6 +78,12 @@ class EngineStats:
 
     def beat(self) -> None:
         self._words[HEARTBEAT_NS] = time.monotonic_ns()
+
+    def step_began(self) -> None:
+        self._words[STEP_STARTED_NS] = time.monotonic_ns()
+
+    def went_idle(self) -> None:
+        self._words[STEP_STARTED_NS] = 0
 
     def set_taken(self, slot: int, count: int) -> None:
         self._words[HEADER_WORDS + slot] = count
@@ -94,5 +107,48 @@ class EngineStats:
         """Seconds since the engine last beat (CLOCK_MONOTONIC is system-wide on Linux)."""
         return (time.monotonic_ns() - self._words[HEARTBEAT_NS]) / 1e9
 
+    def step_age(self) -> float:
+        """Seconds the step now running has run (0.0 when the engine is idle)."""
+        started = self._words[STEP_STARTED_NS]
+        return 0.0 if started == 0 else (time.monotonic_ns() - started) / 1e9
+
     def release(self) -> None:
         self._words.release()
+
+
+class Heartbeat:
+    """The engine's heartbeat thread: beats every BEAT_INTERVAL_S whatever the main thread does.
+
+    It needs the GIL for a moment per beat; the main thread gives it up within the switch
+    interval (5 ms) when running Python and at once inside nogil kernels and BLAS."""
+
+    def __init__(self, stats: EngineStats, interval: float = BEAT_INTERVAL_S):
+        self._stats = stats
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ringserve-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._stats.beat()
+
+
+def hang_reason(stats: EngineStats, limit_s: float) -> str | None:
+    """Why the engine behind ``stats`` counts as hung after ``limit_s`` seconds, or None.
+
+    A stale heartbeat: the whole process has stopped (SIGSTOP, a debugger, a frozen host
+    thread holding the GIL). A step running past the limit: an endless kernel or loop."""
+    age = stats.heartbeat_age()
+    if age > limit_s:
+        return f"no heartbeat for {age:.0f} s"
+    step = stats.step_age()
+    if step > limit_s:
+        return f"one step running for {step:.0f} s"
+    return None

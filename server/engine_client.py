@@ -8,7 +8,11 @@ writes an AddRequest and rings the engine; outputs come back as an async iterato
 
 When an engine dies, every open request on it ends at once with an ``error`` output, new work
 goes to the other engines (``EngineUnavailable`` when there is none: HTTP 503), and a
-background task reconnects when the engine is back. Imports only ringserve.ipc.
+background task reconnects when the engine is back. "Dies" means its control socket closed:
+this client never judges an engine by its heartbeat. A hung engine is the launcher's to judge
+(server/launch.py, --engine-hang-timeout); it kills it, which closes the socket. Two judges
+with different limits would disagree, and a worker that gave up first would fail streams of
+an engine that was only running a long step. Imports only ringserve.ipc.
 """
 
 from __future__ import annotations
@@ -99,12 +103,11 @@ class _Engine:
 
 class EngineClient:
     def __init__(self, control_paths: Sequence[str], *, reconnect_interval: float = 0.2,
-                 hung_after: float = 30.0, connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0):
         self.control_paths = list(control_paths)
         self.engines: list[_Engine | None] = [None] * len(self.control_paths)
         self.streams: dict[str, RequestStream] = {}
         self.reconnect_interval = reconnect_interval
-        self.hung_after = hung_after             # seconds without a heartbeat: treat as dead
         self.connect_timeout = connect_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: asyncio.Task | None = None
@@ -244,7 +247,8 @@ class EngineClient:
         except OSError:
             data = b""
         if not data:
-            self._lose(engine, f"engine {engine.index} died")
+            self._lose(engine, f"engine {engine.index} died (crashed, or killed by the launcher "
+                               "as hung); the request was lost, retry it")
 
     def _lose(self, engine: _Engine, reason: str) -> None:
         """Fail every open request on the engine and forget it until it reconnects."""
@@ -262,10 +266,9 @@ class EngineClient:
         log.warning("%s", reason)
 
     async def _watchdog(self) -> None:
+        """Reconnect engines that are gone (a hung one is the launcher's to kill, see above)."""
         while True:
             await asyncio.sleep(self.reconnect_interval)
             for i, engine in enumerate(self.engines):
                 if engine is None:
                     self._loop.create_task(self._connect(i))
-                elif engine.stats.heartbeat_age() > self.hung_after:
-                    self._lose(engine, f"engine {i} stopped beating for {self.hung_after} s")

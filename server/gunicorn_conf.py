@@ -6,6 +6,7 @@ one place the Gunicorn side of the deployment is written down.
 import os
 
 from ringserve.server.metrics import mark_process_dead
+from ringserve.server.supervision import LAUNCHER_PID_ENV, die_with_parent
 
 bind = [os.environ.get("RINGSERVE_BIND", "127.0.0.1:8000")]
 workers = int(os.environ.get("RINGSERVE_WORKERS", "1"))
@@ -26,3 +27,18 @@ loglevel = os.environ.get("RINGSERVE_LOG_LEVEL", "info")
 
 def child_exit(server, worker):
     mark_process_dead(worker.pid)
+
+
+# Signals and supervision. The launcher starts the master in a session of its own, so a signal
+# to the launcher's process group (Ctrl-C: SIGINT, which Gunicorn takes as a quick, stream-
+# cutting stop) never reaches us; the launcher drains us with SIGTERM. If the launcher dies
+# (SIGKILL), the kernel kills the master, and the master's death kills each worker.
+def on_starting(server):
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher:
+        die_with_parent(int(launcher))
+
+
+def post_fork(server, worker):
+    if os.environ.get(LAUNCHER_PID_ENV):
+        die_with_parent(server.pid)  # the master forks from its only thread

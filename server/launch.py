@@ -4,9 +4,16 @@ Process tree:  launcher ─┬─ engine 0..E-1   (multiprocessing spawn: run_en
                          └─ gunicorn master ── W Uvicorn workers (the Falcon app, one engine client each)
 
 The launcher is the only process that resolves (downloads/converts) the model; workers get the
-folder. It restarts an engine that dies (workers answer 503 meanwhile), and on SIGTERM/SIGINT
-lets Gunicorn drain open streams for --drain-timeout seconds, then stops the engines and removes
-its runtime folder (control sockets, Prometheus files) and any shared memory left behind.
+folder. It restarts an engine that dies, and kills (SIGKILL) and restarts one that hangs: no
+heartbeat, or one step running, for --engine-hang-timeout seconds (ipc/stats.hang_reason). The
+launcher is the only judge: a worker fails an engine's streams when the engine's control socket
+closes, which the kill does, never on a heartbeat of its own (workers answer 503 meanwhile).
+
+On SIGTERM/SIGINT it lets Gunicorn drain open streams for --drain-timeout seconds, then stops
+the engines and removes its runtime folder (control sockets, Prometheus files) and any shared
+memory left behind. The children run in sessions of their own, so a signal to the launcher's
+process group (Ctrl-C in a terminal, `kill -- -PGID`) reaches only the launcher, which drains
+as for SIGTERM; they die with it if it is killed (server/supervision.py).
 """
 from __future__ import annotations
 
@@ -19,14 +26,19 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringserve.ipc.shm import Segment, remove_stale_segments
+from ringserve.ipc.stats import EngineStats, hang_reason
+from ringserve.server.supervision import (LAUNCHER_PID_ENV, die_with_parent, make_runtime_dir,
+                                          remove_stale_runtime_dirs)
+
 log = logging.getLogger("ringserve.launch")
 
 ENGINE_START_TIMEOUT_S = 600.0
+ENGINE_HANG_TIMEOUT_S = 120.0  # default --engine-hang-timeout: >10x the longest default CPU step (docs/engine.md)
 WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"  # the JSON a worker builds its app from (worker.py)
 
 
@@ -40,7 +52,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="name(s) the API answers to (default: the model folder's name)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, longer prompts are chunked (default: 8192 on cuda, "
+                        "{cpu} on cpu, where it keeps a step short: docs/engine.md)".format(
+                            cpu=_cpu_default_budget()))
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -63,6 +78,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for open streams before stopping")
+    p.add_argument("--engine-hang-timeout", type=float, default=ENGINE_HANG_TIMEOUT_S,
+                   help="an engine with no heartbeat, or one step running, for this many "
+                        "seconds is killed and restarted; its open requests fail "
+                        f"(default {ENGINE_HANG_TIMEOUT_S:.0f})")
     p.add_argument("--log-level", default="info")
     p.add_argument("--enable-debug-endpoints", action="store_true",
                    help="serve GET /debug/engines and /dashboard (engines publish a snapshot)")
@@ -72,16 +91,32 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{LIMIT_HELP[name]} (default {default})")
 
 
+def _cpu_default_budget() -> int:
+    from ringserve.engine.config import CPU_MAX_NUM_BATCHED_TOKENS
+    return CPU_MAX_NUM_BATCHED_TOKENS
+
+
 @dataclass
 class _Engine:
     index: int
     control_path: str
     process: multiprocessing.Process
+    segment: Segment | None = None    # its stats segment, attached once it is ready
+    stats: EngineStats | None = None  # a view of it: what the hang check reads
+
+    def detach(self) -> None:
+        if self.stats is not None:
+            self.stats.release()
+            self.segment.close()
+            self.stats = self.segment = None
 
 
-def _engine_main(gpu: str | None, config, control_path: str, **kwargs) -> None:
-    """An engine process's entry: its GPU is CUDA_VISIBLE_DEVICES (it then sees one device, 0),
-    set before anything in it initializes CUDA."""
+def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, **kwargs) -> None:
+    """An engine process's entry: in a session of its own (group signals are the launcher's to
+    handle), killed with the launcher; its GPU is CUDA_VISIBLE_DEVICES (it then sees one
+    device, 0), set before anything in it initializes CUDA."""
+    os.setsid()
+    die_with_parent(launcher_pid)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from ringserve.engine.process import run_engine
@@ -98,7 +133,10 @@ class Launcher:
         from ringserve.gpu.devices import plan_engines
         # Counted without initializing CUDA here (gpu/devices.py); one engine per GPU by default.
         self.device, self.engine_gpus = plan_engines(args.device, args.engines)
-        self.runtime = Path(tempfile.mkdtemp(prefix="ringserve-"))  # 0700
+        # What a launcher killed before its cleanup left: runtime folders, segments.
+        remove_stale_runtime_dirs()
+        remove_stale_segments()
+        self.runtime, self._runtime_lock = make_runtime_dir()  # 0700, locked while we live
         self.engines: list[_Engine] = []
         self.gunicorn: subprocess.Popen | None = None
         self._stopping = False
@@ -126,7 +164,8 @@ class Launcher:
     def _start_engine(self, index: int) -> _Engine:
         path = str(self.runtime / f"engine-{index}.sock")
         proc = self._mp.Process(target=_engine_main,
-                                args=(self.engine_gpus[index], self._engine_config(), path),
+                                args=(self.engine_gpus[index], self._engine_config(), path,
+                                      os.getpid()),
                                 kwargs={"max_slots": max(64, 2 * self.args.workers),
                                         "debug_path": self._debug_path(index)},
                                 name=f"ringserve-engine-{index}", daemon=False)
@@ -134,10 +173,10 @@ class Launcher:
         return _Engine(index, path, proc)
 
     def _wait_ready(self, engine: _Engine) -> tuple[int, int]:
-        """Block until the engine takes connections; its (num_blocks, block_size)."""
+        """Block until the engine takes connections; its (num_blocks, block_size). Keeps its
+        stats segment attached (engine.stats) for the hang check."""
         from ringserve.ipc import control
-        from ringserve.ipc.shm import Segment
-        from ringserve.ipc.stats import BLOCK_SIZE, NUM_BLOCKS, EngineStats
+        from ringserve.ipc.stats import BLOCK_SIZE, NUM_BLOCKS
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
             if not engine.process.is_alive():
@@ -152,12 +191,9 @@ class Launcher:
                     time.sleep(0.1)
                     continue
                 try:
-                    seg = Segment.attach(welcome.stats_segment)
-                    stats = EngineStats(seg.buf)
-                    shape = stats[NUM_BLOCKS], stats[BLOCK_SIZE]
-                    stats.release()
-                    seg.close()
-                    return shape
+                    engine.segment = Segment.attach(welcome.stats_segment)
+                    engine.stats = EngineStats(engine.segment.buf)
+                    return engine.stats[NUM_BLOCKS], engine.stats[BLOCK_SIZE]
                 finally:
                     for fd in fds:
                         os.close(fd)
@@ -194,9 +230,12 @@ class Launcher:
         server_info = dict(worker_config, url=f"http://{a.host}:{a.port}", pid=os.getpid())
         del server_info["api_key"]
         (self.runtime / "server.json").write_text(json.dumps(server_info))
+        env[LAUNCHER_PID_ENV] = str(os.getpid())
         cmd = [sys.executable, "-m", "gunicorn", "-c", "python:ringserve.server.gunicorn_conf",
                "ringserve.server.worker:worker_app()"]
-        return subprocess.Popen(cmd, env=env)
+        # Its own session: a signal to our process group must not reach Gunicorn, which takes
+        # SIGINT as a quick (stream-cutting) stop; we drain it with SIGTERM (shutdown).
+        return subprocess.Popen(cmd, env=env, start_new_session=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -236,15 +275,28 @@ class Launcher:
                 log.error("gunicorn exited with code %s", code)
                 return 1
             for i, e in enumerate(self.engines):
-                if not e.process.is_alive() and not self._stopping:
+                if self._stopping:
+                    break
+                if not e.process.is_alive():
                     log.error("engine %d died (exit code %s); restarting it", e.index,
                               e.process.exitcode)
-                    self.engines[i] = self._start_engine(e.index)
-                    try:
-                        self._wait_ready(self.engines[i])
-                    except RuntimeError as exc:
-                        log.error("%s", exc)
-                        return 1
+                elif e.stats is not None and (why := hang_reason(e.stats, self.args.engine_hang_timeout)):
+                    # SIGKILL works on a stopped process too. Its control sockets close: the
+                    # workers fail its open requests and reconnect to the new one.
+                    log.error("engine %d (pid %d) is hung: %s (--engine-hang-timeout %g); "
+                              "killing and restarting it", e.index, e.process.pid, why,
+                              self.args.engine_hang_timeout)
+                    e.process.kill()
+                    e.process.join()
+                else:
+                    continue
+                e.detach()
+                self.engines[i] = self._start_engine(e.index)
+                try:
+                    self._wait_ready(self.engines[i])
+                except RuntimeError as exc:
+                    log.error("%s", exc)
+                    return 1
             time.sleep(0.2)
         return 0
 
@@ -269,9 +321,10 @@ class Launcher:
             if e.process.is_alive():
                 e.process.kill()
                 e.process.join()
-        from ringserve.ipc.shm import remove_stale_segments
+            e.detach()
         remove_stale_segments()
         shutil.rmtree(self.runtime, ignore_errors=True)
+        os.close(self._runtime_lock)
         log.info("stopped")
 
 
@@ -301,6 +354,9 @@ def serve_command(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             print(f"error: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 1
+    if not args.engine_hang_timeout > 0:
+        print("error: --engine-hang-timeout must be positive", file=sys.stderr)
+        return 1
     try:
         return Launcher(args, model_dir, max_model_len).run()
     except (RuntimeError, ValueError) as exc:

@@ -22,7 +22,7 @@ from ringserve.ipc.ring import RecordTooLarge, Ring
 from ringserve.ipc.shm import SHM_DIR, Segment, remove_stale_segments
 from ringserve.ipc.stats import (GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_HITS,
                                  PREFIX_CACHE_QUERIES, PROMPT_TOKENS_COMPUTED, STEPS, EngineStats,
-                                 least_loaded, score, stats_size)
+                                 Heartbeat, hang_reason, least_loaded, score, stats_size)
 
 ctx = mp.get_context("spawn")
 
@@ -78,6 +78,51 @@ def test_stale_segments_of_dead_creators_are_removed():
     assert stale in removed and mine.name not in removed
     assert not (SHM_DIR / stale).exists() and (SHM_DIR / mine.name).exists()
     mine.close()
+
+
+def _unused_pid() -> int:
+    """A pid no process has here: what a creator in another PID namespace looks like."""
+    pid = int(open("/proc/sys/kernel/pid_max").read()) - 1
+    while os.path.exists(f"/proc/{pid}"):
+        pid -= 1
+    return pid
+
+
+def _hold_under_foreign_name(conn, foreign_pid: int) -> None:
+    """Create a segment, rename it as if its creator were `foreign_pid` (the inode, and so the
+    creator's lock, stays), and live until killed."""
+    seg = Segment.create(4096)
+    name = f"ringserve-{foreign_pid}-{seg.name.rsplit('-', 1)[1]}"
+    os.rename(SHM_DIR / seg.name, SHM_DIR / name)
+    conn.send(name)
+    time.sleep(120)
+
+
+def test_cleanup_spares_a_locked_segment_whatever_pid_its_name_carries():
+    """Liveness is the creator's lock, not a pid: a live creator in another PID namespace
+    (its pid does not exist here) keeps its segment; once it is gone, the segment goes."""
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_hold_under_foreign_name, args=(child, _unused_pid()))
+    p.start()
+    try:
+        foreign = parent.recv()
+        assert foreign not in remove_stale_segments()
+        assert (SHM_DIR / foreign).exists()
+    finally:
+        p.kill()
+        p.join(30)
+    assert foreign in remove_stale_segments()
+    assert not (SHM_DIR / foreign).exists()
+
+
+def test_cleanup_removes_an_unlocked_segment_even_if_its_pid_is_alive():
+    """A segment nobody holds is stale even when its name's pid is alive (reused by someone)."""
+    path = SHM_DIR / f"ringserve-{os.getpid()}-{os.urandom(8).hex()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 4096)
+    os.close(fd)
+    assert path.name in remove_stale_segments()
+    assert not path.exists()
 
 
 # -- ring --------------------------------------------------------------------------------
@@ -267,6 +312,31 @@ def _client(path: str, conn) -> None:
     conn.send((welcome.slot, welcome.generation, ch.outputs.read()))
     ch.close()
     time.sleep(60)  # until killed
+
+
+def test_hang_reason_tells_a_stopped_engine_and_an_endless_step_from_a_long_one():
+    """The launcher's judge over a real stats segment: a beating engine in a step shorter than
+    the limit is fine; a step past it is hung although the heartbeat is fresh; a heartbeat
+    older than the limit (the process stopped) is hung even when idle."""
+    seg = Segment.create(stats_size(2))
+    stats = EngineStats(seg.buf)
+    stats.init(os.getpid(), 2)
+    beat = Heartbeat(stats, interval=0.02)
+    beat.start()
+    try:
+        stats.step_began()
+        assert hang_reason(stats, 0.5) is None  # a step under way, younger than the limit
+        time.sleep(0.7)
+        assert 0 <= stats.heartbeat_age() < 0.5
+        assert "step running" in hang_reason(stats, 0.5)
+        stats.went_idle()
+        assert stats.step_age() == 0.0 and hang_reason(stats, 0.5) is None
+    finally:
+        beat.stop()
+    time.sleep(0.7)  # no one beats now: as if the process were stopped
+    assert "no heartbeat" in hang_reason(stats, 0.5)
+    stats.release()
+    seg.close()
 
 
 def test_handshake_passes_fds_and_a_killed_peer_is_seen(tmp_path):

@@ -1,6 +1,6 @@
 """Where a running `ringserve serve` keeps its engines' control sockets.
 
-The launcher writes ``server.json`` into its private runtime folder (``$TMPDIR/ringserve-*``,
+The launcher writes ``server.json`` into its private runtime folder (``$TMPDIR/ringserve-run-*``,
 mode 0700): the URL it serves, its pid, the model folder and the control-socket paths — what a
 Gunicorn worker is given. A load generator in ring mode attaches to those sockets exactly as a
 worker does.
