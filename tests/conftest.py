@@ -88,16 +88,22 @@ class ServeProcess:
     proc: subprocess.Popen
     port: int
     log: Path
+    terminated: bool = False     # SIGTERM sent: a second one could land after its handler is gone
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def terminate(self) -> None:
+        """SIGTERM once (unless it has already exited): the launcher drains and exits."""
+        if not self.terminated and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.terminated = True
+
     def stop(self) -> str:
         """SIGTERM (unless it has already exited): it must exit 0 with no traceback in its log.
         Returns the log."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
         assert self.proc.wait(60) == 0, self.log.read_text()
         text = self.log.read_text()
         assert "Traceback" not in text, text
@@ -132,8 +138,7 @@ def serve(tmp_path_factory):
 
     yield start
     for server in started:  # SIGTERM them all first, so that they drain in parallel
-        if server.proc.poll() is None:
-            server.proc.send_signal(signal.SIGTERM)
+        server.terminate()
     for server in started:
         server.stop()
 

@@ -20,7 +20,7 @@ def default_server(serve, tiny_model_dir, no_segment_left_behind):
     server = serve(tiny_model_dir, *BASE)
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
-    server.stop()  # one SIGTERM, now: a second one at the launcher's exit would kill it (-15)
+    server.stop()  # before no_segment_left_behind looks
 
 
 @pytest.fixture(scope="module")
