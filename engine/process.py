@@ -54,6 +54,7 @@ log = logging.getLogger("ringserve.engine")
 CONTROL_CHECK_S = 0.05   # while busy, look at the control sockets this often (one epoll call)
 DEBUG_STEPS = 120        # with debug on: the recent steps kept for /debug/engines
 IDLE_BEAT_S = 1.0        # while idle, wake this often to refresh the heartbeat
+MAX_ERROR_CHARS = 1000   # a refusal's message is cut here (it may quote what the record held)
 
 
 @dataclass(eq=False)
@@ -190,7 +191,10 @@ class EngineProcess:
         except Exception as e:  # noqa: BLE001 - whatever the record holds, it fails alone
             if not isinstance(e, (TypeError, ValueError)):
                 log.exception("request %r from slot %d refused", msg.request_id, slot.index)
-            self._write(slot, [Output(msg.request_id, [], "error", error=str(e) or type(e).__name__,
+            error = str(e) or type(e).__name__
+            if len(error) > MAX_ERROR_CHARS:  # the message may quote a value of any size
+                error = error[:MAX_ERROR_CHARS] + "..."
+            self._write(slot, [Output(msg.request_id, [], "error", error=error,
                                       num_prompt_tokens=len(msg.prompt_token_ids))])
             slot.bell.ring()
             return
@@ -242,6 +246,7 @@ class EngineProcess:
             except Exception as e:  # noqa: BLE001
                 log.exception("the output of request %r could not be sent", request_id)
                 error = f"the engine could not send this request's output: {type(e).__name__}: {e}"
+                error = error[:MAX_ERROR_CHARS]
             self.core.abort_request(out.request_id, error=error)
             if out.finished:  # else the abort's own output ends this sample (next step)
                 self._write(slot, [Output(request_id, [], "error", out.index, out.num_prompt_tokens,

@@ -71,6 +71,8 @@ class Output(msgspec.Struct, array_like=True, gc=False):
         return self.finish_reason is not None
 
 
+MAX_REQUEST_ID = 1024  # characters: ours are "cmpl-<32 hex>-<choice>"
+
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(AddRequest | Abort).decode
 _decode_step = msgspec.msgpack.Decoder(tuple[bytes, list[Output]]).decode
@@ -108,6 +110,8 @@ def decode_request(buf: bytes | memoryview) -> AddRequest | Abort:
     """Raises msgspec.DecodeError (a ValidationError for a wrong shape) on a record that is not
     one of ours: the engine reads records from other processes and trusts none of them."""
     msg = _decode_request(buf)
+    if len(msg.request_id) > MAX_REQUEST_ID:  # it comes back on every output of the request
+        raise msgspec.ValidationError(f"request ids are at most {MAX_REQUEST_ID} characters")
     if type(msg) is AddRequest:
         ids = msg.prompt_token_ids
         if type(ids) is not bytes or len(ids) % 4:
