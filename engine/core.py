@@ -103,10 +103,11 @@ class EngineCore:
         # One C call, no per-token Python int: an int32 array from the rings is taken as it is.
         prompt = np.asarray(prompt_token_ids)
         error, max_tokens = self._check(prompt, params)
-        if error is not None:
+        if error is not None:  # one error output per sample (one for an n refused as too large)
+            samples = params.n if params.n <= self.scheduler.max_num_seqs else 1
             self._pending.extend(RequestOutput(request_id, [], True, "error", index=i, error=error,
                                                num_prompt_tokens=len(prompt))
-                                 for i in range(params.n))
+                                 for i in range(samples))
             return
         prompt = prompt.astype(np.int32, copy=False)
         sharing_salt = request_id if params.n > 1 and not self.config.enable_prefix_caching else None
@@ -141,6 +142,9 @@ class EngineCore:
             if not 0 <= t < vocab:
                 return (f"stop_token_ids: token id {t} is outside the vocabulary "
                         f"(size {vocab})"), 0
+        if params.n > self.scheduler.max_num_seqs:  # n Request objects are made at once
+            return (f"n must be at most max_num_seqs ({self.scheduler.max_num_seqs}), got "
+                    f"{params.n}"), 0
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and not 0 <= k <= vocab:

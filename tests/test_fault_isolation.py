@@ -250,3 +250,15 @@ def test_wrong_shaped_prompt_ids_are_not_a_request():
     for record in ([1, "id", "text", {}, False], [1, "id", b"\x01\x02\x03", {}, False], [1, "id", 5]):
         with pytest.raises(msgspec.ValidationError):
             decode_request(msgspec.msgpack.encode(record))
+
+
+def test_a_request_that_raises_while_its_token_is_taken_ends_alone(tiny_model_dir, alone):
+    """The step's update (append, logprobs, stops) raises for one request (its params changed
+    under it): that request ends with "error", the others in the same loop go on."""
+    engine = _engine(tiny_model_dir)
+    engine.add_request("first", [9, 10, 11], SamplingParams(**GREEDY))
+    _add_good(engine)
+    engine.groups["first"][0].params = SamplingParams(**GREEDY, logprobs=10**9)
+    got = _run(engine)
+    assert got[("first", 0)][1] == ["error"] and "failed this request" in got[("first", 0)][2][0]
+    _check_good(engine, got, alone)

@@ -129,6 +129,8 @@ BAD_REQUESTS = {
     "logprobs": dict(logprobs=10**9, max_tokens=2),
     "seed": dict(seed=-1, temperature=1.0),
     "huge-value": dict(n="x" * 600_000),   # its message would quote 600 KB: cut, not too large
+    "inf-stop-id": dict(stop_token_ids=[float("inf")]),  # int(inf): OverflowError
+    "n-huge": dict(n=10**12),                # 10**12 samples would never be made
 }
 
 
