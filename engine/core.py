@@ -11,11 +11,21 @@ prompt_logprobs: the runner scores the prompt tokens of the rows each prefill ch
 (vLLM V1 semantics; such a request does not read the prefix cache); they come back once, on the
 request's first output, as [None, position 1, ...].
 
+Fault isolation: nothing one request carries may stop the others. A sampling row that raises
+ends its request (every sample) with finish_reason "error" and the others are sampled as usual
+(gpu/sampler.py); a step that raises anywhere else is examined request by request (_recover):
+the requests found at fault end with "error" and the rest run the step again, as if it had
+never happened; when no request is at fault (the batched forward failed) the step's requests
+end with "error". The engine goes on either way, unless whole steps keep failing (a broken
+device: MAX_FAILED_STEPS in a row raise, and the process is restarted). The common path pays
+nothing for this: one try around the step, no check per request.
+
 A request with n > 1 becomes n sequences (index 0..n-1, seed + index when seeded) that share
 the prompt's blocks through the prefix cache (scoped to the request when caching is off).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -34,7 +44,10 @@ from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.engine.trace import EngineTracer
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
-from ringserve.gpu.sampler import Logprobs, SamplerOutput, SamplingMetadata
+from ringserve.gpu.sampler import Logprobs, SamplerOutput, SamplingMetadata, sample
+
+log = logging.getLogger("ringserve.engine")
+MAX_FAILED_STEPS = 3   # whole steps failing in a row with no request at fault: the device is broken
 
 
 @dataclass
@@ -46,6 +59,7 @@ class InFlightStep:
     prompt_rows: list[tuple[Request, int]]  # requests scoring prompt tokens, how many each, in order
     outputs: list[RequestOutput]     # refusals and aborts queued before the step
     start: float                     # monotonic start (tracing only)
+    error: Exception | None = None   # launching it raised: finish_step recovers (_recover)
 
 
 class EngineCore:
@@ -71,7 +85,9 @@ class EngineCore:
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
         self._pending: list[RequestOutput] = []              # refusals and aborts, out next step
         self._in_flight: InFlightStep | None = None          # launched, not finished
-        self._deferred_aborts: list[tuple[str, int | None]] = []  # arrived while a step was in flight
+        # (request id, sample index, error message) of aborts that came while a step was in flight
+        self._deferred_aborts: list[tuple[str, int | None, str | None]] = []
+        self._failed_steps = 0                                # whole steps failed in a row
         self._arrivals = 0
         self.stats = SchedulerStats()
         self.num_steps = 0
@@ -87,22 +103,23 @@ class EngineCore:
         # One C call, no per-token Python int: an int32 array from the rings is taken as it is.
         prompt = np.asarray(prompt_token_ids)
         error, max_tokens = self._check(prompt, params)
-        if error is not None:
+        if error is not None:  # one error output per sample (one for an n refused as too large)
+            samples = params.n if params.n <= self.scheduler.max_num_seqs else 1
             self._pending.extend(RequestOutput(request_id, [], True, "error", index=i, error=error,
                                                num_prompt_tokens=len(prompt))
-                                 for i in range(params.n))
+                                 for i in range(samples))
             return
         prompt = prompt.astype(np.int32, copy=False)
         sharing_salt = request_id if params.n > 1 and not self.config.enable_prefix_caching else None
-        group = []
-        for i in range(params.n):
-            req = Request(request_id, prompt, params, arrival=self._arrivals, index=i,
-                          eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
-                          max_tokens=max_tokens, cache_salt=sharing_salt,
-                          generator=(np.random.default_rng(params.seed + i) if params.seed is not None
-                                     else None if params.greedy else self.generator))
-            self._arrivals += 1
-            group.append(req)
+        # Every sample is made before any is queued: a request that raises here leaves nothing.
+        group = [Request(request_id, prompt, params, arrival=self._arrivals + i, index=i,
+                         eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                         max_tokens=max_tokens, cache_salt=sharing_salt,
+                         generator=(np.random.default_rng(params.seed + i) if params.seed is not None
+                                    else None if params.greedy else self.generator))
+                 for i in range(params.n)]
+        self._arrivals += params.n
+        for req in group:
             if trace:
                 self.tracer.watch(req)
             self.scheduler.add(req)
@@ -118,6 +135,20 @@ class EngineCore:
         bad = prompt[(prompt < 0) | (prompt >= self.vocab_size)]
         if len(bad):
             return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", 0
+        # The other id lists and counts over the vocabulary: checked here too, whoever wrote
+        # the record (an id past the vocabulary indexes past a row of logits, on the GPU too).
+        vocab = self.vocab_size
+        for t in params.stop_token_ids:
+            if not 0 <= t < vocab:
+                return (f"stop_token_ids: token id {t} is outside the vocabulary "
+                        f"(size {vocab})"), 0
+        if params.n > self.scheduler.max_num_seqs:  # n Request objects are made at once
+            return (f"n must be at most max_num_seqs ({self.scheduler.max_num_seqs}), got "
+                    f"{params.n}"), 0
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and not 0 <= k <= vocab:
+                return f"{name} must be between 0 and the vocabulary size {vocab}, got {k}", 0
         if n >= self.max_model_len:
             return (f"This model's maximum context length is {self.max_model_len} tokens, "
                     f"but the prompt has {n} tokens and at least one token must be generated."), 0
@@ -133,19 +164,23 @@ class EngineCore:
                     f"completion tokens) but the whole pool has {self.kv.num_blocks}"), 0
         return None, max_tokens
 
-    def abort_request(self, request_id: str, index: int | None = None) -> None:
+    def abort_request(self, request_id: str, index: int | None = None,
+                      error: str | None = None) -> None:
         """Stop a request now (only its sample `index` when given: a stop string ended that one);
         its blocks are free for the next step. Unknown ids are ignored (the request may have
         just finished). While a step is in flight, the abort waits for its end (the device may
-        still be writing the request's blocks)."""
+        still be writing the request's blocks). error: end it with finish_reason "error" and
+        this message instead of "abort" (it failed)."""
         if self._in_flight is not None:
-            self._deferred_aborts.append((request_id, index))
+            self._deferred_aborts.append((request_id, index, error))
             return
+        reason = "abort" if error is None else "error"
         for req in self.groups.get(request_id, ()):
             if not req.is_finished and (index is None or req.index == index):
-                self.scheduler.finish(req, "abort")
-                self._pending.append(RequestOutput(request_id, [], True, "abort", index=req.index,
-                                                   num_prompt_tokens=req.num_prompt_tokens))
+                self.scheduler.finish(req, reason)
+                self._pending.append(RequestOutput(request_id, [], True, reason, index=req.index,
+                                                   num_prompt_tokens=req.num_prompt_tokens,
+                                                   error=error))
         self._forget_if_done(request_id)
 
     # -- the loop ----------------------------------------------------------------------------
@@ -182,18 +217,20 @@ class EngineCore:
         tracing = self.tracer.active
         start = time.monotonic() if tracing else 0.0
         sched = self.scheduler.schedule()
-        handle, reqs, prompt_rows = None, [], []
+        step = self._in_flight = InFlightStep(sched, [], None, [], outputs, start)
         if sched.scheduled:
-            batch = build_batch(sched, self.kv)
-            if tracing:
-                self.tracer.on_scheduled(self.num_steps, start, sched, batch)
-            rows = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
-            reqs = [sched.scheduled[i].request for i in rows]
-            spec, prompt_rows = _prompt_logprobs_spec(sched, batch)
-            handle = self.runner.submit(batch, np.asarray(rows, np.int64),
-                                        self._sampling_metadata(reqs) if reqs else None, spec)
-        self._in_flight = InFlightStep(sched, reqs, handle, prompt_rows, outputs, start)
-        return self._in_flight
+            try:
+                batch = build_batch(sched, self.kv)
+                if tracing:
+                    self.tracer.on_scheduled(self.num_steps, start, sched, batch)
+                rows = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
+                step.reqs = reqs = [sched.scheduled[i].request for i in rows]
+                spec, step.prompt_rows = _prompt_logprobs_spec(sched, batch)
+                step.handle = self.runner.submit(batch, np.asarray(rows, np.int64),
+                                                 self._sampling_metadata(reqs) if reqs else None, spec)
+            except Exception as e:  # noqa: BLE001 - finish_step finds the request(s) at fault
+                step.error = e
+        return step
 
     def finish_step(self, step: InFlightStep) -> list[RequestOutput]:
         """Wait for the step's tokens, append them, check stops; then the aborts that came
@@ -201,14 +238,22 @@ class EngineCore:
         if step is not self._in_flight:
             raise RuntimeError("finish_step: not the step in flight")
         outputs = step.outputs
-        if step.handle is not None:
-            result = step.handle.result()
-            self.scheduler.update_after_step(step.sched)
-            _take_prompt_logprobs(step.prompt_rows, result.prompt_logprobs)
-            outputs.extend(self.update(step.reqs, result))
+        if step.handle is not None or step.error is not None:
+            applied = False  # PERF: one try for the whole step; per request only on failure
+            try:
+                if step.error is not None:
+                    raise step.error
+                result = step.handle.result()
+                applied = True
+                self.scheduler.update_after_step(step.sched)
+                _take_prompt_logprobs(step.prompt_rows, result.prompt_logprobs)
+                outputs.extend(self.update(step.reqs, result))
+                self._failed_steps = 0
+            except Exception as e:  # noqa: BLE001 - ends the request(s) at fault, not the engine
+                self._recover(step, e, retry=not applied)
         self._in_flight = None
-        for request_id, index in self._deferred_aborts:
-            self.abort_request(request_id, index)
+        for request_id, index, error in self._deferred_aborts:
+            self.abort_request(request_id, index, error)
         self._deferred_aborts.clear()
         outputs.extend(self._pending)  # those aborts, out with this step
         self._pending = []
@@ -224,23 +269,82 @@ class EngineCore:
         check stops, finish (blocks freed now)."""
         # Once per running request per step: the plain attributes, not the properties.
         outputs = []
-        for j, (req, token) in enumerate(zip(reqs, result.token_ids.tolist())):
-            req.append_output_token(token)
-            out = RequestOutput(req.request_id, [token], index=req.index,
-                                num_prompt_tokens=len(req.prompt_token_ids),
-                                num_cached_tokens=req.num_cached_tokens)
-            params = req.params
-            if params.logprobs is not None:
-                out.new_logprobs = [_position_logprobs(result.logprobs, j, params.logprobs)]
-            if params.prompt_logprobs is not None and req.index == 0 and len(req.output_token_ids) == 1:
-                out.prompt_logprobs = [None, *req.prompt_logprobs]
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                out.finished, out.finish_reason, out.stop_reason = True, reason, req.stop_reason
-                self._forget_if_done(req.request_id)
-            outputs.append(out)
-        return outputs
+        rows = enumerate(zip(reqs, result.token_ids.tolist()))
+        if result.failed:  # rare: rows whose sampling raised end their request (gpu/sampler.py)
+            for j, why in result.failed.items():
+                self.abort_request(reqs[j].request_id, error=f"sampling failed: {why}")
+            rows = [row for row in rows if row[0] not in result.failed]
+        rows = iter(rows)
+        while True:
+            try:  # PERF: around the loop, entered again after a request that raises
+                for j, (req, token) in rows:
+                    req.append_output_token(token)
+                    out = RequestOutput(req.request_id, [token], index=req.index,
+                                        num_prompt_tokens=len(req.prompt_token_ids),
+                                        num_cached_tokens=req.num_cached_tokens)
+                    params = req.params
+                    if params.logprobs is not None:
+                        out.new_logprobs = [_position_logprobs(result.logprobs, j, params.logprobs)]
+                    if params.prompt_logprobs is not None and req.index == 0 and len(req.output_token_ids) == 1:
+                        out.prompt_logprobs = [None, *req.prompt_logprobs]
+                    reason = self._stop_reason(req, token)
+                    if reason is not None:
+                        self.scheduler.finish(req, reason)
+                        out.finished, out.finish_reason, out.stop_reason = True, reason, req.stop_reason
+                        self._forget_if_done(req.request_id)
+                    outputs.append(out)
+                return outputs
+            except Exception as e:  # noqa: BLE001 - that request (every sample) ends, no other
+                log.exception("request %s failed in the step's update", req.request_id)
+                self.abort_request(req.request_id, error=f"the engine failed this request: "
+                                                         f"{type(e).__name__}: {e}")
+
+    def _recover(self, step: InFlightStep, exc: Exception, retry: bool) -> None:
+        """A step raised (exc). retry: nothing of it was applied, so the requests not at fault
+        can run it again; each sampled request is checked alone (its sampling row built and
+        drawn on neutral logits) to find those at fault, which end with "error". When none is
+        (or nothing can be retried), every request of the step ends with "error". The aborts
+        are deferred to the end of finish_step, which sends them with the step's outputs."""
+        culprits = {}
+        if retry:
+            for s in step.sched.scheduled:
+                if s.completes_prefill and s.request.request_id not in culprits:
+                    why = self._probe(s.request)
+                    if why is not None:
+                        culprits[s.request.request_id] = why
+        if culprits:
+            self._failed_steps = 0
+            log.warning("step %d raised %s: %s; ended %d request(s) at fault, the other %d "
+                        "run it again", self.num_steps, type(exc).__name__, exc, len(culprits),
+                        len({s.request.request_id for s in step.sched.scheduled}) - len(culprits))
+            for request_id, why in culprits.items():
+                self.abort_request(request_id, error=f"the engine could not sample this request: {why}")
+            return
+        self._failed_steps += 1
+        log.error("step %d failed (%d in a row); its %d requests end with an error",
+                  self.num_steps, self._failed_steps, len(step.sched.scheduled), exc_info=exc)
+        for s in step.sched.scheduled:
+            # Its blocks' K/V may never have been written: not to be found by the prefix cache.
+            self.kv.uncache(s.request)
+            self.abort_request(s.request.request_id,
+                               error=f"the engine step failed: {type(exc).__name__}: {exc}")
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{self._failed_steps} engine steps failed in a row") from exc
+
+    def _probe(self, req: Request) -> str | None:
+        """Why this request's sampling raises on its own (on neutral logits, with a throwaway
+        generator: the request's own draws are untouched), or None."""
+        try:
+            meta = self._sampling_metadata([req])
+            meta.generators = [None if g is None else np.random.default_rng(0) for g in meta.generators]
+            out = sample(np.zeros((1, self.vocab_size), np.float32), meta)
+            if out.failed:
+                return next(iter(out.failed.values()))
+            if req.params.logprobs is not None:
+                _position_logprobs(out.logprobs, 0, req.params.logprobs)
+        except Exception as e:  # noqa: BLE001 - that is the answer
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         num_output = len(req.output_token_ids)

@@ -283,6 +283,16 @@ class KVCacheManager:
         if blocks:
             self.pool.release(reversed(blocks))
 
+    def uncache(self, req: Request) -> None:
+        """Make a request's blocks unfindable by the prefix cache (a failed step may have left
+        their K/V unwritten); they stay the request's until it is freed."""
+        cached = self.pool.cached
+        for block in self.req_blocks.get(req.key, ()):
+            if block.block_hash is not None:
+                if cached.get(block.block_hash) is block:
+                    del cached[block.block_hash]
+                block.block_hash = None
+
     def take_stats(self) -> tuple[int, int]:
         """(prefix-cache query tokens, hit tokens) since the last call."""
         out = (self.prefix_queries, self.prefix_hits)

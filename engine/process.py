@@ -15,6 +15,15 @@ Workers arrive on the control socket and get a slot; a slot's requests are named
 core as ``<slot>.<generation>.<request id>`` so that two workers may use the same ids. When a
 worker's control connection closes (it died or left), its requests are aborted — their blocks
 are free for the next step — and the slot is free for the next worker, with a new generation.
+
+Nothing a slot writes is trusted (another process wrote it: a worker, the load generator, a
+buggy or hostile client). A record that is not a request (undecodable, wrong shape, a ring
+header that cannot be true) means the writer is broken: the record is logged and dropped and
+the slot is detached (its control connection closed: its client sees the engine as lost for
+that slot and reconnects to a new one). A request that decodes but cannot run gets an error
+output; a request that fails later fails alone (engine/core.py). Outputs are cut into records
+that fit the ring (ipc/messages.encode_output_records); one that cannot be encoded or cut
+ends its request with an error instead.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ from ringserve.engine.trace import DebugPublisher
 from ringserve.ipc import control
 from ringserve.ipc.channel import DEFAULT_RING_CAPACITY, Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_request, encode_outputs)
+from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_request,
+                                    encode_output_records)
 from ringserve.ipc.shm import Segment, remove_stale_segments
 from ringserve.ipc.stats import EngineStats, Heartbeat, stats_size
 
@@ -46,6 +56,7 @@ log = logging.getLogger("ringserve.engine")
 CONTROL_CHECK_S = 0.05   # while busy, look at the control sockets this often (one epoll call)
 DEBUG_STEPS = 120        # with debug on: the recent steps kept for /debug/engines
 IDLE_BEAT_S = 1.0        # while idle, wake this often (a missed wake-up costs at most this)
+MAX_ERROR_CHARS = 1000   # a refusal's message is cut here (it may quote what the record held)
 
 
 @dataclass(eq=False)
@@ -165,13 +176,16 @@ class EngineProcess:
             if slot is None or not slot.attached:
                 continue
             ring = slot.channel.requests
-            while (record := ring.read()) is not None:
-                msg = decode_request(record)
-                if isinstance(msg, Abort):
-                    self.core.abort_request(slot.key(msg.request_id))
-                else:
-                    slot.taken += 1
-                    self._add(slot, msg)
+            try:  # PERF: one try per slot and call, none per record
+                while (record := ring.read()) is not None:
+                    msg = decode_request(record)
+                    if isinstance(msg, Abort):
+                        self.core.abort_request(slot.key(msg.request_id))
+                    else:
+                        slot.taken += 1
+                        self._add(slot, msg)
+            except Exception as e:  # noqa: BLE001 - not a request: its writer is broken
+                self._drop(slot, f"sent a record that is not a request ({type(e).__name__}: {e})")
 
     def _add(self, slot: _Slot, msg: AddRequest) -> None:
         try:
@@ -180,8 +194,13 @@ class EngineProcess:
                 raise ValueError(f"request id {msg.request_id!r} is already open")
             self.core.add_request(slot.key(msg.request_id), msg.prompt_token_ids, params,
                                   trace=msg.trace)
-        except (TypeError, ValueError) as e:
-            self._write(slot, [Output(msg.request_id, [], "error", error=str(e),
+        except Exception as e:  # noqa: BLE001 - whatever the record holds, it fails alone
+            if not isinstance(e, (TypeError, ValueError)):
+                log.exception("request %r from slot %d refused", msg.request_id, slot.index)
+            error = str(e) or type(e).__name__
+            if len(error) > MAX_ERROR_CHARS:  # the message may quote a value of any size
+                error = error[:MAX_ERROR_CHARS] + "..."
+            self._write(slot, [Output(msg.request_id, [], "error", error=error,
                                       num_prompt_tokens=len(msg.prompt_token_ids))])
             slot.bell.ring()
             return
@@ -189,7 +208,7 @@ class EngineProcess:
 
     # -- outputs out -------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        per_slot: dict[int, list[Output]] = {}
+        per_slot: dict[int, list[tuple[RequestOutput, str]]] = {}
         for out in outputs:
             index, generation, request_id = out.request_id.split(".", 2)
             slot = self.slots[int(index)]
@@ -201,22 +220,43 @@ class EngineProcess:
                     slot.open[request_id] = left
                 else:
                     slot.open.pop(request_id, None)
-            per_slot.setdefault(slot.index, []).append(_to_wire(out, request_id))
+            per_slot.setdefault(slot.index, []).append((out, request_id))
         for slot in self.slots:
             if slot is None:
                 continue
             wrote = self._flush_backlog(slot)
             outs = per_slot.get(slot.index)
             if outs:
-                self._write(slot, outs)
+                try:  # PERF: one try per slot and step
+                    self._write(slot, [_to_wire(out, request_id) for out, request_id in outs])
+                except Exception:  # noqa: BLE001 - find the output(s) at fault, end their requests
+                    self._write_each(slot, outs)
                 wrote = True
             if wrote:
                 slot.bell.ring()  # once per step per worker
 
     def _write(self, slot: _Slot, outs: list[Output]) -> None:
-        record = encode_outputs(outs)
-        if slot.backlog or not slot.channel.outputs.try_write(record):
-            slot.backlog.append(record)  # the worker is behind: keep order, never drop
+        """The outputs as records that fit the ring (RecordTooLarge when one cannot be cut).
+        A record is at most a quarter of the ring, so that it never waits for an empty one."""
+        for record in encode_output_records(outs, slot.channel.outputs.max_record // 4):
+            if slot.backlog or not slot.channel.outputs.try_write(record):
+                slot.backlog.append(record)  # the worker is behind: keep order, never drop
+
+    def _write_each(self, slot: _Slot, outs: list[tuple[RequestOutput, str]]) -> None:
+        """_write's rare path: one output at a time; one that cannot be sent becomes an error
+        output (its sample) and ends its request's other samples."""
+        for out, request_id in outs:
+            try:
+                self._write(slot, [_to_wire(out, request_id)])
+                continue
+            except Exception as e:  # noqa: BLE001
+                log.exception("the output of request %r could not be sent", request_id)
+                error = f"the engine could not send this request's output: {type(e).__name__}: {e}"
+                error = error[:MAX_ERROR_CHARS]
+            self.core.abort_request(out.request_id, error=error)
+            if out.finished:  # else the abort's own output ends this sample (next step)
+                self._write(slot, [Output(request_id, [], "error", out.index, out.num_prompt_tokens,
+                                          error=error)])
 
     def _flush_backlog(self, slot: _Slot) -> bool:
         wrote = False
@@ -272,8 +312,11 @@ class EngineProcess:
         elif not data:
             self._drop(slot)
 
-    def _drop(self, slot: _Slot) -> None:
-        """The worker is gone: abort its requests (their blocks free now) and free its slot."""
+    def _drop(self, slot: _Slot, broken: str | None = None) -> None:
+        """The worker is gone, or (broken: why) its slot is detached: abort its requests (their
+        blocks free now) and free its slot. Closing the control connection tells the client."""
+        if self.slots[slot.index] is not slot:
+            return  # already dropped
         for request_id in slot.open:
             self.core.abort_request(slot.key(request_id))
         self.selector.unregister(slot.conn)
@@ -281,8 +324,12 @@ class EngineProcess:
         slot.bell.close()
         slot.channel.close()
         self.slots[slot.index] = None
-        log.info("worker in slot %d (generation %d) left; %d requests aborted",
-                 slot.index, slot.generation, len(slot.open))
+        if broken is None:
+            log.info("worker in slot %d (generation %d) left; %d requests aborted",
+                     slot.index, slot.generation, len(slot.open))
+        else:
+            log.warning("slot %d (generation %d) detached: it %s; %d requests aborted",
+                        slot.index, slot.generation, broken, len(slot.open))
 
     def close(self) -> None:
         for slot in self.slots:

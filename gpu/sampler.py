@@ -11,6 +11,9 @@ whatever else is in the batch. The semantics are vLLM's:
   below min_p times the top probability), top_k, top_p (the smallest set whose mass reaches p).
 - logprobs are those of the raw model distribution (log_softmax of the logits as the model gave
   them, before penalties and temperature: vLLM's default "raw_logprobs").
+A row whose sampling raises (a bad id list, a parameter no check foresaw) is reported in
+SamplerOutput.failed and the other rows are sampled as if it were not there: one bad request
+must not cost the batch.
 """
 from __future__ import annotations
 
@@ -55,6 +58,23 @@ class SamplerOutput:
     token_ids: np.ndarray              # int32 [B]
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None  # at the rows of a PromptLogprobsSpec (gpu/prompt_logprobs.py)
+    failed: dict[int, str] | None = None     # row -> why sampling it raised (its token is not one)
+
+
+def each_row(rows, body, failed: dict[int, str]) -> None:
+    """body(i) for every i in rows, in order; a row whose body raises goes into failed
+    (row -> message, the first one kept) and the rows after it still run.
+    PERF: one try around the loop, entered again after a failing row (not one per row), and
+    each row runs once: a seeded row draws exactly as it would in a batch with no failure."""
+    k, n = 0, len(rows)
+    while k < n:
+        try:
+            for k in range(k, n):
+                body(rows[k])
+            return
+        except Exception as e:  # noqa: BLE001 - reported per row, the caller ends that request
+            failed.setdefault(int(rows[k]), f"{type(e).__name__}: {e}")
+            k += 1
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -83,30 +103,41 @@ def gather_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> 
     return Logprobs(ids, vals.astype(np.float32), ranks.astype(np.int32))
 
 
-def apply_penalties(logits: np.ndarray, meta: SamplingMetadata) -> np.ndarray:
-    """Penalties and bans, in place on a float32 copy the caller owns."""
+def apply_penalties(logits: np.ndarray, meta: SamplingMetadata,
+                    failed: dict[int, str] | None = None) -> np.ndarray:
+    """Penalties and bans, in place on a float32 copy the caller owns. failed: where a row
+    that raises is reported (the others go on); None: raise."""
     vocab = logits.shape[1]
+    report: dict[int, str] = {} if failed is None else failed
+
+    def penalize(i: int) -> None:
+        rep = float(meta.repetition_penalty[i])
+        freq = float(meta.frequency_penalty[i])
+        pres = float(meta.presence_penalty[i])
+        if rep == 1.0 and freq == 0.0 and pres == 0.0:
+            return
+        out = np.asarray(meta.output_token_ids[i], dtype=np.int64)
+        row = logits[i]
+        if rep != 1.0:
+            seen = np.zeros(vocab, dtype=bool)
+            seen[np.asarray(meta.prompt_token_ids[i], dtype=np.int64)] = True
+            seen[out] = True
+            row[seen] = np.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
+        if freq != 0.0 or pres != 0.0:
+            counts = np.bincount(out, minlength=vocab)[:vocab]
+            row -= freq * counts + pres * (counts > 0)
+
+    def ban(i: int) -> None:
+        banned = meta.banned_token_ids[i]
+        if len(banned):
+            logits[i, np.asarray(banned, dtype=np.int64)] = -np.inf
+
     if meta.presence_penalty is not None:
-        for i in range(logits.shape[0]):
-            rep = float(meta.repetition_penalty[i])
-            freq = float(meta.frequency_penalty[i])
-            pres = float(meta.presence_penalty[i])
-            if rep == 1.0 and freq == 0.0 and pres == 0.0:
-                continue
-            out = np.asarray(meta.output_token_ids[i], dtype=np.int64)
-            row = logits[i]
-            if rep != 1.0:
-                seen = np.zeros(vocab, dtype=bool)
-                seen[np.asarray(meta.prompt_token_ids[i], dtype=np.int64)] = True
-                seen[out] = True
-                row[seen] = np.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
-            if freq != 0.0 or pres != 0.0:
-                counts = np.bincount(out, minlength=vocab)[:vocab]
-                row -= freq * counts + pres * (counts > 0)
+        each_row(range(logits.shape[0]), penalize, report)
     if meta.banned_token_ids is not None:
-        for i, banned in enumerate(meta.banned_token_ids):
-            if banned:
-                logits[i, np.asarray(banned, dtype=np.int64)] = -np.inf
+        each_row(range(len(meta.banned_token_ids)), ban, report)
+    if failed is None and report:
+        raise ValueError(f"row {next(iter(report))}: {next(iter(report.values()))}")
     return logits
 
 
@@ -135,19 +166,41 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
 
 
 def sample(logits: np.ndarray, meta: SamplingMetadata) -> SamplerOutput:
-    """Sample one token per row of logits [B, V]."""
+    """Sample one token per row of logits [B, V]. A row that raises is reported in .failed."""
     raw = logits
+    failed: dict[int, str] = {}
     if meta.presence_penalty is not None or meta.banned_token_ids is not None:
         x = np.array(logits, dtype=np.float32)  # our own copy: penalties work in place
-        apply_penalties(x, meta)
+        apply_penalties(x, meta, failed)
     else:
         x = logits
     token_ids = x.argmax(axis=-1).astype(np.int32)
     if not meta.all_greedy:
-        for i in np.flatnonzero(meta.temperature >= GREEDY_EPS):
+        def draw(i: int) -> None:
             token_ids[i] = sample_row(x[i], float(meta.temperature[i]), int(meta.top_k[i]),
                                       float(meta.top_p[i]), float(meta.min_p[i]), meta.generators[i])
+        each_row(np.flatnonzero(meta.temperature >= GREEDY_EPS), draw, failed)
     lps = None
     if meta.max_num_logprobs is not None:
-        lps = gather_logprobs(raw, token_ids, meta.max_num_logprobs)
-    return SamplerOutput(token_ids, lps)
+        try:
+            lps = gather_logprobs(raw, token_ids, meta.max_num_logprobs)
+        except Exception:  # noqa: BLE001 - find the row(s): rare, so row by row
+            lps = _gather_rows(raw, token_ids, meta.max_num_logprobs, failed)
+    return SamplerOutput(token_ids, lps, failed=failed or None)
+
+
+def _gather_rows(logits: np.ndarray, token_ids: np.ndarray, num_top: int,
+                 failed: dict[int, str]) -> Logprobs:
+    """gather_logprobs one row at a time; a row that raises gets the top token's logprob
+    (it is reported in failed, so nobody reads it)."""
+    k = min(num_top, logits.shape[1]) if num_top > 0 else 0
+    out = Logprobs(np.zeros((len(token_ids), 1 + k), np.int32),
+                   np.zeros((len(token_ids), 1 + k), np.float32), np.ones(len(token_ids), np.int32))
+
+    def gather(i: int) -> None:
+        one = gather_logprobs(logits[i:i + 1], token_ids[i:i + 1], num_top)
+        out.token_ids[i], out.logprobs[i], out.sampled_rank[i] = \
+            one.token_ids[0], one.logprobs[0], one.sampled_rank[0]
+
+    each_row(range(len(token_ids)), gather, failed)
+    return out

@@ -10,7 +10,9 @@ slower than msgpack ints, one per step costs one pack and one frombuffer+tolist 
 
 Worker -> engine records: :class:`AddRequest`, :class:`Abort` (``encode_request``/``decode_request``),
 told apart by their tag (the array's first item).
-Engine -> worker record: one step's list of :class:`Output` (``encode_outputs``/``decode_outputs``).
+Engine -> worker record: one step's list of :class:`Output` (``encode_outputs``/``decode_outputs``);
+``encode_output_records`` cuts what would not fit one ring record into several (a long prompt's
+prompt logprobs in parts, joined again by the reader with ``join_part``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Sequence
 
 import msgspec
 import numpy as np
+
+from ringserve.ipc.ring import RecordTooLarge
 
 # Structs hold no reference cycles, so the garbage collector need not track them (cheaper).
 
@@ -57,11 +61,17 @@ class Output(msgspec.Struct, array_like=True, gc=False):
     # When prompt_logprobs were asked, once (on the first output): per prompt token from the
     # second on (the first has none), (token_id, logprob, rank): the prompt's token, then the top-N.
     prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
+    # An output too large for one record travels in parts on consecutive records (split_output):
+    # 1: a part, its prompt_logprobs continue on the next part of this request and index;
+    # 2: the last part, the output itself. 0: a whole output (always, once the client joined them).
+    part: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+
+MAX_REQUEST_ID = 1024  # characters: ours are "cmpl-<32 hex>-<choice>"
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(AddRequest | Abort).decode
@@ -97,9 +107,16 @@ def encode_request(msg: AddRequest | Abort) -> bytes:
 
 
 def decode_request(buf: bytes | memoryview) -> AddRequest | Abort:
+    """Raises msgspec.DecodeError (a ValidationError for a wrong shape) on a record that is not
+    one of ours: the engine reads records from other processes and trusts none of them."""
     msg = _decode_request(buf)
+    if len(msg.request_id) > MAX_REQUEST_ID:  # it comes back on every output of the request
+        raise msgspec.ValidationError(f"request ids are at most {MAX_REQUEST_ID} characters")
     if type(msg) is AddRequest:
-        msg.prompt_token_ids = np.frombuffer(msg.prompt_token_ids, _INT32)  # a view: no copy
+        ids = msg.prompt_token_ids
+        if type(ids) is not bytes or len(ids) % 4:
+            raise msgspec.ValidationError("AddRequest.prompt_token_ids must be raw int32 bytes")
+        msg.prompt_token_ids = np.frombuffer(ids, _INT32)  # a view: no copy
     return msg
 
 
@@ -124,3 +141,52 @@ def decode_outputs(buf: bytes | memoryview) -> list[Output]:
         out.new_token_ids = ids[start:end]
         start = end
     return outputs
+
+
+def encode_output_records(outputs: Sequence[Output], max_bytes: int) -> list[bytes]:
+    """``outputs`` as records of at most ``max_bytes`` each, in order: one record but for a
+    step whose outputs are too large together (then halves), or one output too large alone
+    (prompt logprobs of a long prompt: then its parts, split_output). Raises RecordTooLarge
+    when one output cannot be split small enough."""
+    record = encode_outputs(outputs)
+    if len(record) <= max_bytes:
+        return [record]  # the common case: one encode, one length check
+    if len(outputs) > 1:
+        half = len(outputs) // 2
+        return encode_output_records(outputs[:half], max_bytes) + \
+            encode_output_records(outputs[half:], max_bytes)
+    return [r for part in split_output(outputs[0], len(record), max_bytes)
+            for r in encode_output_records([part], max_bytes)]
+
+
+def split_output(out: Output, size: int, max_bytes: int) -> list[Output]:
+    """An output of ``size`` encoded bytes as parts of about max_bytes / 2 each: its
+    prompt_logprobs in pieces, the first ones on parts of their own (part 1), the last with
+    everything else (part 2, or 1 again when ``out`` is itself a part). The client joins them
+    (join_part) before anyone sees the output."""
+    plp = out.prompt_logprobs
+    if plp is None or len(plp) < 2:
+        raise RecordTooLarge(f"an output of {size} bytes does not fit a ring record of {max_bytes}")
+    per = max(1, len(plp) * max_bytes // (2 * size))
+    pieces = [plp[i:i + per] for i in range(0, len(plp), per)]
+    if len(pieces) == 1:
+        pieces = [plp[:len(plp) // 2], plp[len(plp) // 2:]]
+    parts = [Output(out.request_id, [], None, out.index, out.num_prompt_tokens,
+                    prompt_logprobs=piece, part=1) for piece in pieces[:-1]]
+    parts.append(msgspec.structs.replace(out, prompt_logprobs=pieces[-1],
+                                         part=1 if out.part == 1 else 2))
+    return parts
+
+
+def join_part(pending: dict[tuple[str, int], list], out: Output) -> Output | None:
+    """Take one part of a split output (out.part != 0); the whole output once its last part
+    came, else None. ``pending``: the reader's parts so far, by (request id, index)."""
+    key = (out.request_id, out.index)
+    if out.part == 1:
+        pending.setdefault(key, []).extend(out.prompt_logprobs or ())
+        return None
+    head = pending.pop(key, None)
+    if head is not None:
+        out.prompt_logprobs = head + (out.prompt_logprobs or [])
+    out.part = 0
+    return out

@@ -11,7 +11,8 @@ separate cache lines so that the two sides do not bounce one line between cores.
 an 8-byte little-endian length followed by the payload, padded to 8 bytes; the header never
 straddles the end of the data area, the payload may, and is then copied in two pieces. So any
 record up to ``capacity - 8`` bytes fits (a 32k-token prompt is 128 KiB of int32: the default
-1 MiB ring holds several); a larger one raises :class:`RecordTooLarge`. A full ring makes
+1 MiB ring holds several); a larger one raises :class:`RecordTooLarge`. The reader does not
+trust the writer: a header or tail that cannot be true raises :class:`CorruptRing`. A full ring makes
 ``try_write`` return False (``write`` raises :class:`Full`): the writer backs off, nothing is lost.
 
 Memory ordering. The producer copies the payload and only then stores the new tail; the
@@ -43,6 +44,11 @@ class Full(Exception):
 
 class RecordTooLarge(ValueError):
     """The record can never fit this ring."""
+
+
+class CorruptRing(ValueError):
+    """The ring's counters or a record header say something impossible: its writer is broken
+    (or hostile). Nothing more can be read from it; the reader should drop the ring."""
 
 
 def check_memory_ordering() -> None:
@@ -124,12 +130,21 @@ class Ring:
         """The next record's payload (a copy), or None when the ring is empty."""
         head = self._head
         if head == self._tail_seen:
-            self._tail_seen = self._counters[TAIL]
-            if head == self._tail_seen:
+            self._tail_seen = tail = self._counters[TAIL]
+            if head == tail:
                 return None
+            if not head < tail <= head + self.capacity:
+                raise CorruptRing(f"tail {tail} is not within one ring ({self.capacity} bytes) "
+                                  f"after head {head}")
         cap, data = self.capacity, self._data
         pos = head % cap
         n = self._words[pos >> 3]
+        # The writer publishes whole records, so a record ends at or before the tail; a header
+        # or tail that says otherwise (2**40, or a tail behind the head) is corrupt. One
+        # comparison: without it a bad header makes the reader copy garbage and loop for ever.
+        if n > self._tail_seen - head - RECORD_HEADER:
+            raise CorruptRing(f"record header of {n} bytes at {head}, but only "
+                              f"{self._tail_seen - head} bytes are published")
         pos = (pos + RECORD_HEADER) % cap
         first = cap - pos
         if n <= first:

@@ -27,7 +27,8 @@ from typing import Any, Sequence
 from ringserve.ipc import control
 from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import Abort, AddRequest, Output, decode_outputs, encode_request
+from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_outputs, encode_request,
+                                    join_part)
 from ringserve.ipc.shm import Segment
 from ringserve.ipc.stats import EngineStats, least_loaded, score
 
@@ -85,6 +86,7 @@ class _Engine:
         self.stats = EngineStats(self.stats_segment.buf)
         self.submitted = 0                   # AddRequest records written to this engine
         self.streams: dict[str, RequestStream] = {}
+        self.parts: dict[tuple[str, int], list] = {}  # a split output's parts so far (join_part)
         self.alive = True
 
     def score(self) -> int:
@@ -206,6 +208,10 @@ class EngineClient:
         ring = engine.channel.outputs
         while (record := ring.read()) is not None:
             for out in decode_outputs(record):
+                if out.part:  # NOTE: rare: an output too large for one record came in parts
+                    out = join_part(engine.parts, out)
+                    if out is None:
+                        continue
                 stream = engine.streams.get(out.request_id)
                 if stream is None:
                     continue  # aborted here already

@@ -263,9 +263,9 @@ def test_output_messages_round_trip():
     ]
     assert decode_outputs(encode_outputs(outs)) == outs
     assert decode_outputs(encode_outputs([])) == []
-    # one decode token of one request: 24 bytes (the step's 4-byte int32 id block, then an
-    # 11-field array holding the id and the count of its new ids)
-    assert len(encode_outputs([Output("abcd", [5])])) == 24
+    # one decode token of one request: 25 bytes (the step's 4-byte int32 id block, then a
+    # 12-field array holding the id and the count of its new ids)
+    assert len(encode_outputs([Output("abcd", [5])])) == 25
 
 
 # -- load score --------------------------------------------------------------------------
