@@ -389,9 +389,9 @@ def _stream_text(client: httpx.Client, url: str, body: dict) -> tuple[str, str |
 
 
 def test_http_requests_that_used_to_kill_the_engine(serve, tiny_model_dir):
-    """The issue's examples over HTTP while a stream runs: each is answered (200, or an error
-    JSON: 400 once the frontend refuses it, else the engine's error), the stream completes, no
-    process of the server is replaced."""
+    """The issue's examples over HTTP while a stream runs: each is answered 200 or a 400 error
+    JSON (the frontend refuses them; the raw-ring tests above show the engine's own checks),
+    the stream completes, no process of the server is replaced."""
     server = serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu")
     url = server.url
     before = _descendants(server.proc.pid)
@@ -408,7 +408,7 @@ def test_http_requests_that_used_to_kill_the_engine(serve, tiny_model_dir):
         runner.start()
         for body in bad:
             r = client.post(url + "/v1/completions", json=dict(body, model=model))
-            assert r.status_code in (200, 400, 500), (body, r.status_code, r.text)
+            assert r.status_code in (200, 400), (body, r.status_code, r.text)
             if r.status_code != 200:
                 err = r.json()["error"]
                 assert err["message"] and {"type", "param", "code"} <= set(err), r.text
