@@ -172,8 +172,10 @@ def _check_good(engine: EngineCore, got: dict, alone: dict) -> None:
 def test_ids_outside_the_vocabulary_are_refused_at_the_door(tiny_model_dir):
     engine = _engine(tiny_model_dir)
     vocab = engine.vocab_size
+    negative = SamplingParams(max_tokens=5)
+    negative.stop_token_ids = [-1]  # SamplingParams refuses it; the core checks on its own too
     bad = {"stop": SamplingParams(max_tokens=5, min_tokens=1, stop_token_ids=[10**9]),
-           "negative": SamplingParams(max_tokens=5, stop_token_ids=[-1]),
+           "negative": negative,
            "logprobs": SamplingParams(max_tokens=5, logprobs=vocab + 1),
            "prompt_logprobs": SamplingParams(max_tokens=5, prompt_logprobs=vocab + 1)}
     for rid, params in bad.items():
