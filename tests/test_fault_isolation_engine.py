@@ -127,7 +127,7 @@ BAD_REQUESTS = {
     "n-text": dict(n="x"),
     "bogus": dict(bogus=1),
     "logprobs": dict(logprobs=10**9, max_tokens=2),
-    "seed": dict(seed=-1, temperature=1.0),
+    "seed": dict(seed=2**63, temperature=1.0),  # past int64 (seed -1 is valid, as in vLLM)
     "huge-value": dict(n="x" * 600_000),   # its message would quote 600 KB: cut, not too large
     "inf-stop-id": dict(stop_token_ids=[float("inf")]),  # int(inf): OverflowError
     "n-huge": dict(n=10**12),                # 10**12 samples would never be made
