@@ -5,12 +5,13 @@ Uvicorn arms its keep-alive timer only after a response has completed, and cance
 byte received. So a connection that never sends a byte, or that sends part of a request line or
 of the headers and then trickles or stops (slowloris), is never closed. Here:
 
-- a new connection gets the keep-alive timer too (--timeout-keep-alive): idle is idle;
+- a new connection gets the keep-alive timer too (--timeout-keep-alive): idle is idle; and a
+  finished response its client does not take is cut once no byte of it moved for that long;
 - once a request's first byte has arrived, its whole head (request line and headers) must
   arrive within --timeout-header-read seconds, counted from that byte, however it trickles
   (a deadline, not an inactivity timer, which one byte per period would defeat); then 408.
-- the head's size is bounded by h11's incomplete-event limit (--h11-max-incomplete-event-size,
-  vLLM's flag): a larger one gets 400 before it is parsed.
+- a request's head (request line and headers) is at most --h11-max-incomplete-event-size
+  bytes (vLLM's flag, h11's limit on an incomplete head, here on any head): else 431.
 
 It also gives the app, in the ASGI scope, a way to see that the client is not reading and to
 cut the connection (sse.CLIENT_BLOCKED, sse.CLOSE_CONNECTION): a stream whose client does not
@@ -58,6 +59,7 @@ class TimedH11Protocol(H11Protocol):
         self.timeout_header_read: float = getattr(config, "timeout_header_read",
                                                   DEFAULT_TIMEOUT_HEADER_READ)
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._unsent: int | None = None  # idle with a response not yet taken: its bytes left
         self.max_head_size: int = (config.h11_max_incomplete_event_size
                                    or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
 
@@ -84,6 +86,24 @@ class TimedH11Protocol(H11Protocol):
                                                              self._header_timeout)
         else:
             self._stop_header_deadline()
+
+    def timeout_keep_alive_handler(self) -> None:
+        """Idle: close. A finished response the client has not taken yet keeps the connection
+        while its bytes move; once nothing moved for a whole period, cut it: a graceful close
+        would wait forever to flush to a client that does not read."""
+        unsent = self.transport.get_write_buffer_size()
+        if not unsent or self.transport.is_closing():
+            super().timeout_keep_alive_handler()
+        elif self._unsent is None or unsent < self._unsent:
+            self._unsent = unsent
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+        else:
+            self.transport.abort()
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._unsent = None
+        super()._unset_keepalive_if_required()
 
     def handle_events(self) -> None:
         cycle = self.cycle

@@ -157,6 +157,23 @@ def test_a_head_larger_than_the_limit_is_refused(server):
     _completes(server)
 
 
+def test_a_port_in_use_is_refused(tiny_model_dir):
+    """The workers bind with SO_REUSEPORT, which would share a port silently with another
+    server of the same user: `serve` checks first that nothing listens there."""
+    import subprocess
+    import sys
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+                            str(tiny_model_dir), "--device", "cpu", "--port", str(port)],
+                           capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 1, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr
+
+
 # --- streams whose client does not read ----------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -216,6 +233,24 @@ def test_a_slow_reader_completes(small_backlog_server):
     assert _metrics(server)["aborted"] == before
     if polls * 0.05 < max(HEADER_TIMEOUT_S, KEEP_ALIVE_S):
         pytest.skip(f"the stream took {polls} polls only: nothing shown about time")
+
+
+def test_a_response_nobody_reads_is_cut(server):
+    """A finished (non-streaming) response larger than the kernel's buffers, never read: once
+    none of it moved for the keep-alive timeout, the worker lets the connection go (a graceful
+    close would wait forever for the flush)."""
+    before = _metrics(server)
+    s = _connect(server, rcvbuf=4096)
+    with s:  # n=2 x 12,000 tokens with 20 logprobs: ~8 MB of JSON, twice what the kernel holds
+        s.sendall(_post("/v1/completions", {"prompt": "hello", "max_tokens": 12000, "n": 2,
+                                            "ignore_eos": True, "logprobs": 20}))
+        workers = _descendants(server.proc.pid)
+        _wait_for("the worker to hold it", lambda: sum(_connections_per_process(
+            server.port, workers).values()) >= 1)
+        _wait_for("the worker to let it go", lambda: sum(_connections_per_process(
+            server.port, workers).values()) == 0, timeout=10 * WAIT_S)
+    assert _metrics(server)["aborted"] == before["aborted"]  # it was answered in full
+    _completes(server)
 
 
 # --- SO_REUSEPORT ----------------------------------------------------------------------------
