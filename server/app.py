@@ -24,7 +24,8 @@ from ringserve.server.engine_client import EngineUnavailable
 from ringserve.server.errors import APIError, error_body
 from ringserve.server.generate import EngineError, Generation
 from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
-from ringserve.server.sse import DONE, error_event, watch_disconnect
+from ringserve.server.sse import (CLIENT_BLOCKED, CLOSE_CONNECTION, DONE, error_event,
+                                  watch_disconnect)
 from ringserve.server.trace import (TRACE_FIELD, TRACE_HEADER, start_trace, stream_with_trace,
                                     wants_trace)
 
@@ -151,6 +152,9 @@ class _Generate:
         request_id = P.new_id(self.prefix)
         model = request.model or self._ctx.model_name
         gen = self.serving.prepare(self._ctx, request, request_id)
+        extensions = req.scope.get("extensions") or {}  # from our protocol (http_worker.py)
+        gen.client_blocked = extensions.get(CLIENT_BLOCKED)
+        gen.close_connection = extensions.get(CLOSE_CONNECTION)
         if wants_trace(request.ringserve_trace, req.get_header(TRACE_HEADER)):
             gen.trace = start_trace(request_id, arrival, arrival_unix)
         try:

@@ -22,7 +22,7 @@ import collections
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ringserve.ipc import control
 from ringserve.ipc.channel import Channel
@@ -34,20 +34,36 @@ from ringserve.ipc.stats import EngineStats, least_loaded, score
 
 log = logging.getLogger("ringserve.client")
 
+DEFAULT_MAX_BACKLOG = 1024  # outputs a stream may hold untaken (--max-stream-backlog)
+
 
 class EngineUnavailable(Exception):
     """No engine can take work right now."""
 
 
 class RequestStream:
-    """The outputs of one request, in order; ends after its last sample finishes (or fails)."""
+    """The outputs of one request, in order; ends after its last sample finishes (or fails).
 
-    def __init__(self, request_id: str, engine: int, n: int):
+    More than ``max_backlog`` outputs waiting here while ``consumer_blocked()`` says the
+    consumer cannot go on (an HTTP client that does not read its stream: the writer waits in
+    ``send``) ends it: the client aborts the request, which frees its blocks in the engine, and
+    calls ``on_backlog_full`` (the HTTP layer cuts the connection). The limit is on what is
+    queued, never on time: a consumer that keeps up, however slowly its client reads, never
+    reaches it; and a burst from one ring drain (the worker was busy) is no stall while the
+    client still takes what was sent. Without ``consumer_blocked``, the size alone decides."""
+
+    def __init__(self, request_id: str, engine: int, n: int, max_backlog: int = DEFAULT_MAX_BACKLOG,
+                 on_full: Callable[[RequestStream], None] | None = None):
         self.request_id = request_id
         self.engine = engine                 # index of the engine it runs on
         self._unfinished = n
         self._items: collections.deque[Output] = collections.deque()
         self._waiter: asyncio.Future | None = None
+        self._max_backlog = max_backlog
+        self._on_full = on_full
+        self.backlog_full = False            # it overflowed: aborted, not finished
+        self.consumer_blocked: Callable[[], bool] | None = None  # set by the consumer
+        self.on_backlog_full: Callable[[], None] | None = None   # set by the consumer
         self.route: dict[str, Any] | None = None  # traced requests: the choice and every score
 
     @property
@@ -60,6 +76,12 @@ class RequestStream:
             self._unfinished = 0 if final else self._unfinished - 1
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        # NOTE per output: one len() and compare, the only cost of the bound on the hot path.
+        if (len(self._items) > self._max_backlog and not self.backlog_full
+                and (self.consumer_blocked is None or self.consumer_blocked())):
+            self.backlog_full = True
+            if self._on_full is not None:
+                self._on_full(self)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -105,12 +127,13 @@ class _Engine:
 
 class EngineClient:
     def __init__(self, control_paths: Sequence[str], *, reconnect_interval: float = 0.2,
-                 connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0, max_stream_backlog: int = DEFAULT_MAX_BACKLOG):
         self.control_paths = list(control_paths)
         self.engines: list[_Engine | None] = [None] * len(self.control_paths)
         self.streams: dict[str, RequestStream] = {}
         self.reconnect_interval = reconnect_interval
         self.connect_timeout = connect_timeout
+        self.max_stream_backlog = max_stream_backlog
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: asyncio.Task | None = None
         self._connecting: set[int] = set()
@@ -162,7 +185,8 @@ class EngineClient:
         record = encode_request(AddRequest(request_id, prompt_token_ids, params, trace))
         scores = self.loads() if trace else None
         engine = self._choose()
-        stream = RequestStream(request_id, engine.index, int(params.get("n", 1)))
+        stream = RequestStream(request_id, engine.index, int(params.get("n", 1)),
+                               self.max_stream_backlog, self._on_backlog_full)
         if trace:
             stream.route = {"engine": engine.index, "scores": scores, "chosen_at": time.monotonic()}
         self.streams[request_id] = engine.streams[request_id] = stream
@@ -187,6 +211,18 @@ class EngineClient:
         if engine is not None and engine.alive:
             engine.streams.pop(request_id, None)
             self._send_abort(engine, encode_request(Abort(request_id)))
+
+    def _on_backlog_full(self, stream: RequestStream) -> None:
+        """A stream's consumer stopped taking outputs: abort its request (after the output
+        record being read now: abort() changes the stream tables) and tell the consumer."""
+        log.warning("request %s: %d outputs not taken (the client is not reading); aborting it",
+                    stream.request_id, self.max_stream_backlog)
+
+        def abort() -> None:
+            self.abort(stream.request_id)
+            if stream.on_backlog_full is not None:
+                stream.on_backlog_full()
+        self._loop.call_soon(abort)
 
     def _send_abort(self, engine: _Engine, record: bytes) -> None:
         if not engine.alive:

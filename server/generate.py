@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from ringserve.ipc.limits import sample_seed
 from ringserve.ipc.messages import Output
@@ -84,6 +84,10 @@ class Generation:
                                   min_tokens=params.get("min_tokens", 0), include_stop=include_stop)
                 self.choices.append(Choice(idx, f"{request_id}-{idx}", prompt, text))
         self._n = n
+        # Set by the HTTP layer: is the client not taking what was sent, and cut its connection
+        # (called when a choice's stream backlog is full; the engine requests are aborted first).
+        self.client_blocked: Callable[[], bool] | None = None
+        self.close_connection: Callable[[], None] | None = None
         self.trace = None  # a FrontendTrace (server/trace.py) when the request asked to be traced
 
     async def start(self) -> None:
@@ -99,6 +103,14 @@ class Generation:
             except BaseException:
                 self.abort()
                 raise
+            c.outputs.consumer_blocked = self.client_blocked
+            c.outputs.on_backlog_full = self._client_not_reading
+
+    def _client_not_reading(self) -> None:
+        """One choice's outputs piled up unsent: end them all and cut the connection."""
+        self.abort()
+        if self.close_connection is not None:
+            self.close_connection()
 
     @property
     def finished(self) -> bool:
@@ -117,16 +129,20 @@ class Generation:
                 if choice.finish_reason is not None:
                     return
             return
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: while the consumer is stuck (a client not reading), outputs stay in each
+        # choice's stream, whose backlog limit then ends the request.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.choices))
 
         async def pump(choice: Choice) -> None:
             try:
                 async for out in choice.outputs:
-                    queue.put_nowait((choice, out))
+                    await queue.put((choice, out))
                     if out.finish_reason is not None:
                         return
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait((choice, exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                await queue.put((choice, exc))
 
         tasks = [asyncio.create_task(pump(c)) for c in self.choices]
         try:

@@ -10,15 +10,23 @@ from ringserve.server.supervision import LAUNCHER_PID_ENV, die_with_parent
 
 bind = [os.environ.get("RINGSERVE_BIND", "127.0.0.1:8000")]
 workers = int(os.environ.get("RINGSERVE_WORKERS", "1"))
-# An ASGI worker: gthread cannot hold hundreds of open SSE streams (DESIGN.md §4).
-worker_class = "uvicorn_worker.UvicornWorker"
+# An ASGI worker: gthread cannot hold hundreds of open SSE streams (DESIGN.md §4). Uvicorn's,
+# with header-read and idle timeouts and a way to cut a stream nobody reads (http_worker.py).
+worker_class = "ringserve.server.http_worker.Worker"
+# Each worker binds its own listening socket (SO_REUSEPORT) and the kernel spreads new
+# connections over them by address hash: with one shared socket, whichever worker's event
+# loop wakes first takes the connection, and one busy worker can end up with most of them.
+# (A worker that exits resets the connections still queued in its own socket's backlog.)
+reuse_port = True
 # Hundreds of clients may connect in the same instant.
 backlog = int(os.environ.get("RINGSERVE_BACKLOG", "2048"))
 # SIGTERM: stop accepting, let open streams finish for this long, then stop the workers.
 graceful_timeout = int(float(os.environ.get("RINGSERVE_DRAIN_TIMEOUT", "30")))
 # A worker blocked this long (not streaming, not heartbeating) is restarted.
 timeout = 120
-keepalive = 5
+# Uvicorn's timeout_keep_alive: an idle connection (none sent yet, or between two requests)
+# is closed after this many seconds (--timeout-keep-alive, as vLLM's).
+keepalive = int(os.environ.get("RINGSERVE_TIMEOUT_KEEP_ALIVE", "5"))
 # Parallel servers on one machine must not fight over one control socket file.
 control_socket_disable = True
 accesslog = os.environ.get("RINGSERVE_ACCESS_LOG") or None

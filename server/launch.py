@@ -76,6 +76,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Gunicorn workers (default: the core count)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="larger request bodies get 413 (default 1 MiB)")
+    p.add_argument("--timeout-keep-alive", type=int, default=5,
+                   help="close a connection idle this many seconds (none sent yet, or between requests)")
+    p.add_argument("--timeout-header-read", type=float, default=30.0,
+                   help="close (408) a connection whose request line and headers take longer, "
+                        "counted from their first byte")
+    p.add_argument("--h11-max-incomplete-event-size", type=int, default=16384,
+                   help="largest request line + headers in bytes; larger ones get 400")
+    p.add_argument("--max-stream-backlog", type=int, default=1024,
+                   help="engine outputs a stream may hold unsent (its client is not reading) "
+                        "before the request is aborted and its connection closed")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for open streams before stopping")
     p.add_argument("--engine-hang-timeout", type=float, default=ENGINE_HANG_TIMEOUT_S,
@@ -214,6 +224,7 @@ class Launcher:
             "max_body_bytes": a.max_body_bytes,
             "request_limits": vars(self.request_limits),
             "vocab_size": _model_vocab_size(self.model_dir),
+            "max_stream_backlog": a.max_stream_backlog,
             "control_paths": [e.control_path for e in self.engines],
             "debug_paths": ([self._debug_path(e.index) for e in self.engines]
                             if getattr(a, "enable_debug_endpoints", False) else None),
@@ -224,6 +235,9 @@ class Launcher:
                    RINGSERVE_WORKERS=str(a.workers),
                    RINGSERVE_DRAIN_TIMEOUT=str(a.drain_timeout),
                    RINGSERVE_LOG_LEVEL=a.log_level,
+                   RINGSERVE_TIMEOUT_KEEP_ALIVE=str(a.timeout_keep_alive),
+                   RINGSERVE_TIMEOUT_HEADER_READ=str(a.timeout_header_read),
+                   RINGSERVE_H11_MAX_INCOMPLETE_EVENT_SIZE=str(a.h11_max_incomplete_event_size),
                    **{WORKER_CONFIG_ENV: json.dumps(worker_config)})
         # What an outside engine client (`ringserve loadgen` in ring mode) needs to attach to
         # the engines as a worker does; the runtime folder is 0700, the key stays out anyway.
@@ -333,6 +347,21 @@ def _model_vocab_size(model_dir: Path) -> int:
     return ModelConfig.from_dir(model_dir).vocab_size
 
 
+def _address_in_use(host: str, port: int) -> str | None:
+    """Why host:port cannot be bound, or None. The workers bind with SO_REUSEPORT, which would
+    silently share the port with another server of the same user: check that none is there."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Gunicorn binds
+            s.bind(addr)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -350,12 +379,19 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: --max-model-len {max_model_len} is longer than the model's "
               f"max_position_embeddings {model_len}", file=sys.stderr)
         return 1
-    for flag in ("engines", "workers", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for flag in ("engines", "workers", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                 "timeout_keep_alive", "h11_max_incomplete_event_size", "max_stream_backlog"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             print(f"error: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 1
     if not args.engine_hang_timeout > 0:
         print("error: --engine-hang-timeout must be positive", file=sys.stderr)
+        return 1
+    if not args.timeout_header_read > 0:
+        print("error: --timeout-header-read must be positive", file=sys.stderr)
+        return 1
+    if (busy := _address_in_use(args.host, args.port)) is not None:
+        print(f"error: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr)
         return 1
     try:
         return Launcher(args, model_dir, max_model_len).run()

@@ -10,6 +10,11 @@ import msgspec
 _encode = msgspec.json.Encoder().encode
 
 DONE = b"data: [DONE]\n\n"
+# scope["extensions"] keys the server's protocol adds (http_worker.py), for streams whose
+# client does not read: is the connection's writer blocked on the client (`() -> bool`), and
+# cut the connection at once (`() -> None`): such a stream's writer is stuck in `send`.
+CLIENT_BLOCKED = "ringserve.client_blocked"
+CLOSE_CONNECTION = "ringserve.close_connection"
 
 
 def event(obj: Any) -> bytes:

@@ -49,7 +49,7 @@ def cache_config(client: EngineClient) -> CacheConfig | None:
 def worker_app():
     cfg = json.loads(os.environ[WORKER_CONFIG_ENV])
     names = cfg["served_model_names"]
-    client = EngineClient(cfg["control_paths"])
+    client = EngineClient(cfg["control_paths"], max_stream_backlog=cfg["max_stream_backlog"])
     ctx = ServerContext(Tokenizer.from_dir(cfg["model_dir"]), client, names, cfg["max_model_len"],
                         RequestMetrics(names[0], cfg["max_model_len"]),
                         RequestLimits(**cfg["request_limits"]), cfg["vocab_size"])
