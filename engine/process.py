@@ -29,6 +29,7 @@ ends its request with an error instead.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import logging
 import os
@@ -57,6 +58,7 @@ CONTROL_CHECK_S = 0.05   # while busy, look at the control sockets this often (o
 DEBUG_STEPS = 120        # with debug on: the recent steps kept for /debug/engines
 IDLE_BEAT_S = 1.0        # while idle, wake this often (a missed wake-up costs at most this)
 MAX_ERROR_CHARS = 1000   # a refusal's message is cut here (it may quote what the record held)
+BACKLOG_RINGS = 8        # a slot may hold this many rings' worth of unread outputs, then it is detached
 
 
 @dataclass(eq=False)
@@ -69,7 +71,10 @@ class _Slot:
     attached: bool = False
     taken: int = 0                                            # AddRequest records consumed
     open: dict[str, int] = field(default_factory=dict)       # request id -> unfinished samples
-    backlog: list[bytes] = field(default_factory=list)       # output records the ring had no room for
+    # Output records its ring had no room for, in order, and their bytes. A worker empties
+    # its ring whatever its HTTP clients do, so this grows only if the worker stopped.
+    backlog: collections.deque[bytes] = field(default_factory=collections.deque)
+    backlog_bytes: int = 0
 
     def key(self, request_id: str) -> str:
         return f"{self.index}.{self.generation}.{request_id}"
@@ -234,6 +239,10 @@ class EngineProcess:
                 wrote = True
             if wrote:
                 slot.bell.ring()  # once per step per worker
+            if slot.backlog_bytes > BACKLOG_RINGS * self.ring_capacity:
+                # No unbounded queue: a worker that stopped reading loses its slot (its
+                # requests are aborted, their blocks freed); it reconnects when it wakes.
+                self._drop(slot, f"stopped reading its outputs ({slot.backlog_bytes} bytes waiting)")
 
     def _write(self, slot: _Slot, outs: list[Output]) -> None:
         """The outputs as records that fit the ring (RecordTooLarge when one cannot be cut).
@@ -241,6 +250,7 @@ class EngineProcess:
         for record in encode_output_records(outs, slot.channel.outputs.max_record // 4):
             if slot.backlog or not slot.channel.outputs.try_write(record):
                 slot.backlog.append(record)  # the worker is behind: keep order, never drop
+                slot.backlog_bytes += len(record)
 
     def _write_each(self, slot: _Slot, outs: list[tuple[RequestOutput, str]]) -> None:
         """_write's rare path: one output at a time; one that cannot be sent becomes an error
@@ -261,7 +271,7 @@ class EngineProcess:
     def _flush_backlog(self, slot: _Slot) -> bool:
         wrote = False
         while slot.backlog and slot.channel.outputs.try_write(slot.backlog[0]):
-            slot.backlog.pop(0)
+            slot.backlog_bytes -= len(slot.backlog.popleft())
             wrote = True
         return wrote
 

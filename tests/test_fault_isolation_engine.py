@@ -461,3 +461,64 @@ def test_a_long_echo_with_logprobs_is_larger_than_the_ring_and_completes(serve, 
     assert choice["text"].startswith(prompt[:100])
     assert beside["reason"] == "length"
     assert "died" not in server.log.read_text()
+
+
+SMALL_RING = 64 << 10  # a slot may then hold BACKLOG_RINGS x 64 KiB of unread outputs
+
+
+@pytest.fixture
+def small_ring_engine(tiny_model_dir, tmp_path):
+    path = str(tmp_path / "e.sock")
+    config = EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=NUM_BLOCKS,
+                          max_model_len=256)
+    p = ctx.Process(target=run_engine, args=(config, path),
+                    kwargs={"max_slots": 4, "ring_capacity": SMALL_RING})
+    p.start()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        assert p.is_alive() and time.monotonic() < deadline, "the engine did not start"
+        time.sleep(0.05)
+    yield path, p
+    p.terminate()
+    p.join(30)
+    assert p.exitcode == 0
+
+
+def test_a_slot_that_stops_reading_its_outputs_is_detached_not_queued_forever(small_ring_engine):
+    """A slot whose outputs nobody reads (a stopped worker) holds at most BACKLOG_RINGS rings of
+    them in the engine: past that it is detached, its requests aborted (the pool whole again),
+    and a client on another slot is served as before."""
+    from ringserve.engine.process import BACKLOG_RINGS
+    path, proc = small_ring_engine
+    params = dict(max_tokens=230, temperature=0.0, ignore_eos=True, logprobs=20)
+    # 12 x 230 tokens x 21 logprobs: about 1 MB of outputs, over 8 x 64 KiB
+
+    async def body():
+        client = EngineClient([path])
+        await client.start()
+        await client.wait_ready()
+        alone = [o async for o in await client.submit("ref", PROMPT, GREEDY)]
+        raw = await asyncio.to_thread(RawSlot, path)
+        try:
+            for k in range(12):
+                raw.send(_add(f"big{k}", **params))
+            deadline = time.monotonic() + 120
+            while not raw.detached():       # it never reads: the engine must let it go
+                assert time.monotonic() < deadline, "the slot was never detached"
+                assert proc.is_alive()
+                await asyncio.sleep(0.1)
+        finally:
+            raw.close()
+        engine = client.engines[0]
+        stats = engine.stats
+        deadline = time.monotonic() + 30
+        while not (stats.running == stats.waiting == 0 and stats[NUM_FREE_BLOCKS] == NUM_BLOCKS):
+            assert time.monotonic() < deadline, "the detached slot's requests still hold blocks"
+            await asyncio.sleep(0.05)
+        again = [o async for o in await client.submit("again", PROMPT, GREEDY)]
+        assert [t for o in again for t in o.new_token_ids] == [t for o in alone for t in o.new_token_ids]
+        assert engine.alive and engine.welcome.engine_pid == proc.pid
+        await client.close()
+
+    assert BACKLOG_RINGS * SMALL_RING < 12 * 230 * 21 * 12  # the test's outputs exceed the bound
+    asyncio.run(body())
