@@ -329,6 +329,11 @@ class EngineProcess:
             return  # already dropped
         for request_id in slot.open:
             self.core.abort_request(slot.key(request_id))
+        if broken is not None:  # the client's streams end with this reason, not "engine died"
+            try:
+                control.send_refusal(slot.conn, f"the engine detached this client's slot: it {broken}")
+            except OSError:
+                pass
         self.selector.unregister(slot.conn)
         slot.conn.close()
         slot.bell.close()

@@ -7,7 +7,9 @@ this slot's output doorbell — passed with SCM_RIGHTS. The client maps the segm
 ``ATTACHED``; the engine then unlinks the slot segment's name (both sides hold the mapping), so a
 later crash leaves nothing behind in /dev/shm. The connection then stays open and silent: when
 either process dies the kernel closes it, and the other side reads EOF. That is the liveness
-signal; the heartbeat word in the stats segment catches an engine that is alive but hung.
+signal; the heartbeat word in the stats segment catches an engine that is alive but hung. An
+engine that detaches a slot (its client wrote something that is not a request, or stopped
+reading its outputs) sends a ``Refused`` with the reason just before it closes the connection.
 """
 
 from __future__ import annotations
@@ -69,7 +71,27 @@ def send_welcome(conn: socket.socket, welcome: Welcome, fds: list[int]) -> None:
 
 
 def send_refusal(conn: socket.socket, reason: str) -> None:
+    """Refuse a connecting client, or (before closing it) tell an attached one why its slot
+    is detached: its next read of the connection then sees why the EOF came."""
     conn.send(msgspec.msgpack.encode(Refused(reason)))
+
+
+def recv_refusal(conn: socket.socket) -> str | None:
+    """Read an attached client's control connection: the engine's reason when it detached the
+    slot, None at EOF (the engine died or closed it). Raises BlockingIOError with nothing to read."""
+    try:
+        data = conn.recv(_MAX_MSG)
+    except BlockingIOError:
+        raise
+    except OSError:
+        return None
+    if not data:
+        return None
+    try:
+        msg = _decode(data)
+    except msgspec.DecodeError:
+        return "the engine sent an unreadable control message"
+    return msg.reason if isinstance(msg, Refused) else "the engine sent an unexpected control message"
 
 
 def connect(path: str, timeout: float = 5.0) -> tuple[socket.socket, Welcome, list[int]]:

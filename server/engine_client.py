@@ -21,6 +21,7 @@ import asyncio
 import collections
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -110,6 +111,7 @@ class _Engine:
         self.streams: dict[str, RequestStream] = {}
         self.parts: dict[tuple[str, int], list] = {}  # a split output's parts so far (join_part)
         self.alive = True
+        self.detached: str | None = None     # why the engine detached this slot, if it did
 
     def score(self) -> int:
         pending = self.submitted - self.stats.taken(self.welcome.slot)
@@ -127,13 +129,16 @@ class _Engine:
 
 class EngineClient:
     def __init__(self, control_paths: Sequence[str], *, reconnect_interval: float = 0.2,
-                 connect_timeout: float = 5.0, max_stream_backlog: int = DEFAULT_MAX_BACKLOG):
+                 connect_timeout: float = 5.0, max_stream_backlog: int | None = None):
+        """max_stream_backlog: bound each stream's untaken outputs (the HTTP worker passes
+        --max-stream-backlog); None, for a consumer in this process that reads at its own pace
+        (the load generator, benchmarks): no bound."""
         self.control_paths = list(control_paths)
         self.engines: list[_Engine | None] = [None] * len(self.control_paths)
         self.streams: dict[str, RequestStream] = {}
         self.reconnect_interval = reconnect_interval
         self.connect_timeout = connect_timeout
-        self.max_stream_backlog = max_stream_backlog
+        self.max_stream_backlog = sys.maxsize if max_stream_backlog is None else max_stream_backlog
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: asyncio.Task | None = None
         self._connecting: set[int] = set()
@@ -283,14 +288,15 @@ class EngineClient:
 
     def _on_control(self, engine: _Engine) -> None:
         try:
-            data = engine.sock.recv(64)
+            reason = control.recv_refusal(engine.sock)
         except BlockingIOError:
             return
-        except OSError:
-            data = b""
-        if not data:
-            self._lose(engine, f"engine {engine.index} died (crashed, or killed by the launcher "
-                               "as hung); the request was lost, retry it")
+        if reason is not None:  # the engine detached this slot; the EOF follows
+            engine.detached = reason
+            return
+        self._lose(engine, engine.detached or (
+            f"engine {engine.index} died (crashed, or killed by the launcher as hung); the "
+            "request was lost, retry it"))
 
     def _lose(self, engine: _Engine, reason: str) -> None:
         """Fail every open request on the engine and forget it until it reconnects."""

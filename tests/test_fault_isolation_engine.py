@@ -81,10 +81,12 @@ class RawSlot:
         self.engine_bell.ring()
 
     def detached(self) -> bool:
-        """Has the engine closed this slot's control connection?"""
+        """Has the engine detached this slot? (It sends why, then closes the connection: either
+        makes the connection readable; nothing else is ever sent on it.)"""
         if not select.select([self.sock], [], [], 0)[0]:
             return False
-        return self.sock.recv(64) == b""
+        self.why = control.recv_refusal(self.sock)
+        return True
 
     def outputs(self) -> list[Output]:
         got = []
@@ -300,6 +302,7 @@ def test_a_client_whose_slot_is_detached_reconnects_and_serves_again(engine):
         old.engine_bell.ring()
         last = [o async for o in open_stream][-1]
         assert last.finish_reason == "error"
+        assert "detached this client's slot" in last.error and "not a request" in last.error, last.error
         await client.wait_ready(timeout=30)
         new = client.engines[0]
         assert new is not old and new.welcome.engine_pid == proc.pid
@@ -507,6 +510,7 @@ def test_a_slot_that_stops_reading_its_outputs_is_detached_not_queued_forever(sm
                 assert time.monotonic() < deadline, "the slot was never detached"
                 assert proc.is_alive()
                 await asyncio.sleep(0.1)
+            assert "stopped reading its outputs" in raw.why, raw.why
         finally:
             raw.close()
         engine = client.engines[0]
