@@ -66,9 +66,10 @@ class CpuStepBuffers:
 
     def __init__(self, c: ModelConfig, batch: Batch):
         T = batch.num_tokens
-        self.batch = batch
-        self.input_ids, self.positions, self.slot_mapping = (batch.input_ids, batch.positions,
-                                                             batch.slot_mapping)
+        b = batch
+        self.input_ids, self.positions, self.slot_mapping = b.input_ids, b.positions, b.slot_mapping
+        self.query_start_loc, self.seq_lens, self.block_tables = (b.query_start_loc, b.seq_lens,
+                                                                  b.block_tables)
         self.h = np.empty((T, c.hidden_size), F32)       # the residual stream
         self.x = np.empty_like(self.h)                   # the normed input of the next linear
         self.delta = np.empty_like(self.h)               # attention / MLP output, added to h
@@ -86,7 +87,9 @@ class CpuOps:
 
     def __init__(self, c: ModelConfig, parallel: bool = False):
         self.parallel = parallel
+        # NOTE: float32 scalars, else Numba compiles float64 variants (other rounding, slower)
         self.scale = F32(c.head_dim ** -0.5)
+        self.eps = F32(c.rms_norm_eps)
 
     def embedding(self, ids, table, out) -> None:
         if table.dtype == np.uint16:  # bfloat16 bits
@@ -100,21 +103,19 @@ class CpuOps:
     def add_bias(self, x, bias) -> None:
         x += bias
 
-    def add_rms_norm(self, h, delta, weight, out, eps: float) -> None:
-        # NOTE: eps as float32, else Numba compiles a float64 variant (other rounding, slower)
+    def add_rms_norm(self, h, delta, weight, out) -> None:
         if delta is None:
-            rms_norm(h, weight, F32(eps), out)
+            rms_norm(h, weight, self.eps, out)
         else:
-            add_rms_norm(h, delta, weight, F32(eps), out)
+            add_rms_norm(h, delta, weight, self.eps, out)
 
     def rope_store_kv(self, buf: CpuStepBuffers, cos, sin, k_cache, v_cache) -> None:
         # PERF: one pass: q rotated into buf.q, k rotated and v copied straight into the cache
         rope_store_kv(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
 
     def attention(self, buf: CpuStepBuffers, k_cache, v_cache, launch: None) -> None:
-        b = buf.batch
-        paged_attention(buf.q, k_cache, v_cache, buf.positions, b.query_start_loc, b.seq_lens,
-                        b.block_tables, self.scale, buf.attn_heads)
+        paged_attention(buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
+                        buf.block_tables, self.scale, buf.attn_heads)
 
     def silu_mul(self, gate_up, out) -> None:
         silu_mul(gate_up, out)

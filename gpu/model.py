@@ -90,8 +90,9 @@ class ModelOps(Protocol):
 
     def add_bias(self, x, bias) -> None: ...
 
-    def add_rms_norm(self, h, delta, weight, out, eps: float) -> None:
-        """h += delta (None: nothing to add); out = RMSNorm(h) * weight."""
+    def add_rms_norm(self, h, delta, weight, out) -> None:
+        """h += delta (None: nothing to add); out = RMSNorm(h) * weight (the ops hold the
+        config's rms_norm_eps, as they hold the attention scale)."""
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache) -> None:
         """Rotate q and k of buf.qkv by buf.positions (cos, sin: [positions, head_dim / 2]
@@ -116,23 +117,22 @@ def hidden_states(ops: ModelOps, c: ModelConfig, w: LlamaWeights, buf, caches,
                   attention, cos, sin) -> None:
     """The layers over buf.input_ids: K/V written into caches ((k, v) per layer) at
     buf.slot_mapping, the final-normed hidden state of every token in buf.x."""
-    eps = c.rms_norm_eps
     ops.embedding(buf.input_ids, w.embed, buf.h)
-    ops.add_rms_norm(buf.h, None, w.layers[0].input_norm, buf.x, eps)
-    for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, caches)):
+    ops.add_rms_norm(buf.h, None, w.layers[0].input_norm, buf.x)
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, caches, strict=True)):
         ops.linear(buf.x, layer.qkv, buf.qkv)
         if layer.qkv_bias is not None:
             ops.add_bias(buf.qkv, layer.qkv_bias)
         ops.rope_store_kv(buf, cos, sin, k_cache, v_cache)
         ops.attention(buf, k_cache, v_cache, attention)
         ops.linear(buf.attn, layer.o, buf.delta)
-        ops.add_rms_norm(buf.h, buf.delta, layer.post_norm, buf.x, eps)
+        ops.add_rms_norm(buf.h, buf.delta, layer.post_norm, buf.x)
         ops.linear(buf.x, layer.gate_up, buf.gate_up)
         ops.silu_mul(buf.gate_up, buf.act)
         ops.linear(buf.act, layer.down, buf.delta)
         # the next layer's input norm, or the final norm: buf.x is then the final hidden state
         norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
-        ops.add_rms_norm(buf.h, buf.delta, norm, buf.x, eps)
+        ops.add_rms_norm(buf.h, buf.delta, norm, buf.x)
 
 
 def compute_logits(ops: ModelOps, w: LlamaWeights, x, rows, last, raw, out) -> None:

@@ -36,7 +36,7 @@ class HostOps:
         self.fused = cuda_host.get("fused.cu")
         self.paged = cuda_host.get("attention.cu", dict(
             HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
-        self.scale = c.head_dim ** -0.5
+        self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
         self.head_dim, self.num_heads = c.head_dim, c.num_attention_heads
         self.num_rot_heads = c.num_attention_heads + c.num_key_value_heads
 
@@ -55,10 +55,10 @@ class HostOps:
     def add_bias(self, x, bias):
         x += bias
 
-    def add_rms_norm(self, h, delta, weight, out, eps):
+    def add_rms_norm(self, h, delta, weight, out):
         T, n = h.shape
         self.fused.call("add_rms_norm", launch.norm_launch(T, n), h, delta, weight, out,
-                        np.int32(n), np.float32(eps))
+                        np.int32(n), np.float32(self.eps))
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache):
         qkv, heads, D = buf.qkv, self.num_rot_heads, self.head_dim

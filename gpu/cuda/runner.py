@@ -51,7 +51,7 @@ class CudaOps:
         self.fused = FusedKernels()
         self.paged = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
         self.attention_backend = attention_backend
-        self.scale = c.head_dim ** -0.5
+        self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
         self.head_dim, self.num_heads = c.head_dim, c.num_attention_heads
         self.num_rot_heads = c.num_attention_heads + c.num_key_value_heads  # q and k heads
 
@@ -75,8 +75,8 @@ class CudaOps:
         with self.stream:
             x += bias
 
-    def add_rms_norm(self, h, delta, weight, out, eps: float) -> None:
-        self.fused.add_rms_norm(h, delta, weight, out, eps, self.stream)
+    def add_rms_norm(self, h, delta, weight, out) -> None:
+        self.fused.add_rms_norm(h, delta, weight, out, self.eps, self.stream)
 
     def rope_store_kv(self, buf: StepBuffers, cos, sin, k_cache, v_cache) -> None:
         """q and k rotated in place in buf.qkv (attention reads q there), then k, v scattered."""
