@@ -42,8 +42,8 @@ def _nb(x):
 
 
 class CudaOps:
-    """model.ModelOps (and buffers.HostCopies) on one CuPy stream: RawKernels, Numba kernels (on the same stream via
-    external_stream) and cuBLAS; everything is enqueued, nothing waits."""
+    """model.ModelOps (and buffers.HostCopies) on one CuPy stream: RawKernels, Numba kernels
+    (on the same stream via external_stream) and cuBLAS; everything is enqueued, nothing waits."""
 
     def __init__(self, c: ModelConfig, stream: cp.cuda.Stream, attention_backend: str):
         self.stream = stream
