@@ -85,7 +85,7 @@ class CpuModelRunner:
             numba.set_num_threads(self.num_threads)  # per calling thread in Numba
         cos, sin = self.rope_tables(int(batch.positions.max()))
         buf = CpuStepBuffers(self.config, batch)
-        hidden_states(self.ops, self.config, self.weights, buf, self.kv_caches, None, cos, sin)
+        hidden_states(self.ops, self.weights, buf, self.kv_caches, None, cos, sin)
         return buf.x
 
     def _logits(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -113,8 +113,7 @@ class ModelOps(Protocol):
         """out = src as float32 (nothing where src is out)."""
 
 
-def hidden_states(ops: ModelOps, c: ModelConfig, w: LlamaWeights, buf, caches,
-                  attention, cos, sin) -> None:
+def hidden_states(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, sin) -> None:
     """The layers over buf.input_ids: K/V written into caches ((k, v) per layer) at
     buf.slot_mapping, the final-normed hidden state of every token in buf.x."""
     ops.embedding(buf.input_ids, w.embed, buf.h)
@@ -144,9 +143,8 @@ def compute_logits(ops: ModelOps, w: LlamaWeights, x, rows, last, raw, out) -> N
     ops.to_float32(raw, out)
 
 
-def llama_forward(ops: ModelOps, c: ModelConfig, w: LlamaWeights, buf, caches,
-                  attention, cos, sin) -> None:
+def llama_forward(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, sin) -> None:
     """One step as a CUDA graph captures it: the hidden states, then buf.logits at each
     request's last token (buf.logits_indices)."""
-    hidden_states(ops, c, w, buf, caches, attention, cos, sin)
+    hidden_states(ops, w, buf, caches, attention, cos, sin)
     compute_logits(ops, w, buf.x, buf.logits_indices, buf.last, buf.logits16, buf.logits)

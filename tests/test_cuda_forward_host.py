@@ -118,7 +118,7 @@ class HostRunner:
         buf.load(batch, self.ops)
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
-        llama_forward(self.ops, c, self.weights, buf, self.caches,
+        llama_forward(self.ops, self.weights, buf, self.caches,
                       AttentionLaunch(s, max_len, workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
                       self.cos, self.sin)
         return buf.logits.copy()
@@ -131,7 +131,7 @@ class HostRunner:
         buf = self.shared.leading(size, size)
         buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
         s = self.splits(size, MAX_MODEL_LEN)
-        llama_forward(self.ops, c, self.weights, buf, self.caches,
+        llama_forward(self.ops, self.weights, buf, self.caches,
                       AttentionLaunch(s, MAX_MODEL_LEN, workspace(size, c.num_attention_heads, c.head_dim, s)),
                       self.cos, self.sin)
         return buf.logits[:batch.num_reqs].copy()

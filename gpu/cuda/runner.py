@@ -168,7 +168,7 @@ class CudaModelRunner:
                                   bytes_per_block=per_block, gpu_memory_utilization=utilization)
 
     def _forward(self, buf: StepBuffers, caches, attention: AttentionLaunch) -> None:
-        llama_forward(self.ops, self.config, self.weights, buf, caches, attention, self.cos, self.sin)
+        llama_forward(self.ops, self.weights, buf, caches, attention, self.cos, self.sin)
 
     def _eager(self, batch: Batch, caches) -> StepBuffers:
         with self.stream:
