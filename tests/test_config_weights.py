@@ -11,7 +11,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ringserve.gpu.config import ModelConfig, RopeScaling
+from ringserve.gpu.cpu_linear import widen_bfloat16
+from ringserve.gpu.cpu_ops import CpuWeightStore
+from ringserve.gpu.cuda.buffers import Fp16Store
 from ringserve.gpu.errors import ModelError
+from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.rope import inv_freq
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.weights import load_weights
@@ -191,3 +195,40 @@ def test_misshapen_tensor(model_copy):
 def test_untied_lm_head_is_required(model_copy):
     edit_config(model_copy, tie_word_embeddings=False)
     one_line_error(r"weights: tensor 'lm_head.weight' is missing", ModelRunner, model_copy)
+
+
+def as_float32(a: np.ndarray) -> np.ndarray:
+    return widen_bfloat16(a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+@pytest.mark.parametrize("store", [CpuWeightStore("float32"), CpuWeightStore("bfloat16"), Fp16Store(np)],
+                         ids=["cpu-float32", "cpu-bfloat16", "cuda-fp16"])
+def test_one_weight_mapping_for_every_backend(tiny_model_dir, store):
+    """gpu/model.py LlamaWeights.fuse is the one HF -> fused mapping: each backend's store gets
+    q|k|v and gate|up stacked in that order, the tied lm_head is the embedding, norms stay
+    vectors; and every backend refuses a checkpoint with a tensor missing, by name."""
+    c = ModelConfig.from_dir(tiny_model_dir)
+    hf = load_weights(tiny_model_dir)
+    fused = LlamaWeights.fuse(c, hf, store)
+    p = "model.layers.1."
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    parts = {"qkv": [("self_attn.q_proj", 0, q), ("self_attn.k_proj", q, q + kv),
+                     ("self_attn.v_proj", q + kv, q + 2 * kv)],
+             "gate_up": [("mlp.gate_proj", 0, inter), ("mlp.up_proj", inter, 2 * inter)]}
+    for name, pieces in parts.items():
+        stacked = as_float32(getattr(fused.layers[1], name))
+        assert stacked.shape[0] == pieces[-1][2]
+        for hf_name, lo, hi in pieces:
+            want = as_float32(store.linear([hf[p + hf_name + ".weight"]]))
+            np.testing.assert_array_equal(stacked[lo:hi], want, err_msg=f"{name} {hf_name}")
+    assert fused.lm_head is fused.embed and c.tie_word_embeddings
+    np.testing.assert_array_equal(as_float32(fused.layers[1].post_norm),
+                                  hf[p + "post_attention_layernorm.weight"].astype(store_dtype(store)))
+    del hf[p + "mlp.down_proj.weight"]
+    one_line_error(r"weights: tensor 'model.layers.1.mlp.down_proj.weight' is missing",
+                   LlamaWeights.fuse, c, hf, store)
+
+
+def store_dtype(store) -> type:
+    """Norm weights: float32 on the CPU (also with bfloat16 linears), fp16 on CUDA."""
+    return np.float16 if isinstance(store, Fp16Store) else np.float32

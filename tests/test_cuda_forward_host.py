@@ -1,5 +1,5 @@
-"""The CUDA backend's whole forward without a GPU: gpu/cuda/forward.py's llama_forward, the
-layer sequence CudaModelRunner runs, over HostOps: the real CUDA C kernels (fused.cu,
+"""The CUDA backend's whole forward without a GPU: gpu/model.py's llama_forward, the model
+CudaModelRunner runs, over HostOps (model.ModelOps): the real CUDA C kernels (fused.cu,
 attention.cu) compiled for the host (tests/cuda_host_kernels.py), numpy in place of cuBLAS
 (fp16 in and out, float32 accumulation) and the numpy references of the Numba kernels (which
 run in the CUDA simulator in tests/test_cuda_sim.py). Against the CPU backend's logits on tiny
@@ -18,7 +18,8 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda import launch, plan
 from ringserve.gpu.cuda import reference as ref
-from ringserve.gpu.cuda.forward import AttentionLaunch, LlamaWeights, StepBuffers, llama_forward
+from ringserve.gpu.cuda.buffers import AttentionLaunch, Fp16Store, StepBuffers
+from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.weights import load_weights
@@ -29,13 +30,15 @@ F16, F32 = np.float16, np.float32
 
 
 class HostOps:
-    """forward.DeviceOps on the CPU (see the module docstring)."""
+    """model.ModelOps on the CPU as CudaOps runs them (see the module docstring)."""
 
     def __init__(self, c: ModelConfig, cuda_host):
         self.fused = cuda_host.get("fused.cu")
         self.paged = cuda_host.get("attention.cu", dict(
             HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
-        self.scale = c.head_dim ** -0.5
+        self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
+        self.head_dim, self.num_heads = c.head_dim, c.num_attention_heads
+        self.num_rot_heads = c.num_attention_heads + c.num_key_value_heads
 
     def copy_in(self, dst, src):
         dst[:len(src)] = src
@@ -46,24 +49,22 @@ class HostOps:
     def embedding(self, ids, table, out):
         out[...] = ref.embedding(ids, table)
 
-    def matmul(self, x, weight, out):
+    def linear(self, x, weight, out):
         out[...] = (x.astype(F32) @ weight.astype(F32).T).astype(F16)
 
     def add_bias(self, x, bias):
         x += bias
 
-    def add_rms_norm(self, h, delta, weight, out, eps):
+    def add_rms_norm(self, h, delta, weight, out):
         T, n = h.shape
         self.fused.call("add_rms_norm", launch.norm_launch(T, n), h, delta, weight, out,
-                        np.int32(n), np.float32(eps))
+                        np.int32(n), np.float32(self.eps))
 
-    def rope(self, qkv, positions, cos, sin, num_rot_heads, head_dim):
-        self.fused.call("rope", launch.rope_launch(qkv.shape[0], num_rot_heads, head_dim), qkv,
-                        positions, cos, sin, np.int32(num_rot_heads), np.int32(head_dim),
-                        np.int32(qkv.shape[1]))
-
-    def store_kv(self, qkv, slot_mapping, k_cache, v_cache, num_heads):
-        ref.store_kv(qkv, slot_mapping, k_cache, v_cache, num_heads)
+    def rope_store_kv(self, buf, cos, sin, k_cache, v_cache):
+        qkv, heads, D = buf.qkv, self.num_rot_heads, self.head_dim
+        self.fused.call("rope", launch.rope_launch(qkv.shape[0], heads, D), qkv, buf.positions,
+                        cos, sin, np.int32(heads), np.int32(D), np.int32(qkv.shape[1]))
+        ref.store_kv(qkv, buf.slot_mapping, k_cache, v_cache, self.num_heads)
 
     def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch):
         paged_attention(self.paged, buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc,
@@ -96,8 +97,7 @@ class HostRunner:
     def __init__(self, model_dir, cuda_host, num_sms: int = 16):
         c = self.config = ModelConfig.from_dir(model_dir)
         self.ops = HostOps(c, cuda_host)
-        self.weights = LlamaWeights.fuse(c, load_weights(model_dir), lambda arrays: np.ascontiguousarray(
-            np.concatenate([np.asarray(a, F16) for a in arrays])))
+        self.weights = LlamaWeights.fuse(c, load_weights(model_dir), Fp16Store(np))
         shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
         self.caches = [(np.zeros(shape, F16), np.zeros(shape, F16)) for _ in range(c.num_hidden_layers)]
         self.cos, self.sin = cos_sin(np.arange(MAX_MODEL_LEN), inv_freq(c))
@@ -118,7 +118,7 @@ class HostRunner:
         buf.load(batch, self.ops)
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
-        llama_forward(self.ops, c, self.weights, buf, self.caches,
+        llama_forward(self.ops, self.weights, buf, self.caches,
                       AttentionLaunch(s, max_len, workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
                       self.cos, self.sin)
         return buf.logits.copy()
@@ -131,7 +131,7 @@ class HostRunner:
         buf = self.shared.leading(size, size)
         buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
         s = self.splits(size, MAX_MODEL_LEN)
-        llama_forward(self.ops, c, self.weights, buf, self.caches,
+        llama_forward(self.ops, self.weights, buf, self.caches,
                       AttentionLaunch(s, MAX_MODEL_LEN, workspace(size, c.num_attention_heads, c.head_dim, s)),
                       self.cos, self.sin)
         return buf.logits[:batch.num_reqs].copy()

@@ -181,7 +181,7 @@ def test_device_choice_without_cupy(tiny_model_dir):
     with pytest.raises(ValueError, match="tpu"):
         ModelRunner(tiny_model_dir, device="tpu")
     runner = ModelRunner(tiny_model_dir, device="auto", num_blocks=4)
-    assert runner.device == "cpu" and runner.num_blocks == 4
+    assert runner.device == "cpu" and runner.num_blocks == 4 and not runner.asynchronous
 
 
 def test_untied_lm_head(tmp_path):

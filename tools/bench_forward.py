@@ -36,7 +36,8 @@ import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.model_store import resolve_model
-from ringserve.gpu.runner import ModelRunner, default_num_threads
+from ringserve.gpu.cpu_runner import default_num_threads
+from ringserve.gpu.runner import ModelRunner
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
 
@@ -124,7 +125,7 @@ class Ours:
     def weight_bytes(self) -> int:
         """What a batch-1 decode step reads in full (the embedding: one row, not counted unless
         it doubles as the lm_head)."""
-        m = self.runner.model
+        m = self.runner.weights
         return m.lm_head.nbytes + sum(layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes
                                       + layer.down.nbytes for layer in m.layers)
 

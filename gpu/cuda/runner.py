@@ -1,7 +1,7 @@
-"""The CUDA model runner: the face of gpu/runner.py's ModelRunner (execute(batch) -> float32
-logits [B, V]) on one GPU. fp16 weights and KV cache, float32 residual stream and accumulation.
+"""The CUDA model runner: gpu/runner.py's Runner face on one GPU. fp16 weights and KV cache,
+float32 residual stream and accumulation.
 
-The layer sequence is gpu/cuda/forward.py's llama_forward over CudaOps: GEMMs are cuBLAS through
+The model is gpu/model.py's llama_forward over CudaOps: GEMMs are cuBLAS through
 CuPy with fused QKV and gate-up weights; the fused math is CUDA C (fused.cu, attention.cu); the
 indexing is Numba CUDA (numba_kernels.py), launched on the same CuPy stream through
 numba.cuda.external_stream so that a CUDA graph captures it too. Decode batches replay graphs
@@ -24,9 +24,10 @@ from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import launch, plan
 from ringserve.gpu.cuda import sampling_kernels as sk
 from ringserve.gpu.cuda.attention import PagedAttention
-from ringserve.gpu.cuda.forward import AttentionLaunch, LlamaWeights, StepBuffers, llama_forward
+from ringserve.gpu.cuda.buffers import AttentionLaunch, Fp16Store, StepBuffers
 from ringserve.gpu.cuda.fused import FusedKernels
 from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample
+from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.sampler import Logprobs, SamplingMetadata
@@ -41,8 +42,8 @@ def _nb(x):
 
 
 class CudaOps:
-    """forward.DeviceOps on one CuPy stream: RawKernels, Numba kernels (on the same stream via
-    external_stream) and cuBLAS; everything is enqueued, nothing waits."""
+    """model.ModelOps (and buffers.HostCopies) on one CuPy stream: RawKernels, Numba kernels
+    (on the same stream via external_stream) and cuBLAS; everything is enqueued, nothing waits."""
 
     def __init__(self, c: ModelConfig, stream: cp.cuda.Stream, attention_backend: str):
         self.stream = stream
@@ -50,7 +51,9 @@ class CudaOps:
         self.fused = FusedKernels()
         self.paged = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
         self.attention_backend = attention_backend
-        self.scale = c.head_dim ** -0.5
+        self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
+        self.head_dim, self.num_heads = c.head_dim, c.num_attention_heads
+        self.num_rot_heads = c.num_attention_heads + c.num_key_value_heads  # q and k heads
 
     def copy_in(self, dst, src: np.ndarray) -> None:
         dst[:len(src)].set(src, stream=self.stream)
@@ -64,7 +67,7 @@ class CudaOps:
     def embedding(self, ids, table, out) -> None:
         nk.embedding(_nb(ids), _nb(table), _nb(out), threads=NUMBA_THREADS, stream=self.nb_stream)
 
-    def matmul(self, x, weight, out) -> None:
+    def linear(self, x, weight, out) -> None:
         with self.stream:
             cp.matmul(x, weight.T, out=out)
 
@@ -72,15 +75,15 @@ class CudaOps:
         with self.stream:
             x += bias
 
-    def add_rms_norm(self, h, delta, weight, out, eps: float) -> None:
-        self.fused.add_rms_norm(h, delta, weight, out, eps, self.stream)
+    def add_rms_norm(self, h, delta, weight, out) -> None:
+        self.fused.add_rms_norm(h, delta, weight, out, self.eps, self.stream)
 
-    def rope(self, qkv, positions, cos, sin, num_rot_heads: int, head_dim: int) -> None:
-        self.fused.rope(qkv, positions, cos, sin, num_rot_heads, head_dim, self.stream)
-
-    def store_kv(self, qkv, slot_mapping, k_cache, v_cache, num_heads: int) -> None:
-        nk.store_kv(_nb(qkv), _nb(slot_mapping), _nb(k_cache), _nb(v_cache), num_heads,
-                    threads=NUMBA_THREADS, stream=self.nb_stream)
+    def rope_store_kv(self, buf: StepBuffers, cos, sin, k_cache, v_cache) -> None:
+        """q and k rotated in place in buf.qkv (attention reads q there), then k, v scattered."""
+        self.fused.rope(buf.qkv, buf.positions, cos, sin, self.num_rot_heads, self.head_dim,
+                        self.stream)
+        nk.store_kv(_nb(buf.qkv), _nb(buf.slot_mapping), _nb(k_cache), _nb(v_cache),
+                    self.num_heads, threads=NUMBA_THREADS, stream=self.nb_stream)
 
     def attention(self, buf: StepBuffers, k_cache, v_cache, launch: AttentionLaunch) -> None:
         args = (buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
@@ -104,6 +107,9 @@ class CudaOps:
 
 
 class CudaModelRunner:
+    device = "cuda"
+    asynchronous = True  # submit() only enqueues the step
+
     def __init__(self, config: ModelConfig, weights: dict, *, block_size: int = 16,
                  num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
@@ -122,8 +128,7 @@ class CudaModelRunner:
         self.nb_stream = self.ops.nb_stream
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.sampler = CudaSampler(threads=1024, stream=self.nb_stream)
-        self.weights = LlamaWeights.fuse(c, weights, lambda arrays: cp.ascontiguousarray(
-            cp.concatenate([cp.asarray(a, cp.float16) for a in arrays])))
+        self.weights = LlamaWeights.fuse(c, weights, Fp16Store(cp))
         cos, sin = cos_sin(np.arange(self.max_model_len), inv_freq(c))
         self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
 
@@ -163,7 +168,7 @@ class CudaModelRunner:
                                   bytes_per_block=per_block, gpu_memory_utilization=utilization)
 
     def _forward(self, buf: StepBuffers, caches, attention: AttentionLaunch) -> None:
-        llama_forward(self.ops, self.config, self.weights, buf, caches, attention, self.cos, self.sin)
+        llama_forward(self.ops, self.weights, buf, caches, attention, self.cos, self.sin)
 
     def _eager(self, batch: Batch, caches) -> StepBuffers:
         with self.stream:

@@ -1,0 +1,128 @@
+"""The CPU backend's side of gpu/model.py: its weight store, step buffers, KV cache and ops, in
+numpy and Numba, over the batch contract of gpu/batch.py.
+
+One step is one padding-free super-sequence of T tokens from B requests. The projections and the
+MLP run as matmuls over all T tokens at once. Attention (gpu/cpu_attention.py) runs after this
+step's K/V have been written into the paged cache at ``slot_mapping`` and reads keys and values
+only through each request's block table — so a request sees its own past (from earlier steps
+or earlier in this chunk) and nothing of anyone else's.
+
+Where the time goes (docs/bench_forward.md): a decode step streams every weight once, so the
+linears (gpu/cpu_linear.py) are bandwidth kernels; norms, RoPE and SiLU are fused Numba passes
+(gpu/cpu_kernels.py) over buffers allocated once per step. Activations, K/V and sums are float32.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.cpu_attention import paged_attention
+from ringserve.gpu.cpu_kernels import add_rms_norm, rms_norm, rope_store_kv, silu_mul
+from ringserve.gpu.cpu_linear import linear, to_bfloat16, widen_bfloat16
+
+F32 = np.float32
+WEIGHT_DTYPES = ("float32", "bfloat16")
+
+
+class CpuWeightStore:
+    """model.WeightStore: linear weights (and the embedding) as float32, or as bfloat16 bits in
+    uint16 (half the bytes a decode step streams; cpu_linear widens them on the fly); norms and
+    biases always float32."""
+
+    def __init__(self, weight_dtype: str = "float32"):
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight dtype {weight_dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
+        self.bfloat16 = weight_dtype == "bfloat16"
+
+    def linear(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        # NOTE: always a fresh array of our own, even of one tensor: a decode step streams
+        # these, and a view into the loaded file's buffer may sit at any alignment
+        w = np.concatenate([np.asarray(a, dtype=F32) for a in arrays])
+        return to_bfloat16(w) if self.bfloat16 else w
+
+    def vector(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        if len(arrays) == 1:
+            return np.ascontiguousarray(arrays[0], dtype=F32)
+        return np.concatenate([np.asarray(a, dtype=F32) for a in arrays])
+
+
+class KVCache(NamedTuple):
+    """One layer's paged cache; a slot s is row s of the [num_blocks * block_size, ...] view."""
+    k: np.ndarray  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v: np.ndarray  # [num_blocks, block_size, num_kv_heads, head_dim]
+
+    @classmethod
+    def allocate(cls, num_blocks: int, block_size: int, config: ModelConfig) -> KVCache:
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        return cls(np.zeros(shape, F32), np.zeros(shape, F32))
+
+
+class CpuStepBuffers:
+    """Every activation of one step over the batch's T tokens, float32 (np.empty: allocated per
+    step, nothing to clear); the integer inputs are the Batch's own arrays."""
+
+    def __init__(self, c: ModelConfig, batch: Batch):
+        T = batch.num_tokens
+        b = batch
+        self.input_ids, self.positions, self.slot_mapping = b.input_ids, b.positions, b.slot_mapping
+        self.query_start_loc, self.seq_lens, self.block_tables = (b.query_start_loc, b.seq_lens,
+                                                                  b.block_tables)
+        self.h = np.empty((T, c.hidden_size), F32)       # the residual stream
+        self.x = np.empty_like(self.h)                   # the normed input of the next linear
+        self.delta = np.empty_like(self.h)               # attention / MLP output, added to h
+        self.qkv = np.empty((T, c.q_size + 2 * c.kv_size), F32)
+        self.q = np.empty((T, c.num_attention_heads, c.head_dim), F32)  # rotated by rope_store_kv
+        self.attn = np.empty((T, c.q_size), F32)
+        self.attn_heads = self.attn.reshape(self.q.shape)  # the same memory, as attention writes it
+        self.gate_up = np.empty((T, 2 * c.intermediate_size), F32)
+        self.act = np.empty((T, c.intermediate_size), F32)
+
+
+class CpuOps:
+    """model.ModelOps in numpy and Numba. parallel: split the decode-size linears over Numba's
+    threads (the caller sets their number; gpu/cpu_linear.py)."""
+
+    def __init__(self, c: ModelConfig, parallel: bool = False):
+        self.parallel = parallel
+        # NOTE: float32 scalars, else Numba compiles float64 variants (other rounding, slower)
+        self.scale = F32(c.head_dim ** -0.5)
+        self.eps = F32(c.rms_norm_eps)
+
+    def embedding(self, ids, table, out) -> None:
+        if table.dtype == np.uint16:  # bfloat16 bits
+            out[...] = widen_bfloat16(table[ids])
+        else:
+            np.take(table, ids, axis=0, out=out)
+
+    def linear(self, x, weight, out) -> None:
+        linear(x, weight, out, parallel=self.parallel)
+
+    def add_bias(self, x, bias) -> None:
+        x += bias
+
+    def add_rms_norm(self, h, delta, weight, out) -> None:
+        if delta is None:
+            rms_norm(h, weight, self.eps, out)
+        else:
+            add_rms_norm(h, delta, weight, self.eps, out)
+
+    def rope_store_kv(self, buf: CpuStepBuffers, cos, sin, k_cache, v_cache) -> None:
+        # PERF: one pass: q rotated into buf.q, k rotated and v copied straight into the cache
+        rope_store_kv(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
+
+    def attention(self, buf: CpuStepBuffers, k_cache, v_cache, launch: None) -> None:
+        paged_attention(buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
+                        buf.block_tables, self.scale, buf.attn_heads)
+
+    def silu_mul(self, gate_up, out) -> None:
+        silu_mul(gate_up, out)
+
+    def gather_rows(self, x, rows, out) -> None:
+        np.take(x, rows, axis=0, out=out)
+
+    def to_float32(self, src, out) -> None:
+        if src is not out:
+            out[...] = src

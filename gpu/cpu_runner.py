@@ -1,0 +1,131 @@
+"""The CPU model runner: gpu/model.py's Llama over gpu/cpu_ops.py CpuOps, numpy + Numba.
+
+It owns the weights and the paged KV cache (allocated once, never resized), computes a step in
+submit() before it returns, and samples on the host (gpu/sampler.py).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numba
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.cpu_ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
+from ringserve.gpu.model import LlamaWeights, compute_logits, hidden_states
+from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
+from ringserve.gpu.rope import cos_sin, inv_freq
+from ringserve.gpu.runner import CompletedStep, sample_on_host
+from ringserve.gpu.sampler import SamplingMetadata
+from ringserve.gpu.weights import load_weights
+
+_BLAS = ThreadpoolController()
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB of K and V over all layers
+# dtype -> how the CPU backend stores weights; it always computes in float32. "bfloat16" is an
+# option that halves the bytes a decode step streams (its logits differ from float32's by bf16
+# rounding of the weights); float32 is the default and matches transformers.
+CPU_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+KV_ITEMSIZE = 4  # float32 K/V (gpu/cpu_ops.py KVCache)
+
+
+class CpuModelRunner:
+    device = "cpu"
+    asynchronous = False  # submit() computes the step before it returns
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "auto", block_size: int = 16,
+                 num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 num_threads: int | None = None):
+        """num_threads: Numba's (and BLAS's) threads for a step, default_num_threads() by
+        default; num_blocks: the KV pool, else as many blocks as kv_cache_memory_bytes holds."""
+        if dtype not in CPU_DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported by the CPU backend "
+                             f"({', '.join(CPU_DTYPES)})")
+        if block_size <= 0:
+            raise ValueError(f"block_size {block_size} must be positive")
+        self.config = c = ModelConfig.from_dir(model_dir)
+        self.num_threads = default_num_threads() if num_threads is None else num_threads
+        if not 1 <= self.num_threads <= numba.config.NUMBA_NUM_THREADS:
+            raise ValueError(f"num_threads {num_threads} must be between 1 and "
+                             f"{numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS)")
+        self.weights = LlamaWeights.fuse(c, load_weights(model_dir), CpuWeightStore(CPU_DTYPES[dtype]))
+        self.ops = CpuOps(c, parallel=self.num_threads > 1)
+        self.block_size = block_size
+        if num_blocks is None:
+            budget = DEFAULT_KV_CACHE_MEMORY_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
+            num_blocks = budget // self.bytes_per_block
+        if num_blocks <= 0:
+            raise ValueError(f"the KV cache holds no block: {num_blocks} blocks "
+                             f"({self.bytes_per_block} bytes per block)")
+        self.num_blocks = int(num_blocks)
+        self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c)
+                          for _ in range(c.num_hidden_layers)]
+        self.inv_freq = inv_freq(c)
+        self._cos = self._sin = np.empty((0, c.head_dim // 2), dtype=np.float32)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block over all layers."""
+        c = self.config
+        return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
+                * KV_ITEMSIZE)
+
+    def rope_tables(self, max_position: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin for positions 0..max_position at least, computed once (grown by doubling)."""
+        if max_position >= len(self._cos):
+            n = max(max_position + 1, 2 * len(self._cos), self.config.max_position_embeddings)
+            self._cos, self._sin = cos_sin(np.arange(n), self.inv_freq)
+        return self._cos, self._sin
+
+    def _hidden_states(self, batch: Batch) -> np.ndarray:
+        """Every token's final-normed hidden state [T, hidden]; writes the step's K/V."""
+        if self.num_threads > 1:
+            numba.set_num_threads(self.num_threads)  # per calling thread in Numba
+        cos, sin = self.rope_tables(int(batch.positions.max()))
+        buf = CpuStepBuffers(self.config, batch)
+        hidden_states(self.ops, self.weights, buf, self.kv_caches, None, cos, sin)
+        return buf.x
+
+    def _logits(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """float32 logits [len(rows), vocab] of hidden states x at rows."""
+        rows = np.asarray(rows)
+        last = np.empty((len(rows), x.shape[1]), np.float32)
+        out = np.empty((len(rows), self.config.vocab_size), np.float32)
+        compute_logits(self.ops, self.weights, x, rows, last, out, out)
+        return out
+
+    def execute(self, batch: Batch, logits_indices: np.ndarray | None = None) -> np.ndarray:
+        """float32 logits at rows logits_indices of the super-sequence [len, vocab]; by default
+        one row per request at its last scheduled token [B, vocab]. Writes this step's K/V into
+        the cache at batch.slot_mapping."""
+        # BLAS (the many-token matmuls) gets the same threads as our kernels, no more: OpenBLAS
+        # threads spin while they wait, and a second process on a busy core made a step ~4x
+        # slower (docs/bench_forward.md). Per call, so that nothing leaks into the process.
+        with _BLAS.limit(limits=self.num_threads, user_api="blas"):
+            x = self._hidden_states(batch)
+            return self._logits(x, batch.logits_indices if logits_indices is None else logits_indices)
+
+    def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata,
+               prompt_logprobs: PromptLogprobsSpec | None = None) -> CompletedStep:
+        """ModelRunner.submit, computed here: the forward, then `rows` sampled on the host.
+        prompt_logprobs: the logits of those rows too, SLICE_ROWS at a time."""
+        if prompt_logprobs is None:
+            return sample_on_host(self.execute(batch), rows, metadata)
+        with _BLAS.limit(limits=self.num_threads, user_api="blas"):
+            x = self._hidden_states(batch)
+            step = sample_on_host(self._logits(x, batch.logits_indices), rows, metadata)
+            step.output.prompt_logprobs = host_prompt_logprobs(lambda r: self._logits(x, r),
+                                                               prompt_logprobs)
+        return step
+
+
+def default_num_threads() -> int:
+    """Half the cores this process may run on (at least 1, at most Numba's thread pool).
+
+    The other half is left to the frontend's workers. A step runs ~120 parallel regions, and
+    each one waits for its slowest thread: on the 2-core VM, with another process busy on both
+    cores, a 2-thread batch-1 decode step took ~960 ms against ~28 ms with 1 thread; with a core
+    to spare, 2 threads gained 1.4x (27.5 -> 19.5 ms). See docs/bench_forward.md."""
+    return max(1, min(len(os.sched_getaffinity(0)) // 2, numba.config.NUMBA_NUM_THREADS))

@@ -1,0 +1,111 @@
+"""The CUDA backend's side of gpu/model.py that CI runs without CuPy: the fp16 weight store,
+the step buffers a forward (and a CUDA graph) runs over, and the attention launch plan. On a GPU
+xp is cupy (gpu/cuda/runner.py); in tests/test_cuda_forward_host.py it is numpy.
+
+fp16 weights, activations and KV cache; the residual stream h is float32 (one fused
+add + RMSNorm kernel per residual step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from ringserve.gpu.config import ModelConfig
+
+
+class Fp16Store:
+    """model.WeightStore: every weight as one contiguous fp16 array of xp (arrays stacked along
+    rows: fused QKV and gate-up are one GEMM each)."""
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def linear(self, arrays: Sequence[Any]) -> Any:
+        xp = self.xp
+        return xp.ascontiguousarray(xp.concatenate([xp.asarray(a, xp.float16) for a in arrays]))
+
+    vector = linear
+
+
+class HostCopies(Protocol):
+    """The copies StepBuffers.load needs (CudaOps; HostOps in CI)."""
+
+    def copy_in(self, dst, src: np.ndarray) -> None:
+        """dst[:len(src)] = src (host int32 to the device)."""
+
+    def copy_in_corner(self, dst, src: np.ndarray) -> None:
+        """dst[:rows, :cols] = src, src [rows, cols] on the host."""
+
+
+class StepBuffers:
+    """Every activation of one forward over T tokens and B requests (static for a graph).
+    xp: the array module the device allocates with (cupy; numpy on the host).
+
+    The step's small int32 inputs share one block, so that a step loads them in one copy:
+    [input_ids T | positions T | slot_mapping T | query_start_loc B+1 | seq_lens B |
+    logits_indices B]; the block table has its own copy (a corner of a wide table)."""
+
+    PER_TOKEN = ("input_ids", "positions", "slot_mapping", "h", "x", "delta", "qkv", "attn",
+                 "gate_up", "act")
+    PER_REQUEST = ("seq_lens", "block_tables", "logits_indices", "last", "logits16", "logits")
+
+    def __init__(self, c: ModelConfig, T: int, B: int, max_blocks: int, xp):
+        self.inputs = xp.zeros(3 * T + 3 * B + 1, xp.int32)
+        self.offsets = {"input_ids": 0, "positions": T, "slot_mapping": 2 * T,
+                        "query_start_loc": 3 * T, "seq_lens": 3 * T + B + 1,
+                        "logits_indices": 3 * T + 2 * B + 1}
+        for name, n in (("input_ids", T), ("positions", T), ("slot_mapping", T),
+                        ("query_start_loc", B + 1), ("seq_lens", B), ("logits_indices", B)):
+            setattr(self, name, self.inputs[self.offsets[name]:self.offsets[name] + n])
+        self.slot_mapping[...] = -1
+        self.block_tables = xp.full((B, max_blocks), -1, xp.int32)
+        self.h = xp.empty((T, c.hidden_size), xp.float32)
+        self.x = xp.empty((T, c.hidden_size), xp.float16)
+        self.delta = xp.empty((T, c.hidden_size), xp.float16)
+        self.qkv = xp.empty((T, c.q_size + 2 * c.kv_size), xp.float16)
+        self.attn = xp.empty((T, c.q_size), xp.float16)
+        self.gate_up = xp.empty((T, 2 * c.intermediate_size), xp.float16)
+        self.act = xp.empty((T, c.intermediate_size), xp.float16)
+        self.last = xp.empty((B, c.hidden_size), xp.float16)
+        self.logits16 = xp.empty((B, c.vocab_size), xp.float16)
+        self.logits = xp.empty((B, c.vocab_size), xp.float32)
+
+    def leading(self, T: int, B: int) -> StepBuffers:
+        """Views of the first T tokens and B requests. Every graph size takes its buffers from
+        the largest one's: graphs replay one at a time on one stream, and the memory of the
+        smaller sizes' activations and logits is not spent again."""
+        view = object.__new__(StepBuffers)
+        view.inputs, view.offsets = self.inputs, self.offsets
+        for name in self.PER_TOKEN:
+            setattr(view, name, getattr(self, name)[:T])
+        for name in self.PER_REQUEST:
+            setattr(view, name, getattr(self, name)[:B])
+        view.query_start_loc = self.query_start_loc[:B + 1]
+        return view
+
+    def load(self, b, ops: HostCopies) -> None:
+        """Copy a Batch (or a plan.PaddedDecode) into the leading rows: the int32 inputs in one
+        copy of the whole block (rows past this view's get slot -1 and seq_len 0: they write and
+        read nothing), the block table into its top-left [B, width] corner (the columns past
+        width are never read)."""
+        host = np.zeros(len(self.inputs), np.int32)
+        o = self.offsets
+        host[o["slot_mapping"]:o["query_start_loc"]] = -1
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
+            values = getattr(b, name)
+            host[o[name]:o[name] + len(values)] = values
+        host[o["logits_indices"]:o["logits_indices"] + len(b.seq_lens)] = b.query_start_loc[1:] - 1
+        ops.copy_in(self.inputs, host)
+        tables = np.ascontiguousarray(b.block_tables, np.int32)
+        if tables.size:
+            ops.copy_in_corner(self.block_tables, tables)
+
+
+@dataclass
+class AttentionLaunch:
+    """How one forward's paged attention is launched (gpu/cuda/plan.attention_splits)."""
+    splits: int
+    max_seq_len: int      # bounds every request's length (max_model_len in a graph)
+    workspace: tuple      # split-K partials (PagedAttention.workspace), (None, None) for 1 split

@@ -1,0 +1,150 @@
+"""The Llama model, written once: the HF -> fused weight mapping and the layer sequence, over a
+backend's ops. The CPU backend runs it over gpu/cpu_ops.py CpuOps (numpy + Numba, float32
+activations); the CUDA backend over gpu/cuda/runner.py CudaOps (cuBLAS, CUDA C, Numba CUDA;
+fp16 activations), and CI over tests/test_cuda_forward_host.py HostOps (the same CUDA C
+compiled for the host). Nothing here imports numpy's or CuPy's arrays: a weight, a buffer or a
+cache is whatever its backend made it.
+
+What a backend decides, through its objects, and the sequence never sees:
+- WeightStore: how a (fused) weight is kept: float32 or bfloat16 bits on the CPU, fp16 on CUDA;
+  a quantized format (packed blocks) is another store plus an ops.linear that reads it.
+- step buffers (`buf`): every activation of one step, in the backend's dtypes (the residual
+  stream h is float32 on both).
+- which ops it fuses: rope_store_kv is one Numba pass on the CPU (rotated q to its own buffer,
+  k/v straight into the cache), a RoPE kernel then a K/V scatter on CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.weights import check_weights
+
+
+class WeightStore(Protocol):
+    """Turns HF tensors (numpy or the backend's arrays) into the arrays the ops read."""
+
+    def linear(self, arrays: Sequence[Any]) -> Any:
+        """A [out, in] weight for ops.linear (and ops.embedding): arrays stacked along rows."""
+
+    def vector(self, arrays: Sequence[Any]) -> Any:
+        """A norm weight or bias: arrays concatenated."""
+
+
+@dataclass
+class Layer:
+    input_norm: Any
+    qkv: Any             # [q + 2 kv, hidden]: q_proj, k_proj, v_proj stacked (one linear)
+    qkv_bias: Any | None  # [q + 2 kv] (Qwen2)
+    o: Any               # [hidden, q]
+    post_norm: Any
+    gate_up: Any         # [2 I, hidden]: gate_proj then up_proj (one linear, silu_mul splits it)
+    down: Any            # [hidden, I]
+
+
+@dataclass
+class LlamaWeights:
+    embed: Any           # [vocab, hidden], a linear weight: it is also the tied lm_head
+    lm_head: Any
+    final_norm: Any
+    layers: list[Layer]
+
+    @classmethod
+    def fuse(cls, c: ModelConfig, w: dict, store: WeightStore) -> LlamaWeights:
+        """From HF tensor names (checked first: gpu/weights.py check_weights)."""
+        check_weights(w, c)
+
+        def linear(*names: str) -> Any:
+            return store.linear([w[n] for n in names])
+
+        def vector(*names: str) -> Any:
+            return store.vector([w[n] for n in names])
+
+        embed = linear("model.embed_tokens.weight")
+        layers = []
+        for i in range(c.num_hidden_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            layers.append(Layer(
+                input_norm=vector(p + "input_layernorm.weight"),
+                qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv_bias=vector(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+                if c.attention_bias else None,
+                o=linear(a + "o_proj.weight"),
+                post_norm=vector(p + "post_attention_layernorm.weight"),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight")))
+        return cls(embed, embed if c.tie_word_embeddings else linear("lm_head.weight"),
+                   vector("model.norm.weight"), layers)
+
+
+class ModelOps(Protocol):
+    """The primitives the sequence runs on (on CUDA all enqueued in order on one stream).
+    Shapes: T tokens of the step; buf.qkv [T, q + 2 kv], buf.attn [T, q], the rest [T, n]."""
+
+    def embedding(self, ids, table, out) -> None:
+        """out = table[ids] in out's dtype (table as WeightStore.linear made it)."""
+
+    def linear(self, x, weight, out) -> None:
+        """out = x @ weight.T (weight as WeightStore.linear made it; float32 accumulation)."""
+
+    def add_bias(self, x, bias) -> None: ...
+
+    def add_rms_norm(self, h, delta, weight, out) -> None:
+        """h += delta (None: nothing to add); out = RMSNorm(h) * weight (the ops hold the
+        config's rms_norm_eps, as they hold the attention scale)."""
+
+    def rope_store_kv(self, buf, cos, sin, k_cache, v_cache) -> None:
+        """Rotate q and k of buf.qkv by buf.positions (cos, sin: [positions, head_dim / 2]
+        tables) and write k and v into the caches at buf.slot_mapping (-1: no write). Where
+        the rotated q goes is the backend's, for its attention to read."""
+
+    def attention(self, buf, k_cache, v_cache, launch) -> None:
+        """buf.attn = paged attention of the rotated q over the caches (launch: the backend's
+        per-step plan, CUDA's AttentionLaunch; None on the CPU)."""
+
+    def silu_mul(self, gate_up, out) -> None:
+        """out = silu(gate) * up, gate_up [T, 2 I] -> out [T, I]."""
+
+    def gather_rows(self, x, rows, out) -> None:
+        """out = x[rows]."""
+
+    def to_float32(self, src, out) -> None:
+        """out = src as float32 (nothing where src is out)."""
+
+
+def hidden_states(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, sin) -> None:
+    """The layers over buf.input_ids: K/V written into caches ((k, v) per layer) at
+    buf.slot_mapping, the final-normed hidden state of every token in buf.x."""
+    ops.embedding(buf.input_ids, w.embed, buf.h)
+    ops.add_rms_norm(buf.h, None, w.layers[0].input_norm, buf.x)
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, caches, strict=True)):
+        ops.linear(buf.x, layer.qkv, buf.qkv)
+        if layer.qkv_bias is not None:
+            ops.add_bias(buf.qkv, layer.qkv_bias)
+        ops.rope_store_kv(buf, cos, sin, k_cache, v_cache)
+        ops.attention(buf, k_cache, v_cache, attention)
+        ops.linear(buf.attn, layer.o, buf.delta)
+        ops.add_rms_norm(buf.h, buf.delta, layer.post_norm, buf.x)
+        ops.linear(buf.x, layer.gate_up, buf.gate_up)
+        ops.silu_mul(buf.gate_up, buf.act)
+        ops.linear(buf.act, layer.down, buf.delta)
+        # the next layer's input norm, or the final norm: buf.x is then the final hidden state
+        norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
+        ops.add_rms_norm(buf.h, buf.delta, norm, buf.x)
+
+
+def compute_logits(ops: ModelOps, w: LlamaWeights, x, rows, last, raw, out) -> None:
+    """out = float32 logits of final hidden states x at rows. last [rows, hidden] and raw
+    [rows, vocab] are scratch in the activation dtype (raw may be out: float32 activations).
+    PERF: only the rows that need logits go through the lm_head, the largest linear."""
+    ops.gather_rows(x, rows, last)
+    ops.linear(last, w.lm_head, raw)
+    ops.to_float32(raw, out)
+
+
+def llama_forward(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, sin) -> None:
+    """One step as a CUDA graph captures it: the hidden states, then buf.logits at each
+    request's last token (buf.logits_indices)."""
+    hidden_states(ops, w, buf, caches, attention, cos, sin)
+    compute_logits(ops, w, buf.x, buf.logits_indices, buf.last, buf.logits16, buf.logits)
