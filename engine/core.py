@@ -1,4 +1,4 @@
-"""The engine core: one loop of schedule -> execute -> update per step (DESIGN.md §1.3).
+"""The engine core: one loop of schedule -> execute -> update per step (docs/design.md §1.3).
 
 Refusals: a request that can never run (empty prompt, ids outside the vocabulary, prompt +
 max_tokens over max_model_len, or more blocks than the whole pool) is not queued; it comes back

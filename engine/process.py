@@ -1,4 +1,4 @@
-"""The engine process: EngineCore behind shared-memory rings (DESIGN.md §4).
+"""The engine process: EngineCore behind shared-memory rings (docs/design.md §4).
 
 Each step: take every new record from every worker's request ring (no system call: the rings
 are plain memory), run one EngineCore step, write each worker's outputs as one record and

@@ -1,4 +1,4 @@
-"""The scheduler: which requests run this step, and how many tokens each (DESIGN.md §1.3-4).
+"""The scheduler: which requests run this step, and how many tokens each (docs/design.md §1.3-4).
 
 One rule covers prefill, chunked prefill, decode and recompute after preemption: a request
 needs num_tokens - num_computed_tokens more tokens in the cache, and each step schedules as

@@ -1,4 +1,4 @@
-"""The batch contract between the engine and the model runner (DESIGN.md §3).
+"""The batch contract between the engine and the model runner (docs/design.md §3).
 
 One step's scheduled tokens, from every request, packed into one padding-free
 super-sequence. Request i owns tokens ``query_start_loc[i]:query_start_loc[i+1]``.

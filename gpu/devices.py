@@ -1,4 +1,4 @@
-"""Which backend to run on, and which GPUs a machine has (DESIGN.md §5: the backend choice is
+"""Which backend to run on, and which GPUs a machine has (docs/design.md §5: the backend choice is
 automatic, overridable with --device).
 
 Two questions, asked in two kinds of process:

@@ -1,4 +1,4 @@
-"""Convert a llama.cpp GGUF file into an HF-layout model folder (DESIGN.md §6).
+"""Convert a llama.cpp GGUF file into an HF-layout model folder (docs/design.md §6).
 
 The folder holds config.json, model.safetensors (float32, so dequantizing is the only change
 and the conversion is exact), tokenizer.json, tokenizer_config.json and generation_config.json.

@@ -1,4 +1,4 @@
-"""The control socket: handshake and liveness between an engine and its clients (DESIGN.md §4).
+"""The control socket: handshake and liveness between an engine and its clients (docs/design.md §4).
 
 Each engine listens on a UNIX SOCK_SEQPACKET socket (message boundaries kept, file mode 0600).
 A client connects; the engine answers with a :class:`Welcome` (its slot, the slot's generation,

@@ -1,4 +1,4 @@
-"""Doorbells: eventfds that wake a sleeping peer (DESIGN.md §4).
+"""Doorbells: eventfds that wake a sleeping peer (docs/design.md §4).
 
 One shared many-writer doorbell into each engine; one per worker for its outputs. The writer
 publishes its ring record first and rings after, and the sleeper drains the doorbell *before*

@@ -2,7 +2,7 @@
 
 msgpack through msgspec (one C call each way, reused Encoder/Decoder), array-like structs (a
 record is a msgpack array, no field names). A prompt's token ids travel as one raw native int32
-``bin`` (both ends are on the same host; DESIGN.md §3) and come out as an int32 array over the
+``bin`` (both ends are on the same host; docs/design.md §3) and come out as an int32 array over the
 decoded bytes: the engine takes it as it is, so a 32k-token prompt costs a few C calls on each
 side, not 32k Python ints. A step's new token ids travel as raw int32 too, all of the step's
 outputs together in one block (usually one id per output; a block per output measured 3-8x

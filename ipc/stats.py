@@ -31,7 +31,7 @@ def stats_size(max_slots: int) -> int:
 
 
 def score(waiting: int, running: int, pending: int = 0) -> int:
-    """A waiting request weighs four running ones (DESIGN.md §4). ``pending``: the caller's own
+    """A waiting request weighs four running ones (docs/design.md §4). ``pending``: the caller's own
     submissions the engine has not counted yet; they will be waiting, so they weigh as waiting."""
     return 4 * (waiting + pending) + running
 

@@ -1,4 +1,4 @@
-"""The Falcon ASGI app: OpenAI's HTTP surface (DESIGN.md §7) over one worker's engine client.
+"""The Falcon ASGI app: OpenAI's HTTP surface (docs/design.md §7) over one worker's engine client.
 
 `create_app` builds it from a ready `ServerContext`; Gunicorn workers call
 `ringserve.server.worker:worker_app()`, which builds the context after the fork.

@@ -10,7 +10,7 @@ from ringserve.server.supervision import LAUNCHER_PID_ENV, die_with_parent
 
 bind = [os.environ.get("RINGSERVE_BIND", "127.0.0.1:8000")]
 workers = int(os.environ.get("RINGSERVE_WORKERS", "1"))
-# An ASGI worker: gthread cannot hold hundreds of open SSE streams (DESIGN.md §4). Uvicorn's,
+# An ASGI worker: gthread cannot hold hundreds of open SSE streams (docs/design.md §4). Uvicorn's,
 # with header-read and idle timeouts and a way to cut a stream nobody reads (http_worker.py).
 worker_class = "ringserve.server.http_worker.Worker"
 # Each worker binds its own listening socket (SO_REUSEPORT) and the kernel spreads new

@@ -1,4 +1,4 @@
-"""A traced request's journey (DESIGN.md §1), assembled in the worker that served it.
+"""A traced request's journey (docs/design.md §1), assembled in the worker that served it.
 
 A request asks with `"ringserve_trace": true` in its body or the header `X-Ringserve-Trace: 1`.
 The worker notes arrival and tokenization, the engine client notes the engine it chose and every

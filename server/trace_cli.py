@@ -1,5 +1,5 @@
 """`ringserve trace "prompt"`: send one traced request to a running server and print its
-journey (DESIGN.md §1) as a timeline, station by station, in milliseconds after arrival."""
+journey (docs/design.md §1) as a timeline, station by station, in milliseconds after arrival."""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,4 @@
-"""Connection-level limits against a real server (issue 12, item 6): header-read and idle
+"""Connection-level limits against a real server: header-read and idle
 timeouts, the head-size bound, streams whose client does not read, SO_REUSEPORT spreading.
 
 Raw sockets stand in for hostile clients; small limits (flags) keep the module quick."""

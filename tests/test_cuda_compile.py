@@ -1,4 +1,4 @@
-"""Compile checks without a GPU (DESIGN.md §8.3): every Numba CUDA kernel to PTX and every CUDA
+"""Compile checks without a GPU (docs/design.md §8.3): every Numba CUDA kernel to PTX and every CUDA
 C kernel through NVRTC, for sm_80 (A100) and sm_90 (H100/H200), then ptxas -v on the PTX: no
 spills, registers and shared memory within budget, no accidental float64.
 

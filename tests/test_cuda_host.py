@@ -2,7 +2,7 @@
 sources NVRTC gets (toolchain.source/options) unchanged against a CUDA-on-host shim
 (tests/cuda_host/), each block's threads run as real threads (real __syncthreads and warp
 shuffles), launched with the launchers' own geometry (gpu/cuda/launch.py), and the results are
-checked against gpu/cuda/reference.py (DESIGN.md §8).
+checked against gpu/cuda/reference.py (docs/design.md §8).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sampling on the GPU without a GPU (DESIGN.md §8): the host side (uniform draws, penalty
+"""Sampling on the GPU without a GPU (docs/design.md §8): the host side (uniform draws, penalty
 packing) and the reference distribution against gpu/sampler.py on the CPU; the kernels and the
 CudaSampler in Numba's CUDA simulator (its own process, like tests/test_cuda_sim.py) against
 gpu/sampler.py and the references. The compile checks are in tests/test_cuda_compile.py."""

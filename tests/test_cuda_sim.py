@@ -1,4 +1,4 @@
-"""Numba CUDA kernels in Numba's CUDA simulator vs their numpy references (DESIGN.md §8.2).
+"""Numba CUDA kernels in Numba's CUDA simulator vs their numpy references (docs/design.md §8.2).
 
 The simulator must be switched on before numba is first imported, so these tests run in a
 pytest process of their own: in the main run, the one test below launches this file again

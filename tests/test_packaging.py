@@ -36,7 +36,7 @@ def test_cli_entry_point_imports():
 
 
 def test_frontend_worker_imports_no_gpu_or_engine_code():
-    """DESIGN.md §2: a Gunicorn worker must never import ringserve.gpu or the engine (nor CUDA
+    """docs/design.md §2: a Gunicorn worker must never import ringserve.gpu or the engine (nor CUDA
     libraries), so that it never initializes CUDA. Checked in a fresh interpreter."""
     code = ("import sys, ringserve.server.worker, ringserve.server.gunicorn_conf\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'numba')"

@@ -1,4 +1,4 @@
-"""Request journeys (issue 8): the engine's trace of a traced request, its trip over the wire,
+"""Request journeys (docs/trace.md): the engine's trace of a traced request, its trip over the wire,
 and a real `ringserve serve --enable-debug-endpoints` on the tiny model answering traced
 requests whose numbers agree with each other, with /metrics and with /debug/engines."""
 from __future__ import annotations

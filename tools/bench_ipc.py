@@ -1,4 +1,4 @@
-"""Benchmark the frontend<->engine transports in one run (DESIGN.md §4).
+"""Benchmark the frontend<->engine transports in one run (docs/design.md §4).
 
     .venv/bin/python -m ringserve.tools.bench_ipc [--quick] [--repeats 3] [--json FILE]
 

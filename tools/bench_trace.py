@@ -1,4 +1,4 @@
-"""What request tracing costs the engine loop (issue 8; figures in docs/trace.md).
+"""What request tracing costs the engine loop (figures in docs/trace.md).
 
 Steady decode with N running requests on a runner that returns random logits (no model: only
 the engine's own work is timed, where any overhead shows most). Four ways of stepping, taken in

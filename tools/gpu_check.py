@@ -1,4 +1,4 @@
-"""One command for a GPU machine (issue 6): the `gpu` tests, then a benchmark table.
+"""One command for a GPU machine: the `gpu` tests, then a benchmark table.
 
     python -m ringserve.tools.gpu_check [--json FILE] [--skip-tests] [--budget-s 360]
 
@@ -306,7 +306,7 @@ def weight_bound_pct(row: dict, copy_GBps: float | None) -> float:
 
 def ratios(result: dict) -> list[dict]:
     """Per model and batch: graphs over eager and over transformers (tokens/s, same run), the
-    graphs' % of the weight-streaming bound, and the issue's targets where they apply."""
+    graphs' % of the weight-streaming bound, and the targets of docs/deploy.md where they apply."""
     by = {(r["model"], r["batch"], r["impl"]): r for r in result["rows"]}
     out = []
     for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in result["rows"]):

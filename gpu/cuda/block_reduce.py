@@ -1,5 +1,5 @@
 """Block-wide reductions for Numba CUDA kernels, through shared memory (no warp shuffles, so
-Numba's CUDA simulator runs them; DESIGN.md §8). blockDim must be a power of two and `sh` a
+Numba's CUDA simulator runs them; docs/design.md §8). blockDim must be a power of two and `sh` a
 shared array of at least blockDim elements. Each ends with a barrier, so `sh` is free again and
 every thread gets the result.
 """

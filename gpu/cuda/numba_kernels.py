@@ -2,7 +2,7 @@
 gather at the last positions, greedy argmax, and paged attention (the reference and fallback
 to the RawKernel in attention.cu).
 
-Written so that Numba's CUDA simulator can run them (CI has no GPU, DESIGN.md §8): no warp
+Written so that Numba's CUDA simulator can run them (CI has no GPU, docs/design.md §8): no warp
 shuffles (reductions go through shared memory), every loop strided by blockDim so a block of
 32 threads (the simulator) and of 128 (a device) compute the same thing. Math in float32;
 arrays fp16 on a device (any float dtype works).

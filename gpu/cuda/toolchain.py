@@ -1,5 +1,5 @@
 """The CUDA C toolchain without a GPU: NVRTC (the compiler CuPy uses at run time) to PTX, and
-ptxas's resource report (registers, spills, shared memory) for the compile checks (DESIGN.md §8.3)
+ptxas's resource report (registers, spills, shared memory) for the compile checks (docs/design.md §8.3)
 and tools/gpu_check.py.
 
 NVRTC comes from cuda-bindings + nvidia-cuda-nvrtc-cu12 and ptxas from nvidia-cuda-nvcc-cu12
