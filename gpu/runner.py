@@ -20,10 +20,11 @@ from ringserve.gpu.cpu_model import CpuLlama, KVCache
 from ringserve.gpu.devices import cupy_installed, resolve_device
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
 from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
+from ringserve.gpu.settings import (CPU_KV_CACHE_MEMORY_BYTES, CUDA_MAX_NUM_BATCHED_TOKENS,
+                                    CacheConfig, DeviceConfig, SchedulerConfig)
 from ringserve.gpu.weights import load_weights
 
 _BLAS = ThreadpoolController()
-DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB of K and V over all layers
 # dtype -> how the CPU backend stores weights; it always computes in float32. "bfloat16" is an
 # option that halves the bytes a decode step streams (its logits differ from float32's by bf16
 # rounding of the weights); float32 is the default and matches transformers.
@@ -42,13 +43,19 @@ class CompletedStep:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
-                 block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, num_threads: int | None = None,
-                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enforce_eager: bool = False, attention_backend: str = "auto"):
-        """device "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). The arguments
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu",
+                 dtype: str = DeviceConfig.dtype, block_size: int = CacheConfig.block_size,
+                 num_blocks: int | None = None,
+                 kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
+                 num_threads: int | None = None,
+                 gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 max_num_batched_tokens: int = CUDA_MAX_NUM_BATCHED_TOKENS,
+                 max_model_len: int | None = None, enforce_eager: bool = DeviceConfig.enforce_eager,
+                 attention_backend: str = DeviceConfig.attention_backend):
+        """The settings' defaults are gpu/settings.py's; the engine passes its EngineConfig's
+        (engine/core.py _make_runner). device "cpu" unless asked (tests compare against CPU
+        references); "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). The arguments
         after num_threads are the CUDA backend's (KV pool from free memory, graph ladder up to
         max_num_seqs, the profiling forward's size, graphs off, paged-attention kernel)."""
         self.device = resolve_device(device)
@@ -87,7 +94,7 @@ class ModelRunner:
         self.block_size = block_size
 
         if num_blocks is None:
-            budget = DEFAULT_KV_CACHE_MEMORY_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
+            budget = CPU_KV_CACHE_MEMORY_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
             num_blocks = budget // self.bytes_per_block
         if num_blocks <= 0:
             raise ValueError(f"the KV cache holds no block: {num_blocks} blocks "
