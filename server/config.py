@@ -97,7 +97,9 @@ def own_fields(cls: type) -> list[Field]:
 
 
 def field_default(f: Field):
-    return f.default_factory() if f.default is MISSING else f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> None:

@@ -11,6 +11,7 @@ import sys
 from dataclasses import MISSING, fields
 
 import pytest
+from conftest import free_port
 
 from ringserve.engine.config import EngineConfig
 from ringserve.gpu.settings import (CPU_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_BATCHED_TOKENS, DTYPES,
@@ -149,3 +150,16 @@ def test_the_flag_table_in_docs_lists_every_flag():
     flags = {"--" + f.name.replace("_", "-") for cls in SETTINGS for f in fields(cls)}
     listed = {flag for line in rows for flag in flags if f"`{flag}`" in line.split(" | ")[0]}
     assert listed == flags, sorted(flags - listed)
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-num-seqs", "0", "max_num_seqs must be at least 1"),          # EngineConfig
+    ("--gpu-memory-utilization", "2", "gpu_memory_utilization must be in (0, 1]"),
+    ("--workers", "0", "--workers must be at least 1"),                   # ParallelConfig
+    ("--engine-hang-timeout", "0", "--engine-hang-timeout must be positive"),  # ServerConfig
+])
+def test_serve_refuses_a_bad_setting_before_starting(tiny_model_dir, flag, value, message):
+    r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+                        str(tiny_model_dir), "--device", "cpu", "--port", str(free_port()), flag, value],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
