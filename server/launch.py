@@ -327,7 +327,7 @@ def serve_command(args: argparse.Namespace) -> int:
     except ModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    max_model_len = args.max_model_len or model_len
+    max_model_len = model_len if args.max_model_len is None else args.max_model_len
     if max_model_len > model_len:
         print(f"error: --max-model-len {max_model_len} is longer than the model's "
               f"max_position_embeddings {model_len}", file=sys.stderr)

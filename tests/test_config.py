@@ -154,6 +154,7 @@ def test_the_flag_table_in_docs_lists_every_flag():
 
 @pytest.mark.parametrize("flag, value, message", [
     ("--max-num-seqs", "0", "max_num_seqs must be at least 1"),          # EngineConfig
+    ("--max-model-len", "0", "max_model_len must be at least 1"),
     ("--gpu-memory-utilization", "2", "gpu_memory_utilization must be in (0, 1]"),
     ("--workers", "0", "--workers must be at least 1"),                   # ParallelConfig
     ("--engine-hang-timeout", "0", "--engine-hang-timeout must be positive"),  # ServerConfig
