@@ -28,7 +28,6 @@ ends its request with an error instead.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gc
 import logging
@@ -403,26 +402,3 @@ def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
     finally:
         engine.close()
 
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="one ringserve engine process")
-    p.add_argument("--control", required=True, help="path of the UNIX control socket to listen on")
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="default: by device (engine/config.py)")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--max-slots", type=int, default=64)
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
-    config = EngineConfig(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
-                          max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                          num_gpu_blocks_override=a.num_gpu_blocks_override)
-    run_engine(config, a.control, max_slots=a.max_slots)
-
-
-if __name__ == "__main__":
-    main()

@@ -20,10 +20,10 @@ from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logpro
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.runner import CompletedStep, sample_on_host
 from ringserve.gpu.sampler import SamplingMetadata
+from ringserve.gpu.settings import CPU_KV_CACHE_MEMORY_BYTES, CacheConfig, DeviceConfig
 from ringserve.gpu.weights import load_weights
 
 _BLAS = ThreadpoolController()
-DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB of K and V over all layers
 # dtype -> how the CPU backend stores weights; it always computes in float32. "bfloat16" is an
 # option that halves the bytes a decode step streams (its logits differ from float32's by bf16
 # rounding of the weights); float32 is the default and matches transformers.
@@ -35,8 +35,9 @@ class CpuModelRunner:
     device = "cpu"
     asynchronous = False  # submit() computes the step before it returns
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = "auto", block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
+    def __init__(self, model_dir: str | Path, *, dtype: str = DeviceConfig.dtype,
+                 block_size: int = CacheConfig.block_size, num_blocks: int | None = None,
+                 kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
                  num_threads: int | None = None):
         """num_threads: Numba's (and BLAS's) threads for a step, default_num_threads() by
         default; num_blocks: the KV pool, else as many blocks as kv_cache_memory_bytes holds."""
@@ -54,7 +55,7 @@ class CpuModelRunner:
         self.ops = CpuOps(c, parallel=self.num_threads > 1)
         self.block_size = block_size
         if num_blocks is None:
-            budget = DEFAULT_KV_CACHE_MEMORY_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
+            budget = CPU_KV_CACHE_MEMORY_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
             num_blocks = budget // self.bytes_per_block
         if num_blocks <= 0:
             raise ValueError(f"the KV cache holds no block: {num_blocks} blocks "

@@ -19,6 +19,8 @@ from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.devices import cupy_installed, resolve_device
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
 from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
+from ringserve.gpu.settings import (CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig,
+                                    SchedulerConfig)
 
 CUDA_DTYPES = ("auto", "float16")  # fp16 weights and KV cache, float32 accumulation
 
@@ -51,13 +53,20 @@ class Runner(Protocol):
         .prompt_logprobs, in the spec's order)."""
 
 
-def ModelRunner(model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",  # noqa: N802
-                block_size: int = 16, num_blocks: int | None = None,
-                kv_cache_memory_bytes: int | None = None, num_threads: int | None = None,
-                gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
-                max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                enforce_eager: bool = False, attention_backend: str = "auto") -> Runner:
+def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
+                dtype: str = DeviceConfig.dtype, block_size: int = CacheConfig.block_size,
+                num_blocks: int | None = None,
+                kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
+                num_threads: int | None = None,
+                gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
+                max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                max_num_batched_tokens: int = CUDA_MAX_NUM_BATCHED_TOKENS,
+                max_model_len: int | None = None, enforce_eager: bool = DeviceConfig.enforce_eager,
+                attention_backend: str = DeviceConfig.attention_backend) -> Runner:
     """The runner for `device` (named as a class: the engine, LLM and the tools construct it).
+    The settings' defaults are gpu/settings.py's; the engine passes its EngineConfig's
+    (engine/core.py _make_runner). device "cpu" unless asked (tests compare against CPU
+    references).
     device "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). kv_cache_memory_bytes
     and num_threads are the CPU backend's; the arguments after them the CUDA backend's (KV pool
     from free memory, graph ladder up to max_num_seqs, the profiling forward's size, graphs

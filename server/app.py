@@ -19,6 +19,7 @@ import msgspec
 
 from ringserve.server import protocol as P
 from ringserve.server import serving_chat, serving_completions
+from ringserve.server.config import ServerConfig
 from ringserve.server.context import ServerContext
 from ringserve.server.engine_client import EngineUnavailable
 from ringserve.server.errors import APIError, error_body
@@ -31,7 +32,7 @@ from ringserve.server.trace import (TRACE_FIELD, TRACE_HEADER, start_trace, stre
 
 log = logging.getLogger("ringserve.server")
 
-MAX_BODY_BYTES = 1 << 20
+MAX_BODY_BYTES = ServerConfig.max_body_bytes
 RECEIVE_KEY = "ringserve.receive"  # the ASGI receive callable, for the disconnect watcher
 _encode = msgspec.json.Encoder().encode
 

@@ -32,10 +32,11 @@ from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_outputs, e
                                     join_part)
 from ringserve.ipc.shm import Segment
 from ringserve.ipc.stats import EngineStats, least_loaded, score
+from ringserve.server.config import ServerConfig
 
 log = logging.getLogger("ringserve.client")
 
-DEFAULT_MAX_BACKLOG = 1024  # outputs a stream may hold untaken (--max-stream-backlog)
+DEFAULT_MAX_BACKLOG = ServerConfig.max_stream_backlog  # outputs a stream may hold untaken
 
 
 class EngineUnavailable(Exception):

@@ -5,10 +5,12 @@ one place the Gunicorn side of the deployment is written down.
 """
 import os
 
+from ringserve.server.config import ServerConfig
 from ringserve.server.metrics import mark_process_dead
 from ringserve.server.supervision import LAUNCHER_PID_ENV, die_with_parent
 
-bind = [os.environ.get("RINGSERVE_BIND", "127.0.0.1:8000")]
+# Defaults (server/config.py) only where this file is loaded without the launcher.
+bind = [os.environ.get("RINGSERVE_BIND", f"{ServerConfig.host}:{ServerConfig.port}")]
 workers = int(os.environ.get("RINGSERVE_WORKERS", "1"))
 # An ASGI worker: gthread cannot hold hundreds of open SSE streams (docs/design.md §4). Uvicorn's,
 # with header-read and idle timeouts and a way to cut a stream nobody reads (http_worker.py).
@@ -21,16 +23,16 @@ reuse_port = True
 # Hundreds of clients may connect in the same instant.
 backlog = int(os.environ.get("RINGSERVE_BACKLOG", "2048"))
 # SIGTERM: stop accepting, let open streams finish for this long, then stop the workers.
-graceful_timeout = int(float(os.environ.get("RINGSERVE_DRAIN_TIMEOUT", "30")))
+graceful_timeout = int(float(os.environ.get("RINGSERVE_DRAIN_TIMEOUT", ServerConfig.drain_timeout)))
 # A worker blocked this long (not streaming, not heartbeating) is restarted.
 timeout = 120
 # Uvicorn's timeout_keep_alive: an idle connection (none sent yet, or between two requests)
 # is closed after this many seconds (--timeout-keep-alive, as vLLM's).
-keepalive = int(os.environ.get("RINGSERVE_TIMEOUT_KEEP_ALIVE", "5"))
+keepalive = int(os.environ.get("RINGSERVE_TIMEOUT_KEEP_ALIVE", ServerConfig.timeout_keep_alive))
 # Parallel servers on one machine must not fight over one control socket file.
 control_socket_disable = True
 accesslog = os.environ.get("RINGSERVE_ACCESS_LOG") or None
-loglevel = os.environ.get("RINGSERVE_LOG_LEVEL", "info")
+loglevel = os.environ.get("RINGSERVE_LOG_LEVEL", ServerConfig.log_level)
 
 
 def child_exit(server, worker):

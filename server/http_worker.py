@@ -31,12 +31,13 @@ from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn impo
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn_worker import UvicornWorker
 
+from ringserve.server.config import ServerConfig
 from ringserve.server.sse import CLIENT_BLOCKED, CLOSE_CONNECTION
 
 # The launcher passes the flags through the environment (gunicorn_conf.py has the others).
 TIMEOUT_HEADER_READ_ENV = "RINGSERVE_TIMEOUT_HEADER_READ"
 H11_MAX_INCOMPLETE_EVENT_SIZE_ENV = "RINGSERVE_H11_MAX_INCOMPLETE_EVENT_SIZE"
-DEFAULT_TIMEOUT_HEADER_READ = 30.0
+DEFAULT_TIMEOUT_HEADER_READ = ServerConfig.timeout_header_read
 
 _HEAD_END = re.compile(b"\n\r?\n")  # where a request's head ends, as h11 finds it
 

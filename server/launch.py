@@ -38,72 +38,29 @@ from ringserve.server.supervision import (LAUNCHER_PID_ENV, die_with_parent, mak
 log = logging.getLogger("ringserve.launch")
 
 ENGINE_START_TIMEOUT_S = 600.0
-ENGINE_HANG_TIMEOUT_S = 120.0  # default --engine-hang-timeout: >10x the longest default CPU step (docs/engine.md)
 WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"  # the JSON a worker builds its app from (worker.py)
 
 
+def serve_sections() -> list[tuple[str, type]]:
+    """The settings classes whose own fields are the `serve` flags, in --help order (EngineConfig
+    brings its model fields; it inherits the next three). Imported here, not at module level: a worker
+    imports this module and must never import engine/ or gpu/ (gpu/settings.py loads neither
+    numba nor CuPy, so --help stays light)."""
+    from ringserve.engine.config import EngineConfig
+    from ringserve.gpu.settings import CacheConfig, DeviceConfig, SchedulerConfig
+    from ringserve.server.config import ParallelConfig, ServerConfig
+    from ringserve.server.protocol import RequestLimits
+    return [("model", EngineConfig), ("device", DeviceConfig), ("KV cache", CacheConfig),
+            ("scheduler", SchedulerConfig), ("processes", ParallelConfig), ("server", ServerConfig),
+            ("per-request limits (400 above them)", RequestLimits)]
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The `serve` flags, named as vLLM names them where they overlap."""
-    p.add_argument("--model", default=None,
-                   help="known model name, HF folder or .gguf file (default: the default model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) the API answers to (default: the model folder's name)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step, longer prompts are chunked (default: 8192 on cuda, "
-                        "{cpu} on cpu, where it keeps a step short: docs/engine.md)".format(
-                            cpu=_cpu_default_budget()))
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
-                   help="auto (default): cuda when CuPy is installed and a GPU is visible, else cpu")
-    p.add_argument("--dtype", default=None, help="default: float32 on cpu, float16 on cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="cuda: no CUDA graphs for decode (debugging; slower)")
-    p.add_argument("--attention-backend", default="auto", choices=("auto", "rawkernel", "numba"),
-                   help="cuda paged attention: the tuned CUDA C kernel (auto) or the Numba fallback")
-    p.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"),
-                   help="require `Authorization: Bearer <key>` on the API routes")
-    p.add_argument("--engines", type=int, default=None,
-                   help="engine processes (default: one per visible GPU on cuda, 1 on cpu)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="Gunicorn workers (default: the core count)")
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="larger request bodies get 413 (default 1 MiB)")
-    p.add_argument("--timeout-keep-alive", type=int, default=5,
-                   help="close a connection idle this many seconds (none sent yet, or between requests)")
-    p.add_argument("--timeout-header-read", type=float, default=30.0,
-                   help="close (408) a connection whose request line and headers take longer, "
-                        "counted from their first byte")
-    p.add_argument("--h11-max-incomplete-event-size", type=int, default=16384,
-                   help="largest request line + headers in bytes; larger ones get 400")
-    p.add_argument("--max-stream-backlog", type=int, default=1024,
-                   help="engine outputs a stream may hold unsent (its client is not reading) "
-                        "before the request is aborted and its connection closed")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for open streams before stopping")
-    p.add_argument("--engine-hang-timeout", type=float, default=ENGINE_HANG_TIMEOUT_S,
-                   help="an engine with no heartbeat, or one step running, for this many "
-                        "seconds is killed and restarted; its open requests fail "
-                        f"(default {ENGINE_HANG_TIMEOUT_S:.0f})")
-    p.add_argument("--log-level", default="info")
-    p.add_argument("--enable-debug-endpoints", action="store_true",
-                   help="serve GET /debug/engines and /dashboard (engines publish a snapshot)")
-    from ringserve.server.protocol import LIMIT_HELP, RequestLimits
-    for name, default in vars(RequestLimits()).items():  # per-request limits: 400 above them
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
-                       help=f"{LIMIT_HELP[name]} (default {default})")
-
-
-def _cpu_default_budget() -> int:
-    from ringserve.engine.config import CPU_MAX_NUM_BATCHED_TOKENS
-    return CPU_MAX_NUM_BATCHED_TOKENS
+    """The `serve` flags, generated from the settings classes (server/config.py add_arguments):
+    named as vLLM names them where they overlap."""
+    from ringserve.server.config import add_arguments
+    for title, cls in serve_sections():
+        add_arguments(p, cls, title)
 
 
 @dataclass
@@ -135,14 +92,22 @@ def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, 
 
 class Launcher:
     def __init__(self, args: argparse.Namespace, model_dir: Path, max_model_len: int):
-        self.args = args
+        """args: the parsed `serve` flags. Each settings class is built from them here, so a bad
+        flag fails (ValueError) before anything starts."""
+        from ringserve.engine.config import EngineConfig
+        from ringserve.gpu.devices import plan_engines
+        from ringserve.server.config import ParallelConfig, ServerConfig, from_args
+        from ringserve.server.protocol import RequestLimits
         self.model_dir = model_dir
         self.max_model_len = max_model_len
-        from ringserve.server.protocol import RequestLimits  # a bad flag fails before anything starts
-        self.request_limits = RequestLimits(**{k: getattr(args, k) for k in vars(RequestLimits())})
-        from ringserve.gpu.devices import plan_engines
+        self.server: ServerConfig = from_args(ServerConfig, args)
+        self.parallel: ParallelConfig = from_args(ParallelConfig, args)
+        self.request_limits: RequestLimits = from_args(RequestLimits, args)
         # Counted without initializing CUDA here (gpu/devices.py); one engine per GPU by default.
-        self.device, self.engine_gpus = plan_engines(args.device, args.engines)
+        self.device, self.engine_gpus = plan_engines(args.device, self.parallel.engines)
+        # With the device resolved, EngineConfig resolves its by-device defaults without CUDA.
+        self.engine_config: EngineConfig = from_args(
+            EngineConfig, args, model=str(model_dir), max_model_len=max_model_len, device=self.device)
         # What a launcher killed before its cleanup left: runtime folders, segments.
         remove_stale_runtime_dirs()
         remove_stale_segments()
@@ -153,30 +118,18 @@ class Launcher:
         self._mp = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
 
     # -- engines -----------------------------------------------------------------------------
-    def _engine_config(self):
-        from ringserve.engine.config import EngineConfig
-        a = self.args
-        return EngineConfig(
-            model=str(self.model_dir), max_model_len=self.max_model_len,
-            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-            block_size=a.block_size, num_gpu_blocks_override=a.num_gpu_blocks_override,
-            gpu_memory_utilization=a.gpu_memory_utilization,
-            enable_prefix_caching=a.enable_prefix_caching, device=self.device,
-            dtype=a.dtype or ("float16" if self.device == "cuda" else "float32"), seed=a.seed,
-            enforce_eager=a.enforce_eager, attention_backend=a.attention_backend)
-
     def _debug_path(self, index: int) -> str | None:
         """Where engine `index` publishes its debug snapshot (None: debug endpoints off)."""
-        if not getattr(self.args, "enable_debug_endpoints", False):
+        if not self.server.enable_debug_endpoints:
             return None
         return str(self.runtime / f"engine-{index}.debug.json")
 
     def _start_engine(self, index: int) -> _Engine:
         path = str(self.runtime / f"engine-{index}.sock")
         proc = self._mp.Process(target=_engine_main,
-                                args=(self.engine_gpus[index], self._engine_config(), path,
+                                args=(self.engine_gpus[index], self.engine_config, path,
                                       os.getpid()),
-                                kwargs={"max_slots": max(64, 2 * self.args.workers),
+                                kwargs={"max_slots": max(64, 2 * self.parallel.workers),
                                         "debug_path": self._debug_path(index)},
                                 name=f"ringserve-engine-{index}", daemon=False)
         proc.start()
@@ -212,7 +165,7 @@ class Launcher:
 
     # -- gunicorn ----------------------------------------------------------------------------
     def _start_gunicorn(self) -> subprocess.Popen:
-        a = self.args
+        a = self.server
         prom = self.runtime / "prometheus"
         prom.mkdir()
         names = a.served_model_name or [self.model_dir.name]
@@ -227,12 +180,12 @@ class Launcher:
             "max_stream_backlog": a.max_stream_backlog,
             "control_paths": [e.control_path for e in self.engines],
             "debug_paths": ([self._debug_path(e.index) for e in self.engines]
-                            if getattr(a, "enable_debug_endpoints", False) else None),
+                            if a.enable_debug_endpoints else None),
         }
         env = dict(os.environ,
                    PROMETHEUS_MULTIPROC_DIR=str(prom),
                    RINGSERVE_BIND=f"{a.host}:{a.port}",
-                   RINGSERVE_WORKERS=str(a.workers),
+                   RINGSERVE_WORKERS=str(self.parallel.workers),
                    RINGSERVE_DRAIN_TIMEOUT=str(a.drain_timeout),
                    RINGSERVE_LOG_LEVEL=a.log_level,
                    RINGSERVE_TIMEOUT_KEEP_ALIVE=str(a.timeout_keep_alive),
@@ -270,8 +223,8 @@ class Launcher:
                      blocks, bs, blocks * bs)
         log.info("serving %s (%s) as %s on http://%s:%d with %d workers, max_model_len %d",
                  self.model_dir.name, self.model_dir,
-                 ", ".join(self.args.served_model_name or [self.model_dir.name]),
-                 self.args.host, self.args.port, self.args.workers, self.max_model_len)
+                 ", ".join(self.server.served_model_name or [self.model_dir.name]),
+                 self.server.host, self.server.port, self.parallel.workers, self.max_model_len)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -294,12 +247,12 @@ class Launcher:
                 if not e.process.is_alive():
                     log.error("engine %d died (exit code %s); restarting it", e.index,
                               e.process.exitcode)
-                elif e.stats is not None and (why := hang_reason(e.stats, self.args.engine_hang_timeout)):
+                elif e.stats is not None and (why := hang_reason(e.stats, self.server.engine_hang_timeout)):
                     # SIGKILL works on a stopped process too. Its control sockets close: the
                     # workers fail its open requests and reconnect to the new one.
                     log.error("engine %d (pid %d) is hung: %s (--engine-hang-timeout %g); "
                               "killing and restarting it", e.index, e.process.pid, why,
-                              self.args.engine_hang_timeout)
+                              self.server.engine_hang_timeout)
                     e.process.kill()
                     e.process.join()
                 else:
@@ -320,10 +273,10 @@ class Launcher:
     def shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if self.gunicorn is not None and self.gunicorn.poll() is None:
-            log.info("draining open streams (up to %.0f s)", self.args.drain_timeout)
+            log.info("draining open streams (up to %.0f s)", self.server.drain_timeout)
             self.gunicorn.send_signal(signal.SIGTERM)  # graceful: workers finish their streams
             try:
-                self.gunicorn.wait(self.args.drain_timeout + 10)
+                self.gunicorn.wait(self.server.drain_timeout + 10)
             except subprocess.TimeoutExpired:
                 self.gunicorn.kill()
                 self.gunicorn.wait()
@@ -374,21 +327,10 @@ def serve_command(args: argparse.Namespace) -> int:
     except ModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    max_model_len = args.max_model_len or model_len
+    max_model_len = model_len if args.max_model_len is None else args.max_model_len
     if max_model_len > model_len:
         print(f"error: --max-model-len {max_model_len} is longer than the model's "
               f"max_position_embeddings {model_len}", file=sys.stderr)
-        return 1
-    for flag in ("engines", "workers", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "timeout_keep_alive", "h11_max_incomplete_event_size", "max_stream_backlog"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            print(f"error: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return 1
-    if not args.engine_hang_timeout > 0:
-        print("error: --engine-hang-timeout must be positive", file=sys.stderr)
-        return 1
-    if not args.timeout_header_read > 0:
-        print("error: --timeout-header-read must be positive", file=sys.stderr)
         return 1
     if (busy := _address_in_use(args.host, args.port)) is not None:
         print(f"error: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr)

@@ -8,6 +8,7 @@ body from costing the server much more than its size. Every failure is an `APIEr
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import uuid
@@ -25,34 +26,33 @@ from ringserve.server.errors import APIError, bad_request, from_validation_error
 TokenId = Annotated[int, Meta(ge=limits.TOKEN_ID.lo)]
 
 
+def _limit(default: int, help: str):
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request may ask for: each field is the `ringserve serve` flag of its name
-    (LIMIT_HELP), with a default no real client reaches. Each bounds work or memory that a
-    small body could otherwise multiply."""
-    max_logprobs: int = 20                     # vLLM's flag and default
-    max_choices_per_request: int = 1024
-    max_stop_strings: int = 64
-    max_stop_bytes: int = 4096
-    max_stop_token_ids: int = 1024
-    max_response_logprobs: int = 1 << 21     # n=8 x 8k tokens x 21 fits; ~100 B of worker memory each
+    (server/config.py add_arguments), with a default no real client reaches. Each bounds work
+    or memory that a small body could otherwise multiply."""
+    max_logprobs: int = _limit(20, "most logprobs / top_logprobs a request may ask for "
+                                   "(vLLM's flag and default)")
+    max_choices_per_request: int = _limit(1024, "most engine requests one request may start: "
+                                                "prompts x n")
+    max_stop_strings: int = _limit(64, "most stop strings per request (each is searched at "
+                                       "every token)")
+    max_stop_bytes: int = _limit(4096, "most UTF-8 bytes of a request's stop strings together")
+    max_stop_token_ids: int = _limit(1024, "most stop_token_ids per request")
+    # n=8 x 8k tokens x 21 fits; ~100 B of worker memory each
+    max_response_logprobs: int = _limit(1 << 21, "most logprob entries one answer may hold: "
+                                                 "choices x tokens (echoed prompt included) x "
+                                                 "(1 + logprobs)")
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if value < (0 if name == "max_logprobs" else 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least "
                                  f"{0 if name == 'max_logprobs' else 1}, got {value}")
-
-
-LIMIT_HELP = {
-    "max_logprobs": "most logprobs / top_logprobs a request may ask for (vLLM's flag)",
-    "max_choices_per_request": "most engine requests one request may start: prompts x n",
-    "max_stop_strings": "most stop strings per request (each is searched at every token)",
-    "max_stop_bytes": "most UTF-8 bytes of a request's stop strings together",
-    "max_stop_token_ids": "most stop_token_ids per request",
-    "max_response_logprobs": "most logprob entries one answer may hold: choices x tokens "
-                             "(echoed prompt included) x (1 + logprobs)",
-}
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):

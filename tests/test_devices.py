@@ -72,25 +72,28 @@ def _serve_args(argv):
 def test_serve_flags_reach_the_engine_config(tiny_model_dir, monkeypatch):
     from ringserve.server.launch import Launcher
     a = _serve_args([])
-    assert (a.device, a.engines, a.enforce_eager, a.attention_backend) == (None, None, False, "auto")
+    assert (a.device, a.dtype, a.engines, a.enforce_eager, a.attention_backend) == (
+        "auto", "auto", None, False, "auto")
     with pytest.raises(SystemExit):
         _serve_args(["--attention-backend", "triton"])
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,4")
-    a = _serve_args(["--device", "cuda", "--enforce-eager", "--attention-backend", "numba"])
+    a = _serve_args(["--device", "cuda", "--enforce-eager", "--attention-backend", "numba",
+                     "--dtype", "float16"])
     launcher = Launcher(a, tiny_model_dir, 64)
     try:
         assert launcher.engine_gpus == ["1", "4"]   # --engines defaults to the GPU count
-        c = launcher._engine_config()
+        c = launcher.engine_config
         assert (c.device, c.dtype, c.enforce_eager, c.attention_backend) == ("cuda", "float16", True, "numba")
+        assert c.max_num_batched_tokens == 8192     # the by-device default, resolved for cuda
     finally:
         shutil.rmtree(launcher.runtime)
 
     launcher = Launcher(_serve_args(["--device", "cpu"]), tiny_model_dir, 64)
     try:
         assert launcher.engine_gpus == [None]
-        c = launcher._engine_config()
-        assert (c.device, c.dtype, c.enforce_eager) == ("cpu", "float32", False)
+        c = launcher.engine_config
+        assert (c.device, c.dtype, c.enforce_eager, c.max_num_batched_tokens) == ("cpu", "auto", False, 512)
     finally:
         shutil.rmtree(launcher.runtime)
 

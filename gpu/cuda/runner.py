@@ -31,6 +31,8 @@ from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.sampler import Logprobs, SamplingMetadata
+from ringserve.gpu.settings import (CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig,
+                                    SchedulerConfig)
 
 log = logging.getLogger(__name__)
 NUMBA_THREADS = 128  # threads per block of the Numba kernels in the forward
@@ -110,11 +112,13 @@ class CudaModelRunner:
     device = "cuda"
     asynchronous = True  # submit() only enqueues the step
 
-    def __init__(self, config: ModelConfig, weights: dict, *, block_size: int = 16,
-                 num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_model_len: int | None = None, enforce_eager: bool = False,
-                 attention_backend: str = "auto"):
+    def __init__(self, config: ModelConfig, weights: dict, *,
+                 block_size: int = CacheConfig.block_size, num_blocks: int | None = None,
+                 gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
+                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
+                 max_num_batched_tokens: int = CUDA_MAX_NUM_BATCHED_TOKENS,
+                 max_model_len: int | None = None, enforce_eager: bool = DeviceConfig.enforce_eager,
+                 attention_backend: str = DeviceConfig.attention_backend):
         """weights: HF names -> numpy or CuPy arrays (gpu_check makes them on the GPU).
         attention_backend: "rawkernel" (attention.cu, the fast path), "numba", or "auto" (the
         RawKernel where it handles the head size: gpu/cuda/launch.attention_backend_for)."""

@@ -1,0 +1,135 @@
+"""The frontend's settings (ServerConfig, ParallelConfig) and the one way a settings dataclass
+becomes command-line flags (add_arguments, from_args).
+
+Every setting is a dataclass field that holds its default, its help text (metadata "help") and
+its choices (metadata "choices"), and its class checks it in __post_init__. `ringserve serve`'s
+flags are generated from these classes, engine/config.py's EngineConfig and
+server/protocol.py's RequestLimits (server/launch.py add_serve_arguments): the flag of field
+`max_num_seqs` is `--max-num-seqs`. The server modules take their defaults from here. This
+module imports nothing of ringserve: a worker may import it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields
+
+API_KEY_ENV = "RINGSERVE_API_KEY"  # --api-key's default
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How many processes serve."""
+    engines: int | None = field(default=None, metadata={
+        "help": "engine processes (default: one per visible GPU on cuda, 1 on cpu)"})
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1, metadata={
+        "help": "Gunicorn workers: HTTP, tokenization and detokenization (default: the core "
+                "count)"})
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "engines", "workers")
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    """The HTTP server: where it listens, who may call it, its limits and timeouts."""
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    served_model_name: list[str] | None = field(default=None, metadata={
+        "help": "name(s) the API answers to (default: the model folder's name)"})
+    api_key: str | None = field(default_factory=lambda: os.environ.get(API_KEY_ENV), metadata={
+        "help": f"require `Authorization: Bearer <key>` on the API routes (default: "
+                f"${API_KEY_ENV}; none: no key)"})
+    max_body_bytes: int = field(default=1 << 20, metadata={
+        "help": "larger request bodies get 413"})
+    timeout_keep_alive: int = field(default=5, metadata={
+        "help": "close a connection idle this many seconds (none sent yet, or between requests)"})
+    timeout_header_read: float = field(default=30.0, metadata={
+        "help": "close (408) a connection whose request line and headers take longer, counted "
+                "from their first byte"})
+    h11_max_incomplete_event_size: int = field(default=16384, metadata={
+        "help": "largest request line + headers in bytes; a larger head gets 431 and the "
+                "connection is closed"})
+    max_stream_backlog: int = field(default=1024, metadata={
+        "help": "engine outputs a stream may hold unsent (its client is not reading) before "
+                "the request is aborted and its connection closed"})
+    drain_timeout: float = field(default=30.0, metadata={
+        "help": "seconds SIGTERM waits for open streams before stopping"})
+    # >10x the longest default CPU step (docs/engine.md).
+    engine_hang_timeout: float = field(default=120.0, metadata={
+        "help": "an engine with no heartbeat, or one step running, for this many seconds is "
+                "killed and restarted; its open requests fail"})
+    log_level: str = field(default="info", metadata={
+        "choices": ("critical", "error", "warning", "info", "debug"), "help": "log level"})
+    enable_debug_endpoints: bool = field(default=False, metadata={
+        "help": "serve GET /debug/engines and /dashboard (engines publish a snapshot)"})
+
+    def __post_init__(self) -> None:
+        _at_least(self, 1, "max_body_bytes", "timeout_keep_alive", "h11_max_incomplete_event_size",
+                  "max_stream_backlog")
+        for name in ("timeout_header_read", "engine_hang_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be at least 0, got {self.drain_timeout}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _at_least(obj, low: int, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < low:
+            raise ValueError(f"{_flag(name)} must be at least {low}, got {value}")
+
+
+# -- flags from fields ---------------------------------------------------------------------
+
+def own_fields(cls: type) -> list[Field]:
+    """The fields `cls` declares itself (not those it inherits)."""
+    own = vars(cls).get("__annotations__", {})
+    return [f for f in fields(cls) if f.name in own]
+
+
+def field_default(f: Field):
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One flag per field `cls` declares itself (own_fields), in a group named `title`:
+    the name from the field's, type, default, choices and help from the field. A bool is
+    `--x/--no-x` (vLLM's way); a `list[...]` takes one or more values. A plain default is shown in --help;
+    one made by a factory (the core count, an environment variable) is described by the help."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in own_fields(cls):
+        kind = hints[f.name]
+        args = typing.get_args(kind)
+        if type(None) in args:  # X | None
+            kind = next(a for a in args if a is not type(None))
+        help_text = f.metadata["help"]
+        kwargs: dict = {"default": field_default(f), "dest": f.name}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            if typing.get_origin(kind) is list:
+                kind, kwargs["nargs"] = typing.get_args(kind)[0], "+"
+            kwargs["type"] = kind
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+        if f.default is not MISSING and f.default is not None:
+            help_text += " (default: %(default)s)"
+        group.add_argument(_flag(f.name), help=help_text, **kwargs)
+
+
+def from_args(cls: type, args: argparse.Namespace, **overrides):
+    """`cls` built from the parsed flags of its fields (all of them, inherited too)."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls)}
+    return cls(**{**values, **overrides})
