@@ -1,15 +1,19 @@
-"""The engine core: one loop of schedule -> execute -> update per step (docs/design.md §1.3).
+"""The engine core: one loop of schedule -> execute -> update per step (docs/design.md §1.3),
+as vLLM V1's EngineCore. The parts live beside it, one idea each:
 
-Refusals: a request that can never run (empty prompt, ids outside the vocabulary, prompt +
-max_tokens over max_model_len, or more blocks than the whole pool) is not queued; it comes back
-from the next step() as a finished RequestOutput with finish_reason "error" and the message in
-`.error` — the one answer that can travel back over the ipc rings. Invalid SamplingParams raise
-ValueError when they are built, in the frontend. An abort comes back the same way, with
-finish_reason "abort". So every sample of every request gets exactly one finished output.
+    request_checks.py    can a request ever run? (checked once, in add_request)
+    scheduler.py         schedule: which requests run, how many tokens each
+    inputs.py            execute: the step's Batch
+    sampling_metadata.py execute: the step's sampling rows
+    logprobs.py          execute/update: prompt-logprob rows out, logprobs back to requests
+    stop.py              update: check_stop, the one stop rule
+    recovery.py          a failed step: which request is at fault
 
-prompt_logprobs: the runner scores the prompt tokens of the rows each prefill chunk computes
-(vLLM V1 semantics; such a request does not read the prefix cache); they come back once, on the
-request's first output, as [None, position 1, ...].
+Refusals and aborts: a request that can never run is not queued; it comes back from the next
+step() as a finished RequestOutput with finish_reason "error" and the message in `.error`.
+Invalid SamplingParams raise ValueError when they are built, in the frontend. An abort comes
+back the same way, with finish_reason "abort". So every sample of every request gets exactly
+one finished output.
 
 Fault isolation: nothing one request carries may stop the others. A sampling row that raises
 ends its request (every sample) with finish_reason "error" and the others are sampled as usual
@@ -28,7 +32,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import Sequence
 
@@ -37,17 +40,21 @@ import numpy as np
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.inputs import build_batch
 from ringserve.engine.kv_cache import KVCacheManager
-from ringserve.engine.outputs import Logprob, PositionLogprobs, RequestOutput, SchedulerStats
+from ringserve.engine.logprobs import (PromptLogprobsOwners, position_logprobs,
+                                       prompt_logprobs_spec, take_prompt_logprobs)
+from ringserve.engine.outputs import RequestOutput, SchedulerStats
+from ringserve.engine.recovery import MAX_FAILED_STEPS, find_culprits
 from ringserve.engine.request import Request
+from ringserve.engine.request_checks import check_request
+from ringserve.engine.sampling_metadata import build_sampling_metadata
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
+from ringserve.engine.stop import check_stop
 from ringserve.engine.trace import EngineTracer
-from ringserve.gpu.batch import Batch
-from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
-from ringserve.gpu.sampler import Logprobs, SamplerOutput, SamplingMetadata, sample
+from ringserve.gpu.sampler import SamplerOutput
 
 log = logging.getLogger("ringserve.engine")
-MAX_FAILED_STEPS = 3   # whole steps failing in a row with no request at fault: the device is broken
+__all__ = ["EngineCore", "InFlightStep", "MAX_FAILED_STEPS"]
 
 
 @dataclass
@@ -56,7 +63,7 @@ class InFlightStep:
     sched: SchedulerOutput
     reqs: list[Request]              # the requests sampled this step, in the runner's row order
     handle: object | None            # runner.submit(...): result() -> SamplerOutput; None: nothing ran
-    prompt_rows: list[tuple[Request, int]]  # requests scoring prompt tokens, how many each, in order
+    prompt_rows: PromptLogprobsOwners  # requests scoring prompt tokens, how many each, in order
     outputs: list[RequestOutput]     # refusals and aborts queued before the step
     start: float                     # monotonic start (tracing only)
     error: Exception | None = None   # launching it raised: finish_step recovers (_recover)
@@ -88,7 +95,6 @@ class EngineCore:
         # (request id, sample index, error message) of aborts that came while a step was in flight
         self._deferred_aborts: list[tuple[str, int | None, str | None]] = []
         self._failed_steps = 0                                # whole steps failed in a row
-        self._arrivals = 0
         self.stats = SchedulerStats()
         self.num_steps = 0
         self.tracer = EngineTracer(self)                      # records only traced requests
@@ -102,7 +108,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         # One C call, no per-token Python int: an int32 array from the rings is taken as it is.
         prompt = np.asarray(prompt_token_ids)
-        error, max_tokens = self._check(prompt, params)
+        error, max_tokens = check_request(prompt, params, vocab_size=self.vocab_size,
+                                          max_model_len=self.max_model_len,
+                                          max_num_seqs=self.scheduler.max_num_seqs, kv=self.kv)
         if error is not None:  # one error output per sample (one for an n refused as too large)
             samples = params.n if params.n <= self.scheduler.max_num_seqs else 1
             self._pending.extend(RequestOutput(request_id, [], True, "error", index=i, error=error,
@@ -112,57 +120,17 @@ class EngineCore:
         prompt = prompt.astype(np.int32, copy=False)
         sharing_salt = request_id if params.n > 1 and not self.config.enable_prefix_caching else None
         # Every sample is made before any is queued: a request that raises here leaves nothing.
-        group = [Request(request_id, prompt, params, arrival=self._arrivals + i, index=i,
+        group = [Request(request_id, prompt, params, index=i,
                          eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
                          max_tokens=max_tokens, cache_salt=sharing_salt,
                          generator=(np.random.default_rng(params.seed + i) if params.seed is not None
                                     else None if params.greedy else self.generator))
                  for i in range(params.n)]
-        self._arrivals += params.n
         for req in group:
             if trace:
                 self.tracer.watch(req)
             self.scheduler.add(req)
         self.groups[request_id] = group
-
-    def _check(self, prompt: np.ndarray, params: SamplingParams) -> tuple[str | None, int]:
-        """(why the request can never run, or None; its max_tokens resolved)."""
-        n = len(prompt)
-        if n == 0:
-            return "the prompt is empty", 0
-        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-            return f"token ids must be integers below the vocabulary size {self.vocab_size}", 0
-        bad = prompt[(prompt < 0) | (prompt >= self.vocab_size)]
-        if len(bad):
-            return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", 0
-        # The other id lists and counts over the vocabulary: checked here too, whoever wrote
-        # the record (an id past the vocabulary indexes past a row of logits, on the GPU too).
-        vocab = self.vocab_size
-        for t in params.stop_token_ids:
-            if not 0 <= t < vocab:
-                return (f"stop_token_ids: token id {t} is outside the vocabulary "
-                        f"(size {vocab})"), 0
-        if params.n > self.scheduler.max_num_seqs:  # n Request objects are made at once
-            return (f"n must be at most max_num_seqs ({self.scheduler.max_num_seqs}), got "
-                    f"{params.n}"), 0
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and not 0 <= k <= vocab:
-                return f"{name} must be between 0 and the vocabulary size {vocab}, got {k}", 0
-        if n >= self.max_model_len:
-            return (f"This model's maximum context length is {self.max_model_len} tokens, "
-                    f"but the prompt has {n} tokens and at least one token must be generated."), 0
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
-        if n + max_tokens > self.max_model_len:
-            return (f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                    f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for "
-                    f"the completion)."), 0
-        # The last sampled token is never written to the cache.
-        blocks = self.kv.blocks_needed(n + max_tokens - 1)
-        if blocks > self.kv.num_blocks:
-            return (f"the request needs {blocks} KV-cache blocks ({n} prompt + {max_tokens} "
-                    f"completion tokens) but the whole pool has {self.kv.num_blocks}"), 0
-        return None, max_tokens
 
     def abort_request(self, request_id: str, index: int | None = None,
                       error: str | None = None) -> None:
@@ -182,6 +150,11 @@ class EngineCore:
                                                    num_prompt_tokens=req.num_prompt_tokens,
                                                    error=error))
         self._forget_if_done(request_id)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        group = self.groups.get(request_id)
+        if group is not None and all(r.is_finished for r in group):
+            del self.groups[request_id]
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -206,35 +179,39 @@ class EngineCore:
         return self.finish_step(self.launch_step())
 
     def launch_step(self) -> InFlightStep:
-        """Schedule, build the batch and sampling rows, and hand them to the runner, which
-        may return before the device is done (CUDA). Until finish_step, the caller may do host
-        work that does not change this step: deliver the previous step's outputs, add requests
-        (they wait for the next schedule), abort (applied in finish_step, after this step's
-        tokens). Results are the same as step()'s."""
+        """Schedule, then execute: hand the step to the runner, which may return before the
+        device is done (CUDA). Until finish_step, the caller may do host work that does not
+        change this step: deliver the previous step's outputs, add requests (they wait for the
+        next schedule), abort (applied in finish_step, after this step's tokens). Results are
+        the same as step()'s."""
         if self._in_flight is not None:
             raise RuntimeError("launch_step: the previous step is not finished")
         outputs, self._pending = self._pending, []
-        tracing = self.tracer.active
-        start = time.monotonic() if tracing else 0.0
-        sched = self.scheduler.schedule()
+        start = time.monotonic() if self.tracer.active else 0.0
+        sched = self.scheduler.schedule()                                   # 1. schedule
         step = self._in_flight = InFlightStep(sched, [], None, [], outputs, start)
         if sched.scheduled:
             try:
-                batch = build_batch(sched, self.kv)
-                if tracing:
-                    self.tracer.on_scheduled(self.num_steps, start, sched, batch)
-                rows = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
-                step.reqs = reqs = [sched.scheduled[i].request for i in rows]
-                spec, step.prompt_rows = _prompt_logprobs_spec(sched, batch)
-                step.handle = self.runner.submit(batch, np.asarray(rows, np.int64),
-                                                 self._sampling_metadata(reqs) if reqs else None, spec)
+                self._execute(step)                                         # 2. execute
             except Exception as e:  # noqa: BLE001 - finish_step finds the request(s) at fault
                 step.error = e
         return step
 
+    def _execute(self, step: InFlightStep) -> None:
+        """Build the step's batch, sampling rows and prompt-logprob rows; submit them."""
+        sched = step.sched
+        batch = build_batch(sched, self.kv)
+        if self.tracer.active:
+            self.tracer.on_scheduled(self.num_steps, step.start, sched, batch)
+        rows = [i for i, s in enumerate(sched.scheduled) if s.samples_token]
+        step.reqs = reqs = [sched.scheduled[i].request for i in rows]
+        spec, step.prompt_rows = prompt_logprobs_spec(sched, batch)
+        step.handle = self.runner.submit(batch, np.asarray(rows, np.int64),
+                                         build_sampling_metadata(reqs) if reqs else None, spec)
+
     def finish_step(self, step: InFlightStep) -> list[RequestOutput]:
-        """Wait for the step's tokens, append them, check stops; then the aborts that came
-        while it ran. Returns the step's outputs (with the refusals queued before it)."""
+        """Wait for the step's tokens and update: append them, check stops; then the aborts
+        that came while it ran. Returns the step's outputs (with the refusals queued before it)."""
         if step is not self._in_flight:
             raise RuntimeError("finish_step: not the step in flight")
         outputs = step.outputs
@@ -244,9 +221,9 @@ class EngineCore:
                 if step.error is not None:
                     raise step.error
                 result = step.handle.result()
-                applied = True
+                applied = True                                              # 3. update
                 self.scheduler.update_after_step(step.sched)
-                _take_prompt_logprobs(step.prompt_rows, result.prompt_logprobs)
+                take_prompt_logprobs(step.prompt_rows, result.prompt_logprobs)
                 outputs.extend(self.update(step.reqs, result))
                 self._failed_steps = 0
             except Exception as e:  # noqa: BLE001 - ends the request(s) at fault, not the engine
@@ -269,6 +246,7 @@ class EngineCore:
         check stops, finish (blocks freed now)."""
         # Once per running request per step: the plain attributes, not the properties.
         outputs = []
+        max_model_len = self.max_model_len
         rows = enumerate(zip(reqs, result.token_ids.tolist()))
         if result.failed:  # rare: rows whose sampling raised end their request (gpu/sampler.py)
             for j, why in result.failed.items():
@@ -284,10 +262,10 @@ class EngineCore:
                                         num_cached_tokens=req.num_cached_tokens)
                     params = req.params
                     if params.logprobs is not None:
-                        out.new_logprobs = [_position_logprobs(result.logprobs, j, params.logprobs)]
+                        out.new_logprobs = [position_logprobs(result.logprobs, j, params.logprobs)]
                     if params.prompt_logprobs is not None and req.index == 0 and len(req.output_token_ids) == 1:
                         out.prompt_logprobs = [None, *req.prompt_logprobs]
-                    reason = self._stop_reason(req, token)
+                    reason = check_stop(req, token, max_model_len)
                     if reason is not None:
                         self.scheduler.finish(req, reason)
                         out.finished, out.finish_reason, out.stop_reason = True, reason, req.stop_reason
@@ -298,95 +276,6 @@ class EngineCore:
                 log.exception("request %s failed in the step's update", req.request_id)
                 self.abort_request(req.request_id, error=f"the engine failed this request: "
                                                          f"{type(e).__name__}: {e}")
-
-    def _recover(self, step: InFlightStep, exc: Exception, retry: bool) -> None:
-        """A step raised (exc). retry: nothing of it was applied, so the requests not at fault
-        can run it again; each sampled request is checked alone (its sampling row built and
-        drawn on neutral logits) to find those at fault, which end with "error". When none is
-        (or nothing can be retried), every request of the step ends with "error". The aborts
-        are deferred to the end of finish_step, which sends them with the step's outputs."""
-        culprits = {}
-        if retry:
-            for s in step.sched.scheduled:
-                if s.completes_prefill and s.request.request_id not in culprits:
-                    why = self._probe(s.request)
-                    if why is not None:
-                        culprits[s.request.request_id] = why
-        if culprits:
-            self._failed_steps = 0
-            log.warning("step %d raised %s: %s; ended %d request(s) at fault, the other %d "
-                        "run it again", self.num_steps, type(exc).__name__, exc, len(culprits),
-                        len({s.request.request_id for s in step.sched.scheduled}) - len(culprits))
-            for request_id, why in culprits.items():
-                self.abort_request(request_id, error=f"the engine could not sample this request: {why}")
-            return
-        self._failed_steps += 1
-        log.error("step %d failed (%d in a row); its %d requests end with an error",
-                  self.num_steps, self._failed_steps, len(step.sched.scheduled), exc_info=exc)
-        for s in step.sched.scheduled:
-            # Its blocks' K/V may never have been written: not to be found by the prefix cache.
-            self.kv.uncache(s.request)
-            self.abort_request(s.request.request_id,
-                               error=f"the engine step failed: {type(exc).__name__}: {exc}")
-        if self._failed_steps >= MAX_FAILED_STEPS:
-            raise RuntimeError(f"{self._failed_steps} engine steps failed in a row") from exc
-
-    def _probe(self, req: Request) -> str | None:
-        """Why this request's sampling raises on its own (on neutral logits, with a throwaway
-        generator: the request's own draws are untouched), or None."""
-        try:
-            meta = self._sampling_metadata([req])
-            meta.generators = [None if g is None else np.random.default_rng(0) for g in meta.generators]
-            out = sample(np.zeros((1, self.vocab_size), np.float32), meta)
-            if out.failed:
-                return next(iter(out.failed.values()))
-            if req.params.logprobs is not None:
-                _position_logprobs(out.logprobs, 0, req.params.logprobs)
-        except Exception as e:  # noqa: BLE001 - that is the answer
-            return f"{type(e).__name__}: {e}"
-        return None
-
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        num_output = len(req.output_token_ids)
-        if num_output >= req.params.min_tokens:
-            if token in req.eos_token_ids:
-                return "stop"
-            if token in req.params.stop_token_ids:
-                req.stop_reason = token
-                return "stop"
-        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
-            return "length"
-        return None
-
-    def _forget_if_done(self, request_id: str) -> None:
-        group = self.groups.get(request_id)
-        if group is not None and all(r.is_finished for r in group):
-            del self.groups[request_id]
-
-    def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
-        # One flat pass (np.array over a list of tuples is ~1.5x slower).
-        rows = np.fromiter(chain.from_iterable(r.sampling_row for r in reqs), np.float32,
-                           4 * len(reqs)).reshape(-1, 4)
-        meta = SamplingMetadata(temperature=rows[:, 0], top_k=rows[:, 1].astype(np.int32),
-                                top_p=rows[:, 2], min_p=rows[:, 3],
-                                generators=[r.generator for r in reqs])
-        special = [r for r in reqs if r.has_sampling_extras]
-        if not special:                                   # the common case: nothing more to do
-            return meta
-        ps = [r.params for r in reqs]
-        if any(r.params.has_penalties for r in special):
-            meta.presence_penalty = np.array([p.presence_penalty for p in ps], np.float32)
-            meta.frequency_penalty = np.array([p.frequency_penalty for p in ps], np.float32)
-            meta.repetition_penalty = np.array([p.repetition_penalty for p in ps], np.float32)
-            meta.prompt_token_ids = [r.prompt_token_ids for r in reqs]
-            meta.output_token_ids = [r.output_token_ids for r in reqs]
-        if any(r.num_output_tokens < r.params.min_tokens for r in special):
-            meta.banned_token_ids = [
-                list(r.eos_token_ids) + r.params.stop_token_ids
-                if r.num_output_tokens < r.params.min_tokens else () for r in reqs]
-        wanted = [r.params.logprobs for r in special if r.params.logprobs is not None]
-        meta.max_num_logprobs = max(wanted) if wanted else None
-        return meta
 
     def _record_stats(self, sched: SchedulerOutput) -> None:
         queries, hits = self.kv.take_stats()
@@ -402,51 +291,33 @@ class EngineCore:
             num_scheduled_reqs=len(sched.scheduled),
         )
 
+    # -- a step that raised (engine/recovery.py) -----------------------------------------------
 
-def _position_logprobs(lps: Logprobs, row: int, num_top: int) -> PositionLogprobs:
-    """The sampled token's logprob and rank, then the request's own top-N."""
-    ids, vals = lps.token_ids[row], lps.logprobs[row]
-    out: PositionLogprobs = {int(ids[0]): Logprob(float(vals[0]), int(lps.sampled_rank[row]))}
-    for rank in range(1, num_top + 1):
-        out.setdefault(int(ids[rank]), Logprob(float(vals[rank]), rank))
-    return out
-
-
-def _prompt_logprobs_spec(sched: SchedulerOutput, batch: Batch,
-                          ) -> tuple[PromptLogprobsSpec | None, list[tuple[Request, int]]]:
-    """The rows of this step's batch whose logits score a prompt token: for a request that
-    asked for prompt_logprobs, each computed position p < num_prompt - 1 not yet scored (p's
-    logits predict prompt token p + 1). Also which request owns how many of them, in order."""
-    rows, targets, owners = [], [], []
-    for i, s in enumerate(sched.scheduled):
-        req = s.request
-        if req.params.prompt_logprobs is None or not req.needs_prompt_logprobs:
-            continue
-        # Positions before len(req.prompt_logprobs) were scored in an earlier step (or before
-        # a preemption); the prefix cache is not read, so nothing between is skipped.
-        first = max(s.num_computed_tokens, len(req.prompt_logprobs))
-        end = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
-        if first >= end:
-            continue
-        assert first == len(req.prompt_logprobs), "prompt positions computed but never scored"
-        start = int(batch.query_start_loc[i]) - s.num_computed_tokens
-        rows.append(np.arange(start + first, start + end, dtype=np.int64))
-        targets.append(req.prompt_token_ids[first + 1:end + 1])
-        owners.append((req, end - first))
-    if not owners:
-        return None, []
-    num_top = max(req.params.prompt_logprobs for req, _ in owners)
-    return PromptLogprobsSpec(np.concatenate(rows), np.concatenate(targets).astype(np.int32),
-                              num_top), owners
-
-
-def _take_prompt_logprobs(owners: list[tuple[Request, int]], lps: Logprobs | None) -> None:
-    """Hand each request its rows of the step's prompt logprobs (spec order)."""
-    at = 0
-    for req, count in owners:
-        num_top = req.params.prompt_logprobs
-        req.prompt_logprobs.extend(_position_logprobs(lps, j, num_top) for j in range(at, at + count))
-        at += count
+    def _recover(self, step: InFlightStep, exc: Exception, retry: bool) -> None:
+        """A step raised (exc). retry: nothing of it was applied, so the requests not at fault
+        can run it again once those at fault (recovery.find_culprits) end with "error". When
+        none is (or nothing can be retried), every request of the step ends with "error". The
+        aborts are deferred to the end of finish_step, which sends them with the step's outputs."""
+        scheduled = step.sched.scheduled
+        culprits = find_culprits(scheduled, self.vocab_size) if retry else {}
+        if culprits:
+            self._failed_steps = 0
+            log.warning("step %d raised %s: %s; ended %d request(s) at fault, the other %d "
+                        "run it again", self.num_steps, type(exc).__name__, exc, len(culprits),
+                        len({s.request.request_id for s in scheduled}) - len(culprits))
+            for request_id, why in culprits.items():
+                self.abort_request(request_id, error=f"the engine could not sample this request: {why}")
+            return
+        self._failed_steps += 1
+        log.error("step %d failed (%d in a row); its %d requests end with an error",
+                  self.num_steps, self._failed_steps, len(scheduled), exc_info=exc)
+        for s in scheduled:
+            # Its blocks' K/V may never have been written: not to be found by the prefix cache.
+            self.kv.uncache(s.request)
+            self.abort_request(s.request.request_id,
+                               error=f"the engine step failed: {type(exc).__name__}: {exc}")
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{self._failed_steps} engine steps failed in a row") from exc
 
 
 def _make_runner(config: EngineConfig):

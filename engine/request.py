@@ -24,7 +24,6 @@ class Request:
     request_id: str
     prompt_token_ids: np.ndarray                  # int32; a list is converted
     params: SamplingParams
-    arrival: int                                  # admission order: FCFS and the preemption victim
     index: int = 0                                # which of the n samples
     eos_token_ids: tuple[int, ...] = ()
     max_tokens: int = 16                          # params.max_tokens resolved against max_model_len

@@ -21,7 +21,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0                   # 0 or -1: off
+    top_k: int = 0                   # 0: off (-1 is taken and made 0; ipc/limits.py OFF VALUES)
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16      # None: up to max_model_len

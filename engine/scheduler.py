@@ -25,9 +25,9 @@ class ScheduledRequest(msgspec.Struct, gc=False):
     request: Request
     num_computed_tokens: int     # tokens already in the cache before this step
     num_new_tokens: int          # tokens computed this step
-    # This step reaches the request's last token, so its logits give a new token
-    # (False for a partial prefill chunk: it samples nothing).
-    completes_prefill: bool
+    # This step computes the request's last token, so its logits give a new token: every
+    # decode row, and the chunk that ends a prefill (a partial prefill chunk samples nothing).
+    samples_token: bool
 
 
 @dataclass
@@ -49,7 +49,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []     # admission order: the last one is the newest
-        self.num_preemptions = 0             # since the last take (stats)
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -112,7 +111,6 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:

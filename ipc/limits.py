@@ -6,6 +6,14 @@ that is fine as a Python number can still break there: top_p 1e-46 rounds to 0 i
 sampler then keeps no token), 1e308 becomes inf. These rules are written once, here: the frontend
 (server/protocol.py) answers 400 naming the field, and the engine (engine/sampling_params.py)
 checks again, because a ring record is not trusted.
+
+OFF VALUES, one convention from the protocol to the kernels: a parameter that is off has the
+value that makes its filter do nothing (top_k 0, top_p 1.0, min_p 0.0, presence/frequency
+penalty 0.0, repetition_penalty 1.0, min_tokens 0), and an optional output that is not asked
+for is None (logprobs, prompt_logprobs, seed, max_tokens: up to max_model_len). top_k alone has
+a second spelling: OpenAI/vLLM clients send -1 or 0 for off (vLLM's old default was -1), so
+the frontend (server/protocol.py `sampling_kwargs`) sends -1 as 0, and SamplingParams makes -1
+(from an offline caller) and any top_k of 2**24 or more 0: the engine and both samplers see 0.
 """
 from __future__ import annotations
 
@@ -78,7 +86,7 @@ FLOATS: dict[str, FloatRange] = {
 }
 INTS: dict[str, IntRange] = {
     "n": IntRange(1, 1024),                    # sequences one request adds (the frontend sends 1)
-    "top_k": IntRange(-1, INT32_MAX),          # -1 or 0: off; at or above the vocabulary: off too
+    "top_k": IntRange(-1, INT32_MAX),          # 0: off (-1 accepted as off, see OFF VALUES)
     "seed": IntRange(INT64_MIN, INT64_MAX),    # vLLM's range; see generator_seed
     "max_tokens": IntRange(1, INT32_MAX),
     "min_tokens": IntRange(0, INT32_MAX),

@@ -269,8 +269,6 @@ def check_common(req: _SamplingFields, lim: RequestLimits, vocab_size: int) -> N
     check_ranges(req)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
-    if req.top_k == 0:
-        req.top_k = -1
     stops = stop_list(req.stop)
     if len(stops) > lim.max_stop_strings:
         raise bad_request(f"at most {lim.max_stop_strings} stop strings are allowed "
@@ -353,7 +351,7 @@ def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         n=1,  # the frontend fans `n` out into n engine requests (so a stop string ends one)
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k is None else req.top_k,
+        top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # 0: off (ipc/limits.py)
         min_p=0.0 if req.min_p is None else req.min_p,
         seed=req.seed,
         max_tokens=max_tokens,

@@ -235,3 +235,26 @@ def test_prompt_logprobs_are_the_reference_whatever_the_chunking(tiny_model_dir,
     if "num_gpu_blocks_override" in kw:
         assert preempted > 0
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_check_stop_is_the_one_stop_rule():
+    """engine/stop.py on a real Request: eos and stop ids count only once min_tokens are out
+    (the sampler bans them before, so only this test sees the gate); max_tokens and
+    max_model_len end with "length"; a stop id is kept as stop_reason, eos is not."""
+    from ringserve.engine.request import Request
+    from ringserve.engine.stop import check_stop
+
+    def run(tokens, max_model_len=100, **kw):
+        params = SamplingParams(stop_token_ids=[7], max_tokens=4, **kw)
+        req = Request("r", [1, 2, 3], params, eos_token_ids=(9,), max_tokens=4)
+        reasons = []
+        for t in tokens:
+            req.append_output_token(t)
+            reasons.append(check_stop(req, t, max_model_len))
+        return reasons, req.stop_reason
+
+    assert run([5, 7]) == ([None, "stop"], 7)
+    assert run([9]) == (["stop"], None)
+    assert run([7, 9, 7], min_tokens=3) == ([None, None, "stop"], 7)
+    assert run([5, 5, 5, 5]) == ([None, None, None, "length"], None)
+    assert run([5, 5], max_model_len=5) == ([None, "length"], None)

@@ -5,7 +5,7 @@ from ringserve.engine.sampling_params import SamplingParams
 
 
 def make_req(rid: str, tokens: list[int], salt=None) -> Request:
-    return Request(rid, tokens, SamplingParams(), arrival=0, cache_salt=salt)
+    return Request(rid, tokens, SamplingParams(), cache_salt=salt)
 
 
 def admit(kv: KVCacheManager, req: Request) -> int:

@@ -19,12 +19,9 @@ def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_toke
     return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
 
 
-_arrival = iter(range(10**9))
-
-
 def make_req(rid, prompt_len, max_tokens=100, first_token=1):
     return Request(rid, [first_token + i for i in range(prompt_len)], SamplingParams(),
-                   arrival=next(_arrival), max_tokens=max_tokens)
+                   max_tokens=max_tokens)
 
 
 def run_step(sched: Scheduler, token=7) -> SchedulerOutput:
@@ -33,7 +30,7 @@ def run_step(sched: Scheduler, token=7) -> SchedulerOutput:
     out = sched.schedule()
     sched.update_after_step(out)
     for s in out.scheduled:
-        if s.completes_prefill:
+        if s.samples_token:
             s.request.append_output_token(token)
             if s.request.num_output_tokens >= s.request.max_tokens:
                 sched.finish(s.request, "length")
@@ -53,11 +50,11 @@ def test_decode_goes_before_prefill_and_a_long_prompt_is_chunked():
     sched.add(b)
     out = run_step(sched)
     assert plan(out) == [("a", 1), ("b", 9)]      # a's decode first, b gets what is left
-    assert [s.completes_prefill for s in out.scheduled] == [True, False]
+    assert [s.samples_token for s in out.scheduled] == [True, False]
     assert b.num_output_tokens == 0               # a partial prefill samples nothing
     assert plan(run_step(sched)) == [("a", 1), ("b", 9)]
     out = run_step(sched)
-    assert plan(out) == [("a", 1), ("b", 2)] and out.scheduled[1].completes_prefill
+    assert plan(out) == [("a", 1), ("b", 2)] and out.scheduled[1].samples_token
     assert b.num_output_tokens == 1
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 2
     assert plan(run_step(sched)) == [("a", 1), ("b", 1)]
@@ -149,7 +146,7 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
     for i, (plen, max_tokens, arrival, abort_at) in enumerate(w["requests"]):
         # Few distinct tokens, so that prompts share prefixes and the cache gets hits.
         req = Request(f"r{i}", [rng.randrange(3) for _ in range(plen)], SamplingParams(),
-                      arrival=i, max_tokens=max_tokens)
+                      max_tokens=max_tokens)
         if kv.blocks_needed(plen + max_tokens - 1) <= kv.num_blocks:   # the engine refuses others
             pending.append((arrival, abort_at, req))
     live: list[Request] = []
@@ -176,7 +173,7 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
                 assert {slot // kv.block_size for slot in slots[lo:hi]} <= own
         sched.update_after_step(out)
         for s in out.scheduled:
-            if s.completes_prefill:
+            if s.samples_token:
                 s.request.append_output_token(rng.randrange(3))
                 if s.request.num_output_tokens >= s.request.max_tokens:
                     sched.finish(s.request, "length")

@@ -206,3 +206,13 @@ def test_request_round_trip_encodes():
     req = msgspec.json.decode(b'{"prompt": [[1, 2], [3]], "stop": "x", "n": 2}',
                               type=P.CompletionRequest)
     assert P.prompt_inputs(req.prompt) == [[1, 2], [3]] and P.stop_list(req.stop) == ["x"]
+
+
+@pytest.mark.parametrize("top_k, sent", [(None, 0), (-1, 0), (0, 0), (1, 1), (40, 40)])
+def test_top_k_off_goes_to_the_engine_as_0(top_k, sent):
+    """One "off" for top_k past the frontend (ipc/limits.py OFF VALUES): clients send -1 or 0,
+    the wire and the engine see 0; a real top_k passes as it is."""
+    body = {"prompt": "hi"} if top_k is None else {"prompt": "hi", "top_k": top_k}
+    req = msgspec.json.decode(json.dumps(body).encode(), type=P.CompletionRequest)
+    P.check_common(req, P.RequestLimits(), vocab_size=100)
+    assert P.sampling_kwargs(req, max_tokens=4, logprobs=None)["top_k"] == sent

@@ -21,6 +21,7 @@ import numpy as np
 
 from ringserve.engine.core import EngineCore
 from ringserve.engine.inputs import build_batch
+from ringserve.engine.sampling_metadata import build_sampling_metadata
 from ringserve.tools.bench_engine import decode_engine
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
@@ -33,10 +34,10 @@ def _bare_step(engine: EngineCore) -> None:
     sched = engine.scheduler.schedule()
     if sched.scheduled:
         batch = build_batch(sched, engine.kv)
-        rows = [i for i, s in enumerate(sched.scheduled) if s.completes_prefill]
+        rows = [i for i, s in enumerate(sched.scheduled) if s.samples_token]
         reqs = [sched.scheduled[i].request for i in rows]
         handle = engine.runner.submit(batch, np.asarray(rows, np.int64),
-                                      engine._sampling_metadata(reqs) if reqs else None)
+                                      build_sampling_metadata(reqs) if reqs else None)
         result = handle.result()
         engine.scheduler.update_after_step(sched)
         engine.update(reqs, result)

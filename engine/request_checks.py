@@ -1,0 +1,53 @@
+"""Is a request one the engine can ever run? Checked once, when it is added (engine/core.py
+`EngineCore.add_request`), never per step.
+
+A refused request is not queued: it comes back from the next step as a finished output with
+finish_reason "error" and the message, the one answer that can travel back over the ipc rings.
+SamplingParams checked their own ranges when they were built (ipc/limits.py); what is checked
+here needs the model and the pool: the vocabulary, max_model_len, max_num_seqs, the blocks."""
+from __future__ import annotations
+
+import numpy as np
+
+from ringserve.engine.kv_cache import KVCacheManager
+from ringserve.engine.sampling_params import SamplingParams
+
+
+def check_request(prompt: np.ndarray, params: SamplingParams, *, vocab_size: int,
+                  max_model_len: int, max_num_seqs: int,
+                  kv: KVCacheManager) -> tuple[str | None, int]:
+    """(why the request can never run, or None; its max_tokens resolved against max_model_len)."""
+    n = len(prompt)
+    if n == 0:
+        return "the prompt is empty", 0
+    if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+        return f"token ids must be integers below the vocabulary size {vocab_size}", 0
+    bad = prompt[(prompt < 0) | (prompt >= vocab_size)]
+    if len(bad):
+        return f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", 0
+    # The other id lists and counts over the vocabulary: checked here too, whoever wrote
+    # the record (an id past the vocabulary indexes past a row of logits, on the GPU too).
+    for t in params.stop_token_ids:
+        if not 0 <= t < vocab_size:
+            return (f"stop_token_ids: token id {t} is outside the vocabulary "
+                    f"(size {vocab_size})"), 0
+    if params.n > max_num_seqs:  # n Request objects are made at once
+        return f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}", 0
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and not 0 <= k <= vocab_size:
+            return f"{name} must be between 0 and the vocabulary size {vocab_size}, got {k}", 0
+    if n >= max_model_len:
+        return (f"This model's maximum context length is {max_model_len} tokens, "
+                f"but the prompt has {n} tokens and at least one token must be generated."), 0
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
+    if n + max_tokens > max_model_len:
+        return (f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for "
+                f"the completion)."), 0
+    # The last sampled token is never written to the cache.
+    blocks = kv.blocks_needed(n + max_tokens - 1)
+    if blocks > kv.num_blocks:
+        return (f"the request needs {blocks} KV-cache blocks ({n} prompt + {max_tokens} "
+                f"completion tokens) but the whole pool has {kv.num_blocks}"), 0
+    return None, max_tokens

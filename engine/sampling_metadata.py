@@ -1,0 +1,38 @@
+"""One step's SamplingMetadata (gpu/sampler.py) from the requests it samples, in row order."""
+from __future__ import annotations
+
+from itertools import chain
+
+import numpy as np
+
+from ringserve.engine.request import Request
+from ringserve.gpu.sampler import SamplingMetadata
+
+
+def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
+    """Per row: temperature, top_k (0: off), top_p, min_p and the generator; penalties,
+    banned ids (min_tokens) and the top-N logprobs only when some request asks."""
+    # PERF: one flat pass over the rows each request made once (np.array over a list of
+    # tuples is ~1.5x slower).
+    rows = np.fromiter(chain.from_iterable(r.sampling_row for r in reqs), np.float32,
+                       4 * len(reqs)).reshape(-1, 4)
+    meta = SamplingMetadata(temperature=rows[:, 0], top_k=rows[:, 1].astype(np.int32),
+                            top_p=rows[:, 2], min_p=rows[:, 3],
+                            generators=[r.generator for r in reqs])
+    special = [r for r in reqs if r.has_sampling_extras]
+    if not special:                                   # the common case: nothing more to do
+        return meta
+    ps = [r.params for r in reqs]
+    if any(r.params.has_penalties for r in special):
+        meta.presence_penalty = np.array([p.presence_penalty for p in ps], np.float32)
+        meta.frequency_penalty = np.array([p.frequency_penalty for p in ps], np.float32)
+        meta.repetition_penalty = np.array([p.repetition_penalty for p in ps], np.float32)
+        meta.prompt_token_ids = [r.prompt_token_ids for r in reqs]
+        meta.output_token_ids = [r.output_token_ids for r in reqs]
+    if any(r.num_output_tokens < r.params.min_tokens for r in special):
+        meta.banned_token_ids = [
+            list(r.eos_token_ids) + r.params.stop_token_ids
+            if r.num_output_tokens < r.params.min_tokens else () for r in reqs]
+    wanted = [r.params.logprobs for r in special if r.params.logprobs is not None]
+    meta.max_num_logprobs = max(wanted) if wanted else None
+    return meta
