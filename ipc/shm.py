@@ -110,22 +110,29 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def lock_abandoned(path: Path, flags: int = os.O_RDONLY) -> int | None:
+    """An fd of `path` holding its exclusive flock, if no live owner holds the lock (its owner
+    keeps it from creation to exit); None when the owner is alive, or the path is gone or not
+    ours to open. Closing the fd releases the lock."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW)
+    except OSError:  # gone meanwhile, or someone else's
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None  # its owner is alive
+    return fd
+
+
 def remove_stale_segments() -> list[str]:
     """Unlink every ringserve segment no live creator holds (its flock is free); return their
     names. Never touches a live instance's segment, whatever pid its name carries."""
     removed = []
     for path in SHM_DIR.glob(PREFIX + "*"):
-        if _NAME_RE.match(path.name) is None:
+        if _NAME_RE.match(path.name) is None or (fd := lock_abandoned(path)) is None:
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:  # gone meanwhile, or someone else's
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # its creator is alive
         try:
             st = os.fstat(fd)
             if st.st_size == 0 and time.time() - st.st_ctime < EMPTY_GRACE_S:

@@ -20,6 +20,8 @@ import signal
 import tempfile
 from pathlib import Path
 
+from ringserve.ipc.shm import lock_abandoned
+
 log = logging.getLogger("ringserve.launch")
 
 RUNTIME_PREFIX = "ringserve-run-"
@@ -63,14 +65,10 @@ def remove_stale_runtime_dirs(root: str | None = None) -> list[str]:
         try:
             if path.is_symlink() or path.stat().st_uid != os.getuid():
                 continue
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue  # its launcher is alive
+        if (fd := lock_abandoned(path, os.O_RDONLY | os.O_DIRECTORY)) is None:
+            continue  # its launcher is alive (or it is gone)
         try:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))

@@ -110,6 +110,29 @@ class ServeProcess:
         return text
 
 
+def start_serve(model_dir: Path, flags: tuple[str, ...], log: Path, started: list[ServeProcess],
+                timeout: float, **popen) -> ServeProcess:
+    """Start `ringserve serve --model MODEL_DIR FLAGS...` (added to `started` at once, so that
+    the caller stops it whatever happens next) and wait until /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(model_dir),
+           "--port", str(port), *flags]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, **popen)
+    server = ServeProcess(proc, port, log)
+    started.append(server)
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.3)
+
+
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     """Start a real `ringserve serve --model MODEL_DIR FLAGS...` and wait until /health answers
@@ -118,23 +141,8 @@ def serve(tmp_path_factory):
     started: list[ServeProcess] = []
 
     def start(model_dir: Path, *flags: str, timeout: float = 120.0) -> ServeProcess:
-        port = free_port()
         log = tmp_path_factory.mktemp("serve") / "serve.log"
-        cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), *flags]
-        with open(log, "wb") as f:
-            server = ServeProcess(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), port, log)
-        started.append(server)
-        deadline = time.monotonic() + timeout
-        while True:
-            assert server.proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        return start_serve(model_dir, flags, log, started, timeout)
 
     yield start
     for server in started:  # SIGTERM them all first, so that they drain in parallel

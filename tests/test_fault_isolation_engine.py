@@ -41,10 +41,14 @@ pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
 @pytest.fixture
 def engine(tiny_model_dir, tmp_path):
     """One engine process on the tiny Llama: (control path, process). Stopped cleanly (exit 0)."""
+    yield from _engine_process(tiny_model_dir, tmp_path)
+
+
+def _engine_process(model_dir, tmp_path, **kwargs):
     path = str(tmp_path / "e.sock")
-    config = EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=NUM_BLOCKS,
+    config = EngineConfig(model=str(model_dir), num_gpu_blocks_override=NUM_BLOCKS,
                           max_model_len=256)
-    p = ctx.Process(target=run_engine, args=(config, path), kwargs={"max_slots": 4})
+    p = ctx.Process(target=run_engine, args=(config, path), kwargs={"max_slots": 4, **kwargs})
     p.start()
     deadline = time.monotonic() + 60
     while not os.path.exists(path):
@@ -471,20 +475,7 @@ SMALL_RING = 64 << 10  # a slot may then hold BACKLOG_RINGS x 64 KiB of unread o
 
 @pytest.fixture
 def small_ring_engine(tiny_model_dir, tmp_path):
-    path = str(tmp_path / "e.sock")
-    config = EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=NUM_BLOCKS,
-                          max_model_len=256)
-    p = ctx.Process(target=run_engine, args=(config, path),
-                    kwargs={"max_slots": 4, "ring_capacity": SMALL_RING})
-    p.start()
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path):
-        assert p.is_alive() and time.monotonic() < deadline, "the engine did not start"
-        time.sleep(0.05)
-    yield path, p
-    p.terminate()
-    p.join(30)
-    assert p.exitcode == 0
+    yield from _engine_process(tiny_model_dir, tmp_path, ring_capacity=SMALL_RING)
 
 
 def test_a_slot_that_stops_reading_its_outputs_is_detached_not_queued_forever(small_ring_engine):

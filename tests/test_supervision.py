@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServeProcess, free_port
+from conftest import ServeProcess, start_serve
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
@@ -80,24 +80,8 @@ def launch(tmp_path):
     started: list[ServeProcess] = []
 
     def start(model_dir: Path, *flags: str, timeout: float = 180.0) -> ServeProcess:
-        port = free_port()
         log = tmp_path / f"serve-{len(started)}.log"
-        cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), *flags]
-        with open(log, "wb") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        server = ServeProcess(proc, port, log)
-        started.append(server)
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    return server
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.3)
+        return start_serve(model_dir, flags, log, started, timeout, start_new_session=True)
 
     yield start
     for server in started:
