@@ -40,8 +40,12 @@ import numpy as np
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.inputs import build_batch
 from ringserve.engine.kv_cache import KVCacheManager
-from ringserve.engine.logprobs import (PromptLogprobsOwners, position_logprobs,
-                                       prompt_logprobs_spec, take_prompt_logprobs)
+from ringserve.engine.logprobs import (
+    PromptLogprobsOwners,
+    position_logprobs,
+    prompt_logprobs_spec,
+    take_prompt_logprobs,
+)
 from ringserve.engine.outputs import RequestOutput, SchedulerStats
 from ringserve.engine.recovery import MAX_FAILED_STEPS, find_culprits
 from ringserve.engine.request import Request

@@ -46,8 +46,7 @@ from ringserve.engine.trace import DebugPublisher
 from ringserve.ipc import control
 from ringserve.ipc.channel import DEFAULT_RING_CAPACITY, Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_request,
-                                    encode_output_records)
+from ringserve.ipc.messages import Abort, AddRequest, Output, decode_request, encode_output_records
 from ringserve.ipc.shm import Segment, remove_stale_segments
 from ringserve.ipc.stats import EngineStats, Heartbeat, stats_size
 

@@ -14,8 +14,8 @@ float32 scratch and handed to sgemm.
 """
 from __future__ import annotations
 
-import numpy as np
 import numba
+import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 

@@ -19,8 +19,7 @@ from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.devices import cupy_installed, resolve_device
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
 from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
-from ringserve.gpu.settings import (CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig,
-                                    SchedulerConfig)
+from ringserve.gpu.settings import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, SchedulerConfig
 
 CUDA_DTYPES = ("auto", "float16")  # fp16 weights and KV cache, float32 accumulation
 

@@ -25,10 +25,8 @@ from ringserve.server.engine_client import EngineUnavailable
 from ringserve.server.errors import APIError, error_body
 from ringserve.server.generate import EngineError, Generation
 from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
-from ringserve.server.sse import (CLIENT_BLOCKED, CLOSE_CONNECTION, DONE, error_event,
-                                  watch_disconnect)
-from ringserve.server.trace import (TRACE_FIELD, TRACE_HEADER, start_trace, stream_with_trace,
-                                    wants_trace)
+from ringserve.server.sse import CLIENT_BLOCKED, CLOSE_CONNECTION, DONE, error_event, watch_disconnect
+from ringserve.server.trace import TRACE_FIELD, TRACE_HEADER, start_trace, stream_with_trace, wants_trace
 
 log = logging.getLogger("ringserve.server")
 

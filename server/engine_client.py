@@ -28,8 +28,7 @@ from typing import Any, Callable, Sequence
 from ringserve.ipc import control
 from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_outputs, encode_request,
-                                    join_part)
+from ringserve.ipc.messages import Abort, AddRequest, Output, decode_outputs, encode_request, join_part
 from ringserve.ipc.shm import Segment
 from ringserve.ipc.stats import EngineStats, least_loaded, score
 from ringserve.server.config import ServerConfig

@@ -32,8 +32,12 @@ from pathlib import Path
 
 from ringserve.ipc.shm import Segment, remove_stale_segments
 from ringserve.ipc.stats import EngineStats, hang_reason
-from ringserve.server.supervision import (LAUNCHER_PID_ENV, die_with_parent, make_runtime_dir,
-                                          remove_stale_runtime_dirs)
+from ringserve.server.supervision import (
+    LAUNCHER_PID_ENV,
+    die_with_parent,
+    make_runtime_dir,
+    remove_stale_runtime_dirs,
+)
 
 log = logging.getLogger("ringserve.launch")
 

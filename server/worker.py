@@ -10,11 +10,17 @@ import json
 import logging
 import os
 
-from ringserve.ipc.stats import (BLOCK_SIZE, NUM_BLOCKS, NUM_FREE_BLOCKS, NUM_PREEMPTIONS,
-                                 PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES)
+from ringserve.ipc.stats import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    NUM_FREE_BLOCKS,
+    NUM_PREEMPTIONS,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+)
 from ringserve.server.app import AppOptions, create_app
-from ringserve.server.debug import engine_views
 from ringserve.server.context import ServerContext
+from ringserve.server.debug import engine_views
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
 from ringserve.server.launch import WORKER_CONFIG_ENV
 from ringserve.server.metrics import CacheConfig, EngineSnapshot, RequestMetrics

@@ -25,7 +25,7 @@ def _doc(path, tool: str) -> dict:
 def _table_rows(text: str, first_cell: str) -> list[list[str]]:
     """The cells of the markdown table whose header starts with first_cell."""
     lines = text.splitlines()
-    start = next(i for i, l in enumerate(lines) if l.startswith("| " + first_cell))
+    start = next(i for i, line in enumerate(lines) if line.startswith("| " + first_cell))
     rows = []
     for line in lines[start + 2:]:
         if not line.startswith("|"):

@@ -11,11 +11,17 @@ import sys
 from dataclasses import MISSING, fields
 
 import pytest
-from conftest import free_port
 
+from conftest import free_port
 from ringserve.engine.config import EngineConfig
-from ringserve.gpu.settings import (CPU_MAX_NUM_BATCHED_TOKENS, CUDA_MAX_NUM_BATCHED_TOKENS, DTYPES,
-                                    CacheConfig, DeviceConfig, SchedulerConfig)
+from ringserve.gpu.settings import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CUDA_MAX_NUM_BATCHED_TOKENS,
+    DTYPES,
+    CacheConfig,
+    DeviceConfig,
+    SchedulerConfig,
+)
 from ringserve.server.config import ParallelConfig, ServerConfig
 from ringserve.server.protocol import RequestLimits
 

@@ -13,9 +13,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+from ringserve.gpu import model_store
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.gguf_convert import convert_gguf, unpermute_qk
-from ringserve.gpu import model_store
 from ringserve.gpu.model_store import default_gguf_path, gguf_cache_key, resolve_model
 from ringserve.tools.tiny_gguf import LAYER_TENSORS, make_tiny_gguf, permute_qk
 

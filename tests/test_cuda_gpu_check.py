@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ringserve.tools.gpu_check import config_for, cuda_device_name, SHAPES
+from ringserve.tools.gpu_check import SHAPES, config_for, cuda_device_name
 
 
 @pytest.mark.skipif(cuda_device_name() is not None, reason="this machine has a CUDA device")

@@ -6,7 +6,6 @@ checked against gpu/cuda/reference.py (docs/design.md §8).
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

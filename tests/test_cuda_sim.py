@@ -28,11 +28,11 @@ if not IN_SIMULATOR:
         assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
 
 else:
+    from numba import config as numba_config
+
     from paged_cases import paged_layout
     from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda import reference as ref
-
-    from numba import config as numba_config
 
     assert numba_config.ENABLE_CUDASIM  # the kernels below run in the simulator, not on a device
 

@@ -172,9 +172,9 @@ def prompt_reference(tiny_model_dir):
     """Two prompts and their dense-reference log-softmax at every position."""
     import numpy as np
 
+    from reference_llama import reference_logits
     from ringserve.gpu.sampler import log_softmax
     from ringserve.gpu.weights import load_weights
-    from reference_llama import reference_logits
     rng = random.Random(5)
     prompts = {"p": [rng.randrange(3, 384) for _ in range(45)],
                "q": [rng.randrange(3, 384) for _ in range(21)]}

@@ -12,8 +12,7 @@ from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.sampler import SamplingMetadata, sample
-from ringserve.ipc.messages import (Output, decode_outputs, encode_output_records, encode_outputs,
-                                    join_part)
+from ringserve.ipc.messages import Output, decode_outputs, encode_output_records, encode_outputs, join_part
 from ringserve.ipc.ring import TAIL, CorruptRing, RecordTooLarge, Ring
 
 # -- the ring -------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import random
 import select
-import signal
 import threading
 import time
 from collections import Counter
@@ -24,8 +23,7 @@ from ringserve.engine.process import run_engine
 from ringserve.ipc import control
 from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_outputs, encode_request,
-                                    join_part)
+from ringserve.ipc.messages import Abort, AddRequest, Output, decode_outputs, encode_request, join_part
 from ringserve.ipc.ring import RECORD_HEADER, TAIL
 from ringserve.ipc.stats import NUM_FREE_BLOCKS
 from ringserve.server.engine_client import EngineClient

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from reference_llama import reference_logits  # pytest puts tests/ on sys.path
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.devices import cupy_installed
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.weights import load_weights
-from reference_llama import reference_logits  # pytest puts tests/ on sys.path
 
 BLOCK = 4  # small blocks so that short sequences span several, with boundaries inside chunks
 

@@ -37,9 +37,10 @@ def _paged_case(rng, T_dec=6, H=8, KVH=2, D=128, BS=16, NB=64):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_paged_attention_kernels_match_reference(splits):
     import cupy as cp
+    from numba import cuda
+
     from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda.attention import PagedAttention
-    from numba import cuda
     qkv, k, v, pos, qsl, seq_lens, tables, H = _paged_case(np.random.default_rng(0))
     expect = ref.paged_attention(qkv, k, v, pos, qsl, seq_lens, tables, H, 0.088)
     d = [cp.asarray(a) for a in (qkv, k, v, pos, qsl, seq_lens, tables)]
@@ -58,6 +59,7 @@ def test_paged_attention_kernels_match_reference(splits):
 
 def test_fused_kernels_match_reference():
     import cupy as cp
+
     from ringserve.gpu.cuda.fused import FusedKernels
     rng = np.random.default_rng(1)
     f, s = FusedKernels(), cp.cuda.Stream()
@@ -119,6 +121,7 @@ def test_sampler_on_device_matches_references():
     """The sampling kernels at a real vocabulary size and 1024 threads per row."""
     import cupy as cp
     from numba import cuda
+
     from ringserve.gpu.cuda.sampler import CudaSampler, draw_uniforms
     from ringserve.gpu.sampler import SamplingMetadata, sample
     rng = np.random.default_rng(7)
@@ -209,10 +212,11 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
     together, a chunked prefill among them."""
     import asyncio
     import multiprocessing as mp
+
+    from fp16_checks import assert_same_generation
     from ringserve.engine.llm import LLM
     from ringserve.engine.sampling_params import SamplingParams
     from ringserve.server.engine_client import EngineClient
-    from fp16_checks import assert_same_generation
     tiny_cuda_model_dir = tiny_cuda_models("tied-g3")  # one model: a spawned engine compiles every kernel
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], list(range(3, 83))]  # the last one chunked
     params = [dict(max_tokens=10, temperature=0.0, ignore_eos=True)] * 3

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from conftest import ServeProcess
 
 pytestmark = pytest.mark.slow

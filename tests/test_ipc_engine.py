@@ -16,8 +16,14 @@ import pytest
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
 from ringserve.ipc import control
-from ringserve.ipc.stats import (GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_HITS,
-                                 PREFIX_CACHE_QUERIES, PROMPT_TOKENS_COMPUTED, STEPS)
+from ringserve.ipc.stats import (
+    GENERATION_TOKENS,
+    NUM_PREEMPTIONS,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+    PROMPT_TOKENS_COMPUTED,
+    STEPS,
+)
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
 from ringserve.server.metrics import RequestMetrics, render
 from ringserve.server.worker import snapshots

@@ -13,16 +13,35 @@ import time
 import numpy as np
 import pytest
 
-from ringserve.ipc import control, ring as ring_mod
+from ringserve.ipc import control
+from ringserve.ipc import ring as ring_mod
 from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import (Abort, AddRequest, Output, decode_outputs, decode_request,
-                                    encode_outputs, encode_request)
+from ringserve.ipc.messages import (
+    Abort,
+    AddRequest,
+    Output,
+    decode_outputs,
+    decode_request,
+    encode_outputs,
+    encode_request,
+)
 from ringserve.ipc.ring import RecordTooLarge, Ring
 from ringserve.ipc.shm import SHM_DIR, Segment, remove_stale_segments
-from ringserve.ipc.stats import (GENERATION_TOKENS, NUM_PREEMPTIONS, PREFIX_CACHE_HITS,
-                                 PREFIX_CACHE_QUERIES, PROMPT_TOKENS_COMPUTED, STEPS, EngineStats,
-                                 Heartbeat, hang_reason, least_loaded, score, stats_size)
+from ringserve.ipc.stats import (
+    GENERATION_TOKENS,
+    NUM_PREEMPTIONS,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+    PROMPT_TOKENS_COMPUTED,
+    STEPS,
+    EngineStats,
+    Heartbeat,
+    hang_reason,
+    least_loaded,
+    score,
+    stats_size,
+)
 
 ctx = mp.get_context("spawn")
 

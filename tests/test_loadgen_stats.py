@@ -8,8 +8,7 @@ import pytest
 
 from ringserve.tools.loadgen.report import compare, document, format_point, sweep_table
 from ringserve.tools.loadgen.stats import Distribution, RequestResult, parse_slos, summarize
-from ringserve.tools.loadgen.workload import (jsonl_requests, prefix_requests, random_requests,
-                                              read_jsonl)
+from ringserve.tools.loadgen.workload import jsonl_requests, prefix_requests, random_requests, read_jsonl
 
 RESULTS = [
     # TPOT (0.2 - 0.1) / 4 = 25 ms

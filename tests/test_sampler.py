@@ -38,10 +38,14 @@ def test_a_seeded_row_is_the_same_whatever_else_is_in_the_batch():
 def test_top_k_top_p_min_p_restrict_the_support():
     x = logits(1)
     order = np.argsort(-x[0])
-    draws = lambda **kw: {int(sample(x, meta(1, seeds=[s], **kw)).token_ids[0]) for s in range(300)}
+
+    def draws(**kw) -> set[int]:
+        return {int(sample(x, meta(1, seeds=[s], **kw)).token_ids[0]) for s in range(300)}
+
     assert draws(top_k=3) == set(order[:3].tolist())
     assert draws(top_k=1) == {int(order[0])}
-    p = np.exp(x[0] - x[0].max()); p /= p.sum()
+    p = np.exp(x[0] - x[0].max())
+    p /= p.sum()
     cum = np.cumsum(p[order])
     nucleus = set(order[:int(np.searchsorted(cum, 0.6)) + 1].tolist())
     assert draws(top_p=0.6) <= nucleus and len(draws(top_p=0.6)) > 1

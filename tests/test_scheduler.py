@@ -5,7 +5,8 @@ in the cache, and a request whose last token was computed gets one new token.
 """
 import random
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ringserve.engine.inputs import build_batch
 from ringserve.engine.kv_cache import KVCacheManager

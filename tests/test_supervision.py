@@ -9,7 +9,6 @@ import multiprocessing as mp
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -17,8 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServeProcess, start_serve
 
+from conftest import ServeProcess, start_serve
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
 from ringserve.ipc.shm import SHM_DIR

@@ -16,8 +16,14 @@ import pytest
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.sampling_params import SamplingParams
-from ringserve.ipc.messages import (AddRequest, Output, decode_outputs, decode_request,
-                                    encode_outputs, encode_request)
+from ringserve.ipc.messages import (
+    AddRequest,
+    Output,
+    decode_outputs,
+    decode_request,
+    encode_outputs,
+    encode_request,
+)
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -237,12 +243,13 @@ def test_debug_engines_shows_queues_pool_and_steps(debug_server):
 
 
 def test_debug_endpoints_are_off_by_default(tiny_model_dir):
+    import falcon.testing
+
     from ringserve.server.app import AppOptions, create_app
     from ringserve.server.context import ServerContext
     from ringserve.server.engine_client import EngineClient
     from ringserve.server.metrics import RequestMetrics
     from ringserve.server.tokenizer import Tokenizer
-    import falcon.testing
 
     ctx = ServerContext(Tokenizer.from_dir(tiny_model_dir), EngineClient([]), ["tiny"], 256,
                         RequestMetrics("tiny", 256))

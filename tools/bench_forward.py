@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.model_store import resolve_model
 from ringserve.gpu.cpu_runner import default_num_threads
+from ringserve.gpu.model_store import resolve_model
 from ringserve.gpu.runner import ModelRunner
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 

@@ -29,6 +29,7 @@ from ringserve.server.engine_client import EngineClient
 from ringserve.server.launch import Launcher, add_serve_arguments
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
+
 def _cpu_seconds(pid: int) -> float:
     """CPU time of the process's live threads in ns resolution (schedstat's run time; the
     clock-tick utime + stime of /proc/PID/stat is too coarse for a few thousand tokens)."""
@@ -87,7 +88,9 @@ def _summary(results, cpu_s: float, tokens: int) -> tuple[dict[str, float], int]
         ttft.append(times[0] - start)
         itl += list(np.diff(times))
         events += len(times)
-    ms = lambda a, q: float(np.percentile(a, q)) * 1e3
+
+    def ms(a, q):
+        return float(np.percentile(a, q)) * 1e3
     return {"TTFT p50 ms": ms(ttft, 50), "TTFT p90 ms": ms(ttft, 90), "ITL p50 ms": ms(itl, 50),
             "ITL p90 ms": ms(itl, 90), "CPU us/token": cpu_s / tokens * 1e6}, events
 

@@ -32,8 +32,14 @@ import numpy as np
 
 from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import (AddRequest, Output, decode_outputs, decode_request,
-                                   encode_outputs, encode_request)
+from ringserve.ipc.messages import (
+    AddRequest,
+    Output,
+    decode_outputs,
+    decode_request,
+    encode_outputs,
+    encode_request,
+)
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
 ctx = mp.get_context("fork")  # transports are created first and inherited; nothing here holds CUDA

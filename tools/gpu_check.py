@@ -47,6 +47,7 @@ def cuda_device_name() -> str | None:
 def software_versions() -> dict[str, str]:
     """What the figures were measured with (CuPy wheel, Numba, CUDA runtime and driver, torch)."""
     import importlib.metadata as md
+
     import cupy
     rt = cupy.cuda.runtime
     out = {"cupy": cupy.__version__, "cuda_runtime": str(rt.runtimeGetVersion()),
@@ -92,6 +93,7 @@ def random_weights(c, seed=0) -> dict:
 
 def decode_batch(B: int, block_size: int):
     import numpy as np
+
     from ringserve.gpu.batch import Batch
     nb = -(-(CONTEXT + 1) // block_size)
     tables = np.arange(B * nb, dtype=np.int32).reshape(B, nb)
@@ -188,6 +190,7 @@ def bench_attention(rows, copy_bps, deadline) -> None:
     at shuffled blocks, as a long-running pool's do."""
     import cupy as cp
     from numba import cuda as nb_cuda
+
     from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda import plan
     from ringserve.gpu.cuda.attention import PagedAttention
@@ -228,6 +231,7 @@ def bench_attention(rows, copy_bps, deadline) -> None:
 
 def greedy_metadata(B: int):
     import numpy as np
+
     from ringserve.gpu.sampler import SamplingMetadata
     return SamplingMetadata(np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32),
                             np.zeros(B, np.float32), [None] * B)
@@ -236,6 +240,7 @@ def greedy_metadata(B: int):
 def bench_ours(name, shape, rows, deadline) -> None:
     import cupy as cp
     import numpy as np
+
     from ringserve.gpu.cuda.runner import CudaModelRunner
     c = config_for(shape)
     w = random_weights(c)

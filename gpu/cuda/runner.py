@@ -20,8 +20,8 @@ from numba import cuda as nb_cuda
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import launch, plan
+from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import sampling_kernels as sk
 from ringserve.gpu.cuda.attention import PagedAttention
 from ringserve.gpu.cuda.buffers import AttentionLaunch, Fp16Store, StepBuffers
@@ -31,8 +31,7 @@ from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.sampler import Logprobs, SamplingMetadata
-from ringserve.gpu.settings import (CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig,
-                                    SchedulerConfig)
+from ringserve.gpu.settings import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, SchedulerConfig
 
 log = logging.getLogger(__name__)
 NUMBA_THREADS = 128  # threads per block of the Numba kernels in the forward
