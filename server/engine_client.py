@@ -31,11 +31,8 @@ from ringserve.ipc.doorbell import Doorbell
 from ringserve.ipc.messages import Abort, AddRequest, Output, decode_outputs, encode_request, join_part
 from ringserve.ipc.shm import Segment
 from ringserve.ipc.stats import EngineStats, least_loaded, score
-from ringserve.server.config import ServerConfig
 
 log = logging.getLogger("ringserve.client")
-
-DEFAULT_MAX_BACKLOG = ServerConfig.max_stream_backlog  # outputs a stream may hold untaken
 
 
 class EngineUnavailable(Exception):
@@ -53,7 +50,7 @@ class RequestStream:
     reaches it; and a burst from one ring drain (the worker was busy) is no stall while the
     client still takes what was sent. Without ``consumer_blocked``, the size alone decides."""
 
-    def __init__(self, request_id: str, engine: int, n: int, max_backlog: int = DEFAULT_MAX_BACKLOG,
+    def __init__(self, request_id: str, engine: int, n: int, max_backlog: int,
                  on_full: Callable[[RequestStream], None] | None = None):
         self.request_id = request_id
         self.engine = engine                 # index of the engine it runs on
