@@ -10,9 +10,10 @@ as vLLM V1's EngineCore. The parts live beside it, one idea each:
     recovery.py          a failed step: which request is at fault
 
 Refusals and aborts: a request that can never run is not queued; it comes back from the next
-step() as a finished RequestOutput with finish_reason "error" and the message in `.error`.
+step() as a finished EngineOutput (ipc/messages.py) with finish_reason ERROR and the message
+in `.error`.
 Invalid SamplingParams raise ValueError when they are built, in the frontend. An abort comes
-back the same way, with finish_reason "abort". So every sample of every request gets exactly
+back the same way, with finish_reason ABORT. So every sample of every request gets exactly
 one finished output.
 
 Fault isolation: nothing one request carries may stop the others. A sampling row that raises
@@ -46,16 +47,17 @@ from ringserve.engine.logprobs import (
     prompt_logprobs_spec,
     take_prompt_logprobs,
 )
-from ringserve.engine.outputs import RequestOutput, SchedulerStats
 from ringserve.engine.recovery import MAX_FAILED_STEPS, find_culprits
 from ringserve.engine.request import Request
 from ringserve.engine.request_checks import check_request
 from ringserve.engine.sampling_metadata import build_sampling_metadata
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
+from ringserve.engine.stats import SchedulerStats
 from ringserve.engine.stop import check_stop
 from ringserve.engine.trace import EngineTracer
 from ringserve.gpu.sampler import SamplerOutput
+from ringserve.ipc.messages import EngineOutput, FinishReason
 
 log = logging.getLogger("ringserve.engine")
 __all__ = ["EngineCore", "InFlightStep", "MAX_FAILED_STEPS"]
@@ -68,7 +70,7 @@ class InFlightStep:
     reqs: list[Request]              # the requests sampled this step, in the runner's row order
     handle: object | None            # runner.submit(...): result() -> SamplerOutput; None: nothing ran
     prompt_rows: PromptLogprobsOwners  # requests scoring prompt tokens, how many each, in order
-    outputs: list[RequestOutput]     # refusals and aborts queued before the step
+    outputs: list[EngineOutput]      # refusals and aborts queued before the step
     start: float                     # monotonic start (tracing only)
     error: Exception | None = None   # launching it raised: finish_step recovers (_recover)
 
@@ -94,7 +96,7 @@ class EngineCore:
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
-        self._pending: list[RequestOutput] = []              # refusals and aborts, out next step
+        self._pending: list[EngineOutput] = []               # refusals and aborts, out next step
         self._in_flight: InFlightStep | None = None          # launched, not finished
         # (request id, sample index, error message) of aborts that came while a step was in flight
         self._deferred_aborts: list[tuple[str, int | None, str | None]] = []
@@ -117,8 +119,8 @@ class EngineCore:
                                           max_num_seqs=self.scheduler.max_num_seqs, kv=self.kv)
         if error is not None:  # one error output per sample (one for an n refused as too large)
             samples = params.n if params.n <= self.scheduler.max_num_seqs else 1
-            self._pending.extend(RequestOutput(request_id, [], True, "error", index=i, error=error,
-                                               num_prompt_tokens=len(prompt))
+            self._pending.extend(EngineOutput(request_id, [], FinishReason.ERROR, index=i, error=error,
+                                              num_prompt_tokens=len(prompt))
                                  for i in range(samples))
             return
         prompt = prompt.astype(np.int32, copy=False)
@@ -146,13 +148,13 @@ class EngineCore:
         if self._in_flight is not None:
             self._deferred_aborts.append((request_id, index, error))
             return
-        reason = "abort" if error is None else "error"
+        reason = FinishReason.ABORT if error is None else FinishReason.ERROR
         for req in self.groups.get(request_id, ()):
             if not req.is_finished and (index is None or req.index == index):
                 self.scheduler.finish(req, reason)
-                self._pending.append(RequestOutput(request_id, [], True, reason, index=req.index,
-                                                   num_prompt_tokens=req.num_prompt_tokens,
-                                                   error=error))
+                self._pending.append(EngineOutput(request_id, [], reason, index=req.index,
+                                                  num_prompt_tokens=req.num_prompt_tokens,
+                                                  error=error))
         self._forget_if_done(request_id)
 
     def _forget_if_done(self, request_id: str) -> None:
@@ -178,7 +180,7 @@ class EngineCore:
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """One schedule -> execute -> update; the same as finish_step(launch_step())."""
         return self.finish_step(self.launch_step())
 
@@ -213,7 +215,7 @@ class EngineCore:
         step.handle = self.runner.submit(batch, np.asarray(rows, np.int64),
                                          build_sampling_metadata(reqs) if reqs else None, spec)
 
-    def finish_step(self, step: InFlightStep) -> list[RequestOutput]:
+    def finish_step(self, step: InFlightStep) -> list[EngineOutput]:
         """Wait for the step's tokens and update: append them, check stops; then the aborts
         that came while it ran. Returns the step's outputs (with the refusals queued before it)."""
         if step is not self._in_flight:
@@ -244,7 +246,7 @@ class EngineCore:
         self.num_steps += 1
         return outputs
 
-    def update(self, reqs: list[Request], result: SamplerOutput) -> list[RequestOutput]:
+    def update(self, reqs: list[Request], result: SamplerOutput) -> list[EngineOutput]:
         """The step's last phase: the scheduled tokens are in the cache and result holds one
         sampled token per request of reqs (those whose last token was computed); append,
         check stops, finish (blocks freed now)."""
@@ -261,18 +263,19 @@ class EngineCore:
             try:  # PERF: around the loop, entered again after a request that raises
                 for j, (req, token) in rows:
                     req.append_output_token(token)
-                    out = RequestOutput(req.request_id, [token], index=req.index,
-                                        num_prompt_tokens=len(req.prompt_token_ids),
-                                        num_cached_tokens=req.num_cached_tokens)
+                    out = EngineOutput(req.request_id, [token], index=req.index,
+                                       num_prompt_tokens=len(req.prompt_token_ids),
+                                       num_cached_tokens=req.num_cached_tokens)
                     params = req.params
                     if params.logprobs is not None:
-                        out.new_logprobs = [position_logprobs(result.logprobs, j, params.logprobs)]
-                    if params.prompt_logprobs is not None and req.index == 0 and len(req.output_token_ids) == 1:
-                        out.prompt_logprobs = [None, *req.prompt_logprobs]
+                        out.logprobs = [position_logprobs(result.logprobs, j, params.logprobs)]
+                    if (params.prompt_logprobs is not None and req.index == 0
+                            and len(req.output_token_ids) == 1):
+                        out.prompt_logprobs = list(req.prompt_logprobs)
                     reason = check_stop(req, token, max_model_len)
                     if reason is not None:
                         self.scheduler.finish(req, reason)
-                        out.finished, out.finish_reason, out.stop_reason = True, reason, req.stop_reason
+                        out.finish_reason, out.stop_reason = reason, req.stop_reason
                         self._forget_if_done(req.request_id)
                     outputs.append(out)
                 return outputs

@@ -6,9 +6,10 @@
 
 It runs an EngineCore in this process until every request of the call is done. It is a
 frontend facade (like vLLM's entrypoints/llm.py): the one engine module that tokenizes and
-detokenizes, with the HTTP server's own code (server/tokenizer.py, server/output_text.py), so
-that stop strings end a sample exactly as they do over HTTP (the engine sample is aborted).
-A request the engine refuses (too long for max_model_len or the pool) raises ValueError.
+detokenizes, with the HTTP server's own code (server/tokenizer.py and the output processor,
+server/output_processor.py), so that text, stop strings, logprobs and finish reasons come out
+exactly as they do over HTTP (a stop string aborts the engine sample). A request the engine
+refuses (too long for max_model_len or the pool) raises ValueError.
 """
 from __future__ import annotations
 
@@ -18,13 +19,23 @@ from typing import Sequence, Union
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.outputs import PositionLogprobs, RequestOutput
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.model_store import resolve_model
-from ringserve.server.output_text import OutputText
+from ringserve.ipc.messages import FinishReason
+from ringserve.server.output_processor import SampleParams, SampleState, TokenLogprob
 from ringserve.server.tokenizer import Tokenizer
 
 PromptType = Union[str, Sequence[int]]
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None                 # 1 = the most likely token
+
+
+# vLLM's per-position logprobs: token id -> Logprob (the token itself and the top-N).
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -34,14 +45,14 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None    # the stop token id or stop string that ended it
 
     @property
     def cumulative_logprob(self) -> float | None:
         if self.logprobs is None:
             return None
-        return sum(lp[t].logprob for lp, t in zip(self.logprobs, self.token_ids))
+        return sum(lp[t].logprob for lp, t in zip(self.logprobs, self.token_ids, strict=True))
 
 
 @dataclass
@@ -79,24 +90,26 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
-        results: dict[str, GenerationOutput] = {}
-        texts: dict[tuple[str, int], OutputText] = {}
-        for prompt, params in zip(prompts, sampling_params):
+        results: dict[str, tuple[GenerationOutput, SamplingParams]] = {}
+        samples: dict[tuple[str, int], SampleState] = {}
+        for prompt, params in zip(prompts, sampling_params, strict=True):
             if isinstance(prompt, str):
                 text, ids = prompt, self.tokenizer.encode(prompt)
             else:
                 text, ids = None, [int(t) for t in prompt]
             rid = str(next(self._ids))
-            results[rid] = GenerationOutput(rid, text, ids, [CompletionOutput(i) for i in range(params.n)])
+            results[rid] = GenerationOutput(rid, text, ids, []), params
+            sample = SampleParams(params.stop, params.min_tokens, params.include_stop_str_in_output)
             for i in range(params.n):
-                texts[rid, i] = OutputText(self.tokenizer.decode_stream(skip_special_tokens=True),
-                                           params.stop, min_tokens=params.min_tokens,
-                                           include_stop=params.include_stop_str_in_output)
+                samples[rid, i] = SampleState(self.tokenizer, ids, sample)
             self.engine.add_request(rid, ids, params)
-        self._run(results, texts)
-        for (rid, i), text in texts.items():
-            results[rid].outputs[i].text = text.text
-        return list(results.values())
+        self._run(samples)
+        for rid, (res, params) in results.items():
+            states = [samples[rid, i] for i in range(params.n)]
+            res.outputs = [_completion(i, s, params.logprobs is not None) for i, s in enumerate(states)]
+            if params.prompt_logprobs is not None:
+                res.prompt_logprobs = [None, *_as_dicts(states[0].prompt_logprobs or [])]
+        return [res for res, _ in results.values()]
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -111,35 +124,30 @@ class LLM:
             out.prompt = text
         return outs
 
-    def _run(self, results: dict[str, GenerationOutput], texts: dict[tuple[str, int], OutputText]) -> None:
+    def _run(self, samples: dict[tuple[str, int], SampleState]) -> None:
+        """Step the engine until the call's requests are done, each output through its sample."""
         error = None
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if out.finish_reason == "error" and error is None:
-                    error = out.error
-                    for rid in results:                # give the rest up: the call will raise
+                state = samples.get((out.request_id, out.index))
+                delta = state.process(out) if state is not None else None
+                if delta is None:
+                    continue
+                if state.error is not None and error is None:
+                    error = state.error
+                    for rid, _ in samples:             # give the rest up: the call will raise
                         self.engine.abort_request(rid)
-                res = results.get(out.request_id)
-                if res is not None and res.outputs[out.index].finish_reason is None:
-                    self._apply(res, texts[out.request_id, out.index], out)
+                elif delta.abort_engine:               # a stop string ended this sample
+                    self.engine.abort_request(out.request_id, out.index)
         if error is not None:
             raise ValueError(error)
 
-    def _apply(self, res: GenerationOutput, text: OutputText, out: RequestOutput) -> None:
-        """One engine output into its sample; a stop string ends the sample here (the tokens
-        after the one that completed it are dropped) and aborts it in the engine."""
-        c = res.outputs[out.index]
-        if out.prompt_logprobs is not None:
-            res.prompt_logprobs = out.prompt_logprobs
-        before = text.num_tokens
-        text.push(out.new_token_ids)
-        kept = text.num_tokens - before
-        c.token_ids.extend(out.new_token_ids[:kept])
-        if out.new_logprobs is not None:
-            c.logprobs = (c.logprobs or []) + out.new_logprobs[:kept]
-        if text.stop_string is not None:
-            c.finish_reason, c.stop_reason = "stop", text.stop_string
-            if not out.finished:
-                self.engine.abort_request(out.request_id, out.index)
-        elif out.finished:
-            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+
+def _completion(index: int, state: SampleState, with_logprobs: bool) -> CompletionOutput:
+    return CompletionOutput(index, state.text.text, state.token_ids,
+                            _as_dicts(state.logprobs) if with_logprobs else None,
+                            state.finish_reason, state.stop_reason)
+
+
+def _as_dicts(entries: list[TokenLogprob]) -> list[PositionLogprobs]:
+    return [{t: Logprob(lp, rank) for t, lp, rank in e.top or ()} for e in entries]

@@ -1,30 +1,30 @@
 """Logprob plumbing between the runner's arrays and the requests (gpu/sampler.py `Logprobs`
--> engine/outputs.py `PositionLogprobs`).
+-> ipc/messages.py `PositionLogprobs`, the form the outputs carry).
 
 prompt_logprobs: the runner scores the prompt tokens of the rows each prefill chunk computes
 (vLLM V1 semantics; such a request does not read the prefix cache); each request collects
-them as its chunks run, and they go out once, on its first output, as [None, position 1, ...]."""
+them as its chunks run, and they go out once, on its first output, from position 1 on."""
 from __future__ import annotations
 
 import numpy as np
 
-from ringserve.engine.outputs import Logprob, PositionLogprobs
 from ringserve.engine.request import Request
 from ringserve.engine.scheduler import SchedulerOutput
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
 from ringserve.gpu.sampler import Logprobs
+from ringserve.ipc.messages import PositionLogprobs
 
 # (request, how many of the step's prompt-logprob rows are its own), in spec order
 PromptLogprobsOwners = list[tuple[Request, int]]
 
 
 def position_logprobs(lps: Logprobs, row: int, num_top: int) -> PositionLogprobs:
-    """The sampled token's logprob and rank, then the request's own top-N."""
-    ids, vals = lps.token_ids[row], lps.logprobs[row]
-    out: PositionLogprobs = {int(ids[0]): Logprob(float(vals[0]), int(lps.sampled_rank[row]))}
-    for rank in range(1, num_top + 1):
-        out.setdefault(int(ids[rank]), Logprob(float(vals[rank]), rank))
+    """The sampled token's (id, logprob, rank), then the request's own top-N not already listed."""
+    ids, vals = lps.token_ids[row].tolist(), lps.logprobs[row].tolist()
+    sampled = ids[0]
+    out: PositionLogprobs = [(sampled, vals[0], int(lps.sampled_rank[row]))]
+    out += [(ids[rank], vals[rank], rank) for rank in range(1, num_top + 1) if ids[rank] != sampled]
     return out
 
 

@@ -40,13 +40,19 @@ from dataclasses import dataclass, field
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.outputs import RequestOutput
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.trace import DebugPublisher
 from ringserve.ipc import control
 from ringserve.ipc.channel import DEFAULT_RING_CAPACITY, Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import Abort, AddRequest, Output, decode_request, encode_output_records
+from ringserve.ipc.messages import (
+    Abort,
+    AddRequest,
+    EngineOutput,
+    FinishReason,
+    decode_request,
+    encode_output_records,
+)
 from ringserve.ipc.shm import Segment, remove_stale_segments
 from ringserve.ipc.stats import EngineStats, Heartbeat, stats_size
 
@@ -114,7 +120,7 @@ class EngineProcess:
     # -- the loop ----------------------------------------------------------------------
     def serve_forever(self) -> None:
         last_check = time.monotonic()
-        undelivered: list[RequestOutput] | None = None  # overlap: the last step's outputs
+        undelivered: list[EngineOutput] | None = None  # overlap: the last step's outputs
         while not self._stopping:
             self._take_requests()
             if self.core.has_unfinished_requests():
@@ -146,7 +152,7 @@ class EngineProcess:
             self._handle_control(IDLE_BEAT_S)
             last_check = time.monotonic()
 
-    def _complete(self, outputs: list[RequestOutput]) -> None:
+    def _complete(self, outputs: list[EngineOutput]) -> None:
         """A finished step's host work: count it, hand its outputs to the workers, publish."""
         self._count_step(outputs)
         self._deliver(outputs)
@@ -155,7 +161,7 @@ class EngineProcess:
     def stop(self) -> None:
         self._stopping = True
 
-    def _count_step(self, outputs: list[RequestOutput]) -> None:
+    def _count_step(self, outputs: list[EngineOutput]) -> None:
         """Add the step to the cumulative counters that /metrics reads."""
         s = self.core.stats
         self.stats.count_step(preemptions=s.num_preemptions,
@@ -203,17 +209,18 @@ class EngineProcess:
             error = str(e) or type(e).__name__
             if len(error) > MAX_ERROR_CHARS:  # the message may quote a value of any size
                 error = error[:MAX_ERROR_CHARS] + "..."
-            self._write(slot, [Output(msg.request_id, [], "error", error=error,
-                                      num_prompt_tokens=len(msg.prompt_token_ids))])
+            self._write(slot, [EngineOutput(msg.request_id, [], FinishReason.ERROR, error=error,
+                                            num_prompt_tokens=len(msg.prompt_token_ids))])
             slot.bell.ring()
             return
         slot.open[msg.request_id] = params.n
 
     # -- outputs out -------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        per_slot: dict[int, list[tuple[RequestOutput, str]]] = {}
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        per_slot: dict[int, list[tuple[EngineOutput, str]]] = {}  # (output, the engine's key)
         for out in outputs:
-            index, generation, request_id = out.request_id.split(".", 2)
+            key = out.request_id
+            index, generation, request_id = key.split(".", 2)
             slot = self.slots[int(index)]
             if slot is None or slot.generation != int(generation):
                 continue  # its worker is gone
@@ -223,7 +230,8 @@ class EngineProcess:
                     slot.open[request_id] = left
                 else:
                     slot.open.pop(request_id, None)
-            per_slot.setdefault(slot.index, []).append((out, request_id))
+            out.request_id = request_id  # the worker's own id goes on the wire
+            per_slot.setdefault(slot.index, []).append((out, key))
         for slot in self.slots:
             if slot is None:
                 continue
@@ -231,7 +239,7 @@ class EngineProcess:
             outs = per_slot.get(slot.index)
             if outs:
                 try:  # PERF: one try per slot and step
-                    self._write(slot, [_to_wire(out, request_id) for out, request_id in outs])
+                    self._write(slot, [out for out, _ in outs])
                 except Exception:  # noqa: BLE001 - find the output(s) at fault, end their requests
                     self._write_each(slot, outs)
                 wrote = True
@@ -242,7 +250,7 @@ class EngineProcess:
                 # requests are aborted, their blocks freed); it reconnects when it wakes.
                 self._drop(slot, f"stopped reading its outputs ({slot.backlog_bytes} bytes waiting)")
 
-    def _write(self, slot: _Slot, outs: list[Output]) -> None:
+    def _write(self, slot: _Slot, outs: list[EngineOutput]) -> None:
         """The outputs as records that fit the ring (RecordTooLarge when one cannot be cut).
         A record is at most a quarter of the ring, so that it never waits for an empty one."""
         for record in encode_output_records(outs, slot.channel.outputs.max_record // 4):
@@ -250,21 +258,21 @@ class EngineProcess:
                 slot.backlog.append(record)  # the worker is behind: keep order, never drop
                 slot.backlog_bytes += len(record)
 
-    def _write_each(self, slot: _Slot, outs: list[tuple[RequestOutput, str]]) -> None:
+    def _write_each(self, slot: _Slot, outs: list[tuple[EngineOutput, str]]) -> None:
         """_write's rare path: one output at a time; one that cannot be sent becomes an error
         output (its sample) and ends its request's other samples."""
-        for out, request_id in outs:
+        for out, key in outs:
             try:
-                self._write(slot, [_to_wire(out, request_id)])
+                self._write(slot, [out])
                 continue
             except Exception as e:  # noqa: BLE001
-                log.exception("the output of request %r could not be sent", request_id)
+                log.exception("the output of request %r could not be sent", out.request_id)
                 error = f"the engine could not send this request's output: {type(e).__name__}: {e}"
                 error = error[:MAX_ERROR_CHARS]
-            self.core.abort_request(out.request_id, error=error)
+            self.core.abort_request(key, error=error)
             if out.finished:  # else the abort's own output ends this sample (next step)
-                self._write(slot, [Output(request_id, [], "error", out.index, out.num_prompt_tokens,
-                                          error=error)])
+                self._write(slot, [EngineOutput(out.request_id, [], FinishReason.ERROR, out.index,
+                                                out.num_prompt_tokens, error=error)])
 
     def _flush_backlog(self, slot: _Slot) -> bool:
         wrote = False
@@ -363,20 +371,6 @@ class EngineProcess:
         self.heartbeat.stop()
         self.stats.release()
         self.stats_segment.close()
-
-
-def _to_wire(out: RequestOutput, request_id: str) -> Output:
-    logprobs = None
-    if out.new_logprobs is not None:
-        logprobs = [[(tok, lp.logprob, lp.rank) for tok, lp in position.items()]
-                    for position in out.new_logprobs]
-    prompt_logprobs = None
-    if out.prompt_logprobs is not None:  # the first prompt token has none: not sent
-        prompt_logprobs = [[(tok, lp.logprob, lp.rank) for tok, lp in position.items()]
-                           for position in out.prompt_logprobs[1:]]
-    return Output(request_id, out.new_token_ids, out.finish_reason, out.index, out.num_prompt_tokens,
-                  out.stop_reason, logprobs, out.error, out.num_cached_tokens, out.trace,
-                  prompt_logprobs)
 
 
 def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ringserve.engine.outputs import PositionLogprobs
 from ringserve.engine.sampling_params import SamplingParams
+from ringserve.ipc.messages import FinishReason, PositionLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -32,7 +32,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0                  # tokens whose K/V are in the cache
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full blocks (kv_cache)
     num_preemptions: int = 0

@@ -11,6 +11,7 @@ import numpy as np
 
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.sampling_params import SamplingParams
+from ringserve.ipc.limits import fit_context
 
 
 def check_request(prompt: np.ndarray, params: SamplingParams, *, vocab_size: int,
@@ -37,14 +38,9 @@ def check_request(prompt: np.ndarray, params: SamplingParams, *, vocab_size: int
         k = getattr(params, name)
         if k is not None and not 0 <= k <= vocab_size:
             return f"{name} must be between 0 and the vocabulary size {vocab_size}, got {k}", 0
-    if n >= max_model_len:
-        return (f"This model's maximum context length is {max_model_len} tokens, "
-                f"but the prompt has {n} tokens and at least one token must be generated."), 0
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
-    if n + max_tokens > max_model_len:
-        return (f"This model's maximum context length is {max_model_len} tokens. However, "
-                f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} for "
-                f"the completion)."), 0
+    max_tokens, error, _ = fit_context(n, params.max_tokens, max_model_len)
+    if error is not None:
+        return error, 0
     # The last sampled token is never written to the cache.
     blocks = kv.blocks_needed(n + max_tokens - 1)
     if blocks > kv.num_blocks:

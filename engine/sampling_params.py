@@ -1,7 +1,7 @@
 """Sampling parameters of one request, with vLLM's names, defaults and meaning.
 
 Stop strings (stop, include_stop_str_in_output) are text: the frontends apply them while they
-detokenize (server/output_text.py, for the HTTP server and the offline LLM alike) and abort the
+detokenize (server/output_processor.py, for the HTTP server and the offline LLM alike) and abort the
 engine request when one appears; the engine core sees token ids only."""
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import msgspec
 
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request, RequestStatus
+from ringserve.ipc.messages import FinishReason
 
 
 class ScheduledRequest(msgspec.Struct, gc=False):
@@ -118,7 +119,7 @@ class Scheduler:
         for s in out.scheduled:
             s.request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request (stop, length, abort): its blocks are free for the very next step."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)

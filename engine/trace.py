@@ -26,8 +26,8 @@ from ringserve.engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from ringserve.engine.core import EngineCore
-    from ringserve.engine.outputs import RequestOutput
     from ringserve.gpu.batch import Batch
+    from ringserve.ipc.messages import EngineOutput
 
 _encode = msgspec.json.Encoder().encode
 
@@ -102,7 +102,7 @@ class EngineTracer:
                                 "batch": composition})
 
     def on_step_end(self, step: int, start: float, sched: SchedulerOutput,
-                    outputs: list[RequestOutput]) -> None:
+                    outputs: list[EngineOutput]) -> None:
         end = time.monotonic()
         if self.history is not None:
             self.history.append({"step": step, "start": start, "end": end,

@@ -21,6 +21,7 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -119,3 +120,28 @@ def generator_seed(seed: int) -> int:
     """The non-negative number a numpy Generator is seeded with for an int64 seed (its two's
     complement bits): seeds 0..2^63-1 seed as themselves, and -1 is a valid seed too."""
     return seed % 2**64
+
+
+class ContextFit(NamedTuple):
+    max_tokens: int             # resolved: None asked means up to the end of the context
+    error: str | None           # why the request does not fit the context, or None
+    field: str | None           # what is too long: "prompt" or "max_tokens"
+
+
+def fit_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> ContextFit:
+    """Does a prompt and its max_tokens fit max_model_len? The one context rule: the frontend
+    answers 400 with the error, and the engine refuses a record that breaks it the same way.
+    At least one token must be generated."""
+    if num_prompt_tokens >= max_model_len:
+        return ContextFit(0, f"This model's maximum context length is {max_model_len} tokens. "
+                             f"However, your request has {num_prompt_tokens} input tokens. Please "
+                             f"reduce the length of the input.", "prompt")
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return ContextFit(room, None, None)
+    if max_tokens > room:
+        return ContextFit(0, f"This model's maximum context length is {max_model_len} tokens. "
+                             f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                             f"({num_prompt_tokens} in the input, {max_tokens} in the completion). "
+                             f"Please reduce the length of the input or completion.", "max_tokens")
+    return ContextFit(max_tokens, None, None)

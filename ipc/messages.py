@@ -10,7 +10,8 @@ slower than msgpack ints, one per step costs one pack and one frombuffer+tolist 
 
 Worker -> engine records: :class:`AddRequest`, :class:`Abort` (``encode_request``/``decode_request``),
 told apart by their tag (the array's first item).
-Engine -> worker record: one step's list of :class:`Output` (``encode_outputs``/``decode_outputs``);
+Engine -> worker record: one step's list of :class:`EngineOutput` (``encode_outputs``/``decode_outputs``),
+the same struct the engine core returns in-process (the offline ``LLM`` reads it directly);
 ``encode_output_records`` cuts what would not fit one ring record into several (a long prompt's
 prompt logprobs in parts, joined again by the reader with ``join_part``).
 """
@@ -18,6 +19,7 @@ prompt logprobs in parts, joined again by the reader with ``join_part``).
 from __future__ import annotations
 
 import struct
+from enum import StrEnum
 from typing import Any, Sequence
 
 import msgspec
@@ -34,33 +36,48 @@ class AddRequest(msgspec.Struct, tag=1, array_like=True, gc=False):
     # read-only int32 array over the record's bytes. On the wire: raw int32 bytes.
     prompt_token_ids: Any
     params: dict[str, Any] = {}           # SamplingParams fields by name
-    trace: bool = False                   # record its journey; it comes back on the last Output
+    trace: bool = False                   # record its journey; it comes back on the last EngineOutput
 
 
 class Abort(msgspec.Struct, tag=2, array_like=True, gc=False):
     request_id: str
 
 
-class Output(msgspec.Struct, array_like=True, gc=False):
-    """What one step produced for one request (one of its ``n`` samples: ``index``)."""
+class FinishReason(StrEnum):
+    """Why a sample ended. A StrEnum: equal to its string, and encoded as it (on the wire, in
+    OpenAI's JSON). Stop strings end a sample in the frontend (server/output_processor.py), also
+    with STOP; the engine knows only stop tokens, EOS and lengths."""
+    STOP = "stop"        # EOS, a stop token id, or (frontend) a stop string
+    LENGTH = "length"    # max_tokens, or the model's context
+    ABORT = "abort"      # the client went away or cancelled it
+    ERROR = "error"      # refused or failed; the message is in EngineOutput.error
+
+
+# One position's logprobs: (token id, logprob, rank) per candidate, the sampled (or prompt)
+# token first, then the top-N not already listed. rank 1 = the most likely token.
+PositionLogprobs = list[tuple[int, float, int]]
+
+
+class EngineOutput(msgspec.Struct, array_like=True, gc=False):
+    """What one step produced for one request (one of its ``n`` samples: ``index``): the one
+    engine-output type, returned by EngineCore.step() and sent as it is over the rings."""
 
     request_id: str
     # On the wire this holds the count: the ids of the whole step travel together as one raw
     # int32 block beside the outputs, and decode_outputs slices them back in.
     new_token_ids: list[int] | int
-    finish_reason: str | None = None        # None while running; "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None   # None while running
     index: int = 0
     num_prompt_tokens: int = 0
     stop_reason: int | None = None          # the stop token id that ended it, if any
-    # When logprobs were asked, one list per new token of (token_id, logprob, rank): the
-    # sampled token first, then the top-N alternatives not already listed.
-    logprobs: list[list[tuple[int, float, int]]] | None = None
-    error: str | None = None                # the message when finish_reason == "error"
+    # When logprobs were asked: one PositionLogprobs per new token.
+    logprobs: list[PositionLogprobs] | None = None
+    error: str | None = None                # the message when finish_reason is ERROR
     num_cached_tokens: int = 0              # prompt tokens found in the prefix cache
     trace: bytes | None = None              # traced requests only: the engine's journey, JSON
-    # When prompt_logprobs were asked, once (on the first output): per prompt token from the
-    # second on (the first has none), (token_id, logprob, rank): the prompt's token, then the top-N.
-    prompt_logprobs: list[list[tuple[int, float, int]]] | None = None
+    # When prompt_logprobs were asked, once (on sample 0's first output): one PositionLogprobs
+    # per prompt token from the second on (the first has none; nothing precedes it).
+    prompt_logprobs: list[PositionLogprobs] | None = None
     # An output too large for one record travels in parts on consecutive records (split_output):
     # 1: a part, its prompt_logprobs continue on the next part of this request and index;
     # 2: the last part, the output itself. 0: a whole output (always, once the client joined them).
@@ -75,7 +92,7 @@ MAX_REQUEST_ID = 1024  # characters: ours are "cmpl-<32 hex>-<choice>"
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(AddRequest | Abort).decode
-_decode_step = msgspec.msgpack.Decoder(tuple[bytes, list[Output]]).decode
+_decode_step = msgspec.msgpack.Decoder(tuple[bytes, list[EngineOutput]]).decode
 
 _INT32 = np.dtype(np.int32)  # a dtype object: np.frombuffer converts np.int32 on every call
 _PACKERS: dict[int, struct.Struct] = {}  # prompt length -> its int32 packer
@@ -123,7 +140,7 @@ def decode_request(buf: bytes | memoryview) -> AddRequest | Abort:
 # -- engine -> worker ------------------------------------------------------------------
 
 
-def encode_outputs(outputs: Sequence[Output]) -> bytes:
+def encode_outputs(outputs: Sequence[EngineOutput]) -> bytes:
     ids: list[int] = []
     wire = []
     for out in outputs:  # the ids move to the step's block; each output carries their count
@@ -132,7 +149,7 @@ def encode_outputs(outputs: Sequence[Output]) -> bytes:
     return _encode((_int32_bytes(ids), wire))
 
 
-def decode_outputs(buf: bytes | memoryview) -> list[Output]:
+def decode_outputs(buf: bytes | memoryview) -> list[EngineOutput]:
     block, outputs = _decode_step(buf)
     ids = np.frombuffer(block, _INT32).tolist()
     start = 0
@@ -143,7 +160,7 @@ def decode_outputs(buf: bytes | memoryview) -> list[Output]:
     return outputs
 
 
-def encode_output_records(outputs: Sequence[Output], max_bytes: int) -> list[bytes]:
+def encode_output_records(outputs: Sequence[EngineOutput], max_bytes: int) -> list[bytes]:
     """``outputs`` as records of at most ``max_bytes`` each, in order: one record but for a
     step whose outputs are too large together (then halves), or one output too large alone
     (prompt logprobs of a long prompt: then its parts, split_output). Raises RecordTooLarge
@@ -159,7 +176,7 @@ def encode_output_records(outputs: Sequence[Output], max_bytes: int) -> list[byt
             for r in encode_output_records([part], max_bytes)]
 
 
-def split_output(out: Output, size: int, max_bytes: int) -> list[Output]:
+def split_output(out: EngineOutput, size: int, max_bytes: int) -> list[EngineOutput]:
     """An output of ``size`` encoded bytes as parts of about max_bytes / 2 each: its
     prompt_logprobs in pieces, the first ones on parts of their own (part 1), the last with
     everything else (part 2, or 1 again when ``out`` is itself a part). The client joins them
@@ -171,14 +188,14 @@ def split_output(out: Output, size: int, max_bytes: int) -> list[Output]:
     pieces = [plp[i:i + per] for i in range(0, len(plp), per)]
     if len(pieces) == 1:
         pieces = [plp[:len(plp) // 2], plp[len(plp) // 2:]]
-    parts = [Output(out.request_id, [], None, out.index, out.num_prompt_tokens,
+    parts = [EngineOutput(out.request_id, [], None, out.index, out.num_prompt_tokens,
                     prompt_logprobs=piece, part=1) for piece in pieces[:-1]]
     parts.append(msgspec.structs.replace(out, prompt_logprobs=pieces[-1],
                                          part=1 if out.part == 1 else 2))
     return parts
 
 
-def join_part(pending: dict[tuple[str, int], list], out: Output) -> Output | None:
+def join_part(pending: dict[tuple[str, int], list], out: EngineOutput) -> EngineOutput | None:
     """Take one part of a split output (out.part != 0); the whole output once its last part
     came, else None. ``pending``: the reader's parts so far, by (request id, index)."""
     key = (out.request_id, out.index)

@@ -22,7 +22,7 @@ from ringserve.server import serving_chat, serving_completions
 from ringserve.server.config import ServerConfig
 from ringserve.server.context import ServerContext
 from ringserve.server.engine_client import EngineUnavailable
-from ringserve.server.errors import APIError, error_body
+from ringserve.server.errors import APIError, engine_error, error_body
 from ringserve.server.generate import EngineError, Generation
 from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
 from ringserve.server.sse import CLIENT_BLOCKED, CLOSE_CONNECTION, DONE, error_event, watch_disconnect
@@ -174,7 +174,7 @@ class _Generate:
         try:
             result = await self.serving.complete(self._ctx, request, gen, request_id, model)
         except EngineError as exc:
-            raise APIError(500, str(exc), code="engine_error") from None
+            raise engine_error(exc) from None
         finally:
             gen.abort()
             if watcher is not None:
@@ -193,7 +193,7 @@ async def _guarded(chunks: AsyncIterator[bytes], gen: Generation,
         async for chunk in chunks:
             yield chunk
     except EngineError as exc:
-        yield error_event(str(exc))
+        yield error_event(engine_error(exc))
         yield DONE
     finally:
         gen.abort()

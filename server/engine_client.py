@@ -28,7 +28,15 @@ from typing import Any, Callable, Sequence
 from ringserve.ipc import control
 from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import Abort, AddRequest, Output, decode_outputs, encode_request, join_part
+from ringserve.ipc.messages import (
+    Abort,
+    AddRequest,
+    EngineOutput,
+    FinishReason,
+    decode_outputs,
+    encode_request,
+    join_part,
+)
 from ringserve.ipc.shm import Segment
 from ringserve.ipc.stats import EngineStats, least_loaded, score
 
@@ -55,7 +63,7 @@ class RequestStream:
         self.request_id = request_id
         self.engine = engine                 # index of the engine it runs on
         self._unfinished = n
-        self._items: collections.deque[Output] = collections.deque()
+        self._items: collections.deque[EngineOutput] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self._max_backlog = max_backlog
         self._on_full = on_full
@@ -68,7 +76,7 @@ class RequestStream:
     def done(self) -> bool:
         return self._unfinished == 0
 
-    def _put(self, out: Output, final: bool = False) -> None:
+    def _put(self, out: EngineOutput, final: bool = False) -> None:
         self._items.append(out)
         if out.finished:
             self._unfinished = 0 if final else self._unfinished - 1
@@ -84,7 +92,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> Output:
+    async def __anext__(self) -> EngineOutput:
         while not self._items:
             if self.done:
                 raise StopAsyncIteration
@@ -209,7 +217,7 @@ class EngineClient:
         if stream is None:
             return
         engine = self.engines[stream.engine]
-        stream._put(Output(request_id, [], "abort"), final=True)
+        stream._put(EngineOutput(request_id, [], FinishReason.ABORT), final=True)
         if engine is not None and engine.alive:
             engine.streams.pop(request_id, None)
             self._send_abort(engine, encode_request(Abort(request_id)))
@@ -303,7 +311,7 @@ class EngineClient:
         self._loop.remove_reader(engine.bell.fd)
         self._loop.remove_reader(engine.sock.fileno())
         for request_id, stream in engine.streams.items():
-            stream._put(Output(request_id, [], "error", error=reason), final=True)
+            stream._put(EngineOutput(request_id, [], FinishReason.ERROR, error=reason), final=True)
             self.streams.pop(request_id, None)
         engine.streams.clear()
         self.engines[engine.index] = None

@@ -42,6 +42,12 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
         {"error": {"message": message, "type": type, "param": param, "code": code}})
 
 
+def engine_error(exc: Exception) -> APIError:
+    """The engine failed the request (or died while it ran): a 500, or the error event that
+    ends a stream, with the same body either way."""
+    return APIError(500, str(exc), code="engine_error")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 

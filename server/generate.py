@@ -2,20 +2,22 @@
 
 A completion with P prompts and `n` samples is P·n engine requests of n=1 each (as vLLM's
 parallel sampling: sample j gets seed + j), so that a stop string found in one choice aborts
-exactly that choice in the engine. Stop strings and detokenization live here, in the worker,
-never in the engine.
+exactly that choice in the engine. Stop strings and detokenization happen here, in the worker,
+never in the engine: each choice is a SampleState of the one output processor
+(server/output_processor.py, which the offline LLM uses too); this module adds the streams,
+the fan-out over choices, and the request's metrics.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
 from ringserve.ipc.limits import sample_seed
-from ringserve.ipc.messages import Output
+from ringserve.ipc.messages import EngineOutput, FinishReason
 from ringserve.server.metrics import RequestMetrics
-from ringserve.server.output_text import OutputText
+from ringserve.server.output_processor import Detokenizer, SampleParams, SampleState, TokenLogprob
 from ringserve.server.protocol import UsageInfo
 
 
@@ -26,38 +28,22 @@ class EngineError(Exception):
 class Engine(Protocol):
     """The worker's engine client (ringserve.server.engine_client.EngineClient)."""
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: dict, trace: bool = False) -> AsyncIterator[Output]: ...
+                     params: dict, trace: bool = False) -> AsyncIterator[EngineOutput]: ...
     def abort(self, request_id: str) -> None: ...
 
 
-class Detokenizer(Protocol):
-    def decode_stream(self, skip_special_tokens: bool = True): ...
+class Choice(SampleState):
+    """One choice of the response: its sample (server/output_processor.py) and its engine stream."""
 
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float | None                 # None: the first prompt token (nothing precedes it)
-    top: list[tuple[int, float]] | None
-
-
-@dataclass
-class Choice:
-    index: int
-    request_id: str
-    prompt_token_ids: list[int]
-    text: OutputText
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    # With params["prompt_logprobs"]: per prompt token from the second on, once the first output came.
-    prompt_logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    outputs: AsyncIterator[Output] | None = None  # the engine's stream, once submitted
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    finished_at: float | None = None
-    engine_trace: bytes | None = None             # traced requests: the engine's journey (JSON)
+    def __init__(self, index: int, request_id: str, tokenizer: Detokenizer,
+                 prompt_token_ids: list[int], params: SampleParams):
+        super().__init__(tokenizer, prompt_token_ids, params)
+        self.index = index
+        self.request_id = request_id
+        self.outputs: AsyncIterator[EngineOutput] | None = None  # the engine's stream, once submitted
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.finished_at: float | None = None
 
 
 @dataclass
@@ -76,13 +62,9 @@ class Generation:
         self._metrics = metrics
         self._params = params
         self.arrival = time.monotonic()
-        self.choices: list[Choice] = []
-        for p, prompt in enumerate(prompts):
-            for j in range(n):
-                idx = p * n + j
-                text = OutputText(tokenizer.decode_stream(skip_special_tokens), stop,
-                                  min_tokens=params.get("min_tokens", 0), include_stop=include_stop)
-                self.choices.append(Choice(idx, f"{request_id}-{idx}", prompt, text))
+        sample = SampleParams(stop, params.get("min_tokens", 0), include_stop, skip_special_tokens)
+        self.choices = [Choice(idx, f"{request_id}-{idx}", tokenizer, prompt, sample)
+                        for idx, prompt in enumerate(p for p in prompts for _ in range(n))]
         self._n = n
         # Set by the HTTP layer: is the client not taking what was sent, and cut its connection
         # (called when a choice's stream backlog is full; the engine requests are aborted first).
@@ -163,45 +145,30 @@ class Generation:
         """Abort every engine request still running (client gone, or an error)."""
         for c in self.choices:
             if c.finish_reason is None:
-                c.finish_reason = "abort"
+                c.abort()
                 if c.outputs is not None:
                     self._engine.abort(c.request_id)
                     self._observe(c)
 
-    def _apply(self, choice: Choice, out: Output) -> Delta | None:
-        if out.finish_reason == "error":
-            raise EngineError(out.error or "the engine failed this request")
-        if out.trace is not None:
-            choice.engine_trace = out.trace
-        if out.prompt_logprobs is not None:
-            choice.prompt_logprobs = _token_logprobs(choice.prompt_token_ids[1:], out.prompt_logprobs)
-        now = time.monotonic()
+    def _apply(self, choice: Choice, out: EngineOutput) -> Delta | None:
         if out.new_token_ids:
+            now = time.monotonic()
             if choice.first_token_at is None:
                 choice.first_token_at = now
                 self._metrics.ttft.observe(now - self.arrival)
             else:
                 self._metrics.itl.observe(now - choice.last_token_at)
             choice.last_token_at = now
-        before = choice.text.num_tokens
-        text = choice.text.push(out.new_token_ids)
-        kept = choice.text.num_tokens - before  # tokens after a stop string are dropped
-        choice.token_ids.extend(out.new_token_ids[:kept])
-        logprobs = (_token_logprobs(out.new_token_ids[:kept], out.logprobs)
-                    if out.logprobs is not None else [])
-        choice.logprobs.extend(logprobs)
-        if choice.text.stop_string is not None:
-            choice.finish_reason, choice.stop_reason = "stop", choice.text.stop_string
-            if out.finish_reason is None:
-                self._engine.abort(choice.request_id)
-        elif out.finish_reason is not None:
-            text += choice.text.flush()
-            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
-        if choice.finish_reason is not None:
-            self._observe(choice)
-        elif not text and not logprobs:
+        delta = choice.process(out)
+        if delta is None:
             return None
-        return Delta(choice, text, logprobs, choice.finish_reason is not None)
+        if choice.finish_reason is FinishReason.ERROR:
+            raise EngineError(choice.error)
+        if delta.abort_engine:
+            self._engine.abort(choice.request_id)
+        if delta.finished:
+            self._observe(choice)
+        return Delta(choice, delta.text, delta.logprobs, delta.finished)
 
     @property
     def n(self) -> int:
@@ -218,12 +185,3 @@ class Generation:
         self._metrics.finished(c.finish_reason, len(c.prompt_token_ids), len(c.token_ids),
                                time.monotonic() - self.arrival)
 
-
-def _token_logprobs(token_ids: list[int], positions: list[list[tuple[int, float, int]]],
-                    ) -> list[TokenLogprob]:
-    """Per token: its logprob (the position's first entry) and the alternatives, best first."""
-    result = []
-    for tid, entries in zip(token_ids, positions):
-        top = sorted(((t, lp) for t, lp, _rank in entries), key=lambda e: -e[1])
-        result.append(TokenLogprob(tid, entries[0][1], top))
-    return result

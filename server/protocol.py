@@ -324,22 +324,13 @@ def check_response_logprobs(positions: int, num_top: int | None, lim: RequestLim
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
                  *, param: str) -> int:
-    """Max new tokens for one prompt, or a 400 when the prompt does not fit the context."""
-    if num_prompt_tokens >= max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
-            f"input messages.", param=param, code="context_length_exceeded")
-    room = max_model_len - num_prompt_tokens
-    if max_tokens is None:
-        return room
-    if max_tokens > room:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"input, {max_tokens} in the completion). Please reduce the length of the input "
-            f"or completion.", param="max_tokens", code="context_length_exceeded")
-    return max_tokens
+    """Max new tokens for one prompt, or a 400 when it does not fit the context
+    (ipc/limits.py `fit_context`, the rule the engine applies too)."""
+    fit = limits.fit_context(num_prompt_tokens, max_tokens, max_model_len)
+    if fit.error is not None:
+        raise bad_request(fit.error, param=param if fit.field == "prompt" else "max_tokens",
+                          code="context_length_exceeded")
+    return fit.max_tokens
 
 
 def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> dict:

@@ -5,7 +5,8 @@ from typing import AsyncIterator
 
 from ringserve.server import protocol as P
 from ringserve.server.context import ServerContext
-from ringserve.server.generate import Generation, TokenLogprob
+from ringserve.server.generate import Generation
+from ringserve.server.output_processor import TokenLogprob
 from ringserve.server.sse import DONE, event
 
 
@@ -47,7 +48,7 @@ def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], top_n: int) -> P.
     for e in entries:
         tok = ctx.token_text(e.token_id)
         top = [P.TopLogprob(t, v, list(t.encode())) for t, v in
-               ((ctx.token_text(tid), lp) for tid, lp in e.top[:top_n])]
+               ((ctx.token_text(tid), lp) for tid, lp, _rank in e.top[:top_n])]
         content.append(P.ChatTokenLogprob(tok, e.logprob, list(tok.encode()), top))
     return P.ChatLogprobs(content)
 

@@ -5,7 +5,8 @@ from typing import AsyncIterator
 
 from ringserve.server import protocol as P
 from ringserve.server.context import ServerContext
-from ringserve.server.generate import Choice, Generation, TokenLogprob
+from ringserve.server.generate import Choice, Generation
+from ringserve.server.output_processor import TokenLogprob
 from ringserve.server.sse import DONE, event
 
 
@@ -52,7 +53,7 @@ def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int) -> P
         lp.token_logprobs.append(e.logprob)
         top = None
         if e.logprob is not None:
-            top = {ctx.token_text(t): v for t, v in e.top}
+            top = {ctx.token_text(t): v for t, v, _rank in e.top}
             top.setdefault(tok, e.logprob)
         lp.top_logprobs.append(top)
         lp.text_offset.append(offset)
@@ -64,8 +65,8 @@ def _echoed(c: Choice) -> list[TokenLogprob]:
     """The prompt's entries: the first token has no logprob (nothing precedes it), as in
     OpenAI's and vLLM's echo; the others come from the engine's prompt_logprobs."""
     ids = c.prompt_token_ids
-    scored = c.prompt_logprobs or [TokenLogprob(t, None, None) for t in ids[1:]]
-    return [TokenLogprob(ids[0], None, None), *scored]
+    scored = c.prompt_logprobs or [TokenLogprob(t, None) for t in ids[1:]]
+    return [TokenLogprob(ids[0], None), *scored]
 
 
 def _echo(ctx: ServerContext, req: P.CompletionRequest, choice: Choice) -> str:

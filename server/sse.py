@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 import msgspec
 
+from ringserve.server.errors import APIError
+
 _encode = msgspec.json.Encoder().encode
 
 DONE = b"data: [DONE]\n\n"
@@ -22,8 +24,10 @@ def event(obj: Any) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
 
 
-def error_event(message: str, type: str = "server_error", code: int = 500) -> bytes:
-    return event({"error": {"message": message, "type": type, "param": None, "code": code}})
+def error_event(error: APIError) -> bytes:
+    """An error that ends a stream already under way (its 200 is sent): the same JSON body as
+    the error would have had before it (server/errors.py), as one event."""
+    return b"data: " + error.to_json() + b"\n\n"
 
 
 def watch_disconnect(receive: Callable, on_disconnect: Callable[[], None]) -> asyncio.Task:

@@ -1,5 +1,6 @@
 """EngineCore on the tiny random Llama: schedule -> execute -> update, end to end."""
 import random
+from typing import NamedTuple
 
 import pytest
 
@@ -8,6 +9,19 @@ from ringserve.engine.core import EngineCore
 from ringserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+class Candidate(NamedTuple):
+    logprob: float
+    rank: int
+
+
+def by_token(position) -> dict[int, Candidate]:
+    """One position of an EngineOutput's logprobs, [(token id, logprob, rank), ...], by token;
+    no token may be listed twice."""
+    entry = {t: Candidate(lp, rank) for t, lp, rank in position}
+    assert len(entry) == len(position), position
+    return entry
 
 
 def make_engine(model_dir, **kw) -> EngineCore:
@@ -160,8 +174,9 @@ def test_logprobs_and_stats(tiny_model_dir):
     outs = engine.step()
     assert engine.stats.num_prefill_tokens == 20 and engine.stats.num_running == 1
     assert engine.stats.kv_cache_usage > 0
-    lp = outs[0].new_logprobs[0]
+    lp = by_token(outs[0].logprobs[0])
     token = outs[0].new_token_ids[0]
+    assert outs[0].logprobs[0][0][0] == token     # the sampled token first
     assert lp[token].rank == 1 and lp[token].logprob <= 0 and len(lp) == 2
     engine.step()
     assert engine.stats.num_decode_tokens == 1 and engine.stats.num_prefill_tokens == 0
@@ -190,8 +205,8 @@ def prompt_reference(tiny_model_dir):
     dict(max_num_batched_tokens=16, num_gpu_blocks_override=8, block_size=8),
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_prompt_logprobs_are_the_reference_whatever_the_chunking(tiny_model_dir, prompt_reference, kw):
-    """vLLM's prompt_logprobs: None for the first prompt token, then each token's logprob and
-    rank plus the top N, once, on the first output; only sample 0 of n carries them. With
+    """prompt_logprobs: for each prompt token from the second on (the first has none), its
+    logprob and rank plus the top N, once, on the first output; only sample 0 of n carries them. With
     prefix caching the prompt is cached first: a request with prompt_logprobs recomputes it.
     The small pool preempts (and recomputes) mid-prefill."""
     import numpy as np
@@ -212,7 +227,7 @@ def test_prompt_logprobs_are_the_reference_whatever_the_chunking(tiny_model_dir,
             key = (out.request_id, out.index)
             if out.prompt_logprobs is not None:
                 assert key not in got and key not in firsts, "prompt logprobs come once, first"
-                got[key] = out.prompt_logprobs
+                got[key] = [None] + [by_token(position) for position in out.prompt_logprobs]
             firsts.setdefault(key, out)
         hits += engine.stats.prefix_cache_hits
         preempted += engine.stats.num_preemptions

@@ -27,7 +27,7 @@ def _collect(outputs, into):
     for o in outputs:
         into.setdefault((o.request_id, o.index), []).append(
             (o.new_token_ids, o.finished, o.finish_reason,
-             None if o.new_logprobs is None else [sorted(p) for p in o.new_logprobs]))
+             None if o.logprobs is None else [sorted(p) for p in o.logprobs]))
 
 
 def test_work_between_launch_and_finish_changes_nothing(tiny_model_dir):

@@ -12,7 +12,13 @@ from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.sampler import SamplingMetadata, sample
-from ringserve.ipc.messages import Output, decode_outputs, encode_output_records, encode_outputs, join_part
+from ringserve.ipc.messages import (
+    EngineOutput,
+    decode_outputs,
+    encode_output_records,
+    encode_outputs,
+    join_part,
+)
 from ringserve.ipc.ring import TAIL, CorruptRing, RecordTooLarge, Ring
 
 # -- the ring -------------------------------------------------------------------------------
@@ -70,9 +76,9 @@ def _prompt_logprobs(positions: int, top: int = 20) -> list:
 
 
 def test_an_output_larger_than_a_record_travels_in_parts_and_is_joined_whole():
-    big = Output("echo", [17], None, 0, 4001, logprobs=[[(17, -0.5, 1)]],
+    big = EngineOutput("echo", [17], None, 0, 4001, logprobs=[[(17, -0.5, 1)]],
                  prompt_logprobs=_prompt_logprobs(4000))
-    small = [Output("other", [5]), Output("third", [9], "length")]
+    small = [EngineOutput("other", [5]), EngineOutput("third", [9], "length")]
     outs = [small[0], big, small[1]]
     limit = 64 * 1024
     assert len(encode_outputs(outs)) > 10 * limit       # ~1.3 MB: more than the default ring
@@ -86,14 +92,14 @@ def test_an_output_larger_than_a_record_travels_in_parts_and_is_joined_whole():
 
 
 def test_outputs_that_fit_stay_one_record():
-    outs = [Output(f"r{i}", [i], logprobs=[[(i, -1.0, 1)]]) for i in range(100)]
+    outs = [EngineOutput(f"r{i}", [i], logprobs=[[(i, -1.0, 1)]]) for i in range(100)]
     (record,) = encode_output_records(outs, 1 << 18)
     assert record == encode_outputs(outs)
 
 
 def test_an_output_that_cannot_be_cut_is_refused():
     with pytest.raises(RecordTooLarge):
-        encode_output_records([Output("x", [], "error", error="e" * 5000)], 4096)
+        encode_output_records([EngineOutput("x", [], "error", error="e" * 5000)], 4096)
 
 
 # -- the sampler -----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ another client's streams."""
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 import os
 import random
@@ -23,7 +24,7 @@ from ringserve.engine.process import run_engine
 from ringserve.ipc import control
 from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import Abort, AddRequest, Output, decode_outputs, encode_request, join_part
+from ringserve.ipc.messages import Abort, AddRequest, EngineOutput, decode_outputs, encode_request, join_part
 from ringserve.ipc.ring import RECORD_HEADER, TAIL
 from ringserve.ipc.stats import NUM_FREE_BLOCKS
 from ringserve.server.engine_client import EngineClient
@@ -90,7 +91,7 @@ class RawSlot:
         self.why = control.recv_refusal(self.sock)
         return True
 
-    def outputs(self) -> list[Output]:
+    def outputs(self) -> list[EngineOutput]:
         got = []
         while (record := self.channel.outputs.read()) is not None:
             for out in decode_outputs(record):
@@ -100,7 +101,7 @@ class RawSlot:
                     got.append(out)
         return got
 
-    def wait_for(self, request_id: str, timeout: float = 30.0) -> list[Output] | None:
+    def wait_for(self, request_id: str, timeout: float = 30.0) -> list[EngineOutput] | None:
         """The outputs up to request_id's finished one; None if the slot was detached first."""
         got, deadline = [], time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -425,6 +426,28 @@ def test_http_requests_that_used_to_kill_the_engine(serve, tiny_model_dir):
     assert _descendants(server.proc.pid) == before, "a server process was replaced"
     assert "died" not in server.log.read_text()
 
+
+
+def test_an_engine_refusal_has_one_error_body_streamed_or_not(serve, tiny_model_dir):
+    """A request the frontend cannot refuse but the engine must (it needs more KV blocks than
+    the whole pool): a 500 with OpenAI's error JSON, or, once a stream has begun, the same error
+    object as its last event before [DONE] (server/errors.py builds both). The server goes on."""
+    server = serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
+                   "--num-gpu-blocks-override", "4")
+    body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        plain = client.post("/v1/completions", json=body)
+        assert plain.status_code == 500, plain.text
+        error = plain.json()["error"]
+        assert error["code"] == "engine_error" and error["type"] == "server_error"
+        assert "blocks" in error["message"] and error["param"] is None
+        with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: ")) == {"error": error}
+        ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which "
          "this be or has had not but all when there one their been who they more new some "

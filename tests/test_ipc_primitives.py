@@ -20,7 +20,7 @@ from ringserve.ipc.doorbell import Doorbell
 from ringserve.ipc.messages import (
     Abort,
     AddRequest,
-    Output,
+    EngineOutput,
     decode_outputs,
     decode_request,
     encode_outputs,
@@ -274,17 +274,17 @@ def test_request_messages_round_trip():
 def test_output_messages_round_trip():
     lps = [[(12, -0.5, 1), (40, -1.5, 2)], [(13, -0.25, 3), (7, -0.125, 1), (8, -3.0, 2)]]
     outs = [
-        Output("a", [11], None, num_prompt_tokens=17, num_cached_tokens=16),
-        Output("b", [12, 13], "stop", index=2, num_prompt_tokens=3, stop_reason=13, logprobs=lps),
-        Output("c", [], "error", error="prompt too long: 40000 > 32768"),
-        Output("d", [1, 2, 3], "length", logprobs=[[], [(2, -1.0, 1)], []]),
-        Output("e", [], "abort"),
+        EngineOutput("a", [11], None, num_prompt_tokens=17, num_cached_tokens=16),
+        EngineOutput("b", [12, 13], "stop", index=2, num_prompt_tokens=3, stop_reason=13, logprobs=lps),
+        EngineOutput("c", [], "error", error="prompt too long: 40000 > 32768"),
+        EngineOutput("d", [1, 2, 3], "length", logprobs=[[], [(2, -1.0, 1)], []]),
+        EngineOutput("e", [], "abort"),
     ]
     assert decode_outputs(encode_outputs(outs)) == outs
     assert decode_outputs(encode_outputs([])) == []
     # one decode token of one request: 25 bytes (the step's 4-byte int32 id block, then a
     # 12-field array holding the id and the count of its new ids)
-    assert len(encode_outputs([Output("abcd", [5])])) == 25
+    assert len(encode_outputs([EngineOutput("abcd", [5])])) == 25
 
 
 # -- load score --------------------------------------------------------------------------

@@ -8,10 +8,12 @@ import msgspec
 import pytest
 from falcon import testing
 
+from ringserve.ipc.messages import EngineOutput, FinishReason
 from ringserve.server import protocol as P
 from ringserve.server.app import AppOptions, create_app
 from ringserve.server.context import ServerContext
 from ringserve.server.metrics import RequestMetrics
+from ringserve.server.output_processor import SampleParams, SampleState
 from ringserve.server.output_text import OutputText
 from ringserve.server.sse import DONE, event
 from ringserve.server.tokenizer import Tokenizer
@@ -201,6 +203,37 @@ def test_split_multibyte_characters(tokenizer):
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
 
+
+
+def test_a_sample_ends_at_its_stop_string_with_its_tokens_and_logprobs_cut(tokenizer):
+    """The output processor (server/output_processor.py) on EngineOutputs as the engine sends
+    them: a stop string inside a multi-token output ends the sample there (the engine request
+    is still running: abort_engine), the tokens and logprobs after the completing token are
+    dropped, later outputs change nothing; then an error output and a plain length finish."""
+    ids = tokenizer.encode("Hello there. END and more words", add_special_tokens=False)
+    end = next(i for i in range(len(ids)) if "END" in tokenizer.decode(ids[:i + 1]))
+    lps = [[(t, -0.5, 1), (7, -1.5, 2)] for t in ids]
+    state = SampleState(tokenizer, [1, 2, 3], SampleParams(stop=["END"]))
+    first = state.process(EngineOutput("r", ids[:2], logprobs=lps[:2], prompt_logprobs=[
+        [(2, -1.0, 3), (9, -0.1, 1)], [(3, -2.0, 1)]]))
+    assert first.text == tokenizer.decode(ids[:2]) and not first.finished
+    assert [(e.token_id, e.logprob, e.rank) for e in first.logprobs] == [(t, -0.5, 1) for t in ids[:2]]
+    assert first.logprobs[0].top == [(ids[0], -0.5, 1), (7, -1.5, 2)]     # best first
+    assert [e.top[0] for e in state.prompt_logprobs] == [(9, -0.1, 1), (3, -2.0, 1)]
+    last = state.process(EngineOutput("r", ids[2:], logprobs=lps[2:]))
+    assert last.finished and last.abort_engine and state.finish_reason == "stop"
+    assert state.stop_reason == "END" and state.text.text == "Hello there. "
+    assert state.token_ids == ids[:end + 1] and len(state.logprobs) == end + 1
+    assert state.process(EngineOutput("r", [5], FinishReason.ABORT)) is None
+    assert state.finish_reason is FinishReason.STOP
+
+    failed = SampleState(tokenizer, [1], SampleParams())
+    delta = failed.process(EngineOutput("r", [], FinishReason.ERROR, error="no room"))
+    assert delta.finished and (failed.finish_reason, failed.error) == ("error", "no room")
+    done = SampleState(tokenizer, [1], SampleParams(stop=["never"]))
+    delta = done.process(EngineOutput("r", ids[:3], FinishReason.LENGTH))
+    assert delta.text == tokenizer.decode(ids[:3]) and not delta.abort_engine   # nothing held back
+    assert done.finish_reason == "length" and done.stop_reason is None
 
 def test_request_round_trip_encodes():
     req = msgspec.json.decode(b'{"prompt": [[1, 2], [3]], "stop": "x", "n": 2}',

@@ -18,7 +18,7 @@ from ringserve.engine.core import EngineCore
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.ipc.messages import (
     AddRequest,
-    Output,
+    EngineOutput,
     decode_outputs,
     decode_request,
     encode_outputs,
@@ -114,7 +114,7 @@ def test_trace_flag_and_blob_cross_the_wire():
     assert add.trace and list(add.prompt_token_ids) == [1, 2, 3]
     assert not decode_request(encode_request(AddRequest("r", [1], {}))).trace
     blob = json.dumps({"steps": [1, 2]}).encode()
-    outs = decode_outputs(encode_outputs([Output("a", [7], None), Output("b", [8], "stop", trace=blob,
+    outs = decode_outputs(encode_outputs([EngineOutput("a", [7], None), EngineOutput("b", [8], "stop", trace=blob,
                                                                          error=None, stop_reason=8)]))
     assert outs[0].trace is None and outs[1].trace == blob and outs[1].stop_reason == 8
 

@@ -34,7 +34,7 @@ from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
 from ringserve.ipc.messages import (
     AddRequest,
-    Output,
+    EngineOutput,
     decode_outputs,
     decode_request,
     encode_outputs,
@@ -79,10 +79,10 @@ class RecordEnd:
     def recv(self) -> AddRequest:
         return decode_request(self._get())
 
-    def send_outputs(self, outs: list[Output]) -> None:
+    def send_outputs(self, outs: list[EngineOutput]) -> None:
         self._put(encode_outputs(outs))
 
-    def recv_outputs(self) -> list[Output]:
+    def recv_outputs(self) -> list[EngineOutput]:
         return decode_outputs(self._get())
 
 
@@ -163,13 +163,13 @@ class ZmqEnd:
         m = self.dec.decode(self.rx.recv(copy=False).buffer)
         return AddRequest(m.request_id, m.prompt_token_ids, m.params)
 
-    def send_outputs(self, outs: list[Output]) -> None:
+    def send_outputs(self, outs: list[EngineOutput]) -> None:
         wire = ZmqOutputs([ZmqOutput(o.request_id, o.new_token_ids, o.finish_reason) for o in outs])
         self.tx.send(self.enc.encode(wire), copy=False)
 
-    def recv_outputs(self) -> list[Output]:
+    def recv_outputs(self) -> list[EngineOutput]:
         m = self.dec_out.decode(self.rx.recv(copy=False).buffer)
-        return [Output(o.request_id, o.new_token_ids, o.finish_reason) for o in m.outputs]
+        return [EngineOutput(o.request_id, o.new_token_ids, o.finish_reason) for o in m.outputs]
 
     def flush(self) -> None:  # sends go out on zmq's I/O thread: wait for them, then stop it
         self.tx.close(linger=5000)
@@ -212,12 +212,12 @@ def _child(transport: Transport, role: str, count: int) -> None:
     if role == "engine":  # answer each request with one step's output: its first token
         for _ in range(count):
             msg = end.recv()
-            end.send_outputs([Output(msg.request_id, [int(msg.prompt_token_ids[-1])])])
+            end.send_outputs([EngineOutput(msg.request_id, [int(msg.prompt_token_ids[-1])])])
     else:  # sink: take `count`, then say so
         for _ in range(count):
             msg = end.recv()
         assert len(msg.prompt_token_ids) == 0 or int(msg.prompt_token_ids[-1]) == len(msg.prompt_token_ids) - 1
-        end.send_outputs([Output("done", [])])
+        end.send_outputs([EngineOutput("done", [])])
     if hasattr(end, "flush"):
         end.flush()
     os._exit(0)  # skip atexit handlers inherited through fork
