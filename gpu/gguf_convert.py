@@ -1,9 +1,11 @@
 """Convert a llama.cpp GGUF file into an HF-layout model folder (docs/design.md §6).
 
-The folder holds config.json, model.safetensors (float32, so dequantizing is the only change
-and the conversion is exact), tokenizer.json, tokenizer_config.json and generation_config.json.
-Only the llama architecture and the tensor types F32, F16, Q8_0, Q4_0 and Q4_1 are accepted;
-anything else is a ModelError that names what was refused.
+The folder holds config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
+generation_config.json. Every tensor keeps its GGUF type: F32, F16 and BF16 as safetensors
+floats, the block-quantized types as their raw blocks (U8 [rows, bytes per row], the type named
+in the header's metadata: gpu/weights.py reads them back as BlockTensor), so nothing is widened
+on disk and the conversion is exact. Only the llama architecture and SUPPORTED_TYPES are
+accepted; anything else is a ModelError that names what was refused.
 
     convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "out_dir")
 
@@ -22,7 +24,10 @@ from tqdm import tqdm
 
 from ringserve.gpu.errors import ModelError
 
-SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+FLOAT_TYPES = ("F32", "F16", "BF16")          # safetensors has the same names
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
+BLOCK_TYPES_KEY = "ringserve.block_types"     # header metadata: JSON {tensor name: GGUF type}
 TOKEN_TYPE_CONTROL = 3       # llama.cpp's token types: CONTROL tokens are the special ones
 TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are matched whole but are not special
 
@@ -159,7 +164,7 @@ def hf_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", eos),
-        "torch_dtype": "float32",
+        "torch_dtype": "float32",   # the activations' type: the weights keep their own
     }
 
 
@@ -182,15 +187,26 @@ class _Tensor:
         self.tensor, self.hf_name, self.shape, self.unpermute_heads = tensor, hf_name, shape, unpermute_heads
 
     @property
+    def type_name(self) -> str:
+        return self.tensor.tensor_type.name
+
+    @property
     def nbytes(self) -> int:
-        return 4 * int(np.prod(self.shape))
+        return int(self.tensor.n_bytes)
 
-    def float32(self) -> np.ndarray:
-        import gguf.quants
+    @property
+    def stored(self) -> tuple[str, list[int]]:
+        """(safetensors dtype, shape) as written: blocks are U8 [rows, bytes per row]."""
+        if self.type_name in FLOAT_TYPES:
+            return self.type_name, list(self.shape)
+        return "U8", [self.shape[0], self.nbytes // self.shape[0]]
 
-        w = gguf.quants.dequantize(self.tensor.data, self.tensor.tensor_type)
-        w = np.ascontiguousarray(w, dtype=np.float32).reshape(self.shape)
-        return unpermute_qk(w, self.unpermute_heads) if self.unpermute_heads else w
+    def data(self) -> bytes:
+        """The tensor's bytes, its q/k rows unpermuted (a row is whole blocks: rows move as bytes)."""
+        rows = np.ascontiguousarray(self.tensor.data).view(np.uint8).reshape(self.shape[0], -1)
+        if self.unpermute_heads:
+            rows = np.ascontiguousarray(unpermute_qk(rows, self.unpermute_heads))
+        return rows.tobytes()
 
 
 def _plan_tensors(reader, config: dict[str, Any], path: Path) -> list[_Tensor]:
@@ -204,6 +220,9 @@ def _plan_tensors(reader, config: dict[str, Any], path: Path) -> list[_Tensor]:
         if t.data.nbytes != t.n_bytes:
             raise ModelError(f"{path}: tensor {t.name} is truncated ({t.data.nbytes} of {t.n_bytes} bytes)")
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions fastest first
+        if type_name in BLOCK_TYPES and len(shape) != 2:
+            raise ModelError(f"{path}: tensor {t.name} of type {type_name} has shape {shape}; "
+                             f"block-quantized tensors must be matrices")
         heads = None
         if t.name.endswith(".attn_q.weight"):
             heads = config["num_attention_heads"]
@@ -220,12 +239,14 @@ def _plan_tensors(reader, config: dict[str, Any], path: Path) -> list[_Tensor]:
 
 
 def _write_safetensors(path: Path, tensors: list[_Tensor], *, progress: bool, desc: str) -> None:
-    """Write float32 tensors one at a time: the header is known up front (every shape is), so the
+    """Write the tensors one at a time: the header is known up front (every shape is), so the
     whole model never has to be held in memory at once, as safetensors' save_file would need."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blocks = {t.hf_name: t.type_name for t in tensors if t.type_name in BLOCK_TYPES}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", BLOCK_TYPES_KEY: json.dumps(blocks)}}
     offset = 0
     for t in tensors:
-        header[t.hf_name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        dtype, shape = t.stored
+        header[t.hf_name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -235,7 +256,7 @@ def _write_safetensors(path: Path, tensors: list[_Tensor], *, progress: bool, de
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for t in tensors:
-            f.write(t.float32().tobytes())
+            f.write(t.data())
             bar.update(t.nbytes)
 
 

@@ -3,13 +3,18 @@
 Llama forward needs is there with the right shape.
 
 numpy has no bfloat16, so BF16 tensors (the usual dtype of HF checkpoints) are read from
-their raw bytes and widened to float32, which is exact.
+their raw bytes and widened to float32, which is exact. A folder converted from a GGUF keeps
+block-quantized tensors as their raw blocks (gpu/gguf_convert.py): they load as BlockTensor,
+which numpy reads as its float32 values (np.asarray dequantizes), so a weight store that wants
+floats needs nothing special and one that keeps blocks can take them as they are.
 """
 from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -17,11 +22,37 @@ from safetensors import SafetensorError, safe_open
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.errors import ModelError
 
+BLOCK_TYPES_KEY = "ringserve.block_types"  # gpu/gguf_convert.py writes it; not imported: gguf_convert
+#                                           imports tqdm and the tokenizer builder, not needed here
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_weights(model_dir: str | Path) -> dict[str, np.ndarray]:
+@dataclass(frozen=True, eq=False)
+class BlockTensor:
+    """A GGUF block-quantized matrix kept as its blocks, exactly as llama.cpp stores them."""
+    ggml_type: str            # "Q4_K", "Q8_0", ... (gguf.GGMLQuantizationType names)
+    shape: tuple[int, int]    # the logical [rows, cols]
+    blocks: np.ndarray        # uint8 [rows, bytes per row]: each row is whole blocks
+
+    dtype = np.dtype(np.float32)  # what it stands for
+    ndim = 2
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        import gguf.quants
+
+        w = gguf.quants.dequantize(self.blocks, gguf.GGMLQuantizationType[self.ggml_type])
+        return np.ascontiguousarray(w.reshape(self.shape), dtype=dtype or np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+
+Tensor = Union[np.ndarray, BlockTensor]
+
+
+def load_weights(model_dir: str | Path) -> dict[str, Tensor]:
     """Every tensor of the checkpoint in ``model_dir``, by its HF name."""
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
@@ -33,14 +64,14 @@ def load_weights(model_dir: str | Path) -> dict[str, np.ndarray]:
     raise ModelError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def _load_sharded(model_dir: Path, index: Path) -> dict[str, np.ndarray]:
+def _load_sharded(model_dir: Path, index: Path) -> dict[str, Tensor]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise ModelError(f"{index}: not a safetensors index ({e})") from None
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         path = model_dir / shard
         if not path.is_file():
@@ -52,19 +83,36 @@ def _load_sharded(model_dir: Path, index: Path) -> dict[str, np.ndarray]:
     return weights
 
 
-def load_safetensors(path: Path) -> dict[str, np.ndarray]:
+def load_safetensors(path: Path) -> dict[str, Tensor]:
     """All tensors of one safetensors file (the library validates header and sizes)."""
     try:
         with safe_open(str(path), framework="numpy") as f:
             names = list(f.keys())
             dtypes = {name: f.get_slice(name).get_dtype() for name in names}
-            tensors = {name: f.get_tensor(name) for name in names if dtypes[name] != "BF16"}
-    except (SafetensorError, OSError) as e:
+            tensors: dict[str, Tensor] = {
+                name: f.get_tensor(name) for name in names if dtypes[name] != "BF16"}
+            block_types = json.loads((f.metadata() or {}).get(BLOCK_TYPES_KEY, "{}"))
+    except (SafetensorError, OSError, ValueError) as e:
         raise ModelError(f"{path}: not a valid safetensors file ({_one_line(e)})") from None
     bf16 = [name for name in names if dtypes[name] == "BF16"]
     if bf16:
         tensors.update(_read_bf16(path, bf16))
+    for name, ggml_type in block_types.items():
+        tensors[name] = _block_tensor(path, name, ggml_type, tensors.get(name))
     return tensors
+
+
+def _block_tensor(path: Path, name: str, ggml_type: str, blocks) -> BlockTensor:
+    import gguf
+
+    qtype = getattr(gguf.GGMLQuantizationType, str(ggml_type), None)
+    if qtype is None or not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 2:
+        raise ModelError(f"{path}: tensor {name!r} is not {ggml_type} blocks")
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if blocks.shape[1] % type_size:
+        raise ModelError(f"{path}: tensor {name!r}: {blocks.shape[1]} bytes per row are not whole "
+                         f"{ggml_type} blocks of {type_size} bytes")
+    return BlockTensor(ggml_type, (blocks.shape[0], blocks.shape[1] // type_size * block_size), blocks)
 
 
 def _read_bf16(path: Path, names: list[str]) -> dict[str, np.ndarray]:
@@ -113,7 +161,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict[str, np.ndarray], config: ModelConfig) -> None:
+def check_weights(weights: dict[str, Tensor], config: ModelConfig) -> None:
     """Raise ModelError naming the first needed tensor that is missing or misshapen."""
     for name, shape in expected_shapes(config).items():
         tensor = weights.get(name)

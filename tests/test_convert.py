@@ -10,13 +10,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from ringserve.gpu import model_store
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.gguf_convert import convert_gguf, unpermute_qk
 from ringserve.gpu.model_store import default_gguf_path, gguf_cache_key, resolve_model
+from ringserve.gpu.weights import load_weights
 from ringserve.tools.tiny_gguf import LAYER_TENSORS, make_tiny_gguf, permute_qk
 
 FIVE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -60,25 +60,30 @@ def test_default_model_matches_design_facts(default_model_dir):
     added = json.loads((default_model_dir / "tokenizer.json").read_text())["added_tokens"]
     assert [t["id"] for t in added if t["special"]] == list(range(17))
 
-    with safe_open(default_model_dir / "model.safetensors", "numpy") as f:
-        names = set(f.keys())
-        assert f.get_slice("model.layers.29.self_attn.q_proj.weight").get_shape() == [576, 576]
-        assert f.get_slice("model.layers.29.self_attn.k_proj.weight").get_shape() == [192, 576]
-        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "F32"
-    assert len(names) == 2 + 30 * 9 and "lm_head.weight" not in names
+    weights = load_weights(default_model_dir)   # each tensor in its GGUF type, blocks kept
+    q, k = (weights[f"model.layers.29.self_attn.{n}_proj.weight"] for n in "qk")
+    assert (q.ggml_type, q.shape, k.ggml_type, k.shape) == ("Q4_1", (576, 576), "Q4_1", (192, 576))
+    embed = weights["model.embed_tokens.weight"]
+    assert (embed.ggml_type, embed.shape, embed.nbytes) == ("Q8_0", (49152, 576), 49152 * 18 * 34)
+    assert weights["model.norm.weight"].dtype == np.float32
+    assert len(weights) == 2 + 30 * 9 and "lm_head.weight" not in weights
+    size = (default_model_dir / "model.safetensors").stat().st_size
+    assert size < 1.01 * default_gguf_path().stat().st_size     # nothing widened on disk
 
 
 @pytest.mark.slow
 def test_default_model_qk_rows_are_unpermuted(default_model_dir):
-    """Permuting our q/k back the way llama.cpp does gives the GGUF tensor bit for bit."""
+    """Permuting our q/k back the way llama.cpp does gives the GGUF tensor bit for bit: the
+    blocks themselves, and their values."""
     reader = gguf.GGUFReader(default_gguf_path())
     stored = {t.name: t for t in reader.tensors}
-    with safe_open(default_model_dir / "model.safetensors", "numpy") as f:
-        for gguf_name, hf_name, heads in (("blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", 9),
-                                          ("blk.3.attn_k.weight", "model.layers.3.self_attn.k_proj.weight", 3)):
-            t = stored[gguf_name]
-            raw = gguf.quants.dequantize(t.data, t.tensor_type)
-            assert np.array_equal(permute_qk(f.get_tensor(hf_name), heads), raw)
+    weights = load_weights(default_model_dir)
+    for gguf_name, hf_name, heads in (("blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", 9),
+                                      ("blk.3.attn_k.weight", "model.layers.3.self_attn.k_proj.weight", 3)):
+        t, ours = stored[gguf_name], weights[hf_name]
+        assert np.array_equal(permute_qk(ours.blocks, heads), t.data)
+        raw = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert np.array_equal(permute_qk(np.asarray(ours), heads), raw)
 
 
 @pytest.mark.slow
@@ -106,16 +111,21 @@ def test_truncated_default_gguf_is_a_model_error(default_model_dir, tmp_path):
 
 def test_every_tensor_type_dequantizes_to_what_was_stored(tiny):
     path, original, converted = tiny
-    got = load_file(converted / "model.safetensors")
-    assert set(got) == set(original)
+    loaded = load_weights(converted)
+    assert set(loaded) == set(original)
+    got = {name: np.asarray(t, dtype=np.float32) for name, t in loaded.items()}
     reader = gguf.GGUFReader(path)
     by_type = {}
     for t in reader.tensors:
         hf = next(k for k in original if _gguf_name(k) == t.name)
         heads = 4 if t.name.endswith("attn_q.weight") else 2 if t.name.endswith("attn_k.weight") else None
         stored = gguf.quants.dequantize(t.data, t.tensor_type).reshape(original[hf].shape)
-        # Exact: the converted tensor is the stored one, dequantized and un-permuted, nothing else.
-        assert got[hf].dtype == np.float32
+        # Exact: the converted tensor is the stored one, un-permuted, nothing else; kept in its type.
+        kept = loaded[hf]
+        if t.tensor_type.name in ("F32", "F16"):
+            assert kept.dtype == np.dtype(t.tensor_type.name.replace("F", "float")), hf
+        else:
+            assert kept.ggml_type == t.tensor_type.name and kept.shape == original[hf].shape, hf
         assert np.array_equal(got[hf], unpermute_qk(stored, heads) if heads else stored), hf
         by_type.setdefault(t.tensor_type.name, []).append(hf)
     assert set(by_type) == {"F32", "F16", "Q8_0", "Q4_0", "Q4_1"}
@@ -131,9 +141,9 @@ def test_every_tensor_type_dequantizes_to_what_was_stored(tiny):
 
 def test_unpermute_inverts_llama_cpp_permute(tiny):
     _, original, converted = tiny
-    got = load_file(converted / "model.safetensors")
-    q = original["model.layers.0.self_attn.q_proj.weight"]  # F16: exact up to float16 rounding
-    assert np.array_equal(got["model.layers.0.self_attn.q_proj.weight"], q.astype(np.float16).astype(np.float32))
+    got = load_weights(converted)
+    q = original["model.layers.0.self_attn.q_proj.weight"]  # F16: kept, exact up to float16 rounding
+    assert np.array_equal(got["model.layers.0.self_attn.q_proj.weight"], q.astype(np.float16))
     x = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)
     for heads in (1, 3, 6):
         assert np.array_equal(unpermute_qk(permute_qk(x, heads), heads), x)
@@ -160,7 +170,7 @@ def test_tied_embeddings_when_there_is_no_output_tensor(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(arch="gpt2"), "architecture 'gpt2' is not supported"),
-    (dict(type_overrides={"attn_v.weight": "Q5_0"}), "blk.0.attn_v.weight has type Q5_0"),
+    (dict(type_overrides={"attn_v.weight": "F64"}), "blk.0.attn_v.weight has type F64"),
     (dict(extra_tensors={"blk.0.attn_q.bias": np.zeros(64, np.float32)}), "blk.0.attn_q.bias"),
     (dict(extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)}), "rope_freqs.weight"),
 ])

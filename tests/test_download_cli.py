@@ -56,7 +56,7 @@ def test_gguf_file_is_converted_once(tmp_path):
 def bad_inputs(tmp: Path) -> dict[str, tuple[str, str]]:
     """name -> (argument, what the error line says)"""
     make_tiny_gguf(tmp / "gpt2.gguf", arch="gpt2", num_layers=1)
-    make_tiny_gguf(tmp / "q5.gguf", num_layers=1, type_overrides={"ffn_up.weight": "Q5_0"})
+    make_tiny_gguf(tmp / "f64.gguf", num_layers=1, type_overrides={"ffn_up.weight": "F64"})
     make_tiny_gguf(tmp / "whole.gguf", num_layers=1)
     data = (tmp / "whole.gguf").read_bytes()
     (tmp / "truncated.gguf").write_bytes(data[: len(data) * 2 // 3])
@@ -66,7 +66,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[str, str]]:
         "missing file": (str(tmp / "missing.gguf"), "file not found"),
         "unknown name": ("llama-9000", "unknown model 'llama-9000'"),
         "unsupported architecture": (str(tmp / "gpt2.gguf"), "architecture 'gpt2' is not supported"),
-        "unsupported tensor type": (str(tmp / "q5.gguf"), "blk.0.ffn_up.weight has type Q5_0"),
+        "unsupported tensor type": (str(tmp / "f64.gguf"), "blk.0.ffn_up.weight has type F64"),
         "truncated gguf": (str(tmp / "truncated.gguf"), "truncated.gguf"),
         "corrupt gguf": (str(tmp / "corrupt.gguf"), "corrupt.gguf: not a readable GGUF file"),
         "folder without config": (str(tmp / "empty-folder"), "no config.json"),
