@@ -42,6 +42,7 @@ from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.trace import DebugPublisher
+from ringserve.gpu.runner import MemoryReport
 from ringserve.ipc import control
 from ringserve.ipc.channel import DEFAULT_RING_CAPACITY, Channel
 from ringserve.ipc.doorbell import Doorbell
@@ -102,7 +103,9 @@ class EngineProcess:
         self.bell = Doorbell()
         self.stats_segment = Segment.create(stats_size(max_slots))
         self.stats = EngineStats(self.stats_segment.buf)
-        self.stats.init(os.getpid(), max_slots, core.kv.num_blocks, core.block_size)
+        memory = MemoryReport.of(core.runner)
+        self.stats.init(os.getpid(), max_slots, core.kv.num_blocks, core.block_size,
+                        memory.kv_cache_bytes, memory.weight_bytes)
         self.stats.publish(0, 0, core.kv.num_free_blocks)
         self.heartbeat = Heartbeat(self.stats)
         self.heartbeat.start()

@@ -15,7 +15,7 @@ What a backend decides, through its objects, and the sequence never sees:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, Sequence
 
 from ringserve.gpu.config import ModelConfig
@@ -76,6 +76,34 @@ class LlamaWeights:
                 down=linear(p + "mlp.down_proj.weight")))
         return cls(embed, embed if c.tie_word_embeddings else linear("lm_head.weight"),
                    vector("model.norm.weight"), layers)
+
+    def nbytes_by_type(self) -> dict[str, int]:
+        """What the weights take in memory, by storage type: a GGUF type name ("Q4_K") for a
+        packed weight, F32 / F16 / BF16 (bits in uint16) for an array; a tied lm_head once."""
+        unique = {id(w): w for w in (self.embed, self.lm_head, self.final_norm,
+                                     *(getattr(layer, f.name) for layer in self.layers
+                                       for f in fields(Layer)))
+                  if w is not None}
+        out: dict[str, int] = {}
+        for w in unique.values():
+            for kind, nbytes in storage(w):
+                out[kind] = out.get(kind, 0) + nbytes
+        return out
+
+
+_ARRAY_TYPES = {"float32": "F32", "float16": "F16", "uint16": "BF16"}
+
+
+def storage(w: Any) -> list[tuple[str, int]]:
+    """(storage type, bytes) of one weight: a packed weight says its own (`parts`: a fused
+    weight of several types; `qtype` and `nbytes`: one type); an array, its dtype."""
+    parts = getattr(w, "parts", None)
+    if parts is not None:
+        return [s for part in parts for s in storage(part)]
+    qtype = getattr(w, "qtype", None)
+    if qtype is not None:
+        return [(qtype, int(w.nbytes))]
+    return [(_ARRAY_TYPES.get(str(w.dtype), str(w.dtype)), int(w.nbytes))]
 
 
 class ModelOps(Protocol):

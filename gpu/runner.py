@@ -17,6 +17,7 @@ import numpy as np
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.devices import cupy_installed, resolve_device
+from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
 from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
 from ringserve.gpu.settings import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, SchedulerConfig
@@ -35,6 +36,8 @@ class Runner(Protocol):
     config: ModelConfig
     block_size: int
     num_blocks: int
+    weights: LlamaWeights
+    kv_caches: list          # per layer (k, v), as the backend allocated them
 
     def execute(self, batch: Batch, logits_indices: np.ndarray | None = None) -> np.ndarray:
         """float32 logits at rows logits_indices of the super-sequence [len, vocab]; by default
@@ -50,6 +53,21 @@ class Runner(Protocol):
         come back, so the caller can do host work until it asks for result().
         prompt_logprobs: also score tokens at these rows of the super-sequence (the result's
         .prompt_logprobs, in the spec's order)."""
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What a runner holds: why a model fits or not (the engine publishes it: the launcher's
+    start-up line, /metrics)."""
+    weight_bytes: dict[str, int]    # by storage type (gpu/model.py storage)
+    kv_cache_bytes: int
+    num_blocks: int
+    block_size: int
+
+    @classmethod
+    def of(cls, runner: Runner) -> MemoryReport:
+        kv = sum(int(k.nbytes) + int(v.nbytes) for k, v in runner.kv_caches)
+        return cls(runner.weights.nbytes_by_type(), kv, runner.num_blocks, runner.block_size)
 
 
 def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802

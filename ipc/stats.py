@@ -18,12 +18,17 @@ import time
 from typing import Sequence
 
 # uint64 word indices. The first nine are the engine's state now; the rest are cumulative since
-# the engine started, added once per step (/metrics counters); then the step start.
+# the engine started, added once per step (/metrics counters); then the step start; then what
+# the engine's memory holds, written once at start: the KV pool's bytes and the weights' bytes
+# by type (one word per WEIGHT_TYPES entry; a type the engine does not know goes to "other").
 (PID, HEARTBEAT_NS, STEPS, WAITING, RUNNING, NUM_BLOCKS, NUM_FREE_BLOCKS, BLOCK_SIZE, MAX_SLOTS,
  NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PROMPT_TOKENS_COMPUTED,
- GENERATION_TOKENS, STEP_STARTED_NS) = range(15)
+ GENERATION_TOKENS, STEP_STARTED_NS, KV_CACHE_BYTES) = range(16)
+WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
+                "Q4_K", "Q5_K", "Q6_K", "other")
+WEIGHT_BYTES = 16  # WEIGHT_BYTES + i: the bytes of the weights of type WEIGHT_TYPES[i]
 BEAT_INTERVAL_S = 0.5  # the heartbeat thread's period
-HEADER_WORDS = 16  # then one word per slot: AddRequest records the engine has taken from that slot
+HEADER_WORDS = 32  # then one word per slot: AddRequest records the engine has taken from that slot
 
 
 def stats_size(max_slots: int) -> int:
@@ -52,11 +57,16 @@ class EngineStats:
         self._words = buf[: len(buf) - len(buf) % 8].cast("Q")
 
     # -- engine side -----------------------------------------------------------------
-    def init(self, pid: int, max_slots: int, num_blocks: int = 0, block_size: int = 0) -> None:
+    def init(self, pid: int, max_slots: int, num_blocks: int = 0, block_size: int = 0,
+             kv_cache_bytes: int = 0, weight_bytes: dict[str, int] | None = None) -> None:
         w = self._words
         for i in range(HEADER_WORDS + max_slots):
             w[i] = 0
         w[PID], w[MAX_SLOTS], w[NUM_BLOCKS], w[BLOCK_SIZE] = pid, max_slots, num_blocks, block_size
+        w[KV_CACHE_BYTES] = kv_cache_bytes
+        for kind, nbytes in (weight_bytes or {}).items():
+            i = WEIGHT_TYPES.index(kind) if kind in WEIGHT_TYPES else len(WEIGHT_TYPES) - 1
+            w[WEIGHT_BYTES + i] += nbytes
         self.beat()
 
     def publish(self, waiting: int, running: int, free_blocks: int) -> None:
@@ -99,6 +109,12 @@ class EngineStats:
     @property
     def running(self) -> int:
         return self._words[RUNNING]
+
+    def weight_bytes(self) -> dict[str, int]:
+        """The engine's weights' bytes by type (types it holds none of left out)."""
+        words = self._words
+        return {kind: words[WEIGHT_BYTES + i] for i, kind in enumerate(WEIGHT_TYPES)
+                if words[WEIGHT_BYTES + i]}
 
     def taken(self, slot: int) -> int:
         return self._words[HEADER_WORDS + slot]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ringserve.ipc.shm import Segment, remove_stale_segments
-from ringserve.ipc.stats import EngineStats, hang_reason
+from ringserve.ipc.stats import BLOCK_SIZE, KV_CACHE_BYTES, NUM_BLOCKS, EngineStats, hang_reason
 from ringserve.server.supervision import (
     LAUNCHER_PID_ENV,
     die_with_parent,
@@ -139,11 +139,10 @@ class Launcher:
         proc.start()
         return _Engine(index, path, proc)
 
-    def _wait_ready(self, engine: _Engine) -> tuple[int, int]:
-        """Block until the engine takes connections; its (num_blocks, block_size). Keeps its
-        stats segment attached (engine.stats) for the hang check."""
+    def _wait_ready(self, engine: _Engine) -> EngineStats:
+        """Block until the engine takes connections; its published stats (kept attached in
+        engine.stats for the hang check)."""
         from ringserve.ipc import control
-        from ringserve.ipc.stats import BLOCK_SIZE, NUM_BLOCKS
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
             if not engine.process.is_alive():
@@ -160,7 +159,7 @@ class Launcher:
                 try:
                     engine.segment = Segment.attach(welcome.stats_segment)
                     engine.stats = EngineStats(engine.segment.buf)
-                    return engine.stats[NUM_BLOCKS], engine.stats[BLOCK_SIZE]
+                    return engine.stats
                 finally:
                     for fd in fds:
                         os.close(fd)
@@ -216,15 +215,19 @@ class Launcher:
     def start(self) -> None:
         """Start the engines, wait until they take connections, then start Gunicorn."""
         self.engines = [self._start_engine(i) for i in range(len(self.engine_gpus))]
-        shapes = [self._wait_ready(e) for e in self.engines]
+        ready = [self._wait_ready(e) for e in self.engines]
         if self._stopping:
             return
         self.gunicorn = self._start_gunicorn()
-        for e, (blocks, bs) in zip(self.engines, shapes):
+        for e, stats in zip(self.engines, ready, strict=True):
             gpu = self.engine_gpus[e.index]
-            log.info("engine %d: device %s%s, KV pool %d blocks x %d = %d tokens", e.index,
-                     self.device, "" if gpu is None else f" (CUDA_VISIBLE_DEVICES={gpu})",
-                     blocks, bs, blocks * bs)
+            weights = stats.weight_bytes()
+            blocks, bs = stats[NUM_BLOCKS], stats[BLOCK_SIZE]
+            log.info("engine %d: device %s%s, weights %s (%s), KV pool %d blocks x %d = %d tokens, %s",
+                     e.index, self.device, "" if gpu is None else f" (CUDA_VISIBLE_DEVICES={gpu})",
+                     _size(sum(weights.values())),
+                     ", ".join(f"{k} {_size(v)}" for k, v in sorted(weights.items(), key=lambda kv: -kv[1])),
+                     blocks, bs, blocks * bs, _size(stats[KV_CACHE_BYTES]))
         log.info("serving %s (%s) as %s on http://%s:%d with %d workers, max_model_len %d",
                  self.model_dir.name, self.model_dir,
                  ", ".join(self.server.served_model_name or [self.model_dir.name]),
@@ -344,3 +347,7 @@ def serve_command(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -53,6 +53,8 @@ class EngineSnapshot:
     num_preemptions: int = 0          # the rest: cumulative since the engine started
     prefix_cache_queries: int = 0     # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0        # of which found
+    kv_cache_bytes: int = 0           # the memory it holds, written once at its start
+    weight_bytes: dict[str, int] | None = None   # by storage type ("Q4_K", "F32", ...)
 
 
 @dataclass
@@ -142,6 +144,11 @@ class _EngineCollector:
         hits = CounterMetricFamily(
             P + "prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.", labels=labels)
+        kv_bytes = GaugeMetricFamily(P + "kv_cache_bytes",
+                                     "Memory the engine's KV-cache pool takes, in bytes.", labels=labels)
+        weights = GaugeMetricFamily(P + "model_weight_bytes",
+                                    "Memory the engine's weights take, in bytes, by storage type.",
+                                    labels=[*labels, "type"])
         for i, s in enumerate(self._stats):
             lv = [self._model_name, str(i)]
             running.add_metric(lv, s.num_running)
@@ -150,7 +157,10 @@ class _EngineCollector:
             preempt.add_metric(lv, s.num_preemptions)
             queries.add_metric(lv, s.prefix_cache_queries)
             hits.add_metric(lv, s.prefix_cache_hits)
-        yield from (running, waiting, usage, preempt, queries, hits)
+            kv_bytes.add_metric(lv, s.kv_cache_bytes)
+            for kind, nbytes in (s.weight_bytes or {}).items():
+                weights.add_metric([*lv, kind], nbytes)
+        yield from (running, waiting, usage, preempt, queries, hits, kv_bytes, weights)
         if self._cache is not None:
             info = GaugeMetricFamily(P + "cache_config_info",
                                      "Information of the LLMEngine CacheConfig",

@@ -12,6 +12,7 @@ import os
 
 from ringserve.ipc.stats import (
     BLOCK_SIZE,
+    KV_CACHE_BYTES,
     NUM_BLOCKS,
     NUM_FREE_BLOCKS,
     NUM_PREEMPTIONS,
@@ -41,7 +42,8 @@ def snapshots(client: EngineClient) -> list[EngineSnapshot]:
         usage = 1.0 - s[NUM_FREE_BLOCKS] / blocks if blocks else 0.0
         out.append(EngineSnapshot(s.running, s.waiting, usage, num_preemptions=s[NUM_PREEMPTIONS],
                                   prefix_cache_queries=s[PREFIX_CACHE_QUERIES],
-                                  prefix_cache_hits=s[PREFIX_CACHE_HITS]))
+                                  prefix_cache_hits=s[PREFIX_CACHE_HITS],
+                                  kv_cache_bytes=s[KV_CACHE_BYTES], weight_bytes=s.weight_bytes()))
     return out
 
 

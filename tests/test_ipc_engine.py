@@ -15,6 +15,8 @@ import pytest
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
+from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.weights import load_weights
 from ringserve.ipc import control
 from ringserve.ipc.stats import (
     GENERATION_TOKENS,
@@ -243,7 +245,7 @@ def test_two_engines_receive_work_as_the_score_dictates(engines):
     asyncio.run(body())
 
 
-def test_engine_counters_reach_the_metrics_page(engines):
+def test_engine_counters_reach_the_metrics_page(engines, long_context_model_dir):
     # 8 blocks of 16 tokens: each request fits alone (19 + 60 tokens: 5 blocks), four at once
     # do not, so the engine must preempt; they share PROMPT's first block in the prefix cache.
     path = engines.start("a", num_gpu_blocks_override=8)
@@ -273,6 +275,13 @@ def test_engine_counters_reach_the_metrics_page(engines):
         assert f"ringserve:num_preemptions_total{labels} {float(stats[NUM_PREEMPTIONS])}" in page
         assert f"ringserve:prefix_cache_queries_total{labels} {float(stats[PREFIX_CACHE_QUERIES])}" in page
         assert f"ringserve:prefix_cache_hits_total{labels} {float(stats[PREFIX_CACHE_HITS])}" in page
+        # What it holds: the float32 checkpoint's bytes (fused, the tied lm_head once) and the
+        # 8-block pool, K and V of every layer in float32.
+        c = ModelConfig.from_dir(long_context_model_dir)
+        weights = sum(t.nbytes for t in load_weights(long_context_model_dir).values())
+        kv = 8 * 16 * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
+        assert f'ringserve:model_weight_bytes{{engine="0",model_name="tiny",type="F32"}} {float(weights)}' in page
+        assert f"ringserve:kv_cache_bytes{labels} {float(kv)}" in page
         await client.close()
 
     asyncio.run(body())
