@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from ringserve.gpu.cpu_kernels import fast_exp
+from ringserve.gpu.cpu_kv_dtypes import kv_load
 
 # Reassociation lets LLVM vectorize the dot products; no 'nnan'/'ninf', so -inf stays -inf.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -20,7 +21,8 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
 def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
                     scale, out):  # pragma: no cover - compiled
-    """q [T, H, D], k/v_cache [num_blocks, block_size, KVH, D] -> out [T, H, D] (written)."""
+    """q [T, H, D], k/v_cache [num_blocks, block_size, KVH, D] in their storage type
+    (gpu/cpu_kv_dtypes.py) -> out [T, H, D] (written)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads  # query heads per KV head (GQA)
@@ -41,7 +43,7 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
                         for g in range(group):
                             s = np.float32(0.0)
                             for d in range(head_dim):
-                                s += q[t, h0 + g, d] * k_cache[block, row, kvh, d]
+                                s += q[t, h0 + g, d] * kv_load(k_cache[block, row, kvh, d])
                             scores[g, j0 + row] = s * scale
                 for g in range(group):
                     m = scores[g, 0]
@@ -62,7 +64,7 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
                         for g in range(group):
                             w = scores[g, j0 + row]
                             for d in range(head_dim):
-                                acc[g, d] += w * v_cache[block, row, kvh, d]
+                                acc[g, d] += w * kv_load(v_cache[block, row, kvh, d])
                 for g in range(group):
                     for d in range(head_dim):
                         out[t, h0 + g, d] = acc[g, d]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ringserve.gpu.cpu_kv_dtypes import kv_store
+
 # No 'nnan'/'ninf': the kernels rely on inf and -inf behaving as IEEE says.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -76,7 +78,8 @@ def silu_mul(gate_up, out):  # pragma: no cover - compiled
 def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_out):  # pragma: no cover
     """Split qkv [T, (H + 2 KVH) * D] into q, k, v; rotate q and k by each token's position
     (cos, sin: [max_pos, D/2] tables) into q_out [T, H, D] and into the cache at the token's
-    slot, with v. A slot of -1 stores nothing (padding)."""
+    slot, with v, in the cache's storage type (gpu/cpu_kv_dtypes.py). A slot of -1 stores
+    nothing (padding)."""
     num_heads, head_dim = q_out.shape[1], q_out.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     half = head_dim // 2
@@ -98,7 +101,7 @@ def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_ou
             base = k_off + h * head_dim
             for i in range(half):
                 x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
-                k_cache[block, row, h, i] = x1 * cos[p, i] - x2 * sin[p, i]
-                k_cache[block, row, h, half + i] = x2 * cos[p, i] + x1 * sin[p, i]
+                k_cache[block, row, h, i] = kv_store(x1 * cos[p, i] - x2 * sin[p, i], k_cache)
+                k_cache[block, row, h, half + i] = kv_store(x2 * cos[p, i] + x1 * sin[p, i], k_cache)
             for i in range(head_dim):
-                v_cache[block, row, h, i] = qkv[t, v_off + h * head_dim + i]
+                v_cache[block, row, h, i] = kv_store(qkv[t, v_off + h * head_dim + i], v_cache)

@@ -21,6 +21,7 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu_attention import paged_attention
 from ringserve.gpu.cpu_kernels import add_rms_norm, rms_norm, rope_store_kv, silu_mul
+from ringserve.gpu.cpu_kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu_linear import linear, to_bfloat16, widen_bfloat16
 
 F32 = np.float32
@@ -55,9 +56,12 @@ class KVCache(NamedTuple):
     v: np.ndarray  # [num_blocks, block_size, num_kv_heads, head_dim]
 
     @classmethod
-    def allocate(cls, num_blocks: int, block_size: int, config: ModelConfig) -> KVCache:
+    def allocate(cls, num_blocks: int, block_size: int, config: ModelConfig,
+                 dtype: str = "float32") -> KVCache:
+        """dtype: a KV_CACHE_DTYPES name (gpu/cpu_kv_dtypes.py: 16-bit types are kept as bits)."""
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        return cls(np.zeros(shape, F32), np.zeros(shape, F32))
+        storage = KV_CACHE_DTYPES[dtype]
+        return cls(np.zeros(shape, storage), np.zeros(shape, storage))
 
 
 class CpuStepBuffers:

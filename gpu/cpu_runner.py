@@ -14,6 +14,7 @@ from threadpoolctl import ThreadpoolController
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.cpu_kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
 from ringserve.gpu.cpu_ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
 from ringserve.gpu.model import LlamaWeights, compute_logits, hidden_states
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
@@ -28,7 +29,7 @@ _BLAS = ThreadpoolController()
 # option that halves the bytes a decode step streams (its logits differ from float32's by bf16
 # rounding of the weights); float32 is the default and matches transformers.
 CPU_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
-KV_ITEMSIZE = 4  # float32 K/V (gpu/cpu_ops.py KVCache)
+KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 class CpuModelRunner:
@@ -38,12 +39,18 @@ class CpuModelRunner:
     def __init__(self, model_dir: str | Path, *, dtype: str = DeviceConfig.dtype,
                  block_size: int = CacheConfig.block_size, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
+                 kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
                  num_threads: int | None = None):
         """num_threads: Numba's (and BLAS's) threads for a step, default_num_threads() by
-        default; num_blocks: the KV pool, else as many blocks as kv_cache_memory_bytes holds."""
+        default; num_blocks: the KV pool, else as many blocks as kv_cache_memory_bytes holds
+        (in kv_cache_dtype: gpu/cpu_kv_dtypes.py)."""
         if dtype not in CPU_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported by the CPU backend "
                              f"({', '.join(CPU_DTYPES)})")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the CPU backend "
+                             f"({', '.join(KV_CACHE_DTYPES)})")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
         if block_size <= 0:
             raise ValueError(f"block_size {block_size} must be positive")
         self.config = c = ModelConfig.from_dir(model_dir)
@@ -61,7 +68,7 @@ class CpuModelRunner:
             raise ValueError(f"the KV cache holds no block: {num_blocks} blocks "
                              f"({self.bytes_per_block} bytes per block)")
         self.num_blocks = int(num_blocks)
-        self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c)
+        self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype)
                           for _ in range(c.num_hidden_layers)]
         self.inv_freq = inv_freq(c)
         self._cos = self._sin = np.empty((0, c.head_dim // 2), dtype=np.float32)
@@ -71,7 +78,7 @@ class CpuModelRunner:
         """K and V of one block over all layers."""
         c = self.config
         return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
-                * KV_ITEMSIZE)
+                * np.dtype(CPU_KV_STORAGE[self.kv_cache_dtype]).itemsize)
 
     def rope_tables(self, max_position: int) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin for positions 0..max_position at least, computed once (grown by doubling)."""

@@ -74,6 +74,7 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
                 dtype: str = DeviceConfig.dtype, block_size: int = CacheConfig.block_size,
                 num_blocks: int | None = None,
                 kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
+                kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
                 num_threads: int | None = None,
                 gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
@@ -84,8 +85,9 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
     The settings' defaults are gpu/settings.py's; the engine passes its EngineConfig's
     (engine/core.py _make_runner). device "cpu" unless asked (tests compare against CPU
     references).
-    device "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). kv_cache_memory_bytes
-    and num_threads are the CPU backend's; the arguments after them the CUDA backend's (KV pool
+    device "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). kv_cache_dtype: auto
+    or float16 on CUDA (its KV cache is fp16). kv_cache_memory_bytes and num_threads are the CPU
+    backend's; the arguments after them the CUDA backend's (KV pool
     from free memory, graph ladder up to max_num_seqs, the profiling forward's size, graphs
     off, paged-attention kernel)."""
     device = resolve_device(device)
@@ -93,6 +95,9 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
         if dtype not in CUDA_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported by the CUDA backend "
                              f"({', '.join(CUDA_DTYPES)})")
+        if kv_cache_dtype not in ("auto", "float16"):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the CUDA backend "
+                             f"(auto, float16: its KV cache is float16)")
         if not cupy_installed():
             raise ValueError("device 'cuda' needs CuPy: pip install -e '.[cuda]' "
                              "(docs/deploy.md)")
@@ -104,7 +109,8 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
             enforce_eager=enforce_eager, attention_backend=attention_backend)
     from ringserve.gpu.cpu_runner import CpuModelRunner
     return CpuModelRunner(model_dir, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                          kv_cache_memory_bytes=kv_cache_memory_bytes, num_threads=num_threads)
+                          kv_cache_memory_bytes=kv_cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
+                          num_threads=num_threads)
 
 
 @dataclass

@@ -28,6 +28,7 @@ CPU_KV_CACHE_MEMORY_BYTES = 1 << 30  # the CPU pool when neither its size nor it
 # Every dtype some backend takes; each takes a subset (gpu/cpu_runner.py CPU_DTYPES,
 # gpu/runner.py CUDA_DTYPES).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES  # the same names (vLLM's flag; its fp8 types are not here)
 
 
 def max_num_batched_tokens_for(device: str) -> int:
@@ -83,9 +84,15 @@ class CacheConfig:
                 f"{CPU_KV_CACHE_MEMORY_BYTES >> 30} GiB)"})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV blocks of a prompt prefix seen before"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "choices": KV_CACHE_DTYPES,
+        "help": "the KV cache's storage type: auto is float32 on cpu, float16 on cuda (its only "
+                "one); on cpu bfloat16 or float16 halve the cache's bytes (attention reads them "
+                "widened to float32)"})
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes")
+        _one_of(self, "kv_cache_dtype", KV_CACHE_DTYPES)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}.")
