@@ -211,7 +211,8 @@ def _plan_tensors(reader, config: dict[str, Any], path: Path) -> list[_Tensor]:
             heads = config["num_key_value_heads"]
         planned.append(_Tensor(t, hf_name, shape, heads))
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"]) for name in _LAYER_TENSORS.values()}
+        f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"])
+        for name in _LAYER_TENSORS.values()}
     missing = sorted(expected - {t.hf_name for t in planned})
     if missing:
         raise ModelError(f"{path}: missing tensor for {missing[0]}"
@@ -225,7 +226,8 @@ def _write_safetensors(path: Path, tensors: list[_Tensor], *, progress: bool, de
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
-        header[t.hf_name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        header[t.hf_name] = {"dtype": "F32", "shape": list(t.shape),
+                             "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -262,7 +264,8 @@ def build_tokenizer(meta: _Metadata):
 
     model = meta.require("tokenizer.ggml.model")
     if model != "gpt2":
-        raise ModelError(f"{meta.path}: tokenizer.ggml.model {model!r} is not supported (gpt2 byte-level BPE only)")
+        raise ModelError(f"{meta.path}: tokenizer.ggml.model {model!r} is not supported "
+                         "(gpt2 byte-level BPE only)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in ("smollm", "default", "gpt-2"):
         raise ModelError(f"{meta.path}: tokenizer.ggml.pre {pre!r} is not supported (smollm, gpt-2)")

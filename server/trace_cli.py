@@ -116,7 +116,8 @@ def _engine_part(e: dict, station, at, lines: list[str]) -> None:
     station(STATIONS[2])
     at(e["received_ms"], "taken from the ring into `waiting`")
     for a in e["admissions"]:
-        hit = f", {a['num_cached_tokens']} prompt tokens from the prefix cache" if a["num_cached_tokens"] else ""
+        cached = a["num_cached_tokens"]
+        hit = f", {cached} prompt tokens from the prefix cache" if cached else ""
         at(a["at_ms"], f"admitted by step {a['step']}{hit}: {_batch(a['batch'])}")
     for p in e["preemptions"]:
         at(p["at_ms"], f"PREEMPTED in step {p['step']}: blocks {p['blocks_freed']} freed, back to waiting")

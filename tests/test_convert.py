@@ -74,8 +74,9 @@ def test_default_model_qk_rows_are_unpermuted(default_model_dir):
     reader = gguf.GGUFReader(default_gguf_path())
     stored = {t.name: t for t in reader.tensors}
     with safe_open(default_model_dir / "model.safetensors", "numpy") as f:
-        for gguf_name, hf_name, heads in (("blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", 9),
-                                          ("blk.3.attn_k.weight", "model.layers.3.self_attn.k_proj.weight", 3)):
+        for gguf_name, hf_name, heads in (
+                ("blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", 9),
+                ("blk.3.attn_k.weight", "model.layers.3.self_attn.k_proj.weight", 3)):
             t = stored[gguf_name]
             raw = gguf.quants.dequantize(t.data, t.tensor_type)
             assert np.array_equal(permute_qk(f.get_tensor(hf_name), heads), raw)
@@ -133,7 +134,8 @@ def test_unpermute_inverts_llama_cpp_permute(tiny):
     _, original, converted = tiny
     got = load_file(converted / "model.safetensors")
     q = original["model.layers.0.self_attn.q_proj.weight"]  # F16: exact up to float16 rounding
-    assert np.array_equal(got["model.layers.0.self_attn.q_proj.weight"], q.astype(np.float16).astype(np.float32))
+    assert np.array_equal(got["model.layers.0.self_attn.q_proj.weight"],
+                          q.astype(np.float16).astype(np.float32))
     x = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)
     for heads in (1, 3, 6):
         assert np.array_equal(unpermute_qk(permute_qk(x, heads), heads), x)
@@ -148,7 +150,8 @@ def test_tiny_config_and_tokenizer(tiny):
     from ringserve.server.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(converted)
     ids = tok.encode("<|im_start|> the  42")
-    assert [tok.decode([i], skip_special_tokens=False) for i in ids] == ["<|im_start|>", " the", "  ", "4", "2"]
+    pieces = [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert pieces == ["<|im_start|>", " the", "  ", "4", "2"]
 
 
 def test_tied_embeddings_when_there_is_no_output_tensor(tmp_path):

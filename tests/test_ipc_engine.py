@@ -317,7 +317,8 @@ def test_overlapped_delivery_gives_the_same_outputs(engines):
     steps that sample nothing, a refusal, an abort. Every output arrives, the last ones when
     the engine goes idle, and the pool is whole again."""
     chunked = dict(max_num_batched_tokens=32)
-    paths = [engines.start("plain", overlap=False, **chunked), engines.start("overlap", overlap=True, **chunked)]
+    paths = [engines.start("plain", overlap=False, **chunked),
+             engines.start("overlap", overlap=True, **chunked)]
     requests = {
         "greedy": (PROMPT, {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 2}),
         "seeded": (PROMPT[:7], {"max_tokens": 9, "temperature": 0.9, "top_p": 0.9, "seed": 11,
@@ -330,7 +331,8 @@ def test_overlapped_delivery_gives_the_same_outputs(engines):
         client = EngineClient([path])
         await client.start()
         await client.wait_ready(timeout=60)
-        streams = {rid: await client.submit(rid, prompt, params) for rid, (prompt, params) in requests.items()}
+        streams = {rid: await client.submit(rid, prompt, params)
+                   for rid, (prompt, params) in requests.items()}
         gone = await client.submit("gone", PROMPT, LONG)
         await gone.__anext__()
         client.abort("gone")

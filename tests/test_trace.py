@@ -155,7 +155,8 @@ def check_journey(j: dict, prompt_len: int, max_tokens: int, num_engines: int) -
     assert fe["tokenize_ms"] <= route["chosen_ms"] <= route["written_ms"]
     e = c["engine"]
     check_engine_journey(e, time_key="at_ms")
-    assert route["chosen_ms"] <= e["received_ms"]   # (written_ms is taken after the doorbell: it may be later)
+    # (written_ms is taken after the doorbell: it may be later)
+    assert route["chosen_ms"] <= e["received_ms"]
     fin = e["finish"]
     assert fin["num_prompt_tokens"] == prompt_len
     assert fin["num_output_tokens"] == c["num_output_tokens"] == max_tokens

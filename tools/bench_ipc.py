@@ -89,7 +89,8 @@ class RecordEnd:
 class RingEnd(RecordEnd):
     def __init__(self, name: str, capacity: int, parent: bool):
         self.ch = Channel.attach(name, capacity)
-        self.tx, self.rx = (self.ch.requests, self.ch.outputs) if parent else (self.ch.outputs, self.ch.requests)
+        ends = (self.ch.requests, self.ch.outputs)
+        self.tx, self.rx = ends if parent else ends[::-1]
 
     def _put(self, record: bytes) -> None:
         while not self.tx.try_write(record):  # spin: the busy engine's mode
@@ -157,7 +158,8 @@ class ZmqEnd:
         self.dec_out = msgspec.msgpack.Decoder(ZmqOutputs)
 
     def send(self, msg: AddRequest) -> None:
-        self.tx.send(self.enc.encode(ZmqRequest(msg.request_id, msg.prompt_token_ids, msg.params)), copy=False)
+        record = self.enc.encode(ZmqRequest(msg.request_id, msg.prompt_token_ids, msg.params))
+        self.tx.send(record, copy=False)
 
     def recv(self) -> AddRequest:
         m = self.dec.decode(self.rx.recv(copy=False).buffer)
@@ -216,7 +218,8 @@ def _child(transport: Transport, role: str, count: int) -> None:
     else:  # sink: take `count`, then say so
         for _ in range(count):
             msg = end.recv()
-        assert len(msg.prompt_token_ids) == 0 or int(msg.prompt_token_ids[-1]) == len(msg.prompt_token_ids) - 1
+        ids = msg.prompt_token_ids
+        assert len(ids) == 0 or int(ids[-1]) == len(ids) - 1
         end.send_outputs([Output("done", [])])
     if hasattr(end, "flush"):
         end.flush()

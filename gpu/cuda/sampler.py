@@ -157,8 +157,8 @@ class CudaSampler:
 
     def sample_async(self, logits, meta: SamplingMetadata) -> PendingSample:
         """logits: float32 [B, V], contiguous, on the device as a Numba device array (a CuPy
-        array through numba.cuda.as_cuda_array(x, sync=False)), left unchanged. One pending sample at a time: the
-        previous one's result() must have been taken (its pinned buffers are reused)."""
+        array through numba.cuda.as_cuda_array(x, sync=False)), left unchanged. One pending sample
+        at a time: the previous one's result() must have been taken (its pinned buffers are reused)."""
         if self._pending is not None and not self._pending.done:
             raise RuntimeError("CudaSampler: take the previous sample's result() first")
         B, V = logits.shape

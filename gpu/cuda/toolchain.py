@@ -59,7 +59,8 @@ def ptxas_path() -> Path:
     found = shutil.which("ptxas") or (os.environ.get("CUDA_HOME") and shutil.which(
         "ptxas", path=str(Path(os.environ["CUDA_HOME"]) / "bin")))
     if not found:
-        raise FileNotFoundError("ptxas not found: install nvidia-cuda-nvcc-cu12 or put a CUDA toolkit on PATH")
+        raise FileNotFoundError("ptxas not found: install nvidia-cuda-nvcc-cu12 or put a CUDA toolkit "
+                                "on PATH")
     return Path(found)
 
 

@@ -35,7 +35,8 @@ def _rate_list(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers (or inf) separated by commas, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected numbers (or inf) separated by commas, "
+                                         f"got {text!r}") from None
     if any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError("every request rate must be positive (inf: all at once)")
     return values
@@ -52,8 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ring mode: the server's runtime folder (holds server.json), instead of --base-url")
     g.add_argument("--endpoint", default="/v1/completions",
                    help="http: /v1/completions or /v1/chat/completions")
-    g.add_argument("--model", default=None, help="http: the model name to ask for (default: the first of /v1/models)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("RINGSERVE_API_KEY"))
+    g.add_argument("--model", default=None,
+                   help="http: the model name to ask for (default: the first of /v1/models)")
+    g.add_argument("--api-key",
+                   default=os.environ.get("OPENAI_API_KEY") or os.environ.get("RINGSERVE_API_KEY"))
     g.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
                    help="http /v1/completions: send token ids, or the text they decode to "
                         "(auto: ids when the server accepts them)")
@@ -151,7 +154,8 @@ async def _run(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, An
             raise ValueError(f"prompts of {longest - args.output_len} + {args.output_len} output tokens "
                              f"do not fit the server's max_model_len {server.max_model_len}")
     needs_pool = args.dataset != "jsonl" or (args.mode == "http" and args.prompt_format != "text")
-    vocab_dir, pool = _token_pool(args, server.model_dir if server else None) if needs_pool else (args.tokenizer, None)
+    vocab_dir, pool = (_token_pool(args, server.model_dir if server else None) if needs_pool
+                       else (args.tokenizer, None))
     if args.mode == "ring":
         backend = RingBackend(server, temperature=args.temperature)
     else:

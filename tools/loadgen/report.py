@@ -11,7 +11,8 @@ from ringserve.tools.bench_report import markdown_table
 from ringserve.tools.loadgen.stats import LATENCY_METRICS, Summary
 
 FORMAT = "ringserve-loadgen/1"
-_TITLES = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+_TITLES = {"ttft": ("Time to First Token", "TTFT"),
+           "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
            "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
 
 
