@@ -66,15 +66,15 @@ def each_row(rows, body, failed: dict[int, str]) -> None:
     (row -> message, the first one kept) and the rows after it still run.
     PERF: one try around the loop, entered again after a failing row (not one per row), and
     each row runs once: a seeded row draws exactly as it would in a batch with no failure."""
-    k, n = 0, len(rows)
-    while k < n:
+    start, n = 0, len(rows)
+    while start < n:
         try:
-            for k in range(k, n):
+            for k in range(start, n):
                 body(rows[k])
             return
         except Exception as e:  # noqa: BLE001 - reported per row, the caller ends that request
             failed.setdefault(int(rows[k]), f"{type(e).__name__}: {e}")
-            k += 1
+            start = k + 1
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -220,7 +220,7 @@ class Launcher:
         if self._stopping:
             return
         self.gunicorn = self._start_gunicorn()
-        for e, (blocks, bs) in zip(self.engines, shapes):
+        for e, (blocks, bs) in zip(self.engines, shapes, strict=True):
             gpu = self.engine_gpus[e.index]
             log.info("engine %d: device %s%s, KV pool %d blocks x %d = %d tokens", e.index,
                      self.device, "" if gpu is None else f" (CUDA_VISIBLE_DEVICES={gpu})",

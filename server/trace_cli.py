@@ -54,7 +54,7 @@ def _ranges(values: list[int]) -> str:
     if not values:
         return "-"
     parts, start = [], values[0]
-    for prev, cur in zip(values, values[1:] + [None]):
+    for prev, cur in zip(values, values[1:] + [None], strict=True):
         if cur != prev + 1:
             parts.append(str(start) if start == prev else f"{start}–{prev}")
             start = cur

@@ -155,7 +155,7 @@ def _ring_pair(capacity: int) -> tuple[Segment, Ring, Ring]:
 def test_records_wrap_around_the_end_intact():
     seg, w, r = _ring_pair(256)
     rng = np.random.default_rng(0)
-    for i in range(500):  # sizes chosen so that headers and payloads land on every offset
+    for _ in range(500):  # sizes chosen so that headers and payloads land on every offset
         payload = rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes()
         assert w.try_write(payload)
         assert r.read() == payload

@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     n = args.prefill_tokens
     cols = [f"ours {d}" for d in args.dtype] + (["transformers float32"] if peer else [])
     pre = [ours[d]["prefill_s"] for d in args.dtype] + ([peer["prefill_s"]] if peer else [])
-    print(f"prefill {n} tokens: " + ", ".join(f"{c} {n / t:.0f} tok/s ({t:.2f} s)" for c, t in zip(cols, pre))
+    rates = ", ".join(f"{c} {n / t:.0f} tok/s ({t:.2f} s)" for c, t in zip(cols, pre, strict=True))
+    print(f"prefill {n} tokens: " + rates
           + (", ratio " + ", ".join(f"{peer['prefill_s'] / ours[d]['prefill_s']:.2f}x" for d in args.dtype)
              if peer else ""))
     for d in args.dtype:

@@ -194,7 +194,7 @@ class CudaSampler:
             host_lps = (self._host.get("lp_ids", (B, n), np.int32),
                         self._host.get("lp_vals", (B, n), np.float32),
                         self._host.get("lp_rank", (B,), np.int32))
-            for dev, host in zip((ids, vals, rank), host_lps):
+            for dev, host in zip((ids, vals, rank), host_lps, strict=True):
                 dev.copy_to_host(host, stream=self.stream)
         event = cuda.event()
         event.record(self.stream)

@@ -216,7 +216,7 @@ def command(args: argparse.Namespace) -> int:
                 raise ValueError(f"--names needs one name per run ({len(docs)})")
             print(compare(docs, names))
             if args.plot:
-                _plot(list(zip(names, docs)), args.plot)
+                _plot(list(zip(names, docs, strict=True)), args.plot)
             return 0
         _check(args)
         slos = parse_slos(args.goodput)
