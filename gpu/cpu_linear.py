@@ -52,7 +52,7 @@ def _load_overload(w, n, k):
 
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _rows(x, w, out, lo, hi):  # pragma: no cover - compiled
+def _rows(x, w, out, lo, hi):  # noqa: C901  # pragma: no cover - compiled
     """out[:, lo:hi] for weight rows lo..hi."""
     num_tokens, k_dim = x.shape
     n = lo

@@ -181,31 +181,13 @@ class HttpBackend:
         body, local_len = self._payload(spec)
         r = RequestResult(prompt_len=local_len)
         timer = _Timer(r)
-        chunks, usage, finished = 0, None, False
         try:
             async with self.client.stream("POST", self.endpoint, json=body) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     r.error = f"HTTP {resp.status_code}: {text[:200]}"
                     return r
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        finished = True
-                        break
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        r.error = str(obj["error"].get("message", obj["error"]))
-                        break
-                    usage = obj.get("usage") or usage
-                    for choice in obj.get("choices") or []:
-                        piece = choice.get("delta", {}).get("content") if self.chat else choice.get("text")
-                        if piece or choice.get("finish_reason"):
-                            timer.event()
-                            chunks += 1
-                        finished = finished or bool(choice.get("finish_reason"))
+                chunks, usage, finished = await self._read_stream(resp, r, timer)
         except (httpx.HTTPError, ValueError) as exc:
             r.error = f"{type(exc).__name__}: {exc}"
             return r
@@ -220,6 +202,30 @@ class HttpBackend:
             if not finished:
                 r.error = "the stream ended without a finish_reason or [DONE]"
         return r
+
+    async def _read_stream(self, resp, r: RequestResult,
+                           timer: _Timer) -> tuple[int, dict[str, Any] | None, bool]:
+        """The SSE events up to [DONE] or an error event: (chunks that carried text or a finish
+        reason, the last usage seen, whether the stream finished); an error event goes into r."""
+        chunks, usage, finished = 0, None, False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return chunks, usage, True
+            obj = json.loads(data)
+            if "error" in obj:
+                r.error = str(obj["error"].get("message", obj["error"]))
+                break
+            usage = obj.get("usage") or usage
+            for choice in obj.get("choices") or []:
+                piece = choice.get("delta", {}).get("content") if self.chat else choice.get("text")
+                if piece or choice.get("finish_reason"):
+                    timer.event()
+                    chunks += 1
+                finished = finished or bool(choice.get("finish_reason"))
+        return chunks, usage, finished
 
     async def close(self) -> None:
         if self.client is not None:

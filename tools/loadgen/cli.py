@@ -202,21 +202,12 @@ async def _run(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, An
 
 
 def command(args: argparse.Namespace) -> int:
-    from ringserve.tools.loadgen.report import compare, load_document
     from ringserve.tools.loadgen.stats import parse_slos
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("ringserve.client").setLevel(logging.ERROR)  # "client closed" at the end
     try:
         if args.compare:
-            if len(args.compare) < 2:
-                raise ValueError("--compare needs two or more --json files")
-            docs = [load_document(p) for p in args.compare]
-            names = list(args.names or [Path(p).stem for p in args.compare])
-            if len(names) != len(docs):
-                raise ValueError(f"--names needs one name per run ({len(docs)})")
-            print(compare(docs, names))
-            if args.plot:
-                _plot(list(zip(names, docs, strict=True)), args.plot)
+            _compare(args)
             return 0
         _check(args)
         slos = parse_slos(args.goodput)
@@ -235,6 +226,20 @@ def command(args: argparse.Namespace) -> int:
     if args.plot:
         _plot([((args.names or [doc["backend"]["mode"]])[0], doc)], args.plot)
     return 0 if all(p["summary"]["completed"] for p in doc["points"]) else 1
+
+
+def _compare(args: argparse.Namespace) -> None:
+    """--compare: earlier runs' --json documents side by side (and plotted with --plot)."""
+    from ringserve.tools.loadgen.report import compare, load_document
+    if len(args.compare) < 2:
+        raise ValueError("--compare needs two or more --json files")
+    docs = [load_document(p) for p in args.compare]
+    names = list(args.names or [Path(p).stem for p in args.compare])
+    if len(names) != len(docs):
+        raise ValueError(f"--names needs one name per run ({len(docs)})")
+    print(compare(docs, names))
+    if args.plot:
+        _plot(list(zip(names, docs, strict=True)), args.plot)
 
 
 def _plot(docs, path) -> None:
