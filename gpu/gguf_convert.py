@@ -288,7 +288,8 @@ def build_tokenizer(meta: _Metadata):
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     # llama.cpp's 'smollm' pre-tokenizer: every digit alone, then the GPT-2 regex.
-    splitters = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    splitters: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     if pre == "smollm":
         splitters.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
@@ -305,7 +306,7 @@ def build_tokenizer(meta: _Metadata):
     bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    post = [processors.ByteLevel(trim_offsets=False)]
+    post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
     if (add_bos and bos) or (add_eos and eos):
         specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
         single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))

@@ -117,7 +117,8 @@ def ptxas_report(ptx: str, arch: str) -> dict[str, KernelResources]:
     if proc.returncode != 0:
         raise RuntimeError(f"ptxas failed ({arch}):\n{proc.stderr}")
     report: dict[str, KernelResources] = {}
-    name, spill = None, (0, 0, 0)
+    name: str | None = None
+    spill: tuple[int, ...] = (0, 0, 0)
     for line in proc.stderr.splitlines():
         if m := _FUNC.search(line):
             name = m.group(1)
