@@ -35,7 +35,7 @@ class SamplingMetadata:
     presence_penalty: np.ndarray | None = None         # float32 [B] (None: no penalties at all)
     frequency_penalty: np.ndarray | None = None
     repetition_penalty: np.ndarray | None = None
-    prompt_token_ids: Sequence[Sequence[int]] | None = None   # [B] for repetition_penalty
+    prompt_token_ids: Sequence[Sequence[int] | np.ndarray] | None = None  # [B] for repetition_penalty
     output_token_ids: Sequence[Sequence[int]] | None = None   # [B] for all penalties
     banned_token_ids: Sequence[Sequence[int]] | None = None   # [B] tokens that may not be sampled
     max_num_logprobs: int | None = None                # top-N logprobs per row (None: none)
@@ -59,7 +59,7 @@ class Penalties(NamedTuple):
     presence: np.ndarray                       # float32 [B]
     frequency: np.ndarray                      # float32 [B]
     repetition: np.ndarray                     # float32 [B]
-    prompt_token_ids: Sequence[Sequence[int]]  # [B]
+    prompt_token_ids: Sequence[Sequence[int] | np.ndarray]  # [B]
     output_token_ids: Sequence[Sequence[int]]  # [B]
 
 

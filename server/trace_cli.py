@@ -53,7 +53,8 @@ def _ranges(values: list[int]) -> str:
     """[48, 49, 50, 112] -> '48–50, 112'."""
     if not values:
         return "-"
-    parts, start = [], values[0]
+    parts: list[str] = []
+    start: int | None = values[0]
     for prev, cur in zip(values, values[1:] + [None], strict=True):
         if cur != prev + 1:
             parts.append(str(start) if start == prev else f"{start}–{prev}")
