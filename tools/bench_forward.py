@@ -31,11 +31,12 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cpu_runner import default_num_threads
+from ringserve.gpu.cpu_runner import CpuModelRunner, default_num_threads
 from ringserve.gpu.model_store import resolve_model
 from ringserve.gpu.runner import ModelRunner
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
@@ -62,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def decode_batch(step: int, context: int, tables: np.ndarray, block_size: int,
                  rng: np.random.Generator, vocab: int) -> Batch:
     """One decode token per request, at position context + step."""
-    b = tables.shape[0]
+    b: int = tables.shape[0]
     pos = np.full(b, context + step, dtype=np.int32)
     slots = tables[np.arange(b), pos // block_size] * block_size + pos % block_size
     return Batch(input_ids=rng.integers(3, vocab, b).astype(np.int32), positions=pos,
@@ -86,8 +87,10 @@ class Ours:
         self.args, self.bs = args, 16
         self.per_req = -(-(args.context + args.steps + 2) // self.bs)
         self.prefill_blocks = np.arange(-(-args.prefill_tokens // self.bs), dtype=np.int32)
-        self.runner = ModelRunner(model_dir, dtype=dtype, block_size=self.bs, num_threads=args.threads,
-                                  num_blocks=max(max(args.batch) * self.per_req, len(self.prefill_blocks)))
+        runner = ModelRunner(model_dir, dtype=dtype, block_size=self.bs, num_threads=args.threads,
+                             num_blocks=max(max(args.batch) * self.per_req, len(self.prefill_blocks)))
+        assert isinstance(runner, CpuModelRunner)  # device "cpu": its caches and weights are read here
+        self.runner = runner
         self.vocab = self.runner.config.vocab_size
         self.rng = np.random.default_rng(0)
         self.prompt = self.rng.integers(3, self.vocab, args.context)
@@ -215,20 +218,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_dir = resolve_model(args.model)
     run = BenchRun.start("bench_forward", args)
-    sides = {d: Ours(model_dir, d, args) for d in args.dtype}
+    sides: dict[str, Ours | Transformers] = {d: Ours(model_dir, d, args) for d in args.dtype}
     transformers = make_peer(model_dir, args)
     if transformers:
         sides["peer"] = transformers
     # Side by side for each size, so that a change in the machine's load hits both alike.
-    decode = {name: {} for name in sides}
+    decode: dict[str, dict[int, float]] = {name: {} for name in sides}
     for b in args.batch:
         for name, side in sides.items():
             decode[name][b] = side.decode(b)
     prefill = {name: side.prefill() for name, side in sides.items()}
-    ours = {d: {"decode_s": decode[d], "prefill_s": prefill[d], "weight_bytes": sides[d].weight_bytes()}
-            for d in args.dtype}
-    peer = ({"decode_s": decode["peer"], "prefill_s": prefill["peer"], "version": transformers.version}
-            if transformers else None)
+    ours: dict[str, dict[str, Any]] = {
+        d: {"decode_s": decode[d], "prefill_s": prefill[d], "weight_bytes": ours_side.weight_bytes()}
+        for d, ours_side in sides.items() if isinstance(ours_side, Ours)}
+    peer: dict[str, Any] | None = None
+    if transformers:
+        peer = {"decode_s": decode["peer"], "prefill_s": prefill["peer"], "version": transformers.version}
     bandwidth = read_bandwidth()
     run.finish()
 

@@ -271,7 +271,7 @@ def bench_ours(name, shape, rows, deadline) -> None:
             dt = time_steps(partial(_decode_step, r, b, rows_, meta))
             rows.append(dict(model=name, impl="ringserve " + ("eager" if eager else "graphs"),
                              batch=B, step_ms=dt * 1e3, tok_s=B / dt, weight_bytes=weight_bytes))
-        r = None  # free its device memory before the next runner
+        del r  # free its device memory before the next runner
         cp.get_default_memory_pool().free_all_blocks()
 
 

@@ -156,7 +156,8 @@ async def _run(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, An
     needs_pool = args.dataset != "jsonl" or (args.mode == "http" and args.prompt_format != "text")
     vocab_dir, pool = (_token_pool(args, server.model_dir if server else None) if needs_pool
                        else (args.tokenizer, None))
-    if args.mode == "ring":
+    backend: RingBackend | HttpBackend
+    if server is not None:  # --mode ring
         backend = RingBackend(server, temperature=args.temperature)
     else:
         backend = HttpBackend(args.base_url, endpoint=args.endpoint, model=args.model,
