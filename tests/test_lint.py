@@ -46,4 +46,6 @@ def test_mypy_is_clean(tmp_path):
     # Every module was read (the check cannot pass by finding nothing to check).
     modules = sum(len(list((ROOT / p).rglob("*.py"))) for p in PACKAGES)
     checked = re.search(r"no issues found in (\d+) source files", result.stdout)
-    assert checked and int(checked.group(1)) == modules, result.stdout
+    assert checked and int(checked.group(1)) == modules, (
+        f"mypy checked {checked.group(1) if checked else 'no'} source files; the package has "
+        f"{modules}:\n{result.stdout}")
