@@ -32,3 +32,9 @@ class EngineConfig(DeviceConfig, CacheConfig, SchedulerConfig):
         if self.max_num_batched_tokens is None:  # the one place the by-device default is resolved
             from ringserve.gpu.devices import resolve_device
             self.max_num_batched_tokens = max_num_batched_tokens_for(resolve_device(self.device))
+
+    @property
+    def token_budget(self) -> int:
+        """max_num_batched_tokens as resolved for the device (never None once built)."""
+        assert self.max_num_batched_tokens is not None
+        return self.max_num_batched_tokens

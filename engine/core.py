@@ -34,7 +34,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -56,6 +56,7 @@ from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.engine.stats import SchedulerStats
 from ringserve.engine.stop import check_stop
 from ringserve.engine.trace import EngineTracer
+from ringserve.gpu.runner import StepHandle
 from ringserve.gpu.sampler import SamplerOutput
 from ringserve.ipc.messages import EngineOutput, FinishReason
 
@@ -68,7 +69,7 @@ class InFlightStep:
     """A step between launch_step and finish_step."""
     sched: SchedulerOutput
     reqs: list[Request]              # the requests sampled this step, in the runner's row order
-    handle: object | None            # runner.submit(...): result() -> SamplerOutput; None: nothing ran
+    handle: StepHandle | None        # runner.submit(...): result() -> SamplerOutput; None: nothing ran
     prompt_rows: PromptLogprobsOwners  # requests scoring prompt tokens, how many each, in order
     outputs: list[EngineOutput]      # refusals and aborts queued before the step
     start: float                     # monotonic start (tracing only)
@@ -93,7 +94,7 @@ class EngineCore:
         self.block_size = runner.block_size
         self.kv = KVCacheManager(runner.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.token_budget)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
         self._pending: list[EngineOutput] = []               # refusals and aborts, out next step
@@ -226,6 +227,7 @@ class EngineCore:
             try:
                 if step.error is not None:
                     raise step.error
+                assert step.handle is not None                              # it ran
                 result = step.handle.result()
                 applied = True                                              # 3. update
                 self.scheduler.update_after_step(step.sched)
@@ -253,15 +255,16 @@ class EngineCore:
         # Once per running request per step: the plain attributes, not the properties.
         outputs = []
         max_model_len = self.max_model_len
-        rows = enumerate(zip(reqs, result.token_ids.tolist()))
+        rows: Iterable[tuple[int, tuple[Request, int]]] = enumerate(
+            zip(reqs, result.token_ids.tolist(), strict=True))
         if result.failed:  # rare: rows whose sampling raised end their request (gpu/sampler.py)
             for j, why in result.failed.items():
                 self.abort_request(reqs[j].request_id, error=f"sampling failed: {why}")
             rows = [row for row in rows if row[0] not in result.failed]
-        rows = iter(rows)
+        todo = iter(rows)
         while True:
             try:  # PERF: around the loop, entered again after a request that raises
-                for j, (req, token) in rows:
+                for j, (req, token) in todo:
                     req.append_output_token(token)
                     out = EngineOutput(req.request_id, [token], index=req.index,
                                        num_prompt_tokens=len(req.prompt_token_ids),
@@ -338,6 +341,6 @@ def _make_runner(config: EngineConfig):
                        kv_cache_dtype=config.kv_cache_dtype,
                        gpu_memory_utilization=config.gpu_memory_utilization,
                        max_num_seqs=config.max_num_seqs,
-                       max_num_batched_tokens=config.max_num_batched_tokens,
+                       max_num_batched_tokens=config.token_budget,
                        max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
                        attention_backend=config.attention_backend)

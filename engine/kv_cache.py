@@ -63,7 +63,7 @@ class BlockPool:
         # Free blocks, oldest first. OrderedDict: O(1) pop from the head, append at the tail,
         # and removal from the middle when a cached free block is hit again.
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, KVBlock] = {}
+        self.cached: dict[bytes, KVBlock] = {}
 
     @property
     def num_free(self) -> int:
@@ -240,7 +240,7 @@ class KVCacheManager:
                 return True
         computed_blocks = computed_blocks or []
         admitting = blocks is None
-        if admitting:
+        if blocks is None:
             blocks = []
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Sequence, Union, cast
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
@@ -82,24 +82,24 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[GenerationOutput]:
         """Texts or token-id lists (one prompt, or a list of them) -> one output per prompt, in order."""
-        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        batch = cast(list[PromptType], [prompts] if _is_one_prompt(prompts) else list(prompts))
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams")
+            sampling_params = [sampling_params] * len(batch)
+        if len(sampling_params) != len(batch):
+            raise ValueError(f"{len(batch)} prompts but {len(sampling_params)} SamplingParams")
         results: dict[str, tuple[GenerationOutput, SamplingParams]] = {}
         samples: dict[tuple[str, int], SampleState] = {}
-        for prompt, params in zip(prompts, sampling_params, strict=True):
+        for prompt, params in zip(batch, sampling_params, strict=True):
             if isinstance(prompt, str):
                 text, ids = prompt, self.tokenizer.encode(prompt)
             else:
                 text, ids = None, [int(t) for t in prompt]
             rid = str(next(self._ids))
             results[rid] = GenerationOutput(rid, text, ids, []), params
-            sample = SampleParams(params.stop, params.min_tokens, params.include_stop_str_in_output)
+            stop = cast(list[str], params.stop)  # SamplingParams.__post_init__ made it a list
+            sample = SampleParams(stop, params.min_tokens, params.include_stop_str_in_output)
             for i in range(params.n):
                 samples[rid, i] = SampleState(self.tokenizer, ids, sample)
             self.engine.add_request(rid, ids, params)
@@ -116,11 +116,12 @@ class LLM:
              add_generation_prompt: bool = True) -> list[GenerationOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the
         model's chat template. The template writes the special tokens itself."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict)
+                             else list(messages))
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
         outs = self.generate([self.tokenizer.encode(t, add_special_tokens=False) for t in texts],
                              sampling_params)
-        for out, text in zip(outs, texts):
+        for out, text in zip(outs, texts, strict=True):
             out.prompt = text
         return outs
 
@@ -131,7 +132,7 @@ class LLM:
             for out in self.engine.step():
                 state = samples.get((out.request_id, out.index))
                 delta = state.process(out) if state is not None else None
-                if delta is None:
+                if state is None or delta is None:
                     continue
                 if state.error is not None and error is None:
                     error = state.error
@@ -141,6 +142,11 @@ class LLM:
                     self.engine.abort_request(out.request_id, out.index)
         if error is not None:
             raise ValueError(error)
+
+
+def _is_one_prompt(prompts: PromptType | Sequence[PromptType]) -> bool:
+    """A text, or a token-id list (a list of ints), rather than a list of prompts."""
+    return isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
 
 
 def _completion(index: int, state: SampleState, with_logprobs: bool) -> CompletionOutput:

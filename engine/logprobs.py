@@ -19,8 +19,10 @@ from ringserve.ipc.messages import PositionLogprobs
 PromptLogprobsOwners = list[tuple[Request, int]]
 
 
-def position_logprobs(lps: Logprobs, row: int, num_top: int) -> PositionLogprobs:
-    """The sampled token's (id, logprob, rank), then the request's own top-N not already listed."""
+def position_logprobs(lps: Logprobs | None, row: int, num_top: int) -> PositionLogprobs:
+    """The sampled token's (id, logprob, rank), then the request's own top-N not already listed
+    (lps: the step's, present whenever a request of the step asked for logprobs)."""
+    assert lps is not None, "a request asked for logprobs the step did not compute"
     ids, vals = lps.token_ids[row].tolist(), lps.logprobs[row].tolist()
     sampled = ids[0]
     out: PositionLogprobs = [(sampled, vals[0], int(lps.sampled_rank[row]))]
@@ -51,7 +53,7 @@ def prompt_logprobs_spec(sched: SchedulerOutput, batch: Batch,
         owners.append((req, end - first))
     if not owners:
         return None, []
-    num_top = max(req.params.prompt_logprobs for req, _ in owners)
+    num_top = max(req.params.prompt_logprobs or 0 for req, _ in owners)  # each asked: not None
     return PromptLogprobsSpec(np.concatenate(rows), np.concatenate(targets).astype(np.int32),
                               num_top), owners
 
@@ -60,6 +62,6 @@ def take_prompt_logprobs(owners: PromptLogprobsOwners, lps: Logprobs | None) -> 
     """Hand each request its rows of the step's prompt logprobs (spec order)."""
     at = 0
     for req, count in owners:
-        num_top = req.params.prompt_logprobs
+        num_top = req.params.prompt_logprobs or 0  # an owner asked for them: not None
         req.prompt_logprobs.extend(position_logprobs(lps, j, num_top) for j in range(at, at + count))
         at += count

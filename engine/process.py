@@ -220,21 +220,8 @@ class EngineProcess:
 
     # -- outputs out -------------------------------------------------------------------
     def _deliver(self, outputs: list[EngineOutput]) -> None:
-        per_slot: dict[int, list[tuple[EngineOutput, str]]] = {}  # (output, the engine's key)
-        for out in outputs:
-            key = out.request_id
-            index, generation, request_id = key.split(".", 2)
-            slot = self.slots[int(index)]
-            if slot is None or slot.generation != int(generation):
-                continue  # its worker is gone
-            if out.finished:
-                left = slot.open.get(request_id, 1) - 1
-                if left > 0:
-                    slot.open[request_id] = left
-                else:
-                    slot.open.pop(request_id, None)
-            out.request_id = request_id  # the worker's own id goes on the wire
-            per_slot.setdefault(slot.index, []).append((out, key))
+        """Each slot's outputs in one write (a backlog first), its doorbell rung once."""
+        per_slot = self._route(outputs)
         for slot in self.slots:
             if slot is None:
                 continue
@@ -252,6 +239,26 @@ class EngineProcess:
                 # No unbounded queue: a worker that stopped reading loses its slot (its
                 # requests are aborted, their blocks freed); it reconnects when it wakes.
                 self._drop(slot, f"stopped reading its outputs ({slot.backlog_bytes} bytes waiting)")
+
+    def _route(self, outputs: list[EngineOutput]) -> dict[int, list[tuple[EngineOutput, str]]]:
+        """The outputs by slot, each with the engine's key; the worker's own request id goes
+        on the output (the wire), and a finished sample is counted off its request."""
+        per_slot: dict[int, list[tuple[EngineOutput, str]]] = {}
+        for out in outputs:
+            key = out.request_id
+            index, generation, request_id = key.split(".", 2)
+            slot = self.slots[int(index)]
+            if slot is None or slot.generation != int(generation):
+                continue  # its worker is gone
+            if out.finished:
+                left = slot.open.get(request_id, 1) - 1
+                if left > 0:
+                    slot.open[request_id] = left
+                else:
+                    slot.open.pop(request_id, None)
+            out.request_id = request_id
+            per_slot.setdefault(slot.index, []).append((out, key))
+        return per_slot
 
     def _write(self, slot: _Slot, outs: list[EngineOutput]) -> None:
         """The outputs as records that fit the ring (RecordTooLarge when one cannot be cut).
@@ -312,7 +319,9 @@ class EngineProcess:
                     segment=channel.segment.name, stats_segment=self.stats_segment.name,
                     ring_capacity=self.ring_capacity), [self.bell.fd, slot.bell.fd])
             except OSError:
-                channel.close(), slot.bell.close(), conn.close()
+                channel.close()
+                slot.bell.close()
+                conn.close()
                 continue
             conn.setblocking(False)
             self.slots[free] = slot

@@ -19,25 +19,11 @@ def check_request(prompt: np.ndarray, params: SamplingParams, *, vocab_size: int
                   kv: KVCacheManager) -> tuple[str | None, int]:
     """(why the request can never run, or None; its max_tokens resolved against max_model_len)."""
     n = len(prompt)
-    if n == 0:
-        return "the prompt is empty", 0
-    if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-        return f"token ids must be integers below the vocabulary size {vocab_size}", 0
-    bad = prompt[(prompt < 0) | (prompt >= vocab_size)]
-    if len(bad):
-        return f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", 0
-    # The other id lists and counts over the vocabulary: checked here too, whoever wrote
-    # the record (an id past the vocabulary indexes past a row of logits, on the GPU too).
-    for t in params.stop_token_ids:
-        if not 0 <= t < vocab_size:
-            return (f"stop_token_ids: token id {t} is outside the vocabulary "
-                    f"(size {vocab_size})"), 0
+    error = check_vocabulary(prompt, params, vocab_size)
+    if error is not None:
+        return error, 0
     if params.n > max_num_seqs:  # n Request objects are made at once
         return f"n must be at most max_num_seqs ({max_num_seqs}), got {params.n}", 0
-    for name in ("logprobs", "prompt_logprobs"):
-        k = getattr(params, name)
-        if k is not None and not 0 <= k <= vocab_size:
-            return f"{name} must be between 0 and the vocabulary size {vocab_size}, got {k}", 0
     max_tokens, error, _ = fit_context(n, params.max_tokens, max_model_len)
     if error is not None:
         return error, 0
@@ -47,3 +33,24 @@ def check_request(prompt: np.ndarray, params: SamplingParams, *, vocab_size: int
         return (f"the request needs {blocks} KV-cache blocks ({n} prompt + {max_tokens} "
                 f"completion tokens) but the whole pool has {kv.num_blocks}"), 0
     return None, max_tokens
+
+
+def check_vocabulary(prompt: np.ndarray, params: SamplingParams, vocab_size: int) -> str | None:
+    """Why the prompt or an id list or count over the vocabulary cannot be, or None. Checked
+    here too, whoever wrote the record: an id past the vocabulary indexes past a row of logits
+    (on the GPU too)."""
+    if len(prompt) == 0:
+        return "the prompt is empty"
+    if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+        return f"token ids must be integers below the vocabulary size {vocab_size}"
+    bad = prompt[(prompt < 0) | (prompt >= vocab_size)]
+    if len(bad):
+        return f"token id {bad[0]} is outside the vocabulary (size {vocab_size})"
+    for t in params.stop_token_ids:
+        if not 0 <= t < vocab_size:
+            return f"stop_token_ids: token id {t} is outside the vocabulary (size {vocab_size})"
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and not 0 <= k <= vocab_size:
+            return f"{name} must be between 0 and the vocabulary size {vocab_size}, got {k}"
+    return None

@@ -66,7 +66,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or any(
                 limits.TOKEN_ID.why_not(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids in [0, {limits.INT32_MAX}].")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not all(isinstance(s, str) and s for s in self.stop or ()):  # a list by now
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}.")
 
     @property

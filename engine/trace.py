@@ -12,6 +12,7 @@ can subtract its own arrival time).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -196,7 +197,7 @@ def run_lengths(values: np.ndarray) -> list[list[int]]:
         return []
     starts = np.flatnonzero(np.diff(values)) + 1
     edges = np.concatenate(([0], starts, [len(values)]))
-    return [[int(values[a]), int(b - a)] for a, b in zip(edges[:-1], edges[1:])]
+    return [[int(values[a]), int(b - a)] for a, b in itertools.pairwise(edges)]
 
 
 def _public_id(key: str) -> str:

@@ -14,7 +14,8 @@ import numpy as np
 class Batch:
     input_ids: np.ndarray        # int32 [T]   token ids of the super-sequence
     positions: np.ndarray        # int32 [T]   position of each token inside its request
-    slot_mapping: np.ndarray     # int32 [T]   where its K/V go: block * block_size + pos % block_size; -1 = skip
+    # int32 [T] where its K/V go: block * block_size + pos % block_size; -1 = skip
+    slot_mapping: np.ndarray
     query_start_loc: np.ndarray  # int32 [B+1] prefix sum of tokens scheduled per request
     seq_lens: np.ndarray         # int32 [B]   tokens in the cache for the request after this step
     block_tables: np.ndarray     # int32 [B, max_blocks] block ids, -1 past the end

@@ -80,29 +80,29 @@ class ModelConfig:
         if window is not None and (arch != "Qwen2ForCausalLM" or raw.get("use_sliding_window")):
             raise ModelError(f"config.json: sliding_window {window!r} is not supported (full attention only)")
 
-        hidden = r.int("hidden_size")
-        heads = r.int("num_attention_heads")
-        kv_heads = r.int("num_key_value_heads", heads)
+        hidden = r.positive_int("hidden_size")
+        heads = r.positive_int("num_attention_heads")
+        kv_heads = r.positive_int("num_key_value_heads", heads)
         if heads % kv_heads:
             raise ModelError(f"config.json: num_attention_heads {heads} is not a multiple of "
                              f"num_key_value_heads {kv_heads}")
-        head_dim = r.int("head_dim", hidden // heads if hidden % heads == 0 else None)
+        head_dim = r.positive_int("head_dim", hidden // heads if hidden % heads == 0 else None)
         if head_dim % 2:
             raise ModelError(f"config.json: head_dim {head_dim} must be even for rotary embeddings")
 
         rope_theta, rope_scaling = _rope(raw)
         return cls(
             architecture=arch,
-            vocab_size=r.int("vocab_size"),
+            vocab_size=r.positive_int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=r.int("intermediate_size"),
-            num_hidden_layers=r.int("num_hidden_layers"),
+            intermediate_size=r.positive_int("intermediate_size"),
+            num_hidden_layers=r.positive_int("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=r.float("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            max_position_embeddings=r.int("max_position_embeddings", 2048),
+            max_position_embeddings=r.positive_int("max_position_embeddings", 2048),
             tie_word_embeddings=r.bool("tie_word_embeddings", False),
             bos_token_id=r.optional_int("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
@@ -140,7 +140,7 @@ class _Reader:
             raise ModelError(f"config.json: missing field {name!r}")
         return value
 
-    def int(self, name: str, default: Any = _MISSING) -> int:
+    def positive_int(self, name: str, default: Any = _MISSING) -> int:
         value = self._get(name, default)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ModelError(f"config.json: {name} {value!r} must be a positive integer")
@@ -187,7 +187,7 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, RopeScaling(
             "llama3", factor=r.float("factor"), low_freq_factor=r.float("low_freq_factor"),
             high_freq_factor=r.float("high_freq_factor"),
-            original_max_position_embeddings=r.int("original_max_position_embeddings"))
+            original_max_position_embeddings=r.positive_int("original_max_position_embeddings"))
     raise ModelError(f"config.json: rope_scaling type {rope_type!r} is not supported "
                      f"(default, linear and llama3 only)")
 

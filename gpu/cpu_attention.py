@@ -19,7 +19,7 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
-def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
+def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,  # noqa: C901
                     scale, out):  # pragma: no cover - compiled
     """q [T, H, D], k/v_cache [num_blocks, block_size, KVH, D] in their storage type
     (gpu/cpu_kv_dtypes.py) -> out [T, H, D] (written)."""

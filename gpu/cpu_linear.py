@@ -52,7 +52,7 @@ def _load_overload(w, n, k):
 
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _rows(x, w, out, lo, hi):  # pragma: no cover - compiled
+def _rows(x, w, out, lo, hi):  # noqa: C901  # pragma: no cover - compiled
     """out[:, lo:hi] for weight rows lo..hi."""
     num_tokens, k_dim = x.shape
     n = lo
@@ -64,7 +64,8 @@ def _rows(x, w, out, lo, hi):  # pragma: no cover - compiled
                 a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
                 for k in range(k_dim):
                     x0, x1 = x[t, k], x[t + 1, k]
-                    w0, w1, w2, w3 = _load(w, n, k), _load(w, n + 1, k), _load(w, n + 2, k), _load(w, n + 3, k)
+                    w0, w1 = _load(w, n, k), _load(w, n + 1, k)
+                    w2, w3 = _load(w, n + 2, k), _load(w, n + 3, k)
                     a00 += x0 * w0
                     a01 += x0 * w1
                     a02 += x0 * w2

@@ -55,9 +55,9 @@ class CpuModelRunner:
             raise ValueError(f"block_size {block_size} must be positive")
         self.config = c = ModelConfig.from_dir(model_dir)
         self.num_threads = default_num_threads() if num_threads is None else num_threads
-        if not 1 <= self.num_threads <= numba.config.NUMBA_NUM_THREADS:
+        if not 1 <= self.num_threads <= numba_max_threads():
             raise ValueError(f"num_threads {num_threads} must be between 1 and "
-                             f"{numba.config.NUMBA_NUM_THREADS} (NUMBA_NUM_THREADS)")
+                             f"{numba_max_threads()} (NUMBA_NUM_THREADS)")
         self.weights = LlamaWeights.fuse(c, load_weights(model_dir), CpuWeightStore(CPU_DTYPES[dtype]))
         self.ops = CpuOps(c, parallel=self.num_threads > 1)
         self.block_size = block_size
@@ -129,6 +129,11 @@ class CpuModelRunner:
         return step
 
 
+def numba_max_threads() -> int:
+    """NUMBA_NUM_THREADS: the most threads a parallel region may use (set by numba at import)."""
+    return numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # numba sets it at run time
+
+
 def default_num_threads() -> int:
     """Half the cores this process may run on (at least 1, at most Numba's thread pool).
 
@@ -136,4 +141,4 @@ def default_num_threads() -> int:
     each one waits for its slowest thread: on the 2-core VM, with another process busy on both
     cores, a 2-thread batch-1 decode step took ~960 ms against ~28 ms with 1 thread; with a core
     to spare, 2 threads gained 1.4x (27.5 -> 19.5 ms). See docs/bench_forward.md."""
-    return max(1, min(len(os.sched_getaffinity(0)) // 2, numba.config.NUMBA_NUM_THREADS))
+    return max(1, min(len(os.sched_getaffinity(0)) // 2, numba_max_threads()))

@@ -230,7 +230,8 @@ def _plan_tensors(reader, config: dict[str, Any], path: Path) -> list[_Tensor]:
             heads = config["num_key_value_heads"]
         planned.append(_Tensor(t, hf_name, shape, heads))
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"]) for name in _LAYER_TENSORS.values()}
+        f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"])
+        for name in _LAYER_TENSORS.values()}
     missing = sorted(expected - {t.hf_name for t in planned})
     if missing:
         raise ModelError(f"{path}: missing tensor for {missing[0]}"
@@ -246,7 +247,8 @@ def _write_safetensors(path: Path, tensors: list[_Tensor], *, progress: bool, de
     offset = 0
     for t in tensors:
         dtype, shape = t.stored
-        header[t.hf_name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + t.nbytes]}
+        header[t.hf_name] = {"dtype": dtype, "shape": shape,
+                             "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -283,7 +285,8 @@ def build_tokenizer(meta: _Metadata):
 
     model = meta.require("tokenizer.ggml.model")
     if model != "gpt2":
-        raise ModelError(f"{meta.path}: tokenizer.ggml.model {model!r} is not supported (gpt2 byte-level BPE only)")
+        raise ModelError(f"{meta.path}: tokenizer.ggml.model {model!r} is not supported "
+                         "(gpt2 byte-level BPE only)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in ("smollm", "default", "gpt-2"):
         raise ModelError(f"{meta.path}: tokenizer.ggml.pre {pre!r} is not supported (smollm, gpt-2)")
@@ -306,7 +309,8 @@ def build_tokenizer(meta: _Metadata):
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     # llama.cpp's 'smollm' pre-tokenizer: every digit alone, then the GPT-2 regex.
-    splitters = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    splitters: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     if pre == "smollm":
         splitters.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
@@ -323,7 +327,7 @@ def build_tokenizer(meta: _Metadata):
     bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    post = [processors.ByteLevel(trim_offsets=False)]
+    post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
     if (add_bos and bos) or (add_eos and eos):
         specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
         single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))

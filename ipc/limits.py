@@ -21,7 +21,7 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -47,7 +47,8 @@ class FloatRange:
         t = type(value)  # PERF: the exact types first; the ABC check only for others (numpy's)
         if t is not float and t is not int and (t is bool or not isinstance(value, numbers.Real)):
             return f"must be a number, got {_show(value)}"
-        v = value if t is int else float(value)
+        real = cast(float, value)  # a number: checked just above (PERF: by its exact type)
+        v = real if t is int else float(real)
         try:  # the value as the engine's float32 will hold it (rounded to nearest)
             x = v if abs(v) > FLOAT32_MAX * 2 else _F32.unpack(_F32.pack(v))[0]
         except OverflowError:  # rounds to inf
@@ -71,7 +72,7 @@ class IntRange:
         t = type(value)
         if t is not int and (t is bool or not isinstance(value, numbers.Integral)):
             return f"must be an integer, got {_show(value)}"
-        if not self.lo <= value <= self.hi:
+        if not self.lo <= cast(int, value) <= self.hi:
             return f"must be in [{self.lo}, {self.hi}], got {_show(value)}"
         return None
 

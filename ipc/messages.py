@@ -63,9 +63,10 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     engine-output type, returned by EngineCore.step() and sent as it is over the rings."""
 
     request_id: str
-    # On the wire this holds the count: the ids of the whole step travel together as one raw
-    # int32 block beside the outputs, and decode_outputs slices them back in.
-    new_token_ids: list[int] | int
+    # On the wire this is empty: the ids of the whole step travel together as one raw int32
+    # block beside the outputs (with each output's count in another), and decode_outputs
+    # slices them back in.
+    new_token_ids: list[int]
     finish_reason: FinishReason | None = None   # None while running
     index: int = 0
     num_prompt_tokens: int = 0
@@ -92,7 +93,8 @@ MAX_REQUEST_ID = 1024  # characters: ours are "cmpl-<32 hex>-<choice>"
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(AddRequest | Abort).decode
-_decode_step = msgspec.msgpack.Decoder(tuple[bytes, list[EngineOutput]]).decode
+_decode_step = msgspec.msgpack.Decoder(tuple[bytes, bytes, list[EngineOutput]]).decode
+_NO_IDS: list[int] = []  # an output's ids on the wire (they travel in the step's block)
 
 _INT32 = np.dtype(np.int32)  # a dtype object: np.frombuffer converts np.int32 on every call
 _PACKERS: dict[int, struct.Struct] = {}  # prompt length -> its int32 packer
@@ -117,7 +119,7 @@ def _int32_bytes(ids: Sequence[int] | np.ndarray) -> bytes:
 
 
 def encode_request(msg: AddRequest | Abort) -> bytes:
-    if type(msg) is Abort:
+    if isinstance(msg, Abort):
         return _encode(msg)
     # AddRequest's array-like layout, [tag, fields...], with the ids as raw int32 bytes
     return _encode((1, msg.request_id, _int32_bytes(msg.prompt_token_ids), msg.params, msg.trace))
@@ -142,21 +144,22 @@ def decode_request(buf: bytes | memoryview) -> AddRequest | Abort:
 
 def encode_outputs(outputs: Sequence[EngineOutput]) -> bytes:
     ids: list[int] = []
+    counts: list[int] = []
     wire = []
-    for out in outputs:  # the ids move to the step's block; each output carries their count
+    for out in outputs:  # the ids move to the step's block, their counts to another
         ids += out.new_token_ids
-        wire.append(msgspec.structs.replace(out, new_token_ids=len(out.new_token_ids)))
-    return _encode((_int32_bytes(ids), wire))
+        counts.append(len(out.new_token_ids))
+        wire.append(msgspec.structs.replace(out, new_token_ids=_NO_IDS))
+    return _encode((_int32_bytes(ids), _int32_bytes(counts), wire))
 
 
 def decode_outputs(buf: bytes | memoryview) -> list[EngineOutput]:
-    block, outputs = _decode_step(buf)
+    block, counts, outputs = _decode_step(buf)
     ids = np.frombuffer(block, _INT32).tolist()
     start = 0
-    for out in outputs:
-        end = start + out.new_token_ids
-        out.new_token_ids = ids[start:end]
-        start = end
+    for out, count in zip(outputs, np.frombuffer(counts, _INT32).tolist(), strict=True):
+        out.new_token_ids = ids[start:start + count]
+        start += count
     return outputs
 
 

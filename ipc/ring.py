@@ -102,7 +102,8 @@ class Ring:
         cap = self.capacity
         if tail + size - self._head_seen > cap:
             if n > self.max_record:
-                raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of {self.max_record} bytes")
+                raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of "
+                                     f"{self.max_record} bytes")
             self._head_seen = self._counters[HEAD]
             if tail + size - self._head_seen > cap:
                 return False

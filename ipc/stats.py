@@ -43,10 +43,10 @@ def score(waiting: int, running: int, pending: int = 0) -> int:
 
 def least_loaded(scores: Sequence[int | None]) -> int | None:
     """Index of the lowest score (the first on a tie); None entries are unavailable engines."""
-    best = None
+    best, best_score = None, 0
     for i, s in enumerate(scores):
-        if s is not None and (best is None or s < scores[best]):
-            best = i
+        if s is not None and (best is None or s < best_score):
+            best, best_score = i, s
     return best
 
 

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version as _pkg_version
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import falcon
 import falcon.asgi
@@ -86,7 +86,7 @@ async def _http_error(req, resp, ex: falcon.HTTPError, params) -> None:
     if ex.status_code == 404:
         message = f"no route for {req.method} {req.path}"
     resp.data = error_body(message, "invalid_request_error" if ex.status_code < 500 else "server_error")
-    for name, value in (ex.headers or {}).items():
+    for name, value in dict(ex.headers or {}).items():
         resp.set_header(name, value)
 
 
@@ -132,12 +132,25 @@ class _Lifespan:
 
 # --- resources -------------------------------------------------------------------------------
 
+class _Serving(Protocol):
+    """One endpoint's protocol code (server/serving_completions.py, serving_chat.py)."""
+
+    def prepare(self, ctx: ServerContext, req: Any, request_id: str) -> Generation: ...
+
+    async def complete(self, ctx: ServerContext, req: Any, gen: Generation, request_id: str,
+                       model: str) -> Any: ...
+
+    def stream(self, ctx: ServerContext, req: Any, gen: Generation, request_id: str,
+               model: str) -> AsyncIterator[bytes]: ...
+
+
 class _Generate:
     """Shared body of the completions and chat resources."""
 
     request_type: type
     prefix: str
-    serving = None  # module with prepare / complete / stream
+    chunk_object: str
+    serving: _Serving
 
     def __init__(self, ctx: ServerContext, options: AppOptions):
         self._ctx, self._options = ctx, options
@@ -145,7 +158,7 @@ class _Generate:
     async def on_post(self, req, resp) -> None:
         arrival, arrival_unix = time.monotonic(), time.time()
         body = await read_body(req, self._options.max_body_bytes)
-        request = P.decode_request(body, self.request_type)
+        request: Any = P.decode_request(body, self.request_type)
         if not self._options.engine_alive():
             raise APIError(503, "no engine is available", code="engine_unavailable")
         request_id = P.new_id(self.prefix)
@@ -295,7 +308,7 @@ class Metrics:
 def create_app(ctx: ServerContext, options: AppOptions | None = None):
     """The ASGI callable: the Falcon app, wrapped so that handlers can watch for disconnects."""
     options = options or AppOptions()
-    middleware = [_Lifespan(options)]
+    middleware: list[Any] = [_Lifespan(options)]
     if options.api_key:
         middleware.append(_Auth(options.api_key))
     app = falcon.asgi.App(middleware=middleware)
@@ -320,5 +333,4 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
             scope[RECEIVE_KEY] = receive
         await app(scope, receive, send)
 
-    asgi.falcon_app = app
     return asgi

@@ -144,7 +144,7 @@ class EngineClient:
         self.reconnect_interval = reconnect_interval
         self.connect_timeout = connect_timeout
         self.max_stream_backlog = sys.maxsize if max_stream_backlog is None else max_stream_backlog
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: asyncio.AbstractEventLoop  # set by start()
         self._watch: asyncio.Task | None = None
         self._connecting: set[int] = set()
 
@@ -197,8 +197,10 @@ class EngineClient:
         engine = self._choose()
         stream = RequestStream(request_id, engine.index, int(params.get("n", 1)),
                                self.max_stream_backlog, self._on_backlog_full)
+        route = None
         if trace:
-            stream.route = {"engine": engine.index, "scores": scores, "chosen_at": time.monotonic()}
+            route = stream.route = {"engine": engine.index, "scores": scores,
+                                    "chosen_at": time.monotonic()}
         self.streams[request_id] = engine.streams[request_id] = stream
         while not engine.channel.requests.try_write(record):  # full: the engine is behind
             await asyncio.sleep(0.001)
@@ -207,8 +209,8 @@ class EngineClient:
                 raise EngineUnavailable(f"engine {engine.index} died before taking the request")
         engine.submitted += 1
         engine.engine_bell.ring()
-        if trace:
-            stream.route["written_at"] = time.monotonic()
+        if route is not None:
+            route["written_at"] = time.monotonic()
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -246,7 +248,9 @@ class EngineClient:
         up = [e for e in self.engines if e is not None]
         if not up:
             raise EngineUnavailable("no engine is available")
-        return up[least_loaded([e.score() for e in up])]
+        best = least_loaded([e.score() for e in up])
+        assert best is not None  # every connected engine has a score
+        return up[best]
 
     # -- outputs -----------------------------------------------------------------------
     def _on_outputs(self, engine: _Engine) -> None:
@@ -255,9 +259,10 @@ class EngineClient:
         while (record := ring.read()) is not None:
             for out in decode_outputs(record):
                 if out.part:  # NOTE: rare: an output too large for one record came in parts
-                    out = join_part(engine.parts, out)
-                    if out is None:
+                    whole = join_part(engine.parts, out)
+                    if whole is None:
                         continue
+                    out = whole
                 stream = engine.streams.get(out.request_id)
                 if stream is None:
                     continue  # aborted here already

@@ -19,16 +19,25 @@ from ringserve.ipc.messages import EngineOutput, FinishReason
 from ringserve.server.metrics import RequestMetrics
 from ringserve.server.output_processor import Detokenizer, SampleParams, SampleState, TokenLogprob
 from ringserve.server.protocol import UsageInfo
+from ringserve.server.trace import FrontendTrace
 
 
 class EngineError(Exception):
     """The engine failed a request (or died while it ran)."""
 
 
+class OutputStream(Protocol):
+    """One engine request's outputs (server/engine_client.py RequestStream)."""
+    consumer_blocked: Callable[[], bool] | None   # is our client not taking what was sent
+    on_backlog_full: Callable[[], None] | None    # called when too much waits unsent
+
+    def __aiter__(self) -> AsyncIterator[EngineOutput]: ...
+
+
 class Engine(Protocol):
     """The worker's engine client (ringserve.server.engine_client.EngineClient)."""
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: dict, trace: bool = False) -> AsyncIterator[EngineOutput]: ...
+                     params: dict, trace: bool = False) -> OutputStream: ...
     def abort(self, request_id: str) -> None: ...
 
 
@@ -40,7 +49,7 @@ class Choice(SampleState):
         super().__init__(tokenizer, prompt_token_ids, params)
         self.index = index
         self.request_id = request_id
-        self.outputs: AsyncIterator[EngineOutput] | None = None  # the engine's stream, once submitted
+        self.outputs: OutputStream | None = None   # the engine's stream, once submitted
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.finished_at: float | None = None
@@ -70,7 +79,7 @@ class Generation:
         # (called when a choice's stream backlog is full; the engine requests are aborted first).
         self.client_blocked: Callable[[], bool] | None = None
         self.close_connection: Callable[[], None] | None = None
-        self.trace = None  # a FrontendTrace (server/trace.py) when the request asked to be traced
+        self.trace: FrontendTrace | None = None  # when the request asked to be traced
 
     async def start(self) -> None:
         """Submit every choice to the engines (raises EngineUnavailable when none is up)."""
@@ -98,35 +107,28 @@ class Generation:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    def deltas(self) -> AsyncIterator[Delta]:
         """Per-choice deltas as the engine produces tokens, until every choice has finished."""
-        if len(self.choices) == 1:
-            choice = self.choices[0]
-            async for out in choice.outputs:
-                if choice.finish_reason is not None:
-                    return  # aborted meanwhile (client gone)
-                delta = self._apply(choice, out)
-                if delta is not None:
-                    yield delta
-                if choice.finish_reason is not None:
-                    return
-            return
+        return self._one_choice() if len(self.choices) == 1 else self._many_choices()
+
+    async def _one_choice(self) -> AsyncIterator[Delta]:
+        choice = self.choices[0]
+        assert choice.outputs is not None, "start() first"
+        async for out in choice.outputs:
+            if choice.finish_reason is not None:
+                return  # aborted meanwhile (client gone)
+            delta = self._apply(choice, out)
+            if delta is not None:
+                yield delta
+            if choice.finish_reason is not None:
+                return
+
+    async def _many_choices(self) -> AsyncIterator[Delta]:
         # Bounded: while the consumer is stuck (a client not reading), outputs stay in each
         # choice's stream, whose backlog limit then ends the request.
-        queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.choices))
-
-        async def pump(choice: Choice) -> None:
-            try:
-                async for out in choice.outputs:
-                    await queue.put((choice, out))
-                    if out.finish_reason is not None:
-                        return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer
-                await queue.put((choice, exc))
-
-        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        queue: asyncio.Queue[tuple[Choice, EngineOutput | BaseException]] = asyncio.Queue(
+            maxsize=len(self.choices))
+        tasks = [asyncio.create_task(_pump(c, queue)) for c in self.choices]
         try:
             while not self.finished:
                 choice, out = await queue.get()
@@ -153,11 +155,12 @@ class Generation:
     def _apply(self, choice: Choice, out: EngineOutput) -> Delta | None:
         if out.new_token_ids:
             now = time.monotonic()
-            if choice.first_token_at is None:
+            last = choice.last_token_at
+            if last is None:
                 choice.first_token_at = now
                 self._metrics.ttft.observe(now - self.arrival)
             else:
-                self._metrics.itl.observe(now - choice.last_token_at)
+                self._metrics.itl.observe(now - last)
             choice.last_token_at = now
         delta = choice.process(out)
         if delta is None:
@@ -181,7 +184,21 @@ class Generation:
         return UsageInfo(prompt, completion, prompt + completion)
 
     def _observe(self, c: Choice) -> None:
+        """The choice has ended (its finish_reason is set): into the request metrics."""
         c.finished_at = time.monotonic()
-        self._metrics.finished(c.finish_reason, len(c.prompt_token_ids), len(c.token_ids),
+        self._metrics.finished(str(c.finish_reason), len(c.prompt_token_ids), len(c.token_ids),
                                time.monotonic() - self.arrival)
 
+
+async def _pump(choice: Choice, queue: asyncio.Queue) -> None:
+    """One choice's engine outputs into the request's queue (an error as its item)."""
+    assert choice.outputs is not None, "start() first"
+    try:
+        async for out in choice.outputs:
+            await queue.put((choice, out))
+            if out.finish_reason is not None:
+                return
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer
+        await queue.put((choice, exc))

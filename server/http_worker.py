@@ -110,7 +110,8 @@ class TimedH11Protocol(H11Protocol):
         cycle = self.cycle
         super().handle_events()
         if self.cycle is not cycle:  # a request began (its ASGI task has not run yet)
-            extensions = self.scope.setdefault("extensions", {})
+            # Our extensions (server/sse.py) are callables; ASGI types extension values as dicts.
+            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
             extensions[CLIENT_BLOCKED] = self._client_blocked
             extensions[CLOSE_CONNECTION] = self.transport.abort
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from ringserve.ipc.shm import Segment, remove_stale_segments
@@ -71,15 +72,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 class _Engine:
     index: int
     control_path: str
-    process: multiprocessing.Process
+    process: BaseProcess  # a spawn-context Process
     segment: Segment | None = None    # its stats segment, attached once it is ready
     stats: EngineStats | None = None  # a view of it: what the hang check reads
 
     def detach(self) -> None:
         if self.stats is not None:
             self.stats.release()
+        if self.segment is not None:
             self.segment.close()
-            self.stats = self.segment = None
+        self.stats = self.segment = None
 
 
 def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, **kwargs) -> None:
@@ -238,13 +240,13 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         try:
             self.start()
-            return 0 if self.gunicorn is None else self._supervise()
+            return 0 if self.gunicorn is None else self._supervise(self.gunicorn)
         finally:
             self.shutdown()
 
-    def _supervise(self) -> int:
+    def _supervise(self, gunicorn: subprocess.Popen) -> int:
         while not self._stopping:
-            code = self.gunicorn.poll()
+            code = gunicorn.poll()
             if code is not None:
                 log.error("gunicorn exited with code %s", code)
                 return 1

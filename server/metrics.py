@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -34,7 +34,8 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, … up to max_value (vLLM's token-count buckets)."""
-    out, exp = [], 0
+    out: list[int] = []
+    exp = 0
     while True:
         for m in (1, 2, 5):
             v = m * 10 ** exp
@@ -70,7 +71,7 @@ class RequestMetrics:
         self._registry = None if multiprocess() else CollectorRegistry()
         labels = ["model_name"]
         tokens_buckets = build_1_2_5_buckets(max_model_len)
-        kw = dict(labelnames=labels, registry=self._registry)
+        kw: dict[str, Any] = dict(labelnames=labels, registry=self._registry)
         self.ttft = Histogram(P + "time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.",
                               buckets=TTFT_BUCKETS, **kw).labels(model_name)

@@ -48,13 +48,14 @@ class OutputText:
     def _check_stop(self, before: int) -> None:
         # A stop string can only newly appear in a window ending at the new text.
         start = max(0, before - self._max_stop + 1)
-        best = -1
+        best, found = -1, ""
         for s in self._stop:
             i = self.text.find(s, start)
             if i != -1 and (best == -1 or i < best):
-                best, self.stop_string = i, s
+                best, found = i, s
         if best != -1:
-            end = best + len(self.stop_string) if self._include_stop else best
+            self.stop_string = found
+            end = best + len(found) if self._include_stop else best
             self.text = self.text[:end]
 
     def _take(self, final: bool) -> str:

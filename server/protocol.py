@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar, Union
+from typing import Annotated, Any, TypeVar, Union, cast
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -179,7 +179,7 @@ def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | Tokenize
         raw = msgspec.json.decode(body)
         kind = (TokenizeChatRequest if isinstance(raw, dict) and "messages" in raw
                 else TokenizeCompletionRequest)
-        return msgspec.convert(raw, type=kind)
+        return cast(Union[TokenizeCompletionRequest, TokenizeChatRequest], msgspec.convert(raw, type=kind))
     except (UnicodeDecodeError, msgspec.DecodeError) as exc:
         raise _decode_error(exc, body) from None
 
@@ -258,8 +258,9 @@ def check_ranges(req: _SamplingFields) -> None:
         why = limits.why_not(name, getattr(req, field_name, None), label=field_name)
         if why is not None:
             raise bad_request(why, param=field_name)
-    if type(req.logprobs) is int:  # completions' count (chat's is a bool)
-        why = limits.why_not("logprobs", req.logprobs)
+    logprobs = getattr(req, "logprobs", None)
+    if type(logprobs) is int:  # completions' count (chat's is a bool)
+        why = limits.why_not("logprobs", logprobs)
         if why is not None:
             raise bad_request(why, param="logprobs")
 

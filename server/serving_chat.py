@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template (jinja2)."""
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, cast
 
 from ringserve.server import protocol as P
 from ringserve.server.context import ServerContext
@@ -48,8 +48,9 @@ def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], top_n: int) -> P.
     for e in entries:
         tok = ctx.token_text(e.token_id)
         top = [P.TopLogprob(t, v, list(t.encode())) for t, v in
-               ((ctx.token_text(tid), lp) for tid, lp, _rank in e.top[:top_n])]
-        content.append(P.ChatTokenLogprob(tok, e.logprob, list(tok.encode()), top))
+               ((ctx.token_text(tid), lp) for tid, lp, _rank in (e.top or [])[:top_n])]
+        logprob = cast(float, e.logprob)  # a sampled token always has one (None: echo's first)
+        content.append(P.ChatTokenLogprob(tok, logprob, list(tok.encode()), top))
     return P.ChatLogprobs(content)
 
 

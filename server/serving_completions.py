@@ -53,7 +53,7 @@ def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int) -> P
         lp.token_logprobs.append(e.logprob)
         top = None
         if e.logprob is not None:
-            top = {ctx.token_text(t): v for t, v, _rank in e.top}
+            top = {ctx.token_text(t): v for t, v, _rank in e.top or ()}
             top.setdefault(tok, e.logprob)
         lp.top_logprobs.append(top)
         lp.text_offset.append(offset)

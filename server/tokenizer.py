@@ -73,18 +73,22 @@ class Tokenizer:
                             **extra: Any) -> str:
         """The prompt text for ``messages``, rendered as transformers' apply_chat_template does.
         ``extra`` reaches the template too (``tools``, ...). Raises ChatTemplateError."""
-        if self.chat_template is None:
+        template = self._template
+        if template is None:
             raise ChatTemplateError("this model has no chat template")
         specials = {k: _token_text(v) for k, v in self._config.items()
                     if k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          **specials, **extra)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(str(e)) from None
 
     @cached_property
-    def _template(self) -> jinja2.Template:
+    def _template(self) -> jinja2.Template | None:
+        """The compiled chat template (None: the model has none)."""
+        if self.chat_template is None:
+            return None
         # The environment of transformers' _compile_jinja_template: a sandbox, trimmed blocks,
         # loop controls, raise_exception(), strftime_now() and a tojson that keeps non-ASCII text.
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(

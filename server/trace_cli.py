@@ -53,8 +53,9 @@ def _ranges(values: list[int]) -> str:
     """[48, 49, 50, 112] -> '48–50, 112'."""
     if not values:
         return "-"
-    parts, start = [], values[0]
-    for prev, cur in zip(values, values[1:] + [None]):
+    parts: list[str] = []
+    start: int | None = values[0]
+    for prev, cur in zip(values, values[1:] + [None], strict=True):
         if cur != prev + 1:
             parts.append(str(start) if start == prev else f"{start}–{prev}")
             start = cur
@@ -116,7 +117,8 @@ def _engine_part(e: dict, station, at, lines: list[str]) -> None:
     station(STATIONS[2])
     at(e["received_ms"], "taken from the ring into `waiting`")
     for a in e["admissions"]:
-        hit = f", {a['num_cached_tokens']} prompt tokens from the prefix cache" if a["num_cached_tokens"] else ""
+        cached = a["num_cached_tokens"]
+        hit = f", {cached} prompt tokens from the prefix cache" if cached else ""
         at(a["at_ms"], f"admitted by step {a['step']}{hit}: {_batch(a['batch'])}")
     for p in e["preemptions"]:
         at(p["at_ms"], f"PREEMPTED in step {p['step']}: blocks {p['blocks_freed']} freed, back to waiting")

@@ -63,13 +63,15 @@ def test_tiny_config(tiny_model_dir):
      r"config.json: rope_scaling type 'yarn' is not supported"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
      r"config.json: rope_scaling type 'dynamic' is not supported"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"config.json: missing field 'low_freq_factor'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     r"config.json: missing field 'low_freq_factor'"),
     ({"sliding_window": 4096}, r"config.json: sliding_window 4096 is not supported"),
     ({"hidden_act": "gelu"}, r"config.json: hidden_act 'gelu' is not supported"),
     ({"mlp_bias": True}, r"config.json: mlp_bias"),
     ({"hidden_size": _DELETE}, r"config.json: missing field 'hidden_size'"),
     ({"num_hidden_layers": "2"}, r"config.json: num_hidden_layers '2' must be a positive integer"),
-    ({"num_key_value_heads": 3}, r"config.json: num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"num_key_value_heads": 3},
+     r"config.json: num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     ({"tie_word_embeddings": "yes"}, r"config.json: tie_word_embeddings 'yes' must be true or false"),
 ])
 def test_config_errors_name_the_field(model_copy, changes, match):
@@ -138,7 +140,8 @@ def test_bf16_tensors_widen_exactly(model_copy):
     header, chunks, offset = {}, [], 0
     for name, t in tensors.items():
         bits = (t.view(np.uint32) >> 16).astype("<u2")
-        header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [offset, offset + bits.nbytes]}
+        header[name] = {"dtype": "BF16", "shape": list(t.shape),
+                        "data_offsets": [offset, offset + bits.nbytes]}
         chunks.append(bits.tobytes())
         offset += bits.nbytes
     blob = json.dumps(header).encode()

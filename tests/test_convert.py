@@ -158,7 +158,8 @@ def test_tiny_config_and_tokenizer(tiny):
     from ringserve.server.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(converted)
     ids = tok.encode("<|im_start|> the  42")
-    assert [tok.decode([i], skip_special_tokens=False) for i in ids] == ["<|im_start|>", " the", "  ", "4", "2"]
+    pieces = [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert pieces == ["<|im_start|>", " the", "  ", "4", "2"]
 
 
 def test_tied_embeddings_when_there_is_no_output_tensor(tmp_path):

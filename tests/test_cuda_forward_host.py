@@ -106,7 +106,8 @@ class HostRunner:
         self.max_blocks = MAX_MODEL_LEN // BLOCK_SIZE
         # the graphs' one set of buffers, with stale garbage where no step wrote yet
         self.shared = StepBuffers(c, self.ladder[-1], self.ladder[-1], self.max_blocks, np)
-        self.shared.block_tables[...] = np.random.default_rng(0).integers(0, NUM_BLOCKS, self.shared.block_tables.shape)
+        tables = self.shared.block_tables
+        tables[...] = np.random.default_rng(0).integers(0, NUM_BLOCKS, tables.shape)
 
     def splits(self, num_tokens: int, max_seq_len: int) -> int:
         return plan.attention_splits(num_tokens=num_tokens, num_kv_heads=self.config.num_key_value_heads,
@@ -119,7 +120,8 @@ class HostRunner:
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
         llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, max_len, workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
+                      AttentionLaunch(s, max_len,
+                                      workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
                       self.cos, self.sin)
         return buf.logits.copy()
 
@@ -132,7 +134,8 @@ class HostRunner:
         buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
         s = self.splits(size, MAX_MODEL_LEN)
         llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, MAX_MODEL_LEN, workspace(size, c.num_attention_heads, c.head_dim, s)),
+                      AttentionLaunch(s, MAX_MODEL_LEN,
+                                      workspace(size, c.num_attention_heads, c.head_dim, s)),
                       self.cos, self.sin)
         return buf.logits[:batch.num_reqs].copy()
 

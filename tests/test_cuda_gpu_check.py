@@ -20,7 +20,8 @@ def test_without_a_device_it_says_so_and_exits_1(tmp_path):
 
 def test_benchmark_shapes_are_the_1b_and_8b_llamas():
     def params(c):
-        layer = c.hidden_size * (c.q_size + 2 * c.kv_size + c.q_size) + 3 * c.hidden_size * c.intermediate_size
+        attention = c.hidden_size * (c.q_size + 2 * c.kv_size + c.q_size)
+        layer = attention + 3 * c.hidden_size * c.intermediate_size
         return c.num_hidden_layers * layer + 2 * c.vocab_size * c.hidden_size
     assert 1.0e9 < params(config_for(SHAPES["1B"])) < 1.6e9
     assert 7.5e9 < params(config_for(SHAPES["8B"])) < 8.5e9

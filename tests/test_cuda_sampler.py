@@ -71,7 +71,7 @@ if not IN_SIMULATOR:
             ids = p.count_ids[p.count_offsets[r]:p.count_offsets[r + 1]]
             counts = p.counts[p.count_offsets[r]:p.count_offsets[r + 1]]
             if meta.frequency_penalty[r] or meta.presence_penalty[r]:
-                assert dict(zip(ids.tolist(), counts.tolist())) == {
+                assert dict(zip(ids.tolist(), counts.tolist(), strict=True)) == {
                     t: meta.output_token_ids[r].count(t) for t in set(meta.output_token_ids[r])}
             banned = p.banned_ids[p.banned_offsets[r]:p.banned_offsets[r + 1]]
             assert sorted(banned) == sorted(set(meta.banned_token_ids[r]))

@@ -71,7 +71,7 @@ def test_dashboard_draws_engines_pool_and_steps(tiny_server, tmp_path):
     sections = re.findall(r'<section class="engine" id="engine-(\d)"[^>]*data-used-blocks="(\d+)" '
                           r'data-free-blocks="(\d+)" data-num-blocks="(\d+)"', html)
     assert [int(s[0]) for s in sections] == [0, 1], html[:2000]
-    for (index, used, free, total), e in zip(sections, engines):
+    for (_, used, free, total), e in zip(sections, engines, strict=True):
         snap = e["snapshot"]
         assert int(total) == snap["num_blocks"] == NUM_BLOCKS
         assert int(used) + int(free) == NUM_BLOCKS and int(free) == snap["num_free_blocks"]

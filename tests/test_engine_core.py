@@ -95,7 +95,8 @@ def test_greedy_output_is_the_same_whatever_the_batch(tiny_model_dir, reference,
 def test_blocks_are_freed_in_the_step_where_a_request_ends(tiny_model_dir):
     engine = make_engine(tiny_model_dir, num_gpu_blocks_override=20)
     engine.add_request("a", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    engine.add_request("b", list(range(50, 60)), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.add_request("b", list(range(50, 60)),
+                       SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     engine.step()
     assert engine.kv.num_free_blocks == 20 - 3 - 1
     outs = engine.step()

@@ -71,7 +71,7 @@ def test_honest_records_still_read_across_the_wrap():
 def _prompt_logprobs(positions: int, top: int = 20) -> list:
     rng = np.random.default_rng(0)
     return [[(int(t), float(lp), r) for r, (t, lp) in
-             enumerate(zip(rng.integers(0, 49152, top + 1), -rng.random(top + 1) * 10), 1)]
+             enumerate(zip(rng.integers(0, 49152, top + 1), -rng.random(top + 1) * 10, strict=True), 1)]
             for _ in range(positions)]
 
 

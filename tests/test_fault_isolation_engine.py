@@ -195,7 +195,7 @@ def _fuzz_cases(seed: int = 0):
     """(kind, record or header length) in a shuffled order."""
     rng = random.Random(seed)
     cases = []
-    for k in range(40):
+    for _ in range(40):
         cases.append(("random", rng.randbytes(rng.randrange(0, 200))))
     for k in range(40):
         rec = rng.choice(_valid_records(rng, k))
@@ -410,7 +410,7 @@ def test_http_requests_that_used_to_kill_the_engine(serve, tiny_model_dir):
         beside: dict = {}
         runner = threading.Thread(target=lambda: beside.update(zip(("text", "reason"), _stream_text(
             client, url, {"model": model, "prompt": "Once", "max_tokens": 150, "ignore_eos": True,
-                          "temperature": 0.0}))))
+                          "temperature": 0.0}), strict=True)))
         runner.start()
         for body in bad:
             r = client.post(url + "/v1/completions", json=dict(body, model=model))
@@ -470,7 +470,7 @@ def test_a_long_echo_with_logprobs_is_larger_than_the_ring_and_completes(serve, 
         beside: dict = {}
         runner = threading.Thread(target=lambda: beside.update(zip(("text", "reason"), _stream_text(
             client, url, {"model": model, "prompt": "Tell me a story.", "max_tokens": 40,
-                          "ignore_eos": True, "temperature": 0.0}))))
+                          "ignore_eos": True, "temperature": 0.0}), strict=True)))
         runner.start()
         r = client.post(url + "/v1/completions", json={
             "model": model, "prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 2,

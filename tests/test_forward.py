@@ -84,7 +84,7 @@ def two_steps(runner: ModelRunner, seqs: dict[str, list[int]], block_ids: list[i
                                  Chunk(E[:16], 0, table["E"])]))
     step2 = runner.execute(pack([Chunk(B, 0, table["B"]), Chunk(A[10:], 10, table["A"]),
                                  Chunk(D[12:], 12, table["D"]), Chunk(E[16:], 16, table["E"])]))
-    return dict(zip("ADE", step1)), dict(zip("BADE", step2))
+    return dict(zip("ADE", step1, strict=True)), dict(zip("BADE", step2, strict=True))
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def test_requests_never_see_each_other(make_runner, seqs):
     first = two_steps(make_runner(), seqs, list(range(64)))
     changed = dict(seqs, B=tokens(20, 9, vocab), D=tokens(21, 13, vocab))
     second = two_steps(make_runner(), changed, list(range(64)))
-    for step_a, step_b in zip(first, second):
+    for step_a, step_b in zip(first, second, strict=True):
         for name in step_a:
             if name in ("B", "D"):
                 assert np.abs(step_a[name] - step_b[name]).max() > 1e-2, name
@@ -221,7 +221,7 @@ def test_logits_at_every_row_and_prompt_logprobs_spec(tiny_model_dir, weights, m
     lps = out.prompt_logprobs
     np.testing.assert_allclose(lps.logprobs[:, 0], want[rows, A[11:]], rtol=0, atol=1e-4)
     assert lps.token_ids[:, 0].tolist() == A[11:]
-    assert lps.sampled_rank.tolist() == [int((w > w[t]).sum()) + 1 for w, t in zip(want, A[11:])]
+    assert lps.sampled_rank.tolist() == [int((w > w[t]).sum()) + 1 for w, t in zip(want, A[11:], strict=True)]
     assert (lps.token_ids[:, 1:] == np.argsort(-want, axis=1)[:, :3]).all()
 
 

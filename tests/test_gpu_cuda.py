@@ -105,7 +105,7 @@ def test_forward_matches_cpu_backend_and_graphs_match_eager(tiny_cuda_model_dir,
                                       attention_backend=backend)
     assert graphs.graphs.graphs  # captured
     seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
-    for step in range(12):
+    for _ in range(12):
         batch = next_batch(seqs, new, tables, 16)
         want = cpu.execute(batch)
         got_eager, got_graphs = eager.execute(batch), graphs.execute(batch)
@@ -183,11 +183,12 @@ def test_prompt_logprobs_and_logits_at_any_row_match_the_cpu_backend(tiny_cuda_m
     for device in ("cpu", "cuda"):
         r = ModelRunner(tiny_cuda_model_dir, device=device, num_blocks=64, max_num_seqs=8)
         every = r.execute(prefill, np.arange(6))
-        outs = [r.submit(b, np.array([2]), meta, s).result() for b, s in zip((prefill, one_each), spec)]
+        outs = [r.submit(b, np.array([2]), meta, s).result()
+                for b, s in zip((prefill, one_each), spec, strict=True)]
         results.append((every, outs))
     (cpu_every, cpu_outs), (gpu_every, gpu_outs) = results
     np.testing.assert_allclose(gpu_every, cpu_every, atol=2e-2)
-    for c, g in zip(cpu_outs, gpu_outs):
+    for c, g in zip(cpu_outs, gpu_outs, strict=True):
         np.testing.assert_array_equal(g.token_ids, c.token_ids)
         np.testing.assert_array_equal(g.prompt_logprobs.token_ids[:, 0], c.prompt_logprobs.token_ids[:, 0])
         np.testing.assert_allclose(g.prompt_logprobs.logprobs, c.prompt_logprobs.logprobs, atol=2e-2)
@@ -232,7 +233,8 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
         client = EngineClient([path])
         await client.start()
         await client.wait_ready(timeout=120)
-        streams = [await client.submit(f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params))]
+        streams = [await client.submit(f"r{i}", p, q)
+                   for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
         got = []
         for s in streams:
             got.append([t async for o in s for t in o.new_token_ids])
@@ -241,7 +243,7 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
 
     try:
         got = asyncio.run(asyncio.wait_for(run(), 300))
-        compared = [assert_same_generation(g, e, lead) for g, e, lead in zip(got, expect, leads)]
+        compared = [assert_same_generation(g, e, lead) for g, e, lead in zip(got, expect, leads, strict=True)]
         assert sum(compared) >= 5, f"too few clear choices to compare: {compared}"
     finally:
         proc.terminate()

@@ -162,7 +162,8 @@ def test_n_stop_logprobs_echo(client, default_model_dir):
         lp = c.logprobs
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert "".join(lp.tokens[:n_prompt]) == "One, two, three,"
-        want = [e[t].logprob for t, e in zip(offline.prompt_token_ids[1:], offline.prompt_logprobs[1:])]
+        want = [e[t].logprob
+                for t, e in zip(offline.prompt_token_ids[1:], offline.prompt_logprobs[1:], strict=True)]
         assert lp.token_logprobs[1:n_prompt] == pytest.approx(want, abs=1e-3)
         assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:n_prompt])
     chunks = list(client.completions.create(model="smol", prompt="One, two, three,", max_tokens=3,

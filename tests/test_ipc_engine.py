@@ -280,7 +280,8 @@ def test_engine_counters_reach_the_metrics_page(engines, long_context_model_dir)
         c = ModelConfig.from_dir(long_context_model_dir)
         weights = sum(t.nbytes for t in load_weights(long_context_model_dir).values())
         kv = 8 * 16 * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 4
-        assert f'ringserve:model_weight_bytes{{engine="0",model_name="tiny",type="F32"}} {float(weights)}' in page
+        weight_labels = '{engine="0",model_name="tiny",type="F32"}'
+        assert f"ringserve:model_weight_bytes{weight_labels} {float(weights)}" in page
         assert f"ringserve:kv_cache_bytes{labels} {float(kv)}" in page
         await client.close()
 
@@ -326,7 +327,8 @@ def test_overlapped_delivery_gives_the_same_outputs(engines):
     steps that sample nothing, a refusal, an abort. Every output arrives, the last ones when
     the engine goes idle, and the pool is whole again."""
     chunked = dict(max_num_batched_tokens=32)
-    paths = [engines.start("plain", overlap=False, **chunked), engines.start("overlap", overlap=True, **chunked)]
+    paths = [engines.start("plain", overlap=False, **chunked),
+             engines.start("overlap", overlap=True, **chunked)]
     requests = {
         "greedy": (PROMPT, {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": 2}),
         "seeded": (PROMPT[:7], {"max_tokens": 9, "temperature": 0.9, "top_p": 0.9, "seed": 11,
@@ -339,7 +341,8 @@ def test_overlapped_delivery_gives_the_same_outputs(engines):
         client = EngineClient([path])
         await client.start()
         await client.wait_ready(timeout=60)
-        streams = {rid: await client.submit(rid, prompt, params) for rid, (prompt, params) in requests.items()}
+        streams = {rid: await client.submit(rid, prompt, params)
+                   for rid, (prompt, params) in requests.items()}
         gone = await client.submit("gone", PROMPT, LONG)
         await gone.__anext__()
         client.abort("gone")

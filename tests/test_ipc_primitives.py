@@ -155,7 +155,7 @@ def _ring_pair(capacity: int) -> tuple[Segment, Ring, Ring]:
 def test_records_wrap_around_the_end_intact():
     seg, w, r = _ring_pair(256)
     rng = np.random.default_rng(0)
-    for i in range(500):  # sizes chosen so that headers and payloads land on every offset
+    for _ in range(500):  # sizes chosen so that headers and payloads land on every offset
         payload = rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes()
         assert w.try_write(payload)
         assert r.read() == payload
@@ -282,9 +282,9 @@ def test_output_messages_round_trip():
     ]
     assert decode_outputs(encode_outputs(outs)) == outs
     assert decode_outputs(encode_outputs([])) == []
-    # one decode token of one request: 25 bytes (the step's 4-byte int32 id block, then a
-    # 12-field array holding the id and the count of its new ids)
-    assert len(encode_outputs([EngineOutput("abcd", [5])])) == 25
+    # one decode token of one request: 31 bytes (the step's int32 id block and int32 count
+    # block, 4 bytes each, then a 12-field array holding the id and an empty list)
+    assert len(encode_outputs([EngineOutput("abcd", [5])])) == 31
 
 
 # -- load score --------------------------------------------------------------------------

@@ -37,8 +37,8 @@ def _edge_values() -> np.ndarray:
                65520.0, 65536.0, 1e30, -1e30, np.inf, -np.inf, float(f16.tiny), float(f16.tiny) / 3,
                float(f16.smallest_subnormal), float(f16.smallest_subnormal) / 2,
                float(f16.smallest_subnormal) * 0.51, 1e-30, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11]
-    return np.concatenate([np.array(special, np.float32),
-                           (rng.standard_normal(20000) * 10.0 ** rng.integers(-9, 6, 20000)).astype(np.float32)])
+    spread = rng.standard_normal(20000) * 10.0 ** rng.integers(-9, 6, 20000)   # 1e-9 .. 1e5
+    return np.concatenate([np.array(special, np.float32), spread.astype(np.float32)])
 
 
 def test_float16_store_rounds_as_numpy_and_every_half_reads_back_exactly():

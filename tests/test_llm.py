@@ -30,7 +30,7 @@ def test_n_samples_logprobs_and_per_prompt_params(tiny_llm):
     first = outs[0].outputs
     assert [c.index for c in first] == [0, 1]
     for c in first:
-        assert len(c.logprobs) == 5 and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
+        assert len(c.logprobs) == 5 and all(t in lp for t, lp in zip(c.token_ids, c.logprobs, strict=True))
         assert c.cumulative_logprob < 0
     assert outs[1].outputs[0].logprobs is None and len(outs[1].outputs[0].token_ids) == 3
 
@@ -52,12 +52,12 @@ def test_prompt_logprobs_on_the_output(tiny_llm):
     asked = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
     alone = tiny_llm.generate(prompt, asked)[0]
     assert alone.prompt_logprobs[0] is None and len(alone.prompt_logprobs) == len(ids) > 4
-    for token, entry in zip(ids[1:], alone.prompt_logprobs[1:]):
+    for token, entry in zip(ids[1:], alone.prompt_logprobs[1:], strict=True):
         assert token in entry and entry[token].logprob <= 0 and len(entry) in (2, 3)
         assert {1, 2} <= {lp.rank for lp in entry.values()}        # the top 2, and the token's own
     crowd = tiny_llm.generate(["a long other prompt " * 4, prompt], [SamplingParams(max_tokens=5), asked])
     assert crowd[0].prompt_logprobs is None
-    for a, b in zip(alone.prompt_logprobs[1:], crowd[1].prompt_logprobs[1:]):
+    for a, b in zip(alone.prompt_logprobs[1:], crowd[1].prompt_logprobs[1:], strict=True):
         assert a.keys() == b.keys()
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
 

@@ -110,7 +110,8 @@ def test_errors_are_one_line(capsys, tmp_path, unused_port):
     assert main(["loadgen", "--mode", "ring", "--server-dir", str(tmp_path)]) == 1
     assert capsys.readouterr().err.startswith("error: ")
     assert main(["loadgen", "--mode", "http", "--base-url", f"http://127.0.0.1:{unused_port}",
-                 "--dataset", "jsonl", "--dataset-path", "/nonexistent.jsonl", "--prompt-format", "text"]) == 1
+                 "--dataset", "jsonl", "--dataset-path", "/nonexistent.jsonl",
+                 "--prompt-format", "text"]) == 1
     assert capsys.readouterr().err.startswith("error: ")
     assert main(["loadgen", "--goodput", "itl:5"]) == 1
     assert "goodput" in capsys.readouterr().err

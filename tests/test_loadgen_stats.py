@@ -12,7 +12,8 @@ from ringserve.tools.loadgen.workload import jsonl_requests, prefix_requests, ra
 
 RESULTS = [
     # TPOT (0.2 - 0.1) / 4 = 25 ms
-    RequestResult(prompt_len=10, output_len=5, ttft=0.1, itl=[0.02, 0.02, 0.03, 0.03], latency=0.2, success=True),
+    RequestResult(prompt_len=10, output_len=5, ttft=0.1, itl=[0.02, 0.02, 0.03, 0.03], latency=0.2,
+                  success=True),
     # TPOT (0.4 - 0.3) / 2 = 50 ms
     RequestResult(prompt_len=20, output_len=3, ttft=0.3, itl=[0.05, 0.05], latency=0.4, success=True),
     # one token: no TPOT

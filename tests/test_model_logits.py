@@ -62,9 +62,9 @@ def test_last_position_logits_match_stored_transformers(runner, prompts, ref):
     """All three prompts (one chat-templated) prefilled together in one packed batch."""
     assert "<|im_start|>assistant\n" in str(ref["prompt_texts"][2])
     blocks = [[3, 0], [7, 1, 12], [5, 9, 2, 20]]
-    logits = runner.execute(batch([(p, 0, b) for p, b in zip(prompts, blocks)]))
+    logits = runner.execute(batch([(p, 0, b) for p, b in zip(prompts, blocks, strict=True)]))
     assert logits.shape == (3, 49152) and logits.dtype == np.float32
-    for ours, reference in zip(logits, ref["logits_last"]):
+    for ours, reference in zip(logits, ref["logits_last"], strict=True):
         assert relative_error(ours, reference) <= RTOL
         assert ours.argmax() == reference.argmax()
 
@@ -75,7 +75,7 @@ def test_chunked_prefill_and_decode_match_stored_transformers(runner, prompts, r
     stride = int(ref["column_stride"])
     expected = np.split(ref["logits_every_position"], np.cumsum(ref["prompt_lens"])[:-1])
     sizes = [1, 5, 2, 8]
-    for tokens, reference in zip(prompts, expected):
+    for tokens, reference in zip(prompts, expected, strict=True):
         blocks, cached, step = [11, 4, 8, 30], 0, 0
         while cached < len(tokens):
             end = min(len(tokens), cached + sizes[step % len(sizes)])
@@ -89,8 +89,8 @@ def test_live_transformers_logits(runner, prompts, default_model_dir):
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     blocks = [[0, 1], [2, 3, 4], [5, 6, 7, 8]]
-    ours = runner.execute(batch([(p, 0, b) for p, b in zip(prompts, blocks)]))
+    ours = runner.execute(batch([(p, 0, b) for p, b in zip(prompts, blocks, strict=True)]))
     with torch.no_grad():
-        for row, tokens in zip(ours, prompts):
+        for row, tokens in zip(ours, prompts, strict=True):
             reference = model(torch.tensor([tokens])).logits[0, -1].numpy()
             assert relative_error(row, reference) <= RTOL

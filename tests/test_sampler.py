@@ -64,7 +64,8 @@ def test_temperature_sharpens_the_distribution():
 def test_penalties_follow_vllm():
     x = np.array([[2.0, -2.0, 1.0, 0.5, 3.0]], np.float32)
     m = meta(1, presence_penalty=np.array([0.5], np.float32), frequency_penalty=np.array([0.25], np.float32),
-             repetition_penalty=np.array([2.0], np.float32), prompt_token_ids=[[0]], output_token_ids=[[1, 1, 2]])
+             repetition_penalty=np.array([2.0], np.float32), prompt_token_ids=[[0]],
+             output_token_ids=[[1, 1, 2]])
     y = apply_penalties(x.copy(), m)[0]
     # token 0: prompt only -> repetition; 1: output x2 -> repetition (negative: *2), 0.5 + 2*0.25;
     # token 2: output x1; 3, 4: unseen

@@ -4,6 +4,7 @@ The model step here is the scheduler's own contract: after a step, every schedul
 in the cache, and a request whose last token was computed gets one new token.
 """
 import random
+from collections.abc import Callable
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,12 +31,18 @@ def run_step(sched: Scheduler, token=7) -> SchedulerOutput:
     and finish those that reached max_tokens (blocks freed in this same step)."""
     out = sched.schedule()
     sched.update_after_step(out)
+    sample(sched, out, lambda: token)
+    return out
+
+
+def sample(sched: Scheduler, out: SchedulerOutput, next_token: Callable[[], int]) -> None:
+    """What the engine does after a step: a token for each row that samples one, and the
+    max_tokens stop."""
     for s in out.scheduled:
         if s.samples_token:
-            s.request.append_output_token(token)
+            s.request.append_output_token(next_token())
             if s.request.num_output_tokens >= s.request.max_tokens:
                 sched.finish(s.request, "length")
-    return out
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
@@ -165,25 +172,26 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
         assert len({s.request.key for s in out.scheduled}) == len(out.scheduled)
         check_ownership(sched)
         if out.scheduled:
-            batch = build_batch(out, kv)
-            slots = batch.slot_mapping.tolist()
-            assert len(set(slots)) == len(slots), "two tokens write one slot"
-            for i, s in enumerate(out.scheduled):    # each token writes into its own request's blocks
-                own = set(kv.block_ids(s.request))
-                lo, hi = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-                assert {slot // kv.block_size for slot in slots[lo:hi]} <= own
+            check_slots(out, kv)
         sched.update_after_step(out)
-        for s in out.scheduled:
-            if s.samples_token:
-                s.request.append_output_token(rng.randrange(3))
-                if s.request.num_output_tokens >= s.request.max_tokens:
-                    sched.finish(s.request, "length")
+        sample(sched, out, lambda: rng.randrange(3))
         if not pending and not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "a request was left waiting forever"
     assert all(r.is_finished for r in live)
     assert kv.num_free_blocks == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def check_slots(out, kv) -> None:
+    """No two tokens of a step write one KV slot, and each writes into its own request's blocks."""
+    batch = build_batch(out, kv)
+    slots = batch.slot_mapping.tolist()
+    assert len(set(slots)) == len(slots), "two tokens write one slot"
+    for i, s in enumerate(out.scheduled):
+        own = set(kv.block_ids(s.request))
+        lo, hi = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+        assert {slot // kv.block_size for slot in slots[lo:hi]} <= own
 
 
 def req_abort(w, req: Request) -> int:

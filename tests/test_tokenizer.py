@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -39,12 +40,13 @@ def pieces(tok: Tokenizer, ids: list[int]) -> list[str]:
 
 
 def numeric_after_whitespace(text: str) -> bool:
-    return any(a.isspace() and unicodedata.category(b).startswith("N") for a, b in zip(text, text[1:]))
+    return any(a.isspace() and unicodedata.category(b).startswith("N") for a, b in pairwise(text))
 
 
 def test_ids_equal_llama_cpp_smollm_pretokenization_by_transformers(tok, ref):
     """transformers' BPE over llama.cpp's digit pre-split gives exactly our ids, on every string."""
-    for text, expected in zip(ref["tokenizer_strings"], ragged(ref, "tokenizer_ids_smollm", "tokenizer_lens_smollm")):
+    expected_ids = ragged(ref, "tokenizer_ids_smollm", "tokenizer_lens_smollm")
+    for text, expected in zip(ref["tokenizer_strings"], expected_ids, strict=True):
         assert tok.encode(str(text), add_special_tokens=False) == expected, repr(text)
 
 
@@ -52,7 +54,8 @@ def test_ids_equal_transformers_gguf_tokenizer_except_digit_split(tok, ref):
     """transformers builds this GGUF's tokenizer without the 'smollm' digit split, so it differs
     from us (and llama.cpp) only where whitespace precedes a numeric character."""
     differ = []
-    for text, expected in zip(ref["tokenizer_strings"], ragged(ref, "tokenizer_ids", "tokenizer_lens")):
+    expected_ids = ragged(ref, "tokenizer_ids", "tokenizer_lens")
+    for text, expected in zip(ref["tokenizer_strings"], expected_ids, strict=True):
         text = str(text)
         if tok.encode(text, add_special_tokens=False) != expected:
             assert numeric_after_whitespace(text), repr(text)
@@ -63,7 +66,7 @@ def test_ids_equal_transformers_gguf_tokenizer_except_digit_split(tok, ref):
 
 def test_prompt_ids_and_chat_template_match_transformers(tok, ref):
     texts = [str(t) for t in ref["prompt_texts"]]
-    for text, expected in zip(texts, ragged(ref, "prompt_ids", "prompt_lens")):
+    for text, expected in zip(texts, ragged(ref, "prompt_ids", "prompt_lens"), strict=True):
         assert tok.encode(text) == expected
     messages = [{"role": "user", "content": str(ref["chat_messages_user"][0])}]
     assert tok.apply_chat_template(messages, add_generation_prompt=True) == texts[-1]
@@ -71,7 +74,8 @@ def test_prompt_ids_and_chat_template_match_transformers(tok, ref):
 
 def test_digits_are_split_one_by_one(tok):
     assert pieces(tok, tok.encode("12345678901234567890")) == list("12345678901234567890")
-    assert pieces(tok, tok.encode("in 2024, 3.14")) == ["in", " ", "2", "0", "2", "4", ",", " ", "3", ".", "1", "4"]
+    assert pieces(tok, tok.encode("in 2024, 3.14")) == [
+        "in", " ", "2", "0", "2", "4", ",", " ", "3", ".", "1", "4"]
     assert pieces(tok, tok.encode("x½²")) == ["x", "½", "²"]
 
 
@@ -105,8 +109,9 @@ def test_chat_template_options(tok):
 
 def test_chat_template_raise_exception_and_specials():
     base = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<s>": 0, "</s>": 1, "x": 2}, unk_token="x"))
-    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"
-                "{{ bos_token }}{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}{{ eos_token }}")
+    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}"
+                "{% endif %}{{ bos_token }}{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}"
+                "{{ eos_token }}")
     tok = Tokenizer(base, {"chat_template": template, "bos_token": "<s>",
                            "eos_token": {"content": "</s>", "special": True}})
     assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == '<s>"é"</s>'

@@ -114,7 +114,8 @@ def test_trace_flag_and_blob_cross_the_wire():
     assert add.trace and list(add.prompt_token_ids) == [1, 2, 3]
     assert not decode_request(encode_request(AddRequest("r", [1], {}))).trace
     blob = json.dumps({"steps": [1, 2]}).encode()
-    outs = decode_outputs(encode_outputs([EngineOutput("a", [7], None), EngineOutput("b", [8], "stop", trace=blob,
+    outs = decode_outputs(encode_outputs([EngineOutput("a", [7], None),
+                                          EngineOutput("b", [8], "stop", trace=blob,
                                                                          error=None, stop_reason=8)]))
     assert outs[0].trace is None and outs[1].trace == blob and outs[1].stop_reason == 8
 
@@ -155,7 +156,8 @@ def check_journey(j: dict, prompt_len: int, max_tokens: int, num_engines: int) -
     assert fe["tokenize_ms"] <= route["chosen_ms"] <= route["written_ms"]
     e = c["engine"]
     check_engine_journey(e, time_key="at_ms")
-    assert route["chosen_ms"] <= e["received_ms"]   # (written_ms is taken after the doorbell: it may be later)
+    # (written_ms is taken after the doorbell: it may be later)
+    assert route["chosen_ms"] <= e["received_ms"]
     fin = e["finish"]
     assert fin["num_prompt_tokens"] == prompt_len
     assert fin["num_output_tokens"] == c["num_output_tokens"] == max_tokens

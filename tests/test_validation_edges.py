@@ -81,7 +81,8 @@ def check(client: httpx.Client, endpoint: str, body: dict) -> int:
     assert r.status_code in (200, 400), what
     data = r.json()
     if r.status_code == 200:
-        assert data["choices"] and all(c["finish_reason"] in ("stop", "length") for c in data["choices"]), what
+        assert data["choices"], what
+        assert all(c["finish_reason"] in ("stop", "length") for c in data["choices"]), what
         return 200
     err = data["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], what

@@ -31,11 +31,12 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cpu_runner import default_num_threads
+from ringserve.gpu.cpu_runner import CpuModelRunner, default_num_threads
 from ringserve.gpu.model_store import resolve_model
 from ringserve.gpu.runner import ModelRunner
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
@@ -62,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def decode_batch(step: int, context: int, tables: np.ndarray, block_size: int,
                  rng: np.random.Generator, vocab: int) -> Batch:
     """One decode token per request, at position context + step."""
-    b = tables.shape[0]
+    b: int = tables.shape[0]
     pos = np.full(b, context + step, dtype=np.int32)
     slots = tables[np.arange(b), pos // block_size] * block_size + pos % block_size
     return Batch(input_ids=rng.integers(3, vocab, b).astype(np.int32), positions=pos,
@@ -86,8 +87,10 @@ class Ours:
         self.args, self.bs = args, 16
         self.per_req = -(-(args.context + args.steps + 2) // self.bs)
         self.prefill_blocks = np.arange(-(-args.prefill_tokens // self.bs), dtype=np.int32)
-        self.runner = ModelRunner(model_dir, dtype=dtype, block_size=self.bs, num_threads=args.threads,
-                                  num_blocks=max(max(args.batch) * self.per_req, len(self.prefill_blocks)))
+        runner = ModelRunner(model_dir, dtype=dtype, block_size=self.bs, num_threads=args.threads,
+                             num_blocks=max(max(args.batch) * self.per_req, len(self.prefill_blocks)))
+        assert isinstance(runner, CpuModelRunner)  # device "cpu": its caches and weights are read here
+        self.runner = runner
         self.vocab = self.runner.config.vocab_size
         self.rng = np.random.default_rng(0)
         self.prompt = self.rng.integers(3, self.vocab, args.context)
@@ -202,7 +205,8 @@ def read_bandwidth() -> float:
 def columns(dtypes: list[str], peer: bool) -> list[Column]:
     cols = [Column("batch", "batch", "d")]
     for d in dtypes:
-        cols += [Column(f"ours_{d}_ms", f"ours {d} ms/step", ".1f"), Column(f"ours_{d}_tok_s", "tok/s", ".0f")]
+        cols += [Column(f"ours_{d}_ms", f"ours {d} ms/step", ".1f"),
+                 Column(f"ours_{d}_tok_s", "tok/s", ".0f")]
     if peer:
         cols += [Column("transformers_ms", "transformers float32 ms/step", ".1f"),
                  Column("transformers_tok_s", "tok/s", ".0f")]
@@ -214,20 +218,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_dir = resolve_model(args.model)
     run = BenchRun.start("bench_forward", args)
-    sides = {d: Ours(model_dir, d, args) for d in args.dtype}
+    sides: dict[str, Ours | Transformers] = {d: Ours(model_dir, d, args) for d in args.dtype}
     transformers = make_peer(model_dir, args)
     if transformers:
         sides["peer"] = transformers
     # Side by side for each size, so that a change in the machine's load hits both alike.
-    decode = {name: {} for name in sides}
+    decode: dict[str, dict[int, float]] = {name: {} for name in sides}
     for b in args.batch:
         for name, side in sides.items():
             decode[name][b] = side.decode(b)
     prefill = {name: side.prefill() for name, side in sides.items()}
-    ours = {d: {"decode_s": decode[d], "prefill_s": prefill[d], "weight_bytes": sides[d].weight_bytes()}
-            for d in args.dtype}
-    peer = ({"decode_s": decode["peer"], "prefill_s": prefill["peer"], "version": transformers.version}
-            if transformers else None)
+    ours: dict[str, dict[str, Any]] = {
+        d: {"decode_s": decode[d], "prefill_s": prefill[d], "weight_bytes": ours_side.weight_bytes()}
+        for d, ours_side in sides.items() if isinstance(ours_side, Ours)}
+    peer: dict[str, Any] | None = None
+    if transformers:
+        peer = {"decode_s": decode["peer"], "prefill_s": prefill["peer"], "version": transformers.version}
     bandwidth = read_bandwidth()
     run.finish()
 
@@ -249,15 +255,17 @@ def main(argv: list[str] | None = None) -> None:
     n = args.prefill_tokens
     cols = [f"ours {d}" for d in args.dtype] + (["transformers float32"] if peer else [])
     pre = [ours[d]["prefill_s"] for d in args.dtype] + ([peer["prefill_s"]] if peer else [])
-    print(f"prefill {n} tokens: " + ", ".join(f"{c} {n / t:.0f} tok/s ({t:.2f} s)" for c, t in zip(cols, pre))
+    rates = ", ".join(f"{c} {n / t:.0f} tok/s ({t:.2f} s)" for c, t in zip(cols, pre, strict=True))
+    print(f"prefill {n} tokens: " + rates
           + (", ratio " + ", ".join(f"{peer['prefill_s'] / ours[d]['prefill_s']:.2f}x" for d in args.dtype)
              if peer else ""))
     for d in args.dtype:
         wb = ours[d]["weight_bytes"]
         bound = wb / bandwidth
+        achieved = ours[d]["decode_s"][args.batch[0]]
         print(f"roofline {d}: {wb / 1e6:.0f} MB of weights per batch-1 step / {bandwidth / 1e9:.1f} GB/s "
-              f"single-thread read = {bound * 1e3:.1f} ms; achieved {ours[d]['decode_s'][args.batch[0]] * 1e3:.1f} ms "
-              f"at batch {args.batch[0]} ({wb / ours[d]['decode_s'][args.batch[0]] / 1e9:.1f} GB/s)")
+              f"single-thread read = {bound * 1e3:.1f} ms; achieved {achieved * 1e3:.1f} ms "
+              f"at batch {args.batch[0]} ({wb / achieved / 1e9:.1f} GB/s)")
     if peer:
         print(f"peer: {peer['version']}")
     else:

@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     launcher = Launcher(args, model_dir, max_len)
     try:
         launcher.start()
+        gunicorn = launcher.gunicorn
+        if gunicorn is None:
+            raise RuntimeError("the server stopped while it started")
         url = f"http://127.0.0.1:{args.port}"
         deadline = time.monotonic() + 120
         while True:
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                     break
             except httpx.HTTPError:
                 pass
-            if launcher.gunicorn.poll() is not None or time.monotonic() > deadline:
+            if gunicorn.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the server did not become healthy")
             time.sleep(0.3)
         # Fresh prompts per phase (same length): no phase may profit from the other's prefix cache.
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         warm, prompts, prompts_http = (
             [rng.integers(low, high, args.prompt_tokens).tolist() for _ in range(args.concurrency)]
             for _ in range(3))
-        workers = _children(launcher.gunicorn.pid)
+        workers = _children(gunicorn.pid)
 
         async def engine_phase():
             client = EngineClient(launcher.control_paths)

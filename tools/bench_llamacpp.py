@@ -141,13 +141,13 @@ def table(ours: dict, theirs: dict) -> str:
             "| llama-server TTFT p50 ms |", "|---:|---:|---:|---:|---:|---:|"]
     for a, b in zip(ours["points"], theirs["points"], strict=True):
         x, y = a["summary"], b["summary"]
+        ratio = x["output_throughput"] / max(y["output_throughput"], 1e-9)
         rows.append(f"| {a['load']['concurrency']} | {x['output_throughput']:.1f} | "
-                    f"{y['output_throughput']:.1f} | {x['output_throughput'] / max(y['output_throughput'], 1e-9):.2f} | "
+                    f"{y['output_throughput']:.1f} | {ratio:.2f} | "
                     f"{x['ttft']['median']:.0f} | {y['ttft']['median']:.0f} |")
-    gb = 1e9
-    rows.append(f"\npeak memory (PSS of the process tree): ringserve {ours['memory']['peak_pss_bytes'] / gb:.2f} GB, "
-                f"llama-server {theirs['memory']['peak_pss_bytes'] / gb:.2f} GB "
-                f"(ratio {ours['memory']['peak_pss_bytes'] / max(theirs['memory']['peak_pss_bytes'], 1):.2f})")
+    mine, peer = ours["memory"]["peak_pss_bytes"], theirs["memory"]["peak_pss_bytes"]
+    rows.append(f"\npeak memory (PSS of the process tree): ringserve {mine / 1e9:.2f} GB, "
+                f"llama-server {peer / 1e9:.2f} GB (ratio {mine / max(peer, 1):.2f})")
     return "\n".join(rows)
 
 

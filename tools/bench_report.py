@@ -43,10 +43,10 @@ def markdown_table(head: Sequence[str], rows: Sequence[Sequence[str]],
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
     def line(r: Sequence[str]) -> str:
-        return "| " + " | ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths)) + " |"
+        return "| " + " | ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths, strict=True)) + " |"
 
     sep = "|" + "|".join("-" * (w + 1) + ":" if a == ">" else ":" + "-" * (w + 1)
-                         for a, w in zip(align, widths)) + "|"
+                         for a, w in zip(align, widths, strict=True)) + "|"
     return "\n".join([line(head), sep] + [line(r) for r in rows])
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 SHAPES = {  # Llama-3.2-1B and Llama-3-8B
@@ -191,7 +192,6 @@ def bench_attention(rows, copy_bps, deadline) -> None:
     import cupy as cp
     from numba import cuda as nb_cuda
 
-    from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda import plan
     from ringserve.gpu.cuda.attention import PagedAttention
     H, KVH, D, BS = (ATTN_SHAPE[k] for k in ("num_heads", "num_kv_heads", "head_dim", "block_size"))
@@ -216,17 +216,27 @@ def bench_attention(rows, copy_bps, deadline) -> None:
         splits = plan.attention_splits(num_tokens=B, num_kv_heads=KVH, max_seq_len=ctx, num_sms=num_sms)
         ws = attn.workspace(B, H, splits)
         args = (qkv, k, v, positions, qsl, seq_lens, tables)
-        kernels = {"rawkernel": lambda: attn(*args, D ** -0.5, out, stream, splits=splits,
-                                             max_seq_len=ctx, workspace=ws),
-                   "numba": lambda: nk.paged_attention(
-                       *(nb_cuda.as_cuda_array(a, sync=False) for a in args), D ** -0.5,
-                       nb_cuda.as_cuda_array(out, sync=False), stream=nb_stream)}
+        kernels = _attention_kernels(attn, args, D ** -0.5, out, stream, nb_stream,
+                                     splits=splits, max_seq_len=ctx, workspace=ws)
         for name, fn in kernels.items():
             dt = gpu_time(fn, stream, 10, graph=True)
             rows.append(dict(kernel=name, batch=B, context=ctx, splits=splits if name == "rawkernel" else 1,
                              us=dt * 1e6, GBps=kv_bytes / dt / 1e9, pct_copy=kv_bytes / dt / copy_bps * 100))
         del k, v
         cp.get_default_memory_pool().free_all_blocks()
+
+
+def _attention_kernels(attn, args, scale, out, stream, nb_stream, **raw_kwargs) -> dict:
+    """The two attention backends as calls on one step's arrays (as gpu/cuda/runner.py makes them)."""
+    from numba import cuda as nb_cuda
+
+    from ringserve.gpu.cuda import numba_kernels as nk
+
+    def numba() -> None:
+        q, k, v, positions, qsl, seq_lens, tables = (nb_cuda.as_cuda_array(a, sync=False) for a in args)
+        nk.paged_attention(q, k, v, positions, qsl, seq_lens, tables, scale,
+                           nb_cuda.as_cuda_array(out, sync=False), stream=nb_stream)
+    return {"rawkernel": lambda: attn(*args, scale, out, stream, **raw_kwargs), "numba": numba}
 
 
 def greedy_metadata(B: int):
@@ -258,11 +268,15 @@ def bench_ours(name, shape, rows, deadline) -> None:
             b, rows_, meta = decode_batch(B, 16), np.arange(B), greedy_metadata(B)
             # What the engine runs per step: the forward and sampling on the device, B token
             # ids back to the host (execute() would copy B x V float32 logits instead).
-            dt = time_steps(lambda: r.submit(b, rows_, meta).result())
+            dt = time_steps(partial(_decode_step, r, b, rows_, meta))
             rows.append(dict(model=name, impl="ringserve " + ("eager" if eager else "graphs"),
                              batch=B, step_ms=dt * 1e3, tok_s=B / dt, weight_bytes=weight_bytes))
-        r = None  # free its device memory before the next runner
+        del r  # free its device memory before the next runner
         cp.get_default_memory_pool().free_all_blocks()
+
+
+def _decode_step(runner, batch, rows, meta) -> None:
+    runner.submit(batch, rows, meta).result()
 
 
 def bench_transformers(name, shape, rows, deadline) -> None:
@@ -284,10 +298,11 @@ def bench_transformers(name, shape, rows, deadline) -> None:
             cache = out.past_key_values
             step = torch.ones((B, 1), dtype=torch.long, device="cuda")
 
-            def one():
+            def one(step=step, cache=cache) -> None:  # bound now: called only in this iteration
                 model(step, past_key_values=cache, use_cache=True)
                 torch.cuda.synchronize()
-                cache.crop(CONTEXT) if isinstance(cache, DynamicCache) else None
+                if isinstance(cache, DynamicCache):
+                    cache.crop(CONTEXT)
             dt = time_steps(one, 10)
         rows.append(dict(model=name, impl="transformers", batch=B, step_ms=dt * 1e3, tok_s=B / dt))
     model = None
@@ -401,9 +416,9 @@ def main(argv=None) -> int:
                    lambda: bench_attention(result["attention"], copy, budget.deadline))
     for name, shape in SHAPES.items():
         budget.run(f"ours {name}", ESTIMATES[f"ours {name}"],
-                   lambda: bench_ours(name, shape, result["rows"], budget.deadline))
+                   partial(bench_ours, name, shape, result["rows"], budget.deadline))
         budget.run(f"transformers {name}", ESTIMATES[f"transformers {name}"],
-                   lambda: bench_transformers(name, shape, result["rows"], budget.deadline))
+                   partial(bench_transformers, name, shape, result["rows"], budget.deadline))
     print_tables(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

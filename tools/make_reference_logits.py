@@ -105,7 +105,8 @@ def main() -> None:
         assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
         for name in a:
             assert torch.equal(a[name], b[name]), f"weight {name} differs"
-        for key in ("rope_parameters", "rms_norm_eps", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+        for key in ("rope_parameters", "rms_norm_eps", "num_key_value_heads", "head_dim",
+                    "tie_word_embeddings"):
             got = [getattr(m.config, key, None) for m in (from_gguf, from_folder)]
             print(f"config {key}: gguf {got[0]} converted {got[1]}", file=sys.stderr)
 
@@ -120,7 +121,8 @@ def main() -> None:
                 assert torch.equal(la, lb), f"logits differ by {(la - lb).abs().max().item()}"
                 last.append(la[-1].numpy())
                 every.append(la[:, ::COLUMN_STRIDE].numpy())
-                print(f"{len(ids)} tokens -> next {tokenizer.decode([int(la[-1].argmax())])!r}", file=sys.stderr)
+                following = tokenizer.decode([int(la[-1].argmax())])
+                print(f"{len(ids)} tokens -> next {following!r}", file=sys.stderr)
 
         def ids(text: str) -> list[int]:
             return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -143,7 +145,8 @@ def main() -> None:
         tokenizer_lens=np.array([len(i) for i in battery], np.int32),
         tokenizer_ids_smollm=np.concatenate([np.array(i, np.int32) for i in battery_smollm]),
         tokenizer_lens_smollm=np.array([len(i) for i in battery_smollm], np.int32),
-        versions=np.array([f"torch {torch.__version__}", f"transformers {__import__('transformers').__version__}"]),
+        versions=np.array([f"torch {torch.__version__}",
+                           f"transformers {__import__('transformers').__version__}"]),
     )
     print(f"wrote {OUT} ({OUT.stat().st_size / 1e6:.2f} MB)", file=sys.stderr)
 

@@ -6,10 +6,10 @@ Any bytes are a valid block of a GGML type once its float16 scale fields are fin
 blocks are random bytes with their scales set to small random values (weights of about the size
 a trained model has, so that activations stay finite through the layers). The layouts are
 llama.cpp's: Q4_K_M (llama_tensor_get_type: Q4_K, with Q6_K for the output (the embedding when
-it is tied) and for attn_v and ffn_down in the "more bits" layers), Q8_0, or any one type for every matrix. Tensors are made and
-written one at a time, so an 8B file needs no more memory than its largest tensor. The
-vocabulary is byte-level BPE padded with filler tokens to the real size; the text it gives is
-meaningless, the shapes and bytes are real.
+it is tied) and for attn_v and ffn_down in the "more bits" layers), Q8_0, or any one type for
+every matrix. Tensors are made and written one at a time, so an 8B file needs no more memory
+than its largest tensor. The vocabulary is byte-level BPE padded with filler tokens to the real
+size; the text it gives is meaningless, the shapes and bytes are real.
 """
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ def tensor_type(layout: str, name: str, layer: int | None, num_layers: int, tied
         kind = "Q4_K"
         if name == "output.weight" or (tied and name == "token_embd.weight"):  # the lm_head
             kind = "Q6_K"
-        elif name in ("attn_v.weight", "ffn_down.weight") and layer is not None and _more_bits(layer, num_layers):
+        elif (name in ("attn_v.weight", "ffn_down.weight") and layer is not None
+              and _more_bits(layer, num_layers)):
             kind = "Q6_K"
     return _K_FALLBACK[kind] if kind in _K_FALLBACK and cols % 256 else kind
 

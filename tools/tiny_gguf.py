@@ -27,8 +27,8 @@ LAYER_TENSORS = {
 _NUMPY_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}  # written as they are
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # CONTROL, ids 0 1 2
 MERGES = ["Ġ t", "h e", "Ġt he", "Ġ Ġ"]
-CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
-                   " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' "
+                   "+ message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
                    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
@@ -39,7 +39,8 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def byte_level_alphabet() -> list[str]:
     """GPT-2's 256 printable stand-ins for the bytes, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
@@ -100,9 +101,11 @@ def make_tiny_gguf(path: str | Path, *, arch: str = "llama", seed: int = 0, num_
     add("token_embd.weight", "model.embed_tokens.weight", (vocab, hidden))
     for i in range(num_layers):
         shapes = {"attn_norm.weight": (hidden,), "attn_q.weight": (heads * head_dim, hidden),
-                  "attn_k.weight": (kv_heads * head_dim, hidden), "attn_v.weight": (kv_heads * head_dim, hidden),
+                  "attn_k.weight": (kv_heads * head_dim, hidden),
+                  "attn_v.weight": (kv_heads * head_dim, hidden),
                   "attn_output.weight": (hidden, heads * head_dim), "ffn_norm.weight": (hidden,),
-                  "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn)}
+                  "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden),
+                  "ffn_down.weight": (hidden, ffn)}
         for name, (hf, _) in LAYER_TENSORS.items():
             permute = heads if name == "attn_q.weight" else kv_heads if name == "attn_k.weight" else None
             add(f"blk.{i}.{name}", f"model.layers.{i}.{hf}", shapes[name], permute)

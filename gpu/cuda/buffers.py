@@ -47,6 +47,14 @@ class StepBuffers:
     [input_ids T | positions T | slot_mapping T | query_start_loc B+1 | seq_lens B |
     logits_indices B]; the block table has its own copy (a corner of a wide table)."""
 
+    # Views of `inputs` (set by name in __init__), numpy or cupy int32 arrays.
+    input_ids: Any
+    positions: Any
+    slot_mapping: Any
+    query_start_loc: Any
+    seq_lens: Any
+    logits_indices: Any
+
     PER_TOKEN = ("input_ids", "positions", "slot_mapping", "h", "x", "delta", "qkv", "attn",
                  "gate_up", "act")
     PER_REQUEST = ("seq_lens", "block_tables", "logits_indices", "last", "logits16", "logits")

@@ -88,7 +88,7 @@ def request_of(query_start_loc, t):  # pragma: no cover - device code
 
 
 @cuda.jit
-def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens,
+def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens,  # noqa: C901
                            block_tables, scale, out):  # pragma: no cover - device code
     """out [T, H*D]: token t, head h attends causally to its request's keys through the block
     table. grid (T, H). Tiles of ATTN_TILE keys: each thread scores one key of the tile into

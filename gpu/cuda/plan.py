@@ -5,6 +5,7 @@ is sized from free memory, and how many key splits a paged-attention launch uses
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -84,10 +85,10 @@ class GraphTable:
 
     def __init__(self, sizes: list[int]):
         self.sizes = sorted(sizes)
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[int, Any] = {}  # cupy CUDA graphs
         self.capture_seconds: dict[int, float] = {}
 
-    def add(self, size: int, graph: object, seconds: float) -> None:
+    def add(self, size: int, graph: Any, seconds: float) -> None:
         if size not in self.sizes:
             raise ValueError(f"size {size} is not on the ladder {self.sizes}")
         self.graphs[size] = graph

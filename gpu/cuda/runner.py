@@ -93,7 +93,8 @@ class CudaOps:
             self.paged(*args, self.scale, buf.attn, self.stream, splits=launch.splits,
                        max_seq_len=launch.max_seq_len, workspace=launch.workspace)
         else:
-            nk.paged_attention(*(_nb(a) for a in args), self.scale, _nb(buf.attn),
+            q, k, v, positions, qsl, seq_lens, tables = (_nb(a) for a in args)
+            nk.paged_attention(q, k, v, positions, qsl, seq_lens, tables, self.scale, _nb(buf.attn),
                                threads=NUMBA_THREADS, stream=self.nb_stream)
 
     def silu_mul(self, gate_up, out) -> None:

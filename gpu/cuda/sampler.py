@@ -19,6 +19,7 @@ allocation (no cudaFree and its implicit device sync) per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 from numba import cuda
@@ -51,19 +52,22 @@ def _flatten(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 
 def pack_penalties(meta: SamplingMetadata, num_rows: int) -> PackedPenalties | None:
     """What the penalties kernel needs, or None when no row has a penalty or a ban."""
-    if meta.presence_penalty is None and meta.banned_token_ids is None:
+    pen = meta.penalties()
+    if pen is None and meta.banned_token_ids is None:
         return None
     empty = np.zeros(0, np.int64)
-    seen, count_ids, counts = [], [], []
-    if meta.presence_penalty is not None:
-        pres = np.asarray(meta.presence_penalty, np.float32)
-        freq = np.asarray(meta.frequency_penalty, np.float32)
-        rep = np.asarray(meta.repetition_penalty, np.float32)
+    seen: list[np.ndarray] = []
+    count_ids: list[np.ndarray] = []
+    counts: list[np.ndarray] = []
+    if pen is not None:
+        pres = np.asarray(pen.presence, np.float32)
+        freq = np.asarray(pen.frequency, np.float32)
+        rep = np.asarray(pen.repetition, np.float32)
         for i in range(num_rows):
-            out = np.asarray(meta.output_token_ids[i], np.int64)
+            out = np.asarray(pen.output_token_ids[i], np.int64)
             if rep[i] != 1.0:
                 seen.append(np.unique(np.concatenate(
-                    [np.asarray(meta.prompt_token_ids[i], np.int64), out])))
+                    [np.asarray(pen.prompt_token_ids[i], np.int64), out])))
             else:
                 seen.append(empty)
             if freq[i] != 0.0 or pres[i] != 0.0:
@@ -91,8 +95,8 @@ def draw_uniforms(meta: SamplingMetadata) -> np.ndarray:
     """float32 [B]: one generator.random() per sampled (non-greedy) row, in row order, as
     gpu/sampler.sample draws them; 0 for greedy rows (unused)."""
     u = np.zeros(len(meta.temperature), np.float32)
-    for i in np.flatnonzero(np.asarray(meta.temperature) >= GREEDY_EPS):
-        u[i] = meta.generators[i].random()
+    for i in np.flatnonzero(np.asarray(meta.temperature) >= GREEDY_EPS).tolist():
+        u[i] = cast(np.random.Generator, meta.generators[i]).random()  # not greedy: it has one
     return u
 
 
@@ -101,9 +105,9 @@ class _Arena:
 
     def __init__(self, pinned: bool = False):
         self.pinned = pinned
-        self.arrays: dict[str, object] = {}
+        self.arrays: dict[str, Any] = {}  # Numba device (or pinned host) arrays
 
-    def get(self, name: str, shape: tuple[int, ...], dtype) -> object:
+    def get(self, name: str, shape: tuple[int, ...], dtype) -> Any:
         have = self.arrays.get(name)
         if have is None or have.shape[0] < shape[0] or have.shape[1:] != shape[1:] or have.dtype != dtype:
             rows = 1 << max(0, int(shape[0]) - 1).bit_length()  # powers of two: few regrowths
@@ -157,8 +161,8 @@ class CudaSampler:
 
     def sample_async(self, logits, meta: SamplingMetadata) -> PendingSample:
         """logits: float32 [B, V], contiguous, on the device as a Numba device array (a CuPy
-        array through numba.cuda.as_cuda_array(x, sync=False)), left unchanged. One pending sample at a time: the
-        previous one's result() must have been taken (its pinned buffers are reused)."""
+        array through numba.cuda.as_cuda_array(x, sync=False)), left unchanged. One pending sample
+        at a time: the previous one's result() must have been taken (its pinned buffers are reused)."""
         if self._pending is not None and not self._pending.done:
             raise RuntimeError("CudaSampler: take the previous sample's result() first")
         B, V = logits.shape
@@ -194,7 +198,7 @@ class CudaSampler:
             host_lps = (self._host.get("lp_ids", (B, n), np.int32),
                         self._host.get("lp_vals", (B, n), np.float32),
                         self._host.get("lp_rank", (B,), np.int32))
-            for dev, host in zip((ids, vals, rank), host_lps):
+            for dev, host in zip((ids, vals, rank), host_lps, strict=True):
                 dev.copy_to_host(host, stream=self.stream)
         event = cuda.event()
         event.record(self.stream)

@@ -74,7 +74,7 @@ def _prob(v, xmax, inv_t):  # pragma: no cover - device code
 
 
 @cuda.jit
-def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  # pragma: no cover
+def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  # noqa: C901  # pragma: no cover
     """out[row] = the token sampled from x[row] (float32 [B, V]; xbits is the same memory as
     uint32). grid (B,)."""
     fsh = cuda.shared.array(SAMPLE_MAX_THREADS, float32)
@@ -192,7 +192,7 @@ def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  #
 
 
 @cuda.jit
-def logprobs_kernel(logits, token_ids, out_ids, out_vals, out_rank):  # pragma: no cover
+def logprobs_kernel(logits, token_ids, out_ids, out_vals, out_rank):  # noqa: C901  # pragma: no cover
     """Row r: out_ids[r, 0] = token_ids[r] with its log_softmax value and rank (1 + the number
     of larger logits), then the top N = out_ids.shape[1] - 1 tokens (value descending, ties by
     lower id). grid (B,)."""

@@ -59,7 +59,8 @@ def ptxas_path() -> Path:
     found = shutil.which("ptxas") or (os.environ.get("CUDA_HOME") and shutil.which(
         "ptxas", path=str(Path(os.environ["CUDA_HOME"]) / "bin")))
     if not found:
-        raise FileNotFoundError("ptxas not found: install nvidia-cuda-nvcc-cu12 or put a CUDA toolkit on PATH")
+        raise FileNotFoundError("ptxas not found: install nvidia-cuda-nvcc-cu12 or put a CUDA toolkit "
+                                "on PATH")
     return Path(found)
 
 
@@ -116,7 +117,8 @@ def ptxas_report(ptx: str, arch: str) -> dict[str, KernelResources]:
     if proc.returncode != 0:
         raise RuntimeError(f"ptxas failed ({arch}):\n{proc.stderr}")
     report: dict[str, KernelResources] = {}
-    name, spill = None, (0, 0, 0)
+    name: str | None = None
+    spill: tuple[int, ...] = (0, 0, 0)
     for line in proc.stderr.splitlines():
         if m := _FUNC.search(line):
             name = m.group(1)

@@ -18,11 +18,17 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ringserve.tools.loadgen.discover import ServerInfo
 from ringserve.tools.loadgen.stats import RequestResult
 from ringserve.tools.loadgen.workload import RequestSpec
+
+if TYPE_CHECKING:
+    import httpx
+
+    from ringserve.server.engine_client import EngineClient
+    from ringserve.server.tokenizer import Tokenizer
 
 
 class Backend(Protocol):
@@ -53,7 +59,7 @@ class _Timer:
         self.r.latency = time.perf_counter() - self.start
 
 
-def _load_tokenizer(model_dir: str | Path):
+def _load_tokenizer(model_dir: str | Path) -> Tokenizer:
     from ringserve.server.tokenizer import Tokenizer
     return Tokenizer.from_dir(model_dir)
 
@@ -62,22 +68,27 @@ class RingBackend:
     def __init__(self, server: ServerInfo, *, temperature: float = 0.0):
         self.server = server
         self.temperature = temperature
-        self.client = None
-        self._tokenizer = None
+        self.client: EngineClient | None = None
+        self._tokenizer: Tokenizer | None = None
         self._ids = itertools.count()
+
+    def _started(self) -> EngineClient:
+        if self.client is None:
+            raise RuntimeError("the backend is not started")
+        return self.client
 
     async def start(self) -> None:
         from ringserve.server.engine_client import EngineClient, EngineUnavailable
-        self.client = EngineClient(self.server.control_paths)
-        await self.client.start()
+        self.client = client = EngineClient(self.server.control_paths)
+        await client.start()
         try:
-            await self.client.wait_ready(timeout=30.0)
+            await client.wait_ready(timeout=30.0)
         except EngineUnavailable as exc:
             raise RuntimeError(f"cannot attach to the engines of {self.server.url}: {exc}") from None
 
     def _prompt_ids(self, spec: RequestSpec) -> list[int]:
-        if spec.prompt_ids is not None:
-            return spec.prompt_ids
+        if isinstance(spec.prompt, list):
+            return spec.prompt
         if self._tokenizer is None:
             self._tokenizer = _load_tokenizer(self.server.model_dir)
         return self._tokenizer.encode(spec.prompt)
@@ -89,7 +100,7 @@ class RingBackend:
         params = {"max_tokens": spec.output_len, "ignore_eos": True, "temperature": self.temperature}
         timer = _Timer(r)
         try:
-            stream = await self.client.submit(f"loadgen-{os.getpid()}-{next(self._ids)}", ids, params)
+            stream = await self._started().submit(f"loadgen-{os.getpid()}-{next(self._ids)}", ids, params)
         except EngineUnavailable as exc:
             r.error = str(exc)
             return r
@@ -126,8 +137,13 @@ class HttpBackend:
         self.prompt_format = "text" if self.chat else prompt_format
         self.tokenizer_dir = tokenizer_dir
         self.pool = pool                 # ordinary token ids, for the "auto" probe
-        self.client = None
-        self._tokenizer = None
+        self.client: httpx.AsyncClient | None = None
+        self._tokenizer: Tokenizer | None = None
+
+    def _started(self) -> httpx.AsyncClient:
+        if self.client is None:
+            raise RuntimeError("the backend is not started")
+        return self.client
 
     @property
     def tokenizer(self):
@@ -139,13 +155,13 @@ class HttpBackend:
 
     async def start(self) -> None:
         import httpx
-        self.client = httpx.AsyncClient(
+        self.client = client = httpx.AsyncClient(
             base_url=self.base_url, headers=self.headers,
             timeout=httpx.Timeout(None, connect=30.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
         try:
             if self.model is None:
-                r = await self.client.get("/v1/models")
+                r = await client.get("/v1/models")
                 r.raise_for_status()
                 self.model = r.json()["data"][0]["id"]
             if self.prompt_format == "auto":
@@ -156,7 +172,7 @@ class HttpBackend:
     async def _probe_ids(self) -> str:
         """"ids" if the server answers a token-id prompt, else "text"."""
         ids = [int(i) for i in self.pool[:4]] if self.pool is not None else [100, 200, 300, 400]
-        r = await self.client.post(self.endpoint, json={"model": self.model, "prompt": ids,
+        r = await self._started().post(self.endpoint, json={"model": self.model, "prompt": ids,
                                                         "max_tokens": 1, "temperature": 0})
         return "ids" if r.status_code == 200 else "text"
 
@@ -181,31 +197,13 @@ class HttpBackend:
         body, local_len = self._payload(spec)
         r = RequestResult(prompt_len=local_len)
         timer = _Timer(r)
-        chunks, usage, finished = 0, None, False
         try:
-            async with self.client.stream("POST", self.endpoint, json=body) as resp:
+            async with self._started().stream("POST", self.endpoint, json=body) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     r.error = f"HTTP {resp.status_code}: {text[:200]}"
                     return r
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        finished = True
-                        break
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        r.error = str(obj["error"].get("message", obj["error"]))
-                        break
-                    usage = obj.get("usage") or usage
-                    for choice in obj.get("choices") or []:
-                        piece = choice.get("delta", {}).get("content") if self.chat else choice.get("text")
-                        if piece or choice.get("finish_reason"):
-                            timer.event()
-                            chunks += 1
-                        finished = finished or bool(choice.get("finish_reason"))
+                chunks, usage, finished = await self._read_stream(resp, r, timer)
         except (httpx.HTTPError, ValueError) as exc:
             r.error = f"{type(exc).__name__}: {exc}"
             return r
@@ -220,6 +218,30 @@ class HttpBackend:
             if not finished:
                 r.error = "the stream ended without a finish_reason or [DONE]"
         return r
+
+    async def _read_stream(self, resp, r: RequestResult,
+                           timer: _Timer) -> tuple[int, dict[str, Any] | None, bool]:
+        """The SSE events up to [DONE] or an error event: (chunks that carried text or a finish
+        reason, the last usage seen, whether the stream finished); an error event goes into r."""
+        chunks, usage, finished = 0, None, False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return chunks, usage, True
+            obj = json.loads(data)
+            if "error" in obj:
+                r.error = str(obj["error"].get("message", obj["error"]))
+                break
+            usage = obj.get("usage") or usage
+            for choice in obj.get("choices") or []:
+                piece = choice.get("delta", {}).get("content") if self.chat else choice.get("text")
+                if piece or choice.get("finish_reason"):
+                    timer.event()
+                    chunks += 1
+                finished = finished or bool(choice.get("finish_reason"))
+        return chunks, usage, finished
 
     async def close(self) -> None:
         if self.client is not None:

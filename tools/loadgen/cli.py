@@ -35,7 +35,8 @@ def _rate_list(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers (or inf) separated by commas, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected numbers (or inf) separated by commas, "
+                                         f"got {text!r}") from None
     if any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError("every request rate must be positive (inf: all at once)")
     return values
@@ -52,8 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ring mode: the server's runtime folder (holds server.json), instead of --base-url")
     g.add_argument("--endpoint", default="/v1/completions",
                    help="http: /v1/completions or /v1/chat/completions")
-    g.add_argument("--model", default=None, help="http: the model name to ask for (default: the first of /v1/models)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or os.environ.get("RINGSERVE_API_KEY"))
+    g.add_argument("--model", default=None,
+                   help="http: the model name to ask for (default: the first of /v1/models)")
+    g.add_argument("--api-key",
+                   default=os.environ.get("OPENAI_API_KEY") or os.environ.get("RINGSERVE_API_KEY"))
     g.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
                    help="http /v1/completions: send token ids, or the text they decode to "
                         "(auto: ids when the server accepts them)")
@@ -151,8 +154,10 @@ async def _run(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, An
             raise ValueError(f"prompts of {longest - args.output_len} + {args.output_len} output tokens "
                              f"do not fit the server's max_model_len {server.max_model_len}")
     needs_pool = args.dataset != "jsonl" or (args.mode == "http" and args.prompt_format != "text")
-    vocab_dir, pool = _token_pool(args, server.model_dir if server else None) if needs_pool else (args.tokenizer, None)
-    if args.mode == "ring":
+    vocab_dir, pool = (_token_pool(args, server.model_dir if server else None) if needs_pool
+                       else (args.tokenizer, None))
+    backend: RingBackend | HttpBackend
+    if server is not None:  # --mode ring
         backend = RingBackend(server, temperature=args.temperature)
     else:
         backend = HttpBackend(args.base_url, endpoint=args.endpoint, model=args.model,
@@ -198,21 +203,12 @@ async def _run(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, An
 
 
 def command(args: argparse.Namespace) -> int:
-    from ringserve.tools.loadgen.report import compare, load_document
     from ringserve.tools.loadgen.stats import parse_slos
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("ringserve.client").setLevel(logging.ERROR)  # "client closed" at the end
     try:
         if args.compare:
-            if len(args.compare) < 2:
-                raise ValueError("--compare needs two or more --json files")
-            docs = [load_document(p) for p in args.compare]
-            names = list(args.names or [Path(p).stem for p in args.compare])
-            if len(names) != len(docs):
-                raise ValueError(f"--names needs one name per run ({len(docs)})")
-            print(compare(docs, names))
-            if args.plot:
-                _plot(list(zip(names, docs)), args.plot)
+            _compare(args)
             return 0
         _check(args)
         slos = parse_slos(args.goodput)
@@ -231,6 +227,20 @@ def command(args: argparse.Namespace) -> int:
     if args.plot:
         _plot([((args.names or [doc["backend"]["mode"]])[0], doc)], args.plot)
     return 0 if all(p["summary"]["completed"] for p in doc["points"]) else 1
+
+
+def _compare(args: argparse.Namespace) -> None:
+    """--compare: earlier runs' --json documents side by side (and plotted with --plot)."""
+    from ringserve.tools.loadgen.report import compare, load_document
+    if len(args.compare) < 2:
+        raise ValueError("--compare needs two or more --json files")
+    docs = [load_document(p) for p in args.compare]
+    names = list(args.names or [Path(p).stem for p in args.compare])
+    if len(names) != len(docs):
+        raise ValueError(f"--names needs one name per run ({len(docs)})")
+    print(compare(docs, names))
+    if args.plot:
+        _plot(list(zip(names, docs, strict=True)), args.plot)
 
 
 def _plot(docs, path) -> None:

@@ -36,7 +36,8 @@ class ServerInfo:
 
 def _host_port(url: str) -> tuple[str, int]:
     u = urlsplit(url)
-    host = {"localhost": "127.0.0.1", "0.0.0.0": "127.0.0.1", "": "127.0.0.1"}.get(u.hostname or "", u.hostname)
+    hostname = u.hostname or ""
+    host = {"localhost": "127.0.0.1", "0.0.0.0": "127.0.0.1", "": "127.0.0.1"}.get(hostname, hostname)
     return host, u.port or (443 if u.scheme == "https" else 80)
 
 

@@ -20,18 +20,18 @@ def plot_sweeps(docs: list[tuple[str, dict[str, Any]]], path: str | Path) -> Non
     for name, doc in docs:
         points = doc["points"]
         x = [p["summary"]["output_throughput"] for p in points]
-        for ax, key in zip(axes, ("ttft", "tpot")):
+        for ax, key in zip(axes, ("ttft", "tpot"), strict=True):
             med = [p["summary"][key]["median"] for p in points]
             p99 = [p["summary"][key]["p99"] for p in points]
             (line,) = ax.plot(x, med, marker="o", label=f"{name} median")
             ax.plot(x, p99, linestyle="--", marker=".", color=line.get_color(), label=f"{name} p99")
-            for xi, yi, p in zip(x, med, points):
+            for xi, yi, p in zip(x, med, points, strict=True):
                 load = p["load"]
                 tag = load.get("concurrency") or load.get("request_rate")
                 if yi is not None:
                     ax.annotate(str(tag), (xi, yi), textcoords="offset points", xytext=(4, 4),
                                 fontsize=7, color=line.get_color())
-    for ax, title in zip(axes, ("time to first token", "time per output token")):
+    for ax, title in zip(axes, ("time to first token", "time per output token"), strict=True):
         ax.set_xlabel("output throughput (tokens/s)")
         ax.set_ylabel(f"{title} (ms)")
         ax.set_yscale("log")

@@ -11,7 +11,8 @@ from ringserve.tools.bench_report import markdown_table
 from ringserve.tools.loadgen.stats import LATENCY_METRICS, Summary
 
 FORMAT = "ringserve-loadgen/1"
-_TITLES = {"ttft": ("Time to First Token", "TTFT"), "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
+_TITLES = {"ttft": ("Time to First Token", "TTFT"),
+           "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
            "itl": ("Inter-token Latency", "ITL"), "e2el": ("End-to-end Latency", "E2EL")}
 
 
@@ -94,7 +95,7 @@ def _describe(doc: dict[str, Any]) -> str:
 def compare(docs: list[dict[str, Any]], names: list[str]) -> str:
     """Runs side by side, load point by load point (matched by label), with each run's ratio to
     the first."""
-    out = [f"{n}: {_describe(d)}" for n, d in zip(names, docs)]
+    out = [f"{n}: {_describe(d)}" for n, d in zip(names, docs, strict=True)]
     w = max(12, *(len(n) + 2 for n in names))
     ratio_heads = [f"{n}/{names[0]}" for n in names[1:]]
     rw = [max(10, len(h) + 2) for h in ratio_heads]
@@ -104,12 +105,12 @@ def compare(docs: list[dict[str, Any]], names: list[str]) -> str:
         summaries = [b.get(label) for b in by_label]
         out.append("")
         out.append(f"{label:<26}" + "".join(f"{n:>{w}}" for n in names)
-                   + "".join(f"{h:>{x}}" for h, x in zip(ratio_heads, rw)))
+                   + "".join(f"{h:>{x}}" for h, x in zip(ratio_heads, rw, strict=True)))
         for title, get, digits in _COMPARE_ROWS:
             values = [get(s) if s is not None else None for s in summaries]
             if all(v is None for v in values):
                 continue
             ratios = [f"{v / values[0]:.2f}x" if values[0] and v is not None else "-" for v in values[1:]]
             out.append(f"{title:<26}" + "".join(f"{_f(v, digits):>{w}}" for v in values)
-                       + "".join(f"{r:>{x}}" for r, x in zip(ratios, rw)))
+                       + "".join(f"{r:>{x}}" for r, x in zip(ratios, rw, strict=True)))
     return "\n".join(out)

@@ -104,7 +104,9 @@ async def run_load(backend: Backend, requests: Iterator[RequestSpec], load: Load
         start = time.perf_counter()
         if load.concurrency is not None:
             await _closed_loop(run, load.concurrency)
-        else:
+        elif load.request_rate is not None:
             await _open_loop(run, load.request_rate, load.max_concurrency, rng)
+        else:
+            raise ValueError("a load needs a concurrency or a request rate")
         elapsed = time.perf_counter() - start
     return summarize(run.results, elapsed, slos, run.max_in_flight), run.results
