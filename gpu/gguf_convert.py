@@ -3,7 +3,7 @@
 The folder holds config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
 generation_config.json. Every tensor keeps its GGUF type: F32, F16 and BF16 as safetensors
 floats, the block-quantized types as their raw blocks (U8 [rows, bytes per row], the type named
-in the header's metadata: gpu/weights.py reads them back as BlockTensor), so nothing is widened
+in the header's metadata: gpu/weights.py reads them back as GGMLTensor), so nothing is widened
 on disk and the conversion is exact. Only the llama architecture and SUPPORTED_TYPES are
 accepted; anything else is a ModelError that names what was refused.
 

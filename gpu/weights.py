@@ -2,11 +2,11 @@
 ``model.safetensors.index.json``, into numpy arrays; then a check that every tensor the
 Llama forward needs is there with the right shape.
 
-numpy has no bfloat16, so BF16 tensors (the usual dtype of HF checkpoints) are read from
-their raw bytes and widened to float32, which is exact. A folder converted from a GGUF keeps
-block-quantized tensors as their raw blocks (gpu/gguf_convert.py): they load as BlockTensor,
-which numpy reads as its float32 values (np.asarray dequantizes), so a weight store that wants
-floats needs nothing special and one that keeps blocks can take them as they are.
+numpy has no bfloat16, and a folder converted from a GGUF keeps block-quantized tensors as
+their raw blocks (gpu/gguf_convert.py): both load as GGMLTensor (memory-mapped raw bytes and
+their GGML type), which numpy reads as its float32 values (np.asarray widens or dequantizes,
+exactly), so a weight store that wants floats needs nothing special and one that keeps them
+packed can take them as they are.
 """
 from __future__ import annotations
 
@@ -29,11 +29,14 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True, eq=False)
-class BlockTensor:
-    """A GGUF block-quantized matrix kept as its blocks, exactly as llama.cpp stores them."""
-    ggml_type: str            # "Q4_K", "Q8_0", ... (gguf.GGMLQuantizationType names)
+class GGMLTensor:
+    """A weight kept in a GGML storage type numpy lacks, exactly as stored: a GGUF
+    block-quantized matrix (llama.cpp's blocks) or bfloat16. `raw` is memory-mapped from the
+    file, so loading costs no anonymous memory: a weight store reads it once into its own
+    format and drops it."""
+    ggml_type: str            # "Q4_K", "Q8_0", "BF16", ... (gguf.GGMLQuantizationType names)
     shape: tuple[int, int]    # the logical [rows, cols]
-    blocks: np.ndarray        # uint8 [rows, bytes per row]: each row is whole blocks
+    raw: np.ndarray           # uint8 [rows, bytes per row]: each row is whole blocks
 
     dtype = np.dtype(np.float32)  # what it stands for
     ndim = 2
@@ -41,15 +44,15 @@ class BlockTensor:
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         import gguf.quants
 
-        w = gguf.quants.dequantize(self.blocks, gguf.GGMLQuantizationType[self.ggml_type])
+        w = gguf.quants.dequantize(self.raw, gguf.GGMLQuantizationType[self.ggml_type])
         return np.ascontiguousarray(w.reshape(self.shape), dtype=dtype or np.float32)
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.nbytes
+        return self.raw.nbytes
 
 
-Tensor = Union[np.ndarray, BlockTensor]
+Tensor = Union[np.ndarray, GGMLTensor]
 
 
 def load_weights(model_dir: str | Path) -> dict[str, Tensor]:
@@ -84,49 +87,56 @@ def _load_sharded(model_dir: Path, index: Path) -> dict[str, Tensor]:
 
 
 def load_safetensors(path: Path) -> dict[str, Tensor]:
-    """All tensors of one safetensors file (the library validates header and sizes)."""
+    """All tensors of one safetensors file (the library validates header and sizes). BF16 and
+    GGUF blocks (the header's BLOCK_TYPES_KEY) come as memory-mapped GGMLTensors."""
     try:
         with safe_open(str(path), framework="numpy") as f:
             names = list(f.keys())
             dtypes = {name: f.get_slice(name).get_dtype() for name in names}
+            ggml_types = {name: "BF16" for name in names if dtypes[name] == "BF16"}
+            ggml_types.update(json.loads((f.metadata() or {}).get(BLOCK_TYPES_KEY, "{}")))
             tensors: dict[str, Tensor] = {
-                name: f.get_tensor(name) for name in names if dtypes[name] != "BF16"}
-            block_types = json.loads((f.metadata() or {}).get(BLOCK_TYPES_KEY, "{}"))
+                name: f.get_tensor(name) for name in names if name not in ggml_types}
     except (SafetensorError, OSError, ValueError) as e:
         raise ModelError(f"{path}: not a valid safetensors file ({_one_line(e)})") from None
-    bf16 = [name for name in names if dtypes[name] == "BF16"]
-    if bf16:
-        tensors.update(_read_bf16(path, bf16))
-    for name, ggml_type in block_types.items():
-        tensors[name] = _block_tensor(path, name, ggml_type, tensors.get(name))
+    if ggml_types:
+        tensors.update(_mapped(path, ggml_types))
     return tensors
 
 
-def _block_tensor(path: Path, name: str, ggml_type: str, blocks) -> BlockTensor:
+def _mapped(path: Path, ggml_types: dict[str, str]) -> dict[str, Tensor]:
     import gguf
 
-    qtype = getattr(gguf.GGMLQuantizationType, str(ggml_type), None)
-    if qtype is None or not isinstance(blocks, np.ndarray) or blocks.dtype != np.uint8 or blocks.ndim != 2:
-        raise ModelError(f"{path}: tensor {name!r} is not {ggml_type} blocks")
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    if blocks.shape[1] % type_size:
-        raise ModelError(f"{path}: tensor {name!r}: {blocks.shape[1]} bytes per row are not whole "
-                         f"{ggml_type} blocks of {type_size} bytes")
-    return BlockTensor(ggml_type, (blocks.shape[0], blocks.shape[1] // type_size * block_size), blocks)
-
-
-def _read_bf16(path: Path, names: list[str]) -> dict[str, np.ndarray]:
     # Layout: u64 header length, JSON header {name: {dtype, shape, data_offsets}}, data.
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
-        data_start = 8 + header_len
-        out = {}
-        for name in names:
-            begin, end = header[name]["data_offsets"]
-            f.seek(data_start + begin)
-            raw = np.frombuffer(f.read(end - begin), dtype="<u2")
-            out[name] = (raw.astype(np.uint32) << 16).view(np.float32).reshape(header[name]["shape"])
+    data_start = 8 + header_len
+    out: dict[str, Tensor] = {}
+    for name, ggml_type in ggml_types.items():
+        qtype = getattr(gguf.GGMLQuantizationType, str(ggml_type), None)
+        entry = header.get(name)
+        if ggml_type == "BF16" and entry is not None and len(entry["shape"]) != 2:
+            begin, end = entry["data_offsets"]   # a norm or a bias: widened at once (it is small)
+            bits = np.fromfile(path, "<u2", (end - begin) // 2, offset=data_start + begin)
+            out[name] = (bits.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
+            continue
+        if qtype is None or entry is None or len(entry["shape"]) != 2:
+            raise ModelError(f"{path}: tensor {name!r} is not a {ggml_type} matrix")
+        rows, cols = entry["shape"]
+        begin, end = entry["data_offsets"]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if ggml_type == "BF16":          # a float tensor: its shape is the logical one
+            row_bytes, logical = 2 * cols, (rows, cols)
+        elif entry["dtype"] == "U8" and cols % type_size == 0:
+            row_bytes, logical = cols, (rows, cols // type_size * block_size)
+        else:
+            raise ModelError(f"{path}: tensor {name!r}: {entry['dtype']} rows of {cols} are not whole "
+                             f"{ggml_type} blocks of {type_size} bytes")
+        if end - begin != rows * row_bytes:
+            raise ModelError(f"{path}: tensor {name!r} has {end - begin} bytes, expected {rows * row_bytes}")
+        raw = np.memmap(path, np.uint8, mode="r", offset=data_start + begin, shape=(rows, row_bytes))
+        out[name] = GGMLTensor(ggml_type, logical, raw)
     return out
 
 

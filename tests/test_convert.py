@@ -81,7 +81,7 @@ def test_default_model_qk_rows_are_unpermuted(default_model_dir):
     for gguf_name, hf_name, heads in (("blk.3.attn_q.weight", "model.layers.3.self_attn.q_proj.weight", 9),
                                       ("blk.3.attn_k.weight", "model.layers.3.self_attn.k_proj.weight", 3)):
         t, ours = stored[gguf_name], weights[hf_name]
-        assert np.array_equal(permute_qk(ours.blocks, heads), t.data)
+        assert np.array_equal(permute_qk(ours.raw, heads), t.data)
         raw = gguf.quants.dequantize(t.data, t.tensor_type)
         assert np.array_equal(permute_qk(np.asarray(ours), heads), raw)
 

@@ -24,7 +24,15 @@ class Fp16Store:
 
     def linear(self, arrays: Sequence[Any]) -> Any:
         xp = self.xp
-        return xp.ascontiguousarray(xp.concatenate([xp.asarray(a, xp.float16) for a in arrays]))
+        return xp.ascontiguousarray(xp.concatenate([self._fp16(a) for a in arrays]))
+
+    def _fp16(self, a: Any) -> Any:
+        """One tensor as fp16 on the device. NOTE: a host tensor is made fp16 by numpy first: a
+        GGMLTensor (gpu/weights.py) is numpy's through __array__, which CuPy's asarray reaches
+        only through numpy.array(copy=False) (cupy/_core/core.pyx _array_default)."""
+        if isinstance(a, self.xp.ndarray):
+            return a.astype(self.xp.float16, copy=False)
+        return self.xp.asarray(np.asarray(a, dtype=np.float16))
 
     vector = linear
 
