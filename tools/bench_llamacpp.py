@@ -3,7 +3,8 @@
     python -m ringserve.tools.bench_llamacpp --gguf model.gguf --llama-server /path/to/llama-server \
         --threads 2 --concurrency 1,4,16,64 --json docs/loadgen-results/vs-llamacpp.json
 
-Each server is started alone, waited for (/health), swept with the same client
+Each server is started alone with the same KV cache (every slot's whole context, float16),
+waited for (/health), swept with the same client
 (`ringserve loadgen --mode http`: random token-id prompts, ignore_eos, greedy), its memory sampled
 through the run (the PSS of its whole process tree: shared pages counted once), and stopped. The
 table gives output tokens/s and TTFT at each concurrency with the ratio ringserve / llama-server,
@@ -168,18 +169,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write both runs here")
     args = p.parse_args(argv)
     slots = max(int(c) for c in args.concurrency.split(","))
+    # The same KV cache on both: room for every slot's whole context, float16 (llama.cpp's default).
+    context = args.max_model_len * slots
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp.") as tmp:
         work = Path(tmp)
         port = free_port()
         ours = sweep("ringserve", [sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
                                    str(args.gguf), "--port", str(port), "--max-model-len",
-                                   str(args.max_model_len), *shlex.split(args.ringserve_args)],
+                                   str(args.max_model_len), "--kv-cache-dtype", "float16",
+                                   "--num-gpu-blocks-override", str(-(-context // 16)),
+                                   *shlex.split(args.ringserve_args)],
                      port, args, 31, work)
         port = free_port()
         theirs = sweep("llama-server", [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1",
                                         "--port", str(port), "-t", str(args.threads), "-np", str(slots),
-                                        "-c", str(args.max_model_len * slots),
-                                        *shlex.split(args.llama_args)],
+                                        "-c", str(context), *shlex.split(args.llama_args)],
                        port, args, 32, work)
     print(table(ours, theirs))
     if args.json is not None:
