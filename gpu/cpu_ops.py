@@ -44,6 +44,12 @@ class CpuWeightStore:
         w = np.concatenate([np.asarray(a, dtype=F32) for a in arrays])
         return to_bfloat16(w) if self.bfloat16 else w
 
+    def nbytes(self, tensor) -> int:
+        """What memory will hold for one HF tensor once stored (the start-up fit check): a
+        matrix as this store keeps linear weights, a vector (norm, bias) as float32."""
+        size = int(np.prod(tensor.shape))
+        return size * (2 if self.bfloat16 and len(tensor.shape) == 2 else 4)
+
     def vector(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         if len(arrays) == 1:
             return np.ascontiguousarray(arrays[0], dtype=F32)

@@ -16,6 +16,8 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu_kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
 from ringserve.gpu.cpu_ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
+from ringserve.gpu.devices import host_memory_available
+from ringserve.gpu.errors import ModelError
 from ringserve.gpu.model import LlamaWeights, compute_logits, hidden_states
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
 from ringserve.gpu.rope import cos_sin, inv_freq
@@ -58,8 +60,6 @@ class CpuModelRunner:
         if not 1 <= self.num_threads <= numba_max_threads():
             raise ValueError(f"num_threads {num_threads} must be between 1 and "
                              f"{numba_max_threads()} (NUMBA_NUM_THREADS)")
-        self.weights = LlamaWeights.fuse(c, load_weights(model_dir), CpuWeightStore(CPU_DTYPES[dtype]))
-        self.ops = CpuOps(c, parallel=self.num_threads > 1)
         self.block_size = block_size
         if num_blocks is None:
             budget = CPU_KV_CACHE_MEMORY_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
@@ -68,6 +68,13 @@ class CpuModelRunner:
             raise ValueError(f"the KV cache holds no block: {num_blocks} blocks "
                              f"({self.bytes_per_block} bytes per block)")
         self.num_blocks = int(num_blocks)
+        hf = load_weights(model_dir)
+        store = CpuWeightStore(CPU_DTYPES[dtype])
+        check_fits(sum(store.nbytes(t) for t in hf.values()), self.num_blocks * self.bytes_per_block,
+                   self.num_blocks)
+        self.weights = LlamaWeights.fuse(c, hf, store)
+        del hf
+        self.ops = CpuOps(c, parallel=self.num_threads > 1)
         self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype)
                           for _ in range(c.num_hidden_layers)]
         self.inv_freq = inv_freq(c)
@@ -132,6 +139,22 @@ class CpuModelRunner:
 def numba_max_threads() -> int:
     """NUMBA_NUM_THREADS: the most threads a parallel region may use (set by numba at import)."""
     return numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # numba sets it at run time
+
+
+def check_fits(weight_bytes: int, kv_bytes: int, num_blocks: int) -> None:
+    """Refuse, in one line, a model whose weights (as stored) and KV pool do not fit the memory
+    this process may take (the pool is allocated lazily: it would fail later, mid-serving)."""
+    available = host_memory_available()
+    if weight_bytes + kv_bytes > available:
+        raise ModelError(f"the model does not fit in memory: its weights take {_gib(weight_bytes)} as "
+                         f"stored and the KV cache {_gib(kv_bytes)} ({num_blocks} blocks), "
+                         f"{_gib(weight_bytes + kv_bytes)} in all, but {_gib(available)} are "
+                         f"available; give a smaller --kv-cache-memory-bytes or "
+                         f"--num-gpu-blocks-override, or a smaller model")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
 
 
 def default_num_threads() -> int:

@@ -85,3 +85,19 @@ def plan_engines(device: str | None, engines: int | None,
     if requested == "cpu":
         return "cpu", [None] * count
     return "cuda", [gpus[i % len(gpus)] for i in range(count)]
+
+
+def host_memory_available() -> int:
+    """Bytes this process may still take: the kernel's MemAvailable, or less under a cgroup v2
+    memory limit (a container's)."""
+    available = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        current = int(open("/sys/fs/cgroup/memory.current").read())
+    except (OSError, ValueError):
+        return available
+    return available if limit == "max" else min(available, int(limit) - current)

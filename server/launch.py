@@ -93,7 +93,12 @@ def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, 
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from ringserve.engine.process import run_engine
-    run_engine(config, control_path, **kwargs)
+    from ringserve.gpu.errors import ModelError
+    try:
+        run_engine(config, control_path, **kwargs)
+    except ModelError as e:  # the model cannot be served here: its one line, no traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 class Launcher:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import re
 import subprocess
 import sys
 from dataclasses import MISSING, fields
@@ -171,3 +172,18 @@ def test_serve_refuses_a_bad_setting_before_starting(tiny_model_dir, flag, value
                         str(tiny_model_dir), "--device", "cpu", "--port", str(free_port()), flag, value],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--kv-cache-memory-bytes", str(1 << 50)),
+                                         ("--num-gpu-blocks-override", str(1 << 31))])
+def test_serve_refuses_a_kv_pool_the_machine_cannot_hold_in_one_line(tiny_model_dir, flag, value):
+    """The pool is allocated lazily (np.zeros): without the check the server would start and
+    fail mid-serving. The engine says what it needs and what there is, without a traceback."""
+    r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+                        str(tiny_model_dir), "--device", "cpu", "--port", str(free_port()), flag, value],
+                       capture_output=True, text=True, timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error: the model does not fit")]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert re.search(r"KV cache [\d.]+ GiB \(\d+ blocks\), [\d.]+ GiB in all, but [\d.]+ GiB are available",
+                     lines[0]), lines[0]
+    assert "Traceback" not in r.stderr
