@@ -219,3 +219,29 @@ def dequantize(w: QuantWeight) -> np.ndarray:
     if w.offset is not None:
         out = out + w.offset[..., None]
     return out.reshape(n, k)
+
+
+# Byte offsets of each type's f16 fields in its block (d, dmin, m): the only bytes that can make a
+# block invalid (inf / nan); every other byte pattern is a valid block.
+F16_FIELDS: dict[str, tuple[int, ...]] = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+
+
+def random_raw(qtype: str, shape: tuple[int, int], rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
+    """Random raw GGUF bytes [out, row bytes] of a valid tensor (tests, benchmarks): random bytes,
+    with the f16 fields set to finite values ~ N(0, scale) (floats: N(0, 1))."""
+    n, k = shape
+    bs, ts = BLOCK_SIZES[qtype]
+    if qtype in ("F32", "F16"):
+        return rng.standard_normal((n, k)).astype(np.float32 if qtype == "F32" else np.float16).view(np.uint8)
+    if qtype == "BF16":
+        bits = rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> np.uint32(16)
+        return bits.astype(np.uint16).view(np.uint8)
+    raw = rng.integers(0, 256, (n, k // bs * ts), dtype=np.uint8)
+    blocks = raw.reshape(n, k // bs, ts)
+    for off in F16_FIELDS[qtype]:
+        d = (rng.standard_normal((n, k // bs, 1)) * scale).astype(np.float16)
+        blocks[..., off:off + 2] = d.view(np.uint8)
+    return raw

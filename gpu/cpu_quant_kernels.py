@@ -1,0 +1,259 @@
+"""``y = x @ W.T`` on the CPU for a weight kept in its GGUF type (a QuantWeight, gpu/quant.py).
+
+Three paths by the number of token rows T, as gpu/cpu_linear.py has for float weights, measured on
+the 2-core Zen 4 VM (tools/bench_quant.py, docs/bench_quant.md):
+
+- T <= STREAM_ROWS (decode): one pass over each weight row, dequantizing each sub-block in
+  registers and dotting it with every token row. The inner loop runs over one sub-block and sums
+  into one scalar per sub-block that LLVM vectorizes: 13 G weights/s for int8 planes on one thread,
+  1.5x float32 sgemv. (The same loop with a literal 32 as its bound is fully unrolled by LLVM and
+  then not vectorized at all: 3 G/s. So every inner bound here is an array dimension.)
+- T <= SMALL_ROWS: a tile of weight rows at a time is dequantized into a float32 scratch that
+  stays in L2, then gpu/cpu_linear.py's register-tiled loop (4 weight rows x 2 tokens) runs over
+  it: each weight block is still read from memory once, and the tile's arithmetic is float32 FMA
+  at the rate cpu_linear reaches (beats the fused loop from T = 3 on).
+- beyond: dequantize up to WIDEN_FLOATS weights into a scratch and hand it to BLAS sgemm.
+
+Products and sums are float32, like the float path; the weight is ``scale * (q - zero) + offset``
+as gguf-py computes it (FMA contraction may round that once instead of twice), so the result is
+gguf-py's ``dequantize`` followed by a matmul, within float32 rounding. ``parallel`` splits the
+weight rows over Numba's threads (BLAS threads for the sgemm path are the caller's setting).
+"""
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ringserve.gpu.cpu_linear import SMALL_ROWS, TASKS_PER_THREAD, _rows, linear
+from ringserve.gpu.quant import QuantWeight
+
+STREAM_ROWS = 2          # up to this many token rows: dequantize in registers, one pass per weight row
+TILE_FLOATS = 64 * 1024  # float32 scratch per task for the dequantized tile (256 KB: stays in L2)
+WIDEN_FLOATS = 4 << 20   # weights dequantized per sgemm call (16 MB of float32)
+
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_F16_SCALE = np.float32(2.0 ** 112)  # half bits << 13 read as float32, times 2^112 = the half's value
+
+
+# ---- per-kind inner loops (chosen at compile time by the quants' dtype) --------------------------
+
+def _stream(x, q, s, m, z, out, lo, hi):
+    """out[:, lo:hi] = x @ W[lo:hi].T, dequantizing W in registers."""
+
+
+def _dequant(q, s, m, z, lo, w):
+    """w[r] = W[lo + r] as float32, for r < w.shape[0]."""
+
+
+@njit(inline="always")
+def _half(h):  # pragma: no cover - compiled
+    """IEEE half bits (uint16) -> float32, exactly (normals, subnormals, inf, nan); vectorizes."""
+    bits = np.uint32(np.uint32(h) & np.uint32(0x7FFF)) << np.uint32(13)
+    f = np.uint32(bits).view(np.float32) * _F16_SCALE
+    if (np.uint32(h) & np.uint32(0x7C00)) == np.uint32(0x7C00):  # inf / nan: keep the payload
+        f = np.uint32(bits | np.uint32(0x7F800000)).view(np.float32)
+    return -f if np.uint32(h) & np.uint32(0x8000) else f
+
+
+def _stream_i8(x, q, s, m, z, out, lo, hi):  # pragma: no cover - compiled
+    t_n, k = x.shape
+    nb = s.shape[1]
+    bs = k // nb  # NOTE: a runtime bound; a literal 32 gets the loop unrolled and never vectorized
+    x3 = x.reshape((t_n, nb, bs))
+    q3 = q.reshape((q.shape[0], nb, bs))
+    for n in range(lo, hi):
+        for t in range(t_n):
+            acc = np.float32(0.0)
+            for b in range(nb):
+                sb, mb = s[n, b], m[n, b]
+                part = np.float32(0.0)  # PERF: one vectorized reduction per sub-block
+                for j in range(bs):
+                    part += x3[t, b, j] * (sb * np.float32(q3[n, b, j]) + mb)
+                acc += part
+            out[t, n] = acc
+
+
+def _stream_u4(x, q, s, m, z, out, lo, hi):  # pragma: no cover - compiled
+    t_n, k = x.shape
+    ng = k // 64
+    x4 = x.reshape((t_n, ng, 2, 32))
+    p3 = q.reshape((q.shape[0], ng, 32))
+    half = p3.shape[2]
+    for n in range(lo, hi):
+        for t in range(t_n):
+            acc = np.float32(0.0)
+            for g in range(ng):
+                s0, m0, s1, m1 = s[n, 2 * g], m[n, 2 * g], s[n, 2 * g + 1], m[n, 2 * g + 1]
+                part = np.float32(0.0)
+                for j in range(half):  # byte j: weight 64g + j (low nibble), 64g + 32 + j (high)
+                    v = p3[n, g, j]
+                    part += (x4[t, g, 0, j] * (s0 * (np.float32(v & np.uint8(15)) - z) + m0)
+                             + x4[t, g, 1, j] * (s1 * (np.float32(v >> np.uint8(4)) - z) + m1))
+                acc += part
+            out[t, n] = acc
+
+
+def _stream_f16(x, q, s, m, z, out, lo, hi):  # pragma: no cover - compiled
+    t_n, k = x.shape
+    for n in range(lo, hi):
+        for t in range(t_n):
+            acc = np.float32(0.0)
+            for j in range(k):
+                acc += x[t, j] * _half(q[n, j])
+            out[t, n] = acc
+
+
+def _dequant_i8(q, s, m, z, lo, w):  # pragma: no cover - compiled
+    nb = s.shape[1]
+    bs = q.shape[1] // nb
+    q3 = q.reshape((q.shape[0], nb, bs))
+    w3 = w.reshape((w.shape[0], nb, bs))
+    for r in range(w.shape[0]):
+        n = lo + r
+        for b in range(nb):
+            sb, mb = s[n, b], m[n, b]
+            for j in range(bs):
+                w3[r, b, j] = sb * np.float32(q3[n, b, j]) + mb
+
+
+def _dequant_u4(q, s, m, z, lo, w):  # pragma: no cover - compiled
+    ng = w.shape[1] // 64
+    p3 = q.reshape((q.shape[0], ng, 32))
+    w4 = w.reshape((w.shape[0], ng, 2, 32))
+    half = p3.shape[2]
+    for r in range(w.shape[0]):
+        n = lo + r
+        for g in range(ng):
+            s0, m0, s1, m1 = s[n, 2 * g], m[n, 2 * g], s[n, 2 * g + 1], m[n, 2 * g + 1]
+            # PERF: low and high nibbles in two loops (12 G/s); one loop writing both: 4 G/s
+            for j in range(half):
+                w4[r, g, 0, j] = s0 * (np.float32(p3[n, g, j] & np.uint8(15)) - z) + m0
+            for j in range(half):
+                w4[r, g, 1, j] = s1 * (np.float32(p3[n, g, j] >> np.uint8(4)) - z) + m1
+
+
+def _dequant_f16(q, s, m, z, lo, w):  # pragma: no cover - compiled
+    for r in range(w.shape[0]):
+        for j in range(w.shape[1]):
+            w[r, j] = _half(q[lo + r, j])
+
+
+_KINDS = {types.int8: (_stream_i8, _dequant_i8), types.uint8: (_stream_u4, _dequant_u4),
+          types.uint16: (_stream_f16, _dequant_f16)}
+
+
+@overload(_stream, inline="always")
+def _stream_overload(x, q, s, m, z, out, lo, hi):
+    return _KINDS[q.dtype][0]
+
+
+@overload(_dequant, inline="always")
+def _dequant_overload(q, s, m, z, lo, w):
+    return _KINDS[q.dtype][1]
+
+
+# ---- drivers, shared by every kind ---------------------------------------------------------------
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+def _quant_rows(x, q, s, m, z, out, lo, hi, tile):  # pragma: no cover - compiled
+    """out[:, lo:hi] for weight rows lo..hi; tile: this task's float32 scratch [rows, in]."""
+    if x.shape[0] <= STREAM_ROWS:
+        _stream(x, q, s, m, z, out, lo, hi)
+        return
+    r = tile.shape[0]
+    for n0 in range(lo, hi, r):
+        cnt = min(r, hi - n0)
+        _dequant(q, s, m, z, n0, tile[:cnt])
+        _rows(x, tile[:cnt], out[:, n0:n0 + cnt], 0, cnt)
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+def _small(x, q, s, m, z, out, tiles):  # pragma: no cover - compiled
+    _quant_rows(x, q, s, m, z, out, 0, out.shape[1], tiles[0])
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", parallel=True)
+def _small_parallel(x, q, s, m, z, out, tiles):  # pragma: no cover - compiled
+    n, tasks = out.shape[1], tiles.shape[0]
+    for i in prange(tasks):
+        _quant_rows(x, q, s, m, z, out, i * n // tasks, (i + 1) * n // tasks, tiles[i])
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+def _widen(q, s, m, z, lo, w):  # pragma: no cover - compiled
+    _dequant(q, s, m, z, lo, w)
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", parallel=True)
+def _widen_parallel(q, s, m, z, lo, w, tasks):  # pragma: no cover - compiled
+    rows = w.shape[0]
+    for i in prange(tasks):
+        a, b = i * rows // tasks, (i + 1) * rows // tasks
+        _dequant(q, s, m, z, lo + a, w[a:b])
+
+
+# ---- entry point ---------------------------------------------------------------------------------
+
+_scratch = threading.local()  # per thread: {shape: float32 array}, reused across calls (no page faults)
+
+
+def _buffer(shape: tuple[int, ...]) -> np.ndarray:
+    cache = _scratch.__dict__.setdefault("arrays", {})
+    buf = cache.get(shape)
+    if buf is None:
+        buf = cache[shape] = np.empty(shape, dtype=np.float32)
+    return buf
+
+
+_ZERO = np.zeros((1, 1), dtype=np.float32)
+
+
+def _planes(w: QuantWeight) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """scale, offset (a stride-0 zero plane when the type has none: no branch in the loops, and
+    + 0.0 is exact) and zero point, as the kernels take them."""
+    n = w.shape[0]
+    nb = 1 if w.scale is None else w.scale.shape[1]
+    zeros = np.broadcast_to(_ZERO, (n, nb))
+    scale = zeros if w.scale is None else w.scale
+    offset = zeros if w.offset is None else w.offset
+    return scale, offset, np.float32(w.zero)
+
+
+def tile_rows(k: int) -> int:
+    """Weight rows dequantized per tile: TILE_FLOATS in all, a multiple of 4 (cpu_linear's tiles)."""
+    return max(4, min(64, TILE_FLOATS // k // 4 * 4))
+
+
+def quant_linear(x: np.ndarray, w: QuantWeight, out: np.ndarray | None = None, *,
+                 parallel: bool = False) -> np.ndarray:
+    """x float32 [T, in] (C-contiguous), W packed [out, in] -> float32 [T, out] (``x @ W.T``)."""
+    if w.kind in ("f32", "bf16"):
+        return linear(x, w.q, out, parallel=parallel)
+    t = x.shape[0]
+    n, k = w.shape
+    if out is None:
+        out = np.empty((t, n), dtype=np.float32)
+    scale, offset, zero = _planes(w)
+    tasks = TASKS_PER_THREAD * numba.get_num_threads() if parallel else 1
+    if t <= SMALL_ROWS:
+        tiles = _buffer((tasks, tile_rows(k), k))
+        if parallel:
+            _small_parallel(x, w.q, scale, offset, zero, out, tiles)
+        else:
+            _small(x, w.q, scale, offset, zero, out, tiles)
+        return out
+    chunk = max(64, WIDEN_FLOATS // k)
+    scratch = _buffer((min(chunk, n), k))
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        wide = scratch[:hi - lo]
+        if parallel:
+            _widen_parallel(w.q, scale, offset, zero, lo, wide, tasks)
+        else:
+            _widen(w.q, scale, offset, zero, lo, wide)
+        np.matmul(x, wide.T, out=out[:, lo:hi])
+    return out
