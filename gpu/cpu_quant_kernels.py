@@ -9,9 +9,9 @@ the 2-core Zen 4 VM (tools/bench_quant.py, docs/bench_quant.md):
   1.5x float32 sgemv. (The same loop with a literal 32 as its bound is fully unrolled by LLVM and
   then not vectorized at all: 3 G/s. So every inner bound here is an array dimension.)
 - T <= SMALL_ROWS: a tile of weight rows at a time is dequantized into a float32 scratch that
-  stays in L2, then gpu/cpu_linear.py's register-tiled loop (4 weight rows x 2 tokens) runs over
-  it: each weight block is still read from memory once, and the tile's arithmetic is float32 FMA
-  at the rate cpu_linear reaches (beats the fused loop from T = 3 on).
+  stays in L2, then a register-tiled loop (4 weight rows x 2 tokens, as gpu/cpu_linear.py's) runs
+  over it: each weight block is still read from memory once, and the tile's arithmetic is float32
+  FMA with each load used 2-4 times (beats the fused loop from T = 2 on: 7.8 vs 5.0 G w/s).
 - beyond: dequantize up to WIDEN_FLOATS weights into a scratch and hand it to BLAS sgemm.
 
 Products and sums are float32, like the float path; the weight is ``scale * (q - zero) + offset``
@@ -28,10 +28,10 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ringserve.gpu.cpu_linear import SMALL_ROWS, TASKS_PER_THREAD, _rows, linear
+from ringserve.gpu.cpu_linear import SMALL_ROWS, TASKS_PER_THREAD, linear
 from ringserve.gpu.quant import QuantWeight
 
-STREAM_ROWS = 2          # up to this many token rows: dequantize in registers, one pass per weight row
+STREAM_ROWS = 1          # up to this many token rows: dequantize in registers, one pass per weight row
 TILE_FLOATS = 64 * 1024  # float32 scratch per task for the dequantized tile (256 KB: stays in L2)
 WIDEN_FLOATS = 4 << 20   # weights dequantized per sgemm call (16 MB of float32)
 
@@ -159,6 +159,50 @@ def _dequant_overload(q, s, m, z, lo, w):
 # ---- drivers, shared by every kind ---------------------------------------------------------------
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+def _tiles(x, w, out, rows):  # pragma: no cover - compiled
+    """out[:, :rows] = x @ w[:rows].T for a dequantized float32 tile w (L2-resident), in tiles of
+    4 weight rows x 2 tokens: 8 accumulators, each loaded value used 2-4 times (gpu/cpu_linear.py's
+    tile, which there starts at 5 tokens; on a tile in L2 it wins from 2: 7.8 vs 5.0 G w/s)."""
+    num_tokens, k_dim = x.shape
+    n = 0
+    while n < rows:
+        if n + 4 > rows:  # fewer than 4 rows left: one at a time
+            for t in range(num_tokens):
+                acc = np.float32(0.0)
+                for k in range(k_dim):
+                    acc += x[t, k] * w[n, k]
+                out[t, n] = acc
+            n += 1
+            continue
+        for t in range(0, num_tokens - 1, 2):
+            a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+            for k in range(k_dim):
+                x0, x1 = x[t, k], x[t + 1, k]
+                w0, w1, w2, w3 = w[n, k], w[n + 1, k], w[n + 2, k], w[n + 3, k]
+                a00 += x0 * w0
+                a01 += x0 * w1
+                a02 += x0 * w2
+                a03 += x0 * w3
+                a10 += x1 * w0
+                a11 += x1 * w1
+                a12 += x1 * w2
+                a13 += x1 * w3
+            out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = a00, a01, a02, a03
+            out[t + 1, n], out[t + 1, n + 1], out[t + 1, n + 2], out[t + 1, n + 3] = a10, a11, a12, a13
+        if num_tokens % 2:  # the odd token: 4 rows at once too
+            t = num_tokens - 1
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for k in range(k_dim):
+                x0 = x[t, k]
+                a0 += x0 * w[n, k]
+                a1 += x0 * w[n + 1, k]
+                a2 += x0 * w[n + 2, k]
+                a3 += x0 * w[n + 3, k]
+            out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = a0, a1, a2, a3
+        n += 4
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _quant_rows(x, q, s, m, z, out, lo, hi, tile):  # pragma: no cover - compiled
     """out[:, lo:hi] for weight rows lo..hi; tile: this task's float32 scratch [rows, in]."""
     if x.shape[0] <= STREAM_ROWS:
@@ -168,7 +212,7 @@ def _quant_rows(x, q, s, m, z, out, lo, hi, tile):  # pragma: no cover - compile
     for n0 in range(lo, hi, r):
         cnt = min(r, hi - n0)
         _dequant(q, s, m, z, n0, tile[:cnt])
-        _rows(x, tile[:cnt], out[:, n0:n0 + cnt], 0, cnt)
+        _tiles(x, tile, out[:, n0:n0 + cnt], cnt)
 
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")

@@ -28,9 +28,9 @@ from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw
 
 TYPES = list(BLOCK_SIZES)
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-# 1..STREAM_ROWS: fused streaming; 3: tiles then cpu_linear's streaming rows; 8, 17: its 4x2 tiles
-# (17: an odd token left over); 100 > SMALL_ROWS: dequantized chunks and BLAS.
-ROWS = [1, STREAM_ROWS, 3, 8, 17, 100]
+# STREAM_ROWS (1): fused streaming; 2, 3, 8, 17: dequantized tiles in 4 rows x 2 tokens (3, 17: an
+# odd token left over); 100 > SMALL_ROWS: dequantized chunks and BLAS.
+ROWS = [STREAM_ROWS, 2, 3, 8, 17, 100]
 
 
 def gguf_weights(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
