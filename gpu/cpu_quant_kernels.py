@@ -9,9 +9,9 @@ the 2-core Zen 4 VM (tools/bench_quant.py, docs/bench_quant.md):
   1.5x float32 sgemv. (The same loop with a literal 32 as its bound is fully unrolled by LLVM and
   then not vectorized at all: 3 G/s. So every inner bound here is an array dimension.)
 - T <= SMALL_ROWS: a tile of weight rows at a time is dequantized into a float32 scratch that
-  stays in L2, then a register-tiled loop (4 weight rows x 2 tokens, as gpu/cpu_linear.py's) runs
-  over it: each weight block is still read from memory once, and the tile's arithmetic is float32
-  FMA with each load used 2-4 times (beats the fused loop from T = 2 on: 7.8 vs 5.0 G w/s).
+  stays in L2, then a register-tiled loop (4 weight rows x 4 tokens) runs over it: each weight
+  block is still read from memory once, and the tile's arithmetic is float32 FMA with each load
+  used 2-4 times (beats the fused loop from T = 2 on: 7.2 vs 5.0 G w/s for Q4_K).
 - beyond: dequantize up to WIDEN_FLOATS weights into a scratch and hand it to BLAS sgemm.
 
 Products and sums are float32, like the float path; the weight is ``scale * (q - zero) + offset``
@@ -28,10 +28,11 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ringserve.gpu.cpu_linear import SMALL_ROWS, TASKS_PER_THREAD, linear
+from ringserve.gpu.cpu_linear import TASKS_PER_THREAD, linear
 from ringserve.gpu.quant import QuantWeight
 
 STREAM_ROWS = 1          # up to this many token rows: dequantize in registers, one pass per weight row
+SMALL_ROWS = 64          # up to this many: dequantized tiles (65 G MAC/s vs sgemm's 49 at 64; even at 128)
 TILE_FLOATS = 64 * 1024  # float32 scratch per task for the dequantized tile (256 KB: stays in L2)
 WIDEN_FLOATS = 4 << 20   # weights dequantized per sgemm call (16 MB of float32)
 
@@ -160,21 +161,41 @@ def _dequant_overload(q, s, m, z, lo, w):
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _tiles(x, w, out, rows):  # pragma: no cover - compiled
-    """out[:, :rows] = x @ w[:rows].T for a dequantized float32 tile w (L2-resident), in tiles of
-    4 weight rows x 2 tokens: 8 accumulators, each loaded value used 2-4 times (gpu/cpu_linear.py's
-    tile, which there starts at 5 tokens; on a tile in L2 it wins from 2: 7.8 vs 5.0 G w/s)."""
+    """out[:, :rows] = x @ w[:rows].T for a dequantized float32 tile w (L2-resident), in register
+    tiles of 4 weight rows x 4 tokens (16 accumulators: 2 FMAs a load), then 4 x 2 and 4 x 1 for
+    the tokens left over. (gpu/cpu_linear.py's 4 x 2 tiles: 4.5 against 6.1 G w/s at 8 tokens.)"""
     num_tokens, k_dim = x.shape
     n = 0
-    while n < rows:
-        if n + 4 > rows:  # fewer than 4 rows left: one at a time
-            for t in range(num_tokens):
-                acc = np.float32(0.0)
-                for k in range(k_dim):
-                    acc += x[t, k] * w[n, k]
-                out[t, n] = acc
-            n += 1
-            continue
-        for t in range(0, num_tokens - 1, 2):
+    while n + 4 <= rows:
+        t = 0
+        while t + 4 <= num_tokens:
+            a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+            a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
+            for k in range(k_dim):
+                x0, x1, x2, x3 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
+                w0, w1, w2, w3 = w[n, k], w[n + 1, k], w[n + 2, k], w[n + 3, k]
+                a00 += x0 * w0
+                a01 += x0 * w1
+                a02 += x0 * w2
+                a03 += x0 * w3
+                a10 += x1 * w0
+                a11 += x1 * w1
+                a12 += x1 * w2
+                a13 += x1 * w3
+                a20 += x2 * w0
+                a21 += x2 * w1
+                a22 += x2 * w2
+                a23 += x2 * w3
+                a30 += x3 * w0
+                a31 += x3 * w1
+                a32 += x3 * w2
+                a33 += x3 * w3
+            out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = a00, a01, a02, a03
+            out[t + 1, n], out[t + 1, n + 1], out[t + 1, n + 2], out[t + 1, n + 3] = a10, a11, a12, a13
+            out[t + 2, n], out[t + 2, n + 1], out[t + 2, n + 2], out[t + 2, n + 3] = a20, a21, a22, a23
+            out[t + 3, n], out[t + 3, n + 1], out[t + 3, n + 2], out[t + 3, n + 3] = a30, a31, a32, a33
+            t += 4
+        if t + 2 <= num_tokens:
             a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
             for k in range(k_dim):
                 x0, x1 = x[t, k], x[t + 1, k]
@@ -189,8 +210,8 @@ def _tiles(x, w, out, rows):  # pragma: no cover - compiled
                 a13 += x1 * w3
             out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = a00, a01, a02, a03
             out[t + 1, n], out[t + 1, n + 1], out[t + 1, n + 2], out[t + 1, n + 3] = a10, a11, a12, a13
-        if num_tokens % 2:  # the odd token: 4 rows at once too
-            t = num_tokens - 1
+            t += 2
+        if t < num_tokens:
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for k in range(k_dim):
                 x0 = x[t, k]
@@ -200,6 +221,12 @@ def _tiles(x, w, out, rows):  # pragma: no cover - compiled
                 a3 += x0 * w[n + 3, k]
             out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = a0, a1, a2, a3
         n += 4
+    for i in range(n, rows):  # fewer than 4 rows left: one at a time
+        for t in range(num_tokens):
+            acc = np.float32(0.0)
+            for k in range(k_dim):
+                acc += x[t, k] * w[i, k]
+            out[t, i] = acc
 
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")

@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 
 from ringserve.gpu import cpu_quant_kernels
-from ringserve.gpu.cpu_linear import SMALL_ROWS
-from ringserve.gpu.cpu_quant_kernels import STREAM_ROWS, quant_linear
+from ringserve.gpu.cpu_quant_kernels import SMALL_ROWS, STREAM_ROWS, quant_linear
 from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
 
 TYPES = list(BLOCK_SIZES)
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-# STREAM_ROWS (1): fused streaming; 2, 3, 8, 17: dequantized tiles in 4 rows x 2 tokens (3, 17: an
-# odd token left over); 100 > SMALL_ROWS: dequantized chunks and BLAS.
-ROWS = [STREAM_ROWS, 2, 3, 8, 17, 100]
+# STREAM_ROWS (1): fused streaming; 2, 3, 8, 17, 23: dequantized tiles of 4 rows x 4 tokens, then
+# x 2 and x 1 for the tokens left over (3: 2 + 1; 17: 4 x 4 + 1; 23: 5 x 4 + 2 + 1); 100 >
+# SMALL_ROWS: dequantized chunks and BLAS.
+ROWS = [STREAM_ROWS, 2, 3, 8, 17, 23, 100]
 
 
 def gguf_weights(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
