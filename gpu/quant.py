@@ -143,7 +143,8 @@ def _q5(b, n, shape, qtype: str):
     values = _nibbles(qs, n) | (_high_bits(qh, n) << 4)
     zero = 0 if has_min else 16
     q = (values.astype(np.int16) - zero).astype(np.int8)
-    return QuantWeight(qtype, shape, "i8", q, _f16(b[..., 0:2]), _f16(b[..., 2:4]) if has_min else None, 0, 32)
+    offset = _f16(b[..., 2:4]) if has_min else None
+    return QuantWeight(qtype, shape, "i8", q, _f16(b[..., 0:2]), offset, 0, 32)
 
 
 def _q4_k(b, n, shape):
@@ -159,7 +160,8 @@ def _q5_k(b, n, shape):
     scale = (_f16(b[..., 0:2])[..., None] * sc.astype(np.float32)).reshape(n, -1)
     offset = -(_f16(b[..., 2:4])[..., None] * mn.astype(np.float32)).reshape(n, -1)
     qh, qs = b[..., 16:48], b[..., 48:]
-    low = np.stack([qs.reshape(n, -1, 4, 32) & 15, qs.reshape(n, -1, 4, 32) >> 4], axis=3)  # [n, blk, 4, 2, 32]
+    groups = qs.reshape(n, -1, 4, 32)
+    low = np.stack([groups & 15, groups >> 4], axis=3)                                      # [n, blk, 4, 2, 32]
     high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1                # [n, blk, 8, 32]
     q = (low.reshape(n, -1, 8, 32) | (high << 4)).astype(np.int8).reshape(n, -1)
     return QuantWeight("Q5_K", shape, "i8", q, scale, offset, 0, 32)
@@ -178,8 +180,9 @@ def _q6_k(b, n, shape):
 
 def _q3_k(b, n, shape):
     hmask, qs, scales, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
-    lo = (scales[..., 0:8, None] >> np.array([0, 4], dtype=np.uint8)).transpose(0, 1, 3, 2).reshape(n, -1, 16)
-    hi = (scales[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)).transpose(0, 1, 3, 2).reshape(n, -1, 16)
+    lo = scales[..., 0:8, None] >> np.array([0, 4], dtype=np.uint8)            # [n, blk, byte, shift]
+    hi = scales[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)
+    lo, hi = (a.transpose(0, 1, 3, 2).reshape(n, -1, 16) for a in (lo, hi))  # shift-major, as ggml
     sc = ((lo & 15) | ((hi & 3) << 4)).astype(np.int8) - np.int8(32)
     scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
     ql = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
@@ -215,6 +218,7 @@ def dequantize(w: QuantWeight) -> np.ndarray:
         q = ((g & 15).astype(np.float32) - np.float32(w.zero)).reshape(n, -1, w.block)
     else:
         q = w.q.astype(np.float32).reshape(n, -1, w.block)
+    assert w.scale is not None  # every quantized kind has scales
     out = w.scale[..., None] * q
     if w.offset is not None:
         out = out + w.offset[..., None]
@@ -229,7 +233,8 @@ F16_FIELDS: dict[str, tuple[int, ...]] = {
 }
 
 
-def random_raw(qtype: str, shape: tuple[int, int], rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
+def random_raw(qtype: str, shape: tuple[int, int], rng: np.random.Generator,
+               scale: float = 0.05) -> np.ndarray:
     """Random raw GGUF bytes [out, row bytes] of a valid tensor (tests, benchmarks): random bytes,
     with the f16 fields set to finite values ~ N(0, scale) (floats: N(0, 1))."""
     n, k = shape

@@ -105,7 +105,8 @@ def test_four_bit_rows_that_are_not_whole_nibble_groups(qtype):
     w = repack(raw, qtype, shape)
     assert w.kind == "i8"
     for rows in ROWS:
-        check_linear(rng.standard_normal((rows, 96)).astype(np.float32), w, gguf_weights(qtype, raw, shape), True)
+        x = rng.standard_normal((rows, 96)).astype(np.float32)
+        check_linear(x, w, gguf_weights(qtype, raw, shape), True)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "F16"])
