@@ -134,3 +134,21 @@ def test_f16_kernels_read_every_half_exactly(rows):
     finite = np.isfinite(want[0])
     np.testing.assert_array_equal(np.signbit(got[0][finite & (want[0] != 0)]),
                                   np.signbit(want[0][finite & (want[0] != 0)]))
+
+
+def test_bench_quant_tool(tmp_path, capsys):
+    """tools/bench_quant.py at a tiny size: a table per shape and thread count, one row a type
+    (a type whose blocks do not tile a row left out), and the --json rows."""
+    import json
+
+    from ringserve.tools import bench_quant
+    path = tmp_path / "q.json"
+    bench_quant.main(["--types", "Q4_0", "Q6_K", "--shape", "8x64", "--batch", "1", "3",
+                      "--threads", "1", "--repeats", "1", "--rounds", "1", "--json", str(path)])
+    text = capsys.readouterr().out
+    assert "W 8x64 (out x in), 1 thread(s):" in text
+    assert "| numpy f32 |" in text and "| Q4_0 " in text and "Q6_K" not in text  # 64 < 256
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["type"], r["batch"]) for r in rows} == {(t, b) for t in ("numpy f32", "Q4_0") for b in (1, 3)}
+    q4 = next(r for r in rows if r["type"] == "Q4_0")
+    assert q4["kind"] == "u4" and q4["bytes_per_weight"] == 0.625 and q4["gweights_s"] > 0
