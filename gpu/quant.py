@@ -64,6 +64,24 @@ class QuantWeight:
         return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
 
 
+def from_gguf(tensor) -> QuantWeight:
+    """A 2-D tensor of gguf-py's GGUFReader (a view into the memory map) -> its QuantWeight."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest first
+    if len(shape) != 2:
+        raise ValueError(f"{tensor.name}: {len(shape)}-D; only matrices are packed")
+    return repack(tensor.data, tensor.tensor_type.name, (shape[0], shape[1]))
+
+
+def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
+    """W[index] (rows are independent in every kind): e.g. llama.cpp's q/k row permutation undone."""
+    def rows(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(a[index])
+    q = rows(w.q)
+    assert q is not None
+    return QuantWeight(w.qtype, (len(index), w.shape[1]), w.kind, q, rows(w.scale), rows(w.offset),
+                       w.zero, w.block)
+
+
 def _f16(b: np.ndarray) -> np.ndarray:
     """Little-endian f16 bytes [..., 2] -> float32 [...]."""
     return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)

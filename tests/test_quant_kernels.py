@@ -152,3 +152,30 @@ def test_bench_quant_tool(tmp_path, capsys):
     assert {(r["type"], r["batch"]) for r in rows} == {(t, b) for t in ("numpy f32", "Q4_0") for b in (1, 3)}
     q4 = next(r for r in rows if r["type"] == "Q4_0")
     assert q4["kind"] == "u4" and q4["bytes_per_weight"] == 0.625 and q4["gweights_s"] > 0
+
+
+def test_default_model_gguf_packed(default_model_dir):
+    """Every matrix of the real default model's GGUF (Q4_1, its embedding Q8_0) packed from the
+    memory map: bit-identical to gguf-py's dequantize; a row permutation is the permuted rows; and
+    one decode row and one 8-token batch through the layer-0 matrices and the embedding."""
+    from ringserve.gpu.gguf_convert import open_gguf
+    from ringserve.gpu.model_store import default_gguf_path
+    from ringserve.gpu.quant import from_gguf, take_rows
+
+    reader = open_gguf(default_gguf_path())
+    rng = np.random.default_rng(4)
+    kinds = set()
+    for tensor in reader.tensors:
+        if len(tensor.shape) != 2:
+            continue
+        w = from_gguf(tensor)
+        kinds.add((w.qtype, w.kind))
+        want = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(w.shape)
+        np.testing.assert_array_equal(dequantize(w), want, err_msg=tensor.name)
+        if tensor.name.startswith("blk.0.") or tensor.name == "token_embd.weight":
+            perm = rng.permutation(w.shape[0])
+            np.testing.assert_array_equal(dequantize(take_rows(w, perm)), want[perm])
+            for rows in (1, 8):
+                x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
+                check_linear(x, w, want, parallel=True)
+    assert kinds == {("Q4_1", "u4"), ("Q8_0", "i8")}
