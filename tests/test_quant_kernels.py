@@ -170,7 +170,8 @@ def test_default_model_gguf_packed(default_model_dir):
             continue
         w = from_gguf(tensor)
         kinds.add((w.qtype, w.kind))
-        want = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(w.shape)
+        want = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [out, in], as the reader's rows
+        assert w.shape == want.shape == (tensor.data.shape[0], int(tensor.shape[0]))
         np.testing.assert_array_equal(dequantize(w), want, err_msg=tensor.name)
         if tensor.name.startswith("blk.0.") or tensor.name == "token_embd.weight":
             perm = rng.permutation(w.shape[0])
