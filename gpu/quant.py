@@ -15,12 +15,15 @@ reads that format directly cannot vectorize. Repacking splits every weight W [ou
 - ``scale``: float32 [out, in / block], one per sub-block of ``block`` weights (32; 16 for the
   K-quants with 16-weight sub-blocks), already multiplied out (K-quants: ``d * sc``);
 - ``offset``: float32 [out, in / block] or None (types without a minimum), already negated
-  (K-quants: ``-(dmin * m)``);
-- ``zero``: an integer subtracted from u4 quants (8 for Q4_0, else 0).
+  (K-quants: ``-(dmin * m)``; Q4_0 as nibbles: ``-8 * d``, its zero point folded in),
 
-so that weight = ``scale * (q - zero) + offset``, each of these operations in float32 and in the
-same order as gguf-py's ``dequantize``: ``dequantize(repack(raw))`` is bit-identical to it
-(tests/test_quant_kernels.py). F32 and BF16 stay the arrays gpu/cpu_linear.py takes (float32;
+so that weight = ``scale * q + offset``, each of these operations in float32 and in the same
+order as gguf-py's ``dequantize``: ``dequantize(repack(raw))`` is bit-identical to it
+(tests/test_quant_kernels.py). (Q4_0's fold is exact too: d has an f16's 11-bit significand, so
+``d * q``, ``-8 * d`` and their sum ``d * (q - 8)`` all fit float32's 24 bits; only a zero weight
+with a negative d comes out +0.0 where gguf-py has -0.0.) Signed types
+without a minimum (Q8_0, Q5_0, Q6_K, Q3_K, and Q4_0 as int8) store ``q`` already centred.
+F32 and BF16 stay the arrays gpu/cpu_linear.py takes (float32;
 bfloat16 bits as uint16), kinds ``"f32"`` and ``"bf16"``.
 
 Layout choice, measured on the 2-core Zen 4 VM (tools/bench_quant.py, docs/bench_quant.md): 4-bit
@@ -55,7 +58,6 @@ class QuantWeight:
     q: np.ndarray
     scale: np.ndarray | None = None
     offset: np.ndarray | None = None
-    zero: int = 0
     block: int = 1
 
     @property
@@ -79,7 +81,7 @@ def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
     q = rows(w.q)
     assert q is not None
     return QuantWeight(w.qtype, (len(index), w.shape[1]), w.kind, q, rows(w.scale), rows(w.offset),
-                       w.zero, w.block)
+                       w.block)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -113,18 +115,24 @@ def _to_u4(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(g[:, :, 0] | (g[:, :, 1] << 4)).reshape(values.shape[0], -1)
 
 
-def _four_bit(qtype: str, values: np.ndarray, scale, offset, zero: int, block: int,
-              shape: tuple[int, int]) -> QuantWeight:
-    """A 4-bit type as u4 nibbles when ``in`` fills whole 64-weight groups, else as int8."""
-    if shape[1] % 64 == 0:
-        return QuantWeight(qtype, shape, "u4", _to_u4(values), scale, offset, zero, block)
+def _four_bit(qtype: str, values: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
+              nibbles: bool, shape: tuple[int, int]) -> QuantWeight:
+    """A 4-bit type (values 0..15; Q4_0's weight is scale * (value - 8)) as u4 nibbles when asked
+    and ``in`` fills whole 64-weight groups, else as int8."""
+    zero = 8 if qtype == "Q4_0" else 0
+    if nibbles and shape[1] % 64 == 0:
+        if zero:  # folded into an offset (exact: see the module doc)
+            offset = np.float32(-zero) * scale
+        return QuantWeight(qtype, shape, "u4", _to_u4(values), scale, offset, 32)
     q = (values.astype(np.int16) - zero).astype(np.int8)  # NOTE: q - zero is exact in int8
-    return QuantWeight(qtype, shape, "i8", q, scale, offset, 0, block)
+    return QuantWeight(qtype, shape, "i8", q, scale, offset, 32)
 
 
-def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
+def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int], *, nibbles: bool = True) -> QuantWeight:
     """The raw GGUF bytes of a tensor (any shape holding out * row-bytes uint8, as GGUFReader's
-    ``tensor.data``) of type ``qtype`` and logical shape (out, in) -> its packed QuantWeight."""
+    ``tensor.data``) of type ``qtype`` and logical shape (out, in) -> its packed QuantWeight.
+    nibbles: keep 4-bit types (Q4_0, Q4_1, Q4_K) as u4 nibbles (else int8 planes: 1.25 instead of
+    0.75 bytes a weight, faster at batch 1, slower from 4: docs/bench_quant.md)."""
     if qtype not in BLOCK_SIZES:
         raise ValueError(f"GGUF type {qtype} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
     n, k = shape
@@ -139,20 +147,22 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int]) -> QuantWeight:
     if qtype in ("F16", "BF16"):
         return QuantWeight(qtype, shape, qtype.lower(), data.view(np.uint16).reshape(n, k))
     b = data.reshape(n, k // bs, ts)
+    if qtype in ("Q4_0", "Q4_1", "Q4_K"):
+        return _FOUR_BIT[qtype](b, n, shape, nibbles)
     return _REPACK[qtype](b, n, shape)
 
 
 def _q8_0(b, n, shape):
     return QuantWeight("Q8_0", shape, "i8", b[..., 2:].copy().view(np.int8).reshape(n, -1), _f16(b[..., 0:2]),
-                       None, 0, 32)
+                       None, 32)
 
 
-def _q4_0(b, n, shape):
-    return _four_bit("Q4_0", _nibbles(b[..., 2:], n), _f16(b[..., 0:2]), None, 8, 32, shape)
+def _q4_0(b, n, shape, nibbles):
+    return _four_bit("Q4_0", _nibbles(b[..., 2:], n), _f16(b[..., 0:2]), None, nibbles, shape)
 
 
-def _q4_1(b, n, shape):
-    return _four_bit("Q4_1", _nibbles(b[..., 4:], n), _f16(b[..., 0:2]), _f16(b[..., 2:4]), 0, 32, shape)
+def _q4_1(b, n, shape, nibbles):
+    return _four_bit("Q4_1", _nibbles(b[..., 4:], n), _f16(b[..., 0:2]), _f16(b[..., 2:4]), nibbles, shape)
 
 
 def _q5(b, n, shape, qtype: str):
@@ -162,15 +172,18 @@ def _q5(b, n, shape, qtype: str):
     zero = 0 if has_min else 16
     q = (values.astype(np.int16) - zero).astype(np.int8)
     offset = _f16(b[..., 2:4]) if has_min else None
-    return QuantWeight(qtype, shape, "i8", q, _f16(b[..., 0:2]), offset, 0, 32)
+    return QuantWeight(qtype, shape, "i8", q, _f16(b[..., 0:2]), offset, 32)
 
 
-def _q4_k(b, n, shape):
+def _q4_k(b, n, shape, nibbles):
     sc, mn = _k_scales(b[..., 4:16])
     scale = (_f16(b[..., 0:2])[..., None] * sc.astype(np.float32)).reshape(n, -1)
     offset = -(_f16(b[..., 2:4])[..., None] * mn.astype(np.float32)).reshape(n, -1)
-    # 4 groups of 32 bytes a block, weight 64g + j low, 64g + 32 + j high: already the u4 order.
-    return QuantWeight("Q4_K", shape, "u4", b[..., 16:].reshape(n, -1).copy(), scale, offset, 0, 32)
+    qs = b[..., 16:].reshape(n, -1)
+    if nibbles:  # 4 groups of 32 bytes a block, weight 64g + j low, 64g + 32 + j high: the u4 order
+        return QuantWeight("Q4_K", shape, "u4", qs.copy(), scale, offset, 32)
+    g = qs.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return QuantWeight("Q4_K", shape, "i8", (g & 15).astype(np.int8).reshape(n, -1), scale, offset, 32)
 
 
 def _q5_k(b, n, shape):
@@ -179,10 +192,10 @@ def _q5_k(b, n, shape):
     offset = -(_f16(b[..., 2:4])[..., None] * mn.astype(np.float32)).reshape(n, -1)
     qh, qs = b[..., 16:48], b[..., 48:]
     groups = qs.reshape(n, -1, 4, 32)
-    low = np.stack([groups & 15, groups >> 4], axis=3)                                      # [n, blk, 4, 2, 32]
+    low = np.stack([groups & 15, groups >> 4], axis=3)                    # [n, blk, 4, 2, 32]
     high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1                # [n, blk, 8, 32]
     q = (low.reshape(n, -1, 8, 32) | (high << 4)).astype(np.int8).reshape(n, -1)
-    return QuantWeight("Q5_K", shape, "i8", q, scale, offset, 0, 32)
+    return QuantWeight("Q5_K", shape, "i8", q, scale, offset, 32)
 
 
 def _q6_k(b, n, shape):
@@ -193,7 +206,7 @@ def _q6_k(b, n, shape):
     high = qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
     high = (high & 3).reshape(n, -1, 8, 32)
     q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(n, -1)
-    return QuantWeight("Q6_K", shape, "i8", q, scale, None, 0, 16)
+    return QuantWeight("Q6_K", shape, "i8", q, scale, None, 16)
 
 
 def _q3_k(b, n, shape):
@@ -206,7 +219,7 @@ def _q3_k(b, n, shape):
     ql = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
     qm = (hmask.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
     q = ql.reshape(n, -1, 8, 32).astype(np.int8) - ((qm ^ 1) << 2).astype(np.int8)
-    return QuantWeight("Q3_K", shape, "i8", q.reshape(n, -1), scale, None, 0, 16)
+    return QuantWeight("Q3_K", shape, "i8", q.reshape(n, -1), scale, None, 16)
 
 
 def _q2_k(b, n, shape):
@@ -214,11 +227,11 @@ def _q2_k(b, n, shape):
     scale = (d[..., None] * (scales & 15).astype(np.float32)).reshape(n, -1)
     offset = -(dmin[..., None] * (scales >> 4).astype(np.float32)).reshape(n, -1)
     q = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
-    return QuantWeight("Q2_K", shape, "i8", q.astype(np.int8).reshape(n, -1), scale, offset, 0, 16)
+    return QuantWeight("Q2_K", shape, "i8", q.astype(np.int8).reshape(n, -1), scale, offset, 16)
 
 
-_REPACK = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-           "Q3_K": _q3_k, "Q2_K": _q2_k,
+_FOUR_BIT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+_REPACK = {"Q8_0": _q8_0, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k,
            "Q5_0": lambda b, n, s: _q5(b, n, s, "Q5_0"), "Q5_1": lambda b, n, s: _q5(b, n, s, "Q5_1")}
 
 
@@ -233,7 +246,7 @@ def dequantize(w: QuantWeight) -> np.ndarray:
         return w.q.view(np.float16).astype(np.float32)
     if w.kind == "u4":
         g = w.q.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        q = ((g & 15).astype(np.float32) - np.float32(w.zero)).reshape(n, -1, w.block)
+        q = (g & 15).astype(np.float32).reshape(n, -1, w.block)
     else:
         q = w.q.astype(np.float32).reshape(n, -1, w.block)
     assert w.scale is not None  # every quantized kind has scales

@@ -38,7 +38,7 @@ def gguf_weights(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndar
 
 
 def magnitude(w: QuantWeight) -> np.ndarray:
-    """|scale * (q - zero)| + |offset| per weight: what the rounding error scales with."""
+    """|scale * q| + |offset| per weight: what the rounding error scales with."""
     if w.offset is None:
         return np.abs(dequantize(w)).astype(np.float64)
     part = np.abs(dequantize(dataclasses.replace(w, offset=None))).astype(np.float64)
@@ -69,9 +69,12 @@ def test_repack_round_trips_exactly(qtype):
         w = repack(raw, qtype, shape)
         if qtype in FOUR_BIT:  # nibbles when the row fills 64-weight groups, else int8
             assert w.kind == ("u4" if shape[1] % 64 == 0 else "i8")
-        got = dequantize(w)
+        got, want = dequantize(w), gguf_weights(qtype, raw, shape)
         assert got.dtype == np.float32 and got.shape == shape
-        np.testing.assert_array_equal(got.view(np.uint32), gguf_weights(qtype, raw, shape).view(np.uint32))
+        if w.kind == "u4" and qtype == "Q4_0":  # d * q + (-8 d) is +0.0 where gguf-py has d * 0
+            np.testing.assert_array_equal(got, want)  # equal as numbers: -0.0 == 0.0
+        else:
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # bit for bit
 
 
 def test_repack_refuses_what_it_cannot_hold():
@@ -143,15 +146,17 @@ def test_bench_quant_tool(tmp_path, capsys):
 
     from ringserve.tools import bench_quant
     path = tmp_path / "q.json"
-    bench_quant.main(["--types", "Q4_0", "Q6_K", "--shape", "8x64", "--batch", "1", "3",
+    bench_quant.main(["--types", "Q4_0", "Q6_K", "--shape", "8x64", "--batch", "1", "3", "--int8-4bit",
                       "--threads", "1", "--repeats", "1", "--rounds", "1", "--json", str(path)])
     text = capsys.readouterr().out
     assert "W 8x64 (out x in), 1 thread(s):" in text
     assert "| numpy f32 |" in text and "| Q4_0 " in text and "Q6_K" not in text  # 64 < 256
     rows = json.loads(path.read_text())["rows"]
-    assert {(r["type"], r["batch"]) for r in rows} == {(t, b) for t in ("numpy f32", "Q4_0") for b in (1, 3)}
-    q4 = next(r for r in rows if r["type"] == "Q4_0")
-    assert q4["kind"] == "u4" and q4["bytes_per_weight"] == 0.625 and q4["gweights_s"] > 0
+    types = ("numpy f32", "Q4_0", "Q4_0 i8")
+    assert {(r["type"], r["batch"]) for r in rows} == {(t, b) for t in types for b in (1, 3)}
+    kinds = {r["type"]: (r["kind"], r["bytes_per_weight"]) for r in rows}
+    assert kinds == {"numpy f32": ("f32", 4), "Q4_0": ("u4", 0.75), "Q4_0 i8": ("i8", 1.125)}
+    assert all(r["gweights_s"] > 0 for r in rows)
 
 
 def test_default_model_gguf_packed(default_model_dir):
@@ -180,3 +185,17 @@ def test_default_model_gguf_packed(default_model_dir):
                 x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
                 check_linear(x, w, want, parallel=True)
     assert kinds == {("Q4_1", "u4"), ("Q8_0", "i8")}
+
+
+@pytest.mark.parametrize("qtype", FOUR_BIT)
+def test_four_bit_types_as_int8_planes(qtype):
+    """repack(nibbles=False): the same weights as int8 planes, on every path."""
+    rng = np.random.default_rng(5)
+    shape = (150, 512)
+    raw = random_raw(qtype, shape, rng)
+    w = repack(raw, qtype, shape, nibbles=False)
+    assert w.kind == "i8" and w.q.dtype == np.int8
+    want = gguf_weights(qtype, raw, shape)
+    np.testing.assert_array_equal(dequantize(w), want)
+    for rows in ROWS:
+        check_linear(rng.standard_normal((rows, 512)).astype(np.float32), w, want, True)

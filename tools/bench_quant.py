@@ -26,6 +26,7 @@ from ringserve.gpu.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, rando
 from ringserve.tools.bench_report import BenchRun, add_json_argument, markdown_table
 
 NUMPY_F32 = "numpy f32"  # the baseline row: float32 weights through np.matmul (sgemv / sgemm)
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="out x in of the weight (default: a Llama-8B-sized one; SmolLM2-135M's down "
                          "projection); a type whose blocks do not tile a row is left out")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--int8-4bit", action="store_true",
+                    help="also each 4-bit type repacked as int8 planes (row '<type> i8'), beside its nibbles")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per cell and round (best kept)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the whole grid (best kept)")
@@ -62,7 +65,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
             NUMPY_F32: rng.standard_normal((n, k)).astype(np.float32)}
         for qtype in args.types:
             if k % BLOCK_SIZES[qtype][0] == 0:
-                weights[qtype] = repack(random_raw(qtype, (n, k), rng), qtype, (n, k))
+                raw = random_raw(qtype, (n, k), rng)
+                weights[qtype] = repack(raw, qtype, (n, k))
+                if args.int8_4bit and qtype in FOUR_BIT:
+                    weights[qtype + " i8"] = repack(raw, qtype, (n, k), nibbles=False)
         xs = {b: rng.standard_normal((b, k)).astype(np.float32) for b in args.batch}
         for name, w in weights.items():
             kind = w.kind if isinstance(w, QuantWeight) else "f32"
