@@ -4,14 +4,16 @@ Three paths by the number of token rows T, as gpu/cpu_linear.py has for float we
 the 2-core Zen 4 VM (tools/bench_quant.py, docs/bench_quant.md):
 
 - T <= STREAM_ROWS (decode): one pass over each weight row, dequantizing each sub-block in
-  registers and dotting it with every token row. The inner loop runs over one sub-block and sums
-  into one scalar per sub-block that LLVM vectorizes: 13 G weights/s for int8 planes on one thread,
-  1.5x float32 sgemv. (The same loop with a literal 32 as its bound is fully unrolled by LLVM and
-  then not vectorized at all: 3 G/s. So every inner bound here is an array dimension.)
+  registers and dotting it with the token row. The inner loop runs over the weights of 4
+  sub-blocks side by side and sums into one scalar that LLVM vectorizes: 21 G weights/s for Q8_0
+  on one thread, 2.3x float32 sgemv (14.7 for Q4_K's nibbles). The same loop with a literal 32 as
+  its bound is fully unrolled by LLVM and then not vectorized at all (3 G/s), so every inner bound
+  here is an array dimension.
 - T <= SMALL_ROWS: a tile of weight rows at a time is dequantized into a float32 scratch that
   stays in L2, then a register-tiled loop (4 weight rows x 4 tokens) runs over it: each weight
   block is still read from memory once, and the tile's arithmetic is float32 FMA with each load
-  used 2-4 times (beats the fused loop from T = 2 on: 7.2 vs 5.0 G w/s for Q4_K).
+  used 2-4 times (beat the fused loop from T = 2 on, when it reduced per sub-block: 7.2 vs 5.0 G
+  w/s for Q4_K).
 - beyond: dequantize up to WIDEN_FLOATS weights into a scratch and hand it to BLAS sgemm.
 
 Products and sums are float32, like the float path; the weight is ``scale * q + offset``

@@ -27,9 +27,11 @@ F32 and BF16 stay the arrays gpu/cpu_linear.py takes (float32;
 bfloat16 bits as uint16), kinds ``"f32"`` and ``"bf16"``.
 
 Layout choice, measured on the 2-core Zen 4 VM (tools/bench_quant.py, docs/bench_quant.md): 4-bit
-quants kept as nibbles in 64-weight groups stream as fast as int8 planes at batch 1 (12.2 vs 13.0 G
-weights/s on one thread), dequantize into a float32 tile faster (12 vs 8 G/s) and take half the
-memory; nibbles in 32-weight groups (Q4_0's own order) stream at 10 G/s and dequantize at 4. 5- and
+quants stay nibbles in 64-weight groups by default: 0.75 instead of 1.25 bytes a weight (what lets
+an 8B Q4_K_M model fit beside llama.cpp's footprint) and the fastest at batch 4 (7.3 vs 5.0 G
+weights/s on one thread: the tile dequantizes at 12 G/s against 8), but slower at batch 1 (14.7
+vs 18-21 G/s: unpacking costs more than the bytes it saves; ``nibbles=False`` gives int8 planes).
+Nibbles in 32-weight groups (Q4_0's own order) streamed at 10 and dequantized at 4 G/s. 5- and
 6-bit quants are widened to int8: their split high bits would cost more to gather than they save.
 """
 from __future__ import annotations
