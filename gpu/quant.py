@@ -1,0 +1,285 @@
+"""GGUF weight types kept packed in memory: each tensor's raw GGUF blocks repacked once, at load,
+into planes the CPU kernels (gpu/cpu_quant_kernels.py) stream with vector instructions.
+
+GGUF interleaves each block's f16 scale(s) with its quants (Q4_0: 2 scale bytes, then 16 bytes of
+nibbles; 18-byte blocks), and the K-quants pack 6-bit sub-block scales into 12 bytes: a kernel that
+reads that format directly cannot vectorize. Repacking splits every weight W [out, in] into:
+
+- ``q``: the quants as a plane, one of three kinds
+  - ``"i8"``: int8 [out, in], one byte a weight (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, and
+    4-bit types whose ``in`` is not a multiple of 64);
+  - ``"u4"``: uint8 [out, in / 2], two 4-bit quants a byte in groups of 64 weights: byte j of
+    group g holds weight 64g + j in its low nibble and 64g + 32 + j in its high one (Q4_0, Q4_1,
+    Q4_K; Q4_K's own order, so its bytes are copied as they are);
+  - ``"f16"``: IEEE half bits, uint16 [out, in] (F16);
+- ``scale``: float32 [out, in / block], one per sub-block of ``block`` weights (32; 16 for the
+  K-quants with 16-weight sub-blocks), already multiplied out (K-quants: ``d * sc``);
+- ``offset``: float32 [out, in / block] or None (types without a minimum), already negated
+  (K-quants: ``-(dmin * m)``; Q4_0 as nibbles: ``-8 * d``, its zero point folded in),
+
+so that weight = ``scale * q + offset``, each of these operations in float32 and in the same
+order as gguf-py's ``dequantize``: ``dequantize(repack(raw))`` is bit-identical to it
+(tests/test_quant_kernels.py). (Q4_0's fold is exact too: d has an f16's 11-bit significand, so
+``d * q``, ``-8 * d`` and their sum ``d * (q - 8)`` all fit float32's 24 bits; only a zero weight
+with a negative d comes out +0.0 where gguf-py has -0.0.) Signed types
+without a minimum (Q8_0, Q5_0, Q6_K, Q3_K, and Q4_0 as int8) store ``q`` already centred.
+F32 and BF16 stay the arrays gpu/cpu_linear.py takes (float32;
+bfloat16 bits as uint16), kinds ``"f32"`` and ``"bf16"``.
+
+Layout choice, measured on the 2-core Zen 4 VM (tools/bench_quant.py, docs/bench_quant.md): 4-bit
+quants stay nibbles in 64-weight groups by default: 0.75 instead of 1.25 bytes a weight (what lets
+an 8B Q4_K_M model fit beside llama.cpp's footprint) and the fastest at batch 4 (7.3 vs 5.0 G
+weights/s on one thread: the tile dequantizes at 12 G/s against 8), but slower at batch 1 (14.7
+vs 18-21 G/s: unpacking costs more than the bytes it saves; ``nibbles=False`` gives int8 planes).
+Nibbles in 32-weight groups (Q4_0's own order) streamed at 10 and dequantized at 4 G/s. 5- and
+6-bit quants are widened to int8: their split high bits would cost more to gather than they save.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+QK_K = 256
+# GGUF type name -> (weights per block, bytes per block), as ggml defines them.
+BLOCK_SIZES: dict[str, tuple[int, int]] = {
+    "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+}
+SUPPORTED_TYPES = tuple(BLOCK_SIZES)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantWeight:
+    """One weight W [out, in] in its GGUF type, packed for the CPU kernels (see the module doc)."""
+
+    qtype: str                  # GGUF type name: "Q4_K", "F16", ...
+    shape: tuple[int, int]      # (out, in): the logical float matrix
+    kind: str                   # "i8" | "u4" | "f16" | "f32" | "bf16"
+    q: np.ndarray
+    scale: np.ndarray | None = None
+    offset: np.ndarray | None = None
+    block: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory (what a batch-1 step streams)."""
+        return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
+
+
+def from_gguf(tensor) -> QuantWeight:
+    """A 2-D tensor of gguf-py's GGUFReader (a view into the memory map) -> its QuantWeight."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest first
+    if len(shape) != 2:
+        raise ValueError(f"{tensor.name}: {len(shape)}-D; only matrices are packed")
+    return repack(tensor.data, tensor.tensor_type.name, (shape[0], shape[1]))
+
+
+def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
+    """W[index] (rows are independent in every kind): e.g. llama.cpp's q/k row permutation undone."""
+    def rows(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(a[index])
+    q = rows(w.q)
+    assert q is not None
+    return QuantWeight(w.qtype, (len(index), w.shape[1]), w.kind, q, rows(w.scale), rows(w.offset),
+                       w.block)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian f16 bytes [..., 2] -> float32 [...]."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, n: int) -> np.ndarray:
+    """Q4_0/Q4_1/Q5_x quant bytes [rows, blocks, 16] (byte j: weight j low, j + 16 high) ->
+    uint8 values [rows, blocks * 32] in weight order."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, -1)
+
+
+def _high_bits(qh: np.ndarray, n: int) -> np.ndarray:
+    """Q5_0/Q5_1 qh bytes [rows, blocks, 4] (bit i of the uint32: weight i) -> 0/1 [rows, in]."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return bits.reshape(n, -1)
+
+
+def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K 12 scale bytes [rows, blocks, 12] -> 6-bit scales and mins [rows, blocks, 8]."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=-1)
+    mn = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=-1)
+    return sc, mn
+
+
+def _to_u4(values: np.ndarray) -> np.ndarray:
+    """uint8 values 0..15 [rows, in] (in a multiple of 64) -> the u4 plane [rows, in / 2]."""
+    g = values.reshape(values.shape[0], -1, 2, 32)
+    return np.ascontiguousarray(g[:, :, 0] | (g[:, :, 1] << 4)).reshape(values.shape[0], -1)
+
+
+def _four_bit(qtype: str, values: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
+              nibbles: bool, shape: tuple[int, int]) -> QuantWeight:
+    """A 4-bit type (values 0..15; Q4_0's weight is scale * (value - 8)) as u4 nibbles when asked
+    and ``in`` fills whole 64-weight groups, else as int8."""
+    zero = 8 if qtype == "Q4_0" else 0
+    if nibbles and shape[1] % 64 == 0:
+        if zero:  # folded into an offset (exact: see the module doc)
+            offset = np.float32(-zero) * scale
+        return QuantWeight(qtype, shape, "u4", _to_u4(values), scale, offset, 32)
+    q = (values.astype(np.int16) - zero).astype(np.int8)  # NOTE: q - zero is exact in int8
+    return QuantWeight(qtype, shape, "i8", q, scale, offset, 32)
+
+
+def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int], *, nibbles: bool = True) -> QuantWeight:
+    """The raw GGUF bytes of a tensor (any shape holding out * row-bytes uint8, as GGUFReader's
+    ``tensor.data``) of type ``qtype`` and logical shape (out, in) -> its packed QuantWeight.
+    nibbles: keep 4-bit types (Q4_0, Q4_1, Q4_K) as u4 nibbles (else int8 planes: 1.25 instead of
+    0.75 bytes a weight, faster at batch 1, slower from 4: docs/bench_quant.md)."""
+    if qtype not in BLOCK_SIZES:
+        raise ValueError(f"GGUF type {qtype} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    n, k = shape
+    bs, ts = BLOCK_SIZES[qtype]
+    if k % bs:
+        raise ValueError(f"{qtype}: a row of {k} weights is not a whole number of {bs}-weight blocks")
+    data = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if data.size != n * (k // bs) * ts:
+        raise ValueError(f"{qtype} {shape}: {data.size} bytes, expected {n * (k // bs) * ts}")
+    if qtype == "F32":
+        return QuantWeight(qtype, shape, "f32", data.view(np.float32).reshape(n, k))
+    if qtype in ("F16", "BF16"):
+        return QuantWeight(qtype, shape, qtype.lower(), data.view(np.uint16).reshape(n, k))
+    b = data.reshape(n, k // bs, ts)
+    if qtype in ("Q4_0", "Q4_1", "Q4_K"):
+        return _FOUR_BIT[qtype](b, n, shape, nibbles)
+    return _REPACK[qtype](b, n, shape)
+
+
+def _q8_0(b, n, shape):
+    return QuantWeight("Q8_0", shape, "i8", b[..., 2:].copy().view(np.int8).reshape(n, -1), _f16(b[..., 0:2]),
+                       None, 32)
+
+
+def _q4_0(b, n, shape, nibbles):
+    return _four_bit("Q4_0", _nibbles(b[..., 2:], n), _f16(b[..., 0:2]), None, nibbles, shape)
+
+
+def _q4_1(b, n, shape, nibbles):
+    return _four_bit("Q4_1", _nibbles(b[..., 4:], n), _f16(b[..., 0:2]), _f16(b[..., 2:4]), nibbles, shape)
+
+
+def _q5(b, n, shape, qtype: str):
+    has_min = qtype == "Q5_1"
+    qh, qs = (b[..., 4:8], b[..., 8:]) if has_min else (b[..., 2:6], b[..., 6:])
+    values = _nibbles(qs, n) | (_high_bits(qh, n) << 4)
+    zero = 0 if has_min else 16
+    q = (values.astype(np.int16) - zero).astype(np.int8)
+    offset = _f16(b[..., 2:4]) if has_min else None
+    return QuantWeight(qtype, shape, "i8", q, _f16(b[..., 0:2]), offset, 32)
+
+
+def _q4_k(b, n, shape, nibbles):
+    sc, mn = _k_scales(b[..., 4:16])
+    scale = (_f16(b[..., 0:2])[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    offset = -(_f16(b[..., 2:4])[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    qs = b[..., 16:].reshape(n, -1)
+    if nibbles:  # 4 groups of 32 bytes a block, weight 64g + j low, 64g + 32 + j high: the u4 order
+        return QuantWeight("Q4_K", shape, "u4", qs.copy(), scale, offset, 32)
+    g = qs.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return QuantWeight("Q4_K", shape, "i8", (g & 15).astype(np.int8).reshape(n, -1), scale, offset, 32)
+
+
+def _q5_k(b, n, shape):
+    sc, mn = _k_scales(b[..., 4:16])
+    scale = (_f16(b[..., 0:2])[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    offset = -(_f16(b[..., 2:4])[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    qh, qs = b[..., 16:48], b[..., 48:]
+    groups = qs.reshape(n, -1, 4, 32)
+    low = np.stack([groups & 15, groups >> 4], axis=3)                    # [n, blk, 4, 2, 32]
+    high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1                # [n, blk, 8, 32]
+    q = (low.reshape(n, -1, 8, 32) | (high << 4)).astype(np.int8).reshape(n, -1)
+    return QuantWeight("Q5_K", shape, "i8", q, scale, offset, 32)
+
+
+def _q6_k(b, n, shape):
+    ql, qh, sc, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])
+    scale = (d[..., None] * sc.copy().view(np.int8).astype(np.float32)).reshape(n, -1)
+    low = ql.reshape(n, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    low = (low & 15).reshape(n, -1, 8, 32)
+    high = qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    high = (high & 3).reshape(n, -1, 8, 32)
+    q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(n, -1)
+    return QuantWeight("Q6_K", shape, "i8", q, scale, None, 16)
+
+
+def _q3_k(b, n, shape):
+    hmask, qs, scales, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
+    lo = scales[..., 0:8, None] >> np.array([0, 4], dtype=np.uint8)            # [n, blk, byte, shift]
+    hi = scales[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)
+    lo, hi = (a.transpose(0, 1, 3, 2).reshape(n, -1, 16) for a in (lo, hi))  # shift-major, as ggml
+    sc = ((lo & 15) | ((hi & 3) << 4)).astype(np.int8) - np.int8(32)
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    ql = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    qm = (hmask.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+    q = ql.reshape(n, -1, 8, 32).astype(np.int8) - ((qm ^ 1) << 2).astype(np.int8)
+    return QuantWeight("Q3_K", shape, "i8", q.reshape(n, -1), scale, None, 16)
+
+
+def _q2_k(b, n, shape):
+    scales, qs, d, dmin = b[..., 0:16], b[..., 16:80], _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    scale = (d[..., None] * (scales & 15).astype(np.float32)).reshape(n, -1)
+    offset = -(dmin[..., None] * (scales >> 4).astype(np.float32)).reshape(n, -1)
+    q = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    return QuantWeight("Q2_K", shape, "i8", q.astype(np.int8).reshape(n, -1), scale, offset, 16)
+
+
+_FOUR_BIT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+_REPACK = {"Q8_0": _q8_0, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k,
+           "Q5_0": lambda b, n, s: _q5(b, n, s, "Q5_0"), "Q5_1": lambda b, n, s: _q5(b, n, s, "Q5_1")}
+
+
+def dequantize(w: QuantWeight) -> np.ndarray:
+    """float32 [out, in]: bit-identical to gguf-py's ``dequantize`` of the raw blocks."""
+    n, k = w.shape
+    if w.kind == "f32":
+        return w.q
+    if w.kind == "bf16":
+        return (w.q.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    if w.kind == "f16":
+        return w.q.view(np.float16).astype(np.float32)
+    if w.kind == "u4":
+        g = w.q.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (g & 15).astype(np.float32).reshape(n, -1, w.block)
+    else:
+        q = w.q.astype(np.float32).reshape(n, -1, w.block)
+    assert w.scale is not None  # every quantized kind has scales
+    out = w.scale[..., None] * q
+    if w.offset is not None:
+        out = out + w.offset[..., None]
+    return out.reshape(n, k)
+
+
+# Byte offsets of each type's f16 fields in its block (d, dmin, m): the only bytes that can make a
+# block invalid (inf / nan); every other byte pattern is a valid block.
+F16_FIELDS: dict[str, tuple[int, ...]] = {
+    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}
+
+
+def random_raw(qtype: str, shape: tuple[int, int], rng: np.random.Generator,
+               scale: float = 0.05) -> np.ndarray:
+    """Random raw GGUF bytes [out, row bytes] of a valid tensor (tests, benchmarks): random bytes,
+    with the f16 fields set to finite values ~ N(0, scale) (floats: N(0, 1))."""
+    n, k = shape
+    bs, ts = BLOCK_SIZES[qtype]
+    if qtype in ("F32", "F16"):
+        return rng.standard_normal((n, k)).astype(np.float32 if qtype == "F32" else np.float16).view(np.uint8)
+    if qtype == "BF16":
+        bits = rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> np.uint32(16)
+        return bits.astype(np.uint16).view(np.uint8)
+    raw = rng.integers(0, 256, (n, k // bs * ts), dtype=np.uint8)
+    blocks = raw.reshape(n, k // bs, ts)
+    for off in F16_FIELDS[qtype]:
+        d = (rng.standard_normal((n, k // bs, 1)) * scale).astype(np.float16)
+        blocks[..., off:off + 2] = d.view(np.uint8)
+    return raw

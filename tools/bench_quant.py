@@ -1,0 +1,130 @@
+"""Quantized linear kernels' speed: ``y = x @ W.T`` per GGUF type (gpu/cpu_quant_kernels.py) in G
+weights/s and GB/s of the bytes the packed weight holds, beside float32 through numpy (OpenBLAS
+sgemv / sgemm) in the same run, for several batch sizes, shapes and thread counts.
+
+    .venv/bin/python -m ringserve.tools.bench_quant [--threads 1 2] [--batch 1 4 16 64] [--json FILE]
+
+Weights are random valid blocks (gpu/quant.py random_raw), repacked as at load. Each cell is the
+best of --repeats timed calls (after one warm-up call), and the whole grid is run --rounds times
+keeping each cell's best: the development VM is shared with other busy processes, and the best
+time is the one least disturbed by them. Threads: Numba's (parallel=True when more than one) and
+BLAS's (threadpoolctl), the same number for both, as the CPU runner sets them.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+from typing import Any, Callable
+
+import numba
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from ringserve.gpu.cpu_quant_kernels import quant_linear
+from ringserve.gpu.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, random_raw, repack
+from ringserve.tools.bench_report import BenchRun, add_json_argument, markdown_table
+
+NUMPY_F32 = "numpy f32"  # the baseline row: float32 weights through np.matmul (sgemv / sgemm)
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", nargs="+", default=list(SUPPORTED_TYPES), choices=SUPPORTED_TYPES)
+    ap.add_argument("--shape", nargs="+", default=["8192x4096", "576x1536"],
+                    help="out x in of the weight (default: a Llama-8B-sized one; SmolLM2-135M's down "
+                         "projection); a type whose blocks do not tile a row is left out")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--int8-4bit", action="store_true",
+                    help="also each 4-bit type repacked as int8 planes (row '<type> i8'), beside its nibbles")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=7, help="timed calls per cell and round (best kept)")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the whole grid (best kept)")
+    add_json_argument(ap)
+    return ap.parse_args(argv)
+
+
+def best_time(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up: compile, fault in the scratch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    rng = np.random.default_rng(0)
+    best: dict[tuple, float] = {}
+    info: dict[tuple, tuple[str, float]] = {}  # (shape, type) -> (kind, bytes per weight)
+    for shape_text in args.shape:
+        n, k = (int(v) for v in shape_text.split("x"))
+        weights: dict[str, np.ndarray | QuantWeight] = {
+            NUMPY_F32: rng.standard_normal((n, k)).astype(np.float32)}
+        for qtype in args.types:
+            if k % BLOCK_SIZES[qtype][0] == 0:
+                raw = random_raw(qtype, (n, k), rng)
+                weights[qtype] = repack(raw, qtype, (n, k))
+                if args.int8_4bit and qtype in FOUR_BIT:
+                    weights[qtype + " i8"] = repack(raw, qtype, (n, k), nibbles=False)
+        xs = {b: rng.standard_normal((b, k)).astype(np.float32) for b in args.batch}
+        for name, w in weights.items():
+            kind = w.kind if isinstance(w, QuantWeight) else "f32"
+            info[shape_text, name] = (kind, w.nbytes / (n * k))
+        for _ in range(args.rounds):
+            for threads in args.threads:
+                numba.set_num_threads(threads)
+                with threadpool_limits(limits=threads, user_api="blas"):
+                    for name, w in weights.items():
+                        for b, x in xs.items():
+                            out = np.empty((b, n), np.float32)
+                            if isinstance(w, QuantWeight):
+                                fn = partial(quant_linear, x, w, out, parallel=threads > 1)
+                            else:
+                                fn = partial(np.matmul, x, w.T, out=out)
+                            t = best_time(fn, args.repeats)
+                            key = (shape_text, threads, name, b)
+                            best[key] = min(best.get(key, float("inf")), t)
+    rows = []
+    for (shape_text, threads, name, b), t in best.items():
+        n, k = (int(v) for v in shape_text.split("x"))
+        kind, bpw = info[shape_text, name]
+        rows.append({"shape": shape_text, "threads": threads, "type": name, "kind": kind, "batch": b,
+                     "bytes_per_weight": round(bpw, 4), "seconds": t, "gweights_s": n * k / t / 1e9,
+                     "gbytes_s": n * k * bpw / t / 1e9})
+    return rows
+
+
+def render(rows: list[dict], batches: list[int]) -> str:
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for threads in dict.fromkeys(r["threads"] for r in rows):
+            sel = [r for r in rows if r["shape"] == shape and r["threads"] == threads]
+            by_type: dict[str, dict[int, dict]] = {}
+            for r in sel:
+                by_type.setdefault(r["type"], {})[r["batch"]] = r
+            head = ["type", "kind", "B/weight"] + [f"batch {b}: G w/s (GB/s)" for b in batches]
+            lines = []
+            for name, cells in by_type.items():
+                first = next(iter(cells.values()))
+                lines.append([name, first["kind"], f"{first['bytes_per_weight']:.3f}"]
+                             + [f"{cells[b]['gweights_s']:.2f} ({cells[b]['gbytes_s']:.1f})"
+                                for b in batches])
+            out.append(f"W {shape} (out x in), {threads} thread(s):\n\n"
+                       + markdown_table(head, lines, ["<", "<", ">"] + [">"] * len(batches)))
+    return "\n\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run = BenchRun.start("bench_quant", args)
+    rows = measure(args)
+    print(run.header())
+    print(render(rows, args.batch))
+    run.write(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()
