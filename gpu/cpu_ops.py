@@ -13,7 +13,7 @@ linears (gpu/cpu_linear.py) are bandwidth kernels; norms, RoPE and SiLU are fuse
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -23,22 +23,36 @@ from ringserve.gpu.cpu_attention import paged_attention
 from ringserve.gpu.cpu_kernels import add_rms_norm, rms_norm, rope_store_kv, silu_mul
 from ringserve.gpu.cpu_kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu_linear import linear, to_bfloat16, widen_bfloat16
+from ringserve.gpu.cpu_packed import (
+    PackedWeight,
+    fuse_packed,
+    is_packed,
+    packed_linear,
+    packed_nbytes,
+    packed_rows,
+)
 
 F32 = np.float32
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
 class CpuWeightStore:
-    """model.WeightStore: linear weights (and the embedding) as float32, or as bfloat16 bits in
-    uint16 (half the bytes a decode step streams; cpu_linear widens them on the fly); norms and
-    biases always float32."""
+    """model.WeightStore. A linear weight (and the embedding) stored packed (GGUF blocks, F16,
+    BF16) stays in its type (gpu/cpu_packed.py: 4-9x fewer bytes than float32 for a decode step
+    to stream); one stored as float32 is kept float32, or as bfloat16 bits in uint16 with
+    --dtype bfloat16 (cpu_linear widens them on the fly). Norms and biases are float32."""
 
-    def __init__(self, weight_dtype: str = "float32"):
+    def __init__(self, weight_dtype: str = "float32", widen_packed: bool = False):
+        """widen_packed: widen packed weights to weight_dtype too (the float path, for
+        comparisons: tests, bench_forward)."""
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight dtype {weight_dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
         self.bfloat16 = weight_dtype == "bfloat16"
+        self.widen_packed = widen_packed
 
-    def linear(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    def linear(self, arrays: Sequence[Any]) -> np.ndarray | PackedWeight:
+        if not self.widen_packed and any(is_packed(a) for a in arrays):
+            return fuse_packed(arrays)
         # NOTE: always a fresh array of our own, even of one tensor: a decode step streams
         # these, and a view into the loaded file's buffer may sit at any alignment
         w = np.concatenate([np.asarray(a, dtype=F32) for a in arrays])
@@ -47,6 +61,8 @@ class CpuWeightStore:
     def nbytes(self, tensor) -> int:
         """What memory will hold for one HF tensor once stored (the start-up fit check): a
         matrix as this store keeps linear weights, a vector (norm, bias) as float32."""
+        if len(tensor.shape) == 2 and is_packed(tensor) and not self.widen_packed:
+            return packed_nbytes(tensor)
         size = int(np.prod(tensor.shape))
         return size * (2 if self.bfloat16 and len(tensor.shape) == 2 else 4)
 
@@ -102,13 +118,18 @@ class CpuOps:
         self.eps = F32(c.rms_norm_eps)
 
     def embedding(self, ids, table, out) -> None:
-        if table.dtype == np.uint16:  # bfloat16 bits
+        if not isinstance(table, np.ndarray):
+            packed_rows(table, ids, out)
+        elif table.dtype == np.uint16:  # bfloat16 bits
             out[...] = widen_bfloat16(table[ids])
         else:
             np.take(table, ids, axis=0, out=out)
 
     def linear(self, x, weight, out) -> None:
-        linear(x, weight, out, parallel=self.parallel)
+        if isinstance(weight, np.ndarray):
+            linear(x, weight, out, parallel=self.parallel)
+        else:
+            packed_linear(x, weight, out, self.parallel)
 
     def add_bias(self, x, bias) -> None:
         x += bias

@@ -27,9 +27,10 @@ from ringserve.gpu.settings import CPU_KV_CACHE_MEMORY_BYTES, CacheConfig, Devic
 from ringserve.gpu.weights import load_weights
 
 _BLAS = ThreadpoolController()
-# dtype -> how the CPU backend stores weights; it always computes in float32. "bfloat16" is an
-# option that halves the bytes a decode step streams (its logits differ from float32's by bf16
-# rounding of the weights); float32 is the default and matches transformers.
+# dtype -> how the CPU backend stores float32 weights; it always computes in float32. "bfloat16"
+# is an option that halves the bytes a decode step streams (its logits differ from float32's by
+# bf16 rounding of the weights); float32 is the default and matches transformers. Weights stored
+# in another type (GGUF blocks, F16, BF16) stay in it whatever the dtype (gpu/cpu_packed.py).
 CPU_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -42,10 +43,11 @@ class CpuModelRunner:
                  block_size: int = CacheConfig.block_size, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
                  kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, widen_packed: bool = False):
         """num_threads: Numba's (and BLAS's) threads for a step, default_num_threads() by
         default; num_blocks: the KV pool, else as many blocks as kv_cache_memory_bytes holds
-        (in kv_cache_dtype: gpu/cpu_kv_dtypes.py)."""
+        (in kv_cache_dtype: gpu/cpu_kv_dtypes.py). widen_packed: GGUF blocks and 16-bit weights
+        widened to dtype as well (the float path, for comparisons), not kept packed."""
         if dtype not in CPU_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported by the CPU backend "
                              f"({', '.join(CPU_DTYPES)})")
@@ -69,7 +71,7 @@ class CpuModelRunner:
                              f"({self.bytes_per_block} bytes per block)")
         self.num_blocks = int(num_blocks)
         hf = load_weights(model_dir)
-        store = CpuWeightStore(CPU_DTYPES[dtype])
+        store = CpuWeightStore(CPU_DTYPES[dtype], widen_packed)
         check_fits(sum(store.nbytes(t) for t in hf.values()), self.num_blocks * self.bytes_per_block,
                    self.num_blocks)
         self.weights = LlamaWeights.fuse(c, hf, store)

@@ -1,0 +1,116 @@
+"""Weights the CPU backend keeps in their stored type: GGUF blocks and 16-bit floats, packed by
+gpu/quant.py and multiplied by gpu/cpu_quant_kernels.py. This module decides how one fused
+linear (the model's QKV or gate-up: several HF tensors stacked along rows) is held, and runs it.
+
+A fused linear whose parts share a type is one QuantWeight (the parts' planes stacked: rows are
+independent in every layout). One whose parts differ, as llama.cpp's Q4_K_M files mix Q4_K and
+Q6_K (v and some down projections in Q6_K), is a SplitWeight: one product per part, each into its
+own columns of the output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ringserve.gpu.cpu_quant_kernels import quant_linear
+from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, repack, take_rows
+from ringserve.gpu.weights import GGMLTensor
+
+
+def is_packed(tensor: Any) -> bool:
+    """Kept in its stored type rather than widened: GGUF blocks, BF16 (a GGMLTensor), F16."""
+    return isinstance(tensor, GGMLTensor) or getattr(tensor, "dtype", None) == np.float16
+
+
+def pack(tensor: Any) -> QuantWeight:
+    """One HF matrix as a QuantWeight of its own type (float32 stays float32)."""
+    if isinstance(tensor, GGMLTensor):
+        return repack(tensor.raw, tensor.ggml_type, tensor.shape)
+    a = np.ascontiguousarray(tensor)
+    qtype = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}.get(a.dtype)
+    if qtype is None or a.ndim != 2:
+        raise ValueError(f"a {a.dtype} tensor of shape {a.shape} cannot be packed")
+    return repack(a, qtype, (a.shape[0], a.shape[1]))
+
+
+@dataclass(frozen=True, eq=False)
+class SplitWeight:
+    """A fused linear whose parts are kept in different types."""
+    parts: tuple[QuantWeight, ...]
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+PackedWeight = QuantWeight | SplitWeight
+
+
+def fuse_packed(tensors: Sequence[Any]) -> PackedWeight:
+    """Stack HF matrices along rows, each kept in its own type."""
+    parts = [pack(t) for t in tensors]
+    groups: list[list[QuantWeight]] = []
+    for p in parts:  # neighbours of one type and layout become one weight
+        if groups and _same_layout(groups[-1][0], p):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    stacked = tuple(_stack(g) for g in groups)
+    rows = sum(p.shape[0] for p in stacked)
+    return stacked[0] if len(stacked) == 1 else SplitWeight(stacked, (rows, stacked[0].shape[1]))
+
+
+def _same_layout(a: QuantWeight, b: QuantWeight) -> bool:
+    return ((a.qtype, a.kind, a.block, a.shape[1], a.scale is None, a.offset is None)
+            == (b.qtype, b.kind, b.block, b.shape[1], b.scale is None, b.offset is None))
+
+
+def _stack(parts: list[QuantWeight]) -> QuantWeight:
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+
+    def rows(name: str) -> np.ndarray | None:
+        planes = [getattr(p, name) for p in parts]
+        return None if planes[0] is None else np.concatenate(planes)
+
+    q = rows("q")
+    assert q is not None
+    return QuantWeight(first.qtype, (sum(p.shape[0] for p in parts), first.shape[1]), first.kind, q,
+                       rows("scale"), rows("offset"), first.block)
+
+
+def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: bool) -> None:
+    """out = x @ W.T for a packed weight."""
+    if isinstance(w, QuantWeight):
+        quant_linear(x, w, out, parallel=parallel)
+        return
+    lo = 0
+    for part in w.parts:  # NOTE: each part into its own buffer: the kernels write whole rows
+        hi = lo + part.shape[0]
+        out[:, lo:hi] = quant_linear(x, part, None, parallel=parallel)
+        lo = hi
+
+
+def packed_rows(w: PackedWeight, ids: np.ndarray, out: np.ndarray) -> None:
+    """out = W[ids] as float32 (the embedding lookup of a packed table)."""
+    if isinstance(w, SplitWeight):
+        raise ValueError("an embedding table is one tensor")
+    out[...] = dequantize(take_rows(w, ids))
+
+
+# Bytes a weight takes once packed, by type (gpu/quant.py's layouts; 4-bit rows that are not
+# whole 64-weight groups become int8, 1.125-1.25): the start-up fit check's estimate.
+_PACKED_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75,
+                 "Q5_0": 1.125, "Q5_1": 1.25, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, "Q3_K": 1.25,
+                 "Q2_K": 1.5}
+assert set(_PACKED_BYTES) == set(BLOCK_SIZES)
+
+
+def packed_nbytes(tensor: Any) -> int:
+    """About what pack(tensor) will hold in memory."""
+    kind = tensor.ggml_type if isinstance(tensor, GGMLTensor) else "F16"
+    return int(np.prod(tensor.shape) * _PACKED_BYTES[kind])

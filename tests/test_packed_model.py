@@ -1,0 +1,46 @@
+"""The model served from its GGUF types (gpu/cpu_packed.py): the default model's Q4_1 and Q8_0
+kept packed give the float32 path's logits and greedy text, and take a fifth of the memory;
+a fused linear of mixed types (Q4_K_M's Q4_K and Q6_K) runs part by part."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed, packed_linear
+from ringserve.gpu.quant import dequantize, random_raw
+from ringserve.gpu.runner import MemoryReport, ModelRunner
+from ringserve.gpu.weights import GGMLTensor
+from test_cpu_kernels import step
+
+
+@pytest.mark.slow
+def test_the_default_model_packed_gives_the_float32_logits(default_model_dir):
+    packed = ModelRunner(default_model_dir, num_blocks=16, num_threads=1)
+    wide = ModelRunner(default_model_dir, num_blocks=16, num_threads=1, widen_packed=True)
+    held = MemoryReport.of(packed).weight_bytes
+    assert set(held) == {"Q4_1", "Q8_0", "F32"} and MemoryReport.of(wide).weight_bytes.keys() == {"F32"}
+    assert sum(held.values()) * 4.5 < sum(MemoryReport.of(wide).weight_bytes.values())
+    tokens = np.random.default_rng(3).integers(3, 40000, 40).tolist()
+    for runner in (packed, wide):  # a prefill (the BLAS path), a chunk of 3 (tiles), decode tokens
+        runner.out = [runner.execute(step(tokens[:30], 0))[0], runner.execute(step(tokens[30:33], 30))[0]]
+        runner.out += [runner.execute(step([t], 33 + i))[0] for i, t in enumerate(tokens[33:36])]
+    for got, want in zip(packed.out, wide.out, strict=True):
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+        assert got.argmax() == want.argmax()
+
+
+def test_a_fused_linear_of_mixed_types_runs_part_by_part():
+    rng = np.random.default_rng(0)
+    shapes = [("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]   # q, k in Q4_K; v in Q6_K
+    tensors = [GGMLTensor(kind, (rows, 512), random_raw(kind, (rows, 512), rng)) for kind, rows in shapes]
+    fused = fuse_packed(tensors)
+    assert isinstance(fused, SplitWeight) and [p.qtype for p in fused.parts] == ["Q4_K", "Q6_K"]
+    assert fused.parts[0].shape == (384, 512) and fused.shape == (512, 512)
+    want_w = np.concatenate([np.asarray(t, dtype=np.float64) for t in tensors])
+    for rows in (1, 3, 70):
+        x = rng.standard_normal((rows, 512)).astype(np.float32)
+        out = np.empty((rows, 512), np.float32)
+        packed_linear(x, fused, out, parallel=False)
+        want = x.astype(np.float64) @ want_w.T
+        np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    assert np.array_equal(dequantize(fused.parts[1]), np.asarray(tensors[2]))
