@@ -59,6 +59,9 @@ class DeviceConfig:
                 "bfloat16 weights), float16 on cuda"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "cuda: no CUDA graphs for decode (debugging; slower)"})
+    cpu_threads: int | None = field(default=None, metadata={
+        "help": "cpu: threads an engine step runs on (llama.cpp's -t); default: half the cores "
+                "this process may use, the other half left to the HTTP workers (docs/bench_quant.md)"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
         "help": "cuda paged attention: rawkernel is the tuned CUDA C kernel, numba the "
@@ -68,6 +71,7 @@ class DeviceConfig:
         _one_of(self, "device", DEVICES)
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "attention_backend", ATTENTION_BACKENDS)
+        _at_least(self, 1, "cpu_threads")
 
 
 @dataclass(kw_only=True)
