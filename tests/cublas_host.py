@@ -102,7 +102,7 @@ class HostCublas:
     def gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta,
                 c, ctype, ldc, compute_type, algo) -> None:
         state = self.handles[handle]
-        assert state["stream"] and state["workspace"], f"gemm_ex on a handle without stream or workspace: {state}"
+        assert state["stream"] and state["workspace"], f"gemm_ex without stream or workspace: {state}"
         self.calls.append(GemmCall(transa, transb, m, n, k, lda, ldb, ldc, a, b, c, atype, btype,
                                    ctype, compute_type))
         alpha_v = ctypes.c_float.from_address(alpha).value

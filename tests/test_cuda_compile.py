@@ -79,7 +79,7 @@ def test_kernels_launched_wide_carry_launch_bounds():
     compiler (ptxas -v here says what this ptxas does; the driver's JIT may choose more)."""
     for name, threads in LAUNCH_THREADS.items():
         bound = _kernel(name).targetoptions.get("launch_bounds")
-        assert bound is not None and bound >= threads, f"{name}: launch_bounds {bound}, launched with {threads}"
+        assert bound is not None and bound >= threads, f"{name}: launch_bounds {bound}, launched {threads}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -61,7 +61,8 @@ def test_gemm_reproduces_x_at_w_transposed(M, K, N):
     (call,) = cublas.calls
     assert (call.transa, call.transb, call.m, call.n, call.k) == (Operation.T, Operation.N, N, M, K)
     assert (call.lda, call.ldb, call.ldc) == (K, K, N)
-    assert (call.atype, call.btype, call.ctype, call.compute_type) == (CUDA_R_16F,) * 3 + (ComputeType.COMPUTE_32F,)
+    assert (call.atype, call.btype, call.ctype) == (CUDA_R_16F,) * 3
+    assert call.compute_type == ComputeType.COMPUTE_32F
     assert (call.a, call.b, call.c) == (w.ctypes.data, x.ctypes.data, out.ctypes.data)
 
 
@@ -74,6 +75,20 @@ def test_handle_gets_stream_then_workspace_before_any_gemm():
     assert cublas.handles[handle]["stream"] == STREAM
     g.close()
     assert cublas.events[-1] == ("destroy", handle) and g.handle == 0
+
+
+def test_the_stand_in_has_nvmaths_names_and_values():
+    """Where nvmath-python is installed (the `cuda` extra), the stand-in's enums and the
+    functions CublasGemm calls are the binding's own."""
+    nvmath = pytest.importorskip("nvmath")
+    from nvmath.bindings import cublas
+    assert int(nvmath.CudaDataType.CUDA_R_16F) == CUDA_R_16F == gemm.CUDA_R_16F
+    for enum_name in ("Operation", "ComputeType", "GemmAlgo"):
+        ours = getattr(HostCublas, enum_name)
+        for member in ours:
+            assert int(getattr(getattr(cublas, enum_name), member.name)) == int(member), member
+    for fn in ("create", "destroy", "set_stream", "set_workspace", "gemm_ex"):
+        assert callable(getattr(cublas, fn))
 
 
 def test_bad_operands_are_refused():
@@ -193,7 +208,8 @@ def test_the_captured_path_names_no_other_gemm():
 
 def test_the_gemm_check_sees_a_cupy_matmul():
     """The checker finds what it must: the old CudaOps.linear."""
-    old = "def linear(self, x, weight, out):\n    with self.stream:\n        cp.matmul(x, weight.T, out=out)\n"
+    old = ("def linear(self, x, weight, out):\n    with self.stream:\n"
+           "        cp.matmul(x, weight.T, out=out)\n")
     assert _gemm_uses(ast.parse(old)) == ["line 3: .matmul"]
     assert _gemm_uses(ast.parse("out[...] = x @ w.T")) == ["line 1: @"]
     assert _gemm_uses(ast.parse("from cupy_backends.cuda.libs import cublas")) != []

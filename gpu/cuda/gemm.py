@@ -1,11 +1,12 @@
 """The CUDA runner's GEMMs on its own cuBLAS handle, so that a CUDA graph can capture them.
 
-Not cp.matmul: CuPy refuses every cuBLAS call on a capturing stream. cupy/cupy@6b6d9563
+Not cp.matmul: CuPy refuses every cuBLAS call on a capturing stream. In cupy/cupy@6b6d9563,
 cupy_backends/cuda/libs/cublas.pyx lines 642-651: setStream() raises NotImplementedError
 ('calling cuBLAS API during stream capture is currently unsupported') when
 runtime.streamIsCapturing(stream); lines 666-668 and 1639-1644: gemmEx() calls _setStream()
-first, and cupy/_core/_routines_linalg.pyx matmul (line 821) reaches it through
-tensordot_core (line 541) -> tensordot_core_v11 (line 702) -> cublas.gemmEx (line 775).
+first. cupy/_core/_routines_linalg.pyx: matmul (line 821) takes 2-D operands to dot (lines
+856-863; dot at 475), dot to tensordot_core (538; at 541), which on compute capability >= 5.0
+calls tensordot_core_v11 (630; at 702), which calls cublas.gemmEx (775).
 PyTorch captures cuBLAS because it owns its handle and workspace; so does this class, through
 nvmath-python's binding (nvmath/bindings/cublas.pyx: create, set_stream, set_workspace,
 gemm_ex), which has no such guard. The binding is passed in (`cublas`): CI runs this class over
@@ -15,8 +16,9 @@ a host stand-in that records each call and does the column-major GEMM in numpy
 Row-major out[M, N] = x[M, K] @ w[N, K].T, read column-major (a row-major array is its
 transpose there): out^T[N, M] = w[N, K] x^T[K, M], i.e. C = op(A) op(B) with A = w seen as
 [K, N] (lda: w's row pitch) and op(A) = A^T, B = x seen as [K, M] (ldb: x's row pitch), C = out
-seen as [N, M] (ldc: out's row pitch): transa T, transb N, m = N, n = M, k = K. Row pitches come from the strides, so the
-leading-rows views a graph size runs over (StepBuffers.leading) need no copy.
+seen as [N, M] (ldc: out's row pitch): transa T, transb N, m = N, n = M, k = K. Row pitches
+come from the strides, so the leading-rows views a graph size runs over (StepBuffers.leading)
+need no copy.
 """
 from __future__ import annotations
 

@@ -34,7 +34,9 @@ def _kernel(max_threads: int):
     driver's JIT) keeps a thread's registers within 65536 / max_threads and a launch of that
     many threads cannot fail for registers ("too many resources requested"), whatever the
     compiler version. The simulator's jit takes no launch_bounds."""
-    return cuda.jit if config.ENABLE_CUDASIM else cuda.jit(launch_bounds=max_threads)
+    if config.ENABLE_CUDASIM:  # type: ignore[attr-defined]
+        return cuda.jit
+    return cuda.jit(launch_bounds=max_threads)  # type: ignore[call-arg]
 GREEDY_EPS = 1e-5            # gpu/sampler.py: temperature below this is greedy
 _KEY_END = 1 << 32           # one past the largest key
 
