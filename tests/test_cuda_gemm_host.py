@@ -44,23 +44,26 @@ def host_gemm(cublas: HostCublas) -> CublasGemm:
     return g
 
 
+@pytest.mark.parametrize("pad", [0, 8])
 @pytest.mark.parametrize("M,K,N", [(1, 64, 3), (7, 96, 40), (33, 17, 5)])
-def test_gemm_reproduces_x_at_w_transposed(M, K, N):
-    """Contiguous arrays and leading-rows views of wider buffers (a graph size's views)."""
+def test_gemm_reproduces_x_at_w_transposed(M, K, N, pad):
+    """Leading-rows views of taller buffers (a graph size's views); pad: rows wider than the
+    matrix, so that x's, w's and out's pitches all differ from K and N."""
     rng = np.random.default_rng(M)
     cublas = HostCublas()
     g = host_gemm(cublas)
-    big_x = rng.standard_normal((M + 4, K)).astype(F16)
-    w = rng.standard_normal((N, K)).astype(F16)
-    big_out = np.full((M + 4, N), np.nan, F16)
-    x, out = big_x[:M], big_out[:M]
+    big_x = rng.standard_normal((M + 4, K + pad)).astype(F16)
+    w = rng.standard_normal((N, K + 2 * pad)).astype(F16)[:, :K]
+    big_out = np.full((M + 4, N + 3 * pad), np.nan, F16)
+    x, out = big_x[:M, :K], big_out[:M, :N]
     g(x, w, out)
     want = (x.astype(F32) @ w.astype(F32).T).astype(F16)
     np.testing.assert_allclose(out.astype(F32), want.astype(F32), rtol=2e-3, atol=2e-3)
-    assert np.isnan(big_out[M:].astype(F32)).all()  # nothing past the view written
+    big_out[:M, :N] = np.nan
+    assert np.isnan(big_out.astype(F32)).all()  # nothing outside the view written
     (call,) = cublas.calls
     assert (call.transa, call.transb, call.m, call.n, call.k) == (Operation.T, Operation.N, N, M, K)
-    assert (call.lda, call.ldb, call.ldc) == (K, K, N)
+    assert (call.lda, call.ldb, call.ldc) == (K + 2 * pad, K + pad, N + 3 * pad)
     assert (call.atype, call.btype, call.ctype) == (CUDA_R_16F,) * 3
     assert call.compute_type == ComputeType.COMPUTE_32F
     assert (call.a, call.b, call.c) == (w.ctypes.data, x.ctypes.data, out.ctypes.data)

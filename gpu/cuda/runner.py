@@ -64,7 +64,11 @@ class CudaOps:
     CuPy GEMM, which raises during capture); everything is enqueued, nothing waits."""
 
     def __init__(self, c: ModelConfig, stream: cp.cuda.Stream, attention_backend: str):
-        from nvmath.bindings import cublas  # the `cuda` extra's nvmath-python
+        try:
+            from nvmath.bindings import cublas
+        except ImportError as e:
+            raise ImportError(f"the CUDA runner's GEMMs need nvmath-python (the `cuda` extra: "
+                              f"pip install -e '.[cuda]'): {e}") from e
         self.stream = stream
         self.gemm_workspace = cp.empty(WORKSPACE_BYTES, cp.uint8)
         self.gemm = CublasGemm(cublas, stream.ptr, self.gemm_workspace.data.ptr, WORKSPACE_BYTES, _ptr)
