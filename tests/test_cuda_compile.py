@@ -73,14 +73,26 @@ def test_every_numba_kernel_has_signatures():
     assert kernels == set(NUMBA_SIGNATURES)
 
 
+def test_kernels_launched_wide_carry_launch_bounds():
+    """A kernel launched with more than 128 threads per block declares at least that many as
+    its launch bounds: the PTX's .maxntid caps its registers at 65536 / bound on every
+    compiler (ptxas -v here says what this ptxas does; the driver's JIT may choose more)."""
+    for name, threads in LAUNCH_THREADS.items():
+        bound = _kernel(name).targetoptions.get("launch_bounds")
+        assert bound is not None and bound >= threads, f"{name}: launch_bounds {bound}, launched {threads}"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", sorted(NUMBA_SIGNATURES))
 def test_numba_kernel_compiles(name, arch):
     cc = (int(arch[3]), int(arch[4]))
+    bounds = _kernel(name).targetoptions.get("launch_bounds")
     for sig in NUMBA_SIGNATURES[name]:
-        ptx, _ = cuda.compile_ptx(_kernel(name).py_func, sig, cc=cc)
+        ptx, _ = cuda.compile_ptx(_kernel(name).py_func, sig, cc=cc, launch_bounds=bounds)
         where = f"{name}{sig} {arch}"
         assert ".f64" not in ptx, f"{where}: float64 in the PTX"
+        if bounds is not None:
+            assert f".maxntid {bounds}" in ptx, f"{where}: no .maxntid in the PTX"
         check_resources(toolchain.ptxas_report(ptx, arch), where, LAUNCH_THREADS.get(name, 128))
 
 

@@ -1,21 +1,54 @@
-"""tools/gpu_check.py on a machine without a CUDA device: a clear message and exit code 1."""
+"""tools/gpu_check.py without a CUDA device: the import preflight runs and is written, then a
+clear message and exit code 1; and its machinery: the budget, per-phase time limits, result
+files after every phase, the tests phase killed as a process group, the tables."""
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from ringserve.tools import gpu_preflight
 from ringserve.tools.gpu_check import SHAPES, config_for, cuda_device_name
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(cuda_device_name() is not None, reason="this machine has a CUDA device")
-def test_without_a_device_it_says_so_and_exits_1(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ringserve.tools.gpu_check", "--json",
-                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+def test_without_a_device_it_checks_the_imports_writes_them_and_exits_1(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "ringserve.tools.gpu_check", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert "no CUDA device" in proc.stderr
-    assert not (tmp_path / "r.json").exists()
+    result = json.loads((out / "gpu_check.json").read_text())
+    checks = {p["check"]: p for p in result["preflight"]}
+    assert set(checks) == {f"import {m}" for m in gpu_preflight.IMPORTS + gpu_preflight.OPTIONAL}
+    assert checks["import numpy"]["ok"] and checks["import numba.cuda"]["ok"]
+    assert "preflight ok   import numpy" in proc.stdout  # printed as it ran
+    assert "preflight" in result["phases"]
+    assert (out / "gpu_check.txt").read_text().startswith("no CUDA device")
+
+
+def test_the_preflight_imports_are_the_deploy_wheel_list():
+    """Every module the preflight imports (what the gpu tests and gpu_check need) comes from a
+    distribution docs/deploy.md names: in the GPU image's list or in its wheel list."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
+
+    def names(tag: str) -> set[str]:
+        block = text.split(f"<!-- {tag} -->")[1].split(f"<!-- /{tag} -->")[0]
+        return {w.lower() for w in re.findall(r"[A-Za-z][\w.-]*", block)}
+    wheels, image = names("wheels"), names("image")
+    dist = {"numba.cuda": "numba-cuda", "nvmath.bindings.cublas": "nvmath-python",
+            "uvicorn_worker": "uvicorn-worker", "prometheus_client": "prometheus-client",
+            "cupy": "cupy-cuda13x"}
+    missing = [m for m in gpu_preflight.IMPORTS if dist.get(m, m) not in wheels | image]
+    assert not missing, f"docs/deploy.md's wheel list lacks {missing}"
+    assert "nvmath-python" in wheels and not wheels & image
 
 
 def test_benchmark_shapes_are_the_1b_and_8b_llamas():
@@ -66,6 +99,8 @@ def test_a_failing_phase_is_reported_and_the_next_still_runs():
 def test_the_table_prints_every_section(capsys):
     from ringserve.tools.gpu_check import print_tables
     result = dict(device="NVIDIA H200", date="2026-11-29", tests="passed", copy_GBps=4000.0,
+                  preflight=[dict(check="import nvmath.bindings.cublas", ok=False, required=True,
+                                  detail="ModuleNotFoundError: No module named 'nvmath'")],
                   attention=[dict(kernel="rawkernel", batch=1, context=1024, splits=8, us=12.5,
                                   GBps=1342.0, pct_copy=33.5)],
                   rows=[dict(model="1B", impl="ringserve eager", batch=1, step_ms=2.5, tok_s=400.0,
@@ -81,6 +116,7 @@ def test_the_table_prints_every_section(capsys):
     print_tables(result)
     out = capsys.readouterr().out
     assert "NVIDIA H200  2026-11-29  tests: passed  d2d copy: 4000 GB/s" in out
+    assert "preflight: 0/1 ok\n  FAIL import nvmath.bindings.cublas: ModuleNotFoundError" in out
     assert "rawkernel      1    1024      8      12.5    1342   33.5" in out
     # the graphs row streams 3 GB at 4000 GB/s: 0.75 ms of a 1.0 ms step = 75 % of the bound
     assert "ringserve graphs         1     1.000       1000    75.0" in out
@@ -90,3 +126,46 @@ def test_the_table_prints_every_section(capsys):
     assert ("1B         1        2.50x           9.01x    75.0  %bound >= 60: met, "
             "graphs >= 2x eager: met") in out
     assert "1B        64         nanx           2.50x    18.8  tok/s >= 3x transformers: MISSED" in out
+
+
+def test_a_phase_past_its_limit_is_stopped_and_each_phase_leaves_the_files(tmp_path):
+    from ringserve.tools.gpu_check import Budget, write_result
+    result = dict(device="NVIDIA H200", date="2026-12-01", preflight=[], tests=None, copy_GBps=None,
+                  attention=[], rows=[])
+    written = []
+
+    def after():
+        write_result(tmp_path, result)
+        written.append(json.loads((tmp_path / "gpu_check.json").read_text())["phases"].copy())
+    b = Budget(60, after=after)
+    result.update(skipped=b.skipped, phases=b.phases, errors=b.errors)
+    t = time.monotonic()
+    assert b.run("stuck", 1, lambda: time.sleep(30), limit_s=0.5) is None
+    assert time.monotonic() - t < 10
+    assert b.errors["stuck"].startswith("PhaseTimeout: past its 0 s limit")
+    assert b.run("next", 1, lambda: 7) == 7
+    assert [set(w) for w in written] == [{"stuck"}, {"stuck", "next"}]
+    assert "failed: stuck: PhaseTimeout" in (tmp_path / "gpu_check.txt").read_text()
+
+
+def test_a_timed_out_command_is_killed_with_its_whole_process_group(tmp_path):
+    """The tests phase's pytest starts engine processes: on timeout they go too."""
+    from ringserve.tools.gpu_check import run_in_session
+    pidfile = tmp_path / "child.pid"
+    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+              f"'import time; time.sleep(120)']); open({str(pidfile)!r}, 'w').write(str(p.pid)); "
+              f"time.sleep(120)")
+    t = time.monotonic()
+    assert run_in_session([sys.executable, "-c", script], timeout=3) is None
+    assert time.monotonic() - t < 30
+    child = int(pidfile.read_text())
+    for _ in range(50):  # dead within moments of the SIGKILL (a zombie until init reaps it)
+        try:
+            if "\nState:\tZ" in Path(f"/proc/{child}/status").read_text():
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the grandchild {child} outlived the timeout")
+    assert run_in_session([sys.executable, "-c", "raise SystemExit(3)"], timeout=30) == 3

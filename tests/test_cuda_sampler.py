@@ -175,6 +175,27 @@ else:
         assert pending.result().token_ids.tolist() == [3, 3]
         assert sampler.sample(x, _meta([(0.0, 0, 1.0, 0.0)] * 2)).token_ids.tolist() == [3, 3]
 
+    def test_warmup_metadata_launch_every_kernel_with_inputs_from_pinned_buffers(monkeypatch):
+        """What CudaModelRunner.warm_up samples with: every sampling kernel runs (none compiles
+        later, on a request), and every host input reaches the device from a pinned buffer
+        (from pageable memory the copy would wait for the stream's forward)."""
+        from ringserve.gpu.cuda.sampler import warmup_metadata
+        launched = set()
+        for name in ("penalties", "sample", "logprobs"):
+            real = getattr(sk, name)
+            monkeypatch.setattr(sk, name, lambda *a, _n=name, _f=real, **k: (launched.add(_n), _f(*a, **k)))
+        sampler = CudaSampler(threads=THREADS)
+        x = cuda.to_device(np.arange(8, dtype=np.float32).reshape(1, 8))
+        for meta in warmup_metadata():
+            out = sampler.sample(x, meta)
+            assert out.logprobs is not None and out.token_ids.shape == (1,)
+        assert launched == {"penalties", "sample", "logprobs"}
+        inputs = set(sampler._dev.arrays) - {"work", "token_ids", "lp_ids", "lp_vals", "lp_rank"}
+        assert "sampling_rows" in inputs and "seen_ids" in inputs
+        for name in inputs:
+            staged = sampler._host.arrays.get("in_" + name)
+            assert staged is not None, f"{name}: copied to the device from pageable memory"
+
     def _copy_meta(meta, seed):
         import copy
         m = copy.copy(meta)

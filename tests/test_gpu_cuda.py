@@ -3,6 +3,8 @@ inputs, CUDA-graph replay equal to eager, and greedy tokens of a random-weight m
 the CPU backend's. tools/gpu_check.py runs these first."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,44 @@ def test_fused_kernels_match_reference():
     np.testing.assert_allclose(act.get().astype(np.float32), ref.silu_mul(gu), rtol=1e-2, atol=1e-2)
 
 
+def test_gemm_captures_where_cupys_cublas_refuses_and_capture_fails_safe():
+    """gpu/cuda/gemm.py on the device: a GEMM captured and replayed on new inputs equals
+    numpy's; cp.matmul in a capture raises (CuPy's guard, the reason for our own handle), and
+    so does an allocation, each capture ended and the stream usable after."""
+    import cupy as cp
+    from nvmath.bindings import cublas
+
+    from ringserve.gpu.cuda import capture
+    from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
+    stream = cp.cuda.Stream(non_blocking=True)
+    ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
+    gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
+    rng = np.random.default_rng(2)
+    x = cp.asarray(rng.standard_normal((8, 320)).astype(np.float16))[:5]  # a leading-rows view
+    w = cp.asarray((rng.standard_normal((72, 320)) * 0.1).astype(np.float16))
+    out = cp.zeros((5, 72), cp.float16)
+    no_alloc = lambda: cp.cuda.using_allocator(capture.refuse_allocation)  # noqa: E731
+    with stream:
+        gemm(x, w, out)
+        stream.synchronize()
+        graph = capture.capture(stream, lambda: gemm(x, w, out), no_alloc)
+        x_host = rng.standard_normal((5, 320)).astype(np.float16)
+        x.set(x_host, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+        want = x_host.astype(np.float32) @ w.get().astype(np.float32).T
+        np.testing.assert_allclose(out.get().astype(np.float32), want, rtol=2e-2, atol=2e-2)
+        with pytest.raises(NotImplementedError, match="stream capture"):
+            capture.capture(stream, lambda: cp.matmul(x, w.T, out=out), contextlib.nullcontext)
+        assert not stream.is_capturing()
+        with pytest.raises(capture.AllocationDuringCapture):
+            capture.capture(stream, lambda: cp.empty(1 << 20, cp.uint8), no_alloc)
+        assert not stream.is_capturing()
+        capture.capture(stream, lambda: gemm(x, w, out), no_alloc).launch(stream)
+        stream.synchronize()
+    gemm.close()
+
+
 @pytest.mark.parametrize("backend", ["rawkernel", "numba"])
 def test_forward_matches_cpu_backend_and_graphs_match_eager(tiny_cuda_model_dir, backend):
     """Prefill then 11 decode steps of three requests, the CPU backend's greedy tokens fed to
@@ -103,7 +143,7 @@ def test_forward_matches_cpu_backend_and_graphs_match_eager(tiny_cuda_model_dir,
                                      enforce_eager=True, attention_backend=backend)
     graphs = CudaModelRunner.from_dir(tiny_cuda_model_dir, num_blocks=64, max_num_seqs=8,
                                       attention_backend=backend)
-    assert graphs.graphs.graphs  # captured
+    assert sorted(graphs.graphs.graphs) == graphs.graphs.sizes, graphs.capture_failures  # every size
     seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
     for _ in range(12):
         batch = next_batch(seqs, new, tables, 16)

@@ -1,29 +1,41 @@
-"""One command for a GPU machine: the `gpu` tests, then a benchmark table.
+"""One command for a GPU machine: a preflight, the `gpu` tests, then a benchmark table.
 
-    python -m ringserve.tools.gpu_check [--json FILE] [--skip-tests] [--budget-s 360]
+    python -u -m ringserve.tools.gpu_check --out DIR [--skip-tests] [--budget-s 360]
 
-1. pytest -m gpu (kernels vs references, graphs == eager, greedy == CPU backend, sampling).
+0. A ~30 s preflight (tools/gpu_preflight.py), each result printed as it comes: the imports
+   (without a device too), the .cu kernels compile, one eager step of a tiny model, one
+   captured cuBLAS GEMM replayed against numpy.
+1. pytest -m gpu (kernels vs references, graphs == eager, greedy == CPU backend, sampling), in
+   its own session: on timeout the whole process group is killed.
 2. The device-to-device copy bandwidth (the yardstick), then paged-attention decode bandwidth:
    bytes of K/V one decode step reads, over its time, for the RawKernel and the Numba kernel.
 3. Decode-step time at batch 1/16/64/256 for random-weight Llama shapes (~1B, ~8B; weights
    made on the GPU), the engine's step (forward + greedy sampling on the device, token ids
    to the host), eager vs CUDA graphs; transformers (torch) on the same shapes as the peer
    when it is installed.
-The whole run fits --budget-s (6 minutes) by construction: every phase is timed, the tests get
-a timeout, a phase starts only if its estimate fits in what is left (else it is skipped with a
-message, and the JSON says so), and the loops inside a phase stop at the deadline.
-Without a CUDA device it says so and exits 1.
+The whole run fits --budget-s (6 minutes) by construction: every phase is timed and has its
+own time limit (SIGALRM, never past the budget's deadline), a phase starts only if its
+estimate fits in what is left (else it is skipped with a message, and the JSON says so), and
+the loops inside a phase stop at the deadline. It always leaves a result: DIR/gpu_check.json
+and DIR/gpu_check.txt (the tables) are written after every phase, so a run killed from outside
+still has everything up to its last phase. Without a CUDA device it runs the import checks,
+writes them, says so and exits 1.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 import traceback
 from functools import partial
 from pathlib import Path
+from typing import Any, Callable
 
 SHAPES = {  # Llama-3.2-1B and Llama-3-8B
     "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -112,13 +124,35 @@ def time_steps(fn, n=20) -> float:
     return (time.perf_counter() - t) / n
 
 
-class Budget:
-    """The run's deadline: phases are timed, and a phase whose estimate does not fit in what
-    is left is skipped with a message instead of run."""
+class PhaseTimeout(Exception):
+    pass
 
-    def __init__(self, seconds: float, clock=time.monotonic):
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """PhaseTimeout raised in the main thread after `seconds` (at the next Python bytecode: a
+    kernel or a sync in C finishes first). Not nested; main thread only (SIGALRM)."""
+    def on_alarm(signum, frame):
+        raise PhaseTimeout(f"past its {seconds:.0f} s limit")
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Budget:
+    """The run's deadline: phases are timed, each runs under its own time limit (never past
+    the deadline), a phase whose estimate does not fit in what is left is skipped with a
+    message instead of run, and after each phase `after()` runs (gpu_check writes its
+    result files there)."""
+
+    def __init__(self, seconds: float, clock=time.monotonic, after: Callable[[], None] = lambda: None):
         self.clock = clock
         self.deadline = clock() + seconds
+        self.after = after
         self.phases: dict[str, float] = {}   # name -> seconds it took
         self.skipped: list[str] = []
         self.errors: dict[str, str] = {}     # name -> the exception that ended it
@@ -126,25 +160,30 @@ class Budget:
     def left(self) -> float:
         return self.deadline - self.clock()
 
-    def run(self, name: str, estimate_s: float, fn):
+    def run(self, name: str, estimate_s: float, fn, limit_s: float | None = None):
         """fn() if estimate_s fits in what is left (its result), else None and a message; a
-        phase that raises is reported (traceback, .errors) and gives None."""
+        phase that raises or passes min(limit_s, what is left) is reported (traceback,
+        .errors) and gives None."""
         left = self.left()
         if left < estimate_s:
             msg = f"{name}: skipped ({left:.0f} s left of the budget, it needs ~{estimate_s:.0f} s)"
             self.skipped.append(msg)
-            print(f"gpu_check: {msg}", file=sys.stderr)
+            print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
+            self.after()
             return None
+        print(f"gpu_check: {name} ({left:.0f} s left)", flush=True)
         t = self.clock()
         try:
-            return fn()
+            with time_limit(min(limit_s if limit_s is not None else left, left)):
+                return fn()
         except Exception as e:  # one broken phase must not cost the others' figures
             traceback.print_exc()
             self.errors[name] = f"{type(e).__name__}: {e}"
-            print(f"gpu_check: {name} failed: {self.errors[name]}", file=sys.stderr)
+            print(f"gpu_check: {name} failed: {self.errors[name]}", file=sys.stderr, flush=True)
             return None
         finally:
             self.phases[name] = self.clock() - t
+            self.after()
 
 
 def gpu_time(fn, stream, n=20, graph=False) -> float:
@@ -256,23 +295,32 @@ def bench_ours(name, shape, rows, deadline) -> None:
     w = random_weights(c)
     weight_bytes = sum(int(x.nbytes) for x in w.values())
     nb_needed = max(BATCHES) * (-(-(CONTEXT + 1) // 16))
-    for eager in (True, False):
-        if time.monotonic() > deadline:
-            return
-        r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES),
-                            max_model_len=2048, enforce_eager=eager)
-        for B in BATCHES:
+    r = None
+    try:
+        for eager in (True, False):
             if time.monotonic() > deadline:
-                print(f"gpu_check: {name} benchmark stopped at the deadline", file=sys.stderr)
-                break
-            b, rows_, meta = decode_batch(B, 16), np.arange(B), greedy_metadata(B)
-            # What the engine runs per step: the forward and sampling on the device, B token
-            # ids back to the host (execute() would copy B x V float32 logits instead).
-            dt = time_steps(partial(_decode_step, r, b, rows_, meta))
-            rows.append(dict(model=name, impl="ringserve " + ("eager" if eager else "graphs"),
-                             batch=B, step_ms=dt * 1e3, tok_s=B / dt, weight_bytes=weight_bytes))
-        del r  # free its device memory before the next runner
+                return
+            r = None  # the previous runner's memory goes before the next one is built
+            cp.get_default_memory_pool().free_all_blocks()
+            r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES),
+                                max_model_len=2048, enforce_eager=eager)
+            for B in BATCHES:
+                if time.monotonic() > deadline:
+                    print(f"gpu_check: {name} benchmark stopped at the deadline", file=sys.stderr)
+                    break
+                b, rows_, meta = decode_batch(B, 16), np.arange(B), greedy_metadata(B)
+                # What the engine runs per step: the forward and sampling on the device, B token
+                # ids back to the host (execute() would copy B x V float32 logits instead).
+                dt = time_steps(partial(_decode_step, r, b, rows_, meta))
+                # replayed: False where this size's capture failed and the step ran eager
+                rows.append(dict(model=name, impl="ringserve " + ("eager" if eager else "graphs"),
+                                 batch=B, step_ms=dt * 1e3, tok_s=B / dt, weight_bytes=weight_bytes,
+                                 replayed=not eager and r.graphs.pick(b) is not None))
+    finally:  # the next phase (torch: its own pool) gets the memory, whatever happened here
+        r = None
+        w.clear()
         cp.get_default_memory_pool().free_all_blocks()
+        cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
 def _decode_step(runner, batch, rows, meta) -> None:
@@ -280,39 +328,54 @@ def _decode_step(runner, batch, rows, meta) -> None:
 
 
 def bench_transformers(name, shape, rows, deadline) -> None:
+    """The peer: transformers' Llama, built directly on the GPU in fp16 (an 8B model built in
+    float32 on the host first takes 32 GB and minutes), asked for the last position's logits
+    only (logits_to_keep=1: the full logits of 256 x 512 tokens of a 128k vocabulary are 34 GB)."""
     try:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
     except ImportError:
         print("transformers/torch not installed: no peer row", file=sys.stderr)
         return
     cfg = LlamaConfig(**shape, max_position_embeddings=4096)
-    model = LlamaForCausalLM(cfg).to("cuda", torch.float16).eval()
-    for B in BATCHES:
-        if time.monotonic() > deadline:
-            break
-        from transformers import DynamicCache
-        ids = torch.ones((B, CONTEXT), dtype=torch.long, device="cuda")
-        with torch.no_grad():
-            out = model(ids, use_cache=True)
-            cache = out.past_key_values
-            step = torch.ones((B, 1), dtype=torch.long, device="cuda")
+    model: Any = None
+    cache = out = None
+    default_dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float16)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).eval()
+        torch.set_default_dtype(default_dtype)
+        for B in BATCHES:
+            if time.monotonic() > deadline:
+                break
+            ids = torch.ones((B, CONTEXT), dtype=torch.long, device="cuda")
+            with torch.no_grad():
+                out = model(ids, use_cache=True, logits_to_keep=1)
+                cache, out = out.past_key_values, None
+                step = torch.ones((B, 1), dtype=torch.long, device="cuda")
 
-            def one(step=step, cache=cache) -> None:  # bound now: called only in this iteration
-                model(step, past_key_values=cache, use_cache=True)
-                torch.cuda.synchronize()
-                if isinstance(cache, DynamicCache):
-                    cache.crop(CONTEXT)
-            dt = time_steps(one, 10)
-        rows.append(dict(model=name, impl="transformers", batch=B, step_ms=dt * 1e3, tok_s=B / dt))
-    model = None
-    torch.cuda.empty_cache()
+                def one(step=step, cache=cache) -> None:  # bound now: called only in this iteration
+                    model(step, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    torch.cuda.synchronize()
+                    if isinstance(cache, DynamicCache):
+                        cache.crop(CONTEXT)
+                dt = time_steps(one, 10)
+                cache = None
+            rows.append(dict(model=name, impl="transformers", batch=B, step_ms=dt * 1e3, tok_s=B / dt))
+    finally:
+        torch.set_default_dtype(default_dtype)
+        model = cache = out = None
+        torch.cuda.empty_cache()
 
 
 # Seconds each phase is expected to take at most on an A100/H100-class GPU (weights made on
-# the device, 36 graphs captured per runner); a phase starts only when its estimate fits.
+# the device, 36 graphs captured per runner); a phase starts only when its estimate fits, and
+# is stopped at LIMIT_FACTOR times it (or at the deadline, whichever comes first).
 ESTIMATES = {"copy": 5, "attention": 30, "ours 1B": 60, "transformers 1B": 45, "ours 8B": 100,
              "transformers 8B": 70}
+LIMIT_FACTOR = 2.0
+PREFLIGHT_S = 30
 TESTS_TIMEOUT_S = 240  # NVRTC and Numba compile every kernel on first use, in each process
 
 
@@ -356,6 +419,11 @@ def print_tables(result) -> None:
           f"{result['device']}  tests: {result['tests']}")
     if result.get("versions"):
         print(", ".join(f"{k} {v}" for k, v in result["versions"].items()))
+    failed = [p for p in result.get("preflight", []) if not p["ok"]]
+    if result.get("preflight"):
+        print(f"preflight: {len(result['preflight']) - len(failed)}/{len(result['preflight'])} ok"
+              + "".join(f"\n  {'FAIL' if p['required'] else 'missing'} {p['check']}: {p['detail']}"
+                        for p in failed))
     if result["attention"]:
         print(f"\npaged attention, one decode step of one layer (H {ATTN_SHAPE['num_heads']}, "
               f"KVH {ATTN_SHAPE['num_kv_heads']}, D {ATTN_SHAPE['head_dim']}, fp16 K/V)")
@@ -367,7 +435,9 @@ def print_tables(result) -> None:
         print(f"\n{'model':6} {'impl':20} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'%bound':>7}")
         for r in result["rows"]:
             print(f"{r['model']:6} {r['impl']:20} {r['batch']:>5} {r['step_ms']:>9.3f} "
-                  f"{r['tok_s']:>10.0f} {weight_bound_pct(r, result.get('copy_GBps')):>7.1f}")
+                  f"{r['tok_s']:>10.0f} {weight_bound_pct(r, result.get('copy_GBps')):>7.1f}"
+                  + ("  (no graph: ran eager)" if r.get("replayed") is False and "graphs" in r["impl"]
+                     else ""))
         print(f"\n{'model':6} {'batch':>5} {'graphs/eager':>12} {'vs transformers':>15} "
               f"{'%bound':>7}  targets")
         for r in ratios(result):
@@ -381,48 +451,85 @@ def print_tables(result) -> None:
     print("phases (s): " + ", ".join(f"{k} {v:.0f}" for k, v in result["phases"].items()))
 
 
+def run_in_session(cmd: list[str], timeout: float) -> int | None:
+    """cmd's exit status, or None when it ran past timeout: then its whole process group is
+    killed (pytest's engine subprocesses and compile workers too), not just cmd."""
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None
+    finally:
+        if proc.poll() is None:  # interrupted (PhaseTimeout, Ctrl-C): nothing left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def run_tests(budget: Budget) -> str:
     tests = Path(__file__).resolve().parent.parent / "tests" / "test_gpu_cuda.py"
     timeout = max(1.0, min(TESTS_TIMEOUT_S, budget.left() - sum(ESTIMATES.values()) / 2))
-    try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(tests)],
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
+    rc = run_in_session([sys.executable, "-u", "-m", "pytest", "-q", "-m", "gpu", str(tests)], timeout)
+    if rc is None:
         return f"timed out after {timeout:.0f} s"
-    return "passed" if proc.returncode == 0 else f"failed (rc {proc.returncode})"
+    return "passed" if rc == 0 else f"failed (rc {rc})"
+
+
+def write_result(out: Path, result: dict) -> None:
+    """DIR/gpu_check.json and DIR/gpu_check.txt (the tables) as they stand now."""
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        print_tables(result)
+    (out / "gpu_check.txt").write_text(text.getvalue())
 
 
 def main(argv=None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # unbuffered in effect, whoever started us
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--out", type=Path, required=True,
+                    help="folder for gpu_check.json and gpu_check.txt, rewritten after every phase")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--budget-s", type=float, default=360.0, help="the whole run, tests included")
     args = ap.parse_args(argv)
-    budget = Budget(args.budget_s)
+    args.out.mkdir(parents=True, exist_ok=True)
     device = cuda_device_name()
+    result: dict = dict(device=device or "no CUDA device", date=time.strftime("%Y-%m-%d"),
+                        preflight=[], tests=None, copy_GBps=None, attention=[], rows=[])
+    budget = Budget(args.budget_s, after=lambda: write_result(args.out, result))
+    result.update(skipped=budget.skipped, phases=budget.phases, errors=budget.errors)
+    from ringserve.tools import gpu_preflight
+    preflight_ok = budget.run("preflight", 1,
+                              lambda: gpu_preflight.run(result["preflight"], device is not None),
+                              limit_s=PREFLIGHT_S * LIMIT_FACTOR)
     if device is None:
-        print("gpu_check: no CUDA device (CuPy sees none); nothing to check here. "
-              "Run it on a machine with an NVIDIA GPU and `pip install -e .[cuda]`.", file=sys.stderr)
+        print("gpu_check: no CUDA device (CuPy sees none); the imports above are all it checks "
+              "here. Run it on a machine with an NVIDIA GPU and `pip install -e .[cuda]`.",
+              file=sys.stderr)
         return 1
-    result = dict(device=device, date=time.strftime("%Y-%m-%d"), tests=None, copy_GBps=None,
-                  attention=[], rows=[], skipped=budget.skipped, phases=budget.phases,
-                  errors=budget.errors, versions=software_versions())
+    result["versions"] = software_versions()
+    if not preflight_ok:
+        print("gpu_check: the preflight failed (above); the phases run all the same", file=sys.stderr)
     if not args.skip_tests:
         result["tests"] = budget.run("tests", 30, lambda: run_tests(budget)) or "skipped"
-    copy = budget.run("copy", ESTIMATES["copy"], copy_bandwidth)
+
+    def phase(name: str, fn):
+        return budget.run(name, ESTIMATES[name], fn, limit_s=ESTIMATES[name] * LIMIT_FACTOR)
+    copy = phase("copy", copy_bandwidth)
     if copy is not None:
         result["copy_GBps"] = copy / 1e9
-        budget.run("attention", ESTIMATES["attention"],
-                   lambda: bench_attention(result["attention"], copy, budget.deadline))
+        phase("attention", lambda: bench_attention(result["attention"], copy, budget.deadline))
     for name, shape in SHAPES.items():
-        budget.run(f"ours {name}", ESTIMATES[f"ours {name}"],
-                   partial(bench_ours, name, shape, result["rows"], budget.deadline))
-        budget.run(f"transformers {name}", ESTIMATES[f"transformers {name}"],
-                   partial(bench_transformers, name, shape, result["rows"], budget.deadline))
+        phase(f"ours {name}", partial(bench_ours, name, shape, result["rows"], budget.deadline))
+        phase(f"transformers {name}",
+              partial(bench_transformers, name, shape, result["rows"], budget.deadline))
     print_tables(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0 if result["tests"] in (None, "passed") and not result["errors"] else 1
+    write_result(args.out, result)
+    passed = result["tests"] in (None, "passed") and not result["errors"]
+    return 0 if passed and preflight_ok else 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The CUDA backend (docs/design.md §5 "cuda"): Numba CUDA kernels for the indexing-heavy steps,
 CuPy RawKernels (CUDA C in .cu files beside their launchers) for the fused math, cuBLAS GEMMs
-through CuPy, CUDA graphs for decode. Importing this package needs neither CuPy nor a GPU;
-only gpu/cuda/runner.py and the launchers in gpu/cuda/fused.py and gpu/cuda/attention.py do.
+on the runner's own handle through nvmath-python (gpu/cuda/gemm.py), CUDA graphs for decode.
+Importing this package needs neither CuPy nor a GPU; only gpu/cuda/runner.py and the launchers
+in gpu/cuda/fused.py and gpu/cuda/attention.py do.
 """

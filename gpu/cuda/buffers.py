@@ -8,7 +8,7 @@ add + RMSNorm kernel per residual step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -35,6 +35,44 @@ class Fp16Store:
         return self.xp.asarray(np.asarray(a, dtype=np.float16))
 
     vector = linear
+
+
+class PinnedStaging:
+    """Host->device inputs through page-locked memory. A copy from pageable memory is staged by
+    the driver, which waits for the stream to reach it: the host would wait for the previous
+    step's kernels and the engine's overlapped loop (launch N, host work, wait N) would not
+    overlap. Each copy takes the next of `slots` pinned buffers in turn (grown as needed) and
+    records an event after it; a buffer is written again only once its last copy is done
+    (normally long done: a step waits for its tokens before the next one is staged).
+
+    alloc(nbytes) -> a pinned uint8 numpy array (cupy.cuda.alloc_pinned_memory on a GPU);
+    event() -> an event with record(stream) and synchronize() (cupy.cuda.Event)."""
+
+    def __init__(self, alloc: Callable[[int], np.ndarray], event: Callable[[], Any], slots: int = 4):
+        self.alloc, self.event = alloc, event
+        self.buffers: list[np.ndarray | None] = [None] * slots
+        self.events: list[Any] = [None] * slots
+        self.next = 0
+
+    def stage(self, src: np.ndarray) -> np.ndarray:
+        """src copied into the next pinned buffer (a view of it with src's dtype and shape)."""
+        i = self.next
+        self.next = (i + 1) % len(self.buffers)
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # its previous copy has read it
+        buf = self.buffers[i]
+        if buf is None or buf.nbytes < src.nbytes:
+            buf = self.buffers[i] = self.alloc(max(4096, 1 << (src.nbytes - 1).bit_length()))
+        host = buf[:src.nbytes].view(src.dtype).reshape(src.shape)
+        host[...] = src
+        self._last = i
+        return host
+
+    def issued(self, stream: Any) -> None:
+        """The copy from the buffer stage() gave last is enqueued on stream."""
+        if self.events[self._last] is None:
+            self.events[self._last] = self.event()
+        self.events[self._last].record(stream)
 
 
 class HostCopies(Protocol):

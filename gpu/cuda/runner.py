@@ -1,12 +1,15 @@
 """The CUDA model runner: gpu/runner.py's Runner face on one GPU. fp16 weights and KV cache,
 float32 residual stream and accumulation.
 
-The model is gpu/model.py's llama_forward over CudaOps: GEMMs are cuBLAS through
-CuPy with fused QKV and gate-up weights; the fused math is CUDA C (fused.cu, attention.cu); the
+The model is gpu/model.py's llama_forward over CudaOps: GEMMs are cuBLAS on the runner's own
+handle (gpu/cuda/gemm.py, nvmath-python's binding: CuPy's refuses to run during a capture) with
+fused QKV and gate-up weights; the fused math is CUDA C (fused.cu, attention.cu); the
 indexing is Numba CUDA (numba_kernels.py), launched on the same CuPy stream through
 numba.cuda.external_stream so that a CUDA graph captures it too. Decode batches replay graphs
 captured for the ladder in gpu/cuda/plan.py; everything a graph touches is allocated before
-its capture.
+its capture, and an allocation during one raises (gpu/cuda/capture.py). Set-up (weights, RoPE
+tables, KV pool) ends with a device synchronize, and every kernel is compiled and run once
+before the first request (warm_up).
 """
 from __future__ import annotations
 
@@ -20,13 +23,14 @@ from numba import cuda as nb_cuda
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.cuda import launch, plan
+from ringserve.gpu.cuda import capture, launch, plan
 from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import sampling_kernels as sk
 from ringserve.gpu.cuda.attention import PagedAttention
-from ringserve.gpu.cuda.buffers import AttentionLaunch, Fp16Store, StepBuffers
+from ringserve.gpu.cuda.buffers import AttentionLaunch, Fp16Store, PinnedStaging, StepBuffers
 from ringserve.gpu.cuda.fused import FusedKernels
-from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample
+from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
+from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample, warmup_metadata
 from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
 from ringserve.gpu.rope import cos_sin, inv_freq
@@ -42,12 +46,33 @@ def _nb(x):
     return nb_cuda.as_cuda_array(x, sync=False)
 
 
+def _ptr(x) -> int:
+    return x.data.ptr
+
+
+def _pinned(nbytes: int) -> np.ndarray:
+    return np.frombuffer(cp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
+
+
+def _event():
+    return cp.cuda.Event(disable_timing=True)
+
+
 class CudaOps:
     """model.ModelOps (and buffers.HostCopies) on one CuPy stream: RawKernels, Numba kernels
-    (on the same stream via external_stream) and cuBLAS; everything is enqueued, nothing waits."""
+    (on the same stream via external_stream) and cuBLAS on its own handle (CublasGemm: never a
+    CuPy GEMM, which raises during capture); everything is enqueued, nothing waits."""
 
     def __init__(self, c: ModelConfig, stream: cp.cuda.Stream, attention_backend: str):
+        try:
+            from nvmath.bindings import cublas
+        except ImportError as e:
+            raise ImportError(f"the CUDA runner's GEMMs need nvmath-python (the `cuda` extra: "
+                              f"pip install -e '.[cuda]'): {e}") from e
         self.stream = stream
+        self.gemm_workspace = cp.empty(WORKSPACE_BYTES, cp.uint8)
+        self.gemm = CublasGemm(cublas, stream.ptr, self.gemm_workspace.data.ptr, WORKSPACE_BYTES, _ptr)
+        self.staging = PinnedStaging(_pinned, _event)
         self.nb_stream = nb_cuda.external_stream(stream.ptr)
         self.fused = FusedKernels()
         self.paged = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
@@ -57,20 +82,23 @@ class CudaOps:
         self.num_rot_heads = c.num_attention_heads + c.num_key_value_heads  # q and k heads
 
     def copy_in(self, dst, src: np.ndarray) -> None:
-        dst[:len(src)].set(src, stream=self.stream)
+        host = self.staging.stage(src)  # NOTE: pinned, or the copy waits for the stream
+        dst[:len(src)].set(host, stream=self.stream)
+        self.staging.issued(self.stream)
 
     def copy_in_corner(self, dst, src: np.ndarray) -> None:
         rows, cols = src.shape
-        cp.cuda.runtime.memcpy2DAsync(dst.data.ptr, dst.strides[0], src.ctypes.data, src.strides[0],
-                                      cols * src.itemsize, rows, cp.cuda.runtime.memcpyHostToDevice,
+        host = self.staging.stage(src)
+        cp.cuda.runtime.memcpy2DAsync(dst.data.ptr, dst.strides[0], host.ctypes.data, host.strides[0],
+                                      cols * host.itemsize, rows, cp.cuda.runtime.memcpyHostToDevice,
                                       self.stream.ptr)
+        self.staging.issued(self.stream)
 
     def embedding(self, ids, table, out) -> None:
         nk.embedding(_nb(ids), _nb(table), _nb(out), threads=NUMBA_THREADS, stream=self.nb_stream)
 
     def linear(self, x, weight, out) -> None:
-        with self.stream:
-            cp.matmul(x, weight.T, out=out)
+        self.gemm(x, weight, out)
 
     def add_bias(self, x, bias) -> None:
         with self.stream:
@@ -132,20 +160,30 @@ class CudaModelRunner:
         self.nb_stream = self.ops.nb_stream
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.sampler = CudaSampler(threads=1024, stream=self.nb_stream)
-        self.weights = LlamaWeights.fuse(c, weights, Fp16Store(cp))
-        cos, sin = cos_sin(np.arange(self.max_model_len), inv_freq(c))
-        self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+        # NOTE: the set-up's arrays are made on the runner's stream, but weights the caller made
+        # (gpu_check: on the legacy default stream) and CuPy's pageable uploads may still be in
+        # flight, and a non-blocking stream does not wait for the default one: hence the
+        # device synchronize before the first forward (the profile) and at the end.
+        with self.stream:
+            self.weights = LlamaWeights.fuse(c, weights, Fp16Store(cp))
+            cos, sin = cos_sin(np.arange(self.max_model_len), inv_freq(c))
+            self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+        cp.cuda.Device().synchronize()
 
         if num_blocks is None:
             num_blocks = self._profile_num_blocks(max_num_batched_tokens, gpu_memory_utilization)
         self.num_blocks = int(num_blocks)
         shape = (self.num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_caches = [(cp.zeros(shape, cp.float16), cp.zeros(shape, cp.float16))
-                          for _ in range(c.num_hidden_layers)]
+        with self.stream:
+            self.kv_caches = [(cp.zeros(shape, cp.float16), cp.zeros(shape, cp.float16))
+                              for _ in range(c.num_hidden_layers)]
+        cp.cuda.Device().synchronize()
         self.graphs = plan.GraphTable(plan.graph_batch_sizes(max_num_seqs))
         self._graph_buffers: dict[int, StepBuffers] = {}  # views of one set (capture_graphs)
+        self.capture_failures: dict[int, str] = {}  # batch size -> why it runs eager
         if not enforce_eager:
             self.capture_graphs()
+        self.warm_up()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, **kwargs) -> CudaModelRunner:
@@ -157,8 +195,9 @@ class CudaModelRunner:
         pool what the weights and that forward's peak left of the allowed share."""
         c = self.config
         T = min(max_tokens, self.max_model_len)
-        tiny = [(cp.zeros((1, self.block_size, c.num_key_value_heads, c.head_dim), cp.float16),) * 2
-                for _ in range(c.num_hidden_layers)]
+        with self.stream:
+            tiny = [(cp.zeros((1, self.block_size, c.num_key_value_heads, c.head_dim), cp.float16),) * 2
+                    for _ in range(c.num_hidden_layers)]
         batch = Batch(np.zeros(T, np.int32), np.arange(T, dtype=np.int32), np.full(T, -1, np.int32),
                       np.array([0, T], np.int32), np.array([T], np.int32),
                       np.zeros((1, -(-T // self.block_size)), np.int32))
@@ -204,8 +243,9 @@ class CudaModelRunner:
             ws = self.ops.paged.workspace(largest, c.num_attention_heads, max(splits.values()))
             shared.query_start_loc.set(np.arange(largest + 1, dtype=np.int32))
             shared.logits_indices.set(np.arange(largest, dtype=np.int32))
-        for size in reversed(self.graphs.sizes):
-            t = time.perf_counter()
+        self.stream.synchronize()
+
+        def capture_size(size: int):
             buf = shared.leading(size, size)
             attention = AttentionLaunch(splits[size], self.max_model_len,
                                         ws if splits[size] > 1 else (None, None))
@@ -213,14 +253,30 @@ class CudaModelRunner:
                 # warm-up: compiles, cuBLAS plans; slots -1 and seq_lens 0 write and read nothing
                 self._forward(buf, self.kv_caches, attention)
                 self.stream.synchronize()
-                self.stream.begin_capture()
-                self._forward(buf, self.kv_caches, attention)
-                graph = self.stream.end_capture()
+                graph = capture.capture(
+                    self.stream, lambda: self._forward(buf, self.kv_caches, attention),
+                    lambda: cp.cuda.using_allocator(capture.refuse_allocation))
             self._graph_buffers[size] = buf
-            self.graphs.add(size, graph, time.perf_counter() - t)
+            return graph
+
+        self.capture_failures = capture.capture_ladder(self.graphs, capture_size)
         self.stream.synchronize()
-        log.info("captured %d CUDA graphs (batch sizes %s) in %.2f s", len(self.graphs.sizes),
-                 self.graphs.sizes, time.perf_counter() - t0)
+        log.info("captured %d CUDA graphs (batch sizes %s) in %.2f s%s", len(self.graphs.graphs),
+                 sorted(self.graphs.graphs), time.perf_counter() - t0,
+                 f"; eager for {sorted(self.capture_failures)}" if self.capture_failures else "")
+
+    def warm_up(self) -> None:
+        """Every kernel compiled (NVRTC modules are at construction; Numba JITs at first launch)
+        and run once now, not on the first request: a one-token eager forward (slot -1: writes
+        nothing) sampled with every sampling path and scored for prompt logprobs."""
+        t0 = time.perf_counter()
+        batch = Batch(np.zeros(1, np.int32), np.zeros(1, np.int32), np.full(1, -1, np.int32),
+                      np.array([0, 1], np.int32), np.array([1], np.int32), np.zeros((1, 1), np.int32))
+        for meta in warmup_metadata():
+            spec = PromptLogprobsSpec(np.zeros(1, np.int64), np.zeros(1, np.int32), 1)
+            self.submit(batch, np.arange(1), meta, spec).result()
+        self.stream.synchronize()
+        log.info("kernels compiled and warmed in %.2f s", time.perf_counter() - t0)
 
     def _launch(self, batch: Batch) -> tuple[cp.ndarray, StepBuffers]:
         """Enqueue the forward on self.stream; the logits [B, V] float32 on the device and the
@@ -241,7 +297,9 @@ class CudaModelRunner:
         """float32 logits [len(rows), V] of final hidden states x at `rows` (enqueued)."""
         with self.stream:
             h = x[cp.asarray(np.asarray(rows, np.int64))]
-            return cp.matmul(h, self.weights.lm_head.T).astype(cp.float32)
+            raw = cp.empty((len(rows), self.config.vocab_size), cp.float16)
+            self.ops.linear(h, self.weights.lm_head, raw)
+            return raw.astype(cp.float32)
 
     def execute(self, batch: Batch, logits_indices: np.ndarray | None = None) -> np.ndarray:
         """float32 logits at rows logits_indices of the super-sequence (default: each request's

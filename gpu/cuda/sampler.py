@@ -140,6 +140,21 @@ class PendingSample:
         return self._result
 
 
+def warmup_metadata() -> list[SamplingMetadata]:
+    """One-row metadata that together launch every sampling kernel (penalties with a ban,
+    sampling with temperature, top-k, top-p and min-p, greedy, logprobs): the runner samples
+    with each at start-up so that no Numba kernel compiles on a request."""
+    one = np.ones(1, np.float32)
+    greedy = SamplingMetadata(0 * one, np.zeros(1, np.int32), one, 0 * one, [None],
+                              max_num_logprobs=2)
+    sampled = SamplingMetadata(0.8 * one, np.full(1, 5, np.int32), 0.9 * one, 0.05 * one,
+                               [np.random.default_rng(0)], presence_penalty=0.1 * one,
+                               frequency_penalty=0.1 * one, repetition_penalty=1.1 * one,
+                               prompt_token_ids=[[0]], output_token_ids=[[0]],
+                               banned_token_ids=[[1]], max_num_logprobs=2)
+    return [greedy, sampled]
+
+
 class CudaSampler:
     def __init__(self, *, threads: int = 1024, stream=0):
         """threads: per row (a power of two <= 1024; 32 or fewer in the simulator)."""
@@ -151,9 +166,14 @@ class CudaSampler:
         self._pending: PendingSample | None = None
 
     def _to_device(self, name: str, host: np.ndarray):
+        """host copied to the device through a pinned buffer of the same name (from pageable
+        memory the copy would wait for the stream: the step's forward). The pinned buffers are
+        rewritten only after the previous sample's result(): its copies are done by then."""
         dev = self._dev.get(name, host.shape, host.dtype)
         if host.size:
-            dev.copy_to_device(np.ascontiguousarray(host), stream=self.stream)
+            staged = self._host.get("in_" + name, host.shape, host.dtype)
+            staged[...] = host
+            dev.copy_to_device(staged, stream=self.stream)
         return dev
 
     def sample(self, logits, meta: SamplingMetadata) -> SamplerOutput:

@@ -22,11 +22,21 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32, int64
+from numba import config, cuda, float32, int32, int64
 
 from ringserve.gpu.cuda.block_reduce import block_argmax, block_sum
 
 SAMPLE_MAX_THREADS = 1024
+
+
+def _kernel(max_threads: int):
+    """cuda.jit with launch bounds: the PTX says .maxntid max_threads, so ptxas (and the
+    driver's JIT) keeps a thread's registers within 65536 / max_threads and a launch of that
+    many threads cannot fail for registers ("too many resources requested"), whatever the
+    compiler version. The simulator's jit takes no launch_bounds."""
+    if config.ENABLE_CUDASIM:  # type: ignore[attr-defined]
+        return cuda.jit
+    return cuda.jit(launch_bounds=max_threads)  # type: ignore[call-arg]
 GREEDY_EPS = 1e-5            # gpu/sampler.py: temperature below this is greedy
 _KEY_END = 1 << 32           # one past the largest key
 
@@ -40,7 +50,7 @@ def order_key(bits):  # pragma: no cover - device code
     return b + 0x80000000
 
 
-@cuda.jit
+@_kernel(SAMPLE_MAX_THREADS)
 def penalties_kernel(x, seen_ids, seen_offsets, count_ids, counts, count_offsets, banned_ids,
                      banned_offsets, presence, frequency, repetition):  # pragma: no cover
     """In place on x [B, V] float32, row by row (grid (B,)), in gpu/sampler.py's order:
@@ -73,7 +83,7 @@ def _prob(v, xmax, inv_t):  # pragma: no cover - device code
     return math.exp((v - xmax) * inv_t)
 
 
-@cuda.jit
+@_kernel(SAMPLE_MAX_THREADS)
 def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  # noqa: C901  # pragma: no cover
     """out[row] = the token sampled from x[row] (float32 [B, V]; xbits is the same memory as
     uint32). grid (B,)."""
@@ -191,7 +201,7 @@ def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  #
         out[row] = picked
 
 
-@cuda.jit
+@_kernel(SAMPLE_MAX_THREADS)
 def logprobs_kernel(logits, token_ids, out_ids, out_vals, out_rank):  # noqa: C901  # pragma: no cover
     """Row r: out_ids[r, 0] = token_ids[r] with its log_softmax value and rank (1 + the number
     of larger logits), then the top N = out_ids.shape[1] - 1 tokens (value descending, ties by

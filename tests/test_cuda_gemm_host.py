@@ -1,0 +1,219 @@
+"""The CUDA runner's GEMMs without a GPU (issue 15 item 1): gpu/cuda/gemm.py CublasGemm over a
+host stand-in of nvmath's cuBLAS binding (tests/cublas_host.py: records every call, does the
+column-major GEMM in numpy on the memory the pointers name).
+
+- the (transa, transb, m, n, k, lda, ldb, ldc) of each call reproduce x @ w.T, for every linear
+  of the model: the whole forward (gpu/model.py llama_forward, eager and graph-shaped) runs
+  through the runner's own CudaOps.linear / add_bias / to_float32 over the stand-in, the other
+  ops as tests/test_cuda_forward_host.py runs them, against the CPU backend's logits;
+- the forward calls no CuPy cuBLAS entry point: CudaOps is imported over a `cupy` that has no
+  attribute at all (any cp.matmul / cp.dot / cp.cublas use raises), and the modules of the
+  captured path are read for GEMMs by any other name (`@`, .dot, tensordot, einsum, cublas).
+What it cannot check: cuBLAS itself, the numbers tensor cores give, the capture.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import test_cuda_forward_host as fwd
+from cublas_host import CUDA_R_16F, ComputeType, HostCublas, Operation
+from fp16_checks import assert_logits_close, next_batch
+from ringserve.gpu.cuda import gemm
+from ringserve.gpu.cuda.gemm import CublasGemm, linear_args
+from ringserve.gpu.runner import ModelRunner
+
+pytestmark = pytest.mark.sim
+STREAM = 0x5EED
+F16, F32 = np.float16, np.float32
+KERNEL_OPS = ("copy_in", "copy_in_corner", "embedding", "add_rms_norm", "rope_store_kv",
+              "attention", "silu_mul", "gather_rows")
+
+
+def host_gemm(cublas: HostCublas) -> CublasGemm:
+    workspace = np.zeros(1024, np.uint8)
+    g = CublasGemm(cublas, STREAM, cublas.ptr(workspace), workspace.nbytes, cublas.ptr)
+    g.workspace = workspace  # type: ignore[attr-defined]  # kept alive with the handle
+    return g
+
+
+@pytest.mark.parametrize("pad", [0, 8])
+@pytest.mark.parametrize("M,K,N", [(1, 64, 3), (7, 96, 40), (33, 17, 5)])
+def test_gemm_reproduces_x_at_w_transposed(M, K, N, pad):
+    """Leading-rows views of taller buffers (a graph size's views); pad: rows wider than the
+    matrix, so that x's, w's and out's pitches all differ from K and N."""
+    rng = np.random.default_rng(M)
+    cublas = HostCublas()
+    g = host_gemm(cublas)
+    big_x = rng.standard_normal((M + 4, K + pad)).astype(F16)
+    w = rng.standard_normal((N, K + 2 * pad)).astype(F16)[:, :K]
+    big_out = np.full((M + 4, N + 3 * pad), np.nan, F16)
+    x, out = big_x[:M, :K], big_out[:M, :N]
+    g(x, w, out)
+    want = (x.astype(F32) @ w.astype(F32).T).astype(F16)
+    np.testing.assert_allclose(out.astype(F32), want.astype(F32), rtol=2e-3, atol=2e-3)
+    big_out[:M, :N] = np.nan
+    assert np.isnan(big_out.astype(F32)).all()  # nothing outside the view written
+    (call,) = cublas.calls
+    assert (call.transa, call.transb, call.m, call.n, call.k) == (Operation.T, Operation.N, N, M, K)
+    assert (call.lda, call.ldb, call.ldc) == (K + 2 * pad, K + pad, N + 3 * pad)
+    assert (call.atype, call.btype, call.ctype) == (CUDA_R_16F,) * 3
+    assert call.compute_type == ComputeType.COMPUTE_32F
+    assert (call.a, call.b, call.c) == (w.ctypes.data, x.ctypes.data, out.ctypes.data)
+
+
+def test_handle_gets_stream_then_workspace_before_any_gemm():
+    """cublasSetStream resets the workspace: the order matters, and both precede capture."""
+    cublas = HostCublas()
+    g = host_gemm(cublas)
+    assert [e[0] for e in cublas.events] == ["create", "set_stream", "set_workspace"]
+    handle = g.handle
+    assert cublas.handles[handle]["stream"] == STREAM
+    g.close()
+    assert cublas.events[-1] == ("destroy", handle) and g.handle == 0
+
+
+def test_the_stand_in_has_nvmaths_names_and_values():
+    """Where nvmath-python is installed (the `cuda` extra), the stand-in's enums and the
+    functions CublasGemm calls are the binding's own."""
+    nvmath = pytest.importorskip("nvmath")
+    from nvmath.bindings import cublas
+    assert int(nvmath.CudaDataType.CUDA_R_16F) == CUDA_R_16F == gemm.CUDA_R_16F
+    for enum_name in ("Operation", "ComputeType", "GemmAlgo"):
+        ours = getattr(HostCublas, enum_name)
+        for member in ours:
+            assert int(getattr(getattr(cublas, enum_name), member.name)) == int(member), member
+    for fn in ("create", "destroy", "set_stream", "set_workspace", "gemm_ex"):
+        assert callable(getattr(cublas, fn))
+
+
+def test_bad_operands_are_refused():
+    x, w = np.zeros((2, 8), F16), np.zeros((3, 8), F16)
+    with pytest.raises(ValueError, match="fp16"):
+        linear_args(x.astype(F32), w, np.zeros((2, 3), F16), 0, 1)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        linear_args(np.zeros((8, 2), F16).T, w, np.zeros((2, 3), F16), 0, 1)
+    with pytest.raises(ValueError, match=r"x \(2, 8\) @ w \(3, 9\)"):
+        linear_args(x, np.zeros((3, 9), F16), np.zeros((2, 3), F16), 0, 1)
+
+
+@pytest.fixture
+def cuda_ops_class(monkeypatch):
+    """gpu/cuda/runner.py's CudaOps, imported over a `cupy` in which every name raises."""
+    def no_cupy(name):
+        raise AttributeError(f"cupy.{name} used in the CUDA forward's host run")
+    fake = types.ModuleType("cupy")
+    fake.__getattr__ = no_cupy  # type: ignore[method-assign]
+    before = set(sys.modules)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for name in ("ringserve.gpu.cuda.runner", "ringserve.gpu.cuda.attention", "ringserve.gpu.cuda.fused"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield importlib.import_module("ringserve.gpu.cuda.runner").CudaOps
+    for name in set(sys.modules) - before:  # the modules bound to the fake go (numba's stay)
+        if any(value is fake for value in vars(sys.modules[name]).values()):
+            del sys.modules[name]
+
+
+class CheckedGemm:
+    """The runner's gemm, each call's result checked against numpy's x @ w.T."""
+
+    def __init__(self, inner: CublasGemm):
+        self.inner = inner
+        self.shapes: set[tuple[int, int]] = set()  # (out features, in features) seen
+
+    def __call__(self, x, w, out) -> None:
+        self.inner(x, w, out)
+        want = x.astype(F32) @ w.astype(F32).T
+        np.testing.assert_allclose(out.astype(F32), want, rtol=1e-2, atol=1e-2)
+        self.shapes.add(w.shape)
+
+
+@pytest.mark.parametrize("decode", ["eager", "graph"])
+def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host,
+                                                                   cuda_ops_class, decode):
+    host = fwd.HostRunner(tiny_cuda_model_dir, cuda_host)
+    c = host.config
+    cublas = HostCublas()
+
+    def init(self, c, cuda_host):
+        fwd.HostOps.__init__(self, c, cuda_host)
+        self.stream = contextlib.nullcontext()
+        self.gemm = CheckedGemm(host_gemm(cublas))
+
+    # CudaOps's own linear, add_bias and to_float32; the kernels as the host forward runs them
+    ops_class = type("HostCudaOps", (cuda_ops_class,),
+                     {"__init__": init, **{n: getattr(fwd.HostOps, n) for n in KERNEL_OPS}})
+    host.ops = ops_class(c, cuda_host)
+    cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=fwd.NUM_BLOCKS, block_size=fwd.BLOCK_SIZE)
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3]]
+    tables = np.random.default_rng(5).permutation(fwd.NUM_BLOCKS)[:8].reshape(2, 4).astype(np.int32)
+    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
+    for step in range(3):
+        batch = next_batch(seqs, new, tables, fwd.BLOCK_SIZE)
+        want = cpu.execute(batch)
+        got = host.graph_shaped(batch) if step and decode == "graph" else host.eager(batch)
+        assert_logits_close(got, want)
+        for r, seq in enumerate(seqs):
+            seq.append(int(want[r].argmax()))
+            new[r] = [seq[-1]]
+    # every linear of the model went through cuBLAS's gemm_ex: QKV, o, gate-up, down, lm_head
+    assert host.ops.gemm.shapes == {(c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
+                                    (2 * c.intermediate_size, c.hidden_size),
+                                    (c.hidden_size, c.intermediate_size), (c.vocab_size, c.hidden_size)}
+    per_step = 4 * c.num_hidden_layers + 1
+    assert len(cublas.calls) == 3 * per_step
+
+
+# What runs inside a capture: CudaOps (runner.py) and the modules it launches through.
+CAPTURED = ("runner.py", "gemm.py", "fused.py", "attention.py", "buffers.py", "numba_kernels.py",
+            "capture.py")
+GEMM_NAMES = {"matmul", "dot", "tensordot", "einsum", "inner", "vdot", "linalg", "cublas",
+              "cublasLt"}
+
+
+def _gemm_uses(tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            found.append(f"line {node.lineno}: @")
+        elif isinstance(node, ast.Attribute) and node.attr in GEMM_NAMES:
+            found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = getattr(node, "module", None) or ""
+            names = [module] + [a.name for a in node.names]
+            if any("cublas" in n for n in names) and not module.startswith("nvmath"):
+                found.append(f"line {node.lineno}: import {names}")
+    return found
+
+
+def test_the_captured_path_names_no_other_gemm():
+    """A CuPy GEMM by any spelling (cp.matmul, x @ w, cp.dot, cupy_backends' cublas) in the
+    modules a capture runs through; runner.py is read from CudaOps and the forward down."""
+    root = Path(gemm.__file__).parent
+    offenders = {}
+    for name in CAPTURED:
+        tree = ast.parse((root / name).read_text())
+        if name == "runner.py":  # the capture's part: CudaOps and CudaModelRunner._forward
+            classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+            runner_forward = [f for f in classes["CudaModelRunner"].body
+                              if isinstance(f, ast.FunctionDef) and f.name in ("_forward", "_logits_at")]
+            tree = ast.Module(body=[classes["CudaOps"], *runner_forward], type_ignores=[])
+        if found := _gemm_uses(tree):
+            offenders[name] = found
+    assert not offenders, offenders
+
+
+def test_the_gemm_check_sees_a_cupy_matmul():
+    """The checker finds what it must: the old CudaOps.linear."""
+    old = ("def linear(self, x, weight, out):\n    with self.stream:\n"
+           "        cp.matmul(x, weight.T, out=out)\n")
+    assert _gemm_uses(ast.parse(old)) == ["line 3: .matmul"]
+    assert _gemm_uses(ast.parse("out[...] = x @ w.T")) == ["line 1: @"]
+    assert _gemm_uses(ast.parse("from cupy_backends.cuda.libs import cublas")) != []
