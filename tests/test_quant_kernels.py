@@ -100,6 +100,21 @@ def test_kernel_matches_gguf_dequantize(qtype, rows, parallel):
     check_linear(x, w, gguf_weights(qtype, raw, shape), parallel)
 
 
+@pytest.mark.parametrize("k", [96, 160, 576])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_1", "Q4_0", "Q4_1"])
+def test_stream_kernels_with_sub_blocks_left_over(qtype, k):
+    """Rows whose sub-blocks do not fill the fused kernels' groups: 576 = 18 sub-blocks (pairs,
+    not 4s) = 9 nibble groups (singles, not pairs); 160 = 5 sub-blocks; 96 = 3 (and int8 planes
+    for the 4-bit types: not whole 64-weight groups)."""
+    rng = np.random.default_rng(k)
+    shape = (13, k)
+    raw = random_raw(qtype, shape, rng)
+    w = repack(raw, qtype, shape)
+    for rows in (1, 5):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        check_linear(x, w, gguf_weights(qtype, raw, shape), False)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_four_bit_rows_that_are_not_whole_nibble_groups(qtype):
     rng = np.random.default_rng(2)
