@@ -68,9 +68,11 @@ class QuantCpuOps(CpuOps):
             super().embedding(ids, table, out)
 
 
-def load_gguf_weights(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Any]:
+def load_gguf_weights(path: str | Path, num_heads: int, num_kv_heads: int, *,
+                      nibbles: bool = True) -> dict[str, Any]:
     """The GGUF's tensors by HF name: matrices as QuantWeights (packed from the memory map; q/k rows
-    un-permuted as gguf_convert does), vectors (norms) as float32 arrays."""
+    un-permuted as gguf_convert does; 4-bit types as nibbles unless told otherwise: gpu/quant.py),
+    vectors (norms) as float32 arrays."""
     import gguf.quants  # NOTE: lazily, as gguf_convert does
 
     path = Path(path)
@@ -80,7 +82,7 @@ def load_gguf_weights(path: str | Path, num_heads: int, num_kv_heads: int) -> di
         if len(t.shape) == 1:
             weights[name] = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=F32).copy()
             continue
-        w = from_gguf(t)
+        w = from_gguf(t, nibbles=nibbles)
         heads = num_heads if t.name.endswith(".attn_q.weight") else \
             num_kv_heads if t.name.endswith(".attn_k.weight") else None
         if heads:  # the same row permutation gguf_convert applies to the float rows

@@ -73,12 +73,12 @@ class QuantWeight:
         return np.dtype(np.float32)
 
 
-def from_gguf(tensor) -> QuantWeight:
+def from_gguf(tensor, *, nibbles: bool = True) -> QuantWeight:
     """A 2-D tensor of gguf-py's GGUFReader (a view into the memory map) -> its QuantWeight."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest first
     if len(shape) != 2:
         raise ValueError(f"{tensor.name}: {len(shape)}-D; only matrices are packed")
-    return repack(tensor.data, tensor.tensor_type.name, (shape[0], shape[1]))
+    return repack(tensor.data, tensor.tensor_type.name, (shape[0], shape[1]), nibbles=nibbles)
 
 
 def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
