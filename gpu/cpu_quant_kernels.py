@@ -379,6 +379,7 @@ def quant_linear(x: np.ndarray, w: QuantWeight, out: np.ndarray | None = None, *
     """x float32 [T, in] (C-contiguous), W packed [out, in] -> float32 [T, out] (``x @ W.T``)."""
     if w.kind in ("f32", "bf16"):
         return linear(x, w.q, out, parallel=parallel)
+    x = np.ascontiguousarray(x)  # NOTE: the kernels reshape x into sub-blocks (a no-op when it is)
     t = x.shape[0]
     n, k = w.shape
     if out is None:

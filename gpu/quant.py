@@ -67,13 +67,18 @@ class QuantWeight:
         """Bytes held in memory (what a batch-1 step streams)."""
         return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
 
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype it stands for (it dequantizes to float32), as a float weight's dtype."""
+        return np.dtype(np.float32)
 
-def from_gguf(tensor) -> QuantWeight:
+
+def from_gguf(tensor, *, nibbles: bool = True) -> QuantWeight:
     """A 2-D tensor of gguf-py's GGUFReader (a view into the memory map) -> its QuantWeight."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions fastest first
     if len(shape) != 2:
         raise ValueError(f"{tensor.name}: {len(shape)}-D; only matrices are packed")
-    return repack(tensor.data, tensor.tensor_type.name, (shape[0], shape[1]))
+    return repack(tensor.data, tensor.tensor_type.name, (shape[0], shape[1]), nibbles=nibbles)
 
 
 def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
@@ -84,6 +89,23 @@ def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
     assert q is not None
     return QuantWeight(w.qtype, (len(index), w.shape[1]), w.kind, q, rows(w.scale), rows(w.offset),
                        w.block)
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Weights of one layout stacked along rows (a fused qkv or gate_up), as np.concatenate."""
+    first = parts[0]
+    for w in parts[1:]:
+        if (w.qtype, w.kind, w.block, w.shape[1]) != (first.qtype, first.kind, first.block, first.shape[1]) \
+                or (w.offset is None) != (first.offset is None):
+            raise ValueError(f"cannot stack {w.qtype}/{w.kind} {w.shape} under {first.qtype}/{first.kind} "
+                             f"{first.shape}")
+
+    def cat(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if arrays[0] is None else np.concatenate(arrays)  # type: ignore[arg-type]
+    q = cat([w.q for w in parts])
+    assert q is not None
+    return QuantWeight(first.qtype, (sum(w.shape[0] for w in parts), first.shape[1]), first.kind, q,
+                       cat([w.scale for w in parts]), cat([w.offset for w in parts]), first.block)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

@@ -100,6 +100,21 @@ def test_kernel_matches_gguf_dequantize(qtype, rows, parallel):
     check_linear(x, w, gguf_weights(qtype, raw, shape), parallel)
 
 
+@pytest.mark.parametrize("k", [96, 160, 576])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_1", "Q4_0", "Q4_1"])
+def test_stream_kernels_with_sub_blocks_left_over(qtype, k):
+    """Rows whose sub-blocks do not fill the fused kernels' groups: 576 = 18 sub-blocks (pairs,
+    not 4s) = 9 nibble groups (singles, not pairs); 160 = 5 sub-blocks; 96 = 3 (and int8 planes
+    for the 4-bit types: not whole 64-weight groups)."""
+    rng = np.random.default_rng(k)
+    shape = (13, k)
+    raw = random_raw(qtype, shape, rng)
+    w = repack(raw, qtype, shape)
+    for rows in (1, 5):
+        x = rng.standard_normal((rows, k)).astype(np.float32)
+        check_linear(x, w, gguf_weights(qtype, raw, shape), False)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_four_bit_rows_that_are_not_whole_nibble_groups(qtype):
     rng = np.random.default_rng(2)
@@ -199,3 +214,74 @@ def test_four_bit_types_as_int8_planes(qtype):
     np.testing.assert_array_equal(dequantize(w), want)
     for rows in ROWS:
         check_linear(rng.standard_normal((rows, 512)).astype(np.float32), w, want, True)
+
+
+def _step(tokens: list[int], start: int):
+    from ringserve.gpu.batch import Batch
+    pos = np.arange(start, start + len(tokens), dtype=np.int32)
+    return Batch(input_ids=np.array(tokens, dtype=np.int32), positions=pos, slot_mapping=pos.copy(),
+                 query_start_loc=np.array([0, len(tokens)], dtype=np.int32),
+                 seq_lens=np.array([start + len(tokens)], dtype=np.int32),
+                 block_tables=np.arange(8, dtype=np.int32)[None])
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_default_model_logits_from_packed_gguf(default_model_dir, num_threads):
+    """The default model served from its Q4_1 GGUF kept packed (gpu/cpu_quant_store.py, wired by
+    hand into a ModelRunner: the runner does not build it yet) gives today's float32 logits, made
+    from the same GGUF dequantized at conversion, within 1e-4 of their largest: a 70-token prefill
+    (BLAS path), a 5-token chunk (tiles), one decode token (fused kernels)."""
+    from ringserve.gpu.cpu_quant_store import CpuQuantWeightStore, QuantCpuOps, load_gguf_weights
+    from ringserve.gpu.model import LlamaWeights
+    from ringserve.gpu.model_store import default_gguf_path
+    from ringserve.gpu.runner import ModelRunner
+
+    def run(runner) -> np.ndarray:
+        tokens = np.random.default_rng(0).integers(3, 40000, 76).tolist()
+        return np.stack([runner.execute(_step(tokens[:70], 0))[0], runner.execute(_step(tokens[70:75], 70))[0],
+                         runner.execute(_step(tokens[75:], 75))[0]])
+
+    exact = run(ModelRunner(default_model_dir, num_blocks=8, num_threads=num_threads))
+    packed = ModelRunner(default_model_dir, num_blocks=8, num_threads=num_threads)
+    c = packed.config
+    weights = load_gguf_weights(default_gguf_path(), c.num_attention_heads, c.num_key_value_heads)
+    packed.weights = LlamaWeights.fuse(c, weights, CpuQuantWeightStore())
+    packed.ops = QuantCpuOps(c, parallel=num_threads > 1)
+    assert isinstance(packed.weights.layers[0].qkv, QuantWeight) and packed.weights.layers[0].qkv.kind == "u4"
+    assert packed.weights.embed.qtype == "Q8_0"
+    got = run(packed)
+    scale = np.abs(exact).max()
+    print(f"largest logit difference: {np.abs(got - exact).max() / scale:.2e} of the largest logit")
+    assert np.abs(got - exact).max() <= 1e-4 * scale
+    assert (got.argmax(-1) == exact.argmax(-1)).all()  # the same greedy tokens
+
+
+def test_mixed_types_stacked_into_one_linear(tiny_model_dir):
+    """A Q4_K_M-style qkv (q, k Q4_K; v Q6_K; plus a float32 part) stacks as one weight whose linear
+    writes each part's columns; parts of one layout stack into one QuantWeight."""
+    from ringserve.gpu.config import ModelConfig
+    from ringserve.gpu.cpu_quant_store import CpuQuantWeightStore, QuantCpuOps, StackedWeight
+    from ringserve.gpu.quant import concat_rows
+
+    rng = np.random.default_rng(6)
+    raws = [("Q4_K", random_raw("Q4_K", (24, 256), rng)), ("Q4_K", random_raw("Q4_K", (8, 256), rng)),
+            ("Q6_K", random_raw("Q6_K", (8, 256), rng))]
+    parts = [repack(raw, t, (raw.shape[0], 256)) for t, raw in raws]
+    f32 = rng.standard_normal((4, 256)).astype(np.float32)
+    want = np.concatenate([gguf_weights(t, raw, (raw.shape[0], 256)) for t, raw in raws] + [f32])
+    store = CpuQuantWeightStore()
+    stacked = store.linear(parts + [f32])
+    assert isinstance(stacked, StackedWeight) and [p.shape[0] for p in stacked] == [24, 8, 8, 4]
+    same = store.linear(parts[:2])
+    assert isinstance(same, QuantWeight) and same.shape == (32, 256)
+    np.testing.assert_array_equal(dequantize(same), want[:32])
+    with pytest.raises(ValueError, match="cannot stack"):
+        concat_rows(parts[1:])
+    for parallel in (False, True):
+        ops = QuantCpuOps(ModelConfig.from_dir(tiny_model_dir), parallel=parallel)
+        for rows in (1, 3, 70):
+            x = rng.standard_normal((rows, 256)).astype(np.float32)
+            out = np.empty((rows, want.shape[0]), np.float32)
+            ops.linear(x, stacked, out)
+            ref = x.astype(np.float64) @ want.T.astype(np.float64)
+            np.testing.assert_allclose(out, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
