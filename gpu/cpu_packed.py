@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ringserve.gpu.cpu_quant_kernels import quant_linear
-from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, repack, take_rows
+from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, concat_rows, dequantize, repack, take_rows
 from ringserve.gpu.weights import GGMLTensor
 
 
@@ -58,29 +58,14 @@ def fuse_packed(tensors: Sequence[Any]) -> PackedWeight:
             groups[-1].append(p)
         else:
             groups.append([p])
-    stacked = tuple(_stack(g) for g in groups)
+    stacked = tuple(g[0] if len(g) == 1 else concat_rows(g) for g in groups)
     rows = sum(p.shape[0] for p in stacked)
     return stacked[0] if len(stacked) == 1 else SplitWeight(stacked, (rows, stacked[0].shape[1]))
 
 
 def _same_layout(a: QuantWeight, b: QuantWeight) -> bool:
-    return ((a.qtype, a.kind, a.block, a.shape[1], a.scale is None, a.offset is None)
-            == (b.qtype, b.kind, b.block, b.shape[1], b.scale is None, b.offset is None))
-
-
-def _stack(parts: list[QuantWeight]) -> QuantWeight:
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-
-    def rows(name: str) -> np.ndarray | None:
-        planes = [getattr(p, name) for p in parts]
-        return None if planes[0] is None else np.concatenate(planes)
-
-    q = rows("q")
-    assert q is not None
-    return QuantWeight(first.qtype, (sum(p.shape[0] for p in parts), first.shape[1]), first.kind, q,
-                       rows("scale"), rows("offset"), first.block)
+    return ((a.qtype, a.kind, a.block, a.shape[1], a.offset is None)
+            == (b.qtype, b.kind, b.block, b.shape[1], b.offset is None))
 
 
 def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: bool) -> None:

@@ -14,9 +14,10 @@ from test_cpu_kernels import step
 
 
 @pytest.mark.slow
-def test_the_default_model_packed_gives_the_float32_logits(default_model_dir):
-    packed = ModelRunner(default_model_dir, num_blocks=16, num_threads=1)
-    wide = ModelRunner(default_model_dir, num_blocks=16, num_threads=1, widen_packed=True)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_the_default_model_packed_gives_the_float32_logits(default_model_dir, num_threads):
+    packed = ModelRunner(default_model_dir, num_blocks=16, num_threads=num_threads)
+    wide = ModelRunner(default_model_dir, num_blocks=16, num_threads=num_threads, widen_packed=True)
     held = MemoryReport.of(packed).weight_bytes
     assert set(held) == {"Q4_1", "Q8_0", "F32"} and MemoryReport.of(wide).weight_bytes.keys() == {"F32"}
     assert sum(held.values()) * 4.5 < sum(MemoryReport.of(wide).weight_bytes.values())
@@ -33,14 +34,15 @@ def test_a_fused_linear_of_mixed_types_runs_part_by_part():
     rng = np.random.default_rng(0)
     shapes = [("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]   # q, k in Q4_K; v in Q6_K
     tensors = [GGMLTensor(kind, (rows, 512), random_raw(kind, (rows, 512), rng)) for kind, rows in shapes]
+    tensors.append(rng.standard_normal((8, 512)).astype(np.float16))    # and an F16 part
     fused = fuse_packed(tensors)
-    assert isinstance(fused, SplitWeight) and [p.qtype for p in fused.parts] == ["Q4_K", "Q6_K"]
-    assert fused.parts[0].shape == (384, 512) and fused.shape == (512, 512)
+    assert isinstance(fused, SplitWeight) and [p.qtype for p in fused.parts] == ["Q4_K", "Q6_K", "F16"]
+    assert fused.parts[0].shape == (384, 512) and fused.shape == (520, 512)
     want_w = np.concatenate([np.asarray(t, dtype=np.float64) for t in tensors])
-    for rows in (1, 3, 70):
+    for rows, parallel in ((1, False), (3, True), (70, False)):
         x = rng.standard_normal((rows, 512)).astype(np.float32)
-        out = np.empty((rows, 512), np.float32)
-        packed_linear(x, fused, out, parallel=False)
+        out = np.empty((rows, 520), np.float32)
+        packed_linear(x, fused, out, parallel=parallel)
         want = x.astype(np.float64) @ want_w.T
         np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
     assert np.array_equal(dequantize(fused.parts[1]), np.asarray(tensors[2]))

@@ -55,20 +55,27 @@ def best_time(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
+def _weights(args: argparse.Namespace, n: int, k: int,
+             rng: np.random.Generator) -> dict[str, np.ndarray | QuantWeight]:
+    """The float32 peer and every asked type that tiles a row of k, random valid blocks."""
+    weights: dict[str, np.ndarray | QuantWeight] = {
+        NUMPY_F32: rng.standard_normal((n, k)).astype(np.float32)}
+    for qtype in args.types:
+        if k % BLOCK_SIZES[qtype][0] == 0:
+            raw = random_raw(qtype, (n, k), rng)
+            weights[qtype] = repack(raw, qtype, (n, k))
+            if args.int8_4bit and qtype in FOUR_BIT:
+                weights[qtype + " i8"] = repack(raw, qtype, (n, k), nibbles=False)
+    return weights
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
     rng = np.random.default_rng(0)
     best: dict[tuple, float] = {}
     info: dict[tuple, tuple[str, float]] = {}  # (shape, type) -> (kind, bytes per weight)
     for shape_text in args.shape:
         n, k = (int(v) for v in shape_text.split("x"))
-        weights: dict[str, np.ndarray | QuantWeight] = {
-            NUMPY_F32: rng.standard_normal((n, k)).astype(np.float32)}
-        for qtype in args.types:
-            if k % BLOCK_SIZES[qtype][0] == 0:
-                raw = random_raw(qtype, (n, k), rng)
-                weights[qtype] = repack(raw, qtype, (n, k))
-                if args.int8_4bit and qtype in FOUR_BIT:
-                    weights[qtype + " i8"] = repack(raw, qtype, (n, k), nibbles=False)
+        weights = _weights(args, n, k, rng)
         xs = {b: rng.standard_normal((b, k)).astype(np.float32) for b in args.batch}
         for name, w in weights.items():
             kind = w.kind if isinstance(w, QuantWeight) else "f32"
