@@ -137,7 +137,14 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
         stop(proc)
 
 
-def table(ours: dict, theirs: dict) -> str:
+def table(ours: dict, theirs: dict | None) -> str:
+    if theirs is None:  # ringserve alone (another setting of ours against a llama-server run)
+        rows = ["| concurrency | ringserve tok/s | TTFT p50 ms | TPOT p50 ms |", "|---:|---:|---:|---:|"]
+        rows += [f"| {p['load']['concurrency']} | {p['summary']['output_throughput']:.1f} | "
+                 f"{p['summary']['ttft']['median']:.0f} | {p['summary']['tpot']['median']:.1f} |"
+                 for p in ours["points"]]
+        rows.append(f"\npeak memory (PSS): ringserve {ours['memory']['peak_pss_bytes'] / 1e9:.2f} GB")
+        return "\n".join(rows)
     rows = ["| concurrency | ringserve tok/s | llama-server tok/s | ratio | ringserve TTFT p50 ms "
             "| llama-server TTFT p50 ms |", "|---:|---:|---:|---:|---:|---:|"]
     for a, b in zip(ours["points"], theirs["points"], strict=True):
@@ -155,7 +162,7 @@ def table(ours: dict, theirs: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, required=True)
-    p.add_argument("--llama-server", required=True, help="the llama-server binary")
+    p.add_argument("--llama-server", default="llama-server", help="the llama-server binary")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t (ringserve: its default)")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--input-len", type=int, default=128)
@@ -167,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-args", default="", help="more llama-server flags (e.g. --no-repack)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, default=None, help="write both runs here")
+    p.add_argument("--no-llama-server", action="store_true", help="sweep ringserve only")
     args = p.parse_args(argv)
     slots = max(int(c) for c in args.concurrency.split(","))
     # The same KV cache on both: room for every slot's whole context, float16 (llama.cpp's default).
@@ -181,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                                    *shlex.split(args.ringserve_args)],
                      port, args, 31, work)
         port = free_port()
-        theirs = sweep("llama-server", [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1",
-                                        "--port", str(port), "-t", str(args.threads), "-np", str(slots),
-                                        "-c", str(context), *shlex.split(args.llama_args)],
-                       port, args, 32, work)
+        peer = [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
+                "-t", str(args.threads), "-np", str(slots), "-c", str(context),
+                *shlex.split(args.llama_args)]
+        theirs = None if args.no_llama_server else sweep("llama-server", peer, port, args, 32, work)
     print(table(ours, theirs))
     if args.json is not None:
         args.json.write_text(json.dumps({"ringserve": ours, "llama-server": theirs}, indent=1))
