@@ -118,3 +118,12 @@ def test_ptxas_report_sees_spills():
     ptx = toolchain.nvrtc_ptx(src, "sm_90", toolchain.options(dict(HEAD_DIM=128, GQA_GROUP=8)))
     k = toolchain.ptxas_report(ptx, "sm_90")["paged_attention"]
     assert k.spill_stores > 0 and k.registers <= 32
+
+
+def test_nvrtc_writes_only_into_its_own_buffers():
+    """NVRTC fills the buffer it is handed. Handed CPython's cached one-byte b" " (b" " * 1, an
+    empty log), it turned every b" " of the process into b"\\0": safetensors headers written
+    later were padded with NULs and refused. Compiling must leave the interpreter's constants."""
+    space = bytes([32])
+    toolchain.nvrtc_ptx('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }', "sm_80")
+    assert b" " == space and b" " * 3 == bytes([32, 32, 32])

@@ -78,16 +78,19 @@ def nvrtc_ptx(code: str, arch: str, opts: tuple[str, ...] = BASE_OPTIONS, name: 
     try:
         args = [f"--gpu-architecture=compute_{arch.split('_')[1]}", f"-I{cuda_include_dir()}", *opts]
         err, = nvrtc.nvrtcCompileProgram(prog, len(args), [a.encode() for a in args])
+        # NOTE: NVRTC writes into the buffer it is given: a bytearray of our own, never a bytes
+        # object (b" " * 1 is CPython's cached one-byte b" ": an empty log's NUL would then turn
+        # every b" " of the process into b"\0", as it once did to the converter's header padding)
         size = check(nvrtc.nvrtcGetProgramLogSize(prog))
-        log = b" " * size
+        log = bytearray(size)
         check(nvrtc.nvrtcGetProgramLog(prog, log))
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"NVRTC failed for {name} ({arch}, {' '.join(opts)}):\n"
                                f"{log.decode(errors='replace')}")
         size = check(nvrtc.nvrtcGetPTXSize(prog))
-        ptx = b" " * size
+        ptx = bytearray(size)
         check(nvrtc.nvrtcGetPTX(prog, ptx))
-        return ptx.rstrip(b"\0 ").decode()
+        return bytes(ptx).rstrip(b"\0 ").decode()
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
