@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ringserve.gpu.errors import ModelError
 
 FLOAT_TYPES = ("F32", "F16", "BF16")          # safetensors has the same names
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
 BLOCK_TYPES_KEY = "ringserve.block_types"     # header metadata: JSON {tensor name: GGUF type}
 TOKEN_TYPE_CONTROL = 3       # llama.cpp's token types: CONTROL tokens are the special ones

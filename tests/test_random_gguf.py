@@ -60,3 +60,21 @@ def test_a_random_q4_k_m_gguf_converts_keeps_its_blocks_and_generates(tmp_path, 
                                                          logprobs=1))[0].outputs[0]
     assert len(out.token_ids) == 4 and all(np.isfinite(lp[t].logprob)
                                            for lp, t in zip(out.logprobs, out.token_ids, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["q2_k", "q3_k", "q5_k", "q5_0", "q5_1", "q4_0", "q8_0"])
+def test_every_block_type_converts_and_generates(tmp_path, monkeypatch, layout):
+    """One file per type (every matrix in it): converted with its blocks kept, served packed,
+    logits finite."""
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / f"small-{layout}.gguf"
+    shape = Shape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=1024, context=128)
+    write_random_gguf(path, shape, layout, progress=False)
+    llm = LLM(model=str(path), max_model_len=32)
+    kinds = {t.ggml_type for t in load_weights(resolve_model(str(path))).values() if hasattr(t, "ggml_type")}
+    assert kinds == {layout.upper()}
+    out = llm.generate([[1, 5, 9]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                   logprobs=0))[0].outputs[0]
+    assert len(out.token_ids) == 3 and all(np.isfinite(lp[t].logprob)
+                                           for lp, t in zip(out.logprobs, out.token_ids, strict=True))
