@@ -13,7 +13,6 @@ import select
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -28,6 +27,7 @@ from ringserve.ipc.messages import Abort, AddRequest, EngineOutput, decode_outpu
 from ringserve.ipc.ring import RECORD_HEADER, TAIL
 from ringserve.ipc.stats import NUM_FREE_BLOCKS
 from ringserve.server.engine_client import EngineClient
+from ringserve.tools.bench_llamacpp import process_tree
 
 ctx = mp.get_context("spawn")
 PROMPT = list(range(1, 20))
@@ -364,21 +364,7 @@ def test_an_output_that_cannot_be_sent_ends_its_request_not_the_engine(tiny_mode
 
 def _descendants(pid: int) -> set[int]:
     """Every process below pid (the server's engines, Gunicorn master and workers)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            parents.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for child in parents.get(todo.pop(), ()):
-            out.add(child)
-            todo.append(child)
-    return out
+    return set(process_tree(pid)) - {pid}
 
 
 def _stream_text(client: httpx.Client, url: str, body: dict) -> tuple[str, str | None]:
