@@ -61,13 +61,11 @@ class MemoryReport:
     start-up line, /metrics)."""
     weight_bytes: dict[str, int]    # by storage type (gpu/model.py storage)
     kv_cache_bytes: int
-    num_blocks: int
-    block_size: int
 
     @classmethod
     def of(cls, runner: Runner) -> MemoryReport:
         kv = sum(int(k.nbytes) + int(v.nbytes) for k, v in runner.kv_caches)
-        return cls(runner.weights.nbytes_by_type(), kv, runner.num_blocks, runner.block_size)
+        return cls(runner.weights.nbytes_by_type(), kv)
 
 
 def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802

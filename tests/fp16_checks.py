@@ -41,3 +41,19 @@ def next_batch(seqs: list[list[int]], new: list[list[int]], tables: np.ndarray,
         qsl.append(qsl[-1] + len(new[r]))
     return Batch(np.array(ids, np.int32), np.array(pos, np.int32), np.array(slots, np.int32),
                  np.array(qsl, np.int32), np.array([len(s) for s in seqs], np.int32), tables)
+
+
+def decode_against_cpu(cpu, host, prompts: list[list[int]], tables: np.ndarray, block_size: int,
+                       steps: int, graph: bool) -> None:
+    """Prefill the prompts together, then decode greedily (the CPU backend's tokens fed to
+    both): every step's logits of `host` (eager; graph-shaped after the prefill when `graph`)
+    as the CPU backend's."""
+    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
+    for step in range(steps):
+        batch = next_batch(seqs, new, tables, block_size)
+        want = cpu.execute(batch)
+        got = host.graph_shaped(batch) if step and graph else host.eager(batch)
+        assert_logits_close(got, want)
+        for r, seq in enumerate(seqs):
+            seq.append(int(want[r].argmax()))
+            new[r] = [seq[-1]]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ringserve.tools.bench_llamacpp import process_tree
+
 KEY = "sesame-7f3a1c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -96,24 +98,8 @@ def test_an_unknown_path_is_404_with_or_without_the_key(server):
         assert status == 404 and json.loads(data)["error"]["message"]
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def test_the_key_is_on_no_command_line(server):
-    pids = _descendants(server.proc.pid)
+    pids = process_tree(server.proc.pid)
     assert len(pids) >= 4  # launcher, engine, gunicorn master, a worker (at least)
     for pid in pids:
         try:

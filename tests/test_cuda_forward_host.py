@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cuda_host_kernels import paged_attention
-from fp16_checks import assert_logits_close, next_batch
+from fp16_checks import decode_against_cpu
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda import launch, plan
@@ -149,12 +149,4 @@ def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, de
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     host = HostRunner(tiny_cuda_model_dir, cuda_host)
-    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
-    for step in range(6):
-        batch = next_batch(seqs, new, tables, BLOCK_SIZE)
-        want = cpu.execute(batch)
-        got = host.graph_shaped(batch) if step and decode == "graph" else host.eager(batch)
-        assert_logits_close(got, want)
-        for r, seq in enumerate(seqs):
-            seq.append(int(want[r].argmax()))
-            new[r] = [seq[-1]]
+    decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 6, graph=decode == "graph")

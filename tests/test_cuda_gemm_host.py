@@ -25,7 +25,7 @@ import pytest
 
 import test_cuda_forward_host as fwd
 from cublas_host import CUDA_R_16F, ComputeType, HostCublas, Operation
-from fp16_checks import assert_logits_close, next_batch
+from fp16_checks import decode_against_cpu
 from ringserve.gpu.cuda import gemm
 from ringserve.gpu.cuda.gemm import CublasGemm, linear_args
 from ringserve.gpu.runner import ModelRunner
@@ -154,15 +154,7 @@ def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_mode
     cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=fwd.NUM_BLOCKS, block_size=fwd.BLOCK_SIZE)
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3]]
     tables = np.random.default_rng(5).permutation(fwd.NUM_BLOCKS)[:8].reshape(2, 4).astype(np.int32)
-    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
-    for step in range(3):
-        batch = next_batch(seqs, new, tables, fwd.BLOCK_SIZE)
-        want = cpu.execute(batch)
-        got = host.graph_shaped(batch) if step and decode == "graph" else host.eager(batch)
-        assert_logits_close(got, want)
-        for r, seq in enumerate(seqs):
-            seq.append(int(want[r].argmax()))
-            new[r] = [seq[-1]]
+    decode_against_cpu(cpu, host, prompts, tables, fwd.BLOCK_SIZE, 3, graph=decode == "graph")
     # every linear of the model went through cuBLAS's gemm_ex: QKV, o, gate-up, down, lm_head
     assert host.ops.gemm.shapes == {(c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
                                     (2 * c.intermediate_size, c.hidden_size),
