@@ -339,6 +339,7 @@ def _make_runner(config: EngineConfig):
                        block_size=config.block_size, num_blocks=config.num_gpu_blocks_override,
                        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                        kv_cache_dtype=config.kv_cache_dtype, num_threads=config.cpu_threads,
+                       cpu_activation_dtype=config.cpu_activation_dtype,
                        gpu_memory_utilization=config.gpu_memory_utilization,
                        max_num_seqs=config.max_num_seqs,
                        max_num_batched_tokens=config.token_budget,

@@ -109,10 +109,12 @@ class CpuStepBuffers:
 
 class CpuOps:
     """model.ModelOps in numpy and Numba. parallel: split the decode-size linears over Numba's
-    threads (the caller sets their number; gpu/cpu_linear.py)."""
+    threads (the caller sets their number; gpu/cpu_linear.py). int8: quantized weights multiply
+    int8 activation blocks (gpu/cpu_int8_kernels.py), else float32 (exact)."""
 
-    def __init__(self, c: ModelConfig, parallel: bool = False):
+    def __init__(self, c: ModelConfig, parallel: bool = False, int8: bool = False):
         self.parallel = parallel
+        self.int8 = int8
         # NOTE: float32 scalars, else Numba compiles float64 variants (other rounding, slower)
         self.scale = F32(c.head_dim ** -0.5)
         self.eps = F32(c.rms_norm_eps)
@@ -129,7 +131,7 @@ class CpuOps:
         if isinstance(weight, np.ndarray):
             linear(x, weight, out, parallel=self.parallel)
         else:
-            packed_linear(x, weight, out, self.parallel)
+            packed_linear(x, weight, out, self.parallel, self.int8)
 
     def add_bias(self, x, bias) -> None:
         x += bias

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ringserve.gpu.cpu_int8_kernels import int8_linear, quantize_rows, supports
 from ringserve.gpu.cpu_quant_kernels import quant_linear
 from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, concat_rows, dequantize, repack, take_rows
 from ringserve.gpu.weights import GGMLTensor
@@ -68,15 +69,23 @@ def _same_layout(a: QuantWeight, b: QuantWeight) -> bool:
             == (b.qtype, b.kind, b.block, b.shape[1], b.offset is None))
 
 
-def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: bool) -> None:
-    """out = x @ W.T for a packed weight."""
-    if isinstance(w, QuantWeight):
-        quant_linear(x, w, out, parallel=parallel)
-        return
+def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: bool,
+                  int8: bool = False) -> None:
+    """out = x @ W.T for a packed weight. int8: the integer kinds multiply x's int8 blocks
+    (gpu/cpu_int8_kernels.py; x quantized once for all parts), the others float32 x."""
+    parts = w.parts if isinstance(w, SplitWeight) else (w,)
+    rows = quantize_rows(x) if int8 and any(supports(p) for p in parts) else None
     lo = 0
-    for part in w.parts:  # NOTE: each part into its own buffer: the kernels write whole rows
+    for part in parts:
         hi = lo + part.shape[0]
-        out[:, lo:hi] = quant_linear(x, part, None, parallel=parallel)
+        # NOTE: a part writes into its own buffer when there are several: the kernels write whole rows
+        dst = out if len(parts) == 1 else None
+        if rows is not None and supports(part):
+            y = int8_linear(rows, part, dst, parallel=parallel)
+        else:
+            y = quant_linear(x, part, dst, parallel=parallel)
+        if dst is None:
+            out[:, lo:hi] = y
         lo = hi
 
 

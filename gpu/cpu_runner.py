@@ -14,6 +14,7 @@ from threadpoolctl import ThreadpoolController
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.cpu_int8_kernels import has_vnni
 from ringserve.gpu.cpu_kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
 from ringserve.gpu.cpu_ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
 from ringserve.gpu.devices import host_memory_available
@@ -23,7 +24,12 @@ from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logpro
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.runner import CompletedStep, sample_on_host
 from ringserve.gpu.sampler import SamplingMetadata
-from ringserve.gpu.settings import CPU_KV_CACHE_MEMORY_BYTES, CacheConfig, DeviceConfig
+from ringserve.gpu.settings import (
+    CPU_ACTIVATION_DTYPES,
+    CPU_KV_CACHE_MEMORY_BYTES,
+    CacheConfig,
+    DeviceConfig,
+)
 from ringserve.gpu.weights import load_weights
 
 _BLAS = ThreadpoolController()
@@ -43,11 +49,15 @@ class CpuModelRunner:
                  block_size: int = CacheConfig.block_size, num_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
                  kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
-                 num_threads: int | None = None, widen_packed: bool = False):
+                 num_threads: int | None = None, widen_packed: bool = False,
+                 activation_dtype: str = DeviceConfig.cpu_activation_dtype):
         """num_threads: Numba's (and BLAS's) threads for a step, default_num_threads() by
         default; num_blocks: the KV pool, else as many blocks as kv_cache_memory_bytes holds
         (in kv_cache_dtype: gpu/cpu_kv_dtypes.py). widen_packed: GGUF blocks and 16-bit weights
-        widened to dtype as well (the float path, for comparisons), not kept packed."""
+        widened to dtype as well (the float path, for comparisons), not kept packed.
+        activation_dtype: "int8" multiplies quantized weights by int8 activation blocks
+        (gpu/cpu_int8_kernels.py, needs AVX-512 VNNI), "float32" exactly; "auto": int8 where
+        the CPU can."""
         if dtype not in CPU_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported by the CPU backend "
                              f"({', '.join(CPU_DTYPES)})")
@@ -76,7 +86,8 @@ class CpuModelRunner:
                    self.num_blocks)
         self.weights = LlamaWeights.fuse(c, hf, store)
         del hf
-        self.ops = CpuOps(c, parallel=self.num_threads > 1)
+        self.int8_activations = int8_activations(activation_dtype)
+        self.ops = CpuOps(c, parallel=self.num_threads > 1, int8=self.int8_activations)
         self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype)
                           for _ in range(c.num_hidden_layers)]
         self.inv_freq = inv_freq(c)
@@ -153,6 +164,17 @@ def check_fits(weight_bytes: int, kv_bytes: int, num_blocks: int) -> None:
                          f"{_gib(weight_bytes + kv_bytes)} in all, but {_gib(available)} are "
                          f"available; give a smaller --kv-cache-memory-bytes or "
                          f"--num-gpu-blocks-override, or a smaller model")
+
+
+def int8_activations(activation_dtype: str) -> bool:
+    """Whether quantized weights multiply int8 activations (DeviceConfig.cpu_activation_dtype)."""
+    if activation_dtype not in CPU_ACTIVATION_DTYPES:
+        raise ValueError(f"cpu_activation_dtype {activation_dtype!r}: expected one of "
+                         f"{', '.join(CPU_ACTIVATION_DTYPES)}")
+    if activation_dtype == "int8" and not has_vnni():
+        raise ValueError("cpu_activation_dtype int8 needs a CPU with AVX-512 VNNI, which this one "
+                         "lacks; use auto or float32")
+    return activation_dtype == "int8" or (activation_dtype == "auto" and has_vnni())
 
 
 def _gib(nbytes: int) -> str:

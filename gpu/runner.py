@@ -74,6 +74,7 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
                 kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
                 kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
                 num_threads: int | None = None, widen_packed: bool = False,
+                cpu_activation_dtype: str = DeviceConfig.cpu_activation_dtype,
                 gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
                 max_num_batched_tokens: int = CUDA_MAX_NUM_BATCHED_TOKENS,
@@ -84,10 +85,11 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
     (engine/core.py _make_runner). device "cpu" unless asked (tests compare against CPU
     references).
     device "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). kv_cache_dtype: auto
-    or float16 on CUDA (its KV cache is fp16). kv_cache_memory_bytes, num_threads and
-    widen_packed (the float path for comparisons: gpu/cpu_runner.py) are the CPU backend's; the
-    arguments after them the CUDA backend's (KV pool from free memory, graph ladder up to
-    max_num_seqs, the profiling forward's size, graphs off, paged-attention kernel)."""
+    or float16 on CUDA (its KV cache is fp16). kv_cache_memory_bytes, num_threads,
+    cpu_activation_dtype and widen_packed (the float path for comparisons: gpu/cpu_runner.py)
+    are the CPU backend's; the arguments after them the CUDA backend's (KV pool from free
+    memory, graph ladder up to max_num_seqs, the profiling forward's size, graphs off,
+    paged-attention kernel)."""
     device = resolve_device(device)
     if device == "cuda":
         if dtype not in CUDA_DTYPES:
@@ -107,8 +109,10 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
             enforce_eager=enforce_eager, attention_backend=attention_backend)
     from ringserve.gpu.cpu_runner import CpuModelRunner
     return CpuModelRunner(model_dir, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                          kv_cache_memory_bytes=kv_cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
-                          num_threads=num_threads, widen_packed=widen_packed)
+                          kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          kv_cache_dtype=kv_cache_dtype,
+                          num_threads=num_threads, widen_packed=widen_packed,
+                          activation_dtype=cpu_activation_dtype)
 
 
 @dataclass

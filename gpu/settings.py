@@ -29,6 +29,7 @@ CPU_KV_CACHE_MEMORY_BYTES = 1 << 30  # the CPU pool when neither its size nor it
 # gpu/runner.py CUDA_DTYPES).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES  # the same names (vLLM's flag; its fp8 types are not here)
+CPU_ACTIVATION_DTYPES = ("auto", "int8", "float32")
 
 
 def max_num_batched_tokens_for(device: str) -> int:
@@ -62,6 +63,11 @@ class DeviceConfig:
     cpu_threads: int | None = field(default=None, metadata={
         "help": "cpu: threads an engine step runs on (llama.cpp's -t); default: half the cores "
                 "this process may use, the other half left to the HTTP workers (docs/bench_quant.md)"})
+    cpu_activation_dtype: str = field(default="auto", metadata={
+        "choices": CPU_ACTIVATION_DTYPES,
+        "help": "cpu: what quantized (GGUF integer) weights multiply: int8 blocks of the activations "
+                "through AVX-512 VNNI dot products, as llama.cpp (2-2.7x faster decode), or float32 "
+                "(exact: gguf-py's dequantized weights); auto is int8 where the CPU has VNNI"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,
         "help": "cuda paged attention: rawkernel is the tuned CUDA C kernel, numba the "
@@ -71,6 +77,7 @@ class DeviceConfig:
         _one_of(self, "device", DEVICES)
         _one_of(self, "dtype", DTYPES)
         _one_of(self, "attention_backend", ATTENTION_BACKENDS)
+        _one_of(self, "cpu_activation_dtype", CPU_ACTIVATION_DTYPES)
         _at_least(self, 1, "cpu_threads")
 
 

@@ -33,7 +33,8 @@ def prompts(ref) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runner(default_model_dir) -> ModelRunner:
-    return ModelRunner(default_model_dir, device="cpu", dtype="float32", block_size=BLOCK, num_blocks=32)
+    return ModelRunner(default_model_dir, device="cpu", dtype="float32", block_size=BLOCK, num_blocks=32,
+                       cpu_activation_dtype="float32")
 
 
 def batch(chunks: list[tuple[list[int], int, list[int]]]) -> Batch:

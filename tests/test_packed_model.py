@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ringserve.gpu.cpu_int8_kernels import has_vnni
 from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed, packed_linear
 from ringserve.gpu.quant import dequantize, random_raw
 from ringserve.gpu.runner import MemoryReport, ModelRunner
@@ -16,7 +17,8 @@ from test_cpu_kernels import step
 @pytest.mark.slow
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_the_default_model_packed_gives_the_float32_logits(default_model_dir, num_threads):
-    packed = ModelRunner(default_model_dir, num_blocks=16, num_threads=num_threads)
+    packed = ModelRunner(default_model_dir, num_blocks=16, num_threads=num_threads,
+                         cpu_activation_dtype="float32")
     wide = ModelRunner(default_model_dir, num_blocks=16, num_threads=num_threads, widen_packed=True)
     held = MemoryReport.of(packed).weight_bytes
     assert set(held) == {"Q4_1", "Q8_0", "F32"} and MemoryReport.of(wide).weight_bytes.keys() == {"F32"}
@@ -28,6 +30,23 @@ def test_the_default_model_packed_gives_the_float32_logits(default_model_dir, nu
     for got, want in zip(packed.out, wide.out, strict=True):
         assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
         assert got.argmax() == want.argmax()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU: no int8 activations")
+def test_int8_activations_keep_the_default_models_greedy_choices(default_model_dir):
+    """llama.cpp's numerics (gpu/cpu_int8_kernels.py): the activations' int8 rounding moves the
+    logits by a few percent of their range, and the greedy token stays the float path's."""
+    int8 = ModelRunner(default_model_dir, num_blocks=16, num_threads=1, cpu_activation_dtype="int8")
+    exact = ModelRunner(default_model_dir, num_blocks=16, num_threads=1, cpu_activation_dtype="float32")
+    assert int8.int8_activations and not exact.int8_activations
+    tokens = np.random.default_rng(3).integers(3, 40000, 40).tolist()
+    for runner in (int8, exact):
+        runner.out = [runner.execute(step(tokens[:30], 0))[0], runner.execute(step(tokens[30:33], 30))[0]]
+        runner.out += [runner.execute(step([t], 33 + i))[0] for i, t in enumerate(tokens[33:40])]
+    for got, want in zip(int8.out, exact.out, strict=True):
+        assert 0 < np.abs(got - want).max() <= 0.08 * np.abs(want).max()
+        assert np.corrcoef(got, want)[0, 1] > 0.995 and got.argmax() == want.argmax()
 
 
 def test_a_fused_linear_of_mixed_types_runs_part_by_part():

@@ -1,0 +1,122 @@
+"""int8 activations x packed weights through AVX-512 VNNI (gpu/cpu_int8_kernels.py), against numpy.
+
+Two exact references: the activation quantizer against numpy's own blockwise int8 rounding
+(bit-identical), and every kernel against gguf-py's ``dequantize`` of the weight times the
+*dequantized int8 activations* in float64. The integer dot products are exact, so the only error
+is float32 rounding of the per-step terms ``s * dx * sum(u * xq)`` and ``(m - z s) dx sum(xq)``
+(z = 128 for int8 planes, whose bytes the kernel reads as ``q + 128``), bounded like
+tests/test_quant_kernels.py's: (K + 2) 2^-23 sum |x_i| (|s| (|q_i| + z) + |m|). A wrong quant,
+scale, zero point, sub-block or token row lands at O(1) of the bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ringserve.gpu import cpu_int8_kernels
+from ringserve.gpu.cpu_int8_kernels import has_vnni, int8_linear, quantize_rows, supports
+from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed, packed_linear
+from ringserve.gpu.cpu_runner import int8_activations
+from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
+from ringserve.gpu.weights import GGMLTensor
+
+pytestmark = pytest.mark.skipif(not has_vnni(), reason="this CPU has no AVX-512 VNNI: the int8 "
+                                "kernels do not exist here and the float32 kernels run instead")
+
+INTEGER_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16", "BF16")]
+# 1-4: one token tile; 5, 6, 7: a tile of 4 and 1, 2, 3 left over; 17, 70: many tiles
+TOKENS = [1, 2, 3, 4, 5, 6, 7, 17, 70]
+
+
+def numpy_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's q8 activations in numpy: per 32, d = max|x| / 127, q = round-half-away(x / d)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    v = blocks / np.where(d > 0, d, np.float32(1))[..., None]
+    return np.trunc(v + np.copysign(np.float32(0.5), v)).astype(np.int8).reshape(x.shape), d
+
+
+def test_activations_quantize_as_numpy_does():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 256)).astype(np.float32) * np.float32(3.0)
+    x[1, :32] = 0.0                       # an all-zero block: scale 0, quants 0
+    x[2, 32:64] *= np.float32(1e30)       # huge but finite
+    x[3, 64:96] = np.float32(-7.5)        # ties: every value is max|x|, so exactly -127
+    x[4, 96:128] = np.float32(1e-40)      # subnormal: max|x| / 127 too (1 / d would be inf)
+    x[4, 96] = np.float32(-3e-40)
+    rows = quantize_rows(x)
+    q, d = numpy_quantize(x)
+    assert np.array_equal(rows.q, q) and np.array_equal(rows.scale, d)
+    assert np.all(rows.q[1, :32] == 0) and rows.scale[1, 0] == 0 and np.all(rows.q[3, 64:96] == -127)
+    qs = rows.q.astype(np.float64)
+    np.testing.assert_allclose(rows.sum32, d * qs.reshape(5, -1, 32).sum(-1), rtol=1e-6)
+    np.testing.assert_allclose(rows.sum16, np.repeat(d, 2, axis=1) * qs.reshape(5, -1, 16).sum(-1),
+                               rtol=1e-6)
+
+
+def reference(x: np.ndarray, w: QuantWeight) -> tuple[np.ndarray, np.ndarray]:
+    """(the float64 product of the dequantized int8 activations and weights, its error bound)."""
+    rows = quantize_rows(x)
+    xd = (rows.q.reshape(len(x), -1, 32) * rows.scale[..., None].astype(np.float64)).reshape(x.shape)
+    want = xd @ dequantize(w).astype(np.float64).T
+    unscaled = np.abs(dequantize(dataclasses.replace(w, offset=None))).astype(np.float64)
+    assert w.scale is not None
+    zero_point = 128.0 if w.kind == "i8" else 0.0
+    per_weight = unscaled + np.repeat(zero_point * np.abs(w.scale), w.block, axis=1)
+    if w.offset is not None:
+        per_weight += np.repeat(np.abs(w.offset), w.block, axis=1)
+    bound = (x.shape[1] + 2) * 2.0 ** -23 * (np.abs(xd) @ per_weight.T)
+    return want, bound
+
+
+@pytest.mark.parametrize("qtype", INTEGER_TYPES)
+def test_every_type_is_dequantize_times_the_int8_activations(qtype):
+    rng = np.random.default_rng(7)
+    shape = (40, 512)
+    w = repack(random_raw(qtype, shape, rng), qtype, shape)
+    assert supports(w)
+    for t in TOKENS:
+        x = rng.standard_normal((t, shape[1])).astype(np.float32)
+        want, bound = reference(x, w)
+        for parallel in (False, True):
+            got = int8_linear(quantize_rows(x), w, parallel=parallel)
+            err = np.abs(got - want)
+            assert np.all(err <= bound), f"{qtype} T={t}: worst {(err / bound).max():.3g} of the bound"
+
+
+def test_four_bit_rows_that_are_not_64_groups_and_float_types_fall_back():
+    rng = np.random.default_rng(2)
+    ragged = repack(random_raw("Q8_0", (8, 96), rng), "Q8_0", (8, 96))       # 96: not whole 64-steps
+    f16 = repack(rng.standard_normal((8, 128)).astype(np.float16), "F16", (8, 128))
+    assert not supports(ragged) and not supports(f16)
+    assert supports(repack(random_raw("Q4_K", (8, 256), rng), "Q4_K", (8, 256)))
+
+
+def test_a_mixed_fused_linear_quantizes_once_and_runs_each_part_on_its_path():
+    rng = np.random.default_rng(0)
+    shapes = [("Q4_K", 256), ("Q6_K", 128)]
+    tensors = [GGMLTensor(kind, (rows, 512), random_raw(kind, (rows, 512), rng)) for kind, rows in shapes]
+    tensors.append(rng.standard_normal((8, 512)).astype(np.float16))  # F16: float32 activations
+    fused = fuse_packed(tensors)
+    assert isinstance(fused, SplitWeight)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    out = np.empty((3, 392), np.float32)
+    packed_linear(x, fused, out, parallel=False, int8=True)
+    for part, lo, hi in ((fused.parts[0], 0, 256), (fused.parts[1], 256, 384)):
+        want, bound = reference(x, part)
+        assert np.all(np.abs(out[:, lo:hi] - want) <= bound)
+    f16_want = x.astype(np.float64) @ np.asarray(tensors[2], dtype=np.float64).T
+    np.testing.assert_allclose(out[:, 384:], f16_want, rtol=1e-4, atol=1e-4 * np.abs(f16_want).max())
+
+
+def test_the_setting_resolves_and_int8_without_vnni_is_refused(monkeypatch):
+    assert int8_activations("auto") and int8_activations("int8") and not int8_activations("float32")
+    monkeypatch.setattr(cpu_int8_kernels, "has_vnni", lambda: False)
+    monkeypatch.setattr("ringserve.gpu.cpu_runner.has_vnni", lambda: False)
+    assert not int8_activations("auto")
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        int8_activations("int8")
+    with pytest.raises(ValueError, match="expected one of"):
+        int8_activations("fp8")
