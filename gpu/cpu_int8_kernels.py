@@ -1,34 +1,41 @@
 """``y = x @ W.T`` with int8 activations and AVX-512 VNNI integer dot products (llama.cpp's CPU path).
 
 gpu/cpu_quant_kernels.py dequantizes each weight to float32 and multiplies in float32: 16
-multiply-adds an instruction, so its decode kernels are bound by arithmetic at 12-21 G weights/s
-a thread, below what memory delivers. Here each token row is quantized to int8 in blocks of 32
-(one float32 scale a block, as llama.cpp's q8 activations), and ``vpdpbusd`` multiplies 64
-unsigned weight bytes by 64 signed activation bytes into 16 int32 sums in one instruction. The
-weights stay exactly as gpu/quant.py packs them:
+multiply-adds an instruction, so its kernels are bound by arithmetic (12-21 G weights/s a thread
+at batch 1, ~50-65 G multiply-adds/s at batch 16-64), not by memory. Here each token row is
+quantized to int8 in blocks of 32 (one float32 scale a block, as llama.cpp's q8 activations),
+and ``vpdpbusd`` multiplies 64 unsigned weight bytes by 64 signed activation bytes into 16 int32
+sums in one instruction.
 
-- ``u4`` (nibbles in 64-weight groups): 32 bytes unpack with one AND and one shift into the 64
-  weights of two 32-weight sub-blocks, in weight order, already unsigned (0..15);
-- ``i8`` (centred int8): XOR 0x80 turns each byte into ``q + 128`` (0..255), unsigned; the
-  ``-128 * sum(x)`` this adds is folded into the block's offset term below.
+The weights are gpu/quant.py's planes, moved once at load into tiles of 16 rows (Int8Weight):
+one 512-bit vector holds 4 weights of each of 16 rows, so one ``vpdpbusd`` against 4 activation
+bytes broadcast to every lane advances all 16 rows, and a sub-block's vectors sum in int32 with
+no float work in between. The float work (one convert, a scale multiply, two multiply-adds) is
+then per 16 rows and sub-block, a sixteenth of a per-row kernel's. The quants are unsigned:
+
+- ``u4`` (nibbles in 64-weight groups): one AND and one shift unpack a vector of bytes into the
+  low- and high-nibble weights, 0..15;
+- ``i8`` (centred int8): stored as ``q + 128`` (0..255); the ``-128 * sum(x)`` this adds is folded
+  into the sub-block's offset term below.
 
 For a sub-block of ``b`` weights (16 or 32) with weight = ``s * (u - z) + m`` (z = 128 for i8, 0
 for u4) and an activation block ``x = dx * xq``::
 
     sum(w * x) = s * dx * sum(u * xq) + (m - z * s) * (dx * sum(xq))
 
-The integer sums are exact; the float32 part is a handful of multiply-adds per 64 weights. So
-the result equals ``dequantize(W) @ (dx * xq).T`` within float32 rounding (tests/test_int8_kernels.py
-checks it in float64), and differs from the float32 path by the activations' int8 rounding, as
-llama.cpp's does. EngineConfig ``cpu_int8_activations`` chooses the path (docs/bench_quant.md).
+The integer sums are exact; so the result equals ``dequantize(W) @ (dx * xq).T`` within float32
+rounding (tests/test_int8_kernels.py checks it in float64), and differs from the float32 path
+by the activations' int8 rounding, as llama.cpp's does. DeviceConfig ``cpu_activation_dtype``
+chooses the path (docs/bench_quant.md has the measurements).
 
-The kernels are LLVM IR written here (Numba ``@intrinsic``): LLVM does not form ``vpdpbusd``
-from a Numba loop. They exist only on a CPU with AVX-512 VNNI (``has_vnni``); elsewhere the
+The kernel is LLVM IR written here (a Numba ``@intrinsic``): LLVM does not form ``vpdpbusd``
+from a Numba loop. It exists only on a CPU with AVX-512 VNNI (``has_vnni``); elsewhere the
 float kernels run.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numba
@@ -40,12 +47,12 @@ from numba.extending import intrinsic
 from ringserve.gpu.cpu_linear import TASKS_PER_THREAD
 from ringserve.gpu.quant import QuantWeight
 
+TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit register
 ACT_BLOCK = 32           # activation weights per int8 scale (llama.cpp's q8_0 / q8_1)
-STEP = 64                # weights per vpdpbusd (64 bytes: one zmm register)
-TOKEN_TILE = 4           # token rows sharing each unpacked weight register
+STEP = 64                # weights of a row per loop step (16 vectors of int8, 8 of nibbles)
+TOKEN_TILE = 4           # token rows sharing each loaded weight vector
 INT8_KINDS = ("i8", "u4")
 
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
 
@@ -58,8 +65,9 @@ def has_vnni() -> bool:
 
 
 def supports(w: QuantWeight) -> bool:
-    """A weight these kernels multiply: an integer kind whose rows are whole 64-weight steps."""
-    return w.kind in INT8_KINDS and w.shape[1] % STEP == 0 and w.block in (16, 32)
+    """A weight these kernels multiply: an integer kind in whole 16-row tiles of 64-weight steps."""
+    return (w.kind in INT8_KINDS and w.shape[0] % TILE_ROWS == 0 and w.shape[1] % STEP == 0
+            and w.block in (16, 32))
 
 
 # ---- activations ---------------------------------------------------------------------------------
@@ -108,197 +116,267 @@ def quantize_rows(x: np.ndarray) -> Int8Rows:
     return rows
 
 
-# ---- the dot-product kernel, in LLVM IR ----------------------------------------------------------
+# ---- weights in 16-row tiles ---------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class Int8Weight:
+    """A QuantWeight of an integer kind laid out for ``vpdpbusd``: 16 weight rows side by side.
+
+    ``q`` is uint8 [out / 16, in / 64, V, 16, 4]: tile r, 64-weight step g, vector v holds 4
+    bytes of each of the tile's 16 rows (one int32 lane a row), so one ``vpdpbusd`` against 4
+    activation bytes broadcast to every lane advances 16 rows by 4 weights, and a sub-block's
+    vectors sum in int32 before any float work: one convert and two multiply-adds per 16 rows
+    and sub-block, not per row. ``i8``: V = 16, byte = q + 128 (unsigned); ``u4``: V = 8, each
+    byte's low nibble is weight 64g + 4v + j and its high nibble weight 64g + 32 + 4v + j (the
+    u4 plane's bytes, moved). ``scale`` / ``offset``: float32 [out / 16, in / block, 16]."""
+
+    qtype: str
+    shape: tuple[int, int]
+    kind: str                    # "i8" | "u4": how the bytes hold the quants
+    q: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray | None
+    block: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    def rows(self, index: np.ndarray) -> QuantWeight:
+        """W[index] back in gpu/quant.py's layout (an embedding lookup of a tied table)."""
+        tile, lane = np.divmod(np.asarray(index), TILE_ROWS)
+        q = self.q[tile, ..., lane, :]                     # [len, in / 64, V, 4]
+        q = q.reshape(len(tile), -1)
+        q = (q ^ np.uint8(0x80)).view(np.int8) if self.kind == "i8" else q
+        scale = self.scale[tile, :, lane]
+        offset = None if self.offset is None else self.offset[tile, :, lane]
+        return QuantWeight(self.qtype, (len(tile), self.shape[1]), self.kind,
+                           np.ascontiguousarray(q), scale, offset, self.block)
+
+
+def tiles(w: QuantWeight) -> Int8Weight:
+    """w's planes in 16-row tiles (supports(w))."""
+    assert supports(w) and w.scale is not None
+    n, k = w.shape
+    if w.kind == "i8":
+        q = (w.q.view(np.uint8) ^ np.uint8(0x80)).reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, 16, 4)
+    else:
+        q = w.q.reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, 8, 4)
+
+    def planes(a: np.ndarray | None) -> np.ndarray | None:
+        if a is None:
+            return None
+        return np.ascontiguousarray(a.reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(0, 2, 1))
+    scale = planes(w.scale)
+    assert scale is not None
+    return Int8Weight(w.qtype, w.shape, w.kind, np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)),
+                      scale, planes(w.offset), w.block)
+
+
+# ---- the tile kernel, in LLVM IR -----------------------------------------------------------------
 
 def _vec(ty: ir.Type, n: int) -> ir.VectorType:
     return ir.VectorType(ty, n)
 
 
 def _row_ptr(context, builder, aty, val, row):
-    """Pointer to element [row, 0] of a 2-D array (strides in bytes), as a byte pointer."""
+    """Byte pointer to element [row, 0] of a 2-D array (its strides are in bytes)."""
     ary = context.make_array(aty)(context, builder, val)
     stride = builder.extract_value(ary.strides, 0)
-    base = builder.bitcast(ary.data, _I8.as_pointer())
-    return builder.gep(base, [builder.mul(row, stride)])
+    return builder.gep(builder.bitcast(ary.data, _I8.as_pointer()), [builder.mul(row, stride)])
 
 
-def _load(builder, ptr, index, vty: ir.VectorType):
-    """The index-th vty after a byte pointer (unaligned)."""
-    return builder.load(builder.gep(builder.bitcast(ptr, vty.as_pointer()), [index]), align=1)
+def _load(builder, ptr, index, ty: ir.Type):
+    """The index-th ty after a byte pointer (unaligned)."""
+    return builder.load(builder.gep(builder.bitcast(ptr, ty.as_pointer()), [index]), align=1)
 
 
-def _spread(builder, v, n_in: int):
-    """<n_in x float> -> <16 x float>: lane i of 16 gets element i * n_in / 16 (each of a
-    vpdpbusd's 16 int32 sums covers 4 weights; a sub-block of 64 / n_in weights covers 16 / n_in)."""
-    mask = ir.Constant(_vec(_I32, 16), [i * n_in // 16 for i in range(16)])
-    return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), mask)
+def _splat(builder, value, n: int):
+    v = builder.insert_element(ir.Constant(_vec(value.type, n), ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, ir.Constant(_vec(_I32, n), [0] * n))
 
 
-def _intrinsic_fn(builder, name: str, fnty: ir.FunctionType):
-    mod = builder.module
-    fn = mod.globals.get(name)
-    return fn if fn is not None else ir.Function(mod, fnty, name)
+def _const(builder, index: int):
+    return ir.Constant(_I64, index)
 
 
-def _dot_codegen(kind: str, block: int, tokens: int, with_offset: bool):
-    """IR for: out[t] = W[n] . x[t0 + t] for `tokens` rows, over K / 64 steps of 64 weights."""
-    per_step = STEP // block  # weight sub-blocks a step
-    v16f, v16i, v64b = _vec(_F32, 16), _vec(_I32, 16), _vec(_I8, 64)
+def _function(builder, name: str, fnty: ir.FunctionType):
+    fn = builder.module.globals.get(name)
+    return fn if fn is not None else ir.Function(builder.module, fnty, name)
+
+
+def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
+    """Step g's weight vectors (16 rows x 4 weights, unsigned bytes), each with the offset in
+    the step of its first weight (which activation bytes it meets)."""
+    v64b = _vec(_I8, 64)
+    if kind == "i8":
+        first = builder.mul(g, _const(builder, 16))
+        return [(_load(builder, qtile, builder.add(first, _const(builder, v)), v64b), 4 * v)
+                for v in range(16)]
+    low, out = ir.Constant(v64b, [15] * 64), []
+    first = builder.mul(g, _const(builder, 8))
+    for v in range(8):
+        packed = _load(builder, qtile, builder.add(first, _const(builder, v)), v64b)
+        out.append((builder.and_(packed, low), 4 * v))
+        out.append((builder.and_(builder.lshr(packed, ir.Constant(v64b, [4] * 64)), low), 32 + 4 * v))
+    return out
+
+
+def _int_sums(builder, vectors, xbase, block: int) -> list[list[Any]]:
+    """[token][sub-block] int32 sums of the step: one vpdpbusd per weight vector and token, the
+    activation's 4 bytes broadcast to the 16 lanes."""
+    v16i, v64b = _vec(_I32, 16), _vec(_I8, 64)
+    vpdpbusd = _function(builder, "llvm.x86.avx512.vpdpbusd.512", ir.FunctionType(v16i, [v16i, v64b, v64b]))
+    sums: list[list[Any]] = [[ir.Constant(v16i, [0] * 16)] * (STEP // block) for _ in xbase]
+    for vec, at in vectors:
+        for t, base in enumerate(xbase):
+            x4 = builder.load(builder.gep(base, [_const(builder, at // 4)]), align=1)
+            sums[t][at // block] = builder.call(vpdpbusd, [sums[t][at // block], vec,
+                                                           builder.bitcast(_splat(builder, x4, 16), v64b)])
+    return sums
+
+
+def _tile_codegen(kind: str, block: int, tokens: int, with_offset: bool):
+    """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens."""
+    subs = STEP // block  # sub-blocks a 64-weight step
+    v16f = _vec(_F32, 16)
+    zero_point = 128.0 if kind == "i8" else 0.0
+    fast = ["fast"]
 
     def codegen(context, builder, sig, args):
-        q, s, m, xq, xd, xs, n, t0 = args[:8]
-        qty, sty, mty, xqty, xdty, xsty = sig.args[:6]
+        q, s, m, xq, xd, xs, out, r, t0 = args[:9]
+        qty, sty, mty, xqty, xdty, xsty, outty = sig.args[:7]
         k = builder.extract_value(context.make_array(xqty)(context, builder, xq).shape, 1)
-        steps = builder.udiv(k, ir.Constant(_I64, STEP))
-        qrow = _row_ptr(context, builder, qty, q, n)
-        srow = _row_ptr(context, builder, sty, s, n)
-        mrow = _row_ptr(context, builder, mty, m, n) if with_offset else None
-        tok = [builder.add(t0, ir.Constant(_I64, t)) for t in range(tokens)]
-        xrows = [_row_ptr(context, builder, xqty, xq, r) for r in tok]
-        drows = [_row_ptr(context, builder, xdty, xd, r) for r in tok]
-        srows = [_row_ptr(context, builder, xsty, xs, r) for r in tok]
-        vpdpbusd = _intrinsic_fn(builder, "llvm.x86.avx512.vpdpbusd.512",
-                                 ir.FunctionType(v16i, [v16i, v64b, v64b]))
+        steps = builder.udiv(k, _const(builder, STEP))
+        qtile, stile = _row_ptr(context, builder, qty, q, r), _row_ptr(context, builder, sty, s, r)
+        mtile = _row_ptr(context, builder, mty, m, r) if with_offset else None
+        rows = [builder.add(t0, _const(builder, t)) for t in range(tokens)]
+
+        def per_token(aty, a):
+            return [_row_ptr(context, builder, aty, a, i) for i in rows]
+        xrow, drow, srow = per_token(xqty, xq), per_token(xdty, xd), per_token(xsty, xs)
+        orow = per_token(outty, out)
 
         entry = builder.block
-        loop = builder.append_basic_block("int8_dot_step")
-        done = builder.append_basic_block("int8_dot_done")
+        loop = builder.append_basic_block("int8_tile_step")
+        done = builder.append_basic_block("int8_tile_done")
         builder.branch(loop)
         builder.position_at_end(loop)
         g = builder.phi(_I64)
-        g.add_incoming(ir.Constant(_I64, 0), entry)
-        vps = _vec(_F32, per_step)
+        g.add_incoming(_const(builder, 0), entry)
         acc = [builder.phi(v16f) for _ in range(tokens)]
-        macc = [builder.phi(vps) for _ in range(tokens)]
-        for a in acc:
+        xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
+                 for x in xrow]
+        sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
+        totals = list(acc)
+        for sb in range(subs):
+            index = builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb))
+            scale = _load(builder, stile, index, v16f)  # the 16 rows' scales
+            # (m - z s): the offset term's factor per row, and the zero point of unsigned int8
+            mz = builder.fmul(scale, ir.Constant(v16f, [-zero_point] * 16), flags=fast)
+            if mtile is not None:
+                mz = builder.fadd(mz, _load(builder, mtile, index, v16f), flags=fast)
+            act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
+            for t in range(tokens):
+                dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
+                part = builder.fmul(builder.sitofp(sums[t][sb], v16f), builder.fmul(scale, dx, flags=fast),
+                                    flags=fast)
+                totals[t] = builder.fadd(totals[t], part, flags=fast)
+                if mtile is not None or zero_point:  # + (m - z s) * dx * sum(xq)
+                    xsum = _splat(builder, _load(builder, srow[t], index, _F32), 16)
+                    totals[t] = builder.fadd(totals[t], builder.fmul(mz, xsum, flags=fast), flags=fast)
+        for a, total in zip(acc, totals, strict=True):
             a.add_incoming(ir.Constant(v16f, [0.0] * 16), entry)
-        for a in macc:
-            a.add_incoming(ir.Constant(vps, [0.0] * per_step), entry)
-
-        # the step's 64 weights as unsigned bytes, in weight order
-        if kind == "u4":
-            packed = _load(builder, qrow, g, _vec(_I8, 32))
-            lo = builder.and_(packed, ir.Constant(_vec(_I8, 32), [15] * 32))
-            hi = builder.lshr(packed, ir.Constant(_vec(_I8, 32), [4] * 32))
-            u = builder.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 64), list(range(64))))
-            zero_point = 0.0
-        else:
-            u = builder.xor(_load(builder, qrow, g, v64b), ir.Constant(v64b, [-128] * 64))  # q + 128
-            zero_point = 128.0
-        sv = _load(builder, srow, g, vps)  # the step's sub-block scales
-        s16 = _spread(builder, sv, per_step)
-        mz = builder.fmul(sv, ir.Constant(vps, [-zero_point] * per_step), flags=["fast"])  # m - z * s
-        if with_offset:
-            mz = builder.fadd(mz, _load(builder, mrow, g, vps), flags=["fast"])
-        elif kind == "u4":
-            mz = None  # nibbles without a minimum: no offset term
-        g_next = builder.add(g, ir.Constant(_I64, 1))
-        acc_next, macc_next = [], []
-        for t in range(tokens):
-            xv = _load(builder, xrows[t], g, v64b)
-            dots = builder.call(vpdpbusd, [ir.Constant(v16i, [0] * 16), u, xv])
-            dx = _spread(builder, _load(builder, drows[t], g, _vec(_F32, 2)), 2)
-            scale = builder.fmul(s16, dx, flags=["fast"])
-            prod = builder.fmul(builder.sitofp(dots, v16f), scale, flags=["fast"])
-            acc_next.append(builder.fadd(acc[t], prod, flags=["fast"]))
-            if mz is None:
-                macc_next.append(macc[t])
-            else:
-                sums = _load(builder, srows[t], g, vps)
-                term = builder.fmul(mz, sums, flags=["fast"])
-                macc_next.append(builder.fadd(macc[t], term, flags=["fast"]))
-            acc[t].add_incoming(acc_next[t], loop)
-            macc[t].add_incoming(macc_next[t], loop)
+            a.add_incoming(total, loop)
+        g_next = builder.add(g, _const(builder, 1))
         g.add_incoming(g_next, loop)
         builder.cbranch(builder.icmp_unsigned("<", g_next, steps), loop, done)
 
         builder.position_at_end(done)
-        r16 = _intrinsic_fn(builder, "llvm.vector.reduce.fadd.v16f32",
-                            ir.FunctionType(_F32, [_F32, v16f]))
-        rps = _intrinsic_fn(builder, f"llvm.vector.reduce.fadd.v{per_step}f32",
-                            ir.FunctionType(_F32, [_F32, vps]))
-        out = []
-        for t in range(tokens):
-            total = builder.call(r16, [ir.Constant(_F32, 0.0), acc_next[t]], fastmath=("reassoc",))
-            offset = builder.call(rps, [ir.Constant(_F32, 0.0), macc_next[t]], fastmath=("reassoc",))
-            out.append(builder.fadd(total, offset))
-        return context.make_tuple(builder, sig.return_type, out)
+        for o, total in zip(orow, totals, strict=True):
+            dst = builder.gep(o, [builder.mul(r, _const(builder, TILE_ROWS * 4))])
+            builder.store(total, builder.bitcast(dst, v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
     return codegen
 
 
-def _dot_rows_typing(typingctx, q, s, m, xq, xd, xs, n, t0, tokens, block):
-    """(W[n] . x[t0 + t] for t < tokens) as a tuple of float32. q: the weight's plane (int8, or
-    uint8 nibbles), s / m: its sub-block scale and offset planes (m None: no offset), xq / xd /
-    xs: Int8Rows' q, scale and the sums at the weight's sub-block size; tokens (1..TOKEN_TILE)
-    and block (16 or 32): literals, one kernel each."""
-    if not isinstance(tokens, types.IntegerLiteral) or not isinstance(block, types.IntegerLiteral):
+def _tile_typing(typingctx, q, s, m, xq, xd, xs, out, r, t0, tokens, block, vectors):
+    """out[t0 + t, 16 r: 16 r + 16] = the tile's 16 rows . x[t0 + t], for t < tokens. q, s, m:
+    Int8Weight's planes as 2-D arrays (one tile a row), m None for none; xq / xd / xs: Int8Rows'
+    q, scale and the sums at the weight's sub-block size. Literals, one kernel each: tokens
+    (1..TOKEN_TILE), block (16, 32), vectors (16: int8 bytes, 8: nibbles)."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, block, vectors)):
         return None
-    count = tokens.literal_value
-    kind = "u4" if q.dtype == types.uint8 else "i8"
-    sig = types.UniTuple(types.float32, count)(q, s, m, xq, xd, xs, n, t0, tokens, block)
-    return sig, _dot_codegen(kind, block.literal_value, count, m != types.none)
+    kind = "i8" if vectors.literal_value == 16 else "u4"
+    sig = types.none(q, s, m, xq, xd, xs, out, r, t0, tokens, block, vectors)
+    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, m != types.none)
 
 
-_dot_rows: Any = intrinsic(_dot_rows_typing)
+_tile: Any = intrinsic(_tile_typing)
 
 
 # ---- drivers -------------------------------------------------------------------------------------
 
-def _rows_for(block: int):
-    """out[:, lo:hi] for weight rows lo..hi: each row against token tiles of TOKEN_TILE (the
-    row's bytes stay in L1 across its tiles; the activations, T x K bytes, in L2)."""
+def _tiles_for(block: int, vectors: int):
+    """Row tiles lo..hi against every token: TOKEN_TILE tokens at a time (a tile's bytes, 16 x K,
+    stay in L2 across its token tiles; the activations, T x K bytes, too)."""
     @njit(inline="always")
-    def rows(q, s, m, xq, xd, xs, out, lo, hi):  # pragma: no cover - compiled
+    def run(q, s, m, xq, xd, xs, out, lo, hi):  # pragma: no cover - compiled
         num_tokens = xq.shape[0]
-        for n in range(lo, hi):
+        for r in range(lo, hi):
             t = 0
             while t + 4 <= num_tokens:
-                r4 = _dot_rows(q, s, m, xq, xd, xs, n, t, 4, block)
-                out[t, n], out[t + 1, n], out[t + 2, n], out[t + 3, n] = r4
+                _tile(q, s, m, xq, xd, xs, out, r, t, 4, block, vectors)
                 t += 4
             left = num_tokens - t
             if left == 3:
-                r3 = _dot_rows(q, s, m, xq, xd, xs, n, t, 3, block)
-                out[t, n], out[t + 1, n], out[t + 2, n] = r3
+                _tile(q, s, m, xq, xd, xs, out, r, t, 3, block, vectors)
             elif left == 2:
-                r2 = _dot_rows(q, s, m, xq, xd, xs, n, t, 2, block)
-                out[t, n], out[t + 1, n] = r2
+                _tile(q, s, m, xq, xd, xs, out, r, t, 2, block, vectors)
             elif left == 1:
-                out[t, n] = _dot_rows(q, s, m, xq, xd, xs, n, t, 1, block)[0]
-    return rows
+                _tile(q, s, m, xq, xd, xs, out, r, t, 1, block, vectors)
+    return run
 
 
-def _drivers(block: int):
-    rows = _rows_for(block)
+def _drivers(block: int, vectors: int):
+    run = _tiles_for(block, vectors)
 
-    @njit(cache=False, nogil=True, fastmath=_FASTMATH, error_model="numpy")
+    @njit(nogil=True, error_model="numpy")
     def serial(q, s, m, xq, xd, xs, out):  # pragma: no cover - compiled
-        rows(q, s, m, xq, xd, xs, out, 0, out.shape[1])
+        run(q, s, m, xq, xd, xs, out, 0, q.shape[0])
 
-    @njit(cache=False, nogil=True, fastmath=_FASTMATH, error_model="numpy", parallel=True)
+    @njit(nogil=True, error_model="numpy", parallel=True)
     def parallel(q, s, m, xq, xd, xs, out, tasks):  # pragma: no cover - compiled
-        n = out.shape[1]
+        n = q.shape[0]
         for i in prange(tasks):
-            rows(q, s, m, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks)
+            run(q, s, m, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks)
     return serial, parallel
 
 
-_SERIAL16, _PARALLEL16 = _drivers(16)
-_SERIAL32, _PARALLEL32 = _drivers(32)
+# (block, vectors a step) -> (serial, parallel)
+_DRIVERS = {(block, vectors): _drivers(block, vectors) for block in (16, 32) for vectors in (8, 16)}
 
 
-def int8_linear(x: Int8Rows, w: QuantWeight, out: np.ndarray | None = None, *,
+def int8_linear(x: Int8Rows, w: Int8Weight, out: np.ndarray | None = None, *,
                 parallel: bool = False) -> np.ndarray:
-    """x quantized [T, in] (quantize_rows), W packed [out, in] (supports(w)) -> float32 [T, out]."""
-    assert w.scale is not None and supports(w), (w.qtype, w.kind, w.shape)
+    """x quantized [T, in] (quantize_rows), W in tiles [out, in] -> float32 [T, out] (x @ W.T)."""
     t, (n, _) = x.q.shape[0], w.shape
     if out is None:
         out = np.empty((t, n), dtype=np.float32)
-    sums = x.sum16 if w.block == 16 else x.sum32
-    args = (w.q, w.scale, w.offset, x.q, x.scale, sums, out)
+    assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
+    tiles_ = n // TILE_ROWS
+
+    def flat(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a.reshape(tiles_, -1)
+    serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
+    args = (flat(w.q), flat(w.scale), flat(w.offset), x.q, x.scale,
+            x.sum16 if w.block == 16 else x.sum32, out)
     if parallel:
-        tasks = TASKS_PER_THREAD * numba.get_num_threads()
-        (_PARALLEL16 if w.block == 16 else _PARALLEL32)(*args, tasks)
+        par(*args, min(tiles_, TASKS_PER_THREAD * numba.get_num_threads()))
     else:
-        (_SERIAL16 if w.block == 16 else _SERIAL32)(*args)
+        serial(*args)
     return out

@@ -42,17 +42,19 @@ class CpuWeightStore:
     to stream); one stored as float32 is kept float32, or as bfloat16 bits in uint16 with
     --dtype bfloat16 (cpu_linear widens them on the fly). Norms and biases are float32."""
 
-    def __init__(self, weight_dtype: str = "float32", widen_packed: bool = False):
+    def __init__(self, weight_dtype: str = "float32", widen_packed: bool = False, int8: bool = False):
         """widen_packed: widen packed weights to weight_dtype too (the float path, for
-        comparisons: tests, bench_forward)."""
+        comparisons: tests, bench_forward). int8: integer GGUF kinds in the tiles of
+        gpu/cpu_int8_kernels.py, multiplied by int8 activations (llama.cpp's numerics)."""
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight dtype {weight_dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
         self.bfloat16 = weight_dtype == "bfloat16"
         self.widen_packed = widen_packed
+        self.int8 = int8
 
     def linear(self, arrays: Sequence[Any]) -> np.ndarray | PackedWeight:
         if not self.widen_packed and any(is_packed(a) for a in arrays):
-            return fuse_packed(arrays)
+            return fuse_packed(arrays, self.int8)
         # NOTE: always a fresh array of our own, even of one tensor: a decode step streams
         # these, and a view into the loaded file's buffer may sit at any alignment
         w = np.concatenate([np.asarray(a, dtype=F32) for a in arrays])
@@ -109,12 +111,10 @@ class CpuStepBuffers:
 
 class CpuOps:
     """model.ModelOps in numpy and Numba. parallel: split the decode-size linears over Numba's
-    threads (the caller sets their number; gpu/cpu_linear.py). int8: quantized weights multiply
-    int8 activation blocks (gpu/cpu_int8_kernels.py), else float32 (exact)."""
+    threads (the caller sets their number; gpu/cpu_linear.py)."""
 
-    def __init__(self, c: ModelConfig, parallel: bool = False, int8: bool = False):
+    def __init__(self, c: ModelConfig, parallel: bool = False):
         self.parallel = parallel
-        self.int8 = int8
         # NOTE: float32 scalars, else Numba compiles float64 variants (other rounding, slower)
         self.scale = F32(c.head_dim ** -0.5)
         self.eps = F32(c.rms_norm_eps)
@@ -131,7 +131,7 @@ class CpuOps:
         if isinstance(weight, np.ndarray):
             linear(x, weight, out, parallel=self.parallel)
         else:
-            packed_linear(x, weight, out, self.parallel, self.int8)
+            packed_linear(x, weight, out, self.parallel)
 
     def add_bias(self, x, bias) -> None:
         x += bias

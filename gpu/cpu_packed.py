@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ringserve.gpu.cpu_int8_kernels import int8_linear, quantize_rows, supports
+from ringserve.gpu.cpu_int8_kernels import Int8Weight, int8_linear, quantize_rows, supports, tiles
 from ringserve.gpu.cpu_quant_kernels import quant_linear
 from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, concat_rows, dequantize, repack, take_rows
 from ringserve.gpu.weights import GGMLTensor
@@ -39,7 +39,7 @@ def pack(tensor: Any) -> QuantWeight:
 @dataclass(frozen=True, eq=False)
 class SplitWeight:
     """A fused linear whose parts are kept in different types."""
-    parts: tuple[QuantWeight, ...]
+    parts: tuple[QuantWeight | Int8Weight, ...]
     shape: tuple[int, int]
 
     @property
@@ -47,11 +47,12 @@ class SplitWeight:
         return sum(p.nbytes for p in self.parts)
 
 
-PackedWeight = QuantWeight | SplitWeight
+PackedWeight = QuantWeight | Int8Weight | SplitWeight
 
 
-def fuse_packed(tensors: Sequence[Any]) -> PackedWeight:
-    """Stack HF matrices along rows, each kept in its own type."""
+def fuse_packed(tensors: Sequence[Any], int8: bool = False) -> PackedWeight:
+    """Stack HF matrices along rows, each kept in its own type. int8: the integer kinds in the
+    int8-activation kernels' 16-row tiles (gpu/cpu_int8_kernels.py), the others as they are."""
     parts = [pack(t) for t in tensors]
     groups: list[list[QuantWeight]] = []
     for p in parts:  # neighbours of one type and layout become one weight
@@ -59,7 +60,10 @@ def fuse_packed(tensors: Sequence[Any]) -> PackedWeight:
             groups[-1].append(p)
         else:
             groups.append([p])
-    stacked = tuple(g[0] if len(g) == 1 else concat_rows(g) for g in groups)
+    stacked: tuple[QuantWeight | Int8Weight, ...] = tuple(
+        g[0] if len(g) == 1 else concat_rows(g) for g in groups)
+    if int8:
+        stacked = tuple(tiles(p) if isinstance(p, QuantWeight) and supports(p) else p for p in stacked)
     rows = sum(p.shape[0] for p in stacked)
     return stacked[0] if len(stacked) == 1 else SplitWeight(stacked, (rows, stacked[0].shape[1]))
 
@@ -69,18 +73,18 @@ def _same_layout(a: QuantWeight, b: QuantWeight) -> bool:
             == (b.qtype, b.kind, b.block, b.shape[1], b.offset is None))
 
 
-def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: bool,
-                  int8: bool = False) -> None:
-    """out = x @ W.T for a packed weight. int8: the integer kinds multiply x's int8 blocks
-    (gpu/cpu_int8_kernels.py; x quantized once for all parts), the others float32 x."""
+def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: bool) -> None:
+    """out = x @ W.T for a packed weight: tiles (Int8Weight) multiply x's int8 blocks (quantized
+    once for all the parts), the other kinds float32 x."""
     parts = w.parts if isinstance(w, SplitWeight) else (w,)
-    rows = quantize_rows(x) if int8 and any(supports(p) for p in parts) else None
+    rows = quantize_rows(x) if any(isinstance(p, Int8Weight) for p in parts) else None
     lo = 0
     for part in parts:
         hi = lo + part.shape[0]
         # NOTE: a part writes into its own buffer when there are several: the kernels write whole rows
         dst = out if len(parts) == 1 else None
-        if rows is not None and supports(part):
+        if isinstance(part, Int8Weight):
+            assert rows is not None
             y = int8_linear(rows, part, dst, parallel=parallel)
         else:
             y = quant_linear(x, part, dst, parallel=parallel)
@@ -93,7 +97,7 @@ def packed_rows(w: PackedWeight, ids: np.ndarray, out: np.ndarray) -> None:
     """out = W[ids] as float32 (the embedding lookup of a packed table)."""
     if isinstance(w, SplitWeight):
         raise ValueError("an embedding table is one tensor")
-    out[...] = dequantize(take_rows(w, ids))
+    out[...] = dequantize(w.rows(ids) if isinstance(w, Int8Weight) else take_rows(w, ids))
 
 
 # Bytes a weight takes once packed, by type (gpu/quant.py's layouts; 4-bit rows that are not

@@ -81,13 +81,13 @@ class CpuModelRunner:
                              f"({self.bytes_per_block} bytes per block)")
         self.num_blocks = int(num_blocks)
         hf = load_weights(model_dir)
-        store = CpuWeightStore(CPU_DTYPES[dtype], widen_packed)
+        self.int8_activations = int8_activations(activation_dtype)
+        store = CpuWeightStore(CPU_DTYPES[dtype], widen_packed, self.int8_activations)
         check_fits(sum(store.nbytes(t) for t in hf.values()), self.num_blocks * self.bytes_per_block,
                    self.num_blocks)
         self.weights = LlamaWeights.fuse(c, hf, store)
         del hf
-        self.int8_activations = int8_activations(activation_dtype)
-        self.ops = CpuOps(c, parallel=self.num_threads > 1, int8=self.int8_activations)
+        self.ops = CpuOps(c, parallel=self.num_threads > 1)
         self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype)
                           for _ in range(c.num_hidden_layers)]
         self.inv_freq = inv_freq(c)

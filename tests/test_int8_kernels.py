@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ringserve.gpu import cpu_int8_kernels
-from ringserve.gpu.cpu_int8_kernels import has_vnni, int8_linear, quantize_rows, supports
+from ringserve.gpu.cpu_int8_kernels import Int8Weight, has_vnni, int8_linear, quantize_rows, supports, tiles
 from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed, packed_linear
 from ringserve.gpu.cpu_runner import int8_activations
 from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
@@ -74,24 +74,29 @@ def reference(x: np.ndarray, w: QuantWeight) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("qtype", INTEGER_TYPES)
 def test_every_type_is_dequantize_times_the_int8_activations(qtype):
     rng = np.random.default_rng(7)
-    shape = (40, 512)
+    shape = (48, 512)  # 3 tiles of 16 rows: 4 tasks on 1 thread, 8 on 2, never more than tiles
     w = repack(random_raw(qtype, shape, rng), qtype, shape)
     assert supports(w)
+    tiled = tiles(w)
+    assert tiled.nbytes == w.nbytes and np.array_equal(dequantize(tiled.rows(np.arange(48))), dequantize(w))
+    picked = np.array([47, 0, 17, 17])  # an embedding lookup: any rows, repeated
+    assert np.array_equal(dequantize(tiled.rows(picked)), dequantize(w)[picked])
     for t in TOKENS:
         x = rng.standard_normal((t, shape[1])).astype(np.float32)
         want, bound = reference(x, w)
         for parallel in (False, True):
-            got = int8_linear(quantize_rows(x), w, parallel=parallel)
+            got = int8_linear(quantize_rows(x), tiled, parallel=parallel)
             err = np.abs(got - want)
             assert np.all(err <= bound), f"{qtype} T={t}: worst {(err / bound).max():.3g} of the bound"
 
 
-def test_four_bit_rows_that_are_not_64_groups_and_float_types_fall_back():
+def test_rows_that_are_not_whole_tiles_and_float_types_stay_on_the_float_path():
     rng = np.random.default_rng(2)
-    ragged = repack(random_raw("Q8_0", (8, 96), rng), "Q8_0", (8, 96))       # 96: not whole 64-steps
-    f16 = repack(rng.standard_normal((8, 128)).astype(np.float16), "F16", (8, 128))
-    assert not supports(ragged) and not supports(f16)
-    assert supports(repack(random_raw("Q4_K", (8, 256), rng), "Q4_K", (8, 256)))
+    ragged = repack(random_raw("Q8_0", (16, 96), rng), "Q8_0", (16, 96))     # 96: not whole 64-steps
+    short = repack(random_raw("Q8_0", (8, 128), rng), "Q8_0", (8, 128))      # 8 rows: not a 16-row tile
+    f16 = repack(rng.standard_normal((16, 128)).astype(np.float16), "F16", (16, 128))
+    assert not any(supports(w) for w in (ragged, short, f16))
+    assert supports(repack(random_raw("Q4_K", (16, 256), rng), "Q4_K", (16, 256)))
 
 
 def test_a_mixed_fused_linear_quantizes_once_and_runs_each_part_on_its_path():
@@ -99,12 +104,15 @@ def test_a_mixed_fused_linear_quantizes_once_and_runs_each_part_on_its_path():
     shapes = [("Q4_K", 256), ("Q6_K", 128)]
     tensors = [GGMLTensor(kind, (rows, 512), random_raw(kind, (rows, 512), rng)) for kind, rows in shapes]
     tensors.append(rng.standard_normal((8, 512)).astype(np.float16))  # F16: float32 activations
-    fused = fuse_packed(tensors)
+    fused = fuse_packed(tensors, int8=True)
     assert isinstance(fused, SplitWeight)
+    assert [type(p) for p in fused.parts] == [Int8Weight, Int8Weight, QuantWeight]
+    plain = fuse_packed(tensors)
+    assert isinstance(plain, SplitWeight)
     x = rng.standard_normal((3, 512)).astype(np.float32)
     out = np.empty((3, 392), np.float32)
-    packed_linear(x, fused, out, parallel=False, int8=True)
-    for part, lo, hi in ((fused.parts[0], 0, 256), (fused.parts[1], 256, 384)):
+    packed_linear(x, fused, out, parallel=False)
+    for part, lo, hi in ((plain.parts[0], 0, 256), (plain.parts[1], 256, 384)):
         want, bound = reference(x, part)
         assert np.all(np.abs(out[:, lo:hi] - want) <= bound)
     f16_want = x.astype(np.float64) @ np.asarray(tensors[2], dtype=np.float64).T
