@@ -122,6 +122,12 @@ def test_bench_forward(tiny_model_dir, tmp_path, capsys):
         assert r["ours_float32_tok_s"] == pytest.approx(r["batch"] / r["ours_float32_ms"] * 1e3)
     assert doc["prefill"]["tokens"] == 32 and doc["prefill"]["ours_float32_s"] > 0
     assert [c[0] for c in _table_rows(capsys.readouterr().out, "batch")] == ["1", "4"]
+    # one side per weight dtype and activation type (--cpu-activation-dtype), named by both
+    bench_forward.main(["--model", str(tiny_model_dir), "--batch", "1", "--steps", "1", "--context", "16",
+                        "--prefill-tokens", "16", "--prefill-reps", "1", "--no-peer",
+                        "--activations", "auto", "float32", "--json", str(tmp_path / "g.json")])
+    row = _doc(tmp_path / "g.json", "bench_forward")["rows"][0]
+    assert row["ours_float32_auto_ms"] > 0 and row["ours_float32_float32_ms"] > 0
 
 
 def test_bench_ipc(tmp_path, capsys):

@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-reps", type=int, default=3)
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="weight dtype(s) of ours; the peer is always float32")
+    ap.add_argument("--activations", nargs="+", default=["auto"], choices=["auto", "int8", "float32"],
+                    help="what our quantized weights multiply (serve's --cpu-activation-dtype)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--no-peer", action="store_true", help="skip transformers even if installed")
     add_json_argument(ap)
@@ -83,11 +85,12 @@ def prefill_batch(ids: np.ndarray, blocks: np.ndarray, block_size: int) -> Batch
 class Ours:
     """Our ModelRunner, with KV blocks for the largest batch and for the prefill prompt."""
 
-    def __init__(self, model_dir: Path, dtype: str, args: argparse.Namespace):
+    def __init__(self, model_dir: Path, dtype: str, activations: str, args: argparse.Namespace):
         self.args, self.bs = args, 16
         self.per_req = -(-(args.context + args.steps + 2) // self.bs)
         self.prefill_blocks = np.arange(-(-args.prefill_tokens // self.bs), dtype=np.int32)
         runner = ModelRunner(model_dir, dtype=dtype, block_size=self.bs, num_threads=args.threads,
+                             cpu_activation_dtype=activations,
                              num_blocks=max(max(args.batch) * self.per_req, len(self.prefill_blocks)))
         assert isinstance(runner, CpuModelRunner)  # device "cpu": its caches and weights are read here
         self.runner = runner
@@ -202,6 +205,12 @@ def read_bandwidth() -> float:
 
 # -- report ---------------------------------------------------------------------------------
 
+def side_names(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """Our sides, one per weight dtype and activation type: name -> (dtype, activations)."""
+    return {(d if len(args.activations) == 1 else f"{d}_{a}"): (d, a)
+            for d in args.dtype for a in args.activations}
+
+
 def columns(dtypes: list[str], peer: bool) -> list[Column]:
     cols = [Column("batch", "batch", "d")]
     for d in dtypes:
@@ -218,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_dir = resolve_model(args.model)
     run = BenchRun.start("bench_forward", args)
-    sides: dict[str, Ours | Transformers] = {d: Ours(model_dir, d, args) for d in args.dtype}
+    names = side_names(args)
+    sides: dict[str, Ours | Transformers] = {
+        name: Ours(model_dir, d, a, args) for name, (d, a) in names.items()}
     transformers = make_peer(model_dir, args)
     if transformers:
         sides["peer"] = transformers
@@ -240,26 +251,26 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for b in args.batch:
         row = {"batch": b}
-        for d in args.dtype:
+        for d in names:
             row[f"ours_{d}_ms"] = ours[d]["decode_s"][b] * 1e3
             row[f"ours_{d}_tok_s"] = b / ours[d]["decode_s"][b]
         if peer:
             row["transformers_ms"] = peer["decode_s"][b] * 1e3
             row["transformers_tok_s"] = b / peer["decode_s"][b]
-            row.update({f"ratio_{d}": peer["decode_s"][b] / ours[d]["decode_s"][b] for d in args.dtype})
+            row.update({f"ratio_{d}": peer["decode_s"][b] / ours[d]["decode_s"][b] for d in names})
         rows.append(row)
     print(run.header())
     print(f"model {model_dir.name}, {args.threads} thread(s), context {args.context}, "
           f"median of {args.steps} decode steps")
-    print(table(rows, columns(args.dtype, peer is not None)))
+    print(table(rows, columns(list(names), peer is not None)))
     n = args.prefill_tokens
-    cols = [f"ours {d}" for d in args.dtype] + (["transformers float32"] if peer else [])
-    pre = [ours[d]["prefill_s"] for d in args.dtype] + ([peer["prefill_s"]] if peer else [])
+    cols = [f"ours {d}" for d in names] + (["transformers float32"] if peer else [])
+    pre = [ours[d]["prefill_s"] for d in names] + ([peer["prefill_s"]] if peer else [])
     rates = ", ".join(f"{c} {n / t:.0f} tok/s ({t:.2f} s)" for c, t in zip(cols, pre, strict=True))
     print(f"prefill {n} tokens: " + rates
-          + (", ratio " + ", ".join(f"{peer['prefill_s'] / ours[d]['prefill_s']:.2f}x" for d in args.dtype)
+          + (", ratio " + ", ".join(f"{peer['prefill_s'] / ours[d]['prefill_s']:.2f}x" for d in names)
              if peer else ""))
-    for d in args.dtype:
+    for d in names:
         wb = ours[d]["weight_bytes"]
         bound = wb / bandwidth
         achieved = ours[d]["decode_s"][args.batch[0]]
@@ -271,10 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("peer: transformers not measured (torch/transformers not installed here, or --no-peer)")
     run.write(args.json, rows, model=str(model_dir),
-              prefill={"tokens": n, **{f"ours_{d}_s": ours[d]["prefill_s"] for d in args.dtype},
+              prefill={"tokens": n, **{f"ours_{d}_s": ours[d]["prefill_s"] for d in names},
                        **({"transformers_s": peer["prefill_s"]} if peer else {})},
               read_bandwidth_bytes_per_s=bandwidth,
-              weight_bytes_per_step={d: ours[d]["weight_bytes"] for d in args.dtype},
+              weight_bytes_per_step={d: ours[d]["weight_bytes"] for d in names},
               peer=peer["version"] if peer else None)
 
 
