@@ -321,44 +321,70 @@ _tile: Any = intrinsic(_tile_typing)
 
 # ---- drivers -------------------------------------------------------------------------------------
 
-def _tiles_for(block: int, vectors: int):
-    """Row tiles lo..hi against every token: TOKEN_TILE tokens at a time (a tile's bytes, 16 x K,
-    stay in L2 across its token tiles; the activations, T x K bytes, too)."""
-    @njit(inline="always")
-    def run(q, s, m, xq, xd, xs, out, lo, hi):  # pragma: no cover - compiled
-        num_tokens = xq.shape[0]
-        for r in range(lo, hi):
-            t = 0
-            while t + 4 <= num_tokens:
-                _tile(q, s, m, xq, xd, xs, out, r, t, 4, block, vectors)
-                t += 4
-            left = num_tokens - t
-            if left == 3:
-                _tile(q, s, m, xq, xd, xs, out, r, t, 3, block, vectors)
-            elif left == 2:
-                _tile(q, s, m, xq, xd, xs, out, r, t, 2, block, vectors)
-            elif left == 1:
-                _tile(q, s, m, xq, xd, xs, out, r, t, 1, block, vectors)
-    return run
+@njit(inline="always")
+def _run(q, s, m, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: no cover - compiled
+    """Row tiles lo..hi against every token, TOKEN_TILE tokens at a time (a tile's bytes, 16 x K,
+    stay in L2 across its token tiles; so do the activations, T x K bytes). block and vectors:
+    constants of the caller (inlined: the kernel's literals)."""
+    num_tokens = xq.shape[0]
+    for r in range(lo, hi):
+        t = 0
+        while t + 4 <= num_tokens:
+            _tile(q, s, m, xq, xd, xs, out, r, t, 4, block, vectors)
+            t += 4
+        left = num_tokens - t
+        if left == 3:
+            _tile(q, s, m, xq, xd, xs, out, r, t, 3, block, vectors)
+        elif left == 2:
+            _tile(q, s, m, xq, xd, xs, out, r, t, 2, block, vectors)
+        elif left == 1:
+            _tile(q, s, m, xq, xd, xs, out, r, t, 1, block, vectors)
 
 
-def _drivers(block: int, vectors: int):
-    run = _tiles_for(block, vectors)
-
-    @njit(nogil=True, error_model="numpy")
-    def serial(q, s, m, xq, xd, xs, out):  # pragma: no cover - compiled
-        run(q, s, m, xq, xd, xs, out, 0, q.shape[0])
-
-    @njit(nogil=True, error_model="numpy", parallel=True)
-    def parallel(q, s, m, xq, xd, xs, out, tasks):  # pragma: no cover - compiled
-        n = q.shape[0]
-        for i in prange(tasks):
-            run(q, s, m, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks)
-    return serial, parallel
+@njit(inline="always")
+def _split(q, s, m, xq, xd, xs, out, tasks, block, vectors):  # pragma: no cover - compiled
+    n = q.shape[0]
+    for i in prange(tasks):
+        _run(q, s, m, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks, block, vectors)
 
 
-# (block, vectors a step) -> (serial, parallel)
-_DRIVERS = {(block, vectors): _drivers(block, vectors) for block in (16, 32) for vectors in (8, 16)}
+# One compiled (and cached) driver per (sub-block size, vectors a step: 16 int8, 8 nibbles).
+_OPTS = {"cache": True, "nogil": True, "error_model": "numpy"}
+
+
+@njit(**_OPTS)
+def _serial_16_16(q, s, m, xq, xd, xs, out):  # pragma: no cover - compiled
+    _run(q, s, m, xq, xd, xs, out, 0, q.shape[0], 16, 16)
+
+
+@njit(**_OPTS)
+def _serial_32_16(q, s, m, xq, xd, xs, out):  # pragma: no cover - compiled
+    _run(q, s, m, xq, xd, xs, out, 0, q.shape[0], 32, 16)
+
+
+@njit(**_OPTS)
+def _serial_32_8(q, s, m, xq, xd, xs, out):  # pragma: no cover - compiled
+    _run(q, s, m, xq, xd, xs, out, 0, q.shape[0], 32, 8)
+
+
+@njit(**_OPTS, parallel=True)
+def _parallel_16_16(q, s, m, xq, xd, xs, out, tasks):  # pragma: no cover - compiled
+    _split(q, s, m, xq, xd, xs, out, tasks, 16, 16)
+
+
+@njit(**_OPTS, parallel=True)
+def _parallel_32_16(q, s, m, xq, xd, xs, out, tasks):  # pragma: no cover - compiled
+    _split(q, s, m, xq, xd, xs, out, tasks, 32, 16)
+
+
+@njit(**_OPTS, parallel=True)
+def _parallel_32_8(q, s, m, xq, xd, xs, out, tasks):  # pragma: no cover - compiled
+    _split(q, s, m, xq, xd, xs, out, tasks, 32, 8)
+
+
+# (block, vectors) -> (serial, parallel); nibbles come in 32-weight sub-blocks only
+_DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16, _parallel_32_16),
+            (32, 8): (_serial_32_8, _parallel_32_8)}
 
 
 def int8_linear(x: Int8Rows, w: Int8Weight, out: np.ndarray | None = None, *,
