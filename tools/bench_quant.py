@@ -1,4 +1,5 @@
-"""Quantized linear kernels' speed: ``y = x @ W.T`` per GGUF type (gpu/cpu_quant_kernels.py) in G
+"""Quantized linear kernels' speed: ``y = x @ W.T`` per GGUF type (gpu/cpu_quant_kernels.py, and
+gpu/cpu_int8_kernels.py with int8 activations) in G
 weights/s and GB/s of the bytes the packed weight holds, beside float32 through numpy (OpenBLAS
 sgemv / sgemm) in the same run, for several batch sizes, shapes and thread counts.
 
@@ -21,6 +22,7 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from ringserve.gpu.cpu_int8_kernels import Int8Weight, has_vnni, int8_linear, quantize_rows, supports, tiles
 from ringserve.gpu.cpu_quant_kernels import quant_linear
 from ringserve.gpu.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, random_raw, repack
 from ringserve.tools.bench_report import BenchRun, add_json_argument, markdown_table
@@ -38,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--int8-4bit", action="store_true",
                     help="also each 4-bit type repacked as int8 planes (row '<type> i8'), beside its nibbles")
+    ap.add_argument("--activations", nargs="+", choices=["float32", "int8"],
+                    default=["float32", "int8"] if has_vnni() else ["float32"],
+                    help="what the integer types multiply: float32 (gpu/cpu_quant_kernels.py) and/or "
+                         "int8 blocks through VNNI (gpu/cpu_int8_kernels.py: rows '<type> x int8', the "
+                         "activations' quantization included in the time)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per cell and round (best kept)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the whole grid (best kept)")
@@ -55,18 +62,31 @@ def best_time(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def _weights(args: argparse.Namespace, n: int, k: int,
-             rng: np.random.Generator) -> dict[str, np.ndarray | QuantWeight]:
+Weight = np.ndarray | QuantWeight | Int8Weight
+
+
+def _weights(args: argparse.Namespace, n: int, k: int, rng: np.random.Generator) -> dict[str, Weight]:
     """The float32 peer and every asked type that tiles a row of k, random valid blocks."""
-    weights: dict[str, np.ndarray | QuantWeight] = {
-        NUMPY_F32: rng.standard_normal((n, k)).astype(np.float32)}
+    weights: dict[str, Weight] = {NUMPY_F32: rng.standard_normal((n, k)).astype(np.float32)}
     for qtype in args.types:
         if k % BLOCK_SIZES[qtype][0] == 0:
             raw = random_raw(qtype, (n, k), rng)
-            weights[qtype] = repack(raw, qtype, (n, k))
-            if args.int8_4bit and qtype in FOUR_BIT:
+            w = repack(raw, qtype, (n, k))
+            if "float32" in args.activations:
+                weights[qtype] = w
+            if args.int8_4bit and qtype in FOUR_BIT and "float32" in args.activations:
                 weights[qtype + " i8"] = repack(raw, qtype, (n, k), nibbles=False)
+            if "int8" in args.activations and supports(w):
+                weights[qtype + " x int8"] = tiles(w)
     return weights
+
+
+def _call(w: Weight, x: np.ndarray, out: np.ndarray, threads: int) -> Callable[[], Any]:
+    if isinstance(w, Int8Weight):  # as served: the activations quantized in every call
+        return lambda: int8_linear(quantize_rows(x), w, out, parallel=threads > 1)
+    if isinstance(w, QuantWeight):
+        return partial(quant_linear, x, w, out, parallel=threads > 1)
+    return partial(np.matmul, x, w.T, out=out)
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
@@ -78,7 +98,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
         weights = _weights(args, n, k, rng)
         xs = {b: rng.standard_normal((b, k)).astype(np.float32) for b in args.batch}
         for name, w in weights.items():
-            kind = w.kind if isinstance(w, QuantWeight) else "f32"
+            kind = "f32" if isinstance(w, np.ndarray) else w.kind
+            kind += "x16" if isinstance(w, Int8Weight) else ""  # 16-row tiles
             info[shape_text, name] = (kind, w.nbytes / (n * k))
         for _ in range(args.rounds):
             for threads in args.threads:
@@ -87,11 +108,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     for name, w in weights.items():
                         for b, x in xs.items():
                             out = np.empty((b, n), np.float32)
-                            if isinstance(w, QuantWeight):
-                                fn = partial(quant_linear, x, w, out, parallel=threads > 1)
-                            else:
-                                fn = partial(np.matmul, x, w.T, out=out)
-                            t = best_time(fn, args.repeats)
+                            t = best_time(_call(w, x, out, threads), args.repeats)
                             key = (shape_text, threads, name, b)
                             best[key] = min(best.get(key, float("inf")), t)
     rows = []
