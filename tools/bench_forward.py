@@ -33,14 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numba
 import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.cpu_runner import CpuModelRunner, default_num_threads
 from ringserve.gpu.model_store import resolve_model
 from ringserve.gpu.runner import ModelRunner
-from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
+from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, read_bandwidth, table
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -191,30 +190,6 @@ def make_peer(model_dir: Path, args: argparse.Namespace) -> Transformers | None:
         return Transformers(model_dir, args)
     except ImportError:
         return None
-
-
-@numba.njit(nogil=True)
-def _xor_words(a: np.ndarray) -> np.uint64:  # pragma: no cover - compiled
-    acc = np.uint64(0)
-    for i in range(a.size):  # integer XOR: LLVM vectorizes it with no reassociation flags
-        acc ^= a[i]
-    return acc
-
-
-def read_bandwidth() -> float:
-    """Single-thread read bandwidth in bytes/s: the best of 5 streaming reads of 256 MiB.
-
-    A vectorized XOR of 64-bit words (36 GB/s on the 2-core VM), not numpy's float32 sum, whose
-    pairwise summation reads at ~20 GB/s: the int8 kernels read faster than that, so a numpy-sum
-    roofline would not bound them."""
-    a = np.ones(1 << 25, dtype=np.uint64)
-    _xor_words(a)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        _xor_words(a)
-        best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best
 
 
 # -- report ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from threadpoolctl import threadpool_limits
 from ringserve.gpu.cpu_int8_kernels import Int8Weight, has_vnni, int8_linear, quantize_rows, supports, tiles
 from ringserve.gpu.cpu_quant_kernels import quant_linear
 from ringserve.gpu.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, random_raw, repack
-from ringserve.tools.bench_report import BenchRun, add_json_argument, markdown_table
+from ringserve.tools.bench_report import BenchRun, add_json_argument, markdown_table, read_bandwidth
 
 NUMPY_F32 = "numpy f32"  # the baseline row: float32 weights through np.matmul (sgemv / sgemm)
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
@@ -145,9 +145,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     run = BenchRun.start("bench_quant", args)
     rows = measure(args)
+    bandwidth = read_bandwidth()
     print(run.header())
+    print(f"single-thread read bandwidth {bandwidth / 1e9:.1f} GB/s (a vectorized read of 256 MiB); "
+          f"a batch-1 kernel's GB/s against it is its share of the roofline\n")
     print(render(rows, args.batch))
-    run.write(args.json, rows)
+    run.write(args.json, rows, read_bandwidth_bytes_s=bandwidth)
 
 
 if __name__ == "__main__":
