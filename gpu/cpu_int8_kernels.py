@@ -35,6 +35,7 @@ float kernels run.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -80,7 +81,7 @@ class Int8Rows(NamedTuple):
     sum32: np.ndarray   # float32 [T, K / 32]: the same over each 32
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _quantize(x, q, scale, sum16, sum32):  # pragma: no cover - compiled
     for t in range(x.shape[0]):
         for b in range(scale.shape[1]):
@@ -107,11 +108,14 @@ def _quantize(x, q, scale, sum16, sum32):  # pragma: no cover - compiled
             sum32[t, b] = d * np.float32(s0 + s1)
 
 
-def quantize_rows(x: np.ndarray) -> Int8Rows:
-    """float32 [T, K] (K a multiple of 32) -> its int8 blocks."""
-    t, k = x.shape
-    rows = Int8Rows(np.empty((t, k), np.int8), np.empty((t, k // ACT_BLOCK), np.float32),
+def _empty_rows(t: int, k: int) -> Int8Rows:
+    return Int8Rows(np.empty((t, k), np.int8), np.empty((t, k // ACT_BLOCK), np.float32),
                     np.empty((t, k // 16), np.float32), np.empty((t, k // ACT_BLOCK), np.float32))
+
+
+def quantize_rows(x: np.ndarray) -> Int8Rows:
+    """float32 [T, K] (K a multiple of 32) -> its int8 blocks (what int8_linear multiplies)."""
+    rows = _empty_rows(*x.shape)
     _quantize(np.ascontiguousarray(x, dtype=np.float32), *rows)
     return rows
 
@@ -122,13 +126,15 @@ def quantize_rows(x: np.ndarray) -> Int8Rows:
 class Int8Weight:
     """A QuantWeight of an integer kind laid out for ``vpdpbusd``: 16 weight rows side by side.
 
-    ``q`` is uint8 [out / 16, in / 64, V, 16, 4]: tile r, 64-weight step g, vector v holds 4
+    ``q`` is uint8 [out / 16, in / 64 * V * 64] (held 2-D, one tile a row: what the kernel takes),
+    read as [out / 16, in / 64, V, 16, 4]: tile r, 64-weight step g, vector v holds 4
     bytes of each of the tile's 16 rows (one int32 lane a row), so one ``vpdpbusd`` against 4
     activation bytes broadcast to every lane advances 16 rows by 4 weights, and a sub-block's
     vectors sum in int32 before any float work: one convert and two multiply-adds per 16 rows
     and sub-block, not per row. ``i8``: V = 16, byte = q + 128 (unsigned); ``u4``: V = 8, each
     byte's low nibble is weight 64g + 4v + j and its high nibble weight 64g + 32 + 4v + j (the
-    u4 plane's bytes, moved). ``scale`` / ``offset``: float32 [out / 16, in / block, 16]."""
+    u4 plane's bytes, moved). ``scale`` / ``offset``: float32 [out / 16, in / block * 16], read
+    as [out / 16, in / block, 16]."""
 
     qtype: str
     shape: tuple[int, int]
@@ -149,11 +155,14 @@ class Int8Weight:
     def rows(self, index: np.ndarray) -> QuantWeight:
         """W[index] back in gpu/quant.py's layout (an embedding lookup of a tied table)."""
         tile, lane = np.divmod(np.asarray(index), TILE_ROWS)
-        q = self.q[tile, ..., lane, :]                     # [len, in / 64, V, 4]
+        q = self.q.reshape(len(self.q), -1, TILE_ROWS, 4)[tile, :, lane]   # [len, in / 4, 4]
         q = q.reshape(len(tile), -1)
         q = (q ^ np.uint8(0x80)).view(np.int8) if self.kind == "i8" else q
-        scale = self.scale[tile, :, lane]
-        offset = None if self.offset is None else self.offset[tile, :, lane]
+
+        def plane(a: np.ndarray) -> np.ndarray:
+            return a.reshape(len(a), -1, TILE_ROWS)[tile, :, lane]
+        scale = plane(self.scale)
+        offset = None if self.offset is None else plane(self.offset)
         return QuantWeight(self.qtype, (len(tile), self.shape[1]), self.kind,
                            np.ascontiguousarray(q), scale, offset, self.block)
 
@@ -170,11 +179,12 @@ def tiles(w: QuantWeight) -> Int8Weight:
     def planes(a: np.ndarray | None) -> np.ndarray | None:
         if a is None:
             return None
-        return np.ascontiguousarray(a.reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(0, 2, 1))
+        tiled = a.reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(0, 2, 1)
+        return np.ascontiguousarray(tiled).reshape(n // TILE_ROWS, -1)
     scale = planes(w.scale)
     assert scale is not None
-    return Int8Weight(w.qtype, w.shape, w.kind, np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)),
-                      scale, planes(w.offset), w.block)
+    q = np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(n // TILE_ROWS, -1)
+    return Int8Weight(w.qtype, w.shape, w.kind, q, scale, planes(w.offset), w.block)
 
 
 # ---- the tile kernel, in LLVM IR -----------------------------------------------------------------
@@ -348,61 +358,76 @@ def _split(q, s, m, xq, xd, xs, out, tasks, block, vectors):  # pragma: no cover
         _run(q, s, m, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks, block, vectors)
 
 
-# One compiled (and cached) driver per (sub-block size, vectors a step: 16 int8, 8 nibbles).
+# One compiled (and cached) driver per (sub-block size, vectors a step: 16 int8, 8 nibbles). Each
+# quantizes x first, in the same call (PERF: a Numba call costs microseconds; a decode step makes
+# ~120 of these at ~15 us of work each).
 _OPTS = {"cache": True, "nogil": True, "error_model": "numpy"}
 
 
 @njit(**_OPTS)
-def _serial_16_16(q, s, m, xq, xd, xs, out):  # pragma: no cover - compiled
-    _run(q, s, m, xq, xd, xs, out, 0, q.shape[0], 16, 16)
+def _serial_16_16(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _run(q, s, m, xq, xd, xs16, out, 0, q.shape[0], 16, 16)
 
 
 @njit(**_OPTS)
-def _serial_32_16(q, s, m, xq, xd, xs, out):  # pragma: no cover - compiled
-    _run(q, s, m, xq, xd, xs, out, 0, q.shape[0], 32, 16)
+def _serial_32_16(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _run(q, s, m, xq, xd, xs32, out, 0, q.shape[0], 32, 16)
 
 
 @njit(**_OPTS)
-def _serial_32_8(q, s, m, xq, xd, xs, out):  # pragma: no cover - compiled
-    _run(q, s, m, xq, xd, xs, out, 0, q.shape[0], 32, 8)
+def _serial_32_8(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _run(q, s, m, xq, xd, xs32, out, 0, q.shape[0], 32, 8)
 
 
 @njit(**_OPTS, parallel=True)
-def _parallel_16_16(q, s, m, xq, xd, xs, out, tasks):  # pragma: no cover - compiled
-    _split(q, s, m, xq, xd, xs, out, tasks, 16, 16)
+def _parallel_16_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _split(q, s, m, xq, xd, xs16, out, tasks, 16, 16)
 
 
 @njit(**_OPTS, parallel=True)
-def _parallel_32_16(q, s, m, xq, xd, xs, out, tasks):  # pragma: no cover - compiled
-    _split(q, s, m, xq, xd, xs, out, tasks, 32, 16)
+def _parallel_32_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _split(q, s, m, xq, xd, xs32, out, tasks, 32, 16)
 
 
 @njit(**_OPTS, parallel=True)
-def _parallel_32_8(q, s, m, xq, xd, xs, out, tasks):  # pragma: no cover - compiled
-    _split(q, s, m, xq, xd, xs, out, tasks, 32, 8)
+def _parallel_32_8(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _split(q, s, m, xq, xd, xs32, out, tasks, 32, 8)
 
 
 # (block, vectors) -> (serial, parallel); nibbles come in 32-weight sub-blocks only
 _DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16, _parallel_32_16),
             (32, 8): (_serial_32_8, _parallel_32_8)}
 
+_scratch = threading.local()  # per calling thread: {(T, K): Int8Rows}, reused (no allocation a call)
 
-def int8_linear(x: Int8Rows, w: Int8Weight, out: np.ndarray | None = None, *,
+
+def _rows_buffer(t: int, k: int) -> Int8Rows:
+    cache = _scratch.__dict__.setdefault("rows", {})
+    rows = cache.get((t, k))
+    if rows is None:
+        rows = cache[(t, k)] = _empty_rows(t, k)
+    return rows
+
+
+def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
                 parallel: bool = False) -> np.ndarray:
-    """x quantized [T, in] (quantize_rows), W in tiles [out, in] -> float32 [T, out] (x @ W.T)."""
-    t, (n, _) = x.q.shape[0], w.shape
+    """x float32 [T, in] (C-contiguous), W in tiles [out, in] -> float32 [T, out] (x @ W.T), x
+    quantized to int8 blocks on the way (as quantize_rows)."""
+    t, (n, k) = x.shape[0], w.shape
     if out is None:
         out = np.empty((t, n), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
-    tiles_ = n // TILE_ROWS
-
-    def flat(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else a.reshape(tiles_, -1)
+    rows = _rows_buffer(t, k)
     serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
-    args = (flat(w.q), flat(w.scale), flat(w.offset), x.q, x.scale,
-            x.sum16 if w.block == 16 else x.sum32, out)
+    args = (x, w.q, w.scale, w.offset, rows.q, rows.scale, rows.sum16, rows.sum32, out)
     if parallel:
-        par(*args, min(tiles_, TASKS_PER_THREAD * numba.get_num_threads()))
+        par(*args, min(len(w.q), TASKS_PER_THREAD * numba.get_num_threads()))
     else:
         serial(*args)
     return out

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ringserve.gpu.cpu_int8_kernels import Int8Weight, int8_linear, quantize_rows, supports, tiles
+from ringserve.gpu.cpu_int8_kernels import Int8Weight, int8_linear, supports, tiles
 from ringserve.gpu.cpu_quant_kernels import quant_linear
 from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, concat_rows, dequantize, repack, take_rows
 from ringserve.gpu.weights import GGMLTensor
@@ -74,18 +74,17 @@ def _same_layout(a: QuantWeight, b: QuantWeight) -> bool:
 
 
 def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: bool) -> None:
-    """out = x @ W.T for a packed weight: tiles (Int8Weight) multiply x's int8 blocks (quantized
-    once for all the parts), the other kinds float32 x."""
+    """out = x @ W.T for a packed weight: tiles (Int8Weight) multiply x's int8 blocks, the other
+    kinds float32 x."""
+    x = np.ascontiguousarray(x)  # NOTE: the kernels read x's rows as blocks (a no-op when it is)
     parts = w.parts if isinstance(w, SplitWeight) else (w,)
-    rows = quantize_rows(x) if any(isinstance(p, Int8Weight) for p in parts) else None
     lo = 0
     for part in parts:
         hi = lo + part.shape[0]
         # NOTE: a part writes into its own buffer when there are several: the kernels write whole rows
         dst = out if len(parts) == 1 else None
-        if isinstance(part, Int8Weight):
-            assert rows is not None
-            y = int8_linear(rows, part, dst, parallel=parallel)
+        if isinstance(part, Int8Weight):  # NOTE: each part quantizes x again: T x K values, not T x K x N
+            y = int8_linear(x, part, dst, parallel=parallel)
         else:
             y = quant_linear(x, part, dst, parallel=parallel)
         if dst is None:

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ringserve.gpu.cpu_int8_kernels import Int8Weight, has_vnni, int8_linear, quantize_rows, supports, tiles
+from ringserve.gpu.cpu_int8_kernels import Int8Weight, has_vnni, int8_linear, supports, tiles
 from ringserve.gpu.cpu_quant_kernels import quant_linear
 from ringserve.gpu.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, random_raw, repack
 from ringserve.tools.bench_report import BenchRun, add_json_argument, markdown_table, read_bandwidth
@@ -83,7 +83,7 @@ def _weights(args: argparse.Namespace, n: int, k: int, rng: np.random.Generator)
 
 def _call(w: Weight, x: np.ndarray, out: np.ndarray, threads: int) -> Callable[[], Any]:
     if isinstance(w, Int8Weight):  # as served: the activations quantized in every call
-        return lambda: int8_linear(quantize_rows(x), w, out, parallel=threads > 1)
+        return partial(int8_linear, x, w, out, parallel=threads > 1)
     if isinstance(w, QuantWeight):
         return partial(quant_linear, x, w, out, parallel=threads > 1)
     return partial(np.matmul, x, w.T, out=out)
