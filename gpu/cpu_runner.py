@@ -171,8 +171,8 @@ def int8_activations(activation_dtype: str) -> bool:
     if activation_dtype not in CPU_ACTIVATION_DTYPES:
         raise ValueError(f"cpu_activation_dtype {activation_dtype!r}: expected one of "
                          f"{', '.join(CPU_ACTIVATION_DTYPES)}")
-    if activation_dtype == "int8" and not has_vnni():
-        raise ValueError("cpu_activation_dtype int8 needs a CPU with AVX-512 VNNI, which this one "
+    if activation_dtype == "int8" and not has_vnni():  # the engine's one line at start (server/launch.py)
+        raise ModelError("--cpu-activation-dtype int8 needs a CPU with AVX-512 VNNI, which this one "
                          "lacks; use auto or float32")
     return activation_dtype == "int8" or (activation_dtype == "auto" and has_vnni())
 
