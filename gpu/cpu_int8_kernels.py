@@ -361,40 +361,41 @@ def _split(q, s, m, xq, xd, xs, out, tasks, block, vectors):  # pragma: no cover
 # One compiled (and cached) driver per (sub-block size, vectors a step: 16 int8, 8 nibbles). Each
 # quantizes x first, in the same call (PERF: a Numba call costs microseconds; a decode step makes
 # ~120 of these at ~15 us of work each).
-_OPTS = {"cache": True, "nogil": True, "error_model": "numpy"}
+_serial_driver = njit(cache=True, nogil=True, error_model="numpy")
+_parallel_driver = njit(cache=True, nogil=True, error_model="numpy", parallel=True)
 
 
-@njit(**_OPTS)
+@_serial_driver
 def _serial_16_16(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
     _run(q, s, m, xq, xd, xs16, out, 0, q.shape[0], 16, 16)
 
 
-@njit(**_OPTS)
+@_serial_driver
 def _serial_32_16(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
     _run(q, s, m, xq, xd, xs32, out, 0, q.shape[0], 32, 16)
 
 
-@njit(**_OPTS)
+@_serial_driver
 def _serial_32_8(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
     _run(q, s, m, xq, xd, xs32, out, 0, q.shape[0], 32, 8)
 
 
-@njit(**_OPTS, parallel=True)
+@_parallel_driver
 def _parallel_16_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
     _split(q, s, m, xq, xd, xs16, out, tasks, 16, 16)
 
 
-@njit(**_OPTS, parallel=True)
+@_parallel_driver
 def _parallel_32_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
     _split(q, s, m, xq, xd, xs32, out, tasks, 32, 16)
 
 
-@njit(**_OPTS, parallel=True)
+@_parallel_driver
 def _parallel_32_8(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
     _split(q, s, m, xq, xd, xs32, out, tasks, 32, 8)

@@ -33,6 +33,9 @@ from ringserve.gpu.cpu_packed import (
 )
 
 F32 = np.float32
+# Multiply-adds below which a linear runs on one thread even when the step has several: ~100 us
+# of one thread's work (int8 kernels at batch 1), against a parallel region's fork and join.
+PARALLEL_MIN_MACS = 4 << 20
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
@@ -128,10 +131,14 @@ class CpuOps:
             np.take(table, ids, axis=0, out=out)
 
     def linear(self, x, weight, out) -> None:
+        # PERF: a parallel region waits for its slowest thread, and one descheduled by the HTTP
+        # workers stalls it: only a linear worth far more than that wait is split
+        n, k = weight.shape
+        parallel = self.parallel and x.shape[0] * n * k >= PARALLEL_MIN_MACS
         if isinstance(weight, np.ndarray):
-            linear(x, weight, out, parallel=self.parallel)
+            linear(x, weight, out, parallel=parallel)
         else:
-            packed_linear(x, weight, out, self.parallel)
+            packed_linear(x, weight, out, parallel)
 
     def add_bias(self, x, bias) -> None:
         x += bias
