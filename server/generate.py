@@ -66,12 +66,14 @@ class Delta:
 class Generation:
     def __init__(self, engine: Engine, tokenizer: Detokenizer, metrics: RequestMetrics,
                  request_id: str, prompts: list[list[int]], params: dict, n: int,
-                 stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True):
+                 stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True,
+                 discard_output: bool = False):
         self._engine = engine
         self._metrics = metrics
         self._params = params
         self.arrival = time.monotonic()
-        sample = SampleParams(stop, params.get("min_tokens", 0), include_stop, skip_special_tokens)
+        sample = SampleParams(stop, params.get("min_tokens", 0), include_stop, skip_special_tokens,
+                              discard_output)
         self.choices = [Choice(idx, f"{request_id}-{idx}", tokenizer, prompt, sample)
                         for idx, prompt in enumerate(p for p in prompts for _ in range(n))]
         self._n = n

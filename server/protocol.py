@@ -13,6 +13,8 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _pkg_version
 from typing import Annotated, Any, TypeVar, Union, cast
 
 import msgspec
@@ -363,6 +365,35 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_HEADER = 256  # characters; the engine ids add a suffix (ipc/messages.py MAX_REQUEST_ID)
+_REQUEST_ID_OK = re.compile(r"[\x21-\x7e]+")  # visible ASCII: it goes into logs and headers
+
+
+def public_request_id(prefix: str, header: str | None) -> str:
+    """The request's id in its response, its `X-Request-Id` answer, logs and trace: the client's
+    `X-Request-Id` as vLLM takes it (`<prefix>-<header>`), else a fresh one. The engine requests
+    keep ids of their own (a client may send the same header twice at once)."""
+    if header is None or header == "":
+        return new_id(prefix)
+    if len(header) > MAX_REQUEST_ID_HEADER or not _REQUEST_ID_OK.fullmatch(header):
+        raise bad_request(f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_REQUEST_ID_HEADER} "
+                          f"visible ASCII characters", param=REQUEST_ID_HEADER)
+    return f"{prefix}-{header}"
+
+
+def _fingerprint() -> str:
+    try:
+        return f"fp_ringserve_{_pkg_version('ringserve')}"
+    except PackageNotFoundError:  # run from a tree that was never installed
+        return "fp_ringserve"
+
+
+# OpenAI's `system_fingerprint`: the backend configuration that produced an answer; ours is the
+# ringserve version, on every response and every chunk (the spec wants a string, never null).
+SYSTEM_FINGERPRINT = _fingerprint()
+
+
 def now() -> int:
     return int(time.time())
 
@@ -395,7 +426,7 @@ class CompletionResponse(Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: str = "text_completion"
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class TopLogprob(Struct):
@@ -435,7 +466,7 @@ class ChatCompletionResponse(Struct):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     object: str = "chat.completion"
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class DeltaMessage(Struct, omit_defaults=True):
@@ -458,6 +489,7 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     object: str = "chat.completion.chunk"
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class CompletionChunk(Struct):
@@ -467,6 +499,7 @@ class CompletionChunk(Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: str = "text_completion"
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ModelCard(Struct):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
+import msgspec
+
 from ringserve.server import protocol as P
 from ringserve.server.context import ServerContext
 from ringserve.server.generate import Choice, Generation
@@ -13,6 +15,11 @@ from ringserve.server.sse import DONE, event
 def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Generation:
     """Validate and tokenize; every problem is a 400 before anything reaches the engine."""
     P.check_model(req.model, ctx.served_model_names)
+    echo_only = echo_without_generation(req)
+    if echo_only:
+        # As vLLM: the engine runs one token (it always samples the prompt's last position)
+        # and the frontend drops it (SampleParams.discard_output).
+        req = msgspec.structs.replace(req, max_tokens=1)
     P.check_common(req, ctx.limits, ctx.vocab_size)
     P.check_logprobs(req.logprobs, ctx.limits, param="logprobs")
     if req.suffix:
@@ -41,7 +48,13 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
         params["prompt_logprobs"] = req.logprobs
     return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, prompts, params, req.n,
                       P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,
-                      skip_special_tokens=req.skip_special_tokens)
+                      skip_special_tokens=req.skip_special_tokens, discard_output=echo_only)
+
+
+def echo_without_generation(req: P.CompletionRequest) -> bool:
+    """`echo: true, max_tokens: 0`: the prompt (with its logprobs) and no completion tokens,
+    as OpenAI's legacy API and vLLM answer it."""
+    return req.echo and req.max_tokens == 0
 
 
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
