@@ -21,7 +21,9 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from ringserve.ipc import limits
+from ringserve.ipc.structured import StructuredOutputsParams
 from ringserve.server.errors import APIError, bad_request, from_validation_error
+from ringserve.server.structured_outputs import ResponseFormat
 
 # Ranges of sampling values are checked in check_ranges (ipc/limits.py), not by the types; a
 # token id's lower bound is here so that msgspec names the item (`prompt[3]`).
@@ -86,6 +88,13 @@ class _SamplingFields(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     # ringserve extension: answer with the request's journey (server/trace.py)
     ringserve_trace: bool = False
+    # Structured outputs (server/structured_outputs.py): OpenAI's, vLLM's, vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -141,7 +150,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: Any = None
 
 
 class TokenizeCompletionRequest(Struct, kw_only=True):
@@ -173,6 +181,8 @@ def decode_request(body: bytes, type: type[T]) -> T:
         return msgspec.json.decode(body, type=type)
     except (UnicodeDecodeError, msgspec.DecodeError) as exc:
         raise _decode_error(exc, body) from None
+    except RecursionError:
+        raise _too_deep(body) from None
 
 
 def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -184,6 +194,29 @@ def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | Tokenize
         return cast(Union[TokenizeCompletionRequest, TokenizeChatRequest], msgspec.convert(raw, type=kind))
     except (UnicodeDecodeError, msgspec.DecodeError) as exc:
         raise _decode_error(exc, body) from None
+    except RecursionError:
+        raise _too_deep(body) from None
+
+
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a string, or a bracket
+
+
+def _too_deep(body: bytes) -> APIError:
+    """The 400 for JSON nested deeper than the decoder recurses, naming the top-level field
+    that holds it (a scan of the body, on this error path only)."""
+    depth, key = 0, None
+    for m in _JSON_TOKEN.finditer(body):
+        tok = m.group()
+        if tok[0] == 0x22:  # a string: at depth 1, a top-level key (a key precedes its value)
+            if depth == 1:
+                key = tok[1:-1].decode(errors="replace")
+        elif tok in (b"{", b"["):
+            depth += 1
+            if depth > 64:
+                break
+        else:
+            depth -= 1
+    return bad_request("the request's JSON is nested too deeply", param=key)
 
 
 _AT_BYTE = re.compile(r"\(byte (\d+)\)$")
@@ -336,12 +369,13 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
     return fit.max_tokens
 
 
-def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> dict:
+def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    structured_outputs: str | None = None) -> dict:
     """Sampling parameters under vLLM's SamplingParams names (defaults as vLLM's)."""
     if req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens "
                           f"({max_tokens})", param="min_tokens")
-    return dict(
+    params: dict[str, Any] = dict(
         n=1,  # the frontend fans `n` out into n engine requests (so a stop string ends one)
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -357,6 +391,9 @@ def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
     )
+    if structured_outputs is not None:  # an llguidance grammar (server/structured_outputs.py)
+        params["structured_outputs"] = structured_outputs
+    return params
 
 
 # --- responses -------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from ringserve.server.context import ServerContext
 from ringserve.server.generate import Generation
 from ringserve.server.output_processor import TokenLogprob
 from ringserve.server.sse import DONE, event
+from ringserve.server.structured_outputs import compile_request
 
 
 def render_prompt(ctx: ServerContext, messages: list[P.ChatMessage],
@@ -37,7 +38,8 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
     max_tokens = P.check_length(len(ids), asked, ctx.max_model_len, param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     P.check_response_logprobs(req.n * max_tokens, logprobs, ctx.limits, param="top_logprobs")
-    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs)
+    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs,
+                               structured_outputs=compile_request(req, ctx.tokenizer))
     return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, [ids], params, req.n,
                       P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens)

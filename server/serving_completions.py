@@ -10,6 +10,7 @@ from ringserve.server.context import ServerContext
 from ringserve.server.generate import Choice, Generation
 from ringserve.server.output_processor import TokenLogprob
 from ringserve.server.sse import DONE, event
+from ringserve.server.structured_outputs import compile_request
 
 
 def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Generation:
@@ -43,7 +44,8 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
     # Every choice answers with its own copy of its (echoed) prompt's logprobs.
     positions = req.n * sum(max_tokens + (len(ids) if req.echo else 0) for ids in prompts)
     P.check_response_logprobs(positions, req.logprobs, ctx.limits, param="logprobs")
-    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                               structured_outputs=compile_request(req, ctx.tokenizer))
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs, as vLLM gives them
         params["prompt_logprobs"] = req.logprobs
     return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, prompts, params, req.n,
