@@ -241,8 +241,10 @@ class Tokenize:
         request = P.decode_tokenize_request(await read_body(req, self._options.max_body_bytes))
         P.check_model(request.model, self._ctx.served_model_names)
         if isinstance(request, P.TokenizeChatRequest):
+            tools = None if request.tools is None else [
+                msgspec.to_builtins(t) for t in request.tools]
             text = serving_chat.render_prompt(self._ctx, request.messages,
-                                              request.add_generation_prompt)
+                                              request.add_generation_prompt, tools)
         else:
             text = request.prompt
         ids = self._ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)

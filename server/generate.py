@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from ringserve.ipc.limits import sample_seed
 from ringserve.ipc.messages import EngineOutput, FinishReason
@@ -82,6 +82,7 @@ class Generation:
         self.client_blocked: Callable[[], bool] | None = None
         self.close_connection: Callable[[], None] | None = None
         self.trace: FrontendTrace | None = None  # when the request asked to be traced
+        self.tools: Any = None  # chat: its tool plan (server/tool_calls.py ToolPlan)
 
     async def start(self) -> None:
         """Submit every choice to the engines (raises EngineUnavailable when none is up)."""

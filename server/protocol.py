@@ -9,13 +9,14 @@ body from costing the server much more than its size. Every failure is an `APIEr
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 import uuid
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _pkg_version
-from typing import Annotated, Any, TypeVar, Union, cast
+from typing import Annotated, Any, Literal, TypeVar, Union, cast
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -118,10 +119,44 @@ class ContentPart(Struct, forbid_unknown_fields=False):
     text: str | None = None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str            # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, kw_only=True, forbid_unknown_fields=False):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class FunctionDefinition(Struct, kw_only=True, forbid_unknown_fields=False):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class ChatTool(Struct, kw_only=True, forbid_unknown_fields=False):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct, forbid_unknown_fields=False):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True, forbid_unknown_fields=False):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(Struct, forbid_unknown_fields=False):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None            # a tool result (role "tool"): the call it answers
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as a chat template expects it: text parts joined into one string."""
@@ -137,7 +172,23 @@ class ChatMessage(Struct, forbid_unknown_fields=False):
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates index the arguments as a mapping (Hermes/Qwen, Llama 3 tojson them):
+            # JSON text becomes a dict, as vLLM hands them over.
+            d["tool_calls"] = [{"id": c.id, "type": c.type,
+                                "function": {"name": c.function.name,
+                                             "arguments": _json_or_text(c.function.arguments)}}
+                               for c in self.tool_calls]
         return d
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -148,8 +199,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     echo: bool = False
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None   # None: true, as OpenAI
 
 
 class TokenizeCompletionRequest(Struct, kw_only=True):
@@ -160,6 +212,7 @@ class TokenizeCompletionRequest(Struct, kw_only=True):
 
 class TokenizeChatRequest(Struct, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    tools: list[ChatTool] | None = None
     model: str | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
@@ -483,9 +536,10 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ResponseMessage(Struct):
+class ResponseMessage(Struct, omit_defaults=True):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Struct):
@@ -506,9 +560,24 @@ class ChatCompletionResponse(Struct):
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """One piece of a streamed tool call, as OpenAI streams them: the first has the id, type
+    and name (arguments ""), the next ones pieces of the arguments."""
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):

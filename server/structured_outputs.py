@@ -67,10 +67,17 @@ def requested(req: Any) -> tuple[StructuredOutputsParams, str] | None:
     return found[0] if found else None
 
 
-def compile_request(req: Any, tokenizer: Any) -> str | None:
-    """The llguidance grammar the engine is to enforce for `req` (None: unconstrained).
-    Every failure is a 400 whose `param` names the field."""
+def compile_request(req: Any, tokenizer: Any,
+                    tools: StructuredOutputsParams | None = None) -> str | None:
+    """The llguidance grammar the engine is to enforce for `req` (None: unconstrained); `tools`:
+    the constraint of a required or named tool choice (server/tool_calls.py). Every failure is
+    a 400 whose `param` names the field."""
     asked = requested(req)
+    if tools is not None:
+        if asked is not None:
+            raise bad_request(f"{asked[1]} cannot be combined with a required or named "
+                              "tool_choice (it constrains the output itself)", param=asked[1])
+        asked = tools, "tools"
     if asked is None:
         return None
     spec, param = asked
