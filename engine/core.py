@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -226,8 +227,10 @@ class EngineCore:
         meta = None
         if reqs:
             meta = build_sampling_metadata(reqs)
-            # structured outputs: the allowed tokens of each constrained row, on the host
-            meta.allowed_token_bitmask = self.structured.bitmask(reqs)
+            if any(r.matcher is not None for r in reqs):
+                # structured outputs: the sampler computes the allowed tokens of each
+                # constrained row when it samples; on CUDA that is while the forward runs
+                meta.allowed_token_bitmask = partial(self.structured.bitmask, reqs)
         step.handle = self.runner.submit(batch, np.asarray(rows, np.int64), meta, spec)
 
     def finish_step(self, step: InFlightStep) -> list[EngineOutput]:

@@ -20,7 +20,7 @@ must not cost the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence, cast
+from typing import Callable, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -42,8 +42,17 @@ class SamplingMetadata:
     banned_token_ids: Sequence[Sequence[int]] | None = None   # [B] tokens that may not be sampled
     max_num_logprobs: int | None = None                # top-N logprobs per row (None: none)
     # structured outputs: int32 [B, ceil(V/32)], bit t%32 of word t//32 set = token t allowed
-    # (llguidance's layout; a row of -1 allows everything). None: no row is constrained.
-    allowed_token_bitmask: np.ndarray | None = None
+    # (llguidance's layout; a row of -1 allows everything). None: no row is constrained. Or a
+    # function that computes it: the samplers call it (token_bitmask) only when they sample, so
+    # on CUDA the host computes the masks while the device runs the step's forward (as vLLM).
+    allowed_token_bitmask: np.ndarray | Callable[[], np.ndarray | None] | None = None
+
+    def token_bitmask(self) -> np.ndarray | None:
+        """allowed_token_bitmask, computed now if it is a function (once)."""
+        mask = self.allowed_token_bitmask
+        if callable(mask):
+            mask = self.allowed_token_bitmask = mask()
+        return mask
 
     @property
     def all_greedy(self) -> bool:
@@ -201,7 +210,7 @@ def sample(logits: np.ndarray, meta: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of logits [B, V]. A row that raises is reported in .failed."""
     raw = logits
     failed: dict[int, str] = {}
-    mask = meta.allowed_token_bitmask
+    mask = meta.token_bitmask()
     if meta.presence_penalty is not None or meta.banned_token_ids is not None or mask is not None:
         x = np.array(logits, dtype=np.float32)  # our own copy: penalties and masks work in place
         if mask is not None:

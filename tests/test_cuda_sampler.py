@@ -183,10 +183,12 @@ else:
         sk.bitmask(got, np.ascontiguousarray(mask[rows]), rows, threads=THREADS)
         np.testing.assert_array_equal(got, expect)
         assert np.isneginf(got[0]).sum() == V - 1 and not np.isneginf(got[1]).any()
+        calls = []  # the engine hands over a function: computed when sampling, once
         meta = _meta([(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (1.5, 0, 1.0, 0.0)], seed=3,
-                     allowed_token_bitmask=mask, max_num_logprobs=1)
-        out = CudaSampler(threads=THREADS).sample(cuda.to_device(x), meta)
+                     allowed_token_bitmask=lambda: calls.append(1) or mask, max_num_logprobs=1)
         want = cpu_sampler.sample(x, _copy_meta(meta, seed=3))
+        out = CudaSampler(threads=THREADS).sample(cuda.to_device(x), meta)
+        assert len(calls) == 2 and meta.token_bitmask() is mask and len(calls) == 2
         assert out.token_ids[0] == 36 and out.token_ids[1] == x[1].argmax()
         assert np.isfinite(expect[2, out.token_ids[2]])    # an allowed token
         assert out.token_ids[:2].tolist() == want.token_ids[:2].tolist()

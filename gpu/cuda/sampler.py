@@ -191,7 +191,7 @@ class CudaSampler:
         B, V = logits.shape
         kw = dict(threads=self.threads, stream=self.stream)
         packed = pack_penalties(meta, B)
-        mask = meta.allowed_token_bitmask
+        mask = meta.token_bitmask()  # NOTE: host work while the device runs the forward
         x = logits
         if packed is not None or mask is not None:  # on a copy: logprobs are the raw model's
             x = self._dev.get("work", (B, V), np.float32)
