@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -224,13 +223,7 @@ class EngineCore:
         rows = [i for i, s in enumerate(sched.scheduled) if s.samples_token]
         step.reqs = reqs = [sched.scheduled[i].request for i in rows]
         spec, step.prompt_rows = prompt_logprobs_spec(sched, batch)
-        meta = None
-        if reqs:
-            meta = build_sampling_metadata(reqs)
-            if any(r.matcher is not None for r in reqs):
-                # structured outputs: the sampler computes the allowed tokens of each
-                # constrained row when it samples; on CUDA that is while the forward runs
-                meta.allowed_token_bitmask = partial(self.structured.bitmask, reqs)
+        meta = build_sampling_metadata(reqs, self.structured.bitmask) if reqs else None
         step.handle = self.runner.submit(batch, np.asarray(rows, np.int64), meta, spec)
 
     def finish_step(self, step: InFlightStep) -> list[EngineOutput]:

@@ -84,8 +84,9 @@ class SamplingParams:
 
     @property
     def has_extras(self) -> bool:
-        """Anything beyond plain sampling: penalties, min_tokens or logprobs."""
-        return self.has_penalties or self.min_tokens > 0 or self.logprobs is not None
+        """Anything beyond plain sampling: penalties, min_tokens, logprobs or a structured output."""
+        return (self.has_penalties or self.min_tokens > 0 or self.logprobs is not None
+                or self.structured_outputs is not None)
 
     @property
     def has_penalties(self) -> bool:
