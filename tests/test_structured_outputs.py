@@ -299,3 +299,37 @@ def test_engine_matchers_survive_preemption_chunked_prefill_and_n(default_model_
     assert len(outs) == 3 and len({tuple(v) for v in outs.values()}) > 1
     for ids in outs.values():
         jsonschema.validate(json.loads(tok.decode(ids)), schema)
+
+
+def test_aborting_constrained_requests_leaves_the_others_valid(default_model_dir, llm):
+    """An abort mid-answer ends that sequence (and its matcher); the rest finish valid, and the
+    engine forgets every request and block."""
+    from ringserve.engine.config import EngineConfig
+    from ringserve.engine.core import EngineCore
+    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.structured import StructuredOutputsParams as S
+    core = EngineCore(EngineConfig(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN))
+    regex = r"[a-z]{3,6}( [a-z]{3,6}){2,5}\."
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=2, n=2,
+                            structured_outputs=S(regex=regex))
+    prompts = [llm.tokenizer.encode(f"Write words {i}:") for i in range(4)]
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, params)
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    for step in range(200):
+        if step == 2:
+            core.abort_request("r1")             # both samples
+            core.abort_request("r2", index=1)    # one sample
+        for out in core.step():
+            key = f"{out.request_id}#{out.index}"
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[key] = str(out.finish_reason)
+        if not core.has_unfinished_requests():
+            break
+    assert {k: v for k, v in reasons.items() if v == "abort"}.keys() == {"r1#0", "r1#1", "r2#1"}
+    for key in ("r0#0", "r0#1", "r2#0", "r3#0", "r3#1"):
+        assert reasons[key] == "stop", reasons
+        assert re.fullmatch(regex, llm.tokenizer.decode(tokens[key])), key
+    assert core.groups == {} and core.kv.usage == 0
