@@ -260,3 +260,18 @@ def test_bad_tool_requests_are_400_naming_the_field(serve, model_dir, hermes):
             assert r.json()["error"]["param"] == param, (fields, r.json())
         assert c.post(hermes + "/v1/chat/completions",
                       json={"messages": ASK, "max_tokens": 2}).status_code == 200
+
+
+def test_llm_chat_passes_tools_to_the_template(model_dir):
+    """Offline: LLM.chat(tools=...) renders them (as vLLM's LLM.chat); a call constrained to a
+    function's schema is valid."""
+    from ringserve.engine.llm import LLM
+    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.structured import StructuredOutputsParams
+    llm = LLM(model=str(model_dir), max_model_len=1024)
+    params = SamplingParams(max_tokens=100, temperature=0, structured_outputs=
+                            StructuredOutputsParams(json=SCHEMAS["get_weather"]))
+    out = llm.chat(ASK, params, tools=TOOLS)[0]
+    assert '"name": "get_weather"' in out.prompt and "<tools>" in out.prompt
+    _valid([{"name": "get_weather", "arguments": out.outputs[0].text}])
+    assert "<tools>" not in llm.chat(ASK, SamplingParams(max_tokens=1))[0].prompt
