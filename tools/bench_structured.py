@@ -61,10 +61,10 @@ class Timers:
             return out
 
         self._restore = advance
-        engine_core.advance = timed_advance  # type: ignore[assignment]  # restored in close()
+        engine_core.advance = timed_advance  # restored in close()
 
     def close(self) -> None:
-        engine_core.advance = self._restore  # type: ignore[assignment]
+        engine_core.advance = self._restore
 
 
 def run_once(engine: EngineCore, concurrency: int, max_tokens: int,
