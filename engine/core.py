@@ -55,6 +55,7 @@ from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.engine.stats import SchedulerStats
 from ringserve.engine.stop import check_stop
+from ringserve.engine.structured_outputs import StructuredOutputs, advance
 from ringserve.engine.trace import EngineTracer
 from ringserve.gpu.runner import StepHandle
 from ringserve.gpu.sampler import SamplerOutput
@@ -105,6 +106,8 @@ class EngineCore:
         self.stats = SchedulerStats()
         self.num_steps = 0
         self.tracer = EngineTracer(self)                      # records only traced requests
+        self.structured = StructuredOutputs(getattr(runner, "model_dir", None), self.vocab_size,
+                                            self.eos_token_ids)
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -118,6 +121,12 @@ class EngineCore:
         error, max_tokens = check_request(prompt, params, vocab_size=self.vocab_size,
                                           max_model_len=self.max_model_len,
                                           max_num_seqs=self.scheduler.max_num_seqs, kv=self.kv)
+        matchers: list | None = None  # structured outputs: one matcher per sample
+        if error is None and isinstance(params.structured_outputs, str):  # made one in __post_init__
+            try:
+                matchers = self.structured.matchers(params.structured_outputs, params.n)
+            except ValueError as e:
+                error = str(e)
         if error is not None:  # one error output per sample (one for an n refused as too large)
             samples = params.n if params.n <= self.scheduler.max_num_seqs else 1
             self._pending.extend(EngineOutput(request_id, [], FinishReason.ERROR, index=i, error=error,
@@ -131,7 +140,8 @@ class EngineCore:
                          eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
                          max_tokens=max_tokens, cache_salt=sharing_salt,
                          generator=(np.random.default_rng(params.seed + i) if params.seed is not None
-                                    else None if params.greedy else self.generator))
+                                    else None if params.greedy else self.generator),
+                         matcher=None if matchers is None else matchers[i])
                  for i in range(params.n)]
         for req in group:
             if trace:
@@ -213,8 +223,8 @@ class EngineCore:
         rows = [i for i, s in enumerate(sched.scheduled) if s.samples_token]
         step.reqs = reqs = [sched.scheduled[i].request for i in rows]
         spec, step.prompt_rows = prompt_logprobs_spec(sched, batch)
-        step.handle = self.runner.submit(batch, np.asarray(rows, np.int64),
-                                         build_sampling_metadata(reqs) if reqs else None, spec)
+        meta = build_sampling_metadata(reqs, self.structured.bitmask) if reqs else None
+        step.handle = self.runner.submit(batch, np.asarray(rows, np.int64), meta, spec)
 
     def finish_step(self, step: InFlightStep) -> list[EngineOutput]:
         """Wait for the step's tokens and update: append them, check stops; then the aborts
@@ -276,6 +286,8 @@ class EngineCore:
                             and len(req.output_token_ids) == 1):
                         out.prompt_logprobs = list(req.prompt_logprobs)
                     reason = check_stop(req, token, max_model_len)
+                    if req.matcher is not None:  # its grammar complete: "stop"
+                        reason = advance(req, token) or reason
                     if reason is not None:
                         self.scheduler.finish(req, reason)
                         out.finish_reason, out.stop_reason = reason, req.stop_reason

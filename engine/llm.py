@@ -113,12 +113,17 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[GenerationOutput]:
+             add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[GenerationOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the
-        model's chat template. The template writes the special tokens itself."""
+        model's chat template. The template writes the special tokens itself. tools: OpenAI's
+        tool definitions, for the template (as vLLM's LLM.chat: the output is not parsed; a
+        call can be constrained with SamplingParams(structured_outputs=...))."""
         conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict)
                              else list(messages))
-        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        extra = {} if tools is None else {"tools": tools}
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, **extra)
+                 for c in conversations]
         outs = self.generate([self.tokenizer.encode(t, add_special_tokens=False) for t in texts],
                              sampling_params)
         for out, text in zip(outs, texts, strict=True):

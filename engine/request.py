@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,8 @@ class Request:
     num_cached_tokens: int = 0                    # prompt tokens found in the prefix cache
     # prompt_logprobs so far: entry p scores prompt token p + 1 (the first token has none).
     prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # structured outputs: this sequence's llguidance matcher (engine/structured_outputs.py)
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         # An int32 array as it comes off the rings is kept as it is (no per-token Python object).

@@ -1,7 +1,9 @@
 """One step's SamplingMetadata (gpu/sampler.py) from the requests it samples, in row order."""
 from __future__ import annotations
 
+from functools import partial
 from itertools import chain
+from typing import Callable
 
 import numpy as np
 
@@ -9,9 +11,12 @@ from ringserve.engine.request import Request
 from ringserve.gpu.sampler import SamplingMetadata
 
 
-def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
+def build_sampling_metadata(reqs: list[Request],
+                            bitmask: Callable[[list[Request]], np.ndarray | None] | None = None
+                            ) -> SamplingMetadata:
     """Per row: temperature, top_k (0: off), top_p, min_p and the generator; penalties,
-    banned ids (min_tokens) and the top-N logprobs only when some request asks."""
+    banned ids (min_tokens), the top-N logprobs and the structured-output token bitmask (made
+    by `bitmask`, engine/structured_outputs.py) only when some request asks."""
     # PERF: one flat pass over the rows each request made once (np.array over a list of
     # tuples is ~1.5x slower).
     rows = np.fromiter(chain.from_iterable(r.sampling_row for r in reqs), np.float32,
@@ -35,4 +40,7 @@ def build_sampling_metadata(reqs: list[Request]) -> SamplingMetadata:
             if r.num_output_tokens < r.params.min_tokens else () for r in reqs]
     wanted = [r.params.logprobs for r in special if r.params.logprobs is not None]
     meta.max_num_logprobs = max(wanted) if wanted else None
+    if bitmask is not None and any(r.matcher is not None for r in special):
+        # computed by the sampler when it samples: on CUDA, while the forward runs
+        meta.allowed_token_bitmask = partial(bitmask, reqs)
     return meta

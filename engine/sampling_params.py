@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ringserve.ipc import limits
+from ringserve.ipc.structured import StructuredOutputsParams, to_grammar
 
 # Below this temperature a request is sampled greedily (as vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
@@ -35,6 +36,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top-N per prompt token (plus the prompt's own)
     stop: list[str] | str | None = None  # a str is one stop string
     include_stop_str_in_output: bool = False
+    # Structured outputs: an llguidance grammar (what the frontend sends), or a
+    # StructuredOutputsParams (json, regex, choice, grammar, json_object), made into one here.
+    structured_outputs: str | StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:
@@ -45,6 +49,11 @@ class SamplingParams:
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
+        if isinstance(self.structured_outputs, StructuredOutputsParams):
+            self.structured_outputs = to_grammar(self.structured_outputs)  # GrammarError: a ValueError
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, str):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or an llguidance "
+                             f"grammar string, got {type(self.structured_outputs).__name__}.")
         self._validate()
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.top_k == -1 or self.top_k >= TOP_K_OFF_FROM:
@@ -75,8 +84,9 @@ class SamplingParams:
 
     @property
     def has_extras(self) -> bool:
-        """Anything beyond plain sampling: penalties, min_tokens or logprobs."""
-        return self.has_penalties or self.min_tokens > 0 or self.logprobs is not None
+        """Anything beyond plain sampling: penalties, min_tokens, logprobs or a structured output."""
+        return (self.has_penalties or self.min_tokens > 0 or self.logprobs is not None
+                or self.structured_outputs is not None)
 
     @property
     def has_penalties(self) -> bool:

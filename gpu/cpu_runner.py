@@ -68,6 +68,7 @@ class CpuModelRunner:
         if block_size <= 0:
             raise ValueError(f"block_size {block_size} must be positive")
         self.config = c = ModelConfig.from_dir(model_dir)
+        self.model_dir = Path(model_dir)  # its tokenizer.json: the engine's structured outputs
         self.num_threads = default_num_threads() if num_threads is None else num_threads
         if not 1 <= self.num_threads <= numba_max_threads():
             raise ValueError(f"num_threads {num_threads} must be between 1 and "

@@ -9,6 +9,8 @@ whatever else is in the batch. The semantics are vLLM's:
   for every token in the output. Then banned tokens (min_tokens: eos and stop ids) get -inf.
 - temperature < 1e-5 is greedy (argmax). Otherwise logits / temperature, then min_p (drop tokens
   below min_p times the top probability), top_k, top_p (the smallest set whose mass reaches p).
+- structured outputs: a row's token bitmask (allowed_token_bitmask) sets -inf at every token
+  its grammar does not allow, first, before the penalties.
 - logprobs are those of the raw model distribution (log_softmax of the logits as the model gave
   them, before penalties and temperature: vLLM's default "raw_logprobs").
 A row whose sampling raises (a bad id list, a parameter no check foresaw) is reported in
@@ -18,7 +20,7 @@ must not cost the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence, cast
+from typing import Callable, NamedTuple, Sequence, cast
 
 import numpy as np
 
@@ -39,6 +41,18 @@ class SamplingMetadata:
     output_token_ids: Sequence[Sequence[int]] | None = None   # [B] for all penalties
     banned_token_ids: Sequence[Sequence[int]] | None = None   # [B] tokens that may not be sampled
     max_num_logprobs: int | None = None                # top-N logprobs per row (None: none)
+    # structured outputs: int32 [B, ceil(V/32)], bit t%32 of word t//32 set = token t allowed
+    # (llguidance's layout; a row of -1 allows everything). None: no row is constrained. Or a
+    # function that computes it: the samplers call it (token_bitmask) only when they sample, so
+    # on CUDA the host computes the masks while the device runs the step's forward (as vLLM).
+    allowed_token_bitmask: np.ndarray | Callable[[], np.ndarray | None] | None = None
+
+    def token_bitmask(self) -> np.ndarray | None:
+        """allowed_token_bitmask, computed now if it is a function (once)."""
+        mask = self.allowed_token_bitmask
+        if callable(mask):
+            mask = self.allowed_token_bitmask = mask()
+        return mask
 
     @property
     def all_greedy(self) -> bool:
@@ -159,6 +173,15 @@ def apply_penalties(logits: np.ndarray, meta: SamplingMetadata,
     return logits
 
 
+def apply_token_bitmask(logits: np.ndarray, mask: np.ndarray) -> None:
+    """-inf, in place, at every token a row's bitmask does not allow (structured outputs).
+    PERF: only the constrained rows (not all -1) are unpacked: one unpackbits each, [V] bytes."""
+    vocab = logits.shape[1]
+    for i in np.flatnonzero((mask != -1).any(axis=1)):
+        allowed = np.unpackbits(mask[i].view(np.uint8), bitorder="little")[:vocab]
+        logits[i, allowed == 0] = -np.inf
+
+
 def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,
                generator: np.random.Generator) -> int:
     """One random token from one row of logits (float32 [V])."""
@@ -187,8 +210,11 @@ def sample(logits: np.ndarray, meta: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of logits [B, V]. A row that raises is reported in .failed."""
     raw = logits
     failed: dict[int, str] = {}
-    if meta.presence_penalty is not None or meta.banned_token_ids is not None:
-        x = np.array(logits, dtype=np.float32)  # our own copy: penalties work in place
+    mask = meta.token_bitmask()
+    if meta.presence_penalty is not None or meta.banned_token_ids is not None or mask is not None:
+        x = np.array(logits, dtype=np.float32)  # our own copy: penalties and masks work in place
+        if mask is not None:
+            apply_token_bitmask(x, mask)
         apply_penalties(x, meta, failed)
     else:
         x = logits

@@ -91,7 +91,8 @@ async def _http_error(req, resp, ex: falcon.HTTPError, params) -> None:
 
 
 async def _unexpected(req, resp, ex: Exception, params) -> None:
-    log.exception("unhandled error on %s %s", req.method, req.path)
+    log.exception("unhandled error on %s %s (request %s)", req.method, req.path,
+                  getattr(req.context, "request_id", None))
     resp.status = 500
     resp.content_type = falcon.MEDIA_JSON
     resp.data = error_body(f"internal error: {type(ex).__name__}", "server_error")
@@ -161,9 +162,12 @@ class _Generate:
         request: Any = P.decode_request(body, self.request_type)
         if not self._options.engine_alive():
             raise APIError(503, "no engine is available", code="engine_unavailable")
-        request_id = P.new_id(self.prefix)
+        # Public id (response, X-Request-Id, logs, trace) and the engine requests' own ids.
+        request_id = P.public_request_id(self.prefix, req.get_header(P.REQUEST_ID_HEADER))
+        resp.set_header(P.REQUEST_ID_HEADER, request_id)
+        req.context.request_id = request_id
         model = request.model or self._ctx.model_name
-        gen = self.serving.prepare(self._ctx, request, request_id)
+        gen = self.serving.prepare(self._ctx, request, P.new_id(self.prefix))
         extensions = req.scope.get("extensions") or {}  # from our protocol (http_worker.py)
         gen.client_blocked = extensions.get(CLIENT_BLOCKED)
         gen.close_connection = extensions.get(CLOSE_CONNECTION)
@@ -187,6 +191,7 @@ class _Generate:
         try:
             result = await self.serving.complete(self._ctx, request, gen, request_id, model)
         except EngineError as exc:
+            log.warning("request %s failed in the engine: %s", request_id, exc)
             raise engine_error(exc) from None
         finally:
             gen.abort()
@@ -236,8 +241,10 @@ class Tokenize:
         request = P.decode_tokenize_request(await read_body(req, self._options.max_body_bytes))
         P.check_model(request.model, self._ctx.served_model_names)
         if isinstance(request, P.TokenizeChatRequest):
+            tools = None if request.tools is None else [
+                msgspec.to_builtins(t) for t in request.tools]
             text = serving_chat.render_prompt(self._ctx, request.messages,
-                                              request.add_generation_prompt)
+                                              request.add_generation_prompt, tools)
         else:
             text = request.prompt
         ids = self._ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
@@ -262,11 +269,16 @@ class Models:
         self._ctx, self._options = ctx, options
         self._created = P.now()
 
+    def _card(self, name: str) -> P.ModelCard:
+        return P.ModelCard(name, self._created, root=self._options.model_root or name,
+                           max_model_len=self._ctx.max_model_len)
+
     async def on_get(self, req, resp) -> None:
-        cards = [P.ModelCard(name, self._created, root=self._options.model_root or name,
-                             max_model_len=self._ctx.max_model_len)
-                 for name in self._ctx.served_model_names]
-        json_response(resp, P.ModelList(cards))
+        json_response(resp, P.ModelList([self._card(n) for n in self._ctx.served_model_names]))
+
+    async def on_get_one(self, req, resp, model_id: str) -> None:
+        """GET /v1/models/{id}: one card, or OpenAI's 404 for a model we do not serve."""
+        json_response(resp, self._card(P.check_model(model_id, self._ctx.served_model_names)))
 
 
 class Health:
@@ -318,7 +330,9 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
     app.add_error_handler(APIError, _api_error)
     app.add_route("/v1/completions", Completions(ctx, options))
     app.add_route("/v1/chat/completions", ChatCompletions(ctx, options))
-    app.add_route("/v1/models", Models(ctx, options))
+    models = Models(ctx, options)
+    app.add_route("/v1/models", models)
+    app.add_route("/v1/models/{model_id:path}", models, suffix="one")  # ids may hold a "/"
     app.add_route("/tokenize", Tokenize(ctx, options))
     app.add_route("/detokenize", Detokenize(ctx, options))
     app.add_route("/health", Health(options))

@@ -64,6 +64,10 @@ class ServerConfig:
         "choices": ("critical", "error", "warning", "info", "debug"), "help": "log level"})
     enable_debug_endpoints: bool = field(default=False, metadata={
         "help": "serve GET /debug/engines and /dashboard (engines publish a snapshot)"})
+    tool_call_parser: str | None = field(default=None, metadata={
+        "choices": ("hermes", "llama3_json"),
+        "help": "how the model writes tool calls (Hermes/Qwen <tool_call> JSON, or Llama 3 "
+                "JSON): enables tool_choice \"auto\" (default: none, \"auto\" is a 400)"})
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "max_body_bytes", "timeout_keep_alive", "h11_max_incomplete_event_size",

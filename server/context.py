@@ -18,6 +18,7 @@ class ServerContext:
     metrics: RequestMetrics
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_vocab_size: int | None = None  # the model's (config.json); None: the tokenizer's
+    tool_call_parser: str | None = None  # --tool-call-parser: "auto" tool choice (tool_calls.py)
 
     @property
     def vocab_size(self) -> int:

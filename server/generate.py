@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol
 
 from ringserve.ipc.limits import sample_seed
 from ringserve.ipc.messages import EngineOutput, FinishReason
@@ -66,12 +66,14 @@ class Delta:
 class Generation:
     def __init__(self, engine: Engine, tokenizer: Detokenizer, metrics: RequestMetrics,
                  request_id: str, prompts: list[list[int]], params: dict, n: int,
-                 stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True):
+                 stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True,
+                 discard_output: bool = False):
         self._engine = engine
         self._metrics = metrics
         self._params = params
         self.arrival = time.monotonic()
-        sample = SampleParams(stop, params.get("min_tokens", 0), include_stop, skip_special_tokens)
+        sample = SampleParams(stop, params.get("min_tokens", 0), include_stop, skip_special_tokens,
+                              discard_output)
         self.choices = [Choice(idx, f"{request_id}-{idx}", tokenizer, prompt, sample)
                         for idx, prompt in enumerate(p for p in prompts for _ in range(n))]
         self._n = n
@@ -80,6 +82,7 @@ class Generation:
         self.client_blocked: Callable[[], bool] | None = None
         self.close_connection: Callable[[], None] | None = None
         self.trace: FrontendTrace | None = None  # when the request asked to be traced
+        self.tools: Any = None  # chat: its tool plan (server/tool_calls.py ToolPlan)
 
     async def start(self) -> None:
         """Submit every choice to the engines (raises EngineUnavailable when none is up)."""

@@ -47,6 +47,9 @@ class SampleParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # echo with max_tokens 0: the engine's one sampled token is dropped and the sample ends
+    # with "length" and no output (its prompt logprobs are kept)
+    discard_output: bool = False
 
 
 class SampleState:
@@ -54,6 +57,7 @@ class SampleState:
 
     def __init__(self, tokenizer: Detokenizer, prompt_token_ids: list[int], params: SampleParams):
         self.prompt_token_ids = prompt_token_ids
+        self.discard_output = params.discard_output
         self.text = OutputText(tokenizer.decode_stream(params.skip_special_tokens), params.stop,
                                min_tokens=params.min_tokens,
                                include_stop=params.include_stop_str_in_output)
@@ -85,6 +89,11 @@ class SampleState:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = token_logprobs(self.prompt_token_ids[1:], out.prompt_logprobs)
         self.num_cached_tokens = out.num_cached_tokens
+        if self.discard_output:
+            if out.finish_reason is None:
+                return None
+            self.finish_reason = FinishReason.LENGTH
+            return SampleDelta("", [], True, abort_engine=False)
         before = self.text.num_tokens
         text = self.text.push(out.new_token_ids)
         kept = out.new_token_ids[:self.text.num_tokens - before]  # none after a stop string

@@ -9,17 +9,22 @@ body from costing the server much more than its size. Every failure is an `APIEr
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar, Union, cast
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _pkg_version
+from typing import Annotated, Any, Literal, TypeVar, Union, cast
 
 import msgspec
 from msgspec import Meta, Struct, field
 
 from ringserve.ipc import limits
+from ringserve.ipc.structured import StructuredOutputsParams
 from ringserve.server.errors import APIError, bad_request, from_validation_error
+from ringserve.server.structured_outputs import ResponseFormat
 
 # Ranges of sampling values are checked in check_ranges (ipc/limits.py), not by the types; a
 # token id's lower bound is here so that msgspec names the item (`prompt[3]`).
@@ -84,6 +89,13 @@ class _SamplingFields(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     # ringserve extension: answer with the request's journey (server/trace.py)
     ringserve_trace: bool = False
+    # Structured outputs (server/structured_outputs.py): OpenAI's, vLLM's, vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -107,10 +119,44 @@ class ContentPart(Struct, forbid_unknown_fields=False):
     text: str | None = None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str            # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, kw_only=True, forbid_unknown_fields=False):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+class FunctionDefinition(Struct, kw_only=True, forbid_unknown_fields=False):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class ChatTool(Struct, kw_only=True, forbid_unknown_fields=False):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Struct, forbid_unknown_fields=False):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True, forbid_unknown_fields=False):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(Struct, forbid_unknown_fields=False):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None            # a tool result (role "tool"): the call it answers
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as a chat template expects it: text parts joined into one string."""
@@ -126,7 +172,23 @@ class ChatMessage(Struct, forbid_unknown_fields=False):
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates index the arguments as a mapping (Hermes/Qwen, Llama 3 tojson them):
+            # JSON text becomes a dict, as vLLM hands them over.
+            d["tool_calls"] = [{"id": c.id, "type": c.type,
+                                "function": {"name": c.function.name,
+                                             "arguments": _json_or_text(c.function.arguments)}}
+                               for c in self.tool_calls]
         return d
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -137,9 +199,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     echo: bool = False
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None   # None: true, as OpenAI
 
 
 class TokenizeCompletionRequest(Struct, kw_only=True):
@@ -150,6 +212,7 @@ class TokenizeCompletionRequest(Struct, kw_only=True):
 
 class TokenizeChatRequest(Struct, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    tools: list[ChatTool] | None = None
     model: str | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
@@ -171,6 +234,8 @@ def decode_request(body: bytes, type: type[T]) -> T:
         return msgspec.json.decode(body, type=type)
     except (UnicodeDecodeError, msgspec.DecodeError) as exc:
         raise _decode_error(exc, body) from None
+    except RecursionError:
+        raise _too_deep(body) from None
 
 
 def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
@@ -182,6 +247,29 @@ def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | Tokenize
         return cast(Union[TokenizeCompletionRequest, TokenizeChatRequest], msgspec.convert(raw, type=kind))
     except (UnicodeDecodeError, msgspec.DecodeError) as exc:
         raise _decode_error(exc, body) from None
+    except RecursionError:
+        raise _too_deep(body) from None
+
+
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a string, or a bracket
+
+
+def _too_deep(body: bytes) -> APIError:
+    """The 400 for JSON nested deeper than the decoder recurses, naming the top-level field
+    that holds it (a scan of the body, on this error path only)."""
+    depth, key = 0, None
+    for m in _JSON_TOKEN.finditer(body):
+        tok = m.group()
+        if tok[0] == 0x22:  # a string: at depth 1, a top-level key (a key precedes its value)
+            if depth == 1:
+                key = tok[1:-1].decode(errors="replace")
+        elif tok in (b"{", b"["):
+            depth += 1
+            if depth > 64:
+                break
+        else:
+            depth -= 1
+    return bad_request("the request's JSON is nested too deeply", param=key)
 
 
 _AT_BYTE = re.compile(r"\(byte (\d+)\)$")
@@ -334,12 +422,13 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
     return fit.max_tokens
 
 
-def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | None) -> dict:
+def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    structured_outputs: str | None = None) -> dict:
     """Sampling parameters under vLLM's SamplingParams names (defaults as vLLM's)."""
     if req.min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens "
                           f"({max_tokens})", param="min_tokens")
-    return dict(
+    params: dict[str, Any] = dict(
         n=1,  # the frontend fans `n` out into n engine requests (so a stop string ends one)
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -355,12 +444,44 @@ def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
     )
+    if structured_outputs is not None:  # an llguidance grammar (server/structured_outputs.py)
+        params["structured_outputs"] = structured_outputs
+    return params
 
 
 # --- responses -------------------------------------------------------------------------------
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_HEADER = 256  # characters; the engine ids add a suffix (ipc/messages.py MAX_REQUEST_ID)
+_REQUEST_ID_OK = re.compile(r"[\x21-\x7e]+")  # visible ASCII: it goes into logs and headers
+
+
+def public_request_id(prefix: str, header: str | None) -> str:
+    """The request's id in its response, its `X-Request-Id` answer, logs and trace: the client's
+    `X-Request-Id` as vLLM takes it (`<prefix>-<header>`), else a fresh one. The engine requests
+    keep ids of their own (a client may send the same header twice at once)."""
+    if header is None or header == "":
+        return new_id(prefix)
+    if len(header) > MAX_REQUEST_ID_HEADER or not _REQUEST_ID_OK.fullmatch(header):
+        raise bad_request(f"the {REQUEST_ID_HEADER} header must be 1 to {MAX_REQUEST_ID_HEADER} "
+                          f"visible ASCII characters", param=REQUEST_ID_HEADER)
+    return f"{prefix}-{header}"
+
+
+def _fingerprint() -> str:
+    try:
+        return f"fp_ringserve_{_pkg_version('ringserve')}"
+    except PackageNotFoundError:  # run from a tree that was never installed
+        return "fp_ringserve"
+
+
+# OpenAI's `system_fingerprint`: the backend configuration that produced an answer; ours is the
+# ringserve version, on every response and every chunk (the spec wants a string, never null).
+SYSTEM_FINGERPRINT = _fingerprint()
 
 
 def now() -> int:
@@ -395,7 +516,7 @@ class CompletionResponse(Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: str = "text_completion"
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class TopLogprob(Struct):
@@ -415,9 +536,10 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ResponseMessage(Struct):
+class ResponseMessage(Struct, omit_defaults=True):
     role: str
     content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Struct):
@@ -435,12 +557,27 @@ class ChatCompletionResponse(Struct):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     object: str = "chat.completion"
-    system_fingerprint: str | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
+
+
+class DeltaFunctionCall(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """One piece of a streamed tool call, as OpenAI streams them: the first has the id, type
+    and name (arguments ""), the next ones pieces of the arguments."""
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):
@@ -458,6 +595,7 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     object: str = "chat.completion.chunk"
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class CompletionChunk(Struct):
@@ -467,6 +605,7 @@ class CompletionChunk(Struct):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: str = "text_completion"
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ModelCard(Struct):

@@ -4,17 +4,21 @@ from __future__ import annotations
 from typing import AsyncIterator, cast
 
 from ringserve.server import protocol as P
+from ringserve.server import tool_calls as T
 from ringserve.server.context import ServerContext
 from ringserve.server.generate import Generation
 from ringserve.server.output_processor import TokenLogprob
 from ringserve.server.sse import DONE, event
+from ringserve.server.structured_outputs import compile_request
 
 
 def render_prompt(ctx: ServerContext, messages: list[P.ChatMessage],
-                  add_generation_prompt: bool) -> str:
+                  add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
     dicts = [m.to_template_dict() for m in messages]
+    extra = {} if tools is None else {"tools": tools}  # as transformers passes them
     try:
-        return ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt)
+        return ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
+                                                 **extra)
     except ValueError as exc:  # ChatTemplateError: the template refused these messages
         raise P.bad_request(f"cannot apply the chat template: {exc}", param="messages") from None
 
@@ -24,11 +28,10 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
     P.check_common(req, ctx.limits, ctx.vocab_size)
     P.check_logprobs(req.top_logprobs, ctx.limits, param="top_logprobs")
     P.check_choices(1, req.n, ctx.limits)
-    if req.tools:
-        raise P.bad_request("tools are not supported", param="tools")
+    tp = T.plan(req, ctx.tool_call_parser)
     if req.top_logprobs is not None and not req.logprobs:
         raise P.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
-    text = render_prompt(ctx, req.messages, req.add_generation_prompt)
+    text = render_prompt(ctx, req.messages, req.add_generation_prompt, tp.template_tools)
     # The template already holds the special tokens (as vLLM's chat default).
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     if not ids:
@@ -37,10 +40,16 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
     max_tokens = P.check_length(len(ids), asked, ctx.max_model_len, param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     P.check_response_logprobs(req.n * max_tokens, logprobs, ctx.limits, param="top_logprobs")
-    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs)
-    return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, [ids], params, req.n,
-                      P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,
-                      skip_special_tokens=req.skip_special_tokens)
+    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs,
+                               structured_outputs=compile_request(req, ctx.tokenizer,
+                                                                  tp.constraint))
+    # A parser reads the markers a model family may write as special tokens (vLLM keeps them too).
+    skip_special = req.skip_special_tokens and tp.mode != "auto"
+    gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, [ids], params, req.n,
+                     P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,
+                     skip_special_tokens=skip_special)
+    gen.tools = tp
+    return gen
 
 
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], top_n: int) -> P.ChatLogprobs:
@@ -59,11 +68,27 @@ async def complete(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Genera
     async for _ in gen.deltas():
         pass
     choices = []
+    tp: T.ToolPlan = gen.tools
     for c in gen.choices:
         lp = _logprobs(ctx, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-        choices.append(P.ChatChoice(c.index, P.ResponseMessage("assistant", c.text.text), lp,
-                                    c.finish_reason, c.stop_reason))
+        message, finish = _message(tp, c.text.text, c.finish_reason)
+        choices.append(P.ChatChoice(c.index, message, lp, finish, c.stop_reason))
     return P.ChatCompletionResponse(request_id, P.now(), model, choices, gen.usage())
+
+
+def _message(tp: T.ToolPlan, text: str, finish: str | None) -> tuple[P.ResponseMessage, str | None]:
+    """The assistant message of a finished choice, with its tool calls, and its finish reason
+    ("tool_calls" when it made some; a named choice keeps "stop", as OpenAI)."""
+    if tp.mode == "none" or finish not in ("stop",):  # cut short: no call to parse
+        return P.ResponseMessage("assistant", text), finish
+    if tp.mode == "auto":
+        content, calls = T.parse_auto(tp.parser or "", text)
+    else:
+        content, calls = None, T.constrained_calls(tp, text)
+    if not calls:
+        return P.ResponseMessage("assistant", text), finish
+    return (P.ResponseMessage("assistant", content, calls),
+            "stop" if tp.mode == "named" else "tool_calls")
 
 
 async def stream(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generation,
@@ -72,7 +97,11 @@ async def stream(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generati
     for c in gen.choices:
         first = P.ChatChunkChoice(c.index, P.DeltaMessage(role="assistant", content=""))
         yield event(P.ChatCompletionChunk(request_id, created, model, [first]))
-    async for d in gen.deltas():
+    tp: T.ToolPlan = gen.tools
+    if tp.mode != "none":
+        async for chunk in _stream_tools(ctx, req, gen, request_id, model, created, tp):
+            yield chunk
+    async for d in gen.deltas():  # (nothing left after _stream_tools)
         c = d.choice
         lp = _logprobs(ctx, d.logprobs, req.top_logprobs or 0) if req.logprobs else None
         choice = P.ChatChunkChoice(c.index, P.DeltaMessage(content=d.text), lp,
@@ -82,3 +111,37 @@ async def stream(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generati
     if req.include_usage:
         yield event(P.ChatCompletionChunk(request_id, created, model, [], gen.usage()))
     yield DONE
+
+
+async def _stream_tools(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generation,
+                        request_id: str, model: str, created: int,
+                        tp: T.ToolPlan) -> AsyncIterator[bytes]:
+    """The choices' deltas through a ToolStream each (server/tool_calls.py): content, then the
+    calls as OpenAI streams them, then the finish reason on a delta of its own."""
+    streams = {c.index: T.ToolStream(tp) for c in gen.choices}
+
+    def chunk(index: int, delta: P.DeltaMessage, lp=None, finish=None, stop=None) -> bytes:
+        return event(P.ChatCompletionChunk(request_id, created, model,
+                                           [P.ChatChunkChoice(index, delta, lp, finish, stop)]))
+
+    async for d in gen.deltas():
+        c, ts = d.choice, streams[d.choice.index]
+        lp = _logprobs(ctx, d.logprobs, req.top_logprobs or 0) if req.logprobs else None
+        deltas = ts.push(d.text)
+        if lp is not None and not deltas:
+            deltas = [P.DeltaMessage()]  # the logprobs still go out with their tokens
+        for k, delta in enumerate(deltas):
+            yield chunk(c.index, delta, lp if k == 0 else None)
+        if d.finished:
+            finish: str | None = c.finish_reason
+            if finish == "stop":
+                last, called = ts.finish()
+                for delta in last:
+                    yield chunk(c.index, delta)
+                if called and tp.mode != "named":
+                    finish = "tool_calls"
+            else:  # cut short: what was held back goes out as it is
+                rest = ts.text[ts.sent:] if tp.mode == "auto" else ""
+                if rest:
+                    yield chunk(c.index, P.DeltaMessage(content=rest))
+            yield chunk(c.index, P.DeltaMessage(), finish=finish, stop=c.stop_reason)

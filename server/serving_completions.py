@@ -3,16 +3,24 @@ from __future__ import annotations
 
 from typing import AsyncIterator
 
+import msgspec
+
 from ringserve.server import protocol as P
 from ringserve.server.context import ServerContext
 from ringserve.server.generate import Choice, Generation
 from ringserve.server.output_processor import TokenLogprob
 from ringserve.server.sse import DONE, event
+from ringserve.server.structured_outputs import compile_request
 
 
 def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Generation:
     """Validate and tokenize; every problem is a 400 before anything reaches the engine."""
     P.check_model(req.model, ctx.served_model_names)
+    echo_only = echo_without_generation(req)
+    if echo_only:
+        # As vLLM: the engine runs one token (it always samples the prompt's last position)
+        # and the frontend drops it (SampleParams.discard_output).
+        req = msgspec.structs.replace(req, max_tokens=1)
     P.check_common(req, ctx.limits, ctx.vocab_size)
     P.check_logprobs(req.logprobs, ctx.limits, param="logprobs")
     if req.suffix:
@@ -36,12 +44,19 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
     # Every choice answers with its own copy of its (echoed) prompt's logprobs.
     positions = req.n * sum(max_tokens + (len(ids) if req.echo else 0) for ids in prompts)
     P.check_response_logprobs(positions, req.logprobs, ctx.limits, param="logprobs")
-    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs)
+    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                               structured_outputs=compile_request(req, ctx.tokenizer))
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs, as vLLM gives them
         params["prompt_logprobs"] = req.logprobs
     return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, prompts, params, req.n,
                       P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,
-                      skip_special_tokens=req.skip_special_tokens)
+                      skip_special_tokens=req.skip_special_tokens, discard_output=echo_only)
+
+
+def echo_without_generation(req: P.CompletionRequest) -> bool:
+    """`echo: true, max_tokens: 0`: the prompt (with its logprobs) and no completion tokens,
+    as OpenAI's legacy API and vLLM answer it."""
+    return req.echo and req.max_tokens == 0
 
 
 def _logprobs(ctx: ServerContext, entries: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:

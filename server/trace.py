@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator
 
 import msgspec
 
+from ringserve.server.protocol import SYSTEM_FINGERPRINT
 from ringserve.server.sse import DONE, event
 
 TRACE_HEADER = "X-Ringserve-Trace"
@@ -90,5 +91,6 @@ async def stream_with_trace(chunks: AsyncIterator[bytes], gen, trace: FrontendTr
     async for chunk in chunks:
         if chunk == DONE:
             yield event({"id": trace.request_id, "object": obj, "created": int(trace.arrival_unix),
-                         "model": model, "choices": [], TRACE_FIELD: trace.journey(gen)})
+                         "model": model, "choices": [], "system_fingerprint": SYSTEM_FINGERPRINT,
+                         TRACE_FIELD: trace.journey(gen)})
         yield chunk

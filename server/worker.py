@@ -60,7 +60,8 @@ def worker_app():
     client = EngineClient(cfg["control_paths"], max_stream_backlog=cfg["max_stream_backlog"])
     ctx = ServerContext(Tokenizer.from_dir(cfg["model_dir"]), client, names, cfg["max_model_len"],
                         RequestMetrics(names[0], cfg["max_model_len"]),
-                        RequestLimits(**cfg["request_limits"]), cfg["vocab_size"])
+                        RequestLimits(**cfg["request_limits"]), cfg["vocab_size"],
+                        tool_call_parser=cfg.get("tool_call_parser"))
 
     async def start() -> None:
         await client.start()

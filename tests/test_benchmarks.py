@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ringserve.tools import bench_engine, bench_forward, bench_ipc, bench_trace
+from ringserve.tools import bench_engine, bench_forward, bench_ipc, bench_structured, bench_trace
 from ringserve.tools.bench_report import FORMAT, BenchRun, Column, markdown_table, table
 
 
@@ -52,6 +52,18 @@ def test_bench_run_document(tmp_path):
     assert doc["args"] == {"n": 3, "json": str(tmp_path / "x.json"), "api_key": "<withheld>"}
     assert doc["rows"] == [{"n": 3}] and "sk-1" not in (tmp_path / "x.json").read_text()
     assert doc["extra"] == 1 and doc["date"][:2] == "20"
+
+
+def test_bench_structured(tmp_path, tiny_model_dir, capsys):
+    bench_structured.main(["--model", str(tiny_model_dir), "--concurrency", "1", "3",
+                           "--max-tokens", "12", "--rounds", "1", "--json", str(tmp_path / "s.json")])
+    rows = _doc(tmp_path / "s.json", "bench_structured")["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["tokens"] == 12 * r["concurrency"]  # constrained, and never done early
+        assert r["plain_tok_s"] > 0 and r["json_tok_s"] > 0 and r["mask_us"] > 0
+        assert r["ratio"] == r["json_tok_s"] / r["plain_tok_s"]
+    assert "json / plain" in capsys.readouterr().out
 
 
 def test_bench_engine(tmp_path, capsys):

@@ -38,6 +38,7 @@ NUMBA_SIGNATURES = {
                           f32_1d, f32_1d, f32_1d)],
     "sample_kernel": [(f32_2d, u32_2d, f32_1d, i32_1d, f32_1d, f32_1d, f32_1d, i32_1d)],
     "logprobs_kernel": [(f32_2d, i32_1d, i32_2d, f32_2d, i32_1d)],
+    "bitmask_kernel": [(f32_2d, i32_2d, i32_1d)],
 }
 
 # Each CUDA C source with the -D variants the runner compiles it with (Llama shapes:
@@ -51,7 +52,8 @@ CUDA_C_VARIANTS = {
 
 # Kernels launched with more than 128 threads per block: registers x threads must fit the
 # SM's 64K registers, or the launch fails ("too many resources requested").
-LAUNCH_THREADS = {"sample_kernel": 1024, "logprobs_kernel": 1024, "penalties_kernel": 256}
+LAUNCH_THREADS = {"sample_kernel": 1024, "logprobs_kernel": 1024, "penalties_kernel": 256,
+                  "bitmask_kernel": 256}
 REGISTERS_PER_SM = 65536
 
 

@@ -166,6 +166,35 @@ else:
         np.testing.assert_array_equal(again.token_ids, x[:2].argmax(-1))
         assert again.logprobs is None
 
+    def test_token_bitmask_matches_the_numpy_sampler():
+        """Structured outputs: the kernel sets -inf exactly where gpu/sampler.py's
+        apply_token_bitmask does, on the constrained rows only; sampled through CudaSampler, a
+        row only ever gets an allowed token."""
+        rng = np.random.default_rng(8)
+        B, V = 3, 70  # 3 words per row, the last one partly past the vocabulary
+        x = _logits(rng, B, V)
+        mask = np.full((B, 3), -1, np.int32)
+        mask[0] = [0, 1 << 4, 0]                           # token 36 only
+        mask[2] = rng.integers(-2**31, 2**31 - 1, 3, dtype=np.int64).astype(np.int32)
+        expect = x.copy()
+        cpu_sampler.apply_token_bitmask(expect, mask)
+        rows = np.array([0, 2], np.int32)
+        got = x.copy()
+        sk.bitmask(got, np.ascontiguousarray(mask[rows]), rows, threads=THREADS)
+        np.testing.assert_array_equal(got, expect)
+        assert np.isneginf(got[0]).sum() == V - 1 and not np.isneginf(got[1]).any()
+        calls = []  # the engine hands over a function: computed when sampling, once
+        meta = _meta([(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (1.5, 0, 1.0, 0.0)], seed=3,
+                     allowed_token_bitmask=lambda: calls.append(1) or mask, max_num_logprobs=1)
+        want = cpu_sampler.sample(x, _copy_meta(meta, seed=3))
+        out = CudaSampler(threads=THREADS).sample(cuda.to_device(x), meta)
+        assert len(calls) == 2 and meta.token_bitmask() is mask and len(calls) == 2
+        assert out.token_ids[0] == 36 and out.token_ids[1] == x[1].argmax()
+        assert np.isfinite(expect[2, out.token_ids[2]])    # an allowed token
+        assert out.token_ids[:2].tolist() == want.token_ids[:2].tolist()
+        # logprobs are the raw model's, as on the CPU
+        np.testing.assert_allclose(out.logprobs.logprobs, want.logprobs.logprobs, rtol=1e-5, atol=1e-5)
+
     def test_one_pending_sample_at_a_time():
         sampler = CudaSampler(threads=THREADS)
         x = cuda.to_device(np.arange(8, dtype=np.float32).reshape(2, 4))
@@ -181,7 +210,7 @@ else:
         (from pageable memory the copy would wait for the stream's forward)."""
         from ringserve.gpu.cuda.sampler import warmup_metadata
         launched = set()
-        for name in ("penalties", "sample", "logprobs"):
+        for name in ("penalties", "sample", "logprobs", "bitmask"):
             real = getattr(sk, name)
             monkeypatch.setattr(sk, name, lambda *a, _n=name, _f=real, **k: (launched.add(_n), _f(*a, **k)))
         sampler = CudaSampler(threads=THREADS)
@@ -189,9 +218,9 @@ else:
         for meta in warmup_metadata():
             out = sampler.sample(x, meta)
             assert out.logprobs is not None and out.token_ids.shape == (1,)
-        assert launched == {"penalties", "sample", "logprobs"}
+        assert launched == {"penalties", "sample", "logprobs", "bitmask"}
         inputs = set(sampler._dev.arrays) - {"work", "token_ids", "lp_ids", "lp_vals", "lp_rank"}
-        assert "sampling_rows" in inputs and "seen_ids" in inputs
+        assert "sampling_rows" in inputs and "seen_ids" in inputs and "mask" in inputs
         for name in inputs:
             staged = sampler._host.arrays.get("in_" + name)
             assert staged is not None, f"{name}: copied to the device from pageable memory"

@@ -188,7 +188,11 @@ class CudaModelRunner:
     @classmethod
     def from_dir(cls, model_dir: str | Path, **kwargs) -> CudaModelRunner:
         from ringserve.gpu.weights import load_weights
-        return cls(ModelConfig.from_dir(model_dir), load_weights(model_dir), **kwargs)
+        runner = cls(ModelConfig.from_dir(model_dir), load_weights(model_dir), **kwargs)
+        runner.model_dir = Path(model_dir)  # its tokenizer.json: the engine's structured outputs
+        return runner
+
+    model_dir: Path | None = None  # set by from_dir
 
     def _profile_num_blocks(self, max_tokens: int, utilization: float) -> int:
         """Run the largest forward once (over a 1-block cache, writing nothing) and give the KV
@@ -272,7 +276,7 @@ class CudaModelRunner:
         t0 = time.perf_counter()
         batch = Batch(np.zeros(1, np.int32), np.zeros(1, np.int32), np.full(1, -1, np.int32),
                       np.array([0, 1], np.int32), np.array([1], np.int32), np.zeros((1, 1), np.int32))
-        for meta in warmup_metadata():
+        for meta in warmup_metadata(self.config.vocab_size):
             spec = PromptLogprobsSpec(np.zeros(1, np.int64), np.zeros(1, np.int32), 1)
             self.submit(batch, np.arange(1), meta, spec).result()
         self.stream.synchronize()

@@ -140,7 +140,7 @@ class PendingSample:
         return self._result
 
 
-def warmup_metadata() -> list[SamplingMetadata]:
+def warmup_metadata(vocab_size: int = 32) -> list[SamplingMetadata]:
     """One-row metadata that together launch every sampling kernel (penalties with a ban,
     sampling with temperature, top-k, top-p and min-p, greedy, logprobs): the runner samples
     with each at start-up so that no Numba kernel compiles on a request."""
@@ -151,7 +151,10 @@ def warmup_metadata() -> list[SamplingMetadata]:
                                [np.random.default_rng(0)], presence_penalty=0.1 * one,
                                frequency_penalty=0.1 * one, repetition_penalty=1.1 * one,
                                prompt_token_ids=[[0]], output_token_ids=[[0]],
-                               banned_token_ids=[[1]], max_num_logprobs=2)
+                               banned_token_ids=[[1]], max_num_logprobs=2,
+                               # allows tokens 0 and 1 (and 1 is banned)
+                               allowed_token_bitmask=np.pad(np.full((1, 1), 3, np.int32),
+                                                            ((0, 0), (0, (vocab_size - 1) // 32))))
     return [greedy, sampled]
 
 
@@ -188,10 +191,17 @@ class CudaSampler:
         B, V = logits.shape
         kw = dict(threads=self.threads, stream=self.stream)
         packed = pack_penalties(meta, B)
+        mask = meta.token_bitmask()  # NOTE: host work while the device runs the forward
         x = logits
-        if packed is not None:  # penalties on a copy: logprobs are the raw model's
+        if packed is not None or mask is not None:  # on a copy: logprobs are the raw model's
             x = self._dev.get("work", (B, V), np.float32)
             x.copy_to_device(logits, stream=self.stream)
+        if mask is not None:  # structured outputs: only the constrained rows travel
+            rows = np.flatnonzero((mask != -1).any(axis=1)).astype(np.int32)
+            sk.bitmask(x, self._to_device("mask", np.ascontiguousarray(mask[rows])),
+                       self._to_device("mask_rows", rows), threads=min(self.threads, 256),
+                       stream=self.stream)
+        if packed is not None:
             p = packed
             sk.penalties(x, *(self._to_device(n, getattr(p, n)) for n in (
                 "seen_ids", "seen_offsets", "count_ids", "counts", "count_offsets", "banned_ids",

@@ -12,6 +12,8 @@ reduced across rows, so a row's token never depends on the rest of the batch.
   each, exact: the threshold is an actual logit), min_p is a test per token. Tokens tied with
   the cutoff are all kept (numpy's argpartition/argsort keep an arbitrary subset of the ties).
   The CDF runs over the kept tokens in vocabulary order.
+- bitmask_kernel: structured outputs, -inf at the tokens a row's grammar does not allow
+  (first, on the copy the penalties work on).
 - logprobs_kernel: log_softmax of the raw logits at the sampled token, its rank, and the top-N
   (by value, ties by lower id).
 
@@ -48,6 +50,18 @@ def order_key(bits):  # pragma: no cover - device code
     if b >= 0x80000000:
         return 0xFFFFFFFF - b
     return b + 0x80000000
+
+
+@_kernel(SAMPLE_MAX_THREADS)
+def bitmask_kernel(x, mask, rows):  # pragma: no cover - device code
+    """Structured outputs: -inf, in place on x [B, V], at every token that row's llguidance
+    bitmask (int32 [R, ceil(V/32)], bit t%32 of word t//32) does not allow. One block per
+    constrained row (grid (R,)): mask row j belongs to x row rows[j]."""
+    j = cuda.blockIdx.x
+    row = rows[j]
+    for t in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        if (mask[j, t >> 5] >> (t & 31)) & 1 == 0:
+            x[row, t] = -math.inf
 
 
 @_kernel(SAMPLE_MAX_THREADS)
@@ -257,6 +271,12 @@ def _check_threads(threads: int) -> None:
 
 
 # Launchers: one place that knows each kernel's grid.
+
+def bitmask(x, mask, rows, *, threads=256, stream=0):
+    """mask int32 [R, words] for the rows `rows` (int32 [R]) of x float32 [B, V]."""
+    if mask.shape[0]:
+        bitmask_kernel[mask.shape[0], threads, stream](x, mask, rows)
+
 
 def penalties(x, seen_ids, seen_offsets, count_ids, counts, count_offsets, banned_ids,
               banned_offsets, presence, frequency, repetition, *, threads=128, stream=0):

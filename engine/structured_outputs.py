@@ -1,0 +1,86 @@
+"""Structured outputs in the engine: one llguidance matcher per constrained sequence, one
+bitmask per step (as vLLM V1's StructuredOutputManager with its guidance backend).
+
+- add_request: each sample of a request with `SamplingParams.structured_outputs` (an llguidance
+  grammar, ipc/structured.py) gets its own matcher (n > 1: copies of the first one's compiled
+  grammar). A grammar that does not compile refuses the request ("error").
+- execute: `bitmask` fills, for the step's sampled rows, one int32 word per 32 tokens: the
+  allowed next tokens given the matcher's state (all ones for an unconstrained row). The
+  sampler applies it to the logits before anything else (gpu/sampler.py).
+- update: `advance` feeds the sampled token to the matcher; the sequence ends with "stop" once
+  the grammar is complete (the matcher has stopped: it consumed EOS, or nothing may follow).
+
+The matcher's state is the sequence's output so far and nothing else, so it survives
+preemption (the output is recomputed, not resampled), chunked prefill (a partial chunk samples
+no row, so it needs no mask) and ends with the sequence (abort, finish).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ringserve.engine.request import Request
+from ringserve.ipc.messages import FinishReason
+from ringserve.ipc.structured import make_ll_tokenizer, tokenizer_json
+
+
+class StructuredOutputs:
+    """The engine's llguidance tokenizer (made on the first constrained request, ~0.2 s) and the
+    step's bitmask."""
+
+    def __init__(self, model_dir: Path | None, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._model_dir = model_dir
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._tokenizer: Any = None
+        self._executor: Any = None
+        self.words = (vocab_size + 31) // 32   # int32 words per bitmask row
+
+    def _ll_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self._model_dir is None:
+                raise ValueError("structured outputs need the model's tokenizer.json, and this "
+                                 "engine was built without a model folder")
+            self._tokenizer = make_ll_tokenizer(tokenizer_json(self._model_dir), self.vocab_size,
+                                                self._eos)
+        return self._tokenizer
+
+    def matchers(self, grammar: str, n: int) -> list[Any]:
+        """n matchers for `grammar` (one per sample). Raises ValueError when it does not compile
+        (a ring record is not trusted: the frontend checked it too)."""
+        from llguidance import LLMatcher
+
+        # NOTE: compiled in the engine loop, like the rest of add_request; the frontend already
+        # compiled it once, so a grammar that gets here is known to build (ms for usual schemas).
+        first = LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        if first.is_error():
+            raise ValueError(f"invalid structured_outputs grammar: {first.get_error()}")
+        return [first] + [first.deep_copy() for _ in range(n - 1)]
+
+    def bitmask(self, reqs: list[Request]) -> np.ndarray | None:
+        """int32 [len(reqs), words]: the allowed tokens of each constrained row (-1: all, for the
+        rest); None when no row is constrained."""
+        todo = [(r.matcher, i) for i, r in enumerate(reqs) if r.matcher is not None]
+        if not todo:
+            return None
+        import llguidance.numpy as lln
+        from llguidance import LLExecutor
+
+        if self._executor is None:
+            self._executor = LLExecutor()
+        mask = np.full((len(reqs), self.words), -1, np.int32)
+        # PERF: one call for every constrained row (llguidance spreads them over its threads)
+        lln.fill_next_token_bitmask_par(self._executor, todo, mask)
+        return mask
+
+
+def advance(req: Request, token: int) -> FinishReason | None:
+    """Feed the sampled token to req's matcher; STOP once the grammar is complete. Raises when
+    the token breaks the grammar (only when the mask was not applied: a bug, or min_tokens
+    banning the EOS that was the only way on)."""
+    m = req.matcher
+    if not m.consume_token(token):
+        raise ValueError(f"token {token} does not follow the request's grammar: {m.get_error()}")
+    return FinishReason.STOP if m.is_stopped() else None

@@ -1,0 +1,218 @@
+"""Tool calling for chat: `tools`, `tool_choice`, `parallel_tool_calls` (OpenAI's names), as vLLM
+serves them.
+
+- The tools reach the chat template (`tools=`, as transformers passes them), and so do earlier
+  calls (`message.tool_calls`) and tool results (`role: "tool"`).
+- `tool_choice` "required" or a named function: the output is constrained (structured outputs,
+  ipc/structured.py) to a valid call: for "required" a JSON array of `{"name", "parameters"}`
+  (each valid against its function's schema; one item only without parallel_tool_calls), for
+  a named function its arguments object. The output is the call, never text.
+- "auto" (the default when tools are given, as OpenAI): the model writes text in its family's
+  tool-call format, which a parser (`--tool-call-parser`, as vLLM's flag) turns into
+  `message.tool_calls`; without a parser, "auto" is a 400 (vLLM answers the same).
+- "none": tools are shown to the template, no call is parsed.
+A response with calls has `finish_reason` "tool_calls" (a named choice keeps "stop", as OpenAI).
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringserve.ipc.structured import StructuredOutputsParams
+from ringserve.server import protocol as P
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tools mean for it."""
+    mode: str                                   # "none", "auto", "required" or "named"
+    template_tools: list[dict] | None = None    # for the chat template (OpenAI's shape)
+    constraint: StructuredOutputsParams | None = None  # required / named
+    name: str | None = None                     # named: the function
+    parser: str | None = None                   # auto: the --tool-call-parser
+
+
+def plan(req: P.ChatCompletionRequest, parser: str | None) -> ToolPlan:
+    """The request's tool mode, or a 400 naming the field."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise P.bad_request("tool_choice needs tools", param="tool_choice")
+        return ToolPlan("none")
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise P.bad_request("tools must have different function names", param="tools")
+    template_tools = [{"type": "function",
+                       "function": {k: v for k, v in (("name", t.function.name),
+                                                      ("description", t.function.description),
+                                                      ("parameters", t.function.parameters))
+                                    if v is not None}} for t in req.tools]
+    if choice == "none":
+        return ToolPlan("none", template_tools)
+    if choice is None or choice == "auto":
+        if parser is None:
+            raise P.bad_request('"auto" tool choice (the default with tools) needs the server '
+                                "started with --tool-call-parser; or ask for tool_choice "
+                                '"required", a named function or "none"', param="tool_choice")
+        return ToolPlan("auto", template_tools, parser=parser)
+    if choice == "required":
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": t.function.name},
+                                              "parameters": _schema(t.function)},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for t in req.tools]}}
+        if req.parallel_tool_calls is False:
+            calls["maxItems"] = 1
+        return ToolPlan("required", template_tools, StructuredOutputsParams(json=calls))
+    assert isinstance(choice, P.NamedToolChoice)
+    tool = next((t for t in req.tools if t.function.name == choice.function.name), None)
+    if tool is None:
+        raise P.bad_request(f"tool_choice names the function {choice.function.name!r}, which "
+                            "is not in tools", param="tool_choice.function.name")
+    return ToolPlan("named", template_tools, StructuredOutputsParams(json=_schema(tool.function)),
+                    name=tool.function.name)
+
+
+def _schema(f: P.FunctionDefinition) -> dict[str, Any]:
+    return f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+
+
+# --- turning output text into calls -------------------------------------------------------------
+
+def constrained_calls(tp: ToolPlan, text: str) -> list[P.ToolCall]:
+    """The calls of a required / named answer (its text is the constrained JSON)."""
+    if tp.mode == "named":
+        return [P.ToolCall(id=new_call_id(), function=P.FunctionCall(tp.name or "", text))]
+    return [P.ToolCall(id=new_call_id(), function=P.FunctionCall(
+                c["name"], json.dumps(c["parameters"], ensure_ascii=False)))
+            for c in json.loads(text)]
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_auto(parser: str, text: str) -> tuple[str | None, list[P.ToolCall]]:
+    """(content, calls) of a model's text in its family's format; text that does not parse is
+    content, as vLLM's parsers leave it."""
+    if parser == "hermes":
+        # Qwen / Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one per call
+        start = text.find("<tool_call>")
+        if start < 0:
+            return text, []
+        try:
+            calls = [_call(json.loads(m), "arguments") for m in _HERMES.findall(text[start:])]
+        except (ValueError, KeyError, TypeError):
+            return text, []
+        return text[:start] or None, calls
+    # llama3_json: the answer is {"name": ..., "parameters": {...}} (after an optional
+    # <|python_tag|>), several separated by ";"
+    body = text.strip()
+    body = body.removeprefix("<|python_tag|>").lstrip()
+    if not body.startswith("{"):
+        return text, []
+    calls, decoder, at = [], json.JSONDecoder(), 0
+    try:
+        while at < len(body):
+            obj, end = decoder.raw_decode(body, at)
+            calls.append(_call(obj, "parameters" if "parameters" in obj else "arguments"))
+            at = end
+            while at < len(body) and body[at] in " \t\r\n;":
+                at += 1
+    except (ValueError, KeyError, TypeError):
+        return text, []
+    return None, calls
+
+
+def _call(obj: Any, key: str) -> P.ToolCall:
+    args = obj[key]
+    return P.ToolCall(id=new_call_id(), function=P.FunctionCall(
+        str(obj["name"]), args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+
+
+# --- streaming ------------------------------------------------------------------------------
+
+@dataclass
+class ToolStream:
+    """One choice's streamed deltas in a tool mode. Content before a tool call streams as it
+    comes; from the first character that may begin a call, text is held back until the end,
+    then sent as OpenAI streams calls (per call: id, type and name with arguments "", then the
+    arguments). A named choice streams its arguments as they come."""
+    tp: ToolPlan
+    text: str = ""
+    sent: int = 0                     # characters of text sent as content
+    held: bool = False                # a call may have begun: nothing more is sent as content
+    calls: list[P.ToolCall] = field(default_factory=list)
+
+    def push(self, delta: str) -> list[P.DeltaMessage]:
+        self.text += delta
+        if self.tp.mode == "named":
+            out = []
+            if not self.calls:  # the head: id, type, name
+                self.calls.append(P.ToolCall(id=new_call_id(),
+                                             function=P.FunctionCall(self.tp.name or "", "")))
+                out.append(_head(0, self.calls[0]))
+            if delta:
+                out.append(P.DeltaMessage(tool_calls=[P.DeltaToolCall(
+                    0, function=P.DeltaFunctionCall(arguments=delta))]))
+            return out
+        if self.tp.mode != "auto" or self.held:
+            return []
+        safe = self._safe_end()
+        piece, self.sent = self.text[self.sent:safe], safe
+        return [P.DeltaMessage(content=piece)] if piece else []
+
+    def _safe_end(self) -> int:
+        """How much of text is surely content (no call can begin before it)."""
+        if self.tp.parser == "hermes":
+            marker = "<tool_call>"
+            at = self.text.find(marker)
+            if at >= 0:
+                self.held = True
+                return at
+            for k in range(min(len(marker) - 1, len(self.text)), 0, -1):  # a marker's beginning
+                if marker.startswith(self.text[-k:]):
+                    return len(self.text) - k
+            return len(self.text)
+        # llama3_json: a call is the whole answer, so only its first characters decide
+        head = self.text.lstrip()
+        if not head:
+            return 0
+        if head.startswith("{") or head.startswith("<|python_tag|>"):
+            self.held = True
+            return 0
+        if "<|python_tag|>".startswith(head):
+            return 0
+        return len(self.text)
+
+    def finish(self) -> tuple[list[P.DeltaMessage], bool]:
+        """The last deltas of the choice, and whether it made calls."""
+        if self.tp.mode == "named":
+            return [], True
+        if self.tp.mode == "required":
+            calls = constrained_calls(self.tp, self.text)
+            return [d for i, c in enumerate(calls) for d in _whole(i, c)], True
+        content, calls = parse_auto(self.tp.parser or "", self.text)
+        if not calls:  # no call after all: what was held is content
+            rest = self.text[self.sent:]
+            return ([P.DeltaMessage(content=rest)] if rest else []), False
+        rest = (content or "")[self.sent:]
+        out = [P.DeltaMessage(content=rest)] if rest else []
+        return out + [d for i, c in enumerate(calls) for d in _whole(i, c)], True
+
+
+def _head(index: int, call: P.ToolCall) -> P.DeltaMessage:
+    return P.DeltaMessage(tool_calls=[P.DeltaToolCall(
+        index, id=call.id, type="function",
+        function=P.DeltaFunctionCall(name=call.function.name, arguments=""))])
+
+
+def _whole(index: int, call: P.ToolCall) -> list[P.DeltaMessage]:
+    return [_head(index, call), P.DeltaMessage(tool_calls=[P.DeltaToolCall(
+        index, function=P.DeltaFunctionCall(arguments=call.function.arguments))])]
