@@ -16,8 +16,9 @@ import gguf.quants
 import numpy as np
 import pytest
 
+from ringserve.gpu.cpu_packed import SplitWeight
 from ringserve.gpu.cuda import launch
-from ringserve.gpu.cuda.quant_linear import DeviceQuant, DeviceSplit, QuantLinear, QuantStore
+from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
 from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, random_raw, repack
 from ringserve.gpu.weights import GGMLTensor
 from test_quant_kernels import magnitude
@@ -53,9 +54,9 @@ def check(got: np.ndarray, x: np.ndarray, w: QuantWeight, reference: np.ndarray)
                                   f"worst {np.nanmax(err / bound):.3g} of the bound")
 
 
-def device(w: QuantWeight) -> DeviceQuant:
+def device(w: QuantWeight) -> QuantWeight:
     weight = QuantStore(np).linear([w])
-    assert isinstance(weight, DeviceQuant) and weight.kind == w.kind
+    assert isinstance(weight, QuantWeight) and weight.kind == w.kind
     return weight
 
 
@@ -111,7 +112,7 @@ def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_k
         tensors.append(ref.astype(np.float16) if qtype == "F16" else GGMLTensor(qtype, (n, 512), raw))
         references.append(ref)
     weight = QuantStore(np).linear(tensors)
-    assert isinstance(weight, DeviceSplit)
+    assert isinstance(weight, SplitWeight)
     assert [getattr(p, "qtype", "fp16") for p in weight.parts] == ["Q4_K", "Q6_K", "fp16"]
     x = rng.standard_normal((rows, 512)).astype(np.float16)
     out = np.full((rows, 20), np.nan, np.float16)

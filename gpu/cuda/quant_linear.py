@@ -18,18 +18,19 @@ A linear with M rows of activations runs:
   rows, each chunk followed by the cuBLAS GEMM (the GEMMs of the fp16 path). Static: a CUDA
   graph captures it as it is.
 A fused weight whose parts differ in type (llama.cpp's Q4_K_M: Q4_K q/k with Q6_K v) is a
-DeviceSplit; each part writes its own columns of out (the kernels take out's row pitch).
+SplitWeight; each part writes its own columns of out (the kernels take out's row pitch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.buffers import Fp16Store
-from ringserve.gpu.quant import QuantWeight
+from ringserve.gpu.quant import QuantWeight, dequantize
 from ringserve.gpu.weights import GGMLTensor
 
 PLANE_KINDS = ("u4", "i8")      # kept packed; every other kind is widened to fp16 (cuBLAS)
@@ -37,46 +38,20 @@ WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequant
 WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16}  # weights one 16-byte load of quants holds
 
 
-@dataclass(frozen=True, eq=False)
-class DeviceQuant:
-    """One weight W [out, in] as its planes on the device (xp arrays)."""
-    qtype: str                  # "Q4_K", "AWQ", ...: what it came from
-    shape: tuple[int, int]
-    kind: str                   # "u4" | "i8"
-    block: int                  # weights per scale
-    q: Any
-    scale: Any
-    offset: Any | None
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes a matvec streams."""
-        return sum(int(a.nbytes) for a in (self.q, self.scale, self.offset) if a is not None)
-
-
-@dataclass(frozen=True, eq=False)
-class DeviceSplit:
-    """A fused weight whose parts are kept in different types (DeviceQuant or fp16 arrays)."""
-    parts: tuple[Any, ...]
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(p.nbytes) for p in self.parts)
-
-
 def keeps_blocks(tensor: Any) -> bool:
     """A tensor the CUDA backend keeps packed: GGUF blocks (a GGMLTensor that is not BF16) or a
-    QuantWeight already made (AWQ/GPTQ, gpu/hf_quant.py)."""
+    QuantWeight already made (AWQ/GPTQ from gpu/hf_quant.py; gpu_check's, made on the device)."""
     if isinstance(tensor, QuantWeight):
         return tensor.kind in PLANE_KINDS
     return isinstance(tensor, GGMLTensor) and tensor.ggml_type not in ("BF16", "F16", "F32")
 
 
 class QuantStore:
-    """model.WeightStore for the CUDA backend: a linear with a packed part keeps its planes on
-    the device (a DeviceQuant, or a DeviceSplit of several types); everything else is
-    Fp16Store's. xp: cupy on a GPU, numpy in CI."""
+    """model.WeightStore for the CUDA backend: a linear with a packed part is gpu/cpu_packed.py's
+    QuantWeight (or SplitWeight of several types) with its planes moved to the device (arrays of
+    xp: cupy on a GPU, numpy in CI); F16/F32/BF16 parts and every other weight are Fp16Store's.
+    QuantWeights already on the device are stacked there (np.concatenate reaches
+    cupy.concatenate through __array_function__)."""
 
     def __init__(self, xp):
         self.xp = xp
@@ -86,20 +61,17 @@ class QuantStore:
     def linear(self, arrays: Sequence[Any]) -> Any:
         if not any(keeps_blocks(a) for a in arrays):
             return self.fp16.linear(arrays)
-        from ringserve.gpu.cpu_packed import fuse_packed  # NOTE: the CPU's stacking, one way to do it
-
         packed = fuse_packed(arrays)
-        parts = getattr(packed, "parts", (packed,))
-        device = tuple(self._upload(p) for p in parts)
-        return device[0] if len(device) == 1 else DeviceSplit(device, packed.shape)
+        if isinstance(packed, SplitWeight):
+            return SplitWeight(tuple(self._upload(p) for p in packed.parts), packed.shape)
+        return self._upload(packed)
 
     def _upload(self, w: QuantWeight) -> Any:
         if w.kind not in PLANE_KINDS:  # F16, F32, BF16 parts: the fp16 path
-            from ringserve.gpu.quant import dequantize
             return self.fp16.linear([dequantize(w)])
         xp = self.xp
-        return DeviceQuant(w.qtype, w.shape, w.kind, w.block, xp.asarray(w.q), xp.asarray(w.scale),
-                           None if w.offset is None else xp.asarray(w.offset))
+        return replace(w, q=xp.asarray(w.q), scale=xp.asarray(w.scale),
+                       offset=None if w.offset is None else xp.asarray(w.offset))
 
 
 Call = Callable[..., None]  # call(kernel name, (grid, block), *args): one launch of quant.cu
@@ -115,9 +87,9 @@ class QuantLinear:
         self.call, self.gemm, self.workspace = call, gemm, workspace
 
     def __call__(self, x, w, out) -> None:
-        if isinstance(w, DeviceQuant):
+        if isinstance(w, QuantWeight):
             self._quant(x, w, out)
-        elif isinstance(w, DeviceSplit):
+        elif isinstance(w, SplitWeight):
             lo = 0
             for part in w.parts:  # NOTE: each part writes only its own columns of out
                 hi = lo + part.shape[0]
@@ -126,7 +98,7 @@ class QuantLinear:
         else:
             self.gemm(x, w, out)
 
-    def _quant(self, x, w: DeviceQuant, out) -> None:
+    def _quant(self, x, w: QuantWeight, out) -> None:
         M, K = x.shape
         N = w.shape[0]
         if w.shape[1] != K or tuple(out.shape) != (M, N):
@@ -148,7 +120,7 @@ class QuantLinear:
             self.dequantize(w, None, lo, n, chunk)
             self.gemm(x, chunk, out[:, lo:lo + n])
 
-    def dequantize(self, w: DeviceQuant, ids, row_begin: int, num_rows: int, out) -> None:
+    def dequantize(self, w: QuantWeight, ids, row_begin: int, num_rows: int, out) -> None:
         """out[r] = W[ids[r]] (ids None: W[row_begin + r]) in out's dtype (fp16 or float32)."""
         suffix = {"float16": "f16", "float32": "f32"}[str(out.dtype)]
         K = w.shape[1]
@@ -157,7 +129,7 @@ class QuantLinear:
                   w.q, w.scale, w.offset, np.int32(w.block), np.int32(K), ids, np.int32(row_begin),
                   np.int32(num_rows), out, np.int32(_pitch(out, "out")))
 
-    def embedding(self, ids, table: DeviceQuant, out) -> None:
+    def embedding(self, ids, table: QuantWeight, out) -> None:
         """out [T, hidden] = table[ids], dequantized in out's dtype."""
         self.dequantize(table, ids, 0, len(ids), out)
 
