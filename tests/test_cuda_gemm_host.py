@@ -165,7 +165,7 @@ def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_mode
 
 # What runs inside a capture: CudaOps (runner.py) and the modules it launches through.
 CAPTURED = ("runner.py", "gemm.py", "fused.py", "attention.py", "buffers.py", "numba_kernels.py",
-            "capture.py")
+            "capture.py", "quant.py", "quant_linear.py")
 GEMM_NAMES = {"matmul", "dot", "tensordot", "einsum", "inner", "vdot", "linalg", "cublas",
               "cublasLt"}
 
