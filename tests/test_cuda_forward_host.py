@@ -196,3 +196,18 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)  # prefill, one decode
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_an_int4_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host, method):
+    """A tiny AWQ / GPTQ checkpoint (tests/test_hf_quant.py): its linears stay u4 planes on the
+    CUDA side (group-128 scales), against the CPU backend, which widens them to float32."""
+    from test_hf_quant import make_int4_llama
+
+    model_dir, _ = make_int4_llama(tmp_path / method, method)
+    host = HostRunner(model_dir, cuda_host)
+    assert all(getattr(layer.qkv, "qtype", None) == method.upper() for layer in host.weights.layers)
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 60))]
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)

@@ -125,3 +125,21 @@ def test_launch_plan_picks_the_smallest_variant():
     assert [launch.matvec_variant(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
     assert launch.matvec_launch(13) == ((4,), (128,))
     assert launch.dequant_launch(10 ** 6, 128)[0] == (65535,)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 20])
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_checkpoint_weights_match_their_format(quant_kernels, method, rows):
+    """AWQ/GPTQ linears (u4 planes, one scale and offset per 128-weight group) through the same
+    kernels, against the format's (q - z) * s (tests/test_hf_quant.py's packers) in float64."""
+    from ringserve.gpu.hf_quant import unpack_awq, unpack_gptq
+    from test_hf_quant import random_int4
+    rng = np.random.default_rng(rows)
+    tensors, values = random_int4(24, K, rng, method)  # AWQ packs 8 output rows a word
+    w = (unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"]) if method == "awq"
+         else unpack_gptq(tensors["qweight"], tensors["scales"], tensors["g_idx"]))
+    assert w.block == 128
+    x = rng.standard_normal((rows, w.shape[1])).astype(np.float16)
+    out = np.full((rows, 24), np.nan, np.float16)
+    linear_for(quant_kernels)(x, device(w), out)
+    check(out, x, w, values)
