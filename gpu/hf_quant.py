@@ -103,7 +103,8 @@ def fold_int4(weights: dict[str, Any], model_dir: Path) -> dict[str, Any]:
         raise ModelError(f"{model_dir / 'config.json'}: cannot read it ({e})") from None
     scheme = int4_scheme(raw.get("quantization_config"))
     if scheme is None:
-        raise ModelError(f"{model_dir}: packed int4 tensors ({prefixes[0]}.qweight) but no quantization_config")
+        raise ModelError(f"{model_dir}: packed int4 tensors ({prefixes[0]}.qweight) "
+                         f"but no quantization_config")
     out = dict(weights)
     for p in prefixes:
         try:
@@ -111,7 +112,8 @@ def fold_int4(weights: dict[str, Any], model_dir: Path) -> dict[str, Any]:
                 w = unpack_awq(out.pop(p + ".qweight"), out.pop(p + ".qzeros"), out.pop(p + ".scales"))
             else:
                 out.pop(p + ".qzeros", None)  # symmetric: the zero point is 8
-                w = unpack_gptq(out.pop(p + ".qweight"), out.pop(p + ".scales"), out.pop(p + ".g_idx", None))
+                w = unpack_gptq(out.pop(p + ".qweight"), out.pop(p + ".scales"),
+                                out.pop(p + ".g_idx", None))
         except KeyError as e:
             raise ModelError(f"{model_dir}: {scheme.method.upper()} tensor {e.args[0]!r} is missing") from None
         out[p + ".weight"] = w
