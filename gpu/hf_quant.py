@@ -115,6 +115,7 @@ def fold_int4(weights: dict[str, Any], model_dir: Path) -> dict[str, Any]:
                 w = unpack_gptq(out.pop(p + ".qweight"), out.pop(p + ".scales"),
                                 out.pop(p + ".g_idx", None))
         except KeyError as e:
-            raise ModelError(f"{model_dir}: {scheme.method.upper()} tensor {e.args[0]!r} is missing") from None
+            missing = e.args[0]
+            raise ModelError(f"{model_dir}: {scheme.method.upper()} tensor {missing!r} is missing") from None
         out[p + ".weight"] = w
     return out
