@@ -221,7 +221,8 @@ def test_the_quant_table_runs_its_phases_within_six_minutes():
 
 def test_the_quant_table_prints_ratios_to_fp16_and_the_targets(capsys):
     from ringserve.tools.gpu_check import print_tables
-    fp16 = dict(model="1B", impl="ringserve graphs", batch=1, step_ms=2.0, tok_s=500.0, weight_bytes=2_500_000_000)
+    fp16 = dict(model="1B", impl="ringserve graphs", batch=1, step_ms=2.0, tok_s=500.0,
+                weight_bytes=2_500_000_000)
     quant = [dict(model="1B", format="Q4_K_M", impl=impl, batch=1, step_ms=ms, tok_s=1000 / ms,
                   weight_bytes=900_000_000) for impl, ms in (("graphs", 0.5), ("eager", 1.25))]
     quant.append(dict(model="1B", format="Q8_0", impl="graphs", batch=1, step_ms=1.0, tok_s=1000.0,

@@ -144,8 +144,9 @@ def quant_type(fmt: str, name: str, layer: int, num_layers: int) -> str:
 
 
 def random_quant_weights(c, fmt: str, xp, seed: int = 0) -> dict:
-    """HF names -> weights of `fmt`, made by xp (cupy: on the device): linears (and the GGUF formats' embedding and
-    lm_head) as QuantWeight planes, norms fp16 ones; AWQ keeps embedding and lm_head fp16."""
+    """HF names -> weights of `fmt`, made by xp (cupy: on the device): linears (and the GGUF
+    formats' embedding and lm_head) as QuantWeight planes, norms fp16 ones; AWQ keeps the
+    embedding and lm_head fp16."""
     rng = xp.random.default_rng(seed)
 
     def fp16(*shape):
