@@ -169,6 +169,19 @@ def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, de
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 6, graph=decode == "graph")
 
 
+def tiny_gguf(folder, layout: str, monkeypatch):
+    """A tiny random GGUF in `layout` (tools/random_gguf.py), converted as served; its folder."""
+    from ringserve.gpu.model_store import resolve_model
+    from ringserve.tools.random_gguf import Shape, write_random_gguf
+
+    monkeypatch.setenv("RINGSERVE_CACHE", str(folder / "cache"))
+    path = folder / f"tiny-{layout}.gguf"
+    # NOTE: as small as K-quant rows allow (256): the host runs every CUDA thread as a thread
+    write_random_gguf(path, Shape(hidden=256, layers=1, heads=4, kv_heads=2, ffn=256, vocab=384,
+                                  context=MAX_MODEL_LEN), layout, progress=False)
+    return resolve_model(str(path))
+
+
 GGUF_LAYOUTS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m"]
 
 
@@ -179,16 +192,7 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
     runner's store (QuantStore) and ops (quant.cu: prefills through dequantized chunks and the
     GEMM, decodes through the mat-vec kernels, the packed embedding), against the CPU backend's
     own packed kernels, eagerly and graph-shaped."""
-    from ringserve.gpu.model_store import resolve_model
-    from ringserve.tools.random_gguf import Shape, write_random_gguf
-
-    folder = tmp_path_factory.mktemp(f"gguf-{layout}")
-    monkeypatch.setenv("RINGSERVE_CACHE", str(folder / "cache"))
-    path = folder / f"tiny-{layout}.gguf"
-    # NOTE: as small as K-quant rows allow (256): the host runs every CUDA thread as a thread
-    write_random_gguf(path, Shape(hidden=256, layers=1, heads=4, kv_heads=2, ffn=256, vocab=384,
-                                  context=MAX_MODEL_LEN), layout, progress=False)
-    model_dir = resolve_model(str(path))
+    model_dir = tiny_gguf(tmp_path_factory.mktemp(f"gguf-{layout}"), layout, monkeypatch)
     host = HostRunner(model_dir, cuda_host)
     kept = {type(w).__name__ for layer in host.weights.layers for w in (layer.qkv, layer.gate_up, layer.down)}
     assert kept == ({"QuantWeight", "SplitWeight"} if layout == "q4_k_m" else {"QuantWeight"})

@@ -35,6 +35,7 @@ from ringserve.gpu.cuda.quant_linear import WORKSPACE_ELEMENTS, QuantLinear, Qua
 from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample, warmup_metadata
 from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
+from ringserve.gpu.quant import QuantWeight
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.sampler import Logprobs, SamplingMetadata
 from ringserve.gpu.settings import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, SchedulerConfig
@@ -104,7 +105,8 @@ class CudaOps:
         self.staging.issued(self.stream)
 
     def embedding(self, ids, table, out) -> None:
-        if self.quant is not None and not isinstance(table, cp.ndarray):  # a packed table
+        if isinstance(table, QuantWeight):  # a packed table (QuantStore)
+            assert self.quant is not None
             self.quant.embedding(ids, table, out)
             return
         nk.embedding(_nb(ids), _nb(table), _nb(out), threads=NUMBA_THREADS, stream=self.nb_stream)
