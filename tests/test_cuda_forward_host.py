@@ -182,6 +182,9 @@ def tiny_gguf(folder, layout: str, monkeypatch):
     return resolve_model(str(path))
 
 
+# A prefill of 69 rows (> MATVEC_MAX_ROWS: dequantized chunks + the GEMM), then decodes of 3
+# (the mat-vec kernels).
+PACKED_PROMPTS = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 100))]
 GGUF_LAYOUTS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m"]
 
 
@@ -196,7 +199,7 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
     host = HostRunner(model_dir, cuda_host)
     kept = {type(w).__name__ for layer in host.weights.layers for w in (layer.qkv, layer.gate_up, layer.down)}
     assert kept == ({"QuantWeight", "SplitWeight"} if layout == "q4_k_m" else {"QuantWeight"})
-    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 60))]
+    prompts = PACKED_PROMPTS
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)  # prefill, one decode
@@ -211,7 +214,7 @@ def test_an_int4_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host,
     model_dir, _ = make_int4_llama(tmp_path / method, method)
     host = HostRunner(model_dir, cuda_host)
     assert all(getattr(layer.qkv, "qtype", None) == method.upper() for layer in host.weights.layers)
-    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 60))]
+    prompts = PACKED_PROMPTS
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)

@@ -184,10 +184,10 @@ def test_a_packed_forward_through_the_runners_ops(tmp_path, cuda_host, cuda_ops_
                      {"__init__": init, **{n: getattr(fwd.HostOps, n) for n in KERNEL_OPS if n not in own}})
     host.ops = ops_class(c, cuda_host)
     cpu = ModelRunner(model_dir, num_blocks=fwd.NUM_BLOCKS, block_size=fwd.BLOCK_SIZE)
-    prompts = [[1, 5, 9, 33, 7], [1, 200, 3] + list(range(40, 60))]
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3] + list(range(40, 100))]  # 68 rows: dequantize + GEMM
     tables = np.random.default_rng(5).permutation(fwd.NUM_BLOCKS)[:8].reshape(2, 4).astype(np.int32)
     decode_against_cpu(cpu, host, prompts, tables, fwd.BLOCK_SIZE, 2, graph=True)
-    # the prefill (28 rows > 16): packed weights dequantized into workspace chunks, each GEMMed
+    # the prefill (68 rows > 64): packed weights dequantized into workspace chunks, each GEMMed
     # by cuBLAS's stand-in (checked against x @ chunk.T); the decodes stay in quant.cu
     assert host.ops.gemm.shapes and all(n * k <= 1 << 16 for n, k in host.ops.gemm.shapes)
 

@@ -25,7 +25,9 @@ from test_quant_kernels import magnitude
 
 pytestmark = pytest.mark.sim
 GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16", "BF16")]
-ROWS = [1, 3, 16, 20]   # matvec r1, r4 (3 of 4 rows), r16; 20 > 16: dequantized chunks + GEMM
+# matvec r1, r4 (3 of 4 rows), r16; 37: tiles of 16, 16 and 5 (r8); 70 > MATVEC_MAX_ROWS:
+# dequantized chunks + GEMM
+ROWS = [1, 3, 16, 37, 70]
 N, K = 13, 2304         # 13: a last block with one warp's row only; K: lanes loop (u4 72, i8 144 chunks)
 
 
@@ -100,7 +102,7 @@ def test_embedding_rows_dequantized_exactly(quant_kernels, qtype):
     np.testing.assert_array_equal(out, want)
 
 
-@pytest.mark.parametrize("rows", [2, 20])
+@pytest.mark.parametrize("rows", [2, 70])
 def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_kernels, rows):
     """Q4_K_M's QKV: Q4_K q and k, Q6_K v, and an F16 part (cuBLAS), one output."""
     rng = np.random.default_rng(11)
@@ -127,7 +129,7 @@ def test_launch_plan_picks_the_smallest_variant():
     assert launch.dequant_launch(10 ** 6, 128)[0] == (65535,)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 20])
+@pytest.mark.parametrize("rows", [1, 5, 70])
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_int4_checkpoint_weights_match_their_format(quant_kernels, method, rows):
     """AWQ/GPTQ linears (u4 planes, one scale and offset per 128-weight group) through the same

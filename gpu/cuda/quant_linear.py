@@ -13,10 +13,15 @@ per plane kind serves all ten GGUF types and AWQ/GPTQ int4 (repacked into the sa
 The kernels and the GPU check report the bytes actually read.
 
 A linear with M rows of activations runs:
-- M <= 16 (decode): matvec_<kind>_r<R>, dequantized in registers (launch.MATVEC_ROWS);
-- M > 16: the weight dequantized to fp16 into a static workspace, chunk of rows by chunk of
+- M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R>, dequantized in registers, on tiles of up
+  to 16 rows of x (launch.MATVEC_ROWS): the weight is streamed once per tile (from L2 after
+  the first when a layer's weight fits it);
+- above: the weight dequantized to fp16 into a static workspace, chunk of rows by chunk of
   rows, each chunk followed by the cuBLAS GEMM (the GEMMs of the fp16 path). Static: a CUDA
-  graph captures it as it is.
+  graph captures it as it is. It writes and reads 4 bytes a weight besides the quants, which
+  pays only once the GEMM's own work dominates.
+The crossover is a guess until a GPU measures it (tools/gpu_check.py --table quant: batch 16
+and 64 sit on either side of a 4-tile matvec).
 A fused weight whose parts differ in type (llama.cpp's Q4_K_M: Q4_K q/k with Q6_K v) is a
 SplitWeight; each part writes its own columns of out (the kernels take out's row pitch).
 """
@@ -35,6 +40,7 @@ from ringserve.gpu.weights import GGMLTensor
 
 PLANE_KINDS = ("u4", "i8")      # kept packed; every other kind is widened to fp16 (cuBLAS)
 WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
+MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; above, dequantize + GEMM
 WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16}  # weights one 16-byte load of quants holds
 
 
@@ -105,13 +111,16 @@ class QuantLinear:
             raise ValueError(f"quant linear: x {x.shape} @ w {w.shape}.T into out {out.shape}")
         if M == 0:
             return
-        if M <= launch.MATVEC_ROWS[-1]:
+        if M <= MATVEC_MAX_ROWS:
             ldx, ldo = _pitch(x, "x"), _pitch(out, "out")
             if ldx % 8:
                 raise ValueError(f"quant linear: x's row pitch {ldx} is not a multiple of 8 halves")
-            self.call(f"matvec_{w.kind}_r{launch.matvec_variant(M)}", launch.matvec_launch(N),
-                      w.q, w.scale, w.offset, np.int32(w.block), x, np.int32(ldx), np.int32(M),
-                      np.int32(N), np.int32(K), out, np.int32(ldo))
+            tile = launch.MATVEC_ROWS[-1]
+            for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
+                m = min(tile, M - lo)
+                self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}", launch.matvec_launch(N),
+                          w.q, w.scale, w.offset, np.int32(w.block), x[lo:lo + m], np.int32(ldx),
+                          np.int32(m), np.int32(N), np.int32(K), out[lo:lo + m], np.int32(ldo))
             return
         rows = max(1, len(self.workspace) // K)
         for lo in range(0, N, rows):  # PERF: one chunk for every linear of a 1B model
