@@ -179,9 +179,9 @@ def streamed_bytes(weights) -> int:
     """Bytes one decode step reads: every linear and norm once, the lm_head once; of an untied
     embedding table only B rows (left out)."""
     from ringserve.gpu.model import storage
-    seen = {id(weights.embed)} if weights.lm_head is not weights.embed else set()
+    seen: set[int] = set()
     total = 0
-    for w in (weights.lm_head, weights.final_norm,
+    for w in (weights.lm_head, weights.final_norm,  # NOTE: a tied lm_head is the table: read whole
               *(getattr(layer, f) for layer in weights.layers
                 for f in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"))):
         if w is not None and id(w) not in seen:
