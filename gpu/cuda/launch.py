@@ -1,4 +1,4 @@
-"""Launch geometry of the CUDA C kernels (fused.cu, attention.cu), pure Python so that the CuPy
+"""Launch geometry of the CUDA C kernels (fused.cu, attention.cu, quant.cu), pure Python so that the CuPy
 launchers and the host-compiled kernel tests (tests/test_cuda_host.py) use the same numbers.
 
 Each function returns (grid, block) as CUDA dim tuples, or the scalar a launch passes.
