@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ringserve.gpu.errors import ModelError
+from ringserve.gpu.hf_quant import int4_scheme
 
 # Architectures whose forward is exactly the Llama one (Qwen2 adds a bias on q/k/v).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -45,6 +46,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
+    quantization: str | None = None  # "awq" | "gptq": int4 linears (gpu/hf_quant.py)
 
     @property
     def q_size(self) -> int:
@@ -91,6 +93,7 @@ class ModelConfig:
             raise ModelError(f"config.json: head_dim {head_dim} must be even for rotary embeddings")
 
         rope_theta, rope_scaling = _rope(raw)
+        scheme = int4_scheme(raw.get("quantization_config"))  # anything else refused by name
         return cls(
             architecture=arch,
             vocab_size=r.positive_int("vocab_size"),
@@ -108,6 +111,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation or {}),
             attention_bias=(arch == "Qwen2ForCausalLM") or r.bool("attention_bias", False),
             rope_scaling=rope_scaling,
+            quantization=None if scheme is None else scheme.method,
         )
 
 

@@ -26,7 +26,10 @@ def is_packed(tensor: Any) -> bool:
 
 
 def pack(tensor: Any) -> QuantWeight:
-    """One HF matrix as a QuantWeight of its own type (float32 stays float32)."""
+    """One HF matrix as a QuantWeight of its own type (float32 stays float32; a QuantWeight,
+    e.g. an AWQ/GPTQ weight unpacked by gpu/hf_quant.py, as it is)."""
+    if isinstance(tensor, QuantWeight):
+        return tensor
     if isinstance(tensor, GGMLTensor):
         return repack(tensor.raw, tensor.ggml_type, tensor.shape)
     a = np.ascontiguousarray(tensor)

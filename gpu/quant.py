@@ -72,6 +72,10 @@ class QuantWeight:
         """The dtype it stands for (it dequantizes to float32), as a float weight's dtype."""
         return np.dtype(np.float32)
 
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """Its float32 values (numpy planes): a store that keeps floats widens it as it is."""
+        return np.asarray(dequantize(self), dtype=dtype or np.float32)
+
 
 def from_gguf(tensor, *, nibbles: bool = True) -> QuantWeight:
     """A 2-D tensor of gguf-py's GGUFReader (a view into the memory map) -> its QuantWeight."""
@@ -133,7 +137,7 @@ def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _to_u4(values: np.ndarray) -> np.ndarray:
+def to_u4(values: np.ndarray) -> np.ndarray:
     """uint8 values 0..15 [rows, in] (in a multiple of 64) -> the u4 plane [rows, in / 2]."""
     g = values.reshape(values.shape[0], -1, 2, 32)
     return np.ascontiguousarray(g[:, :, 0] | (g[:, :, 1] << 4)).reshape(values.shape[0], -1)
@@ -147,7 +151,7 @@ def _four_bit(qtype: str, values: np.ndarray, scale: np.ndarray, offset: np.ndar
     if nibbles and shape[1] % 64 == 0:
         if zero:  # folded into an offset (exact: see the module doc)
             offset = np.float32(-zero) * scale
-        return QuantWeight(qtype, shape, "u4", _to_u4(values), scale, offset, 32)
+        return QuantWeight(qtype, shape, "u4", to_u4(values), scale, offset, 32)
     q = (values.astype(np.int16) - zero).astype(np.int8)  # NOTE: q - zero is exact in int8
     return QuantWeight(qtype, shape, "i8", q, scale, offset, 32)
 

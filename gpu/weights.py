@@ -56,14 +56,17 @@ Tensor = Union[np.ndarray, GGMLTensor]
 
 
 def load_weights(model_dir: str | Path) -> dict[str, Tensor]:
-    """Every tensor of the checkpoint in ``model_dir``, by its HF name."""
+    """Every tensor of the checkpoint in ``model_dir``, by its HF name (an AWQ/GPTQ linear's
+    packed tensors as one ``.weight`` QuantWeight: gpu/hf_quant.py)."""
+    from ringserve.gpu.hf_quant import fold_int4
+
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
     if index.is_file():
-        return _load_sharded(model_dir, index)
+        return fold_int4(_load_sharded(model_dir, index), model_dir)
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        return load_safetensors(single)
+        return fold_int4(load_safetensors(single), model_dir)
     raise ModelError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 

@@ -15,7 +15,7 @@ from ringserve.gpu.cuda import launch, toolchain
 
 HOST_DIR = Path(__file__).parent / "cuda_host"
 # source -> the shim's entry points for it
-ENTRIES = {"fused.cu": "fused_host.cpp", "attention.cu": "attention_host.cpp"}
+ENTRIES = {"fused.cu": "fused_host.cpp", "attention.cu": "attention_host.cpp", "quant.cu": "quant_host.cpp"}
 
 
 def gxx_defines(defines: dict[str, int] | None) -> list[str]:
@@ -49,7 +49,10 @@ def _c_arg(a):
     if a is None:
         return ctypes.c_void_p(None)
     if isinstance(a, np.ndarray):
-        assert a.flags.c_contiguous, "kernels take dense row-major buffers"
+        # dense row-major buffers, or rows of one (a column slice: the kernels that take one
+        # take its row pitch, as quant.cu's out)
+        assert a.flags.c_contiguous or (a.ndim == 2 and a.strides[1] == a.itemsize), \
+            "kernels take dense row-major buffers"
         return ctypes.c_void_p(a.ctypes.data)
     if isinstance(a, np.int32):
         return ctypes.c_int(int(a))

@@ -45,6 +45,7 @@ NUMBA_SIGNATURES = {
 # SmolLM2 64/3, Llama-3.2-1B 64/4, Llama-3-8B 128/4, Qwen2 128/7, 70B-style 128/8, 192/2, 256/1).
 CUDA_C_VARIANTS = {
     "fused.cu": [{}],
+    "quant.cu": [{}],  # every plane kind and row variant is its own extern "C" kernel
     "attention.cu": [dict(HEAD_DIM=d, GQA_GROUP=g)
                      for d, g in ((64, 3), (64, 4), (128, 4), (128, 7), (128, 8), (192, 2), (256, 1))],
 }

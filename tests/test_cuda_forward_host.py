@@ -18,7 +18,8 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda import launch, plan
 from ringserve.gpu.cuda import reference as ref
-from ringserve.gpu.cuda.buffers import AttentionLaunch, Fp16Store, StepBuffers
+from ringserve.gpu.cuda.buffers import AttentionLaunch, StepBuffers
+from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore, keeps_blocks
 from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.runner import ModelRunner
@@ -32,8 +33,12 @@ F16, F32 = np.float16, np.float32
 class HostOps:
     """model.ModelOps on the CPU as CudaOps runs them (see the module docstring)."""
 
-    def __init__(self, c: ModelConfig, cuda_host):
+    def __init__(self, c: ModelConfig, cuda_host, packed: bool = False):
         self.fused = cuda_host.get("fused.cu")
+        # packed weights: quant.cu through the runner's own plan, a workspace of 2 ** 16
+        # elements (several chunks of rows for the larger weights of a prefill)
+        self.quant = QuantLinear(cuda_host.get("quant.cu").call, fp16_gemm,
+                                 np.full(1 << 16, np.nan, F16)) if packed else None
         self.paged = cuda_host.get("attention.cu", dict(
             HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
         self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
@@ -47,10 +52,16 @@ class HostOps:
         dst[:src.shape[0], :src.shape[1]] = src
 
     def embedding(self, ids, table, out):
-        out[...] = ref.embedding(ids, table)
+        if self.quant is not None and not isinstance(table, np.ndarray):  # a packed table
+            self.quant.embedding(ids, table, out)
+        else:
+            out[...] = ref.embedding(ids, table)
 
     def linear(self, x, weight, out):
-        out[...] = (x.astype(F32) @ weight.astype(F32).T).astype(F16)
+        if self.quant is not None:
+            self.quant(x, weight, out)
+        else:
+            fp16_gemm(x, weight, out)
 
     def add_bias(self, x, bias):
         x += bias
@@ -83,6 +94,11 @@ class HostOps:
         out[...] = src
 
 
+def fp16_gemm(x, weight, out):
+    """cuBLAS's stand-in: fp16 in and out, float32 accumulation."""
+    out[...] = (x.astype(F32) @ weight.astype(F32).T).astype(F16)
+
+
 def workspace(T: int, num_heads: int, head_dim: int, splits: int) -> tuple:
     """PagedAttention.workspace's shapes, NaN-filled: a partial nobody wrote shows up."""
     if splits == 1:
@@ -96,8 +112,9 @@ class HostRunner:
 
     def __init__(self, model_dir, cuda_host, num_sms: int = 16):
         c = self.config = ModelConfig.from_dir(model_dir)
-        self.ops = HostOps(c, cuda_host)
-        self.weights = LlamaWeights.fuse(c, load_weights(model_dir), Fp16Store(np))
+        weights = load_weights(model_dir)
+        self.ops = HostOps(c, cuda_host, packed=any(keeps_blocks(t) for t in weights.values()))
+        self.weights = LlamaWeights.fuse(c, weights, QuantStore(np))  # as CudaModelRunner
         shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
         self.caches = [(np.zeros(shape, F16), np.zeros(shape, F16)) for _ in range(c.num_hidden_layers)]
         self.cos, self.sin = cos_sin(np.arange(MAX_MODEL_LEN), inv_freq(c))
@@ -150,3 +167,54 @@ def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, de
     cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     host = HostRunner(tiny_cuda_model_dir, cuda_host)
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 6, graph=decode == "graph")
+
+
+def tiny_gguf(folder, layout: str, monkeypatch):
+    """A tiny random GGUF in `layout` (tools/random_gguf.py), converted as served; its folder."""
+    from ringserve.gpu.model_store import resolve_model
+    from ringserve.tools.random_gguf import Shape, write_random_gguf
+
+    monkeypatch.setenv("RINGSERVE_CACHE", str(folder / "cache"))
+    path = folder / f"tiny-{layout}.gguf"
+    # NOTE: as small as K-quant rows allow (256): the host runs every CUDA thread as a thread
+    write_random_gguf(path, Shape(hidden=256, layers=1, heads=4, kv_heads=2, ffn=256, vocab=384,
+                                  context=MAX_MODEL_LEN), layout, progress=False)
+    return resolve_model(str(path))
+
+
+# A prefill of 69 rows (> MATVEC_MAX_ROWS: dequantized chunks + the GEMM), then decodes of 3
+# (the mat-vec kernels).
+PACKED_PROMPTS = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 100))]
+GGUF_LAYOUTS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m"]
+
+
+@pytest.mark.parametrize("layout", GGUF_LAYOUTS)
+def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_host, monkeypatch, layout):
+    """A tiny random GGUF of each block type (q4_k_m: llama.cpp's mix, Q6_K v and lm_head in a
+    fused QKV of Q4_K q/k), converted as served: its weights stay packed through the CUDA
+    runner's store (QuantStore) and ops (quant.cu: prefills through dequantized chunks and the
+    GEMM, decodes through the mat-vec kernels, the packed embedding), against the CPU backend's
+    own packed kernels, eagerly and graph-shaped."""
+    model_dir = tiny_gguf(tmp_path_factory.mktemp(f"gguf-{layout}"), layout, monkeypatch)
+    host = HostRunner(model_dir, cuda_host)
+    kept = {type(w).__name__ for layer in host.weights.layers for w in (layer.qkv, layer.gate_up, layer.down)}
+    assert kept == ({"QuantWeight", "SplitWeight"} if layout == "q4_k_m" else {"QuantWeight"})
+    prompts = PACKED_PROMPTS
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)  # prefill, one decode
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_an_int4_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host, method):
+    """A tiny AWQ / GPTQ checkpoint (tests/test_hf_quant.py): its linears stay u4 planes on the
+    CUDA side (group-128 scales), against the CPU backend, which widens them to float32."""
+    from test_hf_quant import make_int4_llama
+
+    model_dir, _ = make_int4_llama(tmp_path / method, method)
+    host = HostRunner(model_dir, cuda_host)
+    assert all(getattr(layer.qkv, "qtype", None) == method.upper() for layer in host.weights.layers)
+    prompts = PACKED_PROMPTS
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)

@@ -163,9 +163,38 @@ def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_mode
     assert len(cublas.calls) == 3 * per_step
 
 
+def test_a_packed_forward_through_the_runners_ops(tmp_path, cuda_host, cuda_ops_class, monkeypatch):
+    """CudaOps's own linear and embedding over a tiny Q4_K_M GGUF (a Q6_K embedding, QKV split
+    into Q4_K and Q6_K parts): quant.cu (host build) through QuantLinear, the dequantized chunks
+    of the prefill through CublasGemm over the cuBLAS stand-in, against the CPU backend."""
+    from ringserve.gpu.cuda.quant_linear import QuantLinear
+    model_dir = fwd.tiny_gguf(tmp_path, "q4_k_m", monkeypatch)
+    host = fwd.HostRunner(model_dir, cuda_host)
+    c = host.config
+    cublas = HostCublas()
+
+    def init(self, c, cuda_host):
+        fwd.HostOps.__init__(self, c, cuda_host)
+        self.stream = contextlib.nullcontext()
+        self.gemm = CheckedGemm(host_gemm(cublas))
+        self.quant = QuantLinear(cuda_host.get("quant.cu").call, self.gemm, np.full(1 << 16, np.nan, F16))
+
+    own = {"embedding"}  # CudaOps's: the packed table through quant.cu
+    ops_class = type("HostCudaOps", (cuda_ops_class,),
+                     {"__init__": init, **{n: getattr(fwd.HostOps, n) for n in KERNEL_OPS if n not in own}})
+    host.ops = ops_class(c, cuda_host)
+    cpu = ModelRunner(model_dir, num_blocks=fwd.NUM_BLOCKS, block_size=fwd.BLOCK_SIZE)
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3] + list(range(40, 100))]  # 68 rows: dequantize + GEMM
+    tables = np.random.default_rng(5).permutation(fwd.NUM_BLOCKS)[:8].reshape(2, 4).astype(np.int32)
+    decode_against_cpu(cpu, host, prompts, tables, fwd.BLOCK_SIZE, 2, graph=True)
+    # the prefill (68 rows > 64): packed weights dequantized into workspace chunks, each GEMMed
+    # by cuBLAS's stand-in (checked against x @ chunk.T); the decodes stay in quant.cu
+    assert host.ops.gemm.shapes and all(n * k <= 1 << 16 for n, k in host.ops.gemm.shapes)
+
+
 # What runs inside a capture: CudaOps (runner.py) and the modules it launches through.
 CAPTURED = ("runner.py", "gemm.py", "fused.py", "attention.py", "buffers.py", "numba_kernels.py",
-            "capture.py")
+            "capture.py", "quant.py", "quant_linear.py")
 GEMM_NAMES = {"matmul", "dot", "tensordot", "einsum", "inner", "vdot", "linalg", "cublas",
               "cublasLt"}
 

@@ -169,3 +169,69 @@ def test_a_timed_out_command_is_killed_with_its_whole_process_group(tmp_path):
     else:
         pytest.fail(f"the grandchild {child} outlived the timeout")
     assert run_in_session([sys.executable, "-c", "raise SystemExit(3)"], timeout=30) == 3
+
+
+def small_config():
+    return config_for(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=512))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K_M", "Q8_0", "AWQ"])
+def test_the_quantized_weights_plan_as_the_runner_keeps_them(fmt):
+    """The quantized table's random weights (numpy here, CuPy on a GPU) go through the CUDA
+    runner's store as they would on the device: packed planes of the format's types, and the
+    bytes a step reads are those planes (not the untied embedding table)."""
+    import numpy as np
+
+    from ringserve.gpu.cpu_packed import SplitWeight
+    from ringserve.gpu.cuda.quant_linear import QuantStore
+    from ringserve.gpu.model import LlamaWeights
+    from ringserve.tools.gpu_check import random_quant_weights, streamed_bytes
+    c = small_config()
+    weights = LlamaWeights.fuse(c, random_quant_weights(c, fmt, np), QuantStore(np))
+    kinds = weights.nbytes_by_type()
+    expect = {"Q4_K_M": {"Q4_K", "Q6_K", "F16"}, "Q8_0": {"Q8_0", "F16"}, "AWQ": {"AWQ", "F16"}}[fmt]
+    assert set(kinds) == expect  # F16: the norms (and AWQ's embedding and lm_head)
+    split = [isinstance(layer.qkv, SplitWeight) for layer in weights.layers]
+    # llama.cpp gives v (and down) Q6_K in layers 0, 3, 6, 7 of 8: QKV mixes Q4_K and Q6_K there
+    assert split == ([True, False, False, True, False, False, True, True] if fmt == "Q4_K_M" else [False] * 8)
+    per_weight = {"Q4_K_M": (0.75, 1.25), "Q8_0": (1.125, 1.125), "AWQ": (0.5625, 0.5625)}[fmt]
+    linears = sum(n for kind, n in kinds.items() if kind != "F16")
+    params = c.num_hidden_layers * (c.hidden_size * (2 * c.q_size + 2 * c.kv_size) + 3 * c.hidden_size
+                                    * c.intermediate_size)
+    params += 2 * c.vocab_size * c.hidden_size if fmt != "AWQ" else 0
+    assert per_weight[0] * params <= linears <= per_weight[1] * params
+    table = weights.embed.nbytes
+    assert streamed_bytes(weights) == sum(kinds.values()) - table
+
+
+def test_the_quant_table_runs_its_phases_within_six_minutes():
+    from ringserve.tools.gpu_check import ESTIMATES, PREFLIGHT_S, TABLES, Budget, run_phases
+
+    class Recorder(Budget):
+        def run(self, name, estimate_s, fn, limit_s=None):
+            self.names.append(name)
+
+    budget = Recorder(360)
+    budget.names = []
+    run_phases(budget, dict(copy_GBps=None, attention=[], rows=[], quant=[]), TABLES["quant"])
+    assert budget.names == ["copy", "ours 1B", "quant 1B", "ours 8B", "quant 8B"]
+    assert PREFLIGHT_S + sum(ESTIMATES[n] for n in budget.names) <= 360
+
+
+def test_the_quant_table_prints_ratios_to_fp16_and_the_targets(capsys):
+    from ringserve.tools.gpu_check import print_tables
+    fp16 = dict(model="1B", impl="ringserve graphs", batch=1, step_ms=2.0, tok_s=500.0,
+                weight_bytes=2_500_000_000)
+    quant = [dict(model="1B", format="Q4_K_M", impl=impl, batch=1, step_ms=ms, tok_s=1000 / ms,
+                  weight_bytes=900_000_000) for impl, ms in (("graphs", 0.5), ("eager", 1.25))]
+    quant.append(dict(model="1B", format="Q8_0", impl="graphs", batch=1, step_ms=1.0, tok_s=1000.0,
+                      weight_bytes=1_400_000_000))
+    result = dict(device="NVIDIA H200", date="2026-12-01", tests=None, copy_GBps=4000.0, preflight=[],
+                  attention=[], rows=[fp16], quant=quant, skipped=[], phases={}, errors={})
+    print_tables(result)
+    out = capsys.readouterr().out
+    # 0.9 GB at 4000 GB/s = 0.225 ms of a 0.5 ms step: 45 %; 2000 / 500 tok/s = 4x fp16
+    assert "1B     Q4_K_M      1         2000         800    45.0    4.00x  %bound >= 60: MISSED, " \
+           "4-bit >= 2.5x fp16: met" in out
+    assert "1B     Q8_0        1         1000         nan    35.0    2.00x  %bound >= 60: MISSED" in out

@@ -289,3 +289,70 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
         proc.terminate()
         proc.join(30)
     assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                                   "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 37, 70])
+def test_quant_kernels_match_gguf_dequantize(qtype, rows):
+    """quant.cu on the device through QuantLinear (mat-vec tiles, or dequantize + the runner's
+    cuBLAS GEMM), as tests/test_cuda_quant_host.py checks it on the host."""
+    import cupy as cp
+    import gguf
+    import gguf.quants
+    from nvmath.bindings import cublas
+
+    from ringserve.gpu.cuda.gemm import CublasGemm
+    from ringserve.gpu.cuda.quant import QuantKernels
+    from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
+    from ringserve.gpu.quant import random_raw, repack
+    rng = np.random.default_rng(rows)
+    N, K = 40, 2304
+    raw = random_raw(qtype, (N, K), rng)
+    want_w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)
+    x = rng.standard_normal((rows, K)).astype(np.float16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    workspace = cp.empty(32 << 20, cp.uint8)
+    gemm = CublasGemm(cublas, stream.ptr, workspace.data.ptr, workspace.nbytes, lambda a: a.data.ptr)
+    linear = QuantLinear(QuantKernels(stream).call, gemm, cp.empty(8 * K, cp.float16))
+    w = QuantStore(cp).linear([repack(raw, qtype, (N, K))])
+    out = cp.full((rows, N), cp.nan, cp.float16)
+    with stream:
+        linear(cp.asarray(x), w, out)
+    stream.synchronize()
+    want = x.astype(np.float64) @ want_w.astype(np.float64).T
+    np.testing.assert_allclose(out.get().astype(np.float64), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+    gemm.close()
+
+
+@pytest.mark.parametrize("layout", ["q4_k_m", "q8_0", "awq"])
+def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, monkeypatch, layout):
+    """A tiny random Q4_K_M / Q8_0 GGUF and a tiny AWQ checkpoint, weights packed on the device:
+    a prefill of 69 rows (dequantize + GEMM), then decodes (the mat-vec kernels), eager and
+    graph-replayed logits as the CPU backend's."""
+    from fp16_checks import assert_logits_close, next_batch
+    from ringserve.gpu.cuda.runner import CudaModelRunner
+    from ringserve.gpu.runner import ModelRunner
+    if layout == "awq":
+        from test_hf_quant import make_int4_llama
+        model_dir, _ = make_int4_llama(tmp_path / "awq", "awq")
+    else:
+        from test_cuda_forward_host import tiny_gguf
+        model_dir = tiny_gguf(tmp_path, layout, monkeypatch)
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 100))]
+    tables = np.random.default_rng(0).permutation(64)[:3 * 8].reshape(3, 8).astype(np.int32)
+    cpu = ModelRunner(model_dir, num_blocks=64)
+    eager = CudaModelRunner.from_dir(model_dir, num_blocks=64, max_num_seqs=8, enforce_eager=True)
+    graphs = CudaModelRunner.from_dir(model_dir, num_blocks=64, max_num_seqs=8)
+    assert sorted(graphs.graphs.graphs) == graphs.graphs.sizes, graphs.capture_failures
+    assert eager.ops.quant is not None
+    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
+    for _ in range(6):
+        batch = next_batch(seqs, new, tables, 16)
+        want = cpu.execute(batch)
+        got_eager, got_graphs = eager.execute(batch), graphs.execute(batch)
+        assert_logits_close(got_eager, want)
+        assert_logits_close(got_graphs, want)
+        for r, seq in enumerate(seqs):
+            seq.append(int(want[r].argmax()))
+            new[r] = [seq[-1]]

@@ -13,6 +13,12 @@
    made on the GPU), the engine's step (forward + greedy sampling on the device, token ids
    to the host), eager vs CUDA graphs; transformers (torch) on the same shapes as the peer
    when it is installed.
+4. The quantized table (--table quant or all): the same shapes with weights kept packed
+   (gpu/cuda/quant_linear.py; random planes made on the device) in Q4_K_M (llama.cpp's mix of
+   Q4_K and Q6_K), Q8_0 and AWQ int4 (group 128), decode at batch 1/16/64/256, graphs and
+   eager (one runner each: eager is its graphs set aside), tokens/s, % of the weight-streaming
+   bound for the bytes a step actually reads, and the ratio to the fp16 rows (ours, graphs).
+   `--table quant` runs the fp16 rows it compares with and skips attention and transformers.
 The whole run fits --budget-s (6 minutes) by construction: every phase is timed and has its
 own time limit (SIGALRM, never past the budget's deadline), a phase starts only if its
 estimate fits in what is left (else it is skipped with a message, and the JSON says so), and
@@ -102,6 +108,86 @@ def random_weights(c, seed=0) -> dict:
                     p + "mlp.up_proj.weight": w(c.intermediate_size, c.hidden_size),
                     p + "mlp.down_proj.weight": w(c.hidden_size, c.intermediate_size)})
     return out
+
+
+QUANT_FORMATS = ("Q4_K_M", "Q8_0", "AWQ")
+FOUR_BIT = ("Q4_K_M", "AWQ")
+# (kind, weights per scale, has an offset, quant range) of each type's planes (gpu/quant.py),
+# and the scale that gives weights of about 0.02 from random quants of that range
+_PLANES = {"Q4_K": ("u4", 32, True, 16), "Q6_K": ("i8", 16, False, 64), "Q8_0": ("i8", 32, False, 256),
+           "AWQ": ("u4", 128, True, 16)}
+
+
+def random_planes(xp, rng, qtype: str, rows: int, cols: int):
+    """A QuantWeight of random planes of `qtype` made by xp's Generator rng (cupy: on the device)."""
+    from ringserve.gpu.quant import QuantWeight
+    kind, block, has_offset, levels = _PLANES[qtype]
+    width = cols // 2 if kind == "u4" else cols
+    q = rng.integers(0, 256, size=(rows, width), dtype=xp.int32).astype(xp.uint8)
+    if kind == "i8":
+        q = q.view(xp.int8)
+    s = 0.04 / levels
+    scale = (rng.random((rows, cols // block), dtype=xp.float32) * s + s / 2).astype(xp.float32)
+    offset = (-(levels // 2) * scale).astype(xp.float32) if has_offset else None
+    return QuantWeight(qtype, (rows, cols), kind, q, scale, offset, block)
+
+
+def quant_type(fmt: str, name: str, layer: int, num_layers: int) -> str:
+    """The type a linear has in `fmt` (Q4_K_M: llama.cpp's, tools/random_gguf.py tensor_type)."""
+    from ringserve.tools.random_gguf import _more_bits
+    if fmt != "Q4_K_M":
+        return fmt
+    if name == "lm_head":
+        return "Q6_K"
+    more = name in ("self_attn.v_proj", "mlp.down_proj") and _more_bits(layer, num_layers)
+    return "Q6_K" if more else "Q4_K"
+
+
+def random_quant_weights(c, fmt: str, xp, seed: int = 0) -> dict:
+    """HF names -> weights of `fmt`, made by xp (cupy: on the device): linears (and the GGUF
+    formats' embedding and lm_head) as QuantWeight planes, norms fp16 ones; AWQ keeps the
+    embedding and lm_head fp16."""
+    rng = xp.random.default_rng(seed)
+
+    def fp16(*shape):
+        return (rng.standard_normal(shape, dtype=xp.float32) * 0.02).astype(xp.float16)
+
+    def linear(name: str, layer: int, rows: int, cols: int):
+        return random_planes(xp, rng, quant_type(fmt, name, layer, c.num_hidden_layers), rows, cols)
+
+    shapes = {"self_attn.q_proj": (c.q_size, c.hidden_size), "self_attn.k_proj": (c.kv_size, c.hidden_size),
+              "self_attn.v_proj": (c.kv_size, c.hidden_size), "self_attn.o_proj": (c.hidden_size, c.q_size),
+              "mlp.gate_proj": (c.intermediate_size, c.hidden_size),
+              "mlp.up_proj": (c.intermediate_size, c.hidden_size),
+              "mlp.down_proj": (c.hidden_size, c.intermediate_size)}
+    table = (c.vocab_size, c.hidden_size)
+    gguf = fmt != "AWQ"
+    out = {"model.embed_tokens.weight": linear("embed", 0, *table) if gguf else fp16(*table),
+           "model.norm.weight": xp.ones(c.hidden_size, xp.float16)}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = linear("lm_head", 0, *table) if gguf else fp16(*table)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = xp.ones(c.hidden_size, xp.float16)
+        out[p + "post_attention_layernorm.weight"] = xp.ones(c.hidden_size, xp.float16)
+        for name, shape in shapes.items():
+            out[p + name + ".weight"] = linear(name, i, *shape)
+    return out
+
+
+def streamed_bytes(weights) -> int:
+    """Bytes one decode step reads: every linear and norm once, the lm_head once; of an untied
+    embedding table only B rows (left out)."""
+    from ringserve.gpu.model import storage
+    seen: set[int] = set()
+    total = 0
+    for w in (weights.lm_head, weights.final_norm,  # NOTE: a tied lm_head is the table: read whole
+              *(getattr(layer, f) for layer in weights.layers
+                for f in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"))):
+        if w is not None and id(w) not in seen:
+            seen.add(id(w))
+            total += sum(n for _, n in storage(w))
+    return total
 
 
 def decode_batch(B: int, block_size: int):
@@ -327,6 +413,45 @@ def _decode_step(runner, batch, rows, meta) -> None:
     runner.submit(batch, rows, meta).result()
 
 
+def bench_quant(name, shape, rows, deadline) -> None:
+    """Each format of QUANT_FORMATS on one runner with graphs: graphs at each batch, then eager
+    (the runner's graph table set aside: every step then runs eagerly, as with --enforce-eager,
+    without building and capturing a second runner)."""
+    import cupy as cp
+    import numpy as np
+
+    from ringserve.gpu.cuda import plan
+    from ringserve.gpu.cuda.runner import CudaModelRunner
+    c = config_for(shape)
+    nb_needed = max(BATCHES) * (-(-(CONTEXT + 1) // 16))
+    for fmt in QUANT_FORMATS:
+        if time.monotonic() > deadline:
+            return
+        r = w = None
+        try:
+            cp.get_default_memory_pool().free_all_blocks()
+            w = random_quant_weights(c, fmt, cp)
+            r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES), max_model_len=2048)
+            w = None  # the runner holds the planes (stacked: the per-tensor ones can go)
+            read = streamed_bytes(r.weights)
+            graphs = r.graphs
+            for mode in ("graphs", "eager"):
+                r.graphs = graphs if mode == "graphs" else plan.GraphTable([])
+                for B in BATCHES:
+                    if time.monotonic() > deadline:
+                        print(f"gpu_check: quant {name} stopped at the deadline", file=sys.stderr)
+                        return
+                    b, rows_, meta = decode_batch(B, 16), np.arange(B), greedy_metadata(B)
+                    dt = time_steps(partial(_decode_step, r, b, rows_, meta))
+                    rows.append(dict(model=name, format=fmt, impl=mode, batch=B, step_ms=dt * 1e3,
+                                     tok_s=B / dt, weight_bytes=read,
+                                     replayed=mode == "eager" or r.graphs.pick(b) is not None))
+        finally:
+            r = w = None
+            cp.get_default_memory_pool().free_all_blocks()
+            cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
 def bench_transformers(name, shape, rows, deadline) -> None:
     """The peer: transformers' Llama, built directly on the GPU in fp16 (an 8B model built in
     float32 on the host first takes 32 GB and minutes), asked for the last position's logits
@@ -373,7 +498,12 @@ def bench_transformers(name, shape, rows, deadline) -> None:
 # the device, 36 graphs captured per runner); a phase starts only when its estimate fits, and
 # is stopped at LIMIT_FACTOR times it (or at the deadline, whichever comes first).
 ESTIMATES = {"copy": 5, "attention": 30, "ours 1B": 60, "transformers 1B": 45, "ours 8B": 100,
-             "transformers 8B": 70}
+             "transformers 8B": 70, "quant 1B": 50, "quant 8B": 100}
+# The phases of each --table: "quant" keeps the fp16 rows it is compared with (ours) and drops
+# attention and transformers, so that it fits 6 minutes with --skip-tests.
+TABLES = {"fp16": ("copy", "attention", "ours", "transformers"),
+          "quant": ("copy", "ours", "quant"),
+          "all": ("copy", "attention", "ours", "transformers", "quant")}
 LIMIT_FACTOR = 2.0
 PREFLIGHT_S = 30
 TESTS_TIMEOUT_S = 240  # NVRTC and Numba compile every kernel on first use, in each process
@@ -413,6 +543,45 @@ def ratios(result: dict) -> list[dict]:
     return out
 
 
+def quant_ratios(result: dict) -> list[dict]:
+    """Per model, format and batch: graphs tok/s, % of the bound for the bytes read, the ratio
+    to our fp16 graphs row of the same model and batch, and the issue-16 targets at batch 1
+    (>= 60 % of the bound; 4-bit >= 2.5x fp16)."""
+    fp16 = {(r["model"], r["batch"]): r for r in result["rows"] if r["impl"] == "ringserve graphs"}
+    by = {(r["model"], r["format"], r["batch"], r["impl"]): r for r in result.get("quant", [])}
+    out = []
+    for model, fmt, batch in dict.fromkeys((r["model"], r["format"], r["batch"])
+                                           for r in result.get("quant", [])):
+        graphs, eager = by.get((model, fmt, batch, "graphs")), by.get((model, fmt, batch, "eager"))
+        base = fp16.get((model, batch))
+        row = dict(model=model, format=fmt, batch=batch,
+                   graphs_tok_s=graphs["tok_s"] if graphs else float("nan"),
+                   eager_tok_s=eager["tok_s"] if eager else float("nan"),
+                   pct_bound=weight_bound_pct(graphs, result.get("copy_GBps")) if graphs else float("nan"),
+                   vs_fp16=graphs["tok_s"] / base["tok_s"] if graphs and base else float("nan"))
+        targets = []
+        if batch == 1:
+            targets.append(("%bound >= 60", row["pct_bound"] >= 60))
+            if fmt in FOUR_BIT:
+                targets.append(("4-bit >= 2.5x fp16", row["vs_fp16"] >= 2.5))
+        row["targets"] = targets
+        out.append(row)
+    return out
+
+
+def print_quant_table(result) -> None:
+    rows = quant_ratios(result)
+    if not rows:
+        return
+    print("\nquantized weights, decode (graphs; eager beside it; %bound: the bytes a step reads)")
+    print(f"{'model':6} {'format':7} {'batch':>5} {'graphs tok/s':>12} {'eager tok/s':>11} {'%bound':>7} "
+          f"{'vs fp16':>8}  targets")
+    for r in rows:
+        met = ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in r["targets"])
+        print(f"{r['model']:6} {r['format']:7} {r['batch']:>5} {r['graphs_tok_s']:>12.0f} "
+              f"{r['eager_tok_s']:>11.0f} {r['pct_bound']:>7.1f} {r['vs_fp16']:>7.2f}x  {met}")
+
+
 def print_tables(result) -> None:
     print(f"{result['device']}  {result['date']}  tests: {result['tests']}  "
           f"d2d copy: {result['copy_GBps']:.0f} GB/s" if result.get("copy_GBps") else
@@ -444,6 +613,7 @@ def print_tables(result) -> None:
             met = ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in r["targets"])
             print(f"{r['model']:6} {r['batch']:>5} {r['graphs_vs_eager']:>11.2f}x "
                   f"{r['vs_transformers']:>14.2f}x {r['pct_bound']:>7.1f}  {met}")
+    print_quant_table(result)
     for msg in result["skipped"]:
         print(f"skipped: {msg}")
     for name, error in result["errors"].items():
@@ -485,6 +655,22 @@ def write_result(out: Path, result: dict) -> None:
     (out / "gpu_check.txt").write_text(text.getvalue())
 
 
+def run_phases(budget: Budget, result: dict, kinds: tuple[str, ...]) -> None:
+    """The benchmark phases of one --table, in order (a kind not in `kinds` is left out)."""
+    def phase(name: str, fn):
+        if name.split()[0] in kinds:
+            budget.run(name, ESTIMATES[name], fn, limit_s=ESTIMATES[name] * LIMIT_FACTOR)
+    phase("copy", lambda: result.update(copy_GBps=copy_bandwidth() / 1e9))
+    if result.get("copy_GBps"):
+        copy = result["copy_GBps"] * 1e9
+        phase("attention", lambda: bench_attention(result["attention"], copy, budget.deadline))
+    for name, shape in SHAPES.items():
+        phase(f"ours {name}", partial(bench_ours, name, shape, result["rows"], budget.deadline))
+        phase(f"quant {name}", partial(bench_quant, name, shape, result["quant"], budget.deadline))
+        phase(f"transformers {name}",
+              partial(bench_transformers, name, shape, result["rows"], budget.deadline))
+
+
 def main(argv=None) -> int:
     for stream in (sys.stdout, sys.stderr):  # unbuffered in effect, whoever started us
         if isinstance(stream, io.TextIOWrapper):
@@ -494,11 +680,15 @@ def main(argv=None) -> int:
                     help="folder for gpu_check.json and gpu_check.txt, rewritten after every phase")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--budget-s", type=float, default=360.0, help="the whole run, tests included")
+    ap.add_argument("--table", choices=sorted(TABLES), default="fp16",
+                    help="the benchmark tables: fp16 (attention, ours vs transformers), quant "
+                         "(packed weights vs ours in fp16), or all (past 6 minutes: phases that do "
+                         "not fit are skipped)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = cuda_device_name()
     result: dict = dict(device=device or "no CUDA device", date=time.strftime("%Y-%m-%d"),
-                        preflight=[], tests=None, copy_GBps=None, attention=[], rows=[])
+                        preflight=[], tests=None, copy_GBps=None, attention=[], rows=[], quant=[])
     budget = Budget(args.budget_s, after=lambda: write_result(args.out, result))
     result.update(skipped=budget.skipped, phases=budget.phases, errors=budget.errors)
     from ringserve.tools import gpu_preflight
@@ -516,16 +706,7 @@ def main(argv=None) -> int:
     if not args.skip_tests:
         result["tests"] = budget.run("tests", 30, lambda: run_tests(budget)) or "skipped"
 
-    def phase(name: str, fn):
-        return budget.run(name, ESTIMATES[name], fn, limit_s=ESTIMATES[name] * LIMIT_FACTOR)
-    copy = phase("copy", copy_bandwidth)
-    if copy is not None:
-        result["copy_GBps"] = copy / 1e9
-        phase("attention", lambda: bench_attention(result["attention"], copy, budget.deadline))
-    for name, shape in SHAPES.items():
-        phase(f"ours {name}", partial(bench_ours, name, shape, result["rows"], budget.deadline))
-        phase(f"transformers {name}",
-              partial(bench_transformers, name, shape, result["rows"], budget.deadline))
+    run_phases(budget, result, TABLES[args.table])
     print_tables(result)
     write_result(args.out, result)
     passed = result["tests"] in (None, "passed") and not result["errors"]

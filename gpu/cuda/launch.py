@@ -1,4 +1,4 @@
-"""Launch geometry of the CUDA C kernels (fused.cu, attention.cu), pure Python so that the CuPy
+"""Launch geometry of the CUDA C kernels (fused.cu, attention.cu, quant.cu), pure Python so that the CuPy
 launchers and the host-compiled kernel tests (tests/test_cuda_host.py) use the same numbers.
 
 Each function returns (grid, block) as CUDA dim tuples, or the scalar a launch passes.
@@ -57,3 +57,24 @@ def attention_launch(num_tokens: int, num_kv_heads: int, splits: int) -> tuple[D
 def reduce_launch(num_tokens: int, num_heads: int, head_dim: int) -> tuple[Dims, Dims]:
     """attention_reduce: grid (T, H), one thread per dim."""
     return (num_tokens, num_heads), (head_dim,)
+
+
+QUANT_THREADS = 128      # quant.cu matvec_*: QUANT_WARPS (4) * 32, one warp per output row
+MATVEC_ROWS = (1, 2, 4, 8, 16)  # quant.cu's matvec_*_r<R> variants: decode batches up to 16 rows
+DEQUANT_THREADS = 256    # quant.cu dequant_*: its __launch_bounds__
+
+
+def matvec_variant(num_rows: int) -> int:
+    """The smallest matvec_*_r<R> that takes num_rows rows of x (1 <= num_rows <= 16)."""
+    return next(r for r in MATVEC_ROWS if r >= num_rows)
+
+
+def matvec_launch(out_features: int) -> tuple[Dims, Dims]:
+    """matvec_*: one warp per output feature, 4 a block."""
+    return (-(-out_features // (QUANT_THREADS // 32)),), (QUANT_THREADS,)
+
+
+def dequant_launch(num_rows: int, chunks_per_row: int) -> tuple[Dims, Dims]:
+    """dequant_*: grid-stride over the rows' 16-byte quant chunks, 256 threads, grid.x <= 65535."""
+    n = num_rows * chunks_per_row
+    return (max(1, min(65535, -(-n // DEQUANT_THREADS))),), (DEQUANT_THREADS,)

@@ -1,5 +1,6 @@
-"""The CUDA model runner: gpu/runner.py's Runner face on one GPU. fp16 weights and KV cache,
-float32 residual stream and accumulation.
+"""The CUDA model runner: gpu/runner.py's Runner face on one GPU. fp16 weights (or, for a GGUF
+or AWQ/GPTQ checkpoint, packed planes read by quant.cu: gpu/cuda/quant_linear.py) and KV
+cache, float32 residual stream and accumulation.
 
 The model is gpu/model.py's llama_forward over CudaOps: GEMMs are cuBLAS on the runner's own
 handle (gpu/cuda/gemm.py, nvmath-python's binding: CuPy's refuses to run during a capture) with
@@ -27,12 +28,14 @@ from ringserve.gpu.cuda import capture, launch, plan
 from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import sampling_kernels as sk
 from ringserve.gpu.cuda.attention import PagedAttention
-from ringserve.gpu.cuda.buffers import AttentionLaunch, Fp16Store, PinnedStaging, StepBuffers
+from ringserve.gpu.cuda.buffers import AttentionLaunch, PinnedStaging, StepBuffers
 from ringserve.gpu.cuda.fused import FusedKernels
 from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
+from ringserve.gpu.cuda.quant_linear import WORKSPACE_ELEMENTS, QuantLinear, QuantStore, keeps_blocks
 from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample, warmup_metadata
 from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
+from ringserve.gpu.quant import QuantWeight
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.sampler import Logprobs, SamplingMetadata
 from ringserve.gpu.settings import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, SchedulerConfig
@@ -63,7 +66,9 @@ class CudaOps:
     (on the same stream via external_stream) and cuBLAS on its own handle (CublasGemm: never a
     CuPy GEMM, which raises during capture); everything is enqueued, nothing waits."""
 
-    def __init__(self, c: ModelConfig, stream: cp.cuda.Stream, attention_backend: str):
+    def __init__(self, c: ModelConfig, stream: cp.cuda.Stream, attention_backend: str,
+                 packed: bool = False):
+        """packed: the model keeps weights packed (quant.cu and its static workspace)."""
         try:
             from nvmath.bindings import cublas
         except ImportError as e:
@@ -75,6 +80,11 @@ class CudaOps:
         self.staging = PinnedStaging(_pinned, _event)
         self.nb_stream = nb_cuda.external_stream(stream.ptr)
         self.fused = FusedKernels()
+        self.quant: QuantLinear | None = None
+        if packed:
+            from ringserve.gpu.cuda.quant import QuantKernels
+            self.quant = QuantLinear(QuantKernels(stream).call, self.gemm,
+                                     cp.empty(WORKSPACE_ELEMENTS, cp.float16))
         self.paged = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
         self.attention_backend = attention_backend
         self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
@@ -95,10 +105,17 @@ class CudaOps:
         self.staging.issued(self.stream)
 
     def embedding(self, ids, table, out) -> None:
+        if isinstance(table, QuantWeight):  # a packed table (QuantStore)
+            assert self.quant is not None
+            self.quant.embedding(ids, table, out)
+            return
         nk.embedding(_nb(ids), _nb(table), _nb(out), threads=NUMBA_THREADS, stream=self.nb_stream)
 
     def linear(self, x, weight, out) -> None:
-        self.gemm(x, weight, out)
+        if self.quant is not None:  # packed weights: quant.cu, or the GEMM for fp16 ones
+            self.quant(x, weight, out)
+        else:
+            self.gemm(x, weight, out)
 
     def add_bias(self, x, bias) -> None:
         with self.stream:
@@ -156,7 +173,8 @@ class CudaModelRunner:
         self.max_model_len = max_model_len or c.max_position_embeddings
         self.max_blocks = -(-self.max_model_len // block_size)
         self.stream = cp.cuda.Stream(non_blocking=True)
-        self.ops = CudaOps(c, self.stream, attention_backend)
+        packed = any(keeps_blocks(t) for t in weights.values())
+        self.ops = CudaOps(c, self.stream, attention_backend, packed=packed)
         self.nb_stream = self.ops.nb_stream
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.sampler = CudaSampler(threads=1024, stream=self.nb_stream)
@@ -165,7 +183,7 @@ class CudaModelRunner:
         # flight, and a non-blocking stream does not wait for the default one: hence the
         # device synchronize before the first forward (the profile) and at the end.
         with self.stream:
-            self.weights = LlamaWeights.fuse(c, weights, Fp16Store(cp))
+            self.weights = LlamaWeights.fuse(c, weights, QuantStore(cp))  # fp16 unless packed
             cos, sin = cos_sin(np.arange(self.max_model_len), inv_freq(c))
             self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         cp.cuda.Device().synchronize()

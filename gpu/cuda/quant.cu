@@ -1,0 +1,222 @@
+// Linears over weights kept packed on the device (launchers: gpu/cuda/quant.py, plans:
+// gpu/cuda/quant_linear.py). The planes are gpu/quant.py's, uploaded as they are:
+//   u4: unsigned char [N, K/2], 4-bit quants in 64-weight groups (byte j of group g: weight
+//       64g + j in its low nibble, 64g + 32 + j in its high one): Q4_0, Q4_1, Q4_K, AWQ, GPTQ;
+//   i8: signed char [N, K], one quant a byte: Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K;
+//   scale, offset: float32 [N, K/block] (offset may be null): weight = scale * q + offset,
+// so one kernel per plane kind serves every type. Every 16 contiguous weights share one
+// scale (block is a multiple of 16), and every lane reads its 16 quant bytes with one 16-byte
+// load (row pitches K/2 and K are multiples of 16 bytes: K % 64 == 0 for u4, K % 16 for i8).
+//
+// matvec_*_r<R>: decode (M <= R rows of x, R in 1, 2, 4, 8, 16). One warp per output row:
+// each lane loads a 16-byte chunk of quants once, dequantizes it in registers and dots it
+// with the matching 16 (i8) or 2 x 16 (u4) values of every row of x; float32 sums, a warp
+// shuffle sum at the end, fp16 out[m, n] (row pitch ldo: a fused weight's part writes its
+// own columns).
+// dequant_*_{f16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
+// floats: fp16 into the workspace the cuBLAS GEMM of a large batch reads, float32 for the
+// embedding of a packed table.
+// NVRTC defines no libc and no stdint: only cuda_fp16.h is included.
+#include <cuda_fp16.h>
+
+#define FULL_MASK 0xffffffffu
+#define QUANT_WARPS 4
+
+union Chunk16 {  // 16 quant bytes in one vector load (union punning: see attention.cu)
+    uint4 vector;
+    unsigned char u[16];
+    signed char s[16];
+};
+union Halves8 {
+    uint4 vector;
+    __half2 pairs[4];
+};
+
+// 16 halves of x (32 bytes, two vector loads; p is 16-byte aligned: ldx % 8 == 0) as floats.
+__device__ __forceinline__ void load_x16(const __half* p, float* f) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        Halves8 h;
+        h.vector = *reinterpret_cast<const uint4*>(p + 8 * j);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 t = __half22float2(h.pairs[i]);
+            f[8 * j + 2 * i] = t.x;
+            f[8 * j + 2 * i + 1] = t.y;
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// w[i] = scale * q[i] + offset for the 16 quants of one chunk: u4 low (half 0) / high (half 1)
+// nibbles, or i8 bytes (the same float32 operations, in the same order, as gpu/quant.py
+// dequantize).
+__device__ __forceinline__ void dequant16_u4(const Chunk16& c, int half, float s, float o, float* w) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = s * (float)((c.u[i] >> (4 * half)) & 15) + o;
+}
+
+__device__ __forceinline__ void dequant16_i8(const Chunk16& c, float s, float o, float* w) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) w[i] = s * (float)c.s[i] + o;
+}
+
+__device__ __forceinline__ float dot16(const float* w, const __half* x) {
+    float xv[16];
+    load_x16(x, xv);
+    float d = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) d += w[i] * xv[i];
+    return d;
+}
+
+template <int ROWS>
+__device__ __forceinline__ void write_rows(float* acc, int M, __half* out, int ldo, int n) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) {
+        const float v = warp_sum(acc[m]);
+        if (lane == 0 && m < M) out[(size_t)m * ldo + n] = __float2half(v);
+    }
+}
+
+template <int ROWS>
+__device__ __forceinline__ void matvec_u4(
+        const unsigned char* __restrict__ q, const float* __restrict__ scale,
+        const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx, int M,
+        int N, int K, __half* __restrict__ out, int ldo) {
+    const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
+    if (n >= N) return;  // the whole warp: n is the warp's
+    const unsigned char* qrow = q + (size_t)n * (K / 2);
+    const size_t srow = (size_t)n * (K / block);
+    float acc[ROWS];
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
+    for (int c = lane; c < K / 32; c += 32) {  // chunk c: bytes 16c.., weights k_lo.. and k_hi..
+        Chunk16 bits;
+        bits.vector = *reinterpret_cast<const uint4*>(qrow + 16 * c);  // PERF: the one weight load
+        const int k_lo = 64 * (c >> 1) + 16 * (c & 1), k_hi = k_lo + 32;
+        float w[16];  // NOTE: one nibble half at a time: 16 weights live, not 32 (registers)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int k = half ? k_hi : k_lo;
+            dequant16_u4(bits, half, scale[srow + k / block], offset ? offset[srow + k / block] : 0.0f, w);
+#pragma unroll
+            for (int m = 0; m < ROWS; ++m)
+                if (m < M) acc[m] += dot16(w, x + (size_t)m * ldx + k);
+        }
+    }
+    write_rows<ROWS>(acc, M, out, ldo, n);
+}
+
+template <int ROWS>
+__device__ __forceinline__ void matvec_i8(
+        const signed char* __restrict__ q, const float* __restrict__ scale,
+        const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx, int M,
+        int N, int K, __half* __restrict__ out, int ldo) {
+    const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
+    if (n >= N) return;
+    const signed char* qrow = q + (size_t)n * K;
+    const size_t srow = (size_t)n * (K / block);
+    float acc[ROWS];
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
+    for (int c = lane; c < K / 16; c += 32) {  // chunk c: weights 16c..16c+15
+        Chunk16 bits;
+        bits.vector = *reinterpret_cast<const uint4*>(qrow + 16 * c);  // PERF: the one weight load
+        const int k = 16 * c;
+        float w[16];
+        dequant16_i8(bits, scale[srow + k / block], offset ? offset[srow + k / block] : 0.0f, w);
+#pragma unroll
+        for (int m = 0; m < ROWS; ++m)
+            if (m < M) acc[m] += dot16(w, x + (size_t)m * ldx + k);
+    }
+    write_rows<ROWS>(acc, M, out, ldo, n);
+}
+
+#define MATVEC(KIND, QT, R)                                                                        \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, 4) matvec_##KIND##_r##R(         \
+            const QT* __restrict__ q, const float* __restrict__ scale,                             \
+            const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx,    \
+            int M, int N, int K, __half* __restrict__ out, int ldo) {                              \
+        matvec_##KIND<R>(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                      \
+    }
+MATVEC(u4, unsigned char, 1)
+MATVEC(u4, unsigned char, 2)
+MATVEC(u4, unsigned char, 4)
+MATVEC(u4, unsigned char, 8)
+MATVEC(u4, unsigned char, 16)
+MATVEC(i8, signed char, 1)
+MATVEC(i8, signed char, 2)
+MATVEC(i8, signed char, 4)
+MATVEC(i8, signed char, 8)
+MATVEC(i8, signed char, 16)
+
+__device__ __forceinline__ void put(float* p, float v) { *p = v; }
+__device__ __forceinline__ void put(__half* p, float v) { *p = __float2half(v); }
+
+// Grid-stride over (row, chunk); each thread dequantizes one 16-byte chunk of quants.
+template <typename T>
+__device__ __forceinline__ void dequant_u4(
+        const unsigned char* __restrict__ q, const float* __restrict__ scale,
+        const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,
+        int row_begin, int nrows, T* __restrict__ out, int ldo) {
+    const int chunks = K / 32;
+    const size_t total = (size_t)nrows * chunks;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int r = (int)(i / chunks), c = (int)(i - (size_t)r * chunks);
+        const size_t src = ids ? (size_t)ids[r] : (size_t)(row_begin + r);
+        Chunk16 bits;
+        bits.vector = *reinterpret_cast<const uint4*>(q + src * (K / 2) + 16 * c);
+        const int k_lo = 64 * (c >> 1) + 16 * (c & 1), k_hi = k_lo + 32;
+        const size_t srow = src * (K / block);
+        float w[16];
+        T* o = out + (size_t)r * ldo;
+        dequant16_u4(bits, 0, scale[srow + k_lo / block], offset ? offset[srow + k_lo / block] : 0.0f, w);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) put(o + k_lo + j, w[j]);
+        dequant16_u4(bits, 1, scale[srow + k_hi / block], offset ? offset[srow + k_hi / block] : 0.0f, w);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) put(o + k_hi + j, w[j]);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void dequant_i8(
+        const signed char* __restrict__ q, const float* __restrict__ scale,
+        const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,
+        int row_begin, int nrows, T* __restrict__ out, int ldo) {
+    const int chunks = K / 16;
+    const size_t total = (size_t)nrows * chunks;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int r = (int)(i / chunks), c = (int)(i - (size_t)r * chunks);
+        const size_t src = ids ? (size_t)ids[r] : (size_t)(row_begin + r);
+        Chunk16 bits;
+        bits.vector = *reinterpret_cast<const uint4*>(q + src * K + 16 * c);
+        const size_t srow = src * (K / block);
+        float w[16];
+        dequant16_i8(bits, scale[srow + 16 * c / block], offset ? offset[srow + 16 * c / block] : 0.0f, w);
+        T* o = out + (size_t)r * ldo + 16 * c;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) put(o + j, w[j]);
+    }
+}
+
+#define DEQUANT(KIND, QT, T, SUFFIX)                                                               \
+    extern "C" __global__ void __launch_bounds__(256) dequant_##KIND##_##SUFFIX(                   \
+            const QT* __restrict__ q, const float* __restrict__ scale,                             \
+            const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,       \
+            int row_begin, int nrows, T* __restrict__ out, int ldo) {                              \
+        dequant_##KIND<T>(q, scale, offset, block, K, ids, row_begin, nrows, out, ldo);            \
+    }
+DEQUANT(u4, unsigned char, __half, f16)
+DEQUANT(u4, unsigned char, float, f32)
+DEQUANT(i8, signed char, __half, f16)
+DEQUANT(i8, signed char, float, f32)

@@ -1,0 +1,150 @@
+"""Packed weights on the CUDA backend, the part CI runs without CuPy: the weight store that
+uploads gpu/quant.py's planes as they are, and the linear that reads them through quant.cu's
+kernels (launched by gpu/cuda/quant.py on a GPU, by tests/cuda_host_kernels.py on the host).
+
+Device layout: gpu/quant.py's planes (u4 nibbles in 64-weight groups, or int8; float32 scale
+and offset per block of 16/32/128 weights), not the raw GGUF blocks. Why: (1) every quant row
+is 16-byte aligned, so each lane streams its quants with one vector load (GGUF blocks are 18,
+20, 22, 34, 84, 110, 144, 176 or 210 bytes: no vector load lines up with them); (2) one kernel
+per plane kind serves all ten GGUF types and AWQ/GPTQ int4 (repacked into the same u4 planes);
+(3) the planes are the ones tests/test_quant_kernels.py proves bit-identical to gguf-py's
+`dequantize`. The price is bytes: float32 scales and 5/6-bit quants widened to int8 read
+0.75 B/weight for Q4_K (0.5625 raw), 1.125 for Q8_0 (1.0625) and 1.25 for Q5_K/Q6_K (0.69/0.82).
+The kernels and the GPU check report the bytes actually read.
+
+A linear with M rows of activations runs:
+- M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R>, dequantized in registers, on tiles of up
+  to 16 rows of x (launch.MATVEC_ROWS): the weight is streamed once per tile (from L2 after
+  the first when a layer's weight fits it);
+- above: the weight dequantized to fp16 into a static workspace, chunk of rows by chunk of
+  rows, each chunk followed by the cuBLAS GEMM (the GEMMs of the fp16 path). Static: a CUDA
+  graph captures it as it is. It writes and reads 4 bytes a weight besides the quants, which
+  pays only once the GEMM's own work dominates.
+The crossover is a guess until a GPU measures it (tools/gpu_check.py --table quant: batch 16
+and 64 sit on either side of a 4-tile matvec).
+A fused weight whose parts differ in type (llama.cpp's Q4_K_M: Q4_K q/k with Q6_K v) is a
+SplitWeight; each part writes its own columns of out (the kernels take out's row pitch).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed
+from ringserve.gpu.cuda import launch
+from ringserve.gpu.cuda.buffers import Fp16Store
+from ringserve.gpu.quant import QuantWeight, dequantize
+from ringserve.gpu.weights import GGMLTensor
+
+PLANE_KINDS = ("u4", "i8")      # kept packed; every other kind is widened to fp16 (cuBLAS)
+WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
+MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; above, dequantize + GEMM
+WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16}  # weights one 16-byte load of quants holds
+
+
+def keeps_blocks(tensor: Any) -> bool:
+    """A tensor the CUDA backend keeps packed: GGUF blocks (a GGMLTensor that is not BF16) or a
+    QuantWeight already made (AWQ/GPTQ from gpu/hf_quant.py; gpu_check's, made on the device)."""
+    if isinstance(tensor, QuantWeight):
+        return tensor.kind in PLANE_KINDS
+    return isinstance(tensor, GGMLTensor) and tensor.ggml_type not in ("BF16", "F16", "F32")
+
+
+class QuantStore:
+    """model.WeightStore for the CUDA backend: a linear with a packed part is gpu/cpu_packed.py's
+    QuantWeight (or SplitWeight of several types) with its planes moved to the device (arrays of
+    xp: cupy on a GPU, numpy in CI); F16/F32/BF16 parts and every other weight are Fp16Store's.
+    QuantWeights already on the device are stacked there (np.concatenate reaches
+    cupy.concatenate through __array_function__)."""
+
+    def __init__(self, xp):
+        self.xp = xp
+        self.fp16 = Fp16Store(xp)
+        self.vector = self.fp16.vector
+
+    def linear(self, arrays: Sequence[Any]) -> Any:
+        if not any(keeps_blocks(a) for a in arrays):
+            return self.fp16.linear(arrays)
+        packed = fuse_packed(arrays)
+        if isinstance(packed, SplitWeight):
+            return SplitWeight(tuple(self._upload(p) for p in packed.parts), packed.shape)
+        return self._upload(packed)
+
+    def _upload(self, w: QuantWeight) -> Any:
+        if w.kind not in PLANE_KINDS:  # F16, F32, BF16 parts: the fp16 path
+            return self.fp16.linear([dequantize(w)])
+        xp = self.xp
+        return replace(w, q=xp.asarray(w.q), scale=xp.asarray(w.scale),
+                       offset=None if w.offset is None else xp.asarray(w.offset))
+
+
+Call = Callable[..., None]  # call(kernel name, (grid, block), *args): one launch of quant.cu
+
+
+class QuantLinear:
+    """ops.linear (and the embedding of a packed table) over QuantStore's weights.
+    call: launches a quant.cu kernel (np.int32 scalars, arrays, None for a null pointer);
+    gemm(x, w, out): out = x @ w.T for fp16 arrays (CublasGemm on a GPU); workspace: a 1-D fp16
+    array, allocated once (never during a graph capture)."""
+
+    def __init__(self, call: Call, gemm: Callable[[Any, Any, Any], None], workspace: Any):
+        self.call, self.gemm, self.workspace = call, gemm, workspace
+
+    def __call__(self, x, w, out) -> None:
+        if isinstance(w, QuantWeight):
+            self._quant(x, w, out)
+        elif isinstance(w, SplitWeight):
+            lo = 0
+            for part in w.parts:  # NOTE: each part writes only its own columns of out
+                hi = lo + part.shape[0]
+                self(x, part, out[:, lo:hi])
+                lo = hi
+        else:
+            self.gemm(x, w, out)
+
+    def _quant(self, x, w: QuantWeight, out) -> None:
+        M, K = x.shape
+        N = w.shape[0]
+        if w.shape[1] != K or tuple(out.shape) != (M, N):
+            raise ValueError(f"quant linear: x {x.shape} @ w {w.shape}.T into out {out.shape}")
+        if M == 0:
+            return
+        if M <= MATVEC_MAX_ROWS:
+            ldx, ldo = _pitch(x, "x"), _pitch(out, "out")
+            if ldx % 8:
+                raise ValueError(f"quant linear: x's row pitch {ldx} is not a multiple of 8 halves")
+            tile = launch.MATVEC_ROWS[-1]
+            for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
+                m = min(tile, M - lo)
+                self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}", launch.matvec_launch(N),
+                          w.q, w.scale, w.offset, np.int32(w.block), x[lo:lo + m], np.int32(ldx),
+                          np.int32(m), np.int32(N), np.int32(K), out[lo:lo + m], np.int32(ldo))
+            return
+        rows = max(1, len(self.workspace) // K)
+        for lo in range(0, N, rows):  # PERF: one chunk for every linear of a 1B model
+            n = min(rows, N - lo)
+            chunk = self.workspace[:n * K].reshape(n, K)
+            self.dequantize(w, None, lo, n, chunk)
+            self.gemm(x, chunk, out[:, lo:lo + n])
+
+    def dequantize(self, w: QuantWeight, ids, row_begin: int, num_rows: int, out) -> None:
+        """out[r] = W[ids[r]] (ids None: W[row_begin + r]) in out's dtype (fp16 or float32)."""
+        suffix = {"float16": "f16", "float32": "f32"}[str(out.dtype)]
+        K = w.shape[1]
+        self.call(f"dequant_{w.kind}_{suffix}",
+                  launch.dequant_launch(num_rows, K // WEIGHTS_PER_CHUNK[w.kind]),
+                  w.q, w.scale, w.offset, np.int32(w.block), np.int32(K), ids, np.int32(row_begin),
+                  np.int32(num_rows), out, np.int32(_pitch(out, "out")))
+
+    def embedding(self, ids, table: QuantWeight, out) -> None:
+        """out [T, hidden] = table[ids], dequantized in out's dtype."""
+        self.dequantize(table, ids, 0, len(ids), out)
+
+
+def _pitch(a: Any, name: str) -> int:
+    """Elements between rows of a 2-D array whose rows are contiguous."""
+    if a.ndim != 2 or a.strides[1] != a.itemsize:
+        raise ValueError(f"quant linear: {name} {a.shape} strides {a.strides}: rows must be contiguous")
+    return max(a.shape[1], a.strides[0] // a.itemsize)

@@ -1,0 +1,37 @@
+// gpu/cuda/quant.cu on the host: one C entry point per kernel, dims = grid xyz then block xyz.
+#include "cuda_host.h"
+#include "quant.cu"  // the test's copy of toolchain.source("quant.cu"), found through -iquote
+
+using cuda_host::launch;
+
+#define HOST_MATVEC(KIND, QT, R)                                                                        \
+    extern "C" int launch_matvec_##KIND##_r##R(const unsigned* dims, const QT* q, const float* scale,   \
+                                               const float* offset, int block, const __half* x, int ldx, \
+                                               int M, int N, int K, __half* out, int ldo) {              \
+        return launch(dims, QUANT_WARPS * 32, [=] {  /* its __launch_bounds__ */                         \
+            matvec_##KIND##_r##R(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                    \
+        });                                                                                              \
+    }
+HOST_MATVEC(u4, unsigned char, 1)
+HOST_MATVEC(u4, unsigned char, 2)
+HOST_MATVEC(u4, unsigned char, 4)
+HOST_MATVEC(u4, unsigned char, 8)
+HOST_MATVEC(u4, unsigned char, 16)
+HOST_MATVEC(i8, signed char, 1)
+HOST_MATVEC(i8, signed char, 2)
+HOST_MATVEC(i8, signed char, 4)
+HOST_MATVEC(i8, signed char, 8)
+HOST_MATVEC(i8, signed char, 16)
+
+#define HOST_DEQUANT(KIND, QT, T, SUFFIX)                                                               \
+    extern "C" int launch_dequant_##KIND##_##SUFFIX(const unsigned* dims, const QT* q, const float* scale, \
+                                                    const float* offset, int block, int K, const int* ids, \
+                                                    int row_begin, int nrows, T* out, int ldo) {         \
+        return launch(dims, 256, [=] {                                                                   \
+            dequant_##KIND##_##SUFFIX(q, scale, offset, block, K, ids, row_begin, nrows, out, ldo);      \
+        });                                                                                              \
+    }
+HOST_DEQUANT(u4, unsigned char, __half, f16)
+HOST_DEQUANT(u4, unsigned char, float, f32)
+HOST_DEQUANT(i8, signed char, __half, f16)
+HOST_DEQUANT(i8, signed char, float, f32)

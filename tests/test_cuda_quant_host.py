@@ -1,0 +1,147 @@
+"""gpu/cuda/quant.cu on the host (tests/cuda_host/, as tests/test_cuda_host.py runs fused.cu and
+attention.cu), launched through the launcher's own plan (gpu/cuda/quant_linear.py QuantLinear,
+geometry from gpu/cuda/launch.py), against gguf-py's ``dequantize`` and a float64 matmul on
+random blocks of every GGUF type (gpu/quant.py random_raw), and against a numpy reference of
+AWQ/GPTQ unpacking.
+
+Bound: the kernels sum in float32, so the float64 result is allowed test_quant_kernels.py's
+bound for a float32 dot of length K, (K + 2) 2^-23 sum |x_i| (|scale q_i| + |offset_i|), plus
+the fp16 rounding of the output (one fp16 step of it). A wrong quant, nibble, scale, offset or
+row is O(1) of that.
+"""
+from __future__ import annotations
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+
+from ringserve.gpu.cpu_packed import SplitWeight
+from ringserve.gpu.cuda import launch
+from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
+from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, random_raw, repack
+from ringserve.gpu.weights import GGMLTensor
+from test_quant_kernels import magnitude
+
+pytestmark = pytest.mark.sim
+GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16", "BF16")]
+# matvec r1, r4 (3 of 4 rows), r16; 37: tiles of 16, 16 and 5 (r8); 70 > MATVEC_MAX_ROWS:
+# dequantized chunks + GEMM
+ROWS = [1, 3, 16, 37, 70]
+N, K = 13, 2304         # 13: a last block with one warp's row only; K: lanes loop (u4 72, i8 144 chunks)
+
+
+def numpy_gemm(x, w, out):
+    """cuBLAS's stand-in (tests/test_cuda_forward_host.py HostOps.linear): fp16 in and out,
+    float32 accumulation."""
+    out[...] = (x.astype(np.float32) @ w.astype(np.float32).T).astype(np.float16)
+
+
+@pytest.fixture(scope="module")
+def quant_kernels(cuda_host):
+    return cuda_host.get("quant.cu")
+
+
+def linear_for(quant_kernels, workspace_elements: int = 4 * K) -> QuantLinear:
+    """The launcher's plan over the host build; a small workspace: several chunks of rows."""
+    return QuantLinear(quant_kernels.call, numpy_gemm, np.full(workspace_elements, np.nan, np.float16))
+
+
+def check(got: np.ndarray, x: np.ndarray, w: QuantWeight, reference: np.ndarray) -> None:
+    want = x.astype(np.float64) @ reference.astype(np.float64).T
+    bound = (x.shape[1] + 2) * 2.0 ** -23 * (np.abs(x).astype(np.float64) @ magnitude(w).T)
+    bound += np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= bound), (f"{w.qtype}/{w.kind}: {(~(err <= bound)).sum()} of {err.size} off, "
+                                  f"worst {np.nanmax(err / bound):.3g} of the bound")
+
+
+def device(w: QuantWeight) -> QuantWeight:
+    weight = QuantStore(np).linear([w])
+    assert isinstance(weight, QuantWeight) and weight.kind == w.kind
+    return weight
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_quant_linear_matches_gguf_dequantize(quant_kernels, qtype, rows):
+    rng = np.random.default_rng(rows)
+    raw = random_raw(qtype, (N, K), rng)
+    w = repack(raw, qtype, (N, K))
+    x = rng.standard_normal((rows, K)).astype(np.float16)
+    buffer = np.full((rows + 16, N), np.nan, np.float16)  # rows past out's: written by nobody
+    out = buffer[:rows]
+    linear_for(quant_kernels)(x, device(w), out)
+    check(out, x, w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K))
+    assert np.isnan(buffer[rows:]).all(), "a row past M was written"
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
+def test_four_bit_types_as_int8_planes(quant_kernels, qtype):
+    """A 4-bit row that is not whole 64-weight nibble groups is held as int8 (gpu/quant.py)."""
+    rng = np.random.default_rng(7)
+    raw = random_raw(qtype, (N, K), rng)
+    w = repack(raw, qtype, (N, K), nibbles=False)
+    x = rng.standard_normal((2, K)).astype(np.float16)
+    out = np.full((2, N), np.nan, np.float16)
+    linear_for(quant_kernels)(x, device(w), out)
+    check(out, x, w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K))
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_1"])
+def test_embedding_rows_dequantized_exactly(quant_kernels, qtype):
+    """dequant_*_f32 at ids: gguf-py's rows (the host compiles scale * q + offset without an
+    FMA, as gpu/quant.py and gguf-py round it; a device may fuse it: one rounding less)."""
+    rng = np.random.default_rng(3)
+    raw = random_raw(qtype, (N, K), rng)
+    w = repack(raw, qtype, (N, K))
+    ids = np.array([5, 0, 12, 5, 7], np.int32)
+    out = np.full((len(ids), K), np.nan, np.float32)
+    linear_for(quant_kernels).embedding(ids, device(w), out)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)[ids]
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("rows", [2, 70])
+def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_kernels, rows):
+    """Q4_K_M's QKV: Q4_K q and k, Q6_K v, and an F16 part (cuBLAS), one output."""
+    rng = np.random.default_rng(11)
+    parts = [("Q4_K", 8), ("Q4_K", 4), ("Q6_K", 4), ("F16", 4)]
+    tensors, references = [], []
+    for qtype, n in parts:
+        raw = random_raw(qtype, (n, 512), rng)
+        ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, 512)
+        tensors.append(ref.astype(np.float16) if qtype == "F16" else GGMLTensor(qtype, (n, 512), raw))
+        references.append(ref)
+    weight = QuantStore(np).linear(tensors)
+    assert isinstance(weight, SplitWeight)
+    assert [getattr(p, "qtype", "fp16") for p in weight.parts] == ["Q4_K", "Q6_K", "fp16"]
+    x = rng.standard_normal((rows, 512)).astype(np.float16)
+    out = np.full((rows, 20), np.nan, np.float16)
+    linear_for(quant_kernels, 3 * 512)(x, weight, out)
+    want = x.astype(np.float64) @ np.concatenate(references).astype(np.float64).T
+    np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+def test_launch_plan_picks_the_smallest_variant():
+    assert [launch.matvec_variant(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert launch.matvec_launch(13) == ((4,), (128,))
+    assert launch.dequant_launch(10 ** 6, 128)[0] == (65535,)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_checkpoint_weights_match_their_format(quant_kernels, method, rows):
+    """AWQ/GPTQ linears (u4 planes, one scale and offset per 128-weight group) through the same
+    kernels, against the format's (q - z) * s (tests/test_hf_quant.py's packers) in float64."""
+    from ringserve.gpu.hf_quant import unpack_awq, unpack_gptq
+    from test_hf_quant import random_int4
+    rng = np.random.default_rng(rows)
+    tensors, values = random_int4(24, K, rng, method)  # AWQ packs 8 output rows a word
+    w = (unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"]) if method == "awq"
+         else unpack_gptq(tensors["qweight"], tensors["scales"], tensors["g_idx"]))
+    assert w.block == 128
+    x = rng.standard_normal((rows, w.shape[1])).astype(np.float16)
+    out = np.full((rows, 24), np.nan, np.float16)
+    linear_for(quant_kernels)(x, device(w), out)
+    check(out, x, w, values)
