@@ -72,7 +72,8 @@ class QuantStore:
             return SplitWeight(tuple(self._upload(p) for p in packed.parts), packed.shape)
         return self._upload(packed)
 
-    def _upload(self, w: QuantWeight) -> Any:
+    def _upload(self, w: Any) -> Any:
+        assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/quant.py's planes
         if w.kind not in PLANE_KINDS:  # F16, F32, BF16 parts: the fp16 path
             return self.fp16.linear([dequantize(w)])
         xp = self.xp
