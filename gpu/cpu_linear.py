@@ -3,7 +3,7 @@
 A decode step multiplies a handful of token rows by every weight of the model: it is bound by
 the bandwidth at which W streams from memory, not by arithmetic. OpenBLAS's sgemv reaches about
 half the machine's read bandwidth there, and its sgemm with 2..64 rows is slower still (measured
-on the 2-core Zen 4 VM: 30 layers of gate_up with 8 rows, 56 ms vs 27 ms here). So up to
+on the 2-core Zen 5 VM: 30 layers of gate_up with 8 rows, 56 ms vs 27 ms here). So up to
 STREAM_ROWS rows a Numba loop streams each weight row once, dotting it with every token row while
 it sits in L1; up to SMALL_ROWS it works in 4-row x 2-token tiles; beyond, BLAS sgemm.
 

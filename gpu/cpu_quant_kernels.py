@@ -1,7 +1,7 @@
 """``y = x @ W.T`` on the CPU for a weight kept in its GGUF type (a QuantWeight, gpu/quant.py).
 
 Three paths by the number of token rows T, as gpu/cpu_linear.py has for float weights, measured on
-the 2-core Zen 4 VM (tools/bench_quant.py, docs/bench_quant.md):
+the 2-core Zen 5 VM (tools/bench_quant.py, docs/bench_quant.md):
 
 - T <= STREAM_ROWS (decode): one pass over each weight row, dequantizing each sub-block in
   registers and dotting it with the token row. The inner loop runs over the weights of 4

@@ -26,7 +26,7 @@ without a minimum (Q8_0, Q5_0, Q6_K, Q3_K, and Q4_0 as int8) store ``q`` already
 F32 and BF16 stay the arrays gpu/cpu_linear.py takes (float32;
 bfloat16 bits as uint16), kinds ``"f32"`` and ``"bf16"``.
 
-Layout choice, measured on the 2-core Zen 4 VM (tools/bench_quant.py, docs/bench_quant.md): 4-bit
+Layout choice, measured on the 2-core Zen 5 VM (tools/bench_quant.py, docs/bench_quant.md): 4-bit
 quants stay nibbles in 64-weight groups by default: 0.75 instead of 1.25 bytes a weight (what lets
 an 8B Q4_K_M model fit beside llama.cpp's footprint) and the fastest at batch 4 (7.3 vs 5.0 G
 weights/s on one thread: the tile dequantizes at 12 G/s against 8), but slower at batch 1 (14.7
