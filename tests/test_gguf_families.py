@@ -172,7 +172,6 @@ def test_qwen2_gguf_keeps_biases_and_qk_rows_as_stored(family):
 # ----------------------------------------------------------------------------- generating
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
 def test_family_generates_through_llm(family, arch, tmp_path, monkeypatch):
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "cache"))
@@ -186,7 +185,6 @@ def test_family_generates_through_llm(family, arch, tmp_path, monkeypatch):
                                            for lp, t in zip(got.logprobs, got.token_ids, strict=True))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
 def test_family_is_served(family, arch, serve, tmp_path, monkeypatch):
     """`ringserve serve --model x.gguf`: chat through the GGUF's own template and specials."""

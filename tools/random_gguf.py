@@ -149,8 +149,8 @@ TOKENIZERS = {
     "qwen2": Tokenizer("qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                        bos="<|endoftext|>", eos="<|im_end|>", add_bos=False, chat_template=CHATML_TEMPLATE),
 }
-LLAMA3_ROPE = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE: dict[str, Any] = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}
 
 _WORDS = ("the of and to in is it you that he was for on are with as I his they be at one have this "
           "from or had by word but what some we can out other were all there when up use your how said "
