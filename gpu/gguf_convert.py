@@ -218,8 +218,9 @@ def hf_config(meta: _Metadata, tensor_names: set[str],
             raise ModelError(f"{meta.path}: tensor {ROPE_FREQS} together with {scaling_type} rope scaling "
                              "is not supported")
         rope_scaling = llama3_rope_scaling(rope_freqs, rope_theta, head_dim, meta.path)
-    tokens = meta.require("tokenizer.ggml.tokens")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    tokens = _tokens(meta)
+    eos = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens))
+    pad = _token_id(meta, "tokenizer.ggml.padding_token_id", len(tokens), strict=False)
     return {
         "architectures": [kind.hf_architecture],
         "model_type": kind.model_type,
@@ -238,9 +239,9 @@ def hf_config(meta: _Metadata, tensor_names: set[str],
         "attention_bias": kind.qkv_bias,
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
         "eos_token_id": eos,
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", eos),
+        "pad_token_id": eos if pad is None else pad,
         "torch_dtype": "float32",   # the activations' type: the weights keep their own
     }
 
@@ -257,6 +258,29 @@ def _int(meta: _Metadata, key: str, default: int | None = None) -> int:
     value = meta.require(key) if default is None else meta.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ModelError(f"{meta.path}: GGUF metadata {key} {value!r} must be a positive integer")
+    return value
+
+
+def _tokens(meta: _Metadata) -> list[str]:
+    tokens = meta.require("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.tokens must be a list of strings")
+    return tokens
+
+
+def _token_id(meta: _Metadata, key: str, n_tokens: int, strict: bool = True) -> int | None:
+    """A token id from the metadata (None if absent). Out of the vocabulary: a ModelError, or
+    with ``strict=False`` (pad, unk: nothing relies on them) ignored as llama.cpp ignores it."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelError(f"{meta.path}: GGUF metadata {key} {value!r} must be a token id")
+    if not 0 <= value < n_tokens:
+        if strict:
+            raise ModelError(f"{meta.path}: GGUF metadata {key} {value} is outside the vocabulary "
+                             f"of {n_tokens} tokens")
+        return None
     return value
 
 
@@ -418,6 +442,22 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
+def _vocabulary(meta: _Metadata) -> tuple[list[str], list[int], list[tuple[str, str]]]:
+    """tokens, their types and the merges, each checked: an odd file is a ModelError, not a crash."""
+    tokens = _tokens(meta)
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
+        raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.token_type must be one integer "
+                         f"per token ({len(tokens)})")
+    merges = meta.require("tokenizer.ggml.merges")
+    if not isinstance(merges, list):
+        merges = [merges]
+    for m in merges:
+        if not isinstance(m, str) or m.count(" ") != 1:
+            raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.merges has {m!r}, not 'left right'")
+    return tokens, types, [(a, b) for a, b in (m.split(" ") for m in merges)]
+
+
 def build_tokenizer(meta: _Metadata):
     """(tokenizers.Tokenizer, tokenizer_config dict) for a GGUF 'gpt2' (byte-level BPE) vocabulary."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -431,9 +471,7 @@ def build_tokenizer(meta: _Metadata):
         raise ModelError(f"{meta.path}: tokenizer.ggml.pre {pre_name!r} is not supported "
                          f"({', '.join(PRE_TOKENIZERS)})")
     pre = PRE_TOKENIZERS[pre_name]
-    tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
-    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
+    tokens, types, merges = _vocabulary(meta)
 
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
@@ -463,9 +501,9 @@ def build_tokenizer(meta: _Metadata):
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i in sorted(added) if types[i] == TOKEN_TYPE_USER_DEFINED])
 
-    def token_at(key: str) -> str | None:
-        i = meta.get(key)
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+    def token_at(key: str, strict: bool = True) -> str | None:
+        i = _token_id(meta, key, len(tokens), strict)
+        return None if i is None else tokens[i]
 
     bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))
@@ -481,8 +519,8 @@ def build_tokenizer(meta: _Metadata):
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
         "eos_token": eos,
-        "pad_token": token_at("tokenizer.ggml.padding_token_id") or eos,
-        "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
+        "pad_token": token_at("tokenizer.ggml.padding_token_id", strict=False) or eos,
+        "unk_token": token_at("tokenizer.ggml.unknown_token_id", strict=False),
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,

@@ -65,13 +65,15 @@ def test_tokenizer_gives_llama_servers_ids(family, arch):
     assert wrong == []
 
 
-def test_the_two_pre_tokenizers_differ_where_llama_cpp_says():
-    """llama3 keeps up to three digits together, qwen2 one; our ids follow (recorded from
-    llama-server, not from us)."""
-    texts = PEER["texts"]
-    at = texts.index("12345678901")
-    pieces3, pieces2 = PEER["llama_server_ids"]["llama3"][at], PEER["llama_server_ids"]["qwen2"][at]
-    assert len(pieces2) == 11 and len(pieces3) < len(pieces2)
+def test_the_recorded_strings_tell_the_two_families_apart():
+    """What the ids above pin down, as llama-server gave them: llama3 keeps up to three digits
+    together, qwen2 one; llama3 takes a piece that is a token whole (ignore_merges: " serverless"
+    is in the vocabulary, no merge builds it), qwen2 merges it by rank."""
+    ids = PEER["llama_server_ids"]
+    at = PEER["texts"].index("12345678901")
+    assert len(ids["qwen2"][at]) == 11 and len(ids["llama3"][at]) < 11
+    at = PEER["texts"].index(" serverless")
+    assert len(ids["llama3"][at]) == 1 and len(ids["qwen2"][at]) > 1
 
 
 @pytest.mark.parametrize("arch, bos, eos, add_bos", [
@@ -89,6 +91,15 @@ def test_special_tokens_and_chat_template_come_from_the_metadata(family, arch, b
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     turn = "<|start_header_id|>user<|end_header_id|>" if arch == "llama3" else "<|im_start|>user\nHi"
     assert turn in prompt
+
+
+def test_llama3_adds_bos_when_the_metadata_does_not_say(tmp_path):
+    """llama.cpp's default for the llama-bpe pre-tokenizer (tokenizer.ggml.add_bos_token absent)."""
+    path = tmp_path / "nobos.gguf"
+    write_random_gguf(path, _shape("llama3", layers=1, vocab=300), "q8_0", progress=False, arch="llama3",
+                      merges=PEER["merges"][:30], metadata={"tokenizer.ggml.add_bos_token": None})
+    tok = Tokenizer.from_dir(convert_gguf(path, tmp_path / "m", progress=False))
+    assert tok.encode("Hi")[0] == tok.bos_token_id
 
 
 # ----------------------------------------------------------------------------- llama3 rope
@@ -223,6 +234,11 @@ def test_family_is_served(family, arch, serve, tmp_path, monkeypatch):
      "rope_freqs.weight together with linear rope scaling"),
     ("qwen2", {"qwen2.expert_count": 8}, "qwen2.expert_count"),
     ("qwen2", {"tokenizer.ggml.tokens": None}, "missing GGUF metadata tokenizer.ggml.tokens"),
+    ("qwen2", {"tokenizer.ggml.tokens": "abc"}, "tokenizer.ggml.tokens must be a list of strings"),
+    ("qwen2", {"tokenizer.ggml.merges": "ab"}, "tokenizer.ggml.merges has 'ab', not 'left right'"),
+    ("qwen2", {"tokenizer.ggml.token_type": 1}, "tokenizer.ggml.token_type must be one integer per token"),
+    ("qwen2", {"tokenizer.ggml.eos_token_id": 5000}, "eos_token_id 5000 is outside the vocabulary of 300"),
+    ("llama3", {"tokenizer.ggml.bos_token_id": "x"}, "bos_token_id 'x' must be a token id"),
 ])
 def test_odd_or_missing_metadata_is_one_line(tmp_path, arch, metadata, message):
     path = tmp_path / "odd.gguf"
@@ -251,3 +267,12 @@ def test_a_qwen2_file_without_its_biases_is_refused(tmp_path):
     make_tiny_gguf(tmp_path / "nobias.gguf", arch="qwen2", num_layers=1)
     with pytest.raises(ModelError, match=r"missing tensor for model\.layers\.0\.self_attn\.[qkv]_proj\.bias"):
         convert_gguf(tmp_path / "nobias.gguf", tmp_path / "out", progress=False)
+
+
+def test_rope_freqs_must_be_float32(tmp_path):
+    from ringserve.tools.tiny_gguf import make_tiny_gguf
+    make_tiny_gguf(tmp_path / "f16.gguf", num_layers=1,
+                   extra_tensors={"rope_freqs.weight": np.ones(8, np.float16)})
+    with pytest.raises(ModelError, match="rope_freqs.weight must be whole F32 .is F16."):
+        convert_gguf(tmp_path / "f16.gguf", tmp_path / "out", progress=False)
+

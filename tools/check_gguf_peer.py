@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from ringserve.tools.bench_llamacpp import free_port, start, stop
-from ringserve.tools.random_gguf import Shape, sample_texts, train_merges, write_random_gguf
+from ringserve.tools.random_gguf import Shape, bpe_vocabulary, merges_for, sample_texts, write_random_gguf
 
 # Small shapes of each family (a file is a few MB); head_dim 64 puts three of llama3's rotary
 # pairs between its low and high frequency bounds.
@@ -46,6 +46,7 @@ EDGE_CASES = [
     "Привет, мир!", "مرحبا", "हिन्दी", "\u00a0", "\u3000", "a\u00a0b", "a\u3000b",
     "def f(x):\n    return x ** 2\n", "if (a && b) { c++; }", "    four spaces", "tab\tseparated",
     "<|im_start|>user\nHi<|im_end|>", "<|begin_of_text|>Hello<|eot_id|>", "  \n  \n", "!!!???", "--- ...",
+    "it'Sx", "WE'LLAMA", "I'DEA", "'ReAL", "x'VEry", "'Tis",   # a contraction before more letters
 ]
 # The last prompt is long (~600 tokens): llama3's rope scaling slows only the slow rotary pairs,
 # whose angles differ visibly only far into a sequence.
@@ -53,8 +54,30 @@ PROMPTS = ["The quick brown fox", "def main():\n    print(", "日本語のテキ
            " ".join(sample_texts(40, seed=2))]
 
 
-def strings(n: int) -> list[str]:
-    return EDGE_CASES + sample_texts(n - len(EDGE_CASES), seed=1)
+def whole_token_cases(merges: list[str]) -> list[str]:
+    """Texts of the plain tokens that merging by rank does not rebuild from their own bytes
+    (random_gguf.UNMERGED_WORDS among them): llama3's ignore_merges takes such a piece whole."""
+    from tokenizers import models
+
+    from ringserve.tools.tiny_gguf import byte_level_alphabet
+
+    tokens, plain = bpe_vocabulary("llama3", SHAPES["llama3"].vocab, merges)
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens[:plain])},
+                     merges=[tuple(m.split(" ")) for m in merges])
+    byte_of = {c: b for b, c in enumerate(byte_level_alphabet())}
+    out = []
+    for token in tokens[256:plain]:
+        if len(bpe.tokenize(token)) > 1:
+            try:
+                out.append(bytes(byte_of[c] for c in token).decode("utf-8"))
+            except UnicodeDecodeError:
+                continue
+    return [text for word in out for text in (word, word + "!")]
+
+
+def strings(n: int, merges: list[str]) -> list[str]:
+    cases = EDGE_CASES + whole_token_cases(merges)
+    return cases + sample_texts(n - len(cases), seed=1)
 
 
 def llama_tokenize(url: str, text: str) -> list[int]:
@@ -71,7 +94,7 @@ def check_family(arch: str, merges: list[str], args: argparse.Namespace, work: P
     path = work / f"{arch}.gguf"
     write_random_gguf(path, shape, "q4_k_m", seed=3, progress=False, arch=arch, merges=merges)
     ours = Tokenizer.from_dir(resolve_model(str(path)))
-    texts = strings(args.strings)
+    texts = strings(args.strings, merges)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     peer = start([args.llama_server, "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
@@ -151,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record-strings", type=int, default=120)
     args = p.parse_args(argv)
     results = {}
-    # one vocabulary for both families (SHAPES have the same size; room for 5 specials)
-    merges = train_merges(SHAPES["llama3"].vocab - 256 - 5, seed=0)
+    merges = merges_for(SHAPES["llama3"].vocab)   # one vocabulary for both families (same size)
     with tempfile.TemporaryDirectory(prefix="check-gguf-peer.") as tmp:
         for arch in args.arch.split(","):
             r = results[arch] = check_family(arch, merges, args, Path(tmp))
@@ -170,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record is not None:
         n = args.record_strings
         args.record.write_text(json.dumps({
-            "merges": merges, "texts": strings(args.strings)[:n],
+            "merges": merges, "texts": strings(args.strings, merges)[:n],
             "llama_server_ids": {arch: r["llama_server_ids"][:n] for arch, r in results.items()}},
             ensure_ascii=False, separators=(",", ":")) + "\n")
     bad = sum(len(r["tokenize_mismatches"]) for r in results.values())

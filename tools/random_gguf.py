@@ -197,12 +197,35 @@ def train_merges(num_merges: int, seed: int = 0) -> list[str]:
             json.loads(tok.to_str())["model"]["merges"]][:num_merges]
 
 
-def bpe_vocabulary(arch: str, size: int, merges: list[str]) -> list[str]:
-    """The 256 byte tokens, one per merge, the family's specials, reserved CONTROL tokens to `size`."""
-    base = byte_level_alphabet() + ["".join(m.split(" ")) for m in merges]
+# Whole words that no merge builds: Llama 3's vocabulary has such tokens, and its ignore_merges
+# takes a piece that is exactly one of them whole (qwen2 merges it by rank instead).
+UNMERGED_WORDS = (" serverless", " tokenizers", "Quantized", " kernels", "llama")
+
+
+def bpe_vocabulary(arch: str, size: int, merges: list[str]) -> tuple[list[str], int]:
+    """(tokens, how many are plain): the 256 byte tokens, one per merge, UNMERGED_WORDS, the
+    family's specials, reserved CONTROL tokens up to `size`."""
+    alphabet = byte_level_alphabet()
+    base = alphabet + ["".join(m.split(" ")) for m in merges]
+    spelled = ["".join(alphabet[b] for b in word.encode()) for word in UNMERGED_WORDS]
+    base += [w for w in spelled if w not in base]
     specials = list(TOKENIZERS[arch].specials)
+    if len(base) + len(specials) > size:
+        raise ValueError(f"{len(merges)} merges do not fit a vocabulary of {size}")
     reserved = [f"<|reserved_special_token_{i}|>" for i in range(size - len(base) - len(specials))]
-    return base + specials + reserved
+    return base + specials + reserved, len(base)
+
+
+# Merges that join what a pre-tokenizer must keep apart ("it'Sx" is it | 'S | x: a contraction
+# before more letters), so that a wrong split shows in the ids.
+ACROSS_MERGES = ("' S", "'S x", "' R", "'R e", "'Re A", "'ReA L")
+
+
+def merges_for(size: int, seed: int = 0) -> list[str]:
+    """train_merges for a vocabulary of `size`, then ACROSS_MERGES (room for UNMERGED_WORDS and
+    5 specials)."""
+    trained = train_merges(size - 256 - len(UNMERGED_WORDS) - len(ACROSS_MERGES) - 5, seed)
+    return trained + [m for m in ACROSS_MERGES if m not in trained]
 
 
 def llama3_rope_freqs(head_dim: int, theta: float, factor: float, low_freq_factor: float,
@@ -240,10 +263,8 @@ def _add_tokenizer(w, arch: str, vocab: int, merges: list[str] | None, seed: int
         w.add_chat_template(CHATML_TEMPLATE)
     else:
         t = TOKENIZERS[arch]
-        if merges is None:
-            merges = train_merges(vocab - 256 - len(t.specials), seed)
-        tokens = bpe_vocabulary(arch, vocab, merges)
-        plain = 256 + len(merges)
+        merges = merges_for(vocab, seed) if merges is None else merges
+        tokens, plain = bpe_vocabulary(arch, vocab, merges)
         w.add_tokenizer_pre(t.pre)
         w.add_token_list(tokens)
         w.add_token_types([1] * plain + [3] * (len(tokens) - plain))
