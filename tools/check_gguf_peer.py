@@ -63,7 +63,7 @@ def whole_token_cases(merges: list[str]) -> list[str]:
 
     tokens, plain = bpe_vocabulary("llama3", SHAPES["llama3"].vocab, merges)
     bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens[:plain])},
-                     merges=[tuple(m.split(" ")) for m in merges])
+                     merges=[(a, b) for a, b in (m.split(" ") for m in merges)])
     byte_of = {c: b for b, c in enumerate(byte_level_alphabet())}
     out = []
     for token in tokens[256:plain]:
