@@ -28,7 +28,14 @@ from pathlib import Path
 import httpx
 
 from ringserve.tools.bench_llamacpp import free_port, start, stop
-from ringserve.tools.random_gguf import Shape, bpe_vocabulary, merges_for, sample_texts, write_random_gguf
+from ringserve.tools.random_gguf import (
+    LAYOUTS,
+    Shape,
+    bpe_vocabulary,
+    merges_for,
+    sample_texts,
+    write_random_gguf,
+)
 
 # Small shapes of each family (a file is a few MB); head_dim 64 puts three of llama3's rotary
 # pairs between its low and high frequency bounds.
@@ -92,7 +99,7 @@ def check_family(arch: str, merges: list[str], args: argparse.Namespace, work: P
 
     shape = SHAPES[arch]
     path = work / f"{arch}.gguf"
-    write_random_gguf(path, shape, "q4_k_m", seed=3, progress=False, arch=arch, merges=merges)
+    write_random_gguf(path, shape, args.layout, seed=3, progress=False, arch=arch, merges=merges)
     ours = Tokenizer.from_dir(resolve_model(str(path)))
     texts = strings(args.strings, merges)
     port = free_port()
@@ -164,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", required=True, help="the llama-server binary")
     p.add_argument("--arch", default="llama3,qwen2")
+    p.add_argument("--layout", choices=LAYOUTS, default="q4_k_m", help="tools/random_gguf.py --layout")
     p.add_argument("--strings", type=int, default=400, help="how many strings to tokenize")
     p.add_argument("--tokens", type=int, default=4, help="greedy tokens per prompt")
     p.add_argument("--top", type=int, default=5, help="top logprobs compared")
