@@ -4,8 +4,10 @@ The folder holds config.json, model.safetensors, tokenizer.json, tokenizer_confi
 generation_config.json. Every tensor keeps its GGUF type: F32, F16 and BF16 as safetensors
 floats, the block-quantized types as their raw blocks (U8 [rows, bytes per row], the type named
 in the header's metadata: gpu/weights.py reads them back as GGMLTensor), so nothing is widened
-on disk and the conversion is exact. Only the llama architecture and SUPPORTED_TYPES are
-accepted; anything else is a ModelError that names what was refused.
+on disk and the conversion is exact. The architectures in ARCHITECTURES (llama, with llama3 rope
+scaling through its rope_freqs tensor; qwen2, with q/k/v biases), the byte-level BPE
+pre-tokenizers in PRE_TOKENIZERS and the tensor types in SUPPORTED_TYPES are accepted; anything
+else is a ModelError that names what was refused.
 
     convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "out_dir")
 
@@ -14,8 +16,10 @@ The caller (model_store) writes into a temporary folder and renames it into plac
 from __future__ import annotations
 
 import json
+import math
 import struct
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,51 @@ BLOCK_TYPES_KEY = "ringserve.block_types"     # header metadata: JSON {tensor na
 TOKEN_TYPE_CONTROL = 3       # llama.cpp's token types: CONTROL tokens are the special ones
 TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are matched whole but are not special
 
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """A GGUF architecture we convert: its HF class, and how llama.cpp stored its tensors."""
+    hf_architecture: str
+    model_type: str
+    permuted_qk: bool     # llama.cpp permutes q/k rows for its interleaved ("normal") RoPE
+    qkv_bias: bool
+
+
+# GGUF general.architecture -> what it is in HF terms. Qwen2 uses llama.cpp's NEOX RoPE, the HF
+# rotate_half layout, so its q/k rows are stored as they are.
+ARCHITECTURES = {
+    "llama": _Arch("LlamaForCausalLM", "llama", permuted_qk=True, qkv_bias=False),
+    "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", permuted_qk=False, qkv_bias=True),
+}
+
+# tokenizer.ggml.pre -> how llama.cpp splits text before BPE (src/llama-vocab.cpp
+# llm_tokenizer_bpe): GPT-2's regex (built into the byte-level step), after every digit alone
+# for smollm; its own regex for llama3 and qwen2, with the contractions spelled case by case as
+# llama.cpp does (the HF files have (?i:'s|...)). Every match is kept as its own piece.
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+LLAMA3_REGEX = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    regex: str | None             # None: GPT-2's
+    digits_alone: bool = False    # every digit its own piece first (smollm)
+    ignore_merges: bool = False   # a piece that is itself a token is taken whole (llama3)
+    add_bos: bool = False         # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+
+
+PRE_TOKENIZERS = {
+    "default": _PreTokenizer(None),
+    "gpt-2": _PreTokenizer(None),
+    "smollm": _PreTokenizer(None, digits_alone=True),
+    "llama-bpe": _PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
+    "qwen2": _PreTokenizer(QWEN2_REGEX),
+}
+
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -43,6 +92,12 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_BIAS_TENSORS = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+ROPE_FREQS = "rope_freqs.weight"   # llama3 rope scaling: llama.cpp divides each frequency by it
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -55,18 +110,27 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_gguf(gguf_path)
     meta = _Metadata(reader, gguf_path)
-    config = hf_config(meta, tensor_names={t.name for t in reader.tensors})
-    tensors = _plan_tensors(reader, config, gguf_path)  # validates every tensor before writing
+    names = {t.name: t for t in reader.tensors}
+    config = hf_config(meta, tensor_names=set(names),
+                       rope_freqs=_rope_freqs(names[ROPE_FREQS], gguf_path) if ROPE_FREQS in names else None)
+    arch = meta.require("general.architecture")
+    tensors = _plan_tensors(reader, arch, config, gguf_path)  # validates every tensor before writing
+    tokenizer, tokenizer_config = build_tokenizer(meta)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None})
-    tokenizer, tokenizer_config = build_tokenizer(meta)
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
     _write_safetensors(out_dir / "model.safetensors", tensors, progress=progress,
                        desc=f"converting {gguf_path.name}")
     return out_dir
+
+
+def _rope_freqs(tensor, path: Path) -> np.ndarray:
+    if tensor.tensor_type.name != "F32" or tensor.data.nbytes != tensor.n_bytes:
+        raise ModelError(f"{path}: tensor {ROPE_FREQS} must be whole F32 (is {tensor.tensor_type.name})")
+    return np.asarray(tensor.data, dtype=np.float32)
 
 
 def open_gguf(path: Path):
@@ -118,66 +182,163 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def hf_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
+def hf_config(meta: _Metadata, tensor_names: set[str],
+              rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """config.json for the GGUF's metadata; ``rope_freqs``: its rope_freqs tensor, if it has one."""
     arch = meta.require("general.architecture")
-    if arch != "llama":
-        raise ModelError(f"{meta.path}: GGUF architecture {arch!r} is not supported (llama only)")
-    if meta.get("llama.expert_count", 0):
-        raise ModelError(f"{meta.path}: llama.expert_count (mixture of experts) is not supported")
-    hidden = int(meta.require("llama.embedding_length"))
-    heads = int(meta.require("llama.attention.head_count"))
-    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
-    rotary_dim = int(meta.get("llama.rope.dimension_count", head_dim))
+    if arch not in ARCHITECTURES:
+        raise ModelError(f"{meta.path}: GGUF architecture {arch!r} is not supported "
+                         f"({', '.join(ARCHITECTURES)})")
+    kind = ARCHITECTURES[arch]
+
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    if meta.get(key("expert_count"), 0):
+        raise ModelError(f"{meta.path}: {key('expert_count')} (mixture of experts) is not supported")
+    hidden = _int(meta, key("embedding_length"))
+    heads = _int(meta, key("attention.head_count"))
+    kv_heads = _int(meta, key("attention.head_count_kv"), heads)
+    head_dim = _int(meta, key("attention.key_length"), hidden // heads)
+    rotary_dim = _int(meta, key("rope.dimension_count"), head_dim)
     if rotary_dim != head_dim:
-        raise ModelError(f"{meta.path}: llama.rope.dimension_count {rotary_dim} != head_dim {head_dim} "
+        raise ModelError(f"{meta.path}: {key('rope.dimension_count')} {rotary_dim} != head_dim {head_dim} "
                          f"(partial rotary embeddings are not supported)")
-    scaling_type = meta.get("llama.rope.scaling.type", "none")
+    rope_theta = _f32(_number(meta, key("rope.freq_base"), 10000.0))
+    scaling_type = meta.get(key("rope.scaling.type"), "none")
     if scaling_type == "none":
         rope_scaling = None
     elif scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": _f32(meta.require("llama.rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": _f32(_number(meta, key("rope.scaling.factor")))}
     else:
-        raise ModelError(f"{meta.path}: llama.rope.scaling.type {scaling_type!r} is not supported")
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelError(f"{meta.path}: tensor rope_freqs.weight (llama3 rope frequencies) is not supported")
-    tokens = meta.require("tokenizer.ggml.tokens")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+        raise ModelError(f"{meta.path}: {key('rope.scaling.type')} {scaling_type!r} is not supported "
+                         "(none, linear; llama3 comes as the rope_freqs tensor)")
+    if rope_freqs is not None:
+        if rope_scaling is not None:
+            raise ModelError(f"{meta.path}: tensor {ROPE_FREQS} together with {scaling_type} rope scaling "
+                             "is not supported")
+        rope_scaling = llama3_rope_scaling(rope_freqs, rope_theta, head_dim, meta.path)
+    tokens = _tokens(meta)
+    eos = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens))
+    pad = _token_id(meta, "tokenizer.ggml.padding_token_id", len(tokens), strict=False)
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
+        "architectures": [kind.hf_architecture],
+        "model_type": kind.model_type,
+        "vocab_size": _int(meta, key("vocab_size"), len(tokens)),
         "hidden_size": hidden,
-        "intermediate_size": int(meta.require("llama.feed_forward_length")),
-        "num_hidden_layers": int(meta.require("llama.block_count")),
+        "intermediate_size": _int(meta, key("feed_forward_length")),
+        "num_hidden_layers": _int(meta, key("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(meta.require("llama.context_length")),
-        "rms_norm_eps": _f32(meta.require("llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
+        "max_position_embeddings": _int(meta, key("context_length")),
+        "rms_norm_eps": _f32(_number(meta, key("attention.layer_norm_rms_epsilon"))),
+        "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
-        "attention_bias": False,
+        "attention_bias": kind.qkv_bias,
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
         "eos_token_id": eos,
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", eos),
+        "pad_token_id": eos if pad is None else pad,
         "torch_dtype": "float32",   # the activations' type: the weights keep their own
     }
+
+
+def _number(meta: _Metadata, key: str, default: float | None = None) -> float:
+    value = meta.require(key) if default is None else meta.get(key, default)
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value <= 0):
+        raise ModelError(f"{meta.path}: GGUF metadata {key} {value!r} must be a positive number")
+    return float(value)
+
+
+def _int(meta: _Metadata, key: str, default: int | None = None) -> int:
+    value = meta.require(key) if default is None else meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelError(f"{meta.path}: GGUF metadata {key} {value!r} must be a positive integer")
+    return value
+
+
+def _tokens(meta: _Metadata) -> list[str]:
+    tokens = meta.require("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.tokens must be a list of strings")
+    return tokens
+
+
+def _token_id(meta: _Metadata, key: str, n_tokens: int, strict: bool = True) -> int | None:
+    """A token id from the metadata (None if absent). Out of the vocabulary: a ModelError, or
+    with ``strict=False`` (pad, unk: nothing relies on them) ignored as llama.cpp ignores it."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelError(f"{meta.path}: GGUF metadata {key} {value!r} must be a token id")
+    if not 0 <= value < n_tokens:
+        if strict:
+            raise ModelError(f"{meta.path}: GGUF metadata {key} {value} is outside the vocabulary "
+                             f"of {n_tokens} tokens")
+        return None
+    return value
+
+
+def llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int, path: Path) -> dict[str, Any]:
+    """transformers' llama3 ``rope_scaling`` that gives the frequencies llama.cpp gets from
+    ``rope_freqs`` (each rotary frequency divided by its entry), checked to float32 rounding.
+
+    llama.cpp's converter writes the tensor from (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings): 1 for fast wavelengths, `factor` for slow ones, and
+    1 / ((1 - s) / factor + s) between, s = (orig / wavelength - low) / (high - low). The values
+    fix only orig / (high - low) and low / (high - low), so low_freq_factor is taken as 1 (what
+    Llama 3.x uses) and the rest fitted; Llama 3's own (8192, 1, 4) is tried when too few
+    entries lie between to fit."""
+    from ringserve.gpu.config import ModelConfig
+    from ringserve.gpu.rope import inv_freq
+
+    rf = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    if rf.size != head_dim // 2 or not np.isfinite(rf).all() or (rf < 1 - 1e-6).any():
+        raise ModelError(f"{path}: tensor {ROPE_FREQS} must be {head_dim // 2} finite factors >= 1 "
+                         f"(got {rf.size} values)")
+    plain = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    factor = float(rf.max())
+    candidates = [(8192, 1.0, 4.0)]
+    medium = (rf > 1 + 1e-6) & (rf < factor * (1 - 1e-6))
+    if factor > 1 + 1e-6 and medium.sum() >= 2:
+        s = (1 / rf[medium] - 1 / factor) / (1 - 1 / factor)
+        # s = orig / (2 pi (high - low)) * frequency - low / (high - low)
+        slope, intercept = np.polyfit(plain[medium], s, 1)
+        if intercept < 0:
+            high = 1 - 1 / intercept
+            candidates.insert(0, (round(2 * math.pi * slope * (high - 1)), 1.0, float(f"{high:.6g}")))
+    want = (plain / rf).astype(np.float32)
+    for orig, low, high in candidates:
+        scaling = {"rope_type": "llama3", "factor": _f32(factor), "low_freq_factor": low,
+                   "high_freq_factor": high, "original_max_position_embeddings": int(orig)}
+        if orig <= 0 or high <= low:
+            continue
+        config = ModelConfig.from_dict({
+            "architectures": ["LlamaForCausalLM"], "vocab_size": 1, "hidden_size": head_dim,
+            "intermediate_size": 1, "num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": head_dim,
+            "rope_theta": theta, "rope_scaling": scaling})
+        if np.allclose(inv_freq(config), want, rtol=1e-5, atol=0):
+            return scaling
+    raise ModelError(f"{path}: tensor {ROPE_FREQS} is not llama3 rope scaling (no factor, low/high "
+                     "frequency factors and original context reproduce it)")
 
 
 # ----------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str, path: Path) -> str:
+def _hf_name(gguf_name: str, arch: str, path: Path) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = {**_LAYER_TENSORS, **(_BIAS_TENSORS if ARCHITECTURES[arch].qkv_bias else {})}
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-    raise ModelError(f"{path}: tensor {gguf_name} is not part of a llama model we support")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}"
+    raise ModelError(f"{path}: tensor {gguf_name} is not part of a {arch} model we support")
 
 
 class _Tensor:
@@ -209,10 +370,12 @@ class _Tensor:
         return rows.tobytes()
 
 
-def _plan_tensors(reader, config: dict[str, Any], path: Path) -> list[_Tensor]:
+def _plan_tensors(reader, arch: str, config: dict[str, Any], path: Path) -> list[_Tensor]:
     planned = []
     for t in reader.tensors:
-        hf_name = _hf_name(t.name, path)
+        if t.name == ROPE_FREQS:   # already in config.json as its rope_scaling
+            continue
+        hf_name = _hf_name(t.name, arch, path)
         type_name = t.tensor_type.name
         if type_name not in SUPPORTED_TYPES:
             raise ModelError(f"{path}: tensor {t.name} has type {type_name}, not supported "
@@ -224,14 +387,14 @@ def _plan_tensors(reader, config: dict[str, Any], path: Path) -> list[_Tensor]:
             raise ModelError(f"{path}: tensor {t.name} of type {type_name} has shape {shape}; "
                              f"block-quantized tensors must be matrices")
         heads = None
-        if t.name.endswith(".attn_q.weight"):
+        if ARCHITECTURES[arch].permuted_qk and t.name.endswith(".attn_q.weight"):
             heads = config["num_attention_heads"]
-        elif t.name.endswith(".attn_k.weight"):
+        elif ARCHITECTURES[arch].permuted_qk and t.name.endswith(".attn_k.weight"):
             heads = config["num_key_value_heads"]
         planned.append(_Tensor(t, hf_name, shape, heads))
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"])
-        for name in _LAYER_TENSORS.values()}
+        for name in [*_LAYER_TENSORS.values(), *(_BIAS_TENSORS.values() if config["attention_bias"] else [])]}
     missing = sorted(expected - {t.hf_name for t in planned})
     if missing:
         raise ModelError(f"{path}: missing tensor for {missing[0]}"
@@ -279,20 +442,36 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
+def _vocabulary(meta: _Metadata) -> tuple[list[str], list[int], list[tuple[str, str]]]:
+    """tokens, their types and the merges, each checked: an odd file is a ModelError, not a crash."""
+    tokens = _tokens(meta)
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
+        raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.token_type must be one integer "
+                         f"per token ({len(tokens)})")
+    merges = meta.require("tokenizer.ggml.merges")
+    if not isinstance(merges, list):
+        merges = [merges]
+    for m in merges:
+        if not isinstance(m, str) or m.count(" ") != 1:
+            raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.merges has {m!r}, not 'left right'")
+    return tokens, types, [(a, b) for a, b in (m.split(" ") for m in merges)]
+
+
 def build_tokenizer(meta: _Metadata):
     """(tokenizers.Tokenizer, tokenizer_config dict) for a GGUF 'gpt2' (byte-level BPE) vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     model = meta.require("tokenizer.ggml.model")
     if model != "gpt2":
         raise ModelError(f"{meta.path}: tokenizer.ggml.model {model!r} is not supported "
                          "(gpt2 byte-level BPE only)")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in ("smollm", "default", "gpt-2"):
-        raise ModelError(f"{meta.path}: tokenizer.ggml.pre {pre!r} is not supported (smollm, gpt-2)")
-    tokens: list[str] = list(meta.require("tokenizer.ggml.tokens"))
-    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
+    pre_name = meta.get("tokenizer.ggml.pre", "default")
+    if pre_name not in PRE_TOKENIZERS:
+        raise ModelError(f"{meta.path}: tokenizer.ggml.pre {pre_name!r} is not supported "
+                         f"({', '.join(PRE_TOKENIZERS)})")
+    pre = PRE_TOKENIZERS[pre_name]
+    tokens, types, merges = _vocabulary(meta)
 
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
@@ -307,12 +486,14 @@ def build_tokenizer(meta: _Metadata):
     if len(vocab) != len(tokens):
         raise ModelError(f"{meta.path}: tokenizer.ggml.tokens has duplicate tokens")
 
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    # llama.cpp's 'smollm' pre-tokenizer: every digit alone, then the GPT-2 regex.
-    splitters: list[pre_tokenizers.PreTokenizer] = [
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if pre == "smollm":
-        splitters.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                               ignore_merges=pre.ignore_merges))
+    splitters: list[pre_tokenizers.PreTokenizer] = []
+    if pre.digits_alone:
+        splitters.append(pre_tokenizers.Digits(individual_digits=True))
+    if pre.regex is not None:
+        splitters.append(pre_tokenizers.Split(Regex(pre.regex), behavior="isolated", invert=False))
+    splitters.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.regex is None))
     tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
@@ -320,12 +501,12 @@ def build_tokenizer(meta: _Metadata):
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i in sorted(added) if types[i] == TOKEN_TYPE_USER_DEFINED])
 
-    def token_at(key: str) -> str | None:
-        i = meta.get(key)
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+    def token_at(key: str, strict: bool = True) -> str | None:
+        i = _token_id(meta, key, len(tokens), strict)
+        return None if i is None else tokens[i]
 
     bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
     if (add_bos and bos) or (add_eos and eos):
@@ -338,12 +519,12 @@ def build_tokenizer(meta: _Metadata):
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
         "eos_token": eos,
-        "pad_token": token_at("tokenizer.ggml.padding_token_id") or eos,
-        "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
+        "pad_token": token_at("tokenizer.ggml.padding_token_id", strict=False) or eos,
+        "unk_token": token_at("tokenizer.ggml.unknown_token_id", strict=False),
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
         "chat_template": meta.get("tokenizer.chat_template"),
     }
     return tok, {k: v for k, v in config.items() if v is not None}

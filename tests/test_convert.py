@@ -173,7 +173,7 @@ def test_tied_embeddings_when_there_is_no_output_tensor(tmp_path):
     (dict(arch="gpt2"), "architecture 'gpt2' is not supported"),
     (dict(type_overrides={"attn_v.weight": "F64"}), "blk.0.attn_v.weight has type F64"),
     (dict(extra_tensors={"blk.0.attn_q.bias": np.zeros(64, np.float32)}), "blk.0.attn_q.bias"),
-    (dict(extra_tensors={"rope_freqs.weight": np.ones(8, np.float32)}), "rope_freqs.weight"),
+    (dict(extra_tensors={"rope_freqs.weight": np.ones(5, np.float32)}), "rope_freqs.weight must be 8 finite"),
 ])
 def test_unsupported_gguf_is_a_model_error(tmp_path, kwargs, message):
     make_tiny_gguf(tmp_path / "bad.gguf", num_layers=1, **kwargs)
