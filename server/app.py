@@ -359,8 +359,10 @@ class ServerInfo:
         ctx, o = self._ctx, self._options
         cache = o.cache_config()
         engines = len(o.engine_snapshots())
-        block_size = cache.block_size if cache else None
-        blocks = cache.num_gpu_blocks if cache else None
+        block_size = blocks = total = None  # no engine connected: unknown
+        if cache is not None:
+            block_size, blocks = cache.block_size, cache.num_gpu_blocks
+            total = blocks * block_size * engines
         json_response(resp, {
             "model": ctx.model_name, "served_model_name": ctx.model_name,
             "served_model_names": ctx.served_model_names,
@@ -369,7 +371,7 @@ class ServerInfo:
             "max_model_len": ctx.max_model_len, "context_length": ctx.max_model_len,
             "block_size": block_size, "page_size": block_size,
             "num_gpu_blocks": blocks,  # per engine
-            "max_total_num_tokens": None if cache is None else blocks * block_size * engines,
+            "max_total_num_tokens": total,
             "num_engines_alive": engines, "dp_size": o.server_info.get("engines", engines),
             **o.server_info})
 
