@@ -1,5 +1,6 @@
 """vLLM's router (PyPI vllm-router, the `test` extra) in front of two real ringserve servers on
-the tiny model: power_of_two follows the load each replica reports at GET /get_load (issue 18)."""
+the tiny model: round_robin spreads; power_of_two follows the load each replica reports at
+GET /get_load (issue 18)."""
 from __future__ import annotations
 
 import subprocess
@@ -31,33 +32,49 @@ def replicas(serve, tiny_model_dir, no_segment_left_behind) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def router(replicas, tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("router") / "router.log"
-    cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
-           "--port", str(port), "--policy", "power_of_two", "--worker-startup-check-interval", "1",
-           "--prometheus-port", str(free_port()), "--worker-urls", *replicas]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
+def start_router(replicas, tmp_path_factory):
+    """Start vllm-router with a policy in front of both replicas; get its URL. Stopped after
+    the module."""
+    procs: list[subprocess.Popen] = []
+
+    def start(policy: str) -> str:
+        port = free_port()
+        log = tmp_path_factory.mktemp("router") / "router.log"
+        cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
+               "--port", str(port), "--policy", policy, "--worker-startup-check-interval", "1",
+               "--prometheus-port", str(free_port()), "--worker-urls", *replicas]
+        with open(log, "wb") as f:
+            procs.append(proc := subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT))
+        url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
             assert proc.poll() is None, log.read_text()
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
+                    return url
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.3)
-        yield url
-    finally:
+
+    yield start
+    for proc in procs:
         proc.terminate()
         proc.wait(30)
 
 
-def test_power_of_two_follows_get_load(replicas, router):
+def test_round_robin_spreads(replicas, start_router):
+    router = start_router("round_robin")
+    before = [_successes(u) for u in replicas]
+    for _ in range(8):
+        r = httpx.post(router + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    assert [_successes(u) - b for u, b in zip(replicas, before, strict=True)] == [4, 4]
+
+
+def test_power_of_two_follows_get_load(replicas, start_router):
+    router = start_router("power_of_two")
     busy, idle = replicas
     body = {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
     with ThreadPoolExecutor(HELD) as pool:
