@@ -48,6 +48,8 @@ class AppOptions:
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # --enable-debug-endpoints: what /debug/engines shows (server/debug.py); None: no such routes
     debug_engines: Callable[[], list[dict]] | None = None
+    # Static facts for /get_server_info, set by the launcher (instance id, scheduler settings)
+    server_info: dict[str, Any] = field(default_factory=dict)
 
 
 # --- plumbing --------------------------------------------------------------------------------
@@ -315,6 +317,65 @@ class Metrics:
                            self._options.engine_snapshots(), self._options.cache_config())
 
 
+class Load:
+    """What routers poll for the least-loaded replica: the requests the engines hold now (waiting +
+    running, over all engines), read from the stats every engine publishes, the same snapshots
+    /metrics reads. Open like /metrics: routers poll without a key.
+
+    GET /get_load is the shape vllm-router's power_of_two reads (`{"load": n}`, SGLang's name);
+    GET /load is vLLM's (`{"server_load": n}`). NOTE: vLLM counts HTTP requests in flight in its
+    API server; ours counts engine requests, so a request with n > 1 weighs n."""
+    public = True
+
+    def __init__(self, options: AppOptions):
+        self._options = options
+
+    def _engines(self) -> list[dict[str, Any]]:
+        return [{"engine": i, "num_requests_waiting": s.num_waiting,
+                 "num_requests_running": s.num_running, "kv_cache_usage_perc": s.kv_cache_usage}
+                for i, s in enumerate(self._options.engine_snapshots())]
+
+    async def on_get(self, req, resp) -> None:
+        engines = self._engines()
+        waiting = sum(e["num_requests_waiting"] for e in engines)
+        running = sum(e["num_requests_running"] for e in engines)
+        json_response(resp, {"load": waiting + running, "num_requests_waiting": waiting,
+                             "num_requests_running": running, "engines": engines})
+
+    async def on_get_vllm(self, req, resp) -> None:
+        engines = self._engines()
+        json_response(resp, {"server_load": sum(e["num_requests_waiting"] + e["num_requests_running"]
+                                                for e in engines)})
+
+
+class ServerInfo:
+    """GET /get_server_info and /server_info: what a router or a tool reads to know the replica
+    (SGLang's names where SGLang has one, vLLM's beside them). Behind --api-key like the API."""
+
+    def __init__(self, ctx: ServerContext, options: AppOptions):
+        self._ctx, self._options = ctx, options
+
+    async def on_get(self, req, resp) -> None:
+        ctx, o = self._ctx, self._options
+        cache = o.cache_config()
+        engines = len(o.engine_snapshots())
+        block_size = blocks = total = None  # no engine connected: unknown
+        if cache is not None:
+            block_size, blocks = cache.block_size, cache.num_gpu_blocks
+            total = blocks * block_size * engines
+        json_response(resp, {
+            "model": ctx.model_name, "served_model_name": ctx.model_name,
+            "served_model_names": ctx.served_model_names,
+            "model_path": o.model_root, "tokenizer_path": o.model_root,
+            "version": _pkg_version("ringserve"),
+            "max_model_len": ctx.max_model_len, "context_length": ctx.max_model_len,
+            "block_size": block_size, "page_size": block_size,
+            "num_gpu_blocks": blocks,  # per engine
+            "max_total_num_tokens": total,
+            "num_engines_alive": engines, "dp_size": o.server_info.get("engines", engines),
+            **o.server_info})
+
+
 # --- assembly --------------------------------------------------------------------------------
 
 def create_app(ctx: ServerContext, options: AppOptions | None = None):
@@ -338,6 +399,12 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
     app.add_route("/health", Health(options))
     app.add_route("/version", Version())
     app.add_route("/metrics", Metrics(ctx, options))
+    load = Load(options)
+    app.add_route("/get_load", load)
+    app.add_route("/load", load, suffix="vllm")
+    info = ServerInfo(ctx, options)
+    app.add_route("/get_server_info", info)
+    app.add_route("/server_info", info)
     if options.debug_engines is not None:
         from ringserve.server.debug import add_debug_routes
         add_debug_routes(app, options.debug_engines)

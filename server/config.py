@@ -16,6 +16,7 @@ import typing
 from dataclasses import MISSING, Field, dataclass, field, fields
 
 API_KEY_ENV = "RINGSERVE_API_KEY"  # --api-key's default
+METRICS_PREFIXES = ("ringserve", "vllm")  # --metrics-prefix: every metric is "<prefix>:..."
 
 
 @dataclass(kw_only=True)
@@ -62,6 +63,10 @@ class ServerConfig:
                 "killed and restarted; its open requests fail"})
     log_level: str = field(default="info", metadata={
         "choices": ("critical", "error", "warning", "info", "debug"), "help": "log level"})
+    metrics_prefix: str = field(default="ringserve", metadata={
+        "choices": METRICS_PREFIXES,
+        "help": "the prefix of every /metrics name: \"vllm\" serves vLLM's names (vllm:...), for "
+                "dashboards and routers that read those"})
     enable_debug_endpoints: bool = field(default=False, metadata={
         "help": "serve GET /debug/engines and /dashboard (engines publish a snapshot)"})
     tool_call_parser: str | None = field(default=None, metadata={

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -192,6 +193,8 @@ class Launcher:
             "control_paths": [e.control_path for e in self.engines],
             "debug_paths": ([self._debug_path(e.index) for e in self.engines]
                             if a.enable_debug_endpoints else None),
+            "metrics_prefix": a.metrics_prefix,
+            "server_info": self._server_info(),
         }
         env = dict(os.environ,
                    PROMETHEUS_MULTIPROC_DIR=str(prom),
@@ -214,6 +217,16 @@ class Launcher:
         # Its own session: a signal to our process group must not reach Gunicorn, which takes
         # SIGINT as a quick (stream-cutting) stop; we drain it with SIGTERM (shutdown).
         return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def _server_info(self) -> dict:
+        """The static facts /get_server_info shows (server/app.py ServerInfo): one instance id
+        for all workers of this server, and the scheduler settings routers size replicas by."""
+        e = self.engine_config
+        return {"instance_id": uuid.uuid4().hex, "engines": len(self.engines), "device": e.device,
+                "max_num_seqs": e.max_num_seqs, "max_running_requests": e.max_num_seqs,
+                "max_num_batched_tokens": e.max_num_batched_tokens,
+                "enable_prefix_caching": e.enable_prefix_caching,
+                "kv_events_config": None}  # KV events are not published (issue 18 item 3)
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property

@@ -1,4 +1,7 @@
-"""Prometheus metrics under vLLM's names and buckets, with the `ringserve:` prefix.
+"""Prometheus metrics under vLLM's names, units and buckets, with the `ringserve:` prefix, or
+`vllm:` with --metrics-prefix vllm (then a vLLM dashboard or a router's default scrape config
+reads them as they are). The prefix is chosen once, in RequestMetrics; the engine metrics take it
+from there.
 
 Two sources make up one /metrics page:
 - request metrics (TTFT, inter-token latency, e2e latency, token counters, finish reasons) are
@@ -21,7 +24,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-P = "ringserve:"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -67,7 +69,8 @@ class CacheConfig:
 class RequestMetrics:
     """The per-request metrics one worker observes."""
 
-    def __init__(self, model_name: str, max_model_len: int):
+    def __init__(self, model_name: str, max_model_len: int, prefix: str = "ringserve"):
+        self.prefix = P = prefix + ":"  # every metric's name starts with it, engine ones too
         self._registry = None if multiprocess() else CollectorRegistry()
         labels = ["model_name"]
         tokens_buckets = build_1_2_5_buckets(max_model_len)
@@ -124,10 +127,12 @@ def multiprocess() -> bool:
 
 
 class _EngineCollector:
-    def __init__(self, model_name: str, stats: list[EngineSnapshot], cache: CacheConfig | None):
-        self._model_name, self._stats, self._cache = model_name, stats, cache
+    def __init__(self, prefix: str, model_name: str, stats: list[EngineSnapshot],
+                 cache: CacheConfig | None):
+        self._prefix, self._model_name, self._stats, self._cache = prefix, model_name, stats, cache
 
     def collect(self) -> Iterable:
+        P = self._prefix
         labels = ["model_name", "engine"]
         running = GaugeMetricFamily(P + "num_requests_running",
                                     "Number of requests in model execution batches.",
@@ -174,7 +179,7 @@ def render(requests: RequestMetrics, model_name: str, engine_stats: list[EngineS
            cache: CacheConfig | None) -> bytes:
     """The whole /metrics page: every worker's request metrics plus every engine's gauges."""
     engines = CollectorRegistry()
-    engines.register(_EngineCollector(model_name, engine_stats, cache))
+    engines.register(_EngineCollector(requests.prefix, model_name, engine_stats, cache))
     return generate_latest(requests.registry()) + generate_latest(engines)
 
 

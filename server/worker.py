@@ -59,7 +59,7 @@ def worker_app():
     names = cfg["served_model_names"]
     client = EngineClient(cfg["control_paths"], max_stream_backlog=cfg["max_stream_backlog"])
     ctx = ServerContext(Tokenizer.from_dir(cfg["model_dir"]), client, names, cfg["max_model_len"],
-                        RequestMetrics(names[0], cfg["max_model_len"]),
+                        RequestMetrics(names[0], cfg["max_model_len"], cfg["metrics_prefix"]),
                         RequestLimits(**cfg["request_limits"]), cfg["vocab_size"],
                         tool_call_parser=cfg.get("tool_call_parser"))
 
@@ -77,6 +77,7 @@ def worker_app():
         engine_snapshots=lambda: snapshots(client),
         cache_config=lambda: cache_config(client),
         on_startup=[start], on_shutdown=[client.close],
+        server_info=cfg["server_info"],
         debug_engines=((lambda: engine_views(client, cfg["debug_paths"]))
                        if cfg.get("debug_paths") else None))
     return create_app(ctx, options)

@@ -1,5 +1,5 @@
 """--api-key against a real server: every protected route, however its path is spelled, is 401
-without the key and served with it; /health, /version and /metrics stay open; the key given as
+without the key and served with it; /health, /version, /metrics and the load stay open; the key given as
 RINGSERVE_API_KEY appears on no command line of the server's processes."""
 from __future__ import annotations
 
@@ -25,8 +25,10 @@ PROTECTED = [
     ("POST", "/detokenize", {"tokens": [1, 2]}),
     ("GET", "/debug/engines", None),
     ("GET", "/dashboard", None),
+    ("GET", "/get_server_info", None),
+    ("GET", "/server_info", None),
 ]
-OPEN = ["/health", "/version", "/metrics"]
+OPEN = ["/health", "/version", "/metrics", "/get_load", "/load"]  # routers poll the load keyless
 
 
 def spellings(path: str) -> list[str]:
