@@ -5,7 +5,6 @@ submit() before it returns, and samples on the host (gpu/sampler.py).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numba
@@ -17,7 +16,7 @@ from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu_int8_kernels import has_vnni
 from ringserve.gpu.cpu_kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
 from ringserve.gpu.cpu_ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
-from ringserve.gpu.devices import host_memory_available
+from ringserve.gpu.devices import cpu_threads_per_engine, host_memory_available
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.model import LlamaWeights, compute_logits, hidden_states
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
@@ -182,11 +181,15 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def default_num_threads() -> int:
-    """Half the cores this process may run on (at least 1, at most Numba's thread pool).
+def default_num_threads(engines: int = 1) -> int:
+    """The cores this process may run on, shared by `engines` CPU engines (at least 1, at most
+    Numba's thread pool), as llama.cpp's -t defaults to the cores.
 
-    The other half is left to the frontend's workers. A step runs ~120 parallel regions, and
-    each one waits for its slowest thread: on the 2-core VM, with another process busy on both
-    cores, a 2-thread batch-1 decode step took ~960 ms against ~28 ms with 1 thread; with a core
-    to spare, 2 threads gained 1.4x (27.5 -> 19.5 ms). See docs/bench_forward.md."""
-    return max(1, min(len(os.sched_getaffinity(0)) // 2, numba_max_threads()))
+    Only a linear worth ~100 us of one thread's work is split (gpu/cpu_ops.py
+    PARALLEL_MIN_MACS): a parallel region waits for its slowest thread, and the HTTP workers
+    share the cores. Measured serving over HTTP with the workers and the client on the same 2
+    cores (docs/bench_quant.md): 2 threads give the default model the same tok/s as 1 at
+    concurrency 1 and 4 and 1.14-1.16x at 16 and 64, and the Llama-3.2-1B shape 1.4-1.5x
+    everywhere. (Before that threshold, every linear split, 2 threads lost 20-35 % on the small
+    model: the default was half the cores.)"""
+    return min(cpu_threads_per_engine(engines), numba_max_threads())

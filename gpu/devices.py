@@ -87,6 +87,11 @@ def plan_engines(device: str | None, engines: int | None,
     return "cuda", [gpus[i % len(gpus)] for i in range(count)]
 
 
+def cpu_threads_per_engine(engines: int = 1) -> int:
+    """The cores this process may run on, shared by `engines` CPU engines (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, engines))
+
+
 def host_memory_available() -> int:
     """Bytes this process may still take: the kernel's MemAvailable, or less under a cgroup v2
     memory limit (a container's)."""

@@ -61,12 +61,12 @@ class DeviceConfig:
     enforce_eager: bool = field(default=False, metadata={
         "help": "cuda: no CUDA graphs for decode (debugging; slower)"})
     cpu_threads: int | None = field(default=None, metadata={
-        "help": "cpu: threads an engine step runs on (llama.cpp's -t); default: half the cores "
-                "this process may use, the other half left to the HTTP workers (docs/bench_quant.md)"})
+        "help": "cpu: threads an engine step runs on (llama.cpp's -t); default: the cores this "
+                "process may use, shared by --engines (docs/bench_quant.md)"})
     cpu_activation_dtype: str = field(default="auto", metadata={
         "choices": CPU_ACTIVATION_DTYPES,
         "help": "cpu: what quantized (GGUF integer) weights multiply: int8 blocks of the activations "
-                "through AVX-512 VNNI dot products, as llama.cpp (2-2.7x faster decode), or float32 "
+                "through AVX-512 VNNI dot products, as llama.cpp (2.3-12x the float kernels), or float32 "
                 "(exact: gguf-py's dequantized weights); auto is int8 where the CPU has VNNI"})
     attention_backend: str = field(default="auto", metadata={
         "choices": ATTENTION_BACKENDS,

@@ -107,7 +107,7 @@ class Launcher:
         """args: the parsed `serve` flags. Each settings class is built from them here, so a bad
         flag fails (ValueError) before anything starts."""
         from ringserve.engine.config import EngineConfig
-        from ringserve.gpu.devices import plan_engines
+        from ringserve.gpu.devices import cpu_threads_per_engine, plan_engines
         from ringserve.server.config import ParallelConfig, ServerConfig, from_args
         from ringserve.server.protocol import RequestLimits
         self.model_dir = model_dir
@@ -120,6 +120,9 @@ class Launcher:
         # With the device resolved, EngineConfig resolves its by-device defaults without CUDA.
         self.engine_config: EngineConfig = from_args(
             EngineConfig, args, model=str(model_dir), max_model_len=max_model_len, device=self.device)
+        if self.device == "cpu" and self.engine_config.cpu_threads is None and len(self.engine_gpus) > 1:
+            # several CPU engines share the cores (each alone would take them all)
+            self.engine_config.cpu_threads = cpu_threads_per_engine(len(self.engine_gpus))
         # What a launcher killed before its cleanup left: runtime folders, segments.
         remove_stale_runtime_dirs()
         remove_stale_segments()
