@@ -35,7 +35,6 @@ float kernels run.
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -45,7 +44,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ringserve.gpu.cpu_linear import TASKS_PER_THREAD
+from ringserve.gpu.cpu_linear import TASKS_PER_THREAD, per_thread
 from ringserve.gpu.quant import QuantWeight
 
 TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit register
@@ -339,10 +338,10 @@ def _run(q, s, m, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: no cover 
     num_tokens = xq.shape[0]
     for r in range(lo, hi):
         t = 0
-        while t + 4 <= num_tokens:
-            _tile(q, s, m, xq, xd, xs, out, r, t, 4, block, vectors)
-            t += 4
-        left = num_tokens - t
+        while t + TOKEN_TILE <= num_tokens:  # NOTE: a global int is a literal to Numba, as _tile needs
+            _tile(q, s, m, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors)
+            t += TOKEN_TILE
+        left = num_tokens - t  # the tokens left over: one kernel per count below TOKEN_TILE (4)
         if left == 3:
             _tile(q, s, m, xq, xd, xs, out, r, t, 3, block, vectors)
         elif left == 2:
@@ -405,15 +404,6 @@ def _parallel_32_8(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no co
 _DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16, _parallel_32_16),
             (32, 8): (_serial_32_8, _parallel_32_8)}
 
-_scratch = threading.local()  # per calling thread: {(T, K): Int8Rows}, reused (no allocation a call)
-
-
-def _rows_buffer(t: int, k: int) -> Int8Rows:
-    cache = _scratch.__dict__.setdefault("rows", {})
-    rows = cache.get((t, k))
-    if rows is None:
-        rows = cache[(t, k)] = _empty_rows(t, k)
-    return rows
 
 
 def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
@@ -424,7 +414,7 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
     if out is None:
         out = np.empty((t, n), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
-    rows = _rows_buffer(t, k)
+    rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))
     serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
     args = (x, w.q, w.scale, w.offset, rows.q, rows.scale, rows.sum16, rows.sum32, out)
     if parallel:

@@ -14,6 +14,9 @@ float32 scratch and handed to sgemm.
 """
 from __future__ import annotations
 
+import threading
+from typing import Callable, Hashable, TypeVar
+
 import numba
 import numpy as np
 from numba import njit, prange, types
@@ -23,6 +26,20 @@ STREAM_ROWS = 4       # up to this many token rows: one pass per weight row
 SMALL_ROWS = 64       # up to this many: 4-row x 2-token tiles (faster than sgemm here); beyond: BLAS
 TASKS_PER_THREAD = 4  # weight-row ranges per thread: evens out a thread that starts late
 WIDEN_ROWS = 4096     # bf16 weight rows widened per sgemm call (scratch of WIDEN_ROWS * in floats)
+
+_T = TypeVar("_T")
+_per_thread = threading.local()
+
+
+def per_thread(key: Hashable, make: Callable[[], _T]) -> _T:
+    """The calling thread's scratch for key, made once and reused by every later call: a fresh
+    array per call would page-fault on every step (the kernels' tiles, int8 rows)."""
+    cache = _per_thread.__dict__.setdefault("scratch", {})
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+    return value
+
 
 # Reassociation lets LLVM vectorize the dot products with several accumulators.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}

@@ -23,14 +23,12 @@ weight rows over Numba's threads (BLAS threads for the sgemm path are the caller
 """
 from __future__ import annotations
 
-import threading
-
 import numba
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ringserve.gpu.cpu_linear import TASKS_PER_THREAD, linear
+from ringserve.gpu.cpu_linear import TASKS_PER_THREAD, linear, per_thread
 from ringserve.gpu.quant import QuantWeight
 
 STREAM_ROWS = 1          # up to this many token rows: dequantize in registers, one pass per weight row
@@ -344,15 +342,8 @@ def _widen_parallel(q, s, m, lo, w, tasks):  # pragma: no cover - compiled
 
 # ---- entry point ---------------------------------------------------------------------------------
 
-_scratch = threading.local()  # per thread: {shape: float32 array}, reused across calls (no page faults)
-
-
 def _buffer(shape: tuple[int, ...]) -> np.ndarray:
-    cache = _scratch.__dict__.setdefault("arrays", {})
-    buf = cache.get(shape)
-    if buf is None:
-        buf = cache[shape] = np.empty(shape, dtype=np.float32)
-    return buf
+    return per_thread(("quant float32", shape), lambda: np.empty(shape, dtype=np.float32))
 
 
 _ZERO = np.zeros((1, 1), dtype=np.float32)
