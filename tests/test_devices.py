@@ -94,8 +94,19 @@ def test_serve_flags_reach_the_engine_config(tiny_model_dir, monkeypatch):
         assert launcher.engine_gpus == [None]
         c = launcher.engine_config
         assert (c.device, c.dtype, c.enforce_eager, c.max_num_batched_tokens) == ("cpu", "auto", False, 512)
+        assert c.cpu_threads is None  # one engine: the runner takes every core (default_num_threads)
     finally:
         shutil.rmtree(launcher.runtime)
+
+    # several CPU engines share the cores; a flag given is kept
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: set(range(8)))
+    for flags, threads in ((["--engines", "3"], 2), (["--engines", "16"], 1),
+                           (["--engines", "3", "--cpu-threads", "5"], 5)):
+        launcher = Launcher(_serve_args(["--device", "cpu", *flags]), tiny_model_dir, 64)
+        try:
+            assert launcher.engine_config.cpu_threads == threads, flags
+        finally:
+            shutil.rmtree(launcher.runtime)
 
 
 def test_engine_config_checks_the_backend_fields():
