@@ -39,7 +39,7 @@ class Server(ServeProcess):
                 if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
     def kv_usage(self) -> float:
-        return sum(v for _, v in _samples(httpx.get(self.url + "/metrics").text,
+        return sum(v for _, v in metric_samples(httpx.get(self.url + "/metrics").text,
                                           "ringserve:kv_cache_usage_perc"))
 
     def wait_idle(self, timeout: float = 60.0) -> None:
@@ -49,7 +49,7 @@ class Server(ServeProcess):
             busy = sum(v for name in ("ringserve:kv_cache_usage_perc",
                                       "ringserve:num_requests_running",
                                       "ringserve:num_requests_waiting")
-                       for _, v in _samples(text, name))
+                       for _, v in metric_samples(text, name))
             if busy == 0:
                 return
             time.sleep(0.2)
@@ -63,7 +63,8 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _samples(text: str, name: str) -> list[tuple[str, float]]:
+def metric_samples(text: str, name: str) -> list[tuple[str, float]]:
+    """(labels, value) of every sample of metric `name` on a Prometheus text page."""
     out = []
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
@@ -218,7 +219,7 @@ def test_bad_requests_then_still_serving(server):
 def test_metrics_sum_over_workers(server):
     def successes() -> list[float]:
         # Fresh connections: each scrape may be answered by either worker; all must agree.
-        return [sum(v for labels, v in _samples(httpx.get(server.url + "/metrics").text,
+        return [sum(v for labels, v in metric_samples(httpx.get(server.url + "/metrics").text,
                                                 "ringserve:request_success_total")
                     if 'finished_reason="length"' in labels) for _ in range(4)]
     before = successes()
@@ -229,11 +230,11 @@ def test_metrics_sum_over_workers(server):
         assert r.status_code == 200
     assert successes() == [before[0] + 6] * 4
     text = httpx.get(server.url + "/metrics").text
-    (labels, value), = _samples(text, "ringserve:cache_config_info")
+    (labels, value), = metric_samples(text, "ringserve:cache_config_info")
     assert 'block_size="16"' in labels and "num_gpu_blocks=" in labels and value == 1.0
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds"):
-        assert _samples(text, f"ringserve:{name}_count")[0][1] > 0
+        assert metric_samples(text, f"ringserve:{name}_count")[0][1] > 0
 
 
 async def _stream_one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[str, str]:

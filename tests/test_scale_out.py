@@ -10,6 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from test_http_server import metric_samples
+
 # One running request at a time, so the others wait; long generations (ignore_eos) so they are
 # still in the engine while the test looks.
 FLAGS = ("--max-num-seqs", "1", "--max-model-len", "2048", "--served-model-name", "tiny",
@@ -38,15 +40,6 @@ def _wait_load(url: str, want, timeout: float = 60.0) -> dict:
         time.sleep(0.02)
 
 
-def _samples(text: str, name: str) -> list[tuple[str, float]]:
-    out = []
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            labels, value = line.rsplit(" ", 1)
-            out.append((labels, float(value)))
-    return out
-
-
 def test_load_follows_the_engine(url):
     idle = _wait_load(url, lambda d: d["load"] == 0)
     assert idle == {"load": 0, "num_requests_waiting": 0, "num_requests_running": 0,
@@ -67,8 +60,8 @@ def test_load_follows_the_engine(url):
     assert busy["load"] == 3 and busy["engines"][0]["kv_cache_usage_perc"] > 0
     assert 1 <= vllm["server_load"] <= 3  # read a moment later: one may have finished
     # the vllm: gauges read the same engine stats (one path: what the engines publish)
-    running = _samples(metrics, "vllm:num_requests_running")[0][1]
-    waiting = _samples(metrics, "vllm:num_requests_waiting")[0][1]
+    running = metric_samples(metrics, "vllm:num_requests_running")[0][1]
+    waiting = metric_samples(metrics, "vllm:num_requests_waiting")[0][1]
     assert running == 1 and 0 <= waiting <= 2
     assert _wait_load(url, lambda d: d["load"] == 0)["engines"][0]["kv_cache_usage_perc"] == 0
 
@@ -98,17 +91,17 @@ def test_vllm_metric_names(url):
     assert r.status_code == 200
     text = httpx.get(url + "/metrics").text
     assert "ringserve:" not in text
-    (labels, value), = _samples(text, "vllm:cache_config_info")
+    (labels, value), = metric_samples(text, "vllm:cache_config_info")
     assert 'block_size="16"' in labels and "num_gpu_blocks=" in labels and value == 1.0
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        (labels, _), = _samples(text, f"vllm:{gauge}")
+        (labels, _), = metric_samples(text, f"vllm:{gauge}")
         assert 'engine="0"' in labels and 'model_name="tiny"' in labels
     for counter in ("prefix_cache_queries_total", "prefix_cache_hits_total",
                     "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total"):
-        assert _samples(text, f"vllm:{counter}"), counter
-    assert _samples(text, "vllm:prefix_cache_queries_total")[0][1] >= 3
-    assert _samples(text, "vllm:generation_tokens_total")[0][1] >= 4
+        assert metric_samples(text, f"vllm:{counter}"), counter
+    assert metric_samples(text, "vllm:prefix_cache_queries_total")[0][1] >= 3
+    assert metric_samples(text, "vllm:generation_tokens_total")[0][1] >= 4
     for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds"):
-        assert _samples(text, f"vllm:{hist}_count")[0][1] >= 1, hist
-        assert _samples(text, f"vllm:{hist}_bucket"), hist
+        assert metric_samples(text, f"vllm:{hist}_count")[0][1] >= 1, hist
+        assert metric_samples(text, f"vllm:{hist}_bucket"), hist
