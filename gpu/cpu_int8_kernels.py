@@ -132,8 +132,10 @@ class Int8Weight:
     vectors sum in int32 before any float work: one convert and two multiply-adds per 16 rows
     and sub-block, not per row. ``i8``: V = 16, byte = q + 128 (unsigned); ``u4``: V = 8, each
     byte's low nibble is weight 64g + 4v + j and its high nibble weight 64g + 32 + 4v + j (the
-    u4 plane's bytes, moved). ``scale`` / ``offset``: float32 [out / 16, in / block * 16], read
-    as [out / 16, in / block, 16]."""
+    u4 plane's bytes, moved). ``scale`` / ``offset``: [out / 16, in / block * 16], read as
+    [out / 16, in / block, 16], float32 or, where every value is one exactly (the legacy types'
+    scales are GGUF f16 fields), IEEE half bits (uint16): 1/16 byte a weight instead of 1/8 for
+    each plane, widened in the kernel (``vcvtph2ps``, exact)."""
 
     qtype: str
     shape: tuple[int, int]
@@ -159,7 +161,8 @@ class Int8Weight:
         q = (q ^ np.uint8(0x80)).view(np.int8) if self.kind == "i8" else q
 
         def plane(a: np.ndarray) -> np.ndarray:
-            return a.reshape(len(a), -1, TILE_ROWS)[tile, :, lane]
+            values = a.reshape(len(a), -1, TILE_ROWS)[tile, :, lane]
+            return values.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else values
         scale = plane(self.scale)
         offset = None if self.offset is None else plane(self.offset)
         return QuantWeight(self.qtype, (len(tile), self.shape[1]), self.kind,
@@ -175,9 +178,14 @@ def tiles(w: QuantWeight) -> Int8Weight:
     else:
         q = w.q.reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, 8, 4)
 
+    # NOTE: both planes in one dtype (the kernel reads them alike); half only where it is exact
+    half = all(np.array_equal(a.astype(np.float16).astype(np.float32), a)
+               for a in (w.scale, w.offset) if a is not None)
+
     def planes(a: np.ndarray | None) -> np.ndarray | None:
         if a is None:
             return None
+        a = a.astype(np.float16).view(np.uint16) if half else a
         tiled = a.reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(0, 2, 1)
         return np.ascontiguousarray(tiled).reshape(n // TILE_ROWS, -1)
     scale = planes(w.scale)
@@ -249,12 +257,25 @@ def _int_sums(builder, vectors, xbase, block: int) -> list[list[Any]]:
     return sums
 
 
-def _tile_codegen(kind: str, block: int, tokens: int, with_offset: bool):
+def _scale_loader(half: bool):
+    """IR loading sub-block ``index``'s 16 row scales (or offsets) of a plane as float32."""
+    v16f = _vec(_F32, 16)
+
+    def load(builder, tile, index):
+        if not half:
+            return _load(builder, tile, index, v16f)
+        bits = _load(builder, tile, index, _vec(ir.IntType(16), 16))
+        return builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), 16)), v16f)  # NOTE: vcvtph2ps, exact
+    return load
+
+
+def _tile_codegen(kind: str, block: int, tokens: int, with_offset: bool, half: bool):
     """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens."""
     subs = STEP // block  # sub-blocks a 64-weight step
     v16f = _vec(_F32, 16)
     zero_point = 128.0 if kind == "i8" else 0.0
     fast = ["fast"]
+    load_plane = _scale_loader(half)
 
     def codegen(context, builder, sig, args):
         q, s, m, xq, xd, xs, out, r, t0 = args[:9]
@@ -284,11 +305,11 @@ def _tile_codegen(kind: str, block: int, tokens: int, with_offset: bool):
         totals = list(acc)
         for sb in range(subs):
             index = builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb))
-            scale = _load(builder, stile, index, v16f)  # the 16 rows' scales
+            scale = load_plane(builder, stile, index)  # the 16 rows' scales
             # (m - z s): the offset term's factor per row, and the zero point of unsigned int8
             mz = builder.fmul(scale, ir.Constant(v16f, [-zero_point] * 16), flags=fast)
             if mtile is not None:
-                mz = builder.fadd(mz, _load(builder, mtile, index, v16f), flags=fast)
+                mz = builder.fadd(mz, load_plane(builder, mtile, index), flags=fast)
             act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
             for t in range(tokens):
                 dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
@@ -315,14 +336,17 @@ def _tile_codegen(kind: str, block: int, tokens: int, with_offset: bool):
 
 def _tile_typing(typingctx, q, s, m, xq, xd, xs, out, r, t0, tokens, block, vectors):
     """out[t0 + t, 16 r: 16 r + 16] = the tile's 16 rows . x[t0 + t], for t < tokens. q, s, m:
-    Int8Weight's planes as 2-D arrays (one tile a row), m None for none; xq / xd / xs: Int8Rows'
-    q, scale and the sums at the weight's sub-block size. Literals, one kernel each: tokens
-    (1..TOKEN_TILE), block (16, 32), vectors (16: int8 bytes, 8: nibbles)."""
+    Int8Weight's planes as 2-D arrays (one tile a row), m None for none, s and m float32 or
+    both half bits (uint16: a kernel each); xq / xd / xs: Int8Rows' q, scale and the sums at the
+    weight's sub-block size. Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32),
+    vectors (16: int8 bytes, 8: nibbles)."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, block, vectors)):
         return None
     kind = "i8" if vectors.literal_value == 16 else "u4"
+    half = s.dtype == types.uint16
+    assert m == types.none or (m.dtype == types.uint16) == half, "scale and offset share a dtype"
     sig = types.none(q, s, m, xq, xd, xs, out, r, t0, tokens, block, vectors)
-    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, m != types.none)
+    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, m != types.none, half)
 
 
 _tile: Any = intrinsic(_tile_typing)
