@@ -88,7 +88,7 @@ class CpuModelRunner:
         self.weights = LlamaWeights.fuse(c, hf, store)
         del hf
         self.ops = CpuOps(c, parallel=self.num_threads > 1)
-        self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype)
+        self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype, store.arena)
                           for _ in range(c.num_hidden_layers)]
         self.inv_freq = inv_freq(c)
         self._cos = self._sin = np.empty((0, c.head_dim // 2), dtype=np.float32)

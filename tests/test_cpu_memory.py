@@ -1,0 +1,68 @@
+"""gpu/cpu_memory.py: weights and the KV pool moved onto huge-page mappings keep every value,
+dtype and shape, sit 64-byte aligned, never overlap, and the mappings carry the huge-page advice."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ringserve.gpu.cpu_int8_kernels import has_vnni
+from ringserve.gpu.cpu_memory import CHUNK, HugePageArena
+from ringserve.gpu.cpu_packed import fuse_packed, packed_linear
+from ringserve.gpu.quant import random_raw
+from ringserve.gpu.weights import GGMLTensor
+
+
+def test_arrays_and_packed_weights_keep_their_values_in_the_arena():
+    rng = np.random.default_rng(0)
+    arena = HugePageArena()
+    small = [rng.standard_normal(n).astype(np.float32) for n in (1, 7, 576, 3000)]
+    large = rng.standard_normal((CHUNK // 4 // 4 + 1,)).astype(np.float32)  # its own mapping
+    placed = [arena.place(a) for a in (*small, large)]
+    for a, b in zip((*small, large), placed, strict=True):
+        assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b)
+        assert b.ctypes.data % 64 == 0 and not np.shares_memory(a, b)
+    spans = sorted((b.ctypes.data, b.ctypes.data + b.nbytes) for b in placed)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))  # apart
+    placed[0][...] = 5.0
+    assert all(np.array_equal(a, b) for a, b in zip(small[1:], placed[1:4], strict=True))
+    zeros = arena.zeros((4, 16, 3, 64), np.uint16)
+    assert zeros.shape == (4, 16, 3, 64) and not zeros.any()
+
+    # a fused packed weight of two types (a frozen dataclass of dataclasses of arrays)
+    tensors = [GGMLTensor(kind, (rows, 512), random_raw(kind, (rows, 512), rng))
+               for kind, rows in (("Q4_K", 32), ("Q6_K", 16))]
+    for int8 in (False, True) if has_vnni() else (False,):
+        fused = fuse_packed(tensors, int8)
+        moved = arena.place(fused)
+        assert type(moved) is type(fused)
+        for before, after in zip(dataclasses.astuple(fused), dataclasses.astuple(moved), strict=True):
+            assert type(before) is type(after)
+        x = rng.standard_normal((3, 512)).astype(np.float32)
+        want, got = np.empty((3, 48), np.float32), np.empty((3, 48), np.float32)
+        packed_linear(x, fused, want, parallel=False)
+        packed_linear(x, moved, got, parallel=False)
+        assert np.array_equal(want, got)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) is Linux's")
+def test_the_mappings_are_advised_huge():
+    """VmFlags 'hg' marks a mapping advised MADV_HUGEPAGE (whether or not the kernel found huge
+    pages for it at that moment): every mapping the arena makes has it."""
+    arena = HugePageArena()
+    a = arena.zeros((CHUNK,), np.uint8)          # a mapping of its own
+    b = arena.zeros((1000,), np.float32)         # a chunk's
+    vmas: list[tuple[int, int, list[str]]] = []   # (start, end, VmFlags) of every mapping
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            vmas.append((lo, hi, []))
+        elif line.startswith("VmFlags:"):
+            vmas[-1][2].extend(line.split()[1:])
+    flags = [next(f for lo, hi, f in vmas if lo <= x.ctypes.data < hi) for x in (a, b)]
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().find("[never]") < 0:
+        assert all("hg" in f for f in flags), flags
