@@ -21,7 +21,6 @@ import pytest
 
 from conftest import free_port
 from ringserve.engine.kv_cache import hash_block, root_hash
-from ringserve.engine.kv_events import external_hash
 
 zmq = pytest.importorskip("zmq", reason="pyzmq is the kv-events extra (make test installs it)")
 
@@ -53,6 +52,11 @@ class Stream:
 
     def events(self, kind: str) -> list[dict]:
         return [e for _, _, b in self.batches for e in b[1] if e["type"] == kind]
+
+
+def external_hash(block_hash: bytes) -> int:
+    """vLLM's int form of a block hash (maybe_convert_block_hash): the last 8 bytes, big-endian."""
+    return int.from_bytes(block_hash[-8:], "big")
 
 
 def _chain(tokens: list[int], parent: bytes | None = None) -> list[bytes]:
