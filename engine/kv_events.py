@@ -78,7 +78,7 @@ class KVEventsConfig:
                                  "replay_endpoint": offset_endpoint(self.replay_endpoint, rank)})
 
 
-_TYPES = {f.name: f.type for f in fields(KVEventsConfig)}
+_TYPES = {f.name: str(f.type) for f in fields(KVEventsConfig)}  # "bool", "str | None", ...
 
 
 def parse_kv_events_config(value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
