@@ -27,7 +27,8 @@ class EngineConfig(DeviceConfig, CacheConfig, SchedulerConfig):
         "help": "publish KV-cache events as vLLM does, a JSON object of vLLM's keys: "
                 "enable_kv_cache_events, publisher (\"zmq\"/\"null\"), endpoint, replay_endpoint, "
                 "buffer_steps, hwm, max_queue_size, topic; each engine's ports are offset by its "
-                "index (docs/scale-out.md; needs pyzmq, the kv-events extra)"})
+                "index (docs/scale-out.md; needs pyzmq, the kv-events extra). Published by the "
+                "engine processes of `ringserve serve`, not by the offline LLM"})
 
     def __post_init__(self) -> None:
         DeviceConfig.__post_init__(self)

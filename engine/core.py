@@ -93,9 +93,7 @@ class EngineCore:
             raise ValueError(f"max_model_len {self.max_model_len} is longer than the model's "
                              f"max_position_embeddings {model.max_position_embeddings}")
         self.block_size = runner.block_size
-        kv_events = config.kv_events
-        self.kv = KVCacheManager(runner.num_blocks, self.block_size, config.enable_prefix_caching,
-                                 enable_kv_cache_events=kv_events is not None and kv_events.enabled)
+        self.kv = KVCacheManager(runner.num_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.token_budget)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed

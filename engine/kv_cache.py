@@ -170,14 +170,11 @@ class BlockTables:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 enable_kv_cache_events: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._pack_block = struct.Struct(f"{block_size}i").pack  # a block's ids as int32 bytes
         self.pool = BlockPool(num_blocks)
-        if enable_kv_cache_events:
-            self.pool.events = []
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.tables = BlockTables()
         self.req_rows: dict[str, int] = {}          # per request: its row in self.tables
@@ -336,6 +333,11 @@ class KVCacheManager:
         for block in self.req_blocks.get(req.key, ()):
             if block.block_hash is not None:
                 self.pool.uncache_block(block)
+
+    def enable_events(self) -> None:
+        """Record KV-cache events from now on (whoever calls this takes them every step)."""
+        if self.pool.events is None:
+            self.pool.events = []
 
     def take_events(self) -> list:
         """The KV-cache events since the last call (events on), oldest first."""

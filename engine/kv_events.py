@@ -17,7 +17,8 @@ hashes are vLLM's ints: the last 8 bytes of our sha256 chain hash, big-endian (v
 BlockStored carries (block by block), and uses the engine's hashes only to chain and remove.
 
 Nothing of this runs when events are off: the KV manager's event list is None (one test per
-registered block, none per token) and no publisher exists.
+registered block, none per token) and no publisher exists. Only the engine process
+(engine/process.py) turns recording on, as it is the one that takes the events every step.
 """
 from __future__ import annotations
 

@@ -101,8 +101,9 @@ class EngineProcess:
         self.core = core
         # KV-cache events (engine/kv_events.py): bound first, so a port in use fails the start.
         self.kv_events: ZmqEventPublisher | None = None
-        if core.kv.pool.events is not None and (kv_config := core.config.kv_events) is not None:
+        if (kv_config := core.config.kv_events) is not None and kv_config.enabled:
             self.kv_events = ZmqEventPublisher(kv_config, data_parallel_rank)
+            core.kv.enable_events()
             self.kv_events.publish([AllBlocksCleared()])  # a new engine's pool is empty
         self.overlap = core.runner_is_asynchronous if overlap is None else overlap
         self.ring_capacity = ring_capacity

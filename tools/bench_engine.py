@@ -82,8 +82,8 @@ def bench(num_running: int, steps: int, vocab: int, kv_events: bool = False) -> 
     publisher = None
     if kv_events:
         from ringserve.engine.kv_events import ZmqEventPublisher
-        engine.kv.take_events()  # the prefill's: not timed
         publisher = ZmqEventPublisher(engine.config.kv_events, 0)  # type: ignore[arg-type]
+        engine.kv.enable_events()  # (after the prefill: only decode steps are timed)
     runner, scheduler = engine.runner, engine.scheduler
     schedule_s = 0.0
     schedule = scheduler.schedule
