@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 
 from conftest import free_port
 from ringserve.engine.kv_cache import hash_block, root_hash
+from ringserve.engine.kv_events import offset_endpoint
 
 zmq = pytest.importorskip("zmq", reason="pyzmq is the kv-events extra (make test installs it)")
 
@@ -91,12 +93,12 @@ def server(serve, tiny_model_dir, no_segment_left_behind):
     proc = serve(tiny_model_dir, "--workers", "1", "--device", "cpu", "--drain-timeout", "2",
                  "--engines", "2", "--max-model-len", "128", "--block-size", str(BS),
                  "--num-gpu-blocks-override", str(POOL), "--kv-events-config", json.dumps(config))
-    return proc.url, config
+    return proc.url, config, proc.proc.pid
 
 
 @pytest.fixture(scope="module")
 def streams(server):
-    url, _ = server
+    url, *_ = server
     sources = httpx.get(url + "/kv_event_sources").json()
     ctx = zmq.Context()
     # the router rewrites the bind host (*) to the worker's host, as here
@@ -116,7 +118,7 @@ def _complete(url: str, prompt: list[int], max_tokens: int = 1) -> None:
 
 
 def test_sources_and_server_info_name_each_engines_publisher(server):
-    url, config = server
+    url, config, _ = server
     port = int(config["endpoint"].rsplit(":", 1)[1])
     replay = int(config["replay_endpoint"].rsplit(":", 1)[1])
     sources = httpx.get(url + "/kv_event_sources").json()
@@ -131,7 +133,7 @@ def test_sources_and_server_info_name_each_engines_publisher(server):
 
 
 def test_a_prompt_stores_its_blocks_with_the_engines_hashes(server, streams):
-    url, _ = server
+    url, *_ = server
     prompt = list(range(3, 43))  # 40 tokens: 2 full blocks, then 8 + 8 generated fill a third
     _complete(url, prompt, max_tokens=9)
     time.sleep(0.5)
@@ -155,7 +157,7 @@ def test_a_prompt_stores_its_blocks_with_the_engines_hashes(server, streams):
 
 
 def test_a_tiny_pool_evicts_and_says_so(server, streams):
-    url, _ = server
+    url, *_ = server
     for i in range(8):  # 8 prompts of 5 blocks (4 full) on 2 pools of 12 blocks
         _complete(url, [100 + 3 * i + j % 5 for j in range(65)])
     time.sleep(0.5)
@@ -176,24 +178,31 @@ def test_a_tiny_pool_evicts_and_says_so(server, streams):
     assert removed > 0  # 32 full blocks stored in 24: some were evicted, and said so
 
 
-def test_replay_returns_the_missed_batches(server, streams):
-    url, config = server
-    stream = streams[0]
-    stream.drain(0.2)
+def _replay(endpoint: str, start: int = 0, wait_ms: int = 10_000) -> list[tuple[int, bytes]]:
+    """vLLM's replay request from a DEALER: [b"", start seq]; (seq, payload) until seq -1."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(config["replay_endpoint"].replace("*", "127.0.0.1"))
-    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    dealer.connect(endpoint.replace("*", "127.0.0.1"))
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
     replayed = []
-    while True:
-        assert dealer.poll(10_000), "no replay answer"
-        empty, seq, payload = dealer.recv_multipart()
-        assert empty == b""
-        if seq == (-1).to_bytes(8, "big", signed=True):
-            assert payload == b""
-            break
-        replayed.append((int.from_bytes(seq, "big"), payload))
-    dealer.close()
+    try:
+        while True:
+            assert dealer.poll(wait_ms), "no replay answer"
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert payload == b""
+                return replayed
+            replayed.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close()
+
+
+def test_replay_returns_the_missed_batches(server, streams):
+    url, config, _ = server
+    stream = streams[0]
+    stream.drain(0.2)
+    replayed = _replay(config["replay_endpoint"])
     # seq 0, sent before any subscriber joined: a new engine's pool is empty
     assert replayed[0][0] == 0
     assert msgspec.msgpack.decode(replayed[0][1])[1] == [{"type": "AllBlocksCleared"}]
@@ -229,3 +238,35 @@ def test_a_bad_config_is_one_line_at_start(tiny_model_dir, tmp_path, config, mes
     assert r.returncode == 1 and r.stderr.startswith("error: --kv-events-config"), r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_restarted_engine_says_its_pool_is_empty(server):
+    """The one reset ringserve has: an engine that dies is restarted with an empty pool. Its
+    publisher starts again at seq 0 with AllBlocksCleared (a router also sees the seq go back)."""
+    url, config, launcher = server
+    replay = {rank: offset_endpoint(config["replay_endpoint"], rank) for rank in (0, 1)}
+    first = {rank: _replay(e)[0] for rank, e in replay.items()}  # each one's seq 0 (its own ts)
+    engines = [pid for task in os.listdir(f"/proc/{launcher}/task")
+               for pid in map(int, open(f"/proc/{launcher}/task/{task}/children").read().split())
+               if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    assert len(engines) == 2
+    os.kill(engines[0], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:  # the launcher restarts it: a new publisher, a new seq 0
+        time.sleep(0.5)
+        try:
+            now = {rank: _replay(e, wait_ms=1000) for rank, e in replay.items()}
+        except AssertionError:  # the dead engine's replay socket is not bound yet
+            assert time.monotonic() < deadline
+            continue
+        if changed := [rank for rank in now if now[rank][0] != first[rank]]:
+            break
+        assert time.monotonic() < deadline
+    (rank,) = changed
+    (seq, payload), = now[rank]  # nothing else since: its pool is empty and untouched
+    assert seq == 0 and msgspec.msgpack.decode(payload)[1] == [{"type": "AllBlocksCleared"}]
+    assert now[1 - rank][0] == first[1 - rank]  # the other engine went on
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/health").status_code != 200:  # the module's server stops cleanly
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
