@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 comma  := ,
 # The `cuda` extra only where there is an NVIDIA driver to use it.
 CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,cuda)
-TEST_EXTRAS  := test,plot,bench$(CUDA)
+TEST_EXTRAS  := test,plot,bench,kv-events$(CUDA)
 ARGS   ?=
 PYTEST_ARGS ?=
 

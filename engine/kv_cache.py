@@ -14,6 +14,11 @@ tails that hang off it. The last prompt token is always recomputed: its logits a
 
 With prefix caching off, no block is hashed, except for the n samples of one request, which
 share their prompt's blocks through hashes salted with their request id (Request.cache_salt).
+
+With KV-cache events on (engine/kv_events.py), the manager records what its prefix cache gains
+and loses, in order: BlockStored for each run of blocks a request registers, BlockRemoved for
+a cached block evicted (taken for reuse) or uncached. The engine takes them once per step
+(take_events). Salted blocks (n > 1 with caching off) are request-private: not announced.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringserve.engine.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, external_hash
 from ringserve.engine.request import Request
 
 
@@ -64,6 +70,7 @@ class BlockPool:
         # and removal from the middle when a cached free block is hit again.
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        self.events: list | None = None  # KV-cache events on: what happened since take_events()
 
     @property
     def num_free(self) -> int:
@@ -76,9 +83,8 @@ class BlockPool:
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = block.block_key = None
+                self.uncache_block(block)
+                block.block_key = None
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -97,11 +103,24 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def register(self, block: KVBlock, block_hash: bytes, block_key: bytes) -> None:
-        """Make a full block findable by its hash (the first block with a hash keeps it)."""
+    def uncache_block(self, block: KVBlock) -> None:
+        """Make a block unfindable by its hash (it is evicted, or its K/V may be wrong)."""
+        h = block.block_hash
+        assert h is not None
+        if self.cached.get(h) is block:
+            del self.cached[h]
+            if self.events is not None:  # (a salted block's removal names a hash never announced)
+                self.events.append(BlockRemoved([external_hash(h)], MEDIUM_GPU))
+        block.block_hash = None
+
+    def register(self, block: KVBlock, block_hash: bytes, block_key: bytes) -> bool:
+        """Make a full block findable by its hash (the first block with a hash keeps it);
+        whether it was registered."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash, block.block_key = block_hash, block_key
             self.cached[block_hash] = block
+            return True
+        return False
 
     def lookup(self, block_hash: bytes, block_key: bytes) -> KVBlock | None:
         """The cached block of this hash if it really holds these tokens after this parent."""
@@ -269,9 +288,34 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._update_hashes(req, num_full)
-        for i in range(start, num_full):
-            self.pool.register(blocks[i], hashes[i], self._block_key(req, i))
+        pool = self.pool
+        if pool.events is None or req.cache_salt is not None:
+            for i in range(start, num_full):
+                pool.register(blocks[i], hashes[i], self._block_key(req, i))
+        else:
+            registered = [i for i in range(start, num_full)
+                          if pool.register(blocks[i], hashes[i], self._block_key(req, i))]
+            if registered:
+                self._record_stored(req, hashes, registered)
         self._num_registered[req.key] = num_full
+
+    def _record_stored(self, req: Request, hashes: list[bytes], registered: list[int]) -> None:
+        """One BlockStored per contiguous run of blocks just registered (vLLM: one per chain)."""
+        bs, events = self.block_size, self.pool.events
+        assert events is not None
+        runs: list[list[int]] = []
+        for i in registered:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            events.append(BlockStored(
+                block_hashes=[external_hash(hashes[i]) for i in run],
+                parent_block_hash=external_hash(hashes[first - 1]) if first else None,
+                token_ids=req.all_token_ids[first * bs:end * bs],
+                block_size=bs, lora_id=None, medium=MEDIUM_GPU, lora_name=None))
 
     def free(self, req: Request) -> None:
         """Return a request's blocks to the pool (tail first: a prefix is evicted last)."""
@@ -286,12 +330,20 @@ class KVCacheManager:
     def uncache(self, req: Request) -> None:
         """Make a request's blocks unfindable by the prefix cache (a failed step may have left
         their K/V unwritten); they stay the request's until it is freed."""
-        cached = self.pool.cached
         for block in self.req_blocks.get(req.key, ()):
             if block.block_hash is not None:
-                if cached.get(block.block_hash) is block:
-                    del cached[block.block_hash]
-                block.block_hash = None
+                self.pool.uncache_block(block)
+
+    def enable_events(self) -> None:
+        """Record KV-cache events from now on (whoever calls this takes them every step)."""
+        if self.pool.events is None:
+            self.pool.events = []
+
+    def take_events(self) -> list:
+        """The KV-cache events since the last call (events on), oldest first."""
+        events, self.pool.events = self.pool.events, []
+        assert events is not None
+        return events
 
     def take_stats(self) -> tuple[int, int]:
         """(prefix-cache query tokens, hit tokens) since the last call."""

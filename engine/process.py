@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
+from ringserve.engine.kv_events import AllBlocksCleared, ZmqEventPublisher
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.trace import DebugPublisher
 from ringserve.gpu.runner import MemoryReport
@@ -88,14 +89,22 @@ class _Slot:
 class EngineProcess:
     def __init__(self, core: EngineCore, control_path: str, *, max_slots: int = 64,
                  ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, data_parallel_rank: int = 0):
         """debug_path: where to publish a snapshot (queues, block pool, recent steps) for
         /debug/engines (engine/trace.py); None: no snapshot, no step history.
+        data_parallel_rank: this engine's index among the server's engines (its KV events'
+        port offset and data_parallel_rank).
         overlap: deliver each step's outputs while the next step runs on the device; None:
         when the runner's submit returns before the device is done (CUDA). On the CPU, submit
         computes the step, so overlapping would only hold every token back one step."""
         remove_stale_segments()
         self.core = core
+        # KV-cache events (engine/kv_events.py): bound first, so a port in use fails the start.
+        self.kv_events: ZmqEventPublisher | None = None
+        if (kv_config := core.config.kv_events) is not None and kv_config.enabled:
+            self.kv_events = ZmqEventPublisher(kv_config, data_parallel_rank)
+            core.kv.enable_events()
+            self.kv_events.publish([AllBlocksCleared()])  # a new engine's pool is empty
         self.overlap = core.runner_is_asynchronous if overlap is None else overlap
         self.ring_capacity = ring_capacity
         self.slots: list[_Slot | None] = [None] * max_slots
@@ -160,6 +169,9 @@ class EngineProcess:
         self._count_step(outputs)
         self._deliver(outputs)
         self._publish()
+        if self.kv_events is not None:  # PERF: the one test per step when events are off
+            if events := self.core.kv.take_events():
+                self.kv_events.publish(events)
 
     def stop(self) -> None:
         self._stopping = True
@@ -379,6 +391,8 @@ class EngineProcess:
                 os.unlink(self.debug.path)
             except FileNotFoundError:
                 pass
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.bell.close()
         self.heartbeat.stop()
         self.stats.release()
@@ -387,10 +401,11 @@ class EngineProcess:
 
 def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
                ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None,
-               overlap: bool | None = None) -> None:
+               overlap: bool | None = None, data_parallel_rank: int = 0) -> None:
     """Build the core, serve until SIGTERM/SIGINT, clean up (the target of an engine process)."""
     engine = EngineProcess(EngineCore(config), control_path, max_slots=max_slots,
-                           ring_capacity=ring_capacity, debug_path=debug_path, overlap=overlap)
+                           ring_capacity=ring_capacity, debug_path=debug_path, overlap=overlap,
+                           data_parallel_rank=data_parallel_rank)
     # What exists now (weights, the block pool's KVBlocks) lives as long as the process: keep it
     # out of the cyclic collector, whose full passes otherwise walk it (25-31 ms at 1024 running).
     gc.collect()

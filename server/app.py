@@ -50,6 +50,8 @@ class AppOptions:
     debug_engines: Callable[[], list[dict]] | None = None
     # Static facts for /get_server_info, set by the launcher (instance id, scheduler settings)
     server_info: dict[str, Any] = field(default_factory=dict)
+    # GET /kv_event_sources: each engine's KV-event publisher by rank ({}: events off)
+    kv_event_sources: dict[str, dict] = field(default_factory=dict)
 
 
 # --- plumbing --------------------------------------------------------------------------------
@@ -376,6 +378,18 @@ class ServerInfo:
             **o.server_info})
 
 
+class KVEventSources:
+    """GET /kv_event_sources: where each engine publishes its KV-cache events, keyed by its
+    data-parallel rank as vllm-router's kv_aware discovery reads it ({"0": {"endpoint", "replay_endpoint",
+    "topic", ...}}); {} when events are off. Behind --api-key like /get_server_info."""
+
+    def __init__(self, options: AppOptions):
+        self._options = options
+
+    async def on_get(self, req, resp) -> None:
+        json_response(resp, self._options.kv_event_sources)
+
+
 # --- assembly --------------------------------------------------------------------------------
 
 def create_app(ctx: ServerContext, options: AppOptions | None = None):
@@ -405,6 +419,7 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
     info = ServerInfo(ctx, options)
     app.add_route("/get_server_info", info)
     app.add_route("/server_info", info)
+    app.add_route("/kv_event_sources", KVEventSources(options))
     if options.debug_engines is not None:
         from ringserve.server.debug import add_debug_routes
         add_debug_routes(app, options.debug_engines)

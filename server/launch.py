@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -93,11 +93,12 @@ def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, 
     die_with_parent(launcher_pid)
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    from ringserve.engine.kv_events import KVEventsError
     from ringserve.engine.process import run_engine
     from ringserve.gpu.errors import ModelError
     try:
         run_engine(config, control_path, **kwargs)
-    except ModelError as e:  # the model cannot be served here: its one line, no traceback
+    except (ModelError, KVEventsError) as e:  # cannot serve here: its one line, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
 
@@ -123,6 +124,8 @@ class Launcher:
         if self.device == "cpu" and self.engine_config.cpu_threads is None and len(self.engine_gpus) > 1:
             # several CPU engines share the cores (each alone would take them all)
             self.engine_config.cpu_threads = cpu_threads_per_engine(len(self.engine_gpus))
+        if (busy := self.kv_events_ports_in_use()) is not None:
+            raise ValueError(busy)
         # What a launcher killed before its cleanup left: runtime folders, segments.
         remove_stale_runtime_dirs()
         remove_stale_segments()
@@ -145,7 +148,8 @@ class Launcher:
                                 args=(self.engine_gpus[index], self.engine_config, path,
                                       os.getpid()),
                                 kwargs={"max_slots": max(64, 2 * self.parallel.workers),
-                                        "debug_path": self._debug_path(index)},
+                                        "debug_path": self._debug_path(index),
+                                        "data_parallel_rank": index},
                                 name=f"ringserve-engine-{index}", daemon=False)
         proc.start()
         return _Engine(index, path, proc)
@@ -198,6 +202,7 @@ class Launcher:
                             if a.enable_debug_endpoints else None),
             "metrics_prefix": a.metrics_prefix,
             "server_info": self._server_info(),
+            "kv_event_sources": self.kv_event_sources(),
         }
         env = dict(os.environ,
                    PROMETHEUS_MULTIPROC_DIR=str(prom),
@@ -229,7 +234,27 @@ class Launcher:
                 "max_num_seqs": e.max_num_seqs, "max_running_requests": e.max_num_seqs,
                 "max_num_batched_tokens": e.max_num_batched_tokens,
                 "enable_prefix_caching": e.enable_prefix_caching,
-                "kv_events_config": None}  # KV events are not published (issue 18 item 3)
+                "kv_events_config": None if e.kv_events is None else asdict(e.kv_events)}
+
+    def kv_event_sources(self) -> dict[str, dict]:
+        """GET /kv_event_sources: each engine's publisher, keyed by its rank (vllm-router's
+        kv_index discovery reads this shape: its config with the rank's ports); {} when off."""
+        kv = self.engine_config.kv_events
+        if kv is None or not kv.enabled:
+            return {}
+        return {str(i): dict(asdict(kv.for_rank(i)), data_parallel_rank=i)
+                for i in range(len(self.engine_gpus))}
+
+    def kv_events_ports_in_use(self) -> str | None:
+        """Why an engine's KV-event endpoint cannot be bound, or None (checked before any
+        engine starts, so that a port in use is one line, not an engine that fails)."""
+        from ringserve.engine.kv_events import bind_address
+        for source in self.kv_event_sources().values():
+            for name in ("endpoint", "replay_endpoint"):
+                address = source[name] and bind_address(source[name])
+                if address and (busy := _address_in_use(*address)) is not None:
+                    return f"--kv-events-config: cannot bind {source[name]}: {busy}"
+        return None
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property

@@ -78,6 +78,7 @@ def worker_app():
         cache_config=lambda: cache_config(client),
         on_startup=[start], on_shutdown=[client.close],
         server_info=cfg["server_info"],
+        kv_event_sources=cfg["kv_event_sources"],
         debug_engines=((lambda: engine_views(client, cfg["debug_paths"]))
                        if cfg.get("debug_paths") else None))
     return create_app(ctx, options)

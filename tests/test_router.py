@@ -1,8 +1,11 @@
 """vLLM's router (PyPI vllm-router, the `test` extra) in front of two real ringserve servers on
 the tiny model: round_robin spreads; power_of_two follows the load each replica reports at
-GET /get_load (issue 18)."""
+GET /get_load; kv_aware, fed by each replica's KV-cache events (--kv-events-config), sends a
+request to the replica that holds its prefix (issue 18)."""
 from __future__ import annotations
 
+import json
+import random
 import subprocess
 import sys
 import time
@@ -26,23 +29,34 @@ def _successes(url: str) -> float:
                if line.startswith("ringserve:request_success_total{"))
 
 
+def _kv_events(port: int) -> str:
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": f"tcp://*:{port}"})
+
+
 @pytest.fixture(scope="module")
-def replicas(serve, tiny_model_dir, no_segment_left_behind) -> list[str]:
-    return [serve(tiny_model_dir, *FLAGS).url for _ in range(2)]
+def kv_ports() -> list[int]:
+    return [free_port() for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def replicas(serve, tiny_model_dir, kv_ports, no_segment_left_behind) -> list[str]:
+    return [serve(tiny_model_dir, *FLAGS, "--kv-events-config", _kv_events(port)).url
+            for port in kv_ports]
 
 
 @pytest.fixture(scope="module")
 def start_router(replicas, tmp_path_factory):
-    """Start vllm-router with a policy in front of both replicas; get its URL. Stopped after
-    the module."""
+    """Start vllm-router with a policy (and its extra flags) in front of both replicas; get its
+    URL. Stopped after the module."""
     procs: list[subprocess.Popen] = []
 
-    def start(policy: str) -> str:
+    def start(policy: str, *extra: str) -> str:
         port = free_port()
         log = tmp_path_factory.mktemp("router") / "router.log"
         cmd = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
                "--port", str(port), "--policy", policy, "--worker-startup-check-interval", "1",
-               "--prometheus-port", str(free_port()), "--worker-urls", *replicas]
+               "--prometheus-port", str(free_port()), "--worker-urls", *replicas, *extra]
         with open(log, "wb") as f:
             procs.append(proc := subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT))
         url = f"http://127.0.0.1:{port}"
@@ -99,3 +113,33 @@ def test_power_of_two_follows_get_load(replicas, start_router):
     # sent to the busy replica would have queued behind its long requests)
     assert after - before == 8, (before, after)
     assert still_busy > 0  # and the busy replica was busy all along
+
+
+def test_kv_aware_sends_a_prefix_to_the_replica_that_holds_it(replicas, kv_ports, start_router):
+    # vllm-router 0.1.17 subscribes to HTTP workers' events given as static sources (its
+    # --kv-event-source WORKER=ENDPOINT; docs/scale-out.md says why not by discovery). It asks
+    # the replica's /tokenize for a prompt's ids and hashes them per block as it hashed the
+    # token ids of each BlockStored.
+    sources = [arg for url, port in zip(replicas, kv_ports, strict=True)
+               for arg in ("--kv-event-source", f"{url}=tcp://127.0.0.1:{port}")]
+    model = httpx.get(replicas[0] + "/v1/models").json()["data"][0]["id"]
+    router = start_router("kv_aware", *sources, "--kv-event-block-size", "16",
+                          "--kv-event-model", model)
+    time.sleep(1.0)  # the router's subscribers connect (PUB/SUB: it sees what is sent after)
+    rng = random.Random(18)
+    words = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
+    prefixes = [" ".join(rng.choice(words) for _ in range(60)) for _ in range(2)]
+    for url, prefix in zip(replicas, prefixes, strict=True):  # prefix i cached on replica i only
+        r = httpx.post(url + "/v1/completions", json={"prompt": prefix, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+    time.sleep(1.0)  # their BlockStored reach the router's index
+    before = [_successes(u) for u in replicas]
+    for i in range(4):
+        for which in (1, 0):  # replica 1's prefix first: not the router's default pick
+            r = httpx.post(router + "/v1/completions", json={
+                "model": model, "prompt": f"{prefixes[which]} question {i}", "max_tokens": 2},
+                timeout=60)
+            assert r.status_code == 200, r.text
+            got = [_successes(u) - b for u, b in zip(replicas, before, strict=True)]
+            assert got[which] == i + 1, (which, got)  # it went to the replica with its prefix
+    assert [_successes(u) - b for u, b in zip(replicas, before, strict=True)] == [4, 4]

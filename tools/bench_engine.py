@@ -11,7 +11,8 @@ runner (build the Batch, sampling rows and metadata); `update` finish_step (toke
 stop checks, blocks, outputs, stats). `sample` is the runner's time (logits + host sampling
 over --vocab columns): on CUDA it is the device's, so it is shown but not counted as engine
 overhead. Each phase is the mean over --steps steps; of --rounds fresh engines, the round with
-the median engine total is reported.
+the median engine total is reported. --kv-events: KV-cache events on (engine/kv_events.py), the
+step's events taken and handed to a real ZMQ publisher in `update`, as the engine process does.
 """
 from __future__ import annotations
 
@@ -55,13 +56,17 @@ class RandomLogitsRunner:
         return step
 
 
+KV_EVENTS = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*"}'  # any free port
+
+
 def decode_engine(num_running: int, steps: int, vocab: int, prompt_len: int = 32,
-                  traced: int = 0) -> EngineCore:
+                  traced: int = 0, kv_events: bool = False) -> EngineCore:
     """An engine with num_running greedy requests, every prompt prefilled (the first `traced`
     of them traced): the next steps are steady decode, enough blocks for steps + 64 more."""
     num_blocks = num_running * ((prompt_len + steps + 64) // 16 + 1)
-    engine = EngineCore(EngineConfig(max_num_seqs=num_running, max_num_batched_tokens=1 << 20),
-                        runner=RandomLogitsRunner(vocab, num_blocks, max_num_reqs=num_running))
+    config = EngineConfig(max_num_seqs=num_running, max_num_batched_tokens=1 << 20,
+                          kv_events_config=KV_EVENTS if kv_events else None)
+    engine = EngineCore(config, runner=RandomLogitsRunner(vocab, num_blocks, max_num_reqs=num_running))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     rng = np.random.default_rng(1)
     for i in range(num_running):
@@ -71,9 +76,14 @@ def decode_engine(num_running: int, steps: int, vocab: int, prompt_len: int = 32
     return engine
 
 
-def bench(num_running: int, steps: int, vocab: int) -> dict[str, float]:
+def bench(num_running: int, steps: int, vocab: int, kv_events: bool = False) -> dict[str, float]:
     """Mean milliseconds per decode step of each phase, and `sample` (the runner's)."""
-    engine = decode_engine(num_running, steps, vocab)
+    engine = decode_engine(num_running, steps, vocab, kv_events=kv_events)
+    publisher = None
+    if kv_events:
+        from ringserve.engine.kv_events import ZmqEventPublisher
+        publisher = ZmqEventPublisher(engine.config.kv_events, 0)  # type: ignore[arg-type]
+        engine.kv.enable_events()  # (after the prefill: only decode steps are timed)
     runner, scheduler = engine.runner, engine.scheduler
     schedule_s = 0.0
     schedule = scheduler.schedule
@@ -93,9 +103,13 @@ def bench(num_running: int, steps: int, vocab: int) -> dict[str, float]:
         step = engine.launch_step()
         t1 = time.perf_counter()
         outputs = engine.finish_step(step)
+        if publisher is not None and (events := engine.kv.take_events()):  # EngineProcess._complete
+            publisher.publish(events)
         launch += t1 - t0
         finish += time.perf_counter() - t1
         assert len(outputs) == num_running and not any(o.finished for o in outputs)
+    if publisher is not None:
+        publisher.shutdown()
     ms = 1e3 / steps
     return {"schedule": schedule_s * ms, "prepare": (launch - schedule_s - runner.seconds) * ms,
             "update": finish * ms, "sample": runner.seconds * ms}
@@ -107,11 +121,12 @@ COLUMNS = [Column("running", "running", "d"), Column("schedule_ms", "schedule ms
            Column("sample_ms", "sample ms (runner)", ".3f")]
 
 
-def measure(num_running: int, steps: int, vocab: int, rounds: int) -> dict[str, Any]:
+def measure(num_running: int, steps: int, vocab: int, rounds: int,
+            kv_events: bool = False) -> dict[str, Any]:
     """The table row of num_running: the round with the median engine total."""
     results = []
     for _ in range(rounds):
-        r = bench(num_running, steps, vocab)
+        r = bench(num_running, steps, vocab, kv_events)
         results.append((sum(r[p] for p in PHASES), r))
     results.sort(key=lambda x: x[0])
     total, r = results[(len(results) - 1) // 2]
@@ -127,14 +142,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=1024,
                     help="logits width (sampling cost grows with it; 49152 for SmolLM2)")
+    ap.add_argument("--kv-events", action="store_true",
+                    help="KV-cache events on, published per step (engine/kv_events.py)")
     add_json_argument(ap)
     args = ap.parse_args(argv)
     run = BenchRun.start("bench_engine", args)
-    rows = [measure(n, args.steps, args.vocab, args.rounds) for n in args.running]
+    rows = [measure(n, args.steps, args.vocab, args.rounds, args.kv_events) for n in args.running]
     run.finish()
     print(run.header())
     print(f"steady decode, mean per step over {args.steps} steps, median of {args.rounds} rounds; "
-          f"engine = schedule + prepare + update; sample over {args.vocab} logits is the runner's")
+          f"engine = schedule + prepare + update; sample over {args.vocab} logits is the runner's"
+          + ("; KV-cache events on" if args.kv_events else ""))
     print(table(rows, COLUMNS))
     run.write(args.json, rows)
 
