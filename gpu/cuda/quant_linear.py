@@ -8,9 +8,9 @@ Why: (1) every quant row is 16-byte aligned, so each lane streams its quants wit
 load (GGUF blocks are 18, 20, 22, 34, 84, 110, 144, 176 or 210 bytes: no vector load lines up
 with them); (2) one kernel per plane kind serves all ten GGUF types and AWQ/GPTQ int4
 (repacked into the same u4 planes); (3) the planes are the ones tests/test_quant_kernels.py
-proves bit-identical to gguf-py's `dequantize`. The price is bytes: float32 scales and 5/6-bit quants widened to int8 read
-0.75 B/weight for Q4_K (0.5625 raw), 1.125 for Q8_0 (1.0625) and 1.25 for Q5_K/Q6_K (0.69/0.82).
-The kernels and the GPU check report the bytes actually read.
+proves bit-identical to gguf-py's `dequantize`. The price is bytes: float32 scales and 5/6-bit
+quants widened to int8 read 0.75 B/weight for Q4_K (0.5625 raw), 1.125 for Q8_0 (1.0625) and
+1.25 for Q5_K/Q6_K (0.69/0.82). The kernels and the GPU check report the bytes actually read.
 
 16-bit floats are kept as they are stored: BF16 (a GGUF BF16 tensor, or an HF checkpoint in
 bfloat16: gpu/weights.py GGMLTensor "BF16") as the "bf16" plane, which the kernels widen to
