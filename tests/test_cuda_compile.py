@@ -109,6 +109,15 @@ def test_cuda_c_compiles_with_nvrtc(name, arch):
         check_resources(toolchain.ptxas_report(ptx, arch), where)
 
 
+def test_quant_cu_defines_every_kernel_its_launcher_loads():
+    """gpu/cuda/quant.py gets each of quant_linear.KERNELS by name (a matvec per plane kind and
+    row tile, a dequant per kind and output dtype): a kind without its kernels fails here, not
+    at a GPU's first load."""
+    from ringserve.gpu.cuda.quant_linear import KERNELS
+    ptx = toolchain.nvrtc_ptx(toolchain.source("quant.cu"), "sm_90", toolchain.options(), "quant.cu")
+    assert set(toolchain.ptxas_report(ptx, "sm_90")) == set(KERNELS)
+
+
 def test_nvrtc_reports_errors():
     with pytest.raises(RuntimeError, match="HEAD_DIM"):
         toolchain.nvrtc_ptx(toolchain.source("attention.cu"), "sm_90", toolchain.options())

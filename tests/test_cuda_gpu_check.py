@@ -176,7 +176,7 @@ def small_config():
                            num_key_value_heads=2, vocab_size=512))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K_M", "Q8_0", "AWQ"])
+@pytest.mark.parametrize("fmt", ["Q4_K_M", "Q8_0", "AWQ", "BF16"])
 def test_the_quantized_weights_plan_as_the_runner_keeps_them(fmt):
     """The quantized table's random weights (numpy here, CuPy on a GPU) go through the CUDA
     runner's store as they would on the device: packed planes of the format's types, and the
@@ -190,12 +190,14 @@ def test_the_quantized_weights_plan_as_the_runner_keeps_them(fmt):
     c = small_config()
     weights = LlamaWeights.fuse(c, random_quant_weights(c, fmt, np), QuantStore(np))
     kinds = weights.nbytes_by_type()
-    expect = {"Q4_K_M": {"Q4_K", "Q6_K", "F16"}, "Q8_0": {"Q8_0", "F16"}, "AWQ": {"AWQ", "F16"}}[fmt]
+    expect = {"Q4_K_M": {"Q4_K", "Q6_K", "F16"}, "Q8_0": {"Q8_0", "F16"}, "AWQ": {"AWQ", "F16"},
+              "BF16": {"BF16", "F16"}}[fmt]
     assert set(kinds) == expect  # F16: the norms (and AWQ's embedding and lm_head)
     split = [isinstance(layer.qkv, SplitWeight) for layer in weights.layers]
     # llama.cpp gives v (and down) Q6_K in layers 0, 3, 6, 7 of 8: QKV mixes Q4_K and Q6_K there
     assert split == ([True, False, False, True, False, False, True, True] if fmt == "Q4_K_M" else [False] * 8)
-    per_weight = {"Q4_K_M": (0.75, 1.25), "Q8_0": (1.125, 1.125), "AWQ": (0.5625, 0.5625)}[fmt]
+    per_weight = {"Q4_K_M": (0.75, 1.25), "Q8_0": (1.125, 1.125), "AWQ": (0.5625, 0.5625),
+                  "BF16": (2.0, 2.0)}[fmt]
     linears = sum(n for kind, n in kinds.items() if kind != "F16")
     params = c.num_hidden_layers * (c.hidden_size * (2 * c.q_size + 2 * c.kv_size) + 3 * c.hidden_size
                                     * c.intermediate_size)

@@ -1,8 +1,8 @@
 """gpu/cuda/quant.cu on the host (tests/cuda_host/, as tests/test_cuda_host.py runs fused.cu and
 attention.cu), launched through the launcher's own plan (gpu/cuda/quant_linear.py QuantLinear,
 geometry from gpu/cuda/launch.py), against gguf-py's ``dequantize`` and a float64 matmul on
-random blocks of every GGUF type (gpu/quant.py random_raw), and against a numpy reference of
-AWQ/GPTQ unpacking.
+random blocks of every GGUF type (gpu/quant.py random_raw; BF16: the bf16 plane, which gguf-py
+widens as bits << 16), and against a numpy reference of AWQ/GPTQ unpacking.
 
 Bound: the kernels sum in float32, so the float64 result is allowed test_quant_kernels.py's
 bound for a float32 dot of length K, (K + 2) 2^-23 sum |x_i| (|scale q_i| + |offset_i|), plus
@@ -24,11 +24,12 @@ from ringserve.gpu.weights import GGMLTensor
 from test_quant_kernels import magnitude
 
 pytestmark = pytest.mark.sim
-GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16", "BF16")]
+GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16")]  # F16, F32: Fp16Store's (cuBLAS)
 # matvec r1, r4 (3 of 4 rows), r16; 37: tiles of 16, 16 and 5 (r8); 70 > MATVEC_MAX_ROWS:
 # dequantized chunks + GEMM
 ROWS = [1, 3, 16, 37, 70]
-N, K = 13, 2304         # 13: a last block with one warp's row only; K: lanes loop (u4 72, i8 144 chunks)
+N, K = 13, 2304         # 13: a last block with one warp's row only; K: lanes loop (u4 72, i8 144,
+#                         bf16 288 chunks)
 
 
 def numpy_gemm(x, w, out):
@@ -88,7 +89,7 @@ def test_four_bit_types_as_int8_planes(quant_kernels, qtype):
     check(out, x, w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K))
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_1", "BF16"])
 def test_embedding_rows_dequantized_exactly(quant_kernels, qtype):
     """dequant_*_f32 at ids: gguf-py's rows (the host compiles scale * q + offset without an
     FMA, as gpu/quant.py and gguf-py round it; a device may fuse it: one rounding less)."""
@@ -121,6 +122,26 @@ def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_k
     linear_for(quant_kernels, 3 * 512)(x, weight, out)
     want = x.astype(np.float64) @ np.concatenate(references).astype(np.float64).T
     np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+def test_bf16_weights_stay_their_bits_on_the_device():
+    """A BF16 matrix (gpu/weights.py's GGMLTensor, as a bfloat16 checkpoint loads) is the bf16
+    plane, its bits unchanged and 16-byte aligned even when the file maps it at an odd address;
+    a row that is not whole 16-byte loads (8 weights) goes the fp16 path."""
+    rng = np.random.default_rng(5)
+    raw = random_raw("BF16", (N, 64), rng)
+    buffer = np.zeros(raw.size + 2, np.uint8)
+    buffer[2:] = raw.reshape(-1)  # as a memory map may place it: 2 bytes past an alignment
+    mapped = buffer[2:].reshape(raw.shape)
+    weight = QuantStore(np).linear([GGMLTensor("BF16", (N, 64), mapped)])
+    assert isinstance(weight, QuantWeight) and weight.kind == "bf16" and weight.scale is None
+    assert weight.q.ctypes.data % 16 == 0
+    np.testing.assert_array_equal(weight.q, raw.view(np.uint16))
+    odd = random_raw("BF16", (N, 12), rng)
+    narrowed = QuantStore(np).linear([GGMLTensor("BF16", (N, 12), odd)])
+    assert isinstance(narrowed, np.ndarray) and narrowed.dtype == np.float16
+    np.testing.assert_array_equal(narrowed, (odd.view(np.uint16).astype(np.uint32) << 16)
+                                  .view(np.float32).astype(np.float16))
 
 
 def test_launch_plan_picks_the_smallest_variant():

@@ -292,7 +292,7 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                                   "Q6_K"])
+                                   "Q6_K", "BF16"])
 @pytest.mark.parametrize("rows", [1, 7, 16, 37, 70])
 def test_quant_kernels_match_gguf_dequantize(qtype, rows):
     """quant.cu on the device through QuantLinear (mat-vec tiles, or dequantize + the runner's
@@ -325,17 +325,21 @@ def test_quant_kernels_match_gguf_dequantize(qtype, rows):
     gemm.close()
 
 
-@pytest.mark.parametrize("layout", ["q4_k_m", "q8_0", "awq"])
+@pytest.mark.parametrize("layout", ["q4_k_m", "q8_0", "awq", "bf16"])
 def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, monkeypatch, layout):
-    """A tiny random Q4_K_M / Q8_0 GGUF and a tiny AWQ checkpoint, weights packed on the device:
-    a prefill of 69 rows (dequantize + GEMM), then decodes (the mat-vec kernels), eager and
-    graph-replayed logits as the CPU backend's."""
+    """A tiny random Q4_K_M / Q8_0 GGUF, a tiny AWQ and a tiny bfloat16 checkpoint, weights
+    packed on the device (bf16: its bits): a prefill of 69 rows (dequantize + GEMM), then
+    decodes (the mat-vec kernels), eager and graph-replayed logits as the CPU backend's."""
     from fp16_checks import assert_logits_close, next_batch
     from ringserve.gpu.cuda.runner import CudaModelRunner
     from ringserve.gpu.runner import ModelRunner
     if layout == "awq":
         from test_hf_quant import make_int4_llama
         model_dir, _ = make_int4_llama(tmp_path / "awq", "awq")
+    elif layout == "bf16":
+        from conftest import TINY_CUDA_MODELS
+        from ringserve.tools.tiny_llama import make_tiny_llama
+        model_dir = make_tiny_llama(tmp_path / "bf16", dtype="bfloat16", **TINY_CUDA_MODELS["tied-g3"])
     else:
         from test_cuda_forward_host import tiny_gguf
         model_dir = tiny_gguf(tmp_path, layout, monkeypatch)

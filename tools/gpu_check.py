@@ -15,7 +15,8 @@
    when it is installed.
 4. The quantized table (--table quant or all): the same shapes with weights kept packed
    (gpu/cuda/quant_linear.py; random planes made on the device) in Q4_K_M (llama.cpp's mix of
-   Q4_K and Q6_K), Q8_0 and AWQ int4 (group 128), decode at batch 1/16/64/256, graphs and
+   Q4_K and Q6_K), Q8_0 and AWQ int4 (group 128), and BF16 on the 1B shape (a bfloat16
+   checkpoint: the bytes of fp16, read by quant.cu), decode at batch 1/16/64/256, graphs and
    eager (one runner each: eager is its graphs set aside), tokens/s, % of the weight-streaming
    bound for the bytes a step actually reads, and the ratio to the fp16 rows (ours, graphs).
    `--table quant` runs the fp16 rows it compares with and skips attention and transformers.
@@ -110,8 +111,11 @@ def random_weights(c, seed=0) -> dict:
     return out
 
 
-QUANT_FORMATS = ("Q4_K_M", "Q8_0", "AWQ")
+QUANT_FORMATS = ("Q4_K_M", "Q8_0", "AWQ", "BF16")
 FOUR_BIT = ("Q4_K_M", "AWQ")
+# Formats run on some shapes only: BF16 streams fp16's bytes, so its ratio to fp16 is the
+# point and the 1B says it (the 8B's 16 GB runner would not fit the 6 minutes).
+FORMAT_MODELS = {"BF16": ("1B",)}
 # (kind, weights per scale, has an offset, quant range) of each type's planes (gpu/quant.py),
 # and the scale that gives weights of about 0.02 from random quants of that range
 _PLANES = {"Q4_K": ("u4", 32, True, 16), "Q6_K": ("i8", 16, False, 64), "Q8_0": ("i8", 32, False, 256),
@@ -121,6 +125,9 @@ _PLANES = {"Q4_K": ("u4", 32, True, 16), "Q6_K": ("i8", 16, False, 64), "Q8_0": 
 def random_planes(xp, rng, qtype: str, rows: int, cols: int):
     """A QuantWeight of random planes of `qtype` made by xp's Generator rng (cupy: on the device)."""
     from ringserve.gpu.quant import QuantWeight
+    if qtype == "BF16":  # bfloat16 bits of N(0, 0.02) (truncated: random is random)
+        bits = (rng.standard_normal((rows, cols), dtype=xp.float32) * 0.02).view(xp.uint32) >> 16
+        return QuantWeight(qtype, (rows, cols), "bf16", bits.astype(xp.uint16))
     kind, block, has_offset, levels = _PLANES[qtype]
     width = cols // 2 if kind == "u4" else cols
     q = rng.integers(0, 256, size=(rows, width), dtype=xp.int32).astype(xp.uint8)
@@ -427,6 +434,8 @@ def bench_quant(name, shape, rows, deadline) -> None:
     for fmt in QUANT_FORMATS:
         if time.monotonic() > deadline:
             return
+        if name not in FORMAT_MODELS.get(fmt, (name,)):
+            continue
         r = w = None
         try:
             cp.get_default_memory_pool().free_all_blocks()
@@ -498,7 +507,7 @@ def bench_transformers(name, shape, rows, deadline) -> None:
 # the device, 36 graphs captured per runner); a phase starts only when its estimate fits, and
 # is stopped at LIMIT_FACTOR times it (or at the deadline, whichever comes first).
 ESTIMATES = {"copy": 5, "attention": 30, "ours 1B": 60, "transformers 1B": 45, "ours 8B": 100,
-             "transformers 8B": 70, "quant 1B": 50, "quant 8B": 100}
+             "transformers 8B": 70, "quant 1B": 65, "quant 8B": 100}  # quant 1B: BF16 too
 # The phases of each --table: "quant" keeps the fp16 rows it is compared with (ours) and drops
 # attention and transformers, so that it fits 6 minutes with --skip-tests.
 TABLES = {"fp16": ("copy", "attention", "ours", "transformers"),

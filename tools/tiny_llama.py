@@ -3,11 +3,14 @@ ringserve loads exactly as it loads a real model (config.json, model.safetensors
 tokenizer.json, tokenizer_config.json, generation_config.json).
 
 Deterministic from the seed. Weights are scaled so that activations stay O(1) and the logits
-are spread (not uniform, not one-hot), so greedy outputs depend on the prompt.
+are spread (not uniform, not one-hot), so greedy outputs depend on the prompt. float32 by
+default; dtype="bfloat16" writes every tensor as BF16 (rounded to nearest even), as a bfloat16
+HF checkpoint is stored.
 """
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +46,8 @@ def add(a, b):
 def make_tiny_llama(path: str | Path, *, seed: int = 0, num_layers: int = 2, hidden: int = 64,
                     heads: int = 4, kv_heads: int = 2, ffn: int = 128, vocab: int = 384,
                     tie_embeddings: bool = True, rope_theta: float = 10000.0,
-                    max_position_embeddings: int = 2048, rms_norm_eps: float = 1e-5) -> Path:
+                    max_position_embeddings: int = 2048, rms_norm_eps: float = 1e-5,
+                    dtype: str = "float32") -> Path:
     """Write a tiny random Llama into ``path`` (created if needed) and return it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -72,7 +76,7 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, num_layers: int = 2, hid
         "attention_bias": False,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
     }
     _write_json(path / "config.json", config)
     _write_json(path / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
@@ -108,8 +112,30 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, num_layers: int = 2, hid
     tensors["model.norm.weight"] = norm()
     if not tie_embeddings:
         tensors["lm_head.weight"] = normal((vocab_size, hidden), 0.3)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "np"})
+    if dtype == "bfloat16":
+        save_bf16(tensors, path / "model.safetensors")
+    elif dtype == "float32":
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "np"})
+    else:
+        raise ValueError(f"dtype {dtype!r}: float32 or bfloat16")
     return path
+
+
+def save_bf16(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """float32 tensors written as a BF16 safetensors file (by hand: numpy has no bfloat16, so
+    safetensors.numpy cannot write one), each rounded to nearest even as torch rounds."""
+    header: dict[str, dict] = {}
+    chunks, offset = [], 0
+    for name, t in tensors.items():
+        bits = np.ascontiguousarray(t, np.float32).view(np.uint32)
+        bf16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")  # finite values only
+        header[name] = {"dtype": "BF16", "shape": list(t.shape),
+                        "data_offsets": [offset, offset + bf16.nbytes]}
+        chunks.append(bf16.tobytes())
+        offset += bf16.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + b"".join(chunks))
 
 
 def _train_tokenizer(vocab: int) -> Tokenizer:

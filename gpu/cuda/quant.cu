@@ -6,11 +6,14 @@
 //   scale, offset: float32 [N, K/block] (offset may be null): weight = scale * q + offset,
 // so one kernel per plane kind serves every type. Every 16 contiguous weights share one
 // scale (block is a multiple of 16), and every lane reads its 16 quant bytes with one 16-byte
-// load (row pitches K/2 and K are multiples of 16 bytes: K % 64 == 0 for u4, K % 16 for i8).
+// load (row pitches K/2 and K are multiples of 16 bytes: K % 64 == 0 for u4, K % 16 for i8);
+//   bf16: unsigned short [N, K], bfloat16 bits (BF16 GGUF tensors, HF bfloat16 checkpoints),
+//       no scale or offset (null, block unused): a weight is the upper half of a float32, so
+//       widening is exact, a shift; a 16-byte load holds 8 weights (K % 8 == 0).
 //
 // matvec_*_r<R>: decode (M <= R rows of x, R in 1, 2, 4, 8, 16). One warp per output row:
 // each lane loads a 16-byte chunk of quants once, dequantizes it in registers and dots it
-// with the matching 16 (i8) or 2 x 16 (u4) values of every row of x; float32 sums, a warp
+// with the matching 16 (i8), 2 x 16 (u4) or 8 (bf16) values of every row of x; float32 sums, a warp
 // shuffle sum at the end, fp16 out[m, n] (row pitch ldo: a fused weight's part writes its
 // own columns).
 // dequant_*_{f16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
@@ -26,25 +29,29 @@ union Chunk16 {  // 16 quant bytes in one vector load (union punning: see attent
     uint4 vector;
     unsigned char u[16];
     signed char s[16];
+    unsigned int pairs[4];  // bf16: word i holds weight 2i in its low half, 2i + 1 in its high one
 };
 union Halves8 {
     uint4 vector;
     __half2 pairs[4];
 };
 
-// 16 halves of x (32 bytes, two vector loads; p is 16-byte aligned: ldx % 8 == 0) as floats.
-__device__ __forceinline__ void load_x16(const __half* p, float* f) {
+// 8 halves of x (16 bytes, one vector load; p is 16-byte aligned: ldx % 8 == 0) as floats.
+__device__ __forceinline__ void load_x8(const __half* p, float* f) {
+    Halves8 h;
+    h.vector = *reinterpret_cast<const uint4*>(p);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        Halves8 h;
-        h.vector = *reinterpret_cast<const uint4*>(p + 8 * j);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 t = __half22float2(h.pairs[i]);
-            f[8 * j + 2 * i] = t.x;
-            f[8 * j + 2 * i + 1] = t.y;
-        }
+    for (int i = 0; i < 4; ++i) {
+        const float2 t = __half22float2(h.pairs[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
     }
+}
+
+// 16 halves of x (32 bytes, two vector loads) as floats.
+__device__ __forceinline__ void load_x16(const __half* p, float* f) {
+    load_x8(p, f);
+    load_x8(p + 8, f + 8);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -64,6 +71,25 @@ __device__ __forceinline__ void dequant16_u4(const Chunk16& c, int half, float s
 __device__ __forceinline__ void dequant16_i8(const Chunk16& c, float s, float o, float* w) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) w[i] = s * (float)c.s[i] + o;
+}
+
+// The 8 bf16 weights of one chunk as floats: bf16 is float32's upper half, so the widening is
+// exact (a shift or a mask, no conversion instruction).
+__device__ __forceinline__ void widen8_bf16(const Chunk16& c, float* w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        w[2 * i] = __uint_as_float(c.pairs[i] << 16);
+        w[2 * i + 1] = __uint_as_float(c.pairs[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ float dot8(const float* w, const __half* x) {
+    float xv[8];
+    load_x8(x, xv);
+    float d = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) d += w[i] * xv[i];
+    return d;
 }
 
 __device__ __forceinline__ float dot16(const float* w, const __half* x) {
@@ -139,6 +165,32 @@ __device__ __forceinline__ void matvec_i8(
     write_rows<ROWS>(acc, M, out, ldo, n);
 }
 
+// scale, offset, block: unused (a bf16 weight is its own value), taken so that every kind has
+// the launcher's one signature.
+template <int ROWS>
+__device__ __forceinline__ void matvec_bf16(
+        const unsigned short* __restrict__ q, const float* __restrict__ scale,
+        const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx, int M,
+        int N, int K, __half* __restrict__ out, int ldo) {
+    const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
+    if (n >= N) return;
+    const unsigned short* qrow = q + (size_t)n * K;
+    float acc[ROWS];
+#pragma unroll
+    for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
+    for (int c = lane; c < K / 8; c += 32) {  // chunk c: weights 8c..8c+7
+        Chunk16 bits;
+        bits.vector = *reinterpret_cast<const uint4*>(qrow + 8 * c);  // PERF: the one weight load
+        const int k = 8 * c;
+        float w[8];
+        widen8_bf16(bits, w);
+#pragma unroll
+        for (int m = 0; m < ROWS; ++m)
+            if (m < M) acc[m] += dot8(w, x + (size_t)m * ldx + k);
+    }
+    write_rows<ROWS>(acc, M, out, ldo, n);
+}
+
 #define MATVEC(KIND, QT, R)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, 4) matvec_##KIND##_r##R(         \
             const QT* __restrict__ q, const float* __restrict__ scale,                             \
@@ -156,6 +208,11 @@ MATVEC(i8, signed char, 2)
 MATVEC(i8, signed char, 4)
 MATVEC(i8, signed char, 8)
 MATVEC(i8, signed char, 16)
+MATVEC(bf16, unsigned short, 1)
+MATVEC(bf16, unsigned short, 2)
+MATVEC(bf16, unsigned short, 4)
+MATVEC(bf16, unsigned short, 8)
+MATVEC(bf16, unsigned short, 16)
 
 __device__ __forceinline__ void put(float* p, float v) { *p = v; }
 __device__ __forceinline__ void put(__half* p, float v) { *p = __float2half(v); }
@@ -209,6 +266,32 @@ __device__ __forceinline__ void dequant_i8(
     }
 }
 
+// NOTE: bf16 into the fp16 workspace (a large batch's GEMM) is exact for |w| in [2^-14, 65504]
+// (fp16 keeps 11 significant bits, bf16 8); smaller weights round to fp16 subnormals (an
+// absolute error under 2^-25) and larger ones would overflow to inf: trained LLM weights sit
+// far inside that range, and the fp16 store made the same narrowing of every bf16 weight
+// before. The mat-vec (decode) reads the bf16 bits as they are.
+template <typename T>
+__device__ __forceinline__ void dequant_bf16(
+        const unsigned short* __restrict__ q, const float* __restrict__ scale,
+        const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,
+        int row_begin, int nrows, T* __restrict__ out, int ldo) {
+    const int chunks = K / 8;
+    const size_t total = (size_t)nrows * chunks;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const int r = (int)(i / chunks), c = (int)(i - (size_t)r * chunks);
+        const size_t src = ids ? (size_t)ids[r] : (size_t)(row_begin + r);
+        Chunk16 bits;
+        bits.vector = *reinterpret_cast<const uint4*>(q + src * K + 8 * c);
+        float w[8];
+        widen8_bf16(bits, w);
+        T* o = out + (size_t)r * ldo + 8 * c;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) put(o + j, w[j]);
+    }
+}
+
 #define DEQUANT(KIND, QT, T, SUFFIX)                                                               \
     extern "C" __global__ void __launch_bounds__(256) dequant_##KIND##_##SUFFIX(                   \
             const QT* __restrict__ q, const float* __restrict__ scale,                             \
@@ -220,3 +303,5 @@ DEQUANT(u4, unsigned char, __half, f16)
 DEQUANT(u4, unsigned char, float, f32)
 DEQUANT(i8, signed char, __half, f16)
 DEQUANT(i8, signed char, float, f32)
+DEQUANT(bf16, unsigned short, __half, f16)
+DEQUANT(bf16, unsigned short, float, f32)

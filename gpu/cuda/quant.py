@@ -4,11 +4,9 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ringserve.gpu.cuda import launch, toolchain
-from ringserve.gpu.cuda.quant_linear import PLANE_KINDS
+from ringserve.gpu.cuda import toolchain
+from ringserve.gpu.cuda.quant_linear import KERNELS
 
-KERNELS = tuple(f"matvec_{kind}_r{rows}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS) + \
-    tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in ("f16", "f32"))
 _NULL = np.uint64(0)
 
 

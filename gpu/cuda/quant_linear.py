@@ -3,14 +3,22 @@ uploads gpu/quant.py's planes as they are, and the linear that reads them throug
 kernels (launched by gpu/cuda/quant.py on a GPU, by tests/cuda_host_kernels.py on the host).
 
 Device layout: gpu/quant.py's planes (u4 nibbles in 64-weight groups, or int8; float32 scale
-and offset per block of 16/32/128 weights), not the raw GGUF blocks. Why: (1) every quant row
-is 16-byte aligned, so each lane streams its quants with one vector load (GGUF blocks are 18,
-20, 22, 34, 84, 110, 144, 176 or 210 bytes: no vector load lines up with them); (2) one kernel
-per plane kind serves all ten GGUF types and AWQ/GPTQ int4 (repacked into the same u4 planes);
-(3) the planes are the ones tests/test_quant_kernels.py proves bit-identical to gguf-py's
-`dequantize`. The price is bytes: float32 scales and 5/6-bit quants widened to int8 read
-0.75 B/weight for Q4_K (0.5625 raw), 1.125 for Q8_0 (1.0625) and 1.25 for Q5_K/Q6_K (0.69/0.82).
-The kernels and the GPU check report the bytes actually read.
+and offset per block of 16/32/128 weights; bf16 bits as they are), not the raw GGUF blocks.
+Why: (1) every quant row is 16-byte aligned, so each lane streams its quants with one vector
+load (GGUF blocks are 18, 20, 22, 34, 84, 110, 144, 176 or 210 bytes: no vector load lines up
+with them); (2) one kernel per plane kind serves all ten GGUF types and AWQ/GPTQ int4
+(repacked into the same u4 planes); (3) the planes are the ones tests/test_quant_kernels.py
+proves bit-identical to gguf-py's `dequantize`. The price is bytes: float32 scales and 5/6-bit
+quants widened to int8 read 0.75 B/weight for Q4_K (0.5625 raw), 1.125 for Q8_0 (1.0625) and
+1.25 for Q5_K/Q6_K (0.69/0.82). The kernels and the GPU check report the bytes actually read.
+
+16-bit floats are kept as they are stored: BF16 (a GGUF BF16 tensor, or an HF checkpoint in
+bfloat16: gpu/weights.py GGMLTensor "BF16") as the "bf16" plane, which the kernels widen to
+float32 exactly (decode reads 2 B/weight, as fp16 would, and no weight is rounded; a large
+batch's chunks are fp16, see quant.cu's dequant_bf16 for why that is exact in practice); F16
+(numpy float16, from safetensors or a GGUF F16 tensor) is already the runner's own storage
+dtype: Fp16Store uploads its bits unchanged and cuBLAS reads them. Only F32 weights are
+narrowed (to fp16).
 
 A linear with M rows of activations runs:
 - M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R>, dequantized in registers, on tiles of up
@@ -38,24 +46,36 @@ from ringserve.gpu.cuda.buffers import Fp16Store
 from ringserve.gpu.quant import QuantWeight, dequantize
 from ringserve.gpu.weights import GGMLTensor
 
-PLANE_KINDS = ("u4", "i8")      # kept packed; every other kind is widened to fp16 (cuBLAS)
+PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; F16 and F32 are Fp16Store's (cuBLAS)
 WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
 MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; above, dequantize + GEMM
-WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16}  # weights one 16-byte load of quants holds
+WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16, "bf16": 8}  # weights one 16-byte load of quants holds
+# quant.cu's kernels (extern "C"): what gpu/cuda/quant.py loads, tests/test_cuda_compile.py checks
+KERNELS = tuple(f"matvec_{kind}_r{rows}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS) + \
+    tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in ("f16", "f32"))
+
+
+def _on_planes(kind: str, cols: int) -> bool:
+    """quant.cu reads this kind at this row length: u4 and i8 rows always fit (whole blocks of
+    16+ weights), a bf16 row needs whole 16-byte loads (8 weights; else the fp16 path)."""
+    return kind in PLANE_KINDS and cols % WEIGHTS_PER_CHUNK[kind] == 0
 
 
 def keeps_blocks(tensor: Any) -> bool:
-    """A tensor the CUDA backend keeps packed: GGUF blocks (a GGMLTensor that is not BF16) or a
-    QuantWeight already made (AWQ/GPTQ from gpu/hf_quant.py; gpu_check's, made on the device)."""
+    """A tensor the CUDA backend keeps packed: GGUF blocks or BF16 (a GGMLTensor: F16 and F32
+    are numpy arrays) or a QuantWeight already made (AWQ/GPTQ from gpu/hf_quant.py; gpu_check's,
+    made on the device)."""
     if isinstance(tensor, QuantWeight):
-        return tensor.kind in PLANE_KINDS
-    return isinstance(tensor, GGMLTensor) and tensor.ggml_type not in ("BF16", "F16", "F32")
+        return _on_planes(tensor.kind, tensor.shape[1])
+    if not isinstance(tensor, GGMLTensor) or tensor.ggml_type in ("F16", "F32"):
+        return False
+    return tensor.ggml_type != "BF16" or _on_planes("bf16", tensor.shape[1])
 
 
 class QuantStore:
     """model.WeightStore for the CUDA backend: a linear with a packed part is gpu/cpu_packed.py's
     QuantWeight (or SplitWeight of several types) with its planes moved to the device (arrays of
-    xp: cupy on a GPU, numpy in CI); F16/F32/BF16 parts and every other weight are Fp16Store's.
+    xp: cupy on a GPU, numpy in CI); F16/F32 parts and every other weight are Fp16Store's.
     QuantWeights already on the device are stacked there (np.concatenate reaches
     cupy.concatenate through __array_function__)."""
 
@@ -74,11 +94,21 @@ class QuantStore:
 
     def _upload(self, w: Any) -> Any:
         assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/quant.py's planes
-        if w.kind not in PLANE_KINDS:  # F16, F32, BF16 parts: the fp16 path
+        if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
             return self.fp16.linear([dequantize(w)])
-        xp = self.xp
-        return replace(w, q=xp.asarray(w.q), scale=xp.asarray(w.scale),
-                       offset=None if w.offset is None else xp.asarray(w.offset))
+        return replace(w, q=self._device(w.q), scale=self._device(w.scale),
+                       offset=self._device(w.offset))
+
+    def _device(self, a: Any) -> Any:
+        """A plane on the device (None stays None), 16-byte aligned for the kernels' vector
+        loads: CuPy's allocations are; a numpy view into a memory-mapped file (a lone BF16
+        weight, CI's "device") may not be, and is copied."""
+        if a is None:
+            return None
+        out = self.xp.asarray(a)
+        if isinstance(out, np.ndarray) and out.ctypes.data % 16:
+            out = out.copy()
+        return out
 
 
 Call = Callable[..., None]  # call(kernel name, (grid, block), *args): one launch of quant.cu

@@ -1,6 +1,6 @@
-"""The CUDA model runner: gpu/runner.py's Runner face on one GPU. fp16 weights (or, for a GGUF
-or AWQ/GPTQ checkpoint, packed planes read by quant.cu: gpu/cuda/quant_linear.py) and KV
-cache, float32 residual stream and accumulation.
+"""The CUDA model runner: gpu/runner.py's Runner face on one GPU. fp16 weights (or, for a GGUF,
+AWQ/GPTQ or bfloat16 checkpoint, packed planes or bf16 bits read by quant.cu:
+gpu/cuda/quant_linear.py) and KV cache, float32 residual stream and accumulation.
 
 The model is gpu/model.py's llama_forward over CudaOps: GEMMs are cuBLAS on the runner's own
 handle (gpu/cuda/gemm.py, nvmath-python's binding: CuPy's refuses to run during a capture) with
@@ -183,7 +183,7 @@ class CudaModelRunner:
         # flight, and a non-blocking stream does not wait for the default one: hence the
         # device synchronize before the first forward (the profile) and at the end.
         with self.stream:
-            self.weights = LlamaWeights.fuse(c, weights, QuantStore(cp))  # fp16 unless packed
+            self.weights = LlamaWeights.fuse(c, weights, QuantStore(cp))  # fp16 unless packed or bf16
             cos, sin = cos_sin(np.arange(self.max_model_len), inv_freq(c))
             self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         cp.cuda.Device().synchronize()

@@ -50,6 +50,7 @@ __forceinline__ float __expf(float x) { return expf(x); }
 __forceinline__ float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 __forceinline__ float __int_as_float(int x) { return std::bit_cast<float>(x); }
 __forceinline__ int __float_as_int(float x) { return std::bit_cast<int>(x); }
+__forceinline__ float __uint_as_float(unsigned x) { return std::bit_cast<float>(x); }
 __forceinline__ int min(int a, int b) { return a < b ? a : b; }
 __forceinline__ int max(int a, int b) { return a > b ? a : b; }
 __forceinline__ unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }

@@ -22,6 +22,11 @@ HOST_MATVEC(i8, signed char, 2)
 HOST_MATVEC(i8, signed char, 4)
 HOST_MATVEC(i8, signed char, 8)
 HOST_MATVEC(i8, signed char, 16)
+HOST_MATVEC(bf16, unsigned short, 1)
+HOST_MATVEC(bf16, unsigned short, 2)
+HOST_MATVEC(bf16, unsigned short, 4)
+HOST_MATVEC(bf16, unsigned short, 8)
+HOST_MATVEC(bf16, unsigned short, 16)
 
 #define HOST_DEQUANT(KIND, QT, T, SUFFIX)                                                               \
     extern "C" int launch_dequant_##KIND##_##SUFFIX(const unsigned* dims, const QT* q, const float* scale, \
@@ -35,3 +40,5 @@ HOST_DEQUANT(u4, unsigned char, __half, f16)
 HOST_DEQUANT(u4, unsigned char, float, f32)
 HOST_DEQUANT(i8, signed char, __half, f16)
 HOST_DEQUANT(i8, signed char, float, f32)
+HOST_DEQUANT(bf16, unsigned short, __half, f16)
+HOST_DEQUANT(bf16, unsigned short, float, f32)
