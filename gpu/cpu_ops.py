@@ -44,8 +44,8 @@ class CpuWeightStore:
     """model.WeightStore. A linear weight (and the embedding) stored packed (GGUF blocks, F16,
     BF16) stays in its type (gpu/cpu_packed.py: 4-9x fewer bytes than float32 for a decode step
     to stream); one stored as float32 is kept float32, or as bfloat16 bits in uint16 with
-    --dtype bfloat16 (cpu_linear widens them on the fly). Norms and biases are float32. Every
-    weight lives on huge pages (gpu/cpu_memory.py: 15-20 % off a decode step here)."""
+    --dtype bfloat16 (cpu_linear widens them on the fly). Norms and biases are float32. Packed
+    weights and vectors live on huge pages (gpu/cpu_memory.py: 5-10 % off a decode step here)."""
 
     def __init__(self, weight_dtype: str = "float32", widen_packed: bool = False, int8: bool = False):
         """widen_packed: widen packed weights to weight_dtype too (the float path, for
@@ -62,9 +62,10 @@ class CpuWeightStore:
         if not self.widen_packed and any(is_packed(a) for a in arrays):
             return self.arena.place(fuse_packed(arrays, self.int8))
         # NOTE: always a fresh array of our own, even of one tensor: a decode step streams
-        # these, and a view into the loaded file's buffer may sit at any alignment
+        # these, and a view into the loaded file's buffer may sit at any alignment. numpy
+        # advises huge pages itself for arrays of 4 MiB and up, as a float matrix is
         w = np.concatenate([np.asarray(a, dtype=F32) for a in arrays])
-        return self.arena.place(to_bfloat16(w) if self.bfloat16 else w)
+        return to_bfloat16(w) if self.bfloat16 else w
 
     def nbytes(self, tensor) -> int:
         """What memory will hold for one HF tensor once stored (the start-up fit check): a
