@@ -19,6 +19,7 @@ from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.rope import inv_freq
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.weights import load_weights
+from ringserve.tools.tiny_llama import save_bf16
 
 
 @pytest.fixture
@@ -136,22 +137,14 @@ def test_sharded_equals_single_file(tiny_model_dir, model_copy):
 
 def test_bf16_tensors_widen_exactly(model_copy):
     tensors = load_file(str(model_copy / "model.safetensors"))
-    # Round every tensor to bf16 bit patterns, then write them as a BF16 safetensors file by hand.
-    header, chunks, offset = {}, [], 0
-    for name, t in tensors.items():
-        bits = (t.view(np.uint32) >> 16).astype("<u2")
-        header[name] = {"dtype": "BF16", "shape": list(t.shape),
-                        "data_offsets": [offset, offset + bits.nbytes]}
-        chunks.append(bits.tobytes())
-        offset += bits.nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    (model_copy / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + b"".join(chunks))
+    # Every tensor cut to a bf16 bit pattern (so writing it as BF16 rounds nothing), then written
+    # as a BF16 safetensors file: each must load back as exactly those float32 values.
+    expected = {name: ((t.view(np.uint32) >> 16) << 16).view(np.float32) for name, t in tensors.items()}
+    save_bf16(expected, model_copy / "model.safetensors")
     loaded = load_weights(model_copy)
-    for name, t in tensors.items():
-        expected = ((t.view(np.uint32) >> 16) << 16).view(np.float32)
+    for name, want in expected.items():
         assert loaded[name].dtype == np.float32
-        np.testing.assert_array_equal(loaded[name], expected)
+        np.testing.assert_array_equal(loaded[name], want)
 
 
 def test_missing_weights_file(model_copy):
