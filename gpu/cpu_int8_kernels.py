@@ -247,14 +247,16 @@ def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
         first = builder.mul(g, _const(builder, 16))
         out = []
         for v in range(16):
-            _prefetch(builder, qtile, builder.add(first, _const(builder, v)), v64b)
-            out.append((_load(builder, qtile, builder.add(first, _const(builder, v)), v64b), 4 * v))
+            at = builder.add(first, _const(builder, v))
+            _prefetch(builder, qtile, at, v64b)
+            out.append((_load(builder, qtile, at, v64b), 4 * v))
         return out
     low, out = ir.Constant(v64b, [15] * 64), []
     first = builder.mul(g, _const(builder, 8))
     for v in range(8):
-        _prefetch(builder, qtile, builder.add(first, _const(builder, v)), v64b)
-        packed = _load(builder, qtile, builder.add(first, _const(builder, v)), v64b)
+        at = builder.add(first, _const(builder, v))
+        _prefetch(builder, qtile, at, v64b)
+        packed = _load(builder, qtile, at, v64b)
         out.append((builder.and_(packed, low), 4 * v))
         out.append((builder.and_(builder.lshr(packed, ir.Constant(v64b, [4] * 64)), low), 32 + 4 * v))
     return out

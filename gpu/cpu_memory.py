@@ -1,5 +1,5 @@
-"""Memory for what a CPU decode step streams (weights, the KV cache) on 2 MiB transparent huge
-pages where Linux offers them (``madvise`` mode, the common default).
+"""Memory for what a CPU decode step streams (packed weights, the KV cache) on 2 MiB transparent
+huge pages where Linux offers them (``madvise`` mode, the common default).
 
 numpy's arrays come from malloc on 4 KiB pages. A decode step reads every weight once: on 4 KiB
 pages it takes a TLB miss every 4 KiB and the hardware prefetchers stop at each page boundary, so
@@ -67,18 +67,18 @@ class HugePageArena:
 
     def place(self, value: Any) -> Any:
         """value with every numpy array in it (an array, or a frozen dataclass of arrays and
-        of such dataclasses, as gpu/cpu_packed.py's weights are) copied into the arena."""
+        of such dataclasses, as gpu/cpu_packed.py's weights are) copied into the arena; what
+        holds no array is returned as it is."""
         if isinstance(value, np.ndarray):
             return self.copy(value)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            changes = {f.name: self.place(getattr(value, f.name)) for f in dataclasses.fields(value)
-                       if _holds_arrays(getattr(value, f.name))}
-            return dataclasses.replace(value, **changes) if changes else value
         if isinstance(value, tuple):
-            return tuple(self.place(v) for v in value)
+            placed = tuple(self.place(v) for v in value)
+            return value if all(a is b for a, b in zip(placed, value, strict=True)) else placed
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changes = {}
+            for f in dataclasses.fields(value):
+                old = getattr(value, f.name)
+                if (new := self.place(old)) is not old:
+                    changes[f.name] = new
+            return dataclasses.replace(value, **changes) if changes else value
         return value
-
-
-def _holds_arrays(value: Any) -> bool:
-    return (isinstance(value, (np.ndarray, tuple))
-            or (dataclasses.is_dataclass(value) and not isinstance(value, type)))
