@@ -15,7 +15,8 @@ from ringserve.gpu.cuda import launch, toolchain
 
 HOST_DIR = Path(__file__).parent / "cuda_host"
 # source -> the shim's entry points for it
-ENTRIES = {"fused.cu": "fused_host.cpp", "attention.cu": "attention_host.cpp", "quant.cu": "quant_host.cpp"}
+ENTRIES = {"fused.cu": "fused_host.cpp", "attention.cu": "attention_host.cpp", "quant.cu": "quant_host.cpp",
+           "shim": "shim_selftest.cpp"}  # "shim": the shim's own tests, no .cu
 
 
 def gxx_defines(defines: dict[str, int] | None) -> list[str]:
@@ -91,7 +92,8 @@ class HostBuild:
         self.gxx, self.folder = gxx, folder
         self.built: dict[tuple, HostKernels] = {}
         for name in ENTRIES:
-            (folder / name).write_text(toolchain.source(name))
+            if name.endswith(".cu"):
+                (folder / name).write_text(toolchain.source(name))
 
     def get(self, source: str, defines: dict[str, int] | None = None) -> HostKernels:
         key = (source, tuple(sorted((defines or {}).items())))

@@ -177,7 +177,7 @@ def tiny_gguf(folder, layout: str, monkeypatch):
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(folder / "cache"))
     path = folder / f"tiny-{layout}.gguf"
-    # NOTE: as small as K-quant rows allow (256): the host runs every CUDA thread as a thread
+    # NOTE: as small as K-quant rows allow (256): the host runs every CUDA thread as a fiber
     write_random_gguf(path, Shape(hidden=256, layers=1, heads=4, kv_heads=2, ffn=256, vocab=384,
                                   context=MAX_MODEL_LEN), layout, progress=False)
     return resolve_model(str(path))
@@ -186,9 +186,7 @@ def tiny_gguf(folder, layout: str, monkeypatch):
 # A prefill of 69 rows (> MATVEC_MAX_ROWS: dequantized chunks + the GEMM), then decodes of 3
 # (the mat-vec kernels).
 PACKED_PROMPTS = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 100))]
-# Q2_K and Q3_K: kernel tests only (tests/test_cuda_quant_host.py): their planes are i8, as
-# Q5_K and Q6_K here, and a forward each costs ~18 s of host threads on 2 cores
-GGUF_LAYOUTS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m"]
+GGUF_LAYOUTS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m"]
 
 
 @pytest.mark.parametrize("layout", GGUF_LAYOUTS)
@@ -230,7 +228,7 @@ def test_a_bf16_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host):
     mat-vec, the embedding widened), against the CPU backend, which keeps them bf16 too."""
     from ringserve.tools.tiny_llama import make_tiny_llama
 
-    # NOTE: one layer, as the GGUF models above: the host runs every CUDA thread as a thread
+    # NOTE: one layer, as the GGUF models above: the host runs every CUDA thread as a fiber
     model_dir = make_tiny_llama(tmp_path / "bf16", dtype="bfloat16", num_layers=1,
                                 **TINY_CUDA_MODELS["tied-g3"])
     host = HostRunner(model_dir, cuda_host)

@@ -1,8 +1,9 @@
 """The CUDA C kernels (gpu/cuda/fused.cu, attention.cu) executed on the CPU: g++ compiles the
 sources NVRTC gets (toolchain.source/options) unchanged against a CUDA-on-host shim
-(tests/cuda_host/), each block's threads run as real threads (real __syncthreads and warp
-shuffles), launched with the launchers' own geometry (gpu/cuda/launch.py), and the results are
-checked against gpu/cuda/reference.py (docs/design.md §8).
+(tests/cuda_host/), each block's threads run as fibers (real __syncthreads and warp
+shuffles: the shim's own tests are at the end), launched with the launchers' own geometry
+(gpu/cuda/launch.py), and the results are checked against gpu/cuda/reference.py
+(docs/design.md §8).
 """
 from __future__ import annotations
 
@@ -174,3 +175,41 @@ def test_launch_outside_the_kernels_bounds_is_refused(host_kernels):
     kernels.call("paged_attention", (grid, block), *paged_attention_args(*case_args(c), out))
     with pytest.raises(RuntimeError, match="invalid block"):
         kernels.call("paged_attention", (grid, (2 * block[0],)), *paged_attention_args(*case_args(c), out))
+
+
+# ---- the shim itself (tests/cuda_host/shim_selftest.cpp)
+
+@pytest.fixture(scope="module")
+def shim(cuda_host):
+    return cuda_host.get("shim")
+
+
+@pytest.mark.parametrize("threads", [32, 128, 1024])
+def test_shim_syncthreads_orders_shared_memory(shim, threads):
+    """After __syncthreads every thread reads its neighbour's write; without it, a thread that
+    runs before its neighbour reads the NaN the shim fills shared memory with: the host tests
+    catch a missing barrier instead of passing by the OS scheduler's luck."""
+    blocks = 3
+    out = np.full(blocks * threads, -1, np.float32)
+    shim.call("neighbour", ((blocks,), (threads,)), out, np.int32(1))
+    idx = np.arange(blocks * threads)
+    np.testing.assert_array_equal(out, idx // threads * threads + (idx % threads + 1) % threads)
+    shim.call("neighbour", ((blocks,), (threads,)), out, np.int32(0))
+    assert np.isnan(out).any()
+
+
+def test_shim_warp_shuffles_exchange_between_lanes(shim):
+    x = np.arange(64, dtype=np.float32)
+    out = np.zeros(64, np.float32)
+    shim.call("warp_total", ((1,), (64,)), x, out)
+    np.testing.assert_array_equal(out, np.repeat([x[:32].sum(), x[32:].sum()], 32))
+
+
+def test_shim_reports_a_barrier_not_every_thread_reaches(shim):
+    """Half a warp in a full-warp shuffle while the rest wait in __syncthreads() hangs a GPU (and
+    hung the shim's OS threads): the shim says so, and the next launch works."""
+    out = np.zeros(64, np.float32)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        shim.call("divergent_barrier", ((2,), (64,)), out, np.int32(16))
+    shim.call("divergent_barrier", ((2,), (64,)), out, np.int32(0))
+    np.testing.assert_array_equal(out, 1.0)

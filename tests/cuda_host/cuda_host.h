@@ -1,11 +1,16 @@
 // CUDA on the host: enough of CUDA C for g++ (-std=c++20) to compile gpu/cuda/*.cu unchanged
-// and run them on the CPU (tests/test_cuda_host.py). Each block's threads are real threads, so
-// __syncthreads() and warp shuffles really synchronize; blocks run one after another, so one
-// static copy of each __shared__ array is the block's shared memory. Launches are serialized.
+// and run them on the CPU (tests/test_cuda_host.py). Each thread of a block is a fiber (its own
+// stack, switched by ucontext on one OS thread), so __syncthreads() and warp shuffles really
+// synchronize: a fiber that waits yields to the next runnable one. Why not OS threads: a block
+// of 128 threads was 128 thread creations, and every shuffle 32 futex wake-ups on a 2-core
+// machine (the host tests spent more system time than user time); a fiber switch is a
+// function call's worth of registers. Fibers also run in one fixed order, so a result does not
+// depend on the OS scheduler, and a barrier nobody can pass is reported as a deadlock instead
+// of hanging. Blocks run one after another, so one static copy of each __shared__ array is the
+// block's shared memory. Launches are serialized.
 #pragma once
 
 #include <algorithm>
-#include <barrier>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -15,9 +20,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
+
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #define __global__
 #define __device__
@@ -58,18 +65,32 @@ __forceinline__ unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 
 namespace cuda_host {
 
+// A barrier of fibers: they all run on one OS thread, so plain counters. A fiber that waits
+// is skipped by the scheduler until the generation it waits on has passed.
+struct Barrier {
+    explicit Barrier(int n) : expected(n) {}
+    int expected, arrived = 0;
+    unsigned generation = 0;
+    void arrive_and_wait();
+    void arrive_and_drop();  // an exited thread no longer holds back the others
+    void release() {
+        arrived = 0;
+        ++generation;
+    }
+};
+
 // Per-block state every emulated thread of the block points at.
 struct Warp {
     explicit Warp(int n) : size(n), bar(n) {}
     int size;
-    std::barrier<> bar;
+    Barrier bar;
     uint64_t slots[2][32];  // double-buffered: one barrier per shuffle suffices
 };
 struct Block {
     explicit Block(int n) : sync(n) {
         for (int w = 0; w < (n + 31) / 32; ++w) warps.push_back(std::make_unique<Warp>(std::min(32, n - 32 * w)));
     }
-    std::barrier<> sync;
+    Barrier sync;
     std::vector<std::unique_ptr<Warp>> warps;
 };
 
@@ -80,13 +101,13 @@ inline void fail(const std::string& what) {
     if (first_error.empty()) first_error = what;
 }
 
-inline thread_local Block* tl_block;
-inline thread_local Warp* tl_warp;
-inline thread_local int tl_lane, tl_phase;
+inline Block* tl_block;  // NOTE: plain globals, not thread_local: every fiber runs on the launching thread
+inline Warp* tl_warp;
+inline int tl_lane, tl_phase;
 
 }  // namespace cuda_host
 
-inline thread_local uint3 threadIdx, blockIdx;
+inline uint3 threadIdx, blockIdx;  // the running fiber's (swapped in by run_block)
 inline dim3 blockDim, gridDim;  // the same for every thread of a launch
 
 __forceinline__ void __syncthreads() { cuda_host::tl_block->sync.arrive_and_wait(); }
@@ -115,6 +136,80 @@ extern "C" __attribute__((weak)) char __start_cuda_host_shared[], __stop_cuda_ho
 
 namespace cuda_host {
 
+// One emulated thread: its context, its stack, and the per-thread state the scheduler swaps in.
+struct Fiber {
+    ucontext_t context;
+    uint3 thread;
+    Warp* warp;
+    int lane, phase;
+    Barrier* waits_on = nullptr;  // with the generation it waits to see pass
+    unsigned waits_for = 0;
+    bool done = false;
+};
+
+constexpr size_t STACK_BYTES = 256 << 10;  // kernels keep their arrays in registers on the GPU
+constexpr size_t GUARD_BYTES = 4096;       // an overflow faults instead of writing a neighbour
+
+// Stacks are mapped once and reused by every block of every launch (pages are committed only
+// as they are touched: a few KiB each).
+inline std::vector<char*> stacks;
+inline char* stack(size_t i) {
+    while (stacks.size() <= i) {
+        void* p = mmap(nullptr, STACK_BYTES + GUARD_BYTES, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (p == MAP_FAILED) return nullptr;
+        mprotect(p, GUARD_BYTES, PROT_NONE);  // stacks grow down, towards the guard
+        stacks.push_back(static_cast<char*>(p) + GUARD_BYTES);
+    }
+    return stacks[i];
+}
+
+inline ucontext_t scheduler;
+inline Fiber* running;
+inline const std::function<void()>* running_kernel;
+
+inline void Barrier::arrive_and_wait() {
+    if (++arrived == expected) return release();
+    running->waits_on = this;
+    running->waits_for = generation;
+    swapcontext(&running->context, &scheduler);
+}
+
+inline void Barrier::arrive_and_drop() {
+    if (--expected > 0 && arrived == expected) release();
+}
+
+inline void fiber_main() {
+    (*running_kernel)();
+    running->warp->bar.arrive_and_drop();
+    tl_block->sync.arrive_and_drop();
+    running->done = true;  // returning resumes the scheduler (uc_link)
+}
+
+// Runs the block's fibers in index order, each until it waits or ends, until all have ended.
+// Returns false if some wait on a barrier that none of the others can reach (a deadlock).
+inline bool run_block(std::vector<Fiber>& fibers) {
+    size_t left = fibers.size();
+    while (left) {
+        bool progressed = false;
+        for (Fiber& f : fibers) {
+            if (f.done || (f.waits_on && f.waits_on->generation == f.waits_for)) continue;
+            f.waits_on = nullptr;
+            running = &f;
+            threadIdx = f.thread;
+            tl_warp = f.warp;
+            tl_lane = f.lane;
+            tl_phase = f.phase;
+            swapcontext(&scheduler, &f.context);
+            f.phase = tl_phase;
+            left -= f.done;
+            progressed = true;
+        }
+        if (!progressed) return false;
+    }
+    return true;
+}
+
 inline std::mutex launch_mutex;
 
 // Runs kernel() over grid x block like a CUDA launch; max_threads is the kernel's
@@ -129,30 +224,37 @@ inline int launch(const unsigned* dims, unsigned max_threads, const std::functio
     if (!threads || threads > max_threads || block.x > 1024 || block.y > 1024 || block.z > 64)
         fail("invalid block: " + std::to_string(threads) + " threads, at most " + std::to_string(max_threads));
     if (!first_error.empty()) return 1;
+    if (!stack(threads - 1)) return fail("cannot map the fibers' stacks"), 1;
     gridDim = grid;
     blockDim = block;
+    running_kernel = &kernel;
+    std::vector<Fiber> fibers(threads);
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {
                 if (__start_cuda_host_shared)
                     std::memset(__start_cuda_host_shared, 0xff, __stop_cuda_host_shared - __start_cuda_host_shared);
                 Block state((int)threads);
-                std::vector<std::thread> pool;
-                pool.reserve(threads);
-                for (unsigned i = 0; i < threads; ++i)
-                    pool.emplace_back([&, i] {
-                        tl_block = &state;
-                        tl_warp = state.warps[i / 32].get();
-                        tl_lane = i % 32;
-                        tl_phase = 0;
-                        threadIdx = {i % block.x, i / block.x % block.y, i / (block.x * block.y)};
-                        blockIdx = {bx, by, bz};
-                        kernel();
-                        // An exited thread no longer holds back the barriers of the others.
-                        tl_warp->bar.arrive_and_drop();
-                        state.sync.arrive_and_drop();
-                    });
-                for (auto& t : pool) t.join();
+                tl_block = &state;
+                blockIdx = {bx, by, bz};
+                for (unsigned i = 0; i < threads; ++i) {
+                    Fiber& f = fibers[i];
+                    f = Fiber{};
+                    f.thread = {i % block.x, i / block.x % block.y, i / (block.x * block.y)};
+                    f.warp = state.warps[i / 32].get();
+                    f.lane = i % 32;
+                    getcontext(&f.context);
+                    f.context.uc_stack = {stacks[i], 0, STACK_BYTES};
+                    f.context.uc_link = &scheduler;
+                    makecontext(&f.context, fiber_main, 0);
+                }
+                if (!run_block(fibers)) {
+                    // NOTE: the waiting fibers are abandoned where they stand; their stacks are
+                    // reused by the next launch (kernels hold no resources to release).
+                    fail("deadlock: block (" + std::to_string(bx) + ", " + std::to_string(by) + ", " +
+                         std::to_string(bz) + ") waits on a barrier that some of its threads never reach");
+                    return 1;
+                }
             }
     return first_error.empty() ? 0 : 1;
 }
