@@ -19,6 +19,8 @@
 // dequant_*_{f16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
 // floats: fp16 into the workspace the cuBLAS GEMM of a large batch reads, float32 for the
 // embedding of a packed table.
+// Both are one template each over a plane-kind policy (U4, I8, BF16 below: what a chunk of
+// 16 bytes holds and its weights' values), so a kind is written once and read by every kernel.
 // NVRTC defines no libc and no stdint: only cuda_fp16.h is included.
 #include <cuda_fp16.h>
 
@@ -111,82 +113,89 @@ __device__ __forceinline__ void write_rows(float* acc, int M, __half* out, int l
     }
 }
 
-template <int ROWS>
-__device__ __forceinline__ void matvec_u4(
-        const unsigned char* __restrict__ q, const float* __restrict__ scale,
+// Each plane kind's 16-byte chunk c of a row: which weights it holds and their values.
+// chunk(bits, c, srow, ...) calls use(k, w) once for each run of RUN weights k..k + RUN - 1 of
+// the chunk, with w their float32 values; the mat-vec and the dequantize kernels share this
+// and differ only in what use() does with them.
+struct U4 {  // two runs of 16: the low nibbles (weights k_lo..) and the high ones (k_lo + 32..)
+    using Q = unsigned char;
+    static constexpr int WEIGHTS = 32, RUN = 16;
+    static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K / 2; }
+    static __device__ __forceinline__ int scales_per_row(int K, int block) { return K / block; }
+    template <class Use>
+    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const float* scale,
+                                                 const float* offset, size_t srow, int block, Use use) {
+        const int k_lo = 64 * (c >> 1) + 16 * (c & 1);
+        float w[16];  // NOTE: one nibble half at a time: 16 weights live, not 32 (registers)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int k = k_lo + 32 * half;
+            dequant16_u4(bits, half, scale[srow + k / block], offset ? offset[srow + k / block] : 0.0f, w);
+            use(k, w);
+        }
+    }
+};
+
+struct I8 {  // one run of 16: weights 16c..16c + 15
+    using Q = signed char;
+    static constexpr int WEIGHTS = 16, RUN = 16;
+    static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K; }
+    static __device__ __forceinline__ int scales_per_row(int K, int block) { return K / block; }
+    template <class Use>
+    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const float* scale,
+                                                 const float* offset, size_t srow, int block, Use use) {
+        const int k = 16 * c;
+        float w[16];
+        dequant16_i8(bits, scale[srow + k / block], offset ? offset[srow + k / block] : 0.0f, w);
+        use(k, w);
+    }
+};
+
+// scale, offset, block: unused (a bf16 weight is its own value; block may be 0), taken so that
+// every kind has the launchers' one signature.
+struct BF16 {  // one run of 8: weights 8c..8c + 7
+    using Q = unsigned short;
+    static constexpr int WEIGHTS = 8, RUN = 8;
+    static __device__ __forceinline__ size_t row_bytes(int K) { return 2 * (size_t)K; }
+    static __device__ __forceinline__ int scales_per_row(int, int) { return 0; }
+    template <class Use>
+    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const float*,
+                                                 const float*, size_t, int, Use use) {
+        float w[8];
+        widen8_bf16(bits, w);
+        use(8 * c, w);
+    }
+};
+
+template <int RUN>
+__device__ __forceinline__ float dot_run(const float* w, const __half* x) {
+    if constexpr (RUN == 16) return dot16(w, x);
+    else return dot8(w, x);
+}
+
+// One warp per output row n: each lane loads 16-byte chunks of the row's quants (PERF: the one
+// weight load, once for every row of x), dequantizes them in registers and dots them with the
+// matching weights of every row of x.
+template <class Kind, int ROWS>
+__device__ __forceinline__ void matvec(
+        const typename Kind::Q* __restrict__ q, const float* __restrict__ scale,
         const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx, int M,
         int N, int K, __half* __restrict__ out, int ldo) {
     const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
     if (n >= N) return;  // the whole warp: n is the warp's
-    const unsigned char* qrow = q + (size_t)n * (K / 2);
-    const size_t srow = (size_t)n * (K / block);
+    const unsigned char* qrow = reinterpret_cast<const unsigned char*>(q) + (size_t)n * Kind::row_bytes(K);
+    const size_t srow = (size_t)n * Kind::scales_per_row(K, block);
     float acc[ROWS];
 #pragma unroll
     for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
-    for (int c = lane; c < K / 32; c += 32) {  // chunk c: bytes 16c.., weights k_lo.. and k_hi..
+    for (int c = lane; c < K / Kind::WEIGHTS; c += 32) {
         Chunk16 bits;
-        bits.vector = *reinterpret_cast<const uint4*>(qrow + 16 * c);  // PERF: the one weight load
-        const int k_lo = 64 * (c >> 1) + 16 * (c & 1), k_hi = k_lo + 32;
-        float w[16];  // NOTE: one nibble half at a time: 16 weights live, not 32 (registers)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int k = half ? k_hi : k_lo;
-            dequant16_u4(bits, half, scale[srow + k / block], offset ? offset[srow + k / block] : 0.0f, w);
+        bits.vector = *reinterpret_cast<const uint4*>(qrow + 16 * c);
+        Kind::chunk(bits, c, scale, offset, srow, block, [&](int k, const float* w) {
 #pragma unroll
             for (int m = 0; m < ROWS; ++m)
-                if (m < M) acc[m] += dot16(w, x + (size_t)m * ldx + k);
-        }
-    }
-    write_rows<ROWS>(acc, M, out, ldo, n);
-}
-
-template <int ROWS>
-__device__ __forceinline__ void matvec_i8(
-        const signed char* __restrict__ q, const float* __restrict__ scale,
-        const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx, int M,
-        int N, int K, __half* __restrict__ out, int ldo) {
-    const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
-    if (n >= N) return;
-    const signed char* qrow = q + (size_t)n * K;
-    const size_t srow = (size_t)n * (K / block);
-    float acc[ROWS];
-#pragma unroll
-    for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
-    for (int c = lane; c < K / 16; c += 32) {  // chunk c: weights 16c..16c+15
-        Chunk16 bits;
-        bits.vector = *reinterpret_cast<const uint4*>(qrow + 16 * c);  // PERF: the one weight load
-        const int k = 16 * c;
-        float w[16];
-        dequant16_i8(bits, scale[srow + k / block], offset ? offset[srow + k / block] : 0.0f, w);
-#pragma unroll
-        for (int m = 0; m < ROWS; ++m)
-            if (m < M) acc[m] += dot16(w, x + (size_t)m * ldx + k);
-    }
-    write_rows<ROWS>(acc, M, out, ldo, n);
-}
-
-// scale, offset, block: unused (a bf16 weight is its own value), taken so that every kind has
-// the launcher's one signature.
-template <int ROWS>
-__device__ __forceinline__ void matvec_bf16(
-        const unsigned short* __restrict__ q, const float* __restrict__ scale,
-        const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx, int M,
-        int N, int K, __half* __restrict__ out, int ldo) {
-    const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
-    if (n >= N) return;
-    const unsigned short* qrow = q + (size_t)n * K;
-    float acc[ROWS];
-#pragma unroll
-    for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
-    for (int c = lane; c < K / 8; c += 32) {  // chunk c: weights 8c..8c+7
-        Chunk16 bits;
-        bits.vector = *reinterpret_cast<const uint4*>(qrow + 8 * c);  // PERF: the one weight load
-        const int k = 8 * c;
-        float w[8];
-        widen8_bf16(bits, w);
-#pragma unroll
-        for (int m = 0; m < ROWS; ++m)
-            if (m < M) acc[m] += dot8(w, x + (size_t)m * ldx + k);
+                if (m < M) acc[m] += dot_run<Kind::RUN>(w, x + (size_t)m * ldx + k);
+        });
     }
     write_rows<ROWS>(acc, M, out, ldo, n);
 }
@@ -196,8 +205,11 @@ __device__ __forceinline__ void matvec_bf16(
             const QT* __restrict__ q, const float* __restrict__ scale,                             \
             const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx,    \
             int M, int N, int K, __half* __restrict__ out, int ldo) {                              \
-        matvec_##KIND<R>(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                      \
+        matvec<KIND_##KIND, R>(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                \
     }
+using KIND_u4 = U4;
+using KIND_i8 = I8;
+using KIND_bf16 = BF16;
 MATVEC(u4, unsigned char, 1)
 MATVEC(u4, unsigned char, 2)
 MATVEC(u4, unsigned char, 4)
@@ -218,77 +230,31 @@ __device__ __forceinline__ void put(float* p, float v) { *p = v; }
 __device__ __forceinline__ void put(__half* p, float v) { *p = __float2half(v); }
 
 // Grid-stride over (row, chunk); each thread dequantizes one 16-byte chunk of quants.
-template <typename T>
-__device__ __forceinline__ void dequant_u4(
-        const unsigned char* __restrict__ q, const float* __restrict__ scale,
-        const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,
-        int row_begin, int nrows, T* __restrict__ out, int ldo) {
-    const int chunks = K / 32;
-    const size_t total = (size_t)nrows * chunks;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const int r = (int)(i / chunks), c = (int)(i - (size_t)r * chunks);
-        const size_t src = ids ? (size_t)ids[r] : (size_t)(row_begin + r);
-        Chunk16 bits;
-        bits.vector = *reinterpret_cast<const uint4*>(q + src * (K / 2) + 16 * c);
-        const int k_lo = 64 * (c >> 1) + 16 * (c & 1), k_hi = k_lo + 32;
-        const size_t srow = src * (K / block);
-        float w[16];
-        T* o = out + (size_t)r * ldo;
-        dequant16_u4(bits, 0, scale[srow + k_lo / block], offset ? offset[srow + k_lo / block] : 0.0f, w);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) put(o + k_lo + j, w[j]);
-        dequant16_u4(bits, 1, scale[srow + k_hi / block], offset ? offset[srow + k_hi / block] : 0.0f, w);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) put(o + k_hi + j, w[j]);
-    }
-}
-
-template <typename T>
-__device__ __forceinline__ void dequant_i8(
-        const signed char* __restrict__ q, const float* __restrict__ scale,
-        const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,
-        int row_begin, int nrows, T* __restrict__ out, int ldo) {
-    const int chunks = K / 16;
-    const size_t total = (size_t)nrows * chunks;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const int r = (int)(i / chunks), c = (int)(i - (size_t)r * chunks);
-        const size_t src = ids ? (size_t)ids[r] : (size_t)(row_begin + r);
-        Chunk16 bits;
-        bits.vector = *reinterpret_cast<const uint4*>(q + src * K + 16 * c);
-        const size_t srow = src * (K / block);
-        float w[16];
-        dequant16_i8(bits, scale[srow + 16 * c / block], offset ? offset[srow + 16 * c / block] : 0.0f, w);
-        T* o = out + (size_t)r * ldo + 16 * c;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) put(o + j, w[j]);
-    }
-}
-
 // NOTE: bf16 into the fp16 workspace (a large batch's GEMM) is exact for |w| in [2^-14, 65504]
 // (fp16 keeps 11 significant bits, bf16 8); smaller weights round to fp16 subnormals (an
 // absolute error under 2^-25) and larger ones would overflow to inf: trained LLM weights sit
 // far inside that range, and the fp16 store made the same narrowing of every bf16 weight
 // before. The mat-vec (decode) reads the bf16 bits as they are.
-template <typename T>
-__device__ __forceinline__ void dequant_bf16(
-        const unsigned short* __restrict__ q, const float* __restrict__ scale,
+template <class Kind, typename T>
+__device__ __forceinline__ void dequant(
+        const typename Kind::Q* __restrict__ q, const float* __restrict__ scale,
         const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,
         int row_begin, int nrows, T* __restrict__ out, int ldo) {
-    const int chunks = K / 8;
+    const int chunks = K / Kind::WEIGHTS;
     const size_t total = (size_t)nrows * chunks;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (size_t)gridDim.x * blockDim.x) {
         const int r = (int)(i / chunks), c = (int)(i - (size_t)r * chunks);
         const size_t src = ids ? (size_t)ids[r] : (size_t)(row_begin + r);
         Chunk16 bits;
-        bits.vector = *reinterpret_cast<const uint4*>(q + src * K + 8 * c);
-        float w[8];
-        widen8_bf16(bits, w);
-        T* o = out + (size_t)r * ldo + 8 * c;
+        bits.vector = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(q) +
+                                                      src * Kind::row_bytes(K) + 16 * c);
+        T* o = out + (size_t)r * ldo;
+        Kind::chunk(bits, c, scale, offset, src * Kind::scales_per_row(K, block), block,
+                    [&](int k, const float* w) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) put(o + j, w[j]);
+                        for (int j = 0; j < Kind::RUN; ++j) put(o + k + j, w[j]);
+                    });
     }
 }
 
@@ -297,7 +263,7 @@ __device__ __forceinline__ void dequant_bf16(
             const QT* __restrict__ q, const float* __restrict__ scale,                             \
             const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,       \
             int row_begin, int nrows, T* __restrict__ out, int ldo) {                              \
-        dequant_##KIND<T>(q, scale, offset, block, K, ids, row_begin, nrows, out, ldo);            \
+        dequant<KIND_##KIND, T>(q, scale, offset, block, K, ids, row_begin, nrows, out, ldo);      \
     }
 DEQUANT(u4, unsigned char, __half, f16)
 DEQUANT(u4, unsigned char, float, f32)
