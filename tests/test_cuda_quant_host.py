@@ -18,7 +18,7 @@ import pytest
 
 from ringserve.gpu.cpu_packed import SplitWeight
 from ringserve.gpu.cuda import launch
-from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
+from ringserve.gpu.cuda.quant_linear import LARGE_BATCH_POLICIES, QuantLinear, QuantStore
 from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, random_raw, repack
 from ringserve.gpu.weights import GGMLTensor
 from test_quant_kernels import magnitude
@@ -103,8 +103,9 @@ def test_embedding_rows_dequantized_exactly(quant_kernels, qtype):
     np.testing.assert_array_equal(out, want)
 
 
-@pytest.mark.parametrize("rows", [2, 70])
-def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_kernels, rows):
+@pytest.mark.parametrize("rows,large_batch", [(2, "dequant"), (70, "dequant"), (70, "tiled")])
+def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_kernels, rows,
+                                                                         large_batch):
     """Q4_K_M's QKV: Q4_K q and k, Q6_K v, and an F16 part (cuBLAS), one output."""
     rng = np.random.default_rng(11)
     parts = [("Q4_K", 8), ("Q4_K", 4), ("Q6_K", 4), ("F16", 4)]
@@ -119,7 +120,9 @@ def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_k
     assert [getattr(p, "qtype", "fp16") for p in weight.parts] == ["Q4_K", "Q6_K", "fp16"]
     x = rng.standard_normal((rows, 512)).astype(np.float16)
     out = np.full((rows, 20), np.nan, np.float16)
-    linear_for(quant_kernels, 3 * 512)(x, weight, out)
+    linear = linear_for(quant_kernels, 3 * 512)
+    linear.large_batch = large_batch
+    linear(x, weight, out)
     want = x.astype(np.float64) @ np.concatenate(references).astype(np.float64).T
     np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
 
@@ -166,3 +169,100 @@ def test_int4_checkpoint_weights_match_their_format(quant_kernels, method, rows)
     out = np.full((rows, 24), np.nan, np.float16)
     linear_for(quant_kernels)(x, device(w), out)
     check(out, x, w, values)
+
+
+# gemm_<kind> (QuantLinear's "tiled" large batch): two K sizes per kind, one with a last K step
+# of 64 that is not whole where the kind allows it (i8: K % 16, bf16: K % 8; u4 is whole
+# 64-weight groups); N = 77: two 64-feature tiles, the second 13 wide; 130 rows: three tiles
+# of 64 rows, the last 2 tall.
+GEMM_TYPES = {"Q4_K": (256,), "Q4_0": (576,), "GPTQ": (256,), "Q8_0": (96, 512), "Q6_K": (256,),
+              "BF16": (72, 320)}
+GEMM_ROWS = [1, 17, 64, 70, 130]
+GEMM_N = 77
+
+
+def gemm_weight(qtype: str, N: int, K: int, rng) -> tuple[QuantWeight, np.ndarray]:
+    """A random weight of qtype on the planes, and the fp16 values dequant_<kind>_f16 writes
+    (gguf-py's dequantize, or the GPTQ format's (q - 8) s, rounded to fp16; AWQ packs 8
+    output features a word: no tail of 13)."""
+    if qtype == "GPTQ":
+        from ringserve.gpu.hf_quant import unpack_gptq
+        from test_hf_quant import random_int4
+        tensors, values = random_int4(N, K, rng, "gptq")
+        w = unpack_gptq(tensors["qweight"], tensors["scales"], tensors["g_idx"])
+        return w, values.astype(np.float16)
+    raw = random_raw(qtype, (N, K), rng)
+    w = repack(raw, qtype, (N, K))
+    return w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K).astype(np.float16)
+
+
+def gemm_bound(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
+    """float32 sums of exact fp16 products (a K-long sum: (K + 2) 2^-23 sum |x_i w_i|), plus
+    the output's fp16 rounding."""
+    want = x.astype(np.float64) @ w16.astype(np.float64).T
+    bound = (x.shape[1] + 2) * 2.0 ** -23 * (np.abs(x).astype(np.float64) @ np.abs(w16).astype(np.float64).T)
+    return bound + np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype,K", [(t, k) for t, ks in GEMM_TYPES.items() for k in ks])
+def test_tiled_gemm_matches_the_fp16_dequantized_weights(quant_kernels, qtype, K):
+    """gemm_<kind> on tensor cores (the host's mma_m16n8k16: the PTX fragment layout) at every
+    row tail: x with rows wider than K (ldx > K), out a column slice of a NaN-filled buffer
+    (ldo > N): every in-range value within fp32 accumulation of the float64 product of the fp16
+    weights, nothing written outside out."""
+    rng = np.random.default_rng(K)
+    w, w16 = gemm_weight(qtype, GEMM_N, K, rng)
+    weight = device(w)
+    linear = linear_for(quant_kernels)
+    for rows in GEMM_ROWS:
+        x = rng.standard_normal((rows, K + 8)).astype(np.float16)[:, :K]
+        buffer = np.full((rows + 3, GEMM_N + 11), np.nan, np.float16)
+        out = buffer[:rows, 5:5 + GEMM_N]
+        linear.tiled(x, weight, out)
+        want = x.astype(np.float64) @ w16.astype(np.float64).T
+        err = np.abs(out.astype(np.float64) - want)
+        bound = gemm_bound(x, w16)
+        assert np.all(err <= bound), (f"{qtype} K {K} M {rows}: {(~(err <= bound)).sum()} of {err.size} "
+                                      f"off, worst {np.nanmax(err / bound):.3g} of the bound")
+        outside = buffer.copy()
+        outside[:rows, 5:5 + GEMM_N] = np.nan
+        assert np.isnan(outside).all(), f"{qtype} K {K} M {rows}: written outside out"
+
+
+def test_the_large_batch_policy_picks_the_tiled_gemm_or_dequantize_and_cublas(quant_kernels):
+    """The same QuantWeights through QuantLinear above MATVEC_MAX_ROWS: "tiled" launches
+    gemm_<kind> and no cuBLAS GEMM, "dequant" the workspace chunks and cuBLAS (the host
+    stand-in, tests/cublas_host.py); their outputs agree within both kernels' bounds."""
+    from cublas_host import HostCublas
+    from test_cuda_gemm_host import host_gemm
+    rng = np.random.default_rng(21)
+    K, rows = 512, 70
+    x = rng.standard_normal((rows, K)).astype(np.float16)
+    for qtype in ("Q4_K", "Q6_K", "BF16"):
+        w, w16 = gemm_weight(qtype, GEMM_N, K, rng)
+        weight = device(w)
+        got = {}
+        for policy in LARGE_BATCH_POLICIES:
+            cublas, launched = HostCublas(), []
+
+            def call(name, *args, launched=launched):
+                launched.append(name)
+                quant_kernels.call(name, *args)
+            linear = QuantLinear(call, host_gemm(cublas), np.full(4 * K, np.nan, np.float16), large_batch=policy)
+            out = got[policy] = np.full((rows, GEMM_N), np.nan, np.float16)
+            linear(x, weight, out)
+            if policy == "tiled":
+                assert launched == [f"gemm_{w.kind}"] and not cublas.calls
+            else:
+                assert set(launched) == {f"dequant_{w.kind}_f16"} and len(cublas.calls) == len(launched) == 20
+        diff = np.abs(got["tiled"].astype(np.float64) - got["dequant"].astype(np.float64))
+        assert np.all(diff <= 2 * gemm_bound(x, w16)), qtype
+    with pytest.raises(ValueError, match="large_batch 'fast'"):
+        QuantLinear(call, numpy_gemm, None, large_batch="fast")
+
+
+def test_gemm_launch_geometry():
+    assert launch.gemm_launch(1, 1) == ((1, 1), (128,))
+    assert launch.gemm_launch(130, 14336) == ((3, 224), (128,))
+    with pytest.raises(ValueError, match="grid.y"):
+        launch.gemm_launch(64, 64 * 65536)
