@@ -248,7 +248,8 @@ def test_the_large_batch_policy_picks_the_tiled_gemm_or_dequantize_and_cublas(qu
             def call(name, *args, launched=launched):
                 launched.append(name)
                 quant_kernels.call(name, *args)
-            linear = QuantLinear(call, host_gemm(cublas), np.full(4 * K, np.nan, np.float16), large_batch=policy)
+            linear = QuantLinear(call, host_gemm(cublas), np.full(4 * K, np.nan, np.float16),
+                                 large_batch=policy)
             out = got[policy] = np.full((rows, GEMM_N), np.nan, np.float16)
             linear(x, weight, out)
             if policy == "tiled":
