@@ -11,6 +11,10 @@ row is O(1) of that.
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import mmap
+
 import gguf
 import gguf.quants
 import numpy as np
@@ -196,6 +200,29 @@ def gemm_weight(qtype: str, N: int, K: int, rng) -> tuple[QuantWeight, np.ndarra
     return w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K).astype(np.float16)
 
 
+_GUARDS: list = []  # the guarded mappings, alive for the session (their arrays point into them)
+
+
+def guarded(a: np.ndarray | None, align: int = 16) -> np.ndarray | None:
+    """A copy of `a` that ends where an inaccessible page begins: a kernel that reads past the
+    array's end (rows past N or M, weights past K) faults (the test process dies of SIGSEGV)
+    instead of reading stray memory. a.nbytes % align == 0 keeps its start aligned (16: the
+    vector loads of quants and x; 4: the scalar loads of scales)."""
+    if a is None:
+        return None
+    page, prot_none = mmap.PAGESIZE, 0
+    assert a.nbytes % align == 0
+    size = -(-a.nbytes // page) * page
+    mm = mmap.mmap(-1, size + page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(base + size), ctypes.c_size_t(page), prot_none) == 0
+    _GUARDS.append(mm)
+    out = np.frombuffer(mm, a.dtype, a.size, size - a.nbytes).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def gemm_bound(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
     """float32 sums of exact fp16 products (a K-long sum: (K + 2) 2^-23 sum |x_i w_i|), plus
     the output's fp16 rounding."""
@@ -207,15 +234,20 @@ def gemm_bound(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("qtype,K", [(t, k) for t, ks in GEMM_TYPES.items() for k in ks])
 def test_tiled_gemm_matches_the_fp16_dequantized_weights(quant_kernels, qtype, K):
     """gemm_<kind> on tensor cores (the host's mma_m16n8k16: the PTX fragment layout) at every
-    row tail: x with rows wider than K (ldx > K), out a column slice of a NaN-filled buffer
-    (ldo > N): every in-range value within fp32 accumulation of the float64 product of the fp16
-    weights, nothing written outside out."""
+    row tail: x with rows wider than K (ldx > K, NaN past K), out a column slice of a NaN-filled
+    buffer (ldo > N), the planes and x each ending at an inaccessible page: every in-range
+    value within fp32 accumulation of the float64 product of the fp16 weights, nothing written
+    outside out, nothing read past the planes or x."""
     rng = np.random.default_rng(K)
     w, w16 = gemm_weight(qtype, GEMM_N, K, rng)
     weight = device(w)
+    weight = dataclasses.replace(weight, q=guarded(weight.q), scale=guarded(weight.scale, 4),
+                                 offset=guarded(weight.offset, 4))
     linear = linear_for(quant_kernels)
     for rows in GEMM_ROWS:
-        x = rng.standard_normal((rows, K + 8)).astype(np.float16)[:, :K]
+        padded = np.full((rows, K + 8), np.nan, np.float16)  # read past K: NaN in out
+        padded[:, :K] = rng.standard_normal((rows, K))
+        x = guarded(padded)[:, :K]
         buffer = np.full((rows + 3, GEMM_N + 11), np.nan, np.float16)
         out = buffer[:rows, 5:5 + GEMM_N]
         linear.tiled(x, weight, out)
