@@ -24,12 +24,21 @@ A linear with M rows of activations runs:
 - M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R>, dequantized in registers, on tiles of up
   to 16 rows of x (launch.MATVEC_ROWS): the weight is streamed once per tile (from L2 after
   the first when a layer's weight fits it);
-- above: the weight dequantized to fp16 into a static workspace, chunk of rows by chunk of
-  rows, each chunk followed by the cuBLAS GEMM (the GEMMs of the fp16 path). Static: a CUDA
-  graph captures it as it is. It writes and reads 4 bytes a weight besides the quants, which
-  pays only once the GEMM's own work dominates.
-The crossover is a guess until a GPU measures it (tools/gpu_check.py --table quant: batch 16
-and 64 sit on either side of a 4-tile matvec).
+- above, by the large_batch policy (LARGE_BATCH, or the constructor's argument):
+  "dequant" (the default): the weight dequantized to fp16 into a static workspace, chunk of
+  rows by chunk of rows, each chunk followed by the cuBLAS GEMM (the GEMMs of the fp16 path).
+  Static: a CUDA graph captures it as it is. It writes and reads 4 bytes a weight besides the
+  quants (at batch 64-256 about 6x the bytes of Q4_K's quants), which pays only once the
+  GEMM's own work dominates;
+  "tiled": gemm_<kind>, one launch: 64 x 64 tiles of out, each block dequantizing a 64 x 64
+  tile of the weight into shared memory (the same fp16 values as the workspace) and
+  multiplying on tensor cores (mma.sync m16n8k16, fp32 accumulation), so each quant is read
+  once per 64 rows of x (vLLM's awq_gemm, llama.cpp's MMQ: the same idea). No workspace and
+  no cuBLAS: a graph captures it as it is.
+Both the crossover and the policy are guesses until a GPU measures them: "dequant" stays the
+default until then (tools/gpu_check.py --table quant: its "quant linear" rows time the mat-vec
+tiles, the tiled GEMM and dequantize + cuBLAS on the 8B MLP shapes at batch 16-256, and its
+decode rows sit at batch 16 and 64, on either side of a 4-tile mat-vec).
 A fused weight whose parts differ in type (llama.cpp's Q4_K_M: Q4_K q/k with Q6_K v) is a
 SplitWeight; each part writes its own columns of out (the kernels take out's row pitch).
 """
