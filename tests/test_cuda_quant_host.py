@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import mmap
+import subprocess
 
 import gguf
 import gguf.quants
@@ -299,3 +300,64 @@ def test_gemm_launch_geometry():
     assert launch.gemm_launch(130, 14336) == ((3, 224), (128,))
     with pytest.raises(ValueError, match="grid.y"):
         launch.gemm_launch(64, 64 * 65536)
+
+
+def ptx_fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray) -> tuple:
+    """Each lane's fragments of mma.m16n8k16 .f16 A (16 x 16), B (16 x 8) and .f32 C (16 x 8),
+    as the PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating point type" computes
+    them (groupID = lane >> 2, threadID_in_group = lane % 4), written here from its formulas
+    independently of the shim; also the (row, col) of each lane's c/d elements."""
+    a = np.zeros((32, 8), np.float16)
+    b = np.zeros((32, 4), np.float16)
+    c = np.zeros((32, 4), np.float32)
+    where = np.zeros((32, 4, 2), int)
+    for lane in range(32):
+        group, tig = lane >> 2, lane % 4
+        for i in range(8):
+            row = group if i < 2 or 4 <= i < 6 else group + 8
+            col = tig * 2 + (i & 1) + (8 if i >= 4 else 0)
+            a[lane, i] = A[row, col]
+        for i in range(4):
+            b[lane, i] = B[tig * 2 + (i & 1) + (8 if i >= 2 else 0), group]
+            where[lane, i] = (group if i < 2 else group + 8), tig * 2 + (i & 1)
+            c[lane, i] = C[tuple(where[lane, i])]
+    # .f16x2 registers: element 2j in the low half of register j
+    return a.view(np.uint32), b.view(np.uint32), c, where
+
+
+@pytest.fixture(scope="module")
+def mma_warp(tmp_path_factory):
+    from cuda_host_kernels import HOST_DIR, find_gxx
+    gxx = find_gxx()
+    if gxx is None:
+        pytest.skip("g++ not found")
+    out = tmp_path_factory.mktemp("mma") / "mma_host.so"
+    subprocess.run([gxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", str(HOST_DIR / "mma_host.cpp"),
+                    "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.cuda_host_error.restype = ctypes.c_char_p
+
+    def run(lanes: int, a, b, c) -> tuple[int, np.ndarray, str]:
+        d = np.full((32, 4), np.nan, np.float32)
+        rc = lib.mma_warp(lanes, *(ctypes.c_void_p(np.ascontiguousarray(v).ctypes.data) for v in (a, b, c)),
+                          ctypes.c_void_p(d.ctypes.data))
+        return rc, d, lib.cuda_host_error().decode()
+    return run
+
+
+def test_the_host_mma_is_the_ptx_m16n8k16(mma_warp):
+    """The shim's mma_m16n8k16 (what gemm_* runs on the host) computes D = A B + C from
+    fragments laid out as the PTX ISA says, exactly for small integers (every sum exact in
+    float32); a warp with a lane missing is an error, as the .aligned instruction requires."""
+    rng = np.random.default_rng(4)
+    A = rng.integers(-8, 8, (16, 16)).astype(np.float16)
+    B = rng.integers(-8, 8, (16, 8)).astype(np.float16)
+    C = rng.integers(-100, 100, (16, 8)).astype(np.float32)
+    a, b, c, where = ptx_fragments(A, B, C)
+    rc, d, error = mma_warp(32, a, b, c)
+    assert rc == 0, error
+    D = np.zeros((16, 8), np.float32)
+    D[where[..., 0], where[..., 1]] = d
+    np.testing.assert_array_equal(D, A.astype(np.float32) @ B.astype(np.float32) + C)
+    rc, _, error = mma_warp(31, a, b, c)
+    assert rc == 1 and "not all 32 lanes" in error
