@@ -16,6 +16,9 @@
 // with the matching 16 (i8), 2 x 16 (u4) or 8 (bf16) values of every row of x; float32 sums, a warp
 // shuffle sum at the end, fp16 out[m, n] (row pitch ldo: a fused weight's part writes its
 // own columns).
+// gemm_*: a large batch (QuantLinear's large_batch "tiled"): 64 x 64 tiles of out, the
+// weight dequantized into shared memory a tile at a time and multiplied on tensor cores
+// (below, after the mat-vecs).
 // dequant_*_{f16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
 // floats: fp16 into the workspace the cuBLAS GEMM of a large batch reads, float32 for the
 // embedding of a packed table.
@@ -240,7 +243,8 @@ union Pack8 {  // 8 fp16 values, written as one 16-byte store into shared memory
 
 #ifdef __CUDACC__
 // c += a b for one 16 x 8 x 16 tile (fp16 in, fp32 accumulation), warp-collective; fragments
-// in the PTX ISA's layout for m16n8k16 (g = lane >> 2, t = lane & 3):
+// in the PTX ISA's layout ("Matrix Fragments for mma.m16n8k16 with floating point type";
+// g = lane >> 2, t = lane & 3):
 //   a[0]: A[g][2t..2t+1], a[1]: A[g+8][2t..], a[2]: A[g][2t+8..], a[3]: A[g+8][2t+8..];
 //   b[0]: B[2t..2t+1][g], b[1]: B[2t+8..2t+9][g];  c[0..1]: C[g][2t..2t+1], c[2..3]: C[g+8][2t..].
 // The host shim (tests/cuda_host/cuda_host.h) has its own, same signature.
@@ -260,7 +264,7 @@ __device__ __forceinline__ void store8(unsigned* dst, const float* w) {
     *reinterpret_cast<uint4*>(dst) = p.vector;
 }
 
-__device__ __forceinline__ void store_zero16(unsigned* dst) {
+__device__ __forceinline__ void store_zero8(unsigned* dst) {  // 8 fp16 zeros
     *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u};
 }
 
@@ -290,7 +294,7 @@ struct TileU4 {
         unsigned* lo = &w_tile[r][8 * c];  // weights 16c.. (words 8c..), high nibbles 32 + 16c..
         unsigned* hi = lo + 16;
         if (!valid) {
-            store_zero16(lo), store_zero16(lo + 4), store_zero16(hi), store_zero16(hi + 4);
+            store_zero8(lo), store_zero8(lo + 4), store_zero8(hi), store_zero8(hi + 4);
             return;
         }
         float w[16];
@@ -326,7 +330,7 @@ struct TileI8 {
             const int i = threadIdx.x + GEMM_WARPS * 32 * j;
             unsigned* dst = &w_tile[i >> 2][8 * (i & 3)];
             if (!valid[j]) {
-                store_zero16(dst), store_zero16(dst + 4);
+                store_zero8(dst), store_zero8(dst + 4);
                 continue;
             }
             float w[16];
@@ -355,7 +359,7 @@ struct TileBF16 {
             const int i = threadIdx.x + GEMM_WARPS * 32 * j;
             unsigned* dst = &w_tile[i >> 3][4 * (i & 7)];
             if (!valid[j]) {
-                store_zero16(dst);
+                store_zero8(dst);
                 continue;
             }
             float w[8];
