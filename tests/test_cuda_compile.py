@@ -118,6 +118,18 @@ def test_quant_cu_defines_every_kernel_its_launcher_loads():
     assert set(toolchain.ptxas_report(ptx, "sm_90")) == set(KERNELS)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quant_gemm_runs_on_tensor_cores(arch):
+    """quant.cu's gemm_* (the tiled large batch) issue mma.sync m16n8k16 with fp32 accumulation
+    (the inline PTX behind #ifdef __CUDACC__, which NVRTC defines): 32 a K step of 64 (2 x 4
+    tiles a warp, 4 k16 steps), unrolled; the other kernels none."""
+    ptx = toolchain.nvrtc_ptx(toolchain.source("quant.cu"), arch, toolchain.options(), "quant.cu")
+    bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    counts = {name: body.count(mma) for name, body in bodies.items()}
+    assert {n: c for n, c in counts.items() if c} == {f"gemm_{k}": 32 for k in ("u4", "i8", "bf16")}
+
+
 def test_nvrtc_reports_errors():
     with pytest.raises(RuntimeError, match="HEAD_DIM"):
         toolchain.nvrtc_ptx(toolchain.source("attention.cu"), "sm_90", toolchain.options())

@@ -20,7 +20,7 @@ from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda import launch, plan
 from ringserve.gpu.cuda import reference as ref
 from ringserve.gpu.cuda.buffers import AttentionLaunch, StepBuffers
-from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore, keeps_blocks
+from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, QuantLinear, QuantStore, keeps_blocks
 from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.runner import ModelRunner
@@ -34,12 +34,12 @@ F16, F32 = np.float16, np.float32
 class HostOps:
     """model.ModelOps on the CPU as CudaOps runs them (see the module docstring)."""
 
-    def __init__(self, c: ModelConfig, cuda_host, packed: bool = False):
+    def __init__(self, c: ModelConfig, cuda_host, packed: bool = False, large_batch: str = LARGE_BATCH):
         self.fused = cuda_host.get("fused.cu")
         # packed weights: quant.cu through the runner's own plan, a workspace of 2 ** 16
         # elements (several chunks of rows for the larger weights of a prefill)
         self.quant = QuantLinear(cuda_host.get("quant.cu").call, fp16_gemm,
-                                 np.full(1 << 16, np.nan, F16)) if packed else None
+                                 np.full(1 << 16, np.nan, F16), large_batch) if packed else None
         self.paged = cuda_host.get("attention.cu", dict(
             HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
         self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
@@ -111,10 +111,11 @@ def workspace(T: int, num_heads: int, head_dim: int, splits: int) -> tuple:
 class HostRunner:
     """CudaModelRunner's eager and graph-shaped paths, on HostOps."""
 
-    def __init__(self, model_dir, cuda_host, num_sms: int = 16):
+    def __init__(self, model_dir, cuda_host, num_sms: int = 16, large_batch: str = LARGE_BATCH):
         c = self.config = ModelConfig.from_dir(model_dir)
         weights = load_weights(model_dir)
-        self.ops = HostOps(c, cuda_host, packed=any(keeps_blocks(t) for t in weights.values()))
+        self.ops = HostOps(c, cuda_host, packed=any(keeps_blocks(t) for t in weights.values()),
+                           large_batch=large_batch)
         self.weights = LlamaWeights.fuse(c, weights, QuantStore(np))  # as CudaModelRunner
         shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
         self.caches = [(np.zeros(shape, F16), np.zeros(shape, F16)) for _ in range(c.num_hidden_layers)]
@@ -204,6 +205,25 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)  # prefill, one decode
+
+
+def test_a_packed_prefill_through_the_tiled_gemm_matches_the_cpu_backend(tmp_path_factory, cuda_host,
+                                                                         monkeypatch):
+    """The large_batch="tiled" policy: the 69-row prefill of a tiny Q4_K_M GGUF (Q4_K and Q6_K
+    parts: u4 and i8 planes, a fused QKV split in two) through quant.cu's gemm_* on the
+    host's tensor-core emulation, no workspace chunk and no GEMM of dequantized weights; the
+    decode after it through the mat-vec; against the CPU backend."""
+    model_dir = tiny_gguf(tmp_path_factory.mktemp("gguf-tiled"), "q4_k_m", monkeypatch)
+    host = HostRunner(model_dir, cuda_host, large_batch="tiled")
+    launched = []
+    call = host.ops.quant.call
+    host.ops.quant.call = lambda name, *args: (launched.append(name), call(name, *args))[1]
+    host.ops.quant.gemm = host.ops.quant.workspace = None  # the tiled path uses neither
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
+    assert {"gemm_u4", "gemm_i8"} <= set(launched) and not any(n.startswith("dequant_") and n.endswith("f16")
+                                                               for n in launched)
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

@@ -217,7 +217,7 @@ def test_the_quant_table_runs_its_phases_within_six_minutes():
     budget = Recorder(360)
     budget.names = []
     run_phases(budget, dict(copy_GBps=None, attention=[], rows=[], quant=[]), TABLES["quant"])
-    assert budget.names == ["copy", "ours 1B", "quant 1B", "ours 8B", "quant 8B"]
+    assert budget.names == ["copy", "quant linear", "ours 1B", "quant 1B", "ours 8B", "quant 8B"]
     assert PREFLIGHT_S + sum(ESTIMATES[n] for n in budget.names) <= 360
 
 
@@ -237,3 +237,33 @@ def test_the_quant_table_prints_ratios_to_fp16_and_the_targets(capsys):
     assert "1B     Q4_K_M      1         2000         800    45.0    4.00x  %bound >= 60: MISSED, " \
            "4-bit >= 2.5x fp16: met" in out
     assert "1B     Q8_0        1         1000         nan    35.0    2.00x  %bound >= 60: MISSED" in out
+
+
+def test_the_quant_linear_table_prints_each_way_and_the_fastest_per_batch(capsys):
+    """The linear alone: one row per impl with its GB/s of quant bytes and TFLOP/s (computed by
+    bench_quant_linear; printed as they are), the fastest of each (linear, format, batch)
+    starred, and per batch how many shapes and formats each impl won: the large-batch choice."""
+    from ringserve.tools.gpu_check import linear_winners, print_tables
+    N, K = 14336, 4096
+
+    def row(linear, fmt, batch, impl, us):
+        nbytes = N * K * (0.75 if fmt == "Q4_K" else 1.125)
+        return dict(linear=linear, format=fmt, batch=batch, impl=impl, N=N, K=K, us=us,
+                    GBps=nbytes / us / 1e3, TFLOPs=2 * batch * N * K / us / 1e6)
+    quant_linear = [row("8B up", "Q4_K", 64, "matvec", 120.0), row("8B up", "Q4_K", 64, "tiled", 90.0),
+                    row("8B up", "Q4_K", 64, "dequant", 150.0), row("8B up", "Q4_K", 256, "tiled", 200.0),
+                    row("8B up", "Q4_K", 256, "dequant", 160.0), row("8B up", "Q8_0", 256, "tiled", 150.0),
+                    row("8B up", "Q8_0", 256, "dequant", 180.0)]
+    assert linear_winners(quant_linear) == {("8B up", "Q4_K", 64): "tiled", ("8B up", "Q4_K", 256): "dequant",
+                                            ("8B up", "Q8_0", 256): "tiled"}
+    result = dict(device="NVIDIA H200", date="2026-12-02", tests=None, copy_GBps=4000.0, preflight=[],
+                  attention=[], rows=[], quant=[], quant_linear=quant_linear, skipped=[], phases={},
+                  errors={})
+    print_tables(result)
+    out = capsys.readouterr().out
+    assert "quantized linear alone" in out
+    # 14336 x 4096 x 0.75 B = 44.0 MB in 90 us: 489 GB/s; 2 x 64 x 14336 x 4096 / 90 us: 83.5 TFLOP/s
+    assert "8B up    Q4_K      64 tiled         90.0     489     83.5 *" in out
+    assert "8B up    Q4_K      64 matvec       120.0     367     62.6\n" in out
+    assert "8B up    Q4_K     256 dequant      160.0     275    187.9 *" in out
+    assert "fastest per batch (of the shapes and formats): 64: tiled 1/1; 256: dequant 1/2, tiled 1/2" in out

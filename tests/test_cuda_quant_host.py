@@ -11,6 +11,11 @@ row is O(1) of that.
 """
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import mmap
+import subprocess
+
 import gguf
 import gguf.quants
 import numpy as np
@@ -18,7 +23,7 @@ import pytest
 
 from ringserve.gpu.cpu_packed import SplitWeight
 from ringserve.gpu.cuda import launch
-from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
+from ringserve.gpu.cuda.quant_linear import LARGE_BATCH_POLICIES, QuantLinear, QuantStore
 from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, random_raw, repack
 from ringserve.gpu.weights import GGMLTensor
 from test_quant_kernels import magnitude
@@ -103,8 +108,9 @@ def test_embedding_rows_dequantized_exactly(quant_kernels, qtype):
     np.testing.assert_array_equal(out, want)
 
 
-@pytest.mark.parametrize("rows", [2, 70])
-def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_kernels, rows):
+@pytest.mark.parametrize("rows,large_batch", [(2, "dequant"), (70, "dequant"), (70, "tiled")])
+def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_kernels, rows,
+                                                                         large_batch):
     """Q4_K_M's QKV: Q4_K q and k, Q6_K v, and an F16 part (cuBLAS), one output."""
     rng = np.random.default_rng(11)
     parts = [("Q4_K", 8), ("Q4_K", 4), ("Q6_K", 4), ("F16", 4)]
@@ -119,7 +125,9 @@ def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_k
     assert [getattr(p, "qtype", "fp16") for p in weight.parts] == ["Q4_K", "Q6_K", "fp16"]
     x = rng.standard_normal((rows, 512)).astype(np.float16)
     out = np.full((rows, 20), np.nan, np.float16)
-    linear_for(quant_kernels, 3 * 512)(x, weight, out)
+    linear = linear_for(quant_kernels, 3 * 512)
+    linear.large_batch = large_batch
+    linear(x, weight, out)
     want = x.astype(np.float64) @ np.concatenate(references).astype(np.float64).T
     np.testing.assert_allclose(out, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
 
@@ -166,3 +174,190 @@ def test_int4_checkpoint_weights_match_their_format(quant_kernels, method, rows)
     out = np.full((rows, 24), np.nan, np.float16)
     linear_for(quant_kernels)(x, device(w), out)
     check(out, x, w, values)
+
+
+# gemm_<kind> (QuantLinear's "tiled" large batch): two K sizes per kind, one with a last K step
+# of 64 that is not whole where the kind allows it (i8: K % 16, bf16: K % 8; u4 is whole
+# 64-weight groups); N = 77: two 64-feature tiles, the second 13 wide; 130 rows: three tiles
+# of 64 rows, the last 2 tall.
+GEMM_TYPES = {"Q4_K": (256,), "Q4_0": (576,), "GPTQ": (256,), "Q8_0": (96, 512), "Q6_K": (256,),
+              "BF16": (72, 320)}
+GEMM_ROWS = [1, 17, 64, 70, 130]
+GEMM_N = 77
+
+
+def gemm_weight(qtype: str, N: int, K: int, rng) -> tuple[QuantWeight, np.ndarray]:
+    """A random weight of qtype on the planes, and the fp16 values dequant_<kind>_f16 writes
+    (gguf-py's dequantize, or the GPTQ format's (q - 8) s, rounded to fp16; AWQ packs 8
+    output features a word: no tail of 13)."""
+    if qtype == "GPTQ":
+        from ringserve.gpu.hf_quant import unpack_gptq
+        from test_hf_quant import random_int4
+        tensors, values = random_int4(N, K, rng, "gptq")
+        w = unpack_gptq(tensors["qweight"], tensors["scales"], tensors["g_idx"])
+        return w, values.astype(np.float16)
+    raw = random_raw(qtype, (N, K), rng)
+    w = repack(raw, qtype, (N, K))
+    return w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K).astype(np.float16)
+
+
+_GUARDS: list = []  # the guarded mappings, alive for the session (their arrays point into them)
+
+
+def guarded(a: np.ndarray | None, align: int = 16) -> np.ndarray | None:
+    """A copy of `a` that ends where an inaccessible page begins: a kernel that reads past the
+    array's end (rows past N or M, weights past K) faults (the test process dies of SIGSEGV)
+    instead of reading stray memory. a.nbytes % align == 0 keeps its start aligned (16: the
+    vector loads of quants and x; 4: the scalar loads of scales)."""
+    if a is None:
+        return None
+    page, prot_none = mmap.PAGESIZE, 0
+    assert a.nbytes % align == 0
+    size = -(-a.nbytes // page) * page
+    mm = mmap.mmap(-1, size + page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(base + size), ctypes.c_size_t(page), prot_none) == 0
+    _GUARDS.append(mm)
+    out = np.frombuffer(mm, a.dtype, a.size, size - a.nbytes).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def gemm_bound(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
+    """float32 sums of exact fp16 products (a K-long sum: (K + 2) 2^-23 sum |x_i w_i|), plus
+    the output's fp16 rounding."""
+    want = x.astype(np.float64) @ w16.astype(np.float64).T
+    bound = (x.shape[1] + 2) * 2.0 ** -23 * (np.abs(x).astype(np.float64) @ np.abs(w16).astype(np.float64).T)
+    return bound + np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype,K", [(t, k) for t, ks in GEMM_TYPES.items() for k in ks])
+def test_tiled_gemm_matches_the_fp16_dequantized_weights(quant_kernels, qtype, K):
+    """gemm_<kind> on tensor cores (the host's mma_m16n8k16: the PTX fragment layout) at every
+    row tail: x with rows wider than K (ldx > K, NaN past K), out a column slice of a NaN-filled
+    buffer (ldo > N), the planes and x each ending at an inaccessible page: every in-range
+    value within fp32 accumulation of the float64 product of the fp16 weights, nothing written
+    outside out, nothing read past the planes or x."""
+    rng = np.random.default_rng(K)
+    w, w16 = gemm_weight(qtype, GEMM_N, K, rng)
+    weight = device(w)
+    weight = dataclasses.replace(weight, q=guarded(weight.q), scale=guarded(weight.scale, 4),
+                                 offset=guarded(weight.offset, 4))
+    linear = linear_for(quant_kernels)
+    for rows in GEMM_ROWS:
+        padded = np.full((rows, K + 8), np.nan, np.float16)  # read past K: NaN in out
+        padded[:, :K] = rng.standard_normal((rows, K))
+        x = guarded(padded)[:, :K]
+        buffer = np.full((rows + 3, GEMM_N + 11), np.nan, np.float16)
+        out = buffer[:rows, 5:5 + GEMM_N]
+        linear.tiled(x, weight, out)
+        want = x.astype(np.float64) @ w16.astype(np.float64).T
+        err = np.abs(out.astype(np.float64) - want)
+        bound = gemm_bound(x, w16)
+        assert np.all(err <= bound), (f"{qtype} K {K} M {rows}: {(~(err <= bound)).sum()} of {err.size} "
+                                      f"off, worst {np.nanmax(err / bound):.3g} of the bound")
+        outside = buffer.copy()
+        outside[:rows, 5:5 + GEMM_N] = np.nan
+        assert np.isnan(outside).all(), f"{qtype} K {K} M {rows}: written outside out"
+
+
+def test_the_large_batch_policy_picks_the_tiled_gemm_or_dequantize_and_cublas(quant_kernels):
+    """The same QuantWeights through QuantLinear above MATVEC_MAX_ROWS: "tiled" launches
+    gemm_<kind> and no cuBLAS GEMM, "dequant" the workspace chunks and cuBLAS (the host
+    stand-in, tests/cublas_host.py); their outputs agree within both kernels' bounds."""
+    from cublas_host import HostCublas
+    from test_cuda_gemm_host import host_gemm
+    rng = np.random.default_rng(21)
+    K, rows = 512, 70
+    x = rng.standard_normal((rows, K)).astype(np.float16)
+    for qtype in ("Q4_K", "Q6_K", "BF16"):
+        w, w16 = gemm_weight(qtype, GEMM_N, K, rng)
+        weight = device(w)
+        got = {}
+        for policy in LARGE_BATCH_POLICIES:
+            cublas, launched = HostCublas(), []
+
+            def call(name, *args, launched=launched):
+                launched.append(name)
+                quant_kernels.call(name, *args)
+            linear = QuantLinear(call, host_gemm(cublas), np.full(4 * K, np.nan, np.float16),
+                                 large_batch=policy)
+            out = got[policy] = np.full((rows, GEMM_N), np.nan, np.float16)
+            linear(x, weight, out)
+            if policy == "tiled":
+                assert launched == [f"gemm_{w.kind}"] and not cublas.calls
+            else:
+                assert set(launched) == {f"dequant_{w.kind}_f16"} and len(cublas.calls) == len(launched) == 20
+        diff = np.abs(got["tiled"].astype(np.float64) - got["dequant"].astype(np.float64))
+        assert np.all(diff <= 2 * gemm_bound(x, w16)), qtype
+    with pytest.raises(ValueError, match="large_batch 'fast'"):
+        QuantLinear(call, numpy_gemm, None, large_batch="fast")
+
+
+def test_gemm_launch_geometry():
+    assert launch.gemm_launch(1, 1) == ((1, 1), (128,))
+    assert launch.gemm_launch(130, 14336) == ((3, 224), (128,))
+    with pytest.raises(ValueError, match="grid.y"):
+        launch.gemm_launch(64, 64 * 65536)
+
+
+def ptx_fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray) -> tuple:
+    """Each lane's fragments of mma.m16n8k16 .f16 A (16 x 16), B (16 x 8) and .f32 C (16 x 8),
+    as the PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating point type" computes
+    them (groupID = lane >> 2, threadID_in_group = lane % 4), written here from its formulas
+    independently of the shim; also the (row, col) of each lane's c/d elements."""
+    a = np.zeros((32, 8), np.float16)
+    b = np.zeros((32, 4), np.float16)
+    c = np.zeros((32, 4), np.float32)
+    where = np.zeros((32, 4, 2), int)
+    for lane in range(32):
+        group, tig = lane >> 2, lane % 4
+        for i in range(8):
+            row = group if i < 2 or 4 <= i < 6 else group + 8
+            col = tig * 2 + (i & 1) + (8 if i >= 4 else 0)
+            a[lane, i] = A[row, col]
+        for i in range(4):
+            b[lane, i] = B[tig * 2 + (i & 1) + (8 if i >= 2 else 0), group]
+            where[lane, i] = (group if i < 2 else group + 8), tig * 2 + (i & 1)
+            c[lane, i] = C[tuple(where[lane, i])]
+    # .f16x2 registers: element 2j in the low half of register j
+    return a.view(np.uint32), b.view(np.uint32), c, where
+
+
+@pytest.fixture(scope="module")
+def mma_warp(tmp_path_factory):
+    from cuda_host_kernels import HOST_DIR, find_gxx
+    gxx = find_gxx()
+    if gxx is None:
+        pytest.skip("g++ not found")
+    out = tmp_path_factory.mktemp("mma") / "mma_host.so"
+    subprocess.run([gxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", str(HOST_DIR / "mma_host.cpp"),
+                    "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.cuda_host_error.restype = ctypes.c_char_p
+
+    def run(lanes: int, a, b, c) -> tuple[int, np.ndarray, str]:
+        d = np.full((32, 4), np.nan, np.float32)
+        rc = lib.mma_warp(lanes, *(ctypes.c_void_p(np.ascontiguousarray(v).ctypes.data) for v in (a, b, c)),
+                          ctypes.c_void_p(d.ctypes.data))
+        return rc, d, lib.cuda_host_error().decode()
+    return run
+
+
+def test_the_host_mma_is_the_ptx_m16n8k16(mma_warp):
+    """The shim's mma_m16n8k16 (what gemm_* runs on the host) computes D = A B + C from
+    fragments laid out as the PTX ISA says, exactly for small integers (every sum exact in
+    float32); a warp with a lane missing is an error, as the .aligned instruction requires."""
+    rng = np.random.default_rng(4)
+    A = rng.integers(-8, 8, (16, 16)).astype(np.float16)
+    B = rng.integers(-8, 8, (16, 8)).astype(np.float16)
+    C = rng.integers(-100, 100, (16, 8)).astype(np.float32)
+    a, b, c, where = ptx_fragments(A, B, C)
+    rc, d, error = mma_warp(32, a, b, c)
+    assert rc == 0, error
+    D = np.zeros((16, 8), np.float32)
+    D[where[..., 0], where[..., 1]] = d
+    np.testing.assert_array_equal(D, A.astype(np.float32) @ B.astype(np.float32) + C)
+    rc, _, error = mma_warp(31, a, b, c)
+    assert rc == 1 and "not all 32 lanes" in error

@@ -325,6 +325,55 @@ def test_quant_kernels_match_gguf_dequantize(qtype, rows):
     gemm.close()
 
 
+# K with a last K step of 64 that is not whole where the kind allows it (i8, bf16)
+@pytest.mark.parametrize("qtype,K", [("Q4_K", 2304), ("Q8_0", 2336), ("Q6_K", 2304), ("BF16", 2312)])
+def test_quant_tiled_gemm_on_tensor_cores(qtype, K):
+    """quant.cu's gemm_* (QuantLinear large_batch="tiled": mma.sync on the device's tensor
+    cores, whose fragment layout the host shim only emulates) at row tails 1..130, 77 output
+    features (a tail of 13), x with ldx > K and out a column slice: against the float64
+    product of the fp16-rounded dequantized weights (a device may fuse scale * q + offset:
+    one fp16 step of a weight, within rtol), and against dequantize + cuBLAS."""
+    import cupy as cp
+    import gguf
+    import gguf.quants
+    from nvmath.bindings import cublas
+
+    from ringserve.gpu.cuda.gemm import CublasGemm
+    from ringserve.gpu.cuda.quant import QuantKernels
+    from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
+    from ringserve.gpu.quant import random_raw, repack
+    rng = np.random.default_rng(K)
+    N = 77
+    raw = random_raw(qtype, (N, K), rng)
+    w16 = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K).astype(np.float16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    workspace = cp.empty(32 << 20, cp.uint8)
+    gemm = CublasGemm(cublas, stream.ptr, workspace.data.ptr, workspace.nbytes, lambda a: a.data.ptr)
+    kernels = QuantKernels(stream).call
+    tiled = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="tiled")
+    dequant = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="dequant")
+    w = QuantStore(cp).linear([repack(raw, qtype, (N, K))])
+    for rows in (1, 17, 64, 70, 130):
+        x = rng.standard_normal((rows, K)).astype(np.float16)
+        x_dev = cp.zeros((rows, K + 8), cp.float16)
+        x_dev[:, :K] = cp.asarray(x)
+        buffer = cp.full((rows, N + 11), cp.nan, cp.float16)
+        out = buffer[:, 5:5 + N]
+        other = cp.full((rows, N), cp.nan, cp.float16)
+        cp.cuda.Device().synchronize()  # the arrays above are the null stream's
+        with stream:
+            tiled.tiled(x_dev[:, :K], w, out)
+            dequant.dequant_gemm(x_dev[:, :K], w, other)
+        stream.synchronize()
+        got, host = out.get().astype(np.float64), buffer.get()
+        want = x.astype(np.float64) @ w16.astype(np.float64).T
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+        np.testing.assert_allclose(got, other.get().astype(np.float64), rtol=2e-3,
+                                   atol=2e-3 * np.abs(want).max())
+        assert np.isnan(host[:, :5]).all() and np.isnan(host[:, 5 + N:]).all(), "written outside out"
+    gemm.close()
+
+
 @pytest.mark.parametrize("layout", ["q4_k_m", "q8_0", "awq", "bf16"])
 def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, monkeypatch, layout):
     """A tiny random Q4_K_M / Q8_0 GGUF, a tiny AWQ and a tiny bfloat16 checkpoint, weights

@@ -20,6 +20,9 @@
    eager (one runner each: eager is its graphs set aside), tokens/s, % of the weight-streaming
    bound for the bytes a step actually reads, and the ratio to the fp16 rows (ours, graphs).
    `--table quant` runs the fp16 rows it compares with and skips attention and transformers.
+   First in it, the quantized linear alone (8B MLP up and down, Q4_K and Q8_0, batch
+   16/64/128/256): mat-vec tiles, the tiled GEMM and dequantize + cuBLAS, us, GB/s of the
+   quant bytes, TFLOP/s and the fastest per batch: what QuantLinear's LARGE_BATCH should be.
 The whole run fits --budget-s (6 minutes) by construction: every phase is timed and has its
 own time limit (SIGALRM, never past the budget's deadline), a phase starts only if its
 estimate fits in what is left (else it is skipped with a message, and the JSON says so), and
@@ -461,6 +464,53 @@ def bench_quant(name, shape, rows, deadline) -> None:
             cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
+# The quantized linear alone (the large-batch choice, gpu/cuda/quant_linear.py LARGE_BATCH):
+# the 8B's MLP up (gate and up are each this shape) and down, out_features x in_features.
+LINEAR_SHAPES = {"8B up": (14336, 4096), "8B down": (4096, 14336)}
+LINEAR_FORMATS = ("Q4_K", "Q8_0")
+LINEAR_BATCHES = (16, 64, 128, 256)
+
+
+def bench_quant_linear(rows, deadline) -> None:
+    """QuantLinear alone on cupy arrays, each way it can run a batch: the mat-vec tiles (up to
+    MATVEC_MAX_ROWS rows), the tiled GEMM (gemm_*: dequantized into shared memory, tensor
+    cores) and dequantize + cuBLAS (the workspace chunks); each timed as 20 calls captured in
+    a graph (gpu_time), as a decode step's graph replays them. GB/s: the weight's quant bytes
+    (planes as stored) over the time; TFLOP/s: 2 M N K over the time."""
+    import cupy as cp
+    from nvmath.bindings import cublas
+
+    from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
+    from ringserve.gpu.cuda.quant import QuantKernels
+    from ringserve.gpu.cuda.quant_linear import MATVEC_MAX_ROWS, WORKSPACE_ELEMENTS, QuantLinear
+    stream = cp.cuda.Stream(non_blocking=True)
+    gemm_workspace = cp.empty(WORKSPACE_BYTES, cp.uint8)
+    gemm = CublasGemm(cublas, stream.ptr, gemm_workspace.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
+    linear = QuantLinear(QuantKernels(stream).call, gemm, cp.empty(WORKSPACE_ELEMENTS, cp.float16))
+    rng = cp.random.default_rng(0)
+    try:
+        for name, (N, K) in LINEAR_SHAPES.items():
+            for fmt in LINEAR_FORMATS:
+                w = random_planes(cp, rng, fmt, N, K)
+                for B in LINEAR_BATCHES:
+                    if time.monotonic() > deadline:
+                        print("gpu_check: quant linear stopped at the deadline", file=sys.stderr)
+                        return
+                    x = (rng.standard_normal((B, K), dtype=cp.float32)).astype(cp.float16)
+                    out = cp.empty((B, N), cp.float16)
+                    cp.cuda.Device().synchronize()  # x is the null stream's; the timing is `stream`'s
+                    impls = {"matvec": linear.matvec} if B <= MATVEC_MAX_ROWS else {}
+                    impls.update(tiled=linear.tiled, dequant=linear.dequant_gemm)
+                    for impl, fn in impls.items():
+                        dt = gpu_time(partial(fn, x, w, out), stream, 20, graph=True)
+                        rows.append(dict(linear=name, format=fmt, batch=B, impl=impl, N=N, K=K,
+                                         us=dt * 1e6, GBps=w.nbytes / dt / 1e9,
+                                         TFLOPs=2 * B * N * K / dt / 1e12))
+    finally:
+        gemm.close()
+        cp.get_default_memory_pool().free_all_blocks()
+
+
 def bench_transformers(name, shape, rows, deadline) -> None:
     """The peer: transformers' Llama, built directly on the GPU in fp16 (an 8B model built in
     float32 on the host first takes 32 GB and minutes), asked for the last position's logits
@@ -506,8 +556,11 @@ def bench_transformers(name, shape, rows, deadline) -> None:
 # Seconds each phase is expected to take at most on an A100/H100-class GPU (weights made on
 # the device, 36 graphs captured per runner); a phase starts only when its estimate fits, and
 # is stopped at LIMIT_FACTOR times it (or at the deadline, whichever comes first).
+# "quant linear" took its 20 s from "quant 8B" (100 before), the last phase of --table quant:
+# its loops stop at the deadline, so a short estimate costs at most its last rows.
 ESTIMATES = {"copy": 5, "attention": 30, "ours 1B": 60, "transformers 1B": 45, "ours 8B": 100,
-             "transformers 8B": 70, "quant 1B": 65, "quant 8B": 100}  # quant 1B: BF16 too
+             "transformers 8B": 70, "quant linear": 20, "quant 1B": 65,  # quant 1B: BF16 too
+             "quant 8B": 80}
 # The phases of each --table: "quant" keeps the fp16 rows it is compared with (ours) and drops
 # attention and transformers, so that it fits 6 minutes with --skip-tests.
 TABLES = {"fp16": ("copy", "attention", "ours", "transformers"),
@@ -578,6 +631,37 @@ def quant_ratios(result: dict) -> list[dict]:
     return out
 
 
+def linear_winners(rows: list[dict]) -> dict[tuple, str]:
+    """(linear, format, batch) -> the fastest impl of the quant linear rows."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["linear"], r["format"], r["batch"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    return {k: r["impl"] for k, r in best.items()}
+
+
+def print_quant_linear_table(result) -> None:
+    rows = result.get("quant_linear") or []
+    if not rows:
+        return
+    winners = linear_winners(rows)
+    print("\nquantized linear alone (graphs of 20 calls; GB/s: the quant bytes; * fastest of its batch)")
+    print(f"{'linear':8} {'format':6} {'batch':>5} {'impl':8} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8}")
+    for r in rows:
+        mark = " *" if winners[(r["linear"], r["format"], r["batch"])] == r["impl"] else ""
+        print(f"{r['linear']:8} {r['format']:6} {r['batch']:>5} {r['impl']:8} {r['us']:>9.1f} "
+              f"{r['GBps']:>7.0f} {r['TFLOPs']:>8.1f}{mark}")
+    per_batch: dict[int, dict[str, int]] = {}
+    for (_, _, batch), impl in winners.items():
+        counts = per_batch.setdefault(batch, {})
+        counts[impl] = counts.get(impl, 0) + 1
+    print("fastest per batch (of the shapes and formats): " + "; ".join(
+        f"{batch}: " + ", ".join(f"{impl} {n}/{sum(c.values())}"
+                                 for impl, n in sorted(c.items(), key=lambda kv: -kv[1]))
+        for batch, c in per_batch.items()))
+
+
 def print_quant_table(result) -> None:
     rows = quant_ratios(result)
     if not rows:
@@ -622,6 +706,7 @@ def print_tables(result) -> None:
             met = ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in r["targets"])
             print(f"{r['model']:6} {r['batch']:>5} {r['graphs_vs_eager']:>11.2f}x "
                   f"{r['vs_transformers']:>14.2f}x {r['pct_bound']:>7.1f}  {met}")
+    print_quant_linear_table(result)
     print_quant_table(result)
     for msg in result["skipped"]:
         print(f"skipped: {msg}")
@@ -673,6 +758,7 @@ def run_phases(budget: Budget, result: dict, kinds: tuple[str, ...]) -> None:
     if result.get("copy_GBps"):
         copy = result["copy_GBps"] * 1e9
         phase("attention", lambda: bench_attention(result["attention"], copy, budget.deadline))
+    phase("quant linear", partial(bench_quant_linear, result.setdefault("quant_linear", []), budget.deadline))
     for name, shape in SHAPES.items():
         phase(f"ours {name}", partial(bench_ours, name, shape, result["rows"], budget.deadline))
         phase(f"quant {name}", partial(bench_quant, name, shape, result["quant"], budget.deadline))
@@ -697,7 +783,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     device = cuda_device_name()
     result: dict = dict(device=device or "no CUDA device", date=time.strftime("%Y-%m-%d"),
-                        preflight=[], tests=None, copy_GBps=None, attention=[], rows=[], quant=[])
+                        preflight=[], tests=None, copy_GBps=None, attention=[], rows=[], quant=[],
+                        quant_linear=[])
     budget = Budget(args.budget_s, after=lambda: write_result(args.out, result))
     result.update(skipped=budget.skipped, phases=budget.phases, errors=budget.errors)
     from ringserve.tools import gpu_preflight

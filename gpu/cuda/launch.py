@@ -62,6 +62,8 @@ def reduce_launch(num_tokens: int, num_heads: int, head_dim: int) -> tuple[Dims,
 QUANT_THREADS = 128      # quant.cu matvec_*: QUANT_WARPS (4) * 32, one warp per output row
 MATVEC_ROWS = (1, 2, 4, 8, 16)  # quant.cu's matvec_*_r<R> variants: decode batches up to 16 rows
 DEQUANT_THREADS = 256    # quant.cu dequant_*: its __launch_bounds__
+GEMM_THREADS = 128       # quant.cu gemm_*: GEMM_WARPS (4) * 32, its __launch_bounds__
+GEMM_TILE = 64           # quant.cu GEMM_TILE: rows of x and output features a block computes
 
 
 def matvec_variant(num_rows: int) -> int:
@@ -78,3 +80,12 @@ def dequant_launch(num_rows: int, chunks_per_row: int) -> tuple[Dims, Dims]:
     """dequant_*: grid-stride over the rows' 16-byte quant chunks, 256 threads, grid.x <= 65535."""
     n = num_rows * chunks_per_row
     return (max(1, min(65535, -(-n // DEQUANT_THREADS))),), (DEQUANT_THREADS,)
+
+
+def gemm_launch(num_rows: int, out_features: int) -> tuple[Dims, Dims]:
+    """gemm_*: one block per 64 x 64 tile of out; grid.x over the rows of x, so that the blocks
+    that read one weight tile are neighbours (its second read hits L2); grid.y <= 65535."""
+    tiles_n = -(-out_features // GEMM_TILE)
+    if tiles_n > 65535:
+        raise ValueError(f"gemm: {out_features} output features exceed grid.y's 65535 tiles of {GEMM_TILE}")
+    return (-(-num_rows // GEMM_TILE), tiles_n), (GEMM_THREADS,)

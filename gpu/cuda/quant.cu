@@ -16,6 +16,9 @@
 // with the matching 16 (i8), 2 x 16 (u4) or 8 (bf16) values of every row of x; float32 sums, a warp
 // shuffle sum at the end, fp16 out[m, n] (row pitch ldo: a fused weight's part writes its
 // own columns).
+// gemm_*: a large batch (QuantLinear's large_batch "tiled"): 64 x 64 tiles of out, the
+// weight dequantized into shared memory a tile at a time and multiplied on tensor cores
+// (below, after the mat-vecs).
 // dequant_*_{f16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
 // floats: fp16 into the workspace the cuBLAS GEMM of a large batch reads, float32 for the
 // embedding of a packed table.
@@ -225,6 +228,252 @@ MATVEC(bf16, unsigned short, 2)
 MATVEC(bf16, unsigned short, 4)
 MATVEC(bf16, unsigned short, 8)
 MATVEC(bf16, unsigned short, 16)
+
+// ---- gemm_<kind>: the large batch (M > MATVEC_MAX_ROWS) on tensor cores, the tiled option.
+// out[M, N] = x[M, K] @ W[N, K]^T with W dequantized into shared memory a tile at a time, to
+// exactly the fp16 values dequant_<kind>_f16 writes, and fp32 accumulation by
+// mma.sync.m16n8k16 (sm_80+). Why: dequant_* + cuBLAS writes and re-reads 4 bytes a weight
+// (fp16 out, fp16 in) besides the quants; here each quant is read once per 64-row tile of x
+// (from L2 after the first: the grid's x runs over M, so the M tiles of one weight tile are
+// neighbours). No workspace: a CUDA graph captures it as it is.
+// Block: 128 threads (4 warps, GEMM_WARPS), a 64 x 64 tile of out, K in steps of 64 (one u4
+// group); warp w computes rows 32 (w >> 1).. and columns 32 (w & 1).. of it: 2 x 4 mma tiles
+// of 16 x 8. The next K step's quants and x are loaded into registers before this step's mma
+// (their global latency hides under the tensor-core work); a tail (rows past M, features past
+// N, weights past K) is stored as zeros, so every mma is whole and only in-range outputs are
+// written. K only needs whole 16-byte chunks: u4 K % 64, i8 K % 16, bf16 K % 8 (the planes').
+#define GEMM_WARPS 4
+#define GEMM_TILE 64                 // rows of x, output features and weights of K per step
+#define GEMM_PITCH (GEMM_TILE / 2 + 4)  // 32-bit words a shared row: 64 halves + 8 of padding
+// NOTE: with 36 words a row, the fragment loads (lane: word 36 g + t, g = lane >> 2,
+// t = lane & 3) fall in 32 different banks: 4 g + t.
+
+union Pack8 {  // 8 fp16 values, written as one 16-byte store into shared memory
+    uint4 vector;
+    __half h[8];
+};
+
+#ifdef __CUDACC__
+// c += a b for one 16 x 8 x 16 tile (fp16 in, fp32 accumulation), warp-collective; fragments
+// in the PTX ISA's layout ("Matrix Fragments for mma.m16n8k16 with floating point type";
+// g = lane >> 2, t = lane & 3):
+//   a[0]: A[g][2t..2t+1], a[1]: A[g+8][2t..], a[2]: A[g][2t+8..], a[3]: A[g+8][2t+8..];
+//   b[0]: B[2t..2t+1][g], b[1]: B[2t+8..2t+9][g];  c[0..1]: C[g][2t..2t+1], c[2..3]: C[g+8][2t..].
+// The host shim (tests/cuda_host/cuda_host.h) has its own, same signature.
+__device__ __forceinline__ void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// 8 floats as fp16 (__float2half, as dequant_*_f16 rounds them) into shared row `dst`.
+__device__ __forceinline__ void store8(unsigned* dst, const float* w) {
+    Pack8 p;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p.h[i] = __float2half(w[i]);
+    *reinterpret_cast<uint4*>(dst) = p.vector;
+}
+
+__device__ __forceinline__ void store_zero8(unsigned* dst) {  // 8 fp16 zeros
+    *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u};
+}
+
+// One K step's weight tile: each thread fetches (global -> registers) its 16-byte chunks of
+// quants and their scales, then puts them (dequantized, fp16) into w_tile[feature][k].
+// u4: 64 features x 32 bytes (one group) = 128 chunks: one a thread, low and high nibbles.
+struct TileU4 {
+    Chunk16 bits;
+    float s_lo, o_lo, s_hi, o_hi;
+    bool valid;
+    __device__ __forceinline__ void fetch(const unsigned char* __restrict__ q, const float* __restrict__ scale,
+                                          const float* __restrict__ offset, int block, int N, int K,
+                                          int n0, int k0) {
+        const int r = threadIdx.x >> 1, c = threadIdx.x & 1, n = n0 + r;
+        valid = n < N;  // K % 64 == 0: every group is whole
+        if (!valid) return;
+        bits.vector = *reinterpret_cast<const uint4*>(q + (size_t)n * (K / 2) + k0 / 2 + 16 * c);
+        const size_t srow = (size_t)n * (K / block);
+        const int k_lo = k0 + 16 * c, k_hi = k_lo + 32;
+        s_lo = scale[srow + k_lo / block];
+        s_hi = scale[srow + k_hi / block];
+        o_lo = offset ? offset[srow + k_lo / block] : 0.0f;
+        o_hi = offset ? offset[srow + k_hi / block] : 0.0f;
+    }
+    __device__ __forceinline__ void put(unsigned (*w_tile)[GEMM_PITCH]) const {
+        const int r = threadIdx.x >> 1, c = threadIdx.x & 1;
+        unsigned* lo = &w_tile[r][8 * c];  // weights 16c.. (words 8c..), high nibbles 32 + 16c..
+        unsigned* hi = lo + 16;
+        if (!valid) {
+            store_zero8(lo), store_zero8(lo + 4), store_zero8(hi), store_zero8(hi + 4);
+            return;
+        }
+        float w[16];
+        dequant16_u4(bits, 0, s_lo, o_lo, w);
+        store8(lo, w), store8(lo + 4, w + 8);
+        dequant16_u4(bits, 1, s_hi, o_hi, w);
+        store8(hi, w), store8(hi + 4, w + 8);
+    }
+};
+
+// i8: 64 features x 64 bytes = 256 chunks of 16 weights: two a thread.
+struct TileI8 {
+    Chunk16 bits[2];
+    float s[2], o[2];
+    bool valid[2];
+    __device__ __forceinline__ void fetch(const signed char* __restrict__ q, const float* __restrict__ scale,
+                                          const float* __restrict__ offset, int block, int N, int K,
+                                          int n0, int k0) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int i = threadIdx.x + GEMM_WARPS * 32 * j, n = n0 + (i >> 2), k = k0 + 16 * (i & 3);
+            valid[j] = n < N && k < K;
+            if (!valid[j]) continue;
+            bits[j].vector = *reinterpret_cast<const uint4*>(q + (size_t)n * K + k);
+            const size_t at = (size_t)n * (K / block) + k / block;
+            s[j] = scale[at];
+            o[j] = offset ? offset[at] : 0.0f;
+        }
+    }
+    __device__ __forceinline__ void put(unsigned (*w_tile)[GEMM_PITCH]) const {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int i = threadIdx.x + GEMM_WARPS * 32 * j;
+            unsigned* dst = &w_tile[i >> 2][8 * (i & 3)];
+            if (!valid[j]) {
+                store_zero8(dst), store_zero8(dst + 4);
+                continue;
+            }
+            float w[16];
+            dequant16_i8(bits[j], s[j], o[j], w);
+            store8(dst, w), store8(dst + 4, w + 8);
+        }
+    }
+};
+
+// bf16: 64 features x 128 bytes = 512 chunks of 8 weights: four a thread.
+struct TileBF16 {
+    Chunk16 bits[4];
+    bool valid[4];
+    __device__ __forceinline__ void fetch(const unsigned short* __restrict__ q, const float* __restrict__,
+                                          const float* __restrict__, int, int N, int K, int n0, int k0) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = threadIdx.x + GEMM_WARPS * 32 * j, n = n0 + (i >> 3), k = k0 + 8 * (i & 7);
+            valid[j] = n < N && k < K;
+            if (valid[j]) bits[j].vector = *reinterpret_cast<const uint4*>(q + (size_t)n * K + k);
+        }
+    }
+    __device__ __forceinline__ void put(unsigned (*w_tile)[GEMM_PITCH]) const {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = threadIdx.x + GEMM_WARPS * 32 * j;
+            unsigned* dst = &w_tile[i >> 3][4 * (i & 7)];
+            if (!valid[j]) {
+                store_zero8(dst);
+                continue;
+            }
+            float w[8];
+            widen8_bf16(bits[j], w);
+            store8(dst, w);
+        }
+    }
+};
+
+// One K step's x tile: 64 rows x 64 halves = 512 chunks of 8 (16 bytes; ldx % 8 == 0): four a
+// thread, copied as they are.
+struct TileX {
+    uint4 bits[4];
+    __device__ __forceinline__ void fetch(const __half* __restrict__ x, int ldx, int M, int K, int m0, int k0) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = threadIdx.x + GEMM_WARPS * 32 * j, m = m0 + (i >> 3), k = k0 + 8 * (i & 7);
+            bits[j] = m < M && k < K ? *reinterpret_cast<const uint4*>(x + (size_t)m * ldx + k)
+                                     : uint4{0u, 0u, 0u, 0u};
+        }
+    }
+    __device__ __forceinline__ void put(unsigned (*x_tile)[GEMM_PITCH]) const {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = threadIdx.x + GEMM_WARPS * 32 * j;
+            *reinterpret_cast<uint4*>(&x_tile[i >> 3][4 * (i & 7)]) = bits[j];
+        }
+    }
+};
+
+template <class Tile, typename QT>
+__device__ __forceinline__ void gemm_tiles(
+        const QT* __restrict__ q, const float* __restrict__ scale, const float* __restrict__ offset,
+        int block, const __half* __restrict__ x, int ldx, int M, int N, int K,
+        __half* __restrict__ out, int ldo) {
+    // NOTE: words, not halves: the fragments are 32-bit loads of two halves (k, k + 1)
+    __shared__ unsigned x_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
+    __shared__ unsigned w_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
+    const int m0 = blockIdx.x * GEMM_TILE, n0 = blockIdx.y * GEMM_TILE;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wm = 32 * (warp >> 1), wn = 32 * (warp & 1);  // the warp's corner of the block tile
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+    Tile wt;
+    TileX xt;
+    wt.fetch(q, scale, offset, block, N, K, n0, 0);
+    xt.fetch(x, ldx, M, K, m0, 0);
+    for (int k0 = 0; k0 < K; k0 += GEMM_TILE) {
+        __syncthreads();  // every warp is done reading the previous step's tiles
+        wt.put(w_tile);
+        xt.put(x_tile);
+        __syncthreads();
+        if (k0 + GEMM_TILE < K) {  // PERF: the next step's global loads in flight during the mma
+            wt.fetch(q, scale, offset, block, N, K, n0, k0 + GEMM_TILE);
+            xt.fetch(x, ldx, M, K, m0, k0 + GEMM_TILE);
+        }
+#pragma unroll
+        for (int kk = 0; kk < GEMM_TILE / 2; kk += 8) {  // 16 halves = 8 words of k at a time
+            unsigned a[2][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const unsigned* lo = &x_tile[wm + 16 * i + g][kk + t];
+                const unsigned* hi = lo + 8 * GEMM_PITCH;  // row g + 8
+                a[i][0] = lo[0], a[i][1] = hi[0], a[i][2] = lo[4], a[i][3] = hi[4];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const unsigned* col = &w_tile[wn + 8 * j + g][kk + t];
+                b[j][0] = col[0], b[j][1] = col[4];
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma_m16n8k16(a[i], b[j], acc[i][j]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int m = m0 + wm + 16 * i + g + 8 * (e >> 1), n = n0 + wn + 8 * j + 2 * t + (e & 1);
+                if (m < M && n < N) out[(size_t)m * ldo + n] = __float2half(acc[i][j][e]);
+            }
+}
+
+#define GEMM(KIND, QT, TILE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 4) gemm_##KIND(                  \
+            const QT* __restrict__ q, const float* __restrict__ scale,                             \
+            const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx,    \
+            int M, int N, int K, __half* __restrict__ out, int ldo) {                              \
+        gemm_tiles<TILE, QT>(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                  \
+    }
+GEMM(u4, unsigned char, TileU4)
+GEMM(i8, signed char, TileI8)
+GEMM(bf16, unsigned short, TileBF16)
 
 __device__ __forceinline__ void put(float* p, float v) { *p = v; }
 __device__ __forceinline__ void put(__half* p, float v) { *p = __float2half(v); }

@@ -24,12 +24,21 @@ A linear with M rows of activations runs:
 - M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R>, dequantized in registers, on tiles of up
   to 16 rows of x (launch.MATVEC_ROWS): the weight is streamed once per tile (from L2 after
   the first when a layer's weight fits it);
-- above: the weight dequantized to fp16 into a static workspace, chunk of rows by chunk of
-  rows, each chunk followed by the cuBLAS GEMM (the GEMMs of the fp16 path). Static: a CUDA
-  graph captures it as it is. It writes and reads 4 bytes a weight besides the quants, which
-  pays only once the GEMM's own work dominates.
-The crossover is a guess until a GPU measures it (tools/gpu_check.py --table quant: batch 16
-and 64 sit on either side of a 4-tile matvec).
+- above, by the large_batch policy (LARGE_BATCH, or the constructor's argument):
+  "dequant" (the default): the weight dequantized to fp16 into a static workspace, chunk of
+  rows by chunk of rows, each chunk followed by the cuBLAS GEMM (the GEMMs of the fp16 path).
+  Static: a CUDA graph captures it as it is. It writes and reads 4 bytes a weight besides the
+  quants (at batch 64-256 about 6x the bytes of Q4_K's quants), which pays only once the
+  GEMM's own work dominates;
+  "tiled": gemm_<kind>, one launch: 64 x 64 tiles of out, each block dequantizing a 64 x 64
+  tile of the weight into shared memory (the same fp16 values as the workspace) and
+  multiplying on tensor cores (mma.sync m16n8k16, fp32 accumulation), so each quant is read
+  once per 64 rows of x (vLLM's awq_gemm, llama.cpp's MMQ: the same idea). No workspace and
+  no cuBLAS: a graph captures it as it is.
+Both the crossover and the policy are guesses until a GPU measures them: "dequant" stays the
+default until then (tools/gpu_check.py --table quant: its "quant linear" rows time the mat-vec
+tiles, the tiled GEMM and dequantize + cuBLAS on the 8B MLP shapes at batch 16-256, and its
+decode rows sit at batch 16 and 64, on either side of a 4-tile mat-vec).
 A fused weight whose parts differ in type (llama.cpp's Q4_K_M: Q4_K q/k with Q6_K v) is a
 SplitWeight; each part writes its own columns of out (the kernels take out's row pitch).
 """
@@ -48,11 +57,17 @@ from ringserve.gpu.weights import GGMLTensor
 
 PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; F16 and F32 are Fp16Store's (cuBLAS)
 WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
-MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; above, dequantize + GEMM
+MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; above, LARGE_BATCH's
+# Above MATVEC_MAX_ROWS: "dequant" (the weight to fp16 into the workspace, then cuBLAS) or
+# "tiled" (quant.cu's gemm_*, dequantized into shared memory, tensor cores). "dequant" until a
+# GPU measures both (tools/gpu_check.py --table quant, the "quant linear" rows).
+LARGE_BATCH_POLICIES = ("dequant", "tiled")
+LARGE_BATCH = "dequant"
 WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16, "bf16": 8}  # weights one 16-byte load of quants holds
 # quant.cu's kernels (extern "C"): what gpu/cuda/quant.py loads, tests/test_cuda_compile.py checks
 KERNELS = tuple(f"matvec_{kind}_r{rows}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS) + \
-    tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in ("f16", "f32"))
+    tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in ("f16", "f32")) + \
+    tuple(f"gemm_{kind}" for kind in PLANE_KINDS)
 
 
 def _on_planes(kind: str, cols: int) -> bool:
@@ -118,10 +133,15 @@ class QuantLinear:
     """ops.linear (and the embedding of a packed table) over QuantStore's weights.
     call: launches a quant.cu kernel (np.int32 scalars, arrays, None for a null pointer);
     gemm(x, w, out): out = x @ w.T for fp16 arrays (CublasGemm on a GPU); workspace: a 1-D fp16
-    array, allocated once (never during a graph capture)."""
+    array, allocated once (never during a graph capture); large_batch: LARGE_BATCH_POLICIES,
+    what runs above MATVEC_MAX_ROWS rows."""
 
-    def __init__(self, call: Call, gemm: Callable[[Any, Any, Any], None], workspace: Any):
+    def __init__(self, call: Call, gemm: Callable[[Any, Any, Any], None], workspace: Any,
+                 large_batch: str = LARGE_BATCH):
+        if large_batch not in LARGE_BATCH_POLICIES:
+            raise ValueError(f"large_batch {large_batch!r}: {', '.join(LARGE_BATCH_POLICIES)}")
         self.call, self.gemm, self.workspace = call, gemm, workspace
+        self.large_batch = large_batch
 
     def __call__(self, x, w, out) -> None:
         if isinstance(w, QuantWeight):
@@ -143,16 +163,35 @@ class QuantLinear:
         if M == 0:
             return
         if M <= MATVEC_MAX_ROWS:
-            ldx, ldo = _pitch(x, "x"), _pitch(out, "out")
-            if ldx % 8:
-                raise ValueError(f"quant linear: x's row pitch {ldx} is not a multiple of 8 halves")
-            tile = launch.MATVEC_ROWS[-1]
-            for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
-                m = min(tile, M - lo)
-                self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}", launch.matvec_launch(N),
-                          w.q, w.scale, w.offset, np.int32(w.block), x[lo:lo + m], np.int32(ldx),
-                          np.int32(m), np.int32(N), np.int32(K), out[lo:lo + m], np.int32(ldo))
-            return
+            self.matvec(x, w, out)
+        elif self.large_batch == "tiled":
+            self.tiled(x, w, out)
+        else:
+            self.dequant_gemm(x, w, out)
+
+    def matvec(self, x, w: QuantWeight, out) -> None:
+        """matvec_<kind>_r<R> on tiles of up to 16 rows of x (any M; the plan for M <= 64)."""
+        M, K, N = x.shape[0], x.shape[1], w.shape[0]
+        ldx, ldo = _x_pitch(x), _pitch(out, "out")
+        tile = launch.MATVEC_ROWS[-1]
+        for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
+            m = min(tile, M - lo)
+            self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}", launch.matvec_launch(N),
+                      w.q, w.scale, w.offset, np.int32(w.block), x[lo:lo + m], np.int32(ldx),
+                      np.int32(m), np.int32(N), np.int32(K), out[lo:lo + m], np.int32(ldo))
+
+    def tiled(self, x, w: QuantWeight, out) -> None:
+        """gemm_<kind>: dequantized into shared memory, tensor cores, one launch (any M); no
+        workspace."""
+        M, K, N = x.shape[0], x.shape[1], w.shape[0]
+        self.call(f"gemm_{w.kind}", launch.gemm_launch(M, N), w.q, w.scale, w.offset,
+                  np.int32(w.block), x, np.int32(_x_pitch(x)), np.int32(M), np.int32(N),
+                  np.int32(K), out, np.int32(_pitch(out, "out")))
+
+    def dequant_gemm(self, x, w: QuantWeight, out) -> None:
+        """The weight dequantized to fp16 into the workspace, chunk of rows by chunk of rows,
+        each chunk followed by the cuBLAS GEMM (any M)."""
+        K, N = x.shape[1], w.shape[0]
         rows = max(1, len(self.workspace) // K)
         for lo in range(0, N, rows):  # PERF: one chunk for every linear of a 1B model
             n = min(rows, N - lo)
@@ -172,6 +211,14 @@ class QuantLinear:
     def embedding(self, ids, table: QuantWeight, out) -> None:
         """out [T, hidden] = table[ids], dequantized in out's dtype."""
         self.dequantize(table, ids, 0, len(ids), out)
+
+
+def _x_pitch(x: Any) -> int:
+    """x's row pitch: quant.cu reads x in 16-byte loads (8 halves), so a multiple of 8."""
+    ldx = _pitch(x, "x")
+    if ldx % 8:
+        raise ValueError(f"quant linear: x's row pitch {ldx} is not a multiple of 8 halves")
+    return ldx
 
 
 def _pitch(a: Any, name: str) -> int:

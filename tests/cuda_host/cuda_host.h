@@ -11,6 +11,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -85,6 +86,12 @@ struct Warp {
     int size;
     Barrier bar;
     uint64_t slots[2][32];  // double-buffered: one barrier per shuffle suffices
+    // mma_m16n8k16: every lane's fragments, gathered (one buffer: two barriers an mma), the
+    // lanes that posted them (a bit each; double-buffered by each lane's mma count), and
+    // each lane's count of mmas (its buffer's parity).
+    uint32_t mma_a[32][4], mma_b[32][2];
+    std::atomic<uint32_t> mma_lanes[2] = {0, 0};
+    unsigned mma_count[32] = {};
 };
 struct Block {
     explicit Block(int n) : sync(n) {
@@ -130,6 +137,49 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = warpSize) {
     T r = v;
     if (src < w.size) std::memcpy(&r, &slot[src], sizeof(T));
     return r;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (c += A B, A 16 x 16 and B 16 x 8 fp16,
+// C 16 x 8 float32), warp-collective as on the device: each lane posts its fragments, a
+// barrier, each lane computes its own four outputs from the gathered tiles, a barrier before
+// the buffer is reused. Fragment layout: the PTX ISA's for m16n8k16 .f16 A/B, .f32 C/D
+// (g = lane >> 2, t = lane & 3): a[0] A[g][2t, 2t+1], a[1] A[g+8][2t, 2t+1], a[2] A[g][2t+8, 2t+9],
+// a[3] A[g+8][2t+8, 2t+9] (low half first); b[0] B[2t, 2t+1][g], b[1] B[2t+8, 2t+9][g];
+// c[0], c[1] C[g][2t, 2t+1], c[2], c[3] C[g+8][2t, 2t+1]. fp16 products are exact in float;
+// summed in float in k order (the device's order is its own: tests allow for fp32 sums).
+inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+    using namespace cuda_host;
+    Warp& w = *tl_warp;
+    const int lane = tl_lane, parity = w.mma_count[lane]++ & 1;
+    std::memcpy(w.mma_a[lane], a, sizeof a);
+    std::memcpy(w.mma_b[lane], b, sizeof b);
+    w.mma_lanes[parity].fetch_or(1u << lane);
+    w.bar.arrive_and_wait();
+    if (w.mma_lanes[parity].load() != 0xffffffffu)
+        fail("mma_m16n8k16: not all 32 lanes of the warp are present");
+    if (lane == 0) w.mma_lanes[parity ^ 1].store(0);  // the next mma's: nobody reads it now
+    // element e (0, 1) of 32-bit word `reg` of lane `src`
+    auto half_at = [&](const uint32_t* words, int e) {
+        return __half2float(__half{(uint16_t)(words[0] >> (16 * e))});
+    };
+    auto A = [&](int row, int k) {  // row 0..15, k 0..15
+        const int src = 4 * (row & 7) + ((k & 7) >> 1), reg = (row >> 3) + 2 * (k >> 3);
+        return half_at(&w.mma_a[src][reg], k & 1);
+    };
+    auto B = [&](int k, int col) {  // k 0..15, col 0..7
+        const int src = 4 * col + ((k & 7) >> 1), reg = k >> 3;
+        return half_at(&w.mma_b[src][reg], k & 1);
+    };
+    const int g = lane >> 2, t = lane & 3;
+    float d[4];
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        float sum = c[e];
+        for (int k = 0; k < 16; ++k) sum += A(row, k) * B(k, col);
+        d[e] = sum;
+    }
+    w.bar.arrive_and_wait();  // every lane has read the fragments before any posts its next
+    for (int e = 0; e < 4; ++e) c[e] = d[e];
 }
 
 extern "C" __attribute__((weak)) char __start_cuda_host_shared[], __stop_cuda_host_shared[];

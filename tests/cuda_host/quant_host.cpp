@@ -42,3 +42,15 @@ HOST_DEQUANT(i8, signed char, __half, f16)
 HOST_DEQUANT(i8, signed char, float, f32)
 HOST_DEQUANT(bf16, unsigned short, __half, f16)
 HOST_DEQUANT(bf16, unsigned short, float, f32)
+
+#define HOST_GEMM(KIND, QT)                                                                            \
+    extern "C" int launch_gemm_##KIND(const unsigned* dims, const QT* q, const float* scale,            \
+                                      const float* offset, int block, const __half* x, int ldx, int M,  \
+                                      int N, int K, __half* out, int ldo) {                             \
+        return launch(dims, GEMM_WARPS * 32, [=] {  /* its __launch_bounds__ */                         \
+            gemm_##KIND(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                            \
+        });                                                                                             \
+    }
+HOST_GEMM(u4, unsigned char)
+HOST_GEMM(i8, signed char)
+HOST_GEMM(bf16, unsigned short)
