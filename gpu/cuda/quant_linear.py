@@ -52,7 +52,7 @@ import numpy as np
 from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.buffers import Fp16Store
-from ringserve.gpu.quant import QuantWeight, dequantize
+from ringserve.gpu.quant import QuantWeight, as_halves, dequantize
 from ringserve.gpu.weights import GGMLTensor
 
 PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; F16 and F32 are Fp16Store's (cuBLAS)
@@ -102,7 +102,7 @@ class QuantStore:
     def linear(self, arrays: Sequence[Any]) -> Any:
         if not any(keeps_blocks(a) for a in arrays):
             return self.fp16.linear(arrays)
-        packed = fuse_packed(arrays)
+        packed = fuse_packed(arrays, factored=True)  # NOTE: K-quant scales as int8 factors (fewer bytes)
         if isinstance(packed, SplitWeight):
             return SplitWeight(tuple(self._upload(p) for p in packed.parts), packed.shape)
         return self._upload(packed)
@@ -111,8 +111,10 @@ class QuantStore:
         assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/quant.py's planes
         if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
             return self.fp16.linear([dequantize(w)])
-        return replace(w, q=self._device(w.q), scale=self._device(w.scale),
-                       offset=self._device(w.offset))
+        w = as_halves(w)  # float32 planes of exact halves as fp16: half their bytes
+        check_scales(w)
+        return replace(w, q=self._device(w.q), scale=self._device(w.scale), offset=self._device(w.offset),
+                       scale_super=self._device(w.scale_super), offset_super=self._device(w.offset_super))
 
     def _device(self, a: Any) -> Any:
         """A plane on the device (None stays None), 16-byte aligned for the kernels' vector
@@ -177,16 +179,15 @@ class QuantLinear:
         for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
             m = min(tile, M - lo)
             self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}", launch.matvec_launch(N),
-                      w.q, w.scale, w.offset, np.int32(w.block), x[lo:lo + m], np.int32(ldx),
-                      np.int32(m), np.int32(N), np.int32(K), out[lo:lo + m], np.int32(ldo))
+                      *weight_args(w), x[lo:lo + m], np.int32(ldx), np.int32(m), np.int32(N), np.int32(K),
+                      out[lo:lo + m], np.int32(ldo))
 
     def tiled(self, x, w: QuantWeight, out) -> None:
         """gemm_<kind>: dequantized into shared memory, tensor cores, one launch (any M); no
         workspace."""
         M, K, N = x.shape[0], x.shape[1], w.shape[0]
-        self.call(f"gemm_{w.kind}", launch.gemm_launch(M, N), w.q, w.scale, w.offset,
-                  np.int32(w.block), x, np.int32(_x_pitch(x)), np.int32(M), np.int32(N),
-                  np.int32(K), out, np.int32(_pitch(out, "out")))
+        self.call(f"gemm_{w.kind}", launch.gemm_launch(M, N), *weight_args(w), x, np.int32(_x_pitch(x)),
+                  np.int32(M), np.int32(N), np.int32(K), out, np.int32(_pitch(out, "out")))
 
     def dequant_gemm(self, x, w: QuantWeight, out) -> None:
         """The weight dequantized to fp16 into the workspace, chunk of rows by chunk of rows,
@@ -205,12 +206,36 @@ class QuantLinear:
         K = w.shape[1]
         self.call(f"dequant_{w.kind}_{suffix}",
                   launch.dequant_launch(num_rows, K // WEIGHTS_PER_CHUNK[w.kind]),
-                  w.q, w.scale, w.offset, np.int32(w.block), np.int32(K), ids, np.int32(row_begin),
-                  np.int32(num_rows), out, np.int32(_pitch(out, "out")))
+                  *weight_args(w), np.int32(K), ids, np.int32(row_begin), np.int32(num_rows), out,
+                  np.int32(_pitch(out, "out")))
 
     def embedding(self, ids, table: QuantWeight, out) -> None:
         """out [T, hidden] = table[ids], dequantized in out's dtype."""
         self.dequantize(table, ids, 0, len(ids), out)
+
+
+# The forms of the scale and offset planes quant.cu reads (scale_bytes: the planes' itemsize):
+# (dtype of both, with super planes)
+SCALE_FORMS = (("float32", False), ("float16", False), ("int8", True))
+
+
+def check_scales(w: QuantWeight) -> None:
+    """w's scale planes are one of SCALE_FORMS (bf16: none), both planes in the same form."""
+    if w.scale is None:
+        return
+    form = (str(w.scale.dtype), w.scale_super is not None)
+    if form not in SCALE_FORMS or (w.offset is not None and (str(w.offset.dtype), w.offset_super is not None)
+                                   != form):
+        raise ValueError(f"{w.qtype}: scale {form} / offset "
+                         f"{None if w.offset is None else (str(w.offset.dtype), w.offset_super is not None)} "
+                         f"(dtype, super planes): not one of quant.cu's forms {SCALE_FORMS}")
+
+
+def weight_args(w: QuantWeight) -> tuple:
+    """quant.cu's WEIGHT_PARAMS for w (QuantStore's: check_scales passed): quants, scale and
+    offset planes (None: a null pointer), super planes, scale_bytes, block (bf16: no scales)."""
+    scale_bytes = 4 if w.scale is None else w.scale.itemsize  # NOTE: 4, 2, 1: the form (SCALE_FORMS)
+    return (w.q, w.scale, w.offset, w.scale_super, w.offset_super, np.int32(scale_bytes), np.int32(w.block))
 
 
 def _x_pitch(x: Any) -> int:
