@@ -2,15 +2,22 @@
 uploads gpu/quant.py's planes as they are, and the linear that reads them through quant.cu's
 kernels (launched by gpu/cuda/quant.py on a GPU, by tests/cuda_host_kernels.py on the host).
 
-Device layout: gpu/quant.py's planes (u4 nibbles in 64-weight groups, or int8; float32 scale
-and offset per block of 16/32/128 weights; bf16 bits as they are), not the raw GGUF blocks.
+Device layout: gpu/quant.py's planes (u4 nibbles in 64-weight groups, or int8; a scale and
+offset per block of 16/32/128 weights; bf16 bits as they are), not the raw GGUF blocks. The
+scale planes in their compact exact form (gpu/quant.py's module doc; quant.cu's plane_at
+reads all three): K-quants as int8 factors of float32 super planes (repack factored=True:
+d and -dmin per 256 weights), float32 planes of exact halves as fp16 (as_halves: every legacy
+type, GPTQ), anything else float32 (AWQ, whose offsets -(z s) are no halves).
 Why: (1) every quant row is 16-byte aligned, so each lane streams its quants with one vector
 load (GGUF blocks are 18, 20, 22, 34, 84, 110, 144, 176 or 210 bytes: no vector load lines up
 with them); (2) one kernel per plane kind serves all ten GGUF types and AWQ/GPTQ int4
 (repacked into the same u4 planes); (3) the planes are the ones tests/test_quant_kernels.py
-proves bit-identical to gguf-py's `dequantize`. The price is bytes: float32 scales and 5/6-bit
-quants widened to int8 read 0.75 B/weight for Q4_K (0.5625 raw), 1.125 for Q8_0 (1.0625) and
-1.25 for Q5_K/Q6_K (0.69/0.82). The kernels and the GPU check report the bytes actually read.
+proves bit-identical to gguf-py's `dequantize`, in every form. The price is bytes, mostly
+5/6-bit quants widened to int8: B/weight (raw GGUF in brackets) Q4_K 0.594 (0.5625), Q4_0 and
+Q4_1 0.625 (0.5625/0.625), Q8_0 and Q5_0 1.0625 (1.0625/0.6875), Q6_K and Q3_K 1.078
+(0.82/0.43), Q5_K 1.094 (0.69), Q5_1 1.125 (0.75), Q2_K 1.156 (0.33), AWQ 0.5625, GPTQ
+0.531 (float32 scales: 0.75, 1.125, 1.25, 1.25, 1.25, 1.5; AWQ/GPTQ 0.5625). The kernels and
+the GPU check report the bytes actually read (QuantWeight.nbytes).
 
 16-bit floats are kept as they are stored: BF16 (a GGUF BF16 tensor, or an HF checkpoint in
 bfloat16: gpu/weights.py GGMLTensor "BF16") as the "bf16" plane, which the kernels widen to
