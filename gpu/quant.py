@@ -215,7 +215,7 @@ def _k_quant(qtype: str, shape: tuple[int, int], kind: str, q: np.ndarray, block
                            None if mn is None else mn.astype(np.int8).reshape(n, -1), block,
                            np.ascontiguousarray(d), None if dmin is None else -dmin)
     scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
-    offset = None if mn is None else -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    offset = None if mn is None or dmin is None else -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
     return QuantWeight(qtype, shape, kind, q, scale, offset, block)
 
 
