@@ -2,7 +2,9 @@
 attention.cu), launched through the launcher's own plan (gpu/cuda/quant_linear.py QuantLinear,
 geometry from gpu/cuda/launch.py), against gguf-py's ``dequantize`` and a float64 matmul on
 random blocks of every GGUF type (gpu/quant.py random_raw; BF16: the bf16 plane, which gguf-py
-widens as bits << 16), and against a numpy reference of AWQ/GPTQ unpacking.
+widens as bits << 16), and against a numpy reference of AWQ/GPTQ unpacking. Each weight goes
+through QuantStore as a model's does, so the kernels read the compact scale planes it uploads
+(FORMS: K-quants int8 factors of float32 super planes, exact halves fp16, else float32).
 
 Bound: the kernels sum in float32, so the float64 result is allowed test_quant_kernels.py's
 bound for a float32 dot of length K, (K + 2) 2^-23 sum |x_i| (|scale q_i| + |offset_i|), plus
