@@ -16,7 +16,7 @@ import numpy as np
 
 from ringserve.gpu.cpu_int8_kernels import Int8Weight, int8_linear, supports, tiles
 from ringserve.gpu.cpu_quant_kernels import quant_linear
-from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, concat_rows, dequantize, repack, take_rows
+from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, concat_rows, dequantize, layout, repack, take_rows
 from ringserve.gpu.weights import GGMLTensor
 
 
@@ -25,13 +25,14 @@ def is_packed(tensor: Any) -> bool:
     return isinstance(tensor, GGMLTensor) or getattr(tensor, "dtype", None) == np.float16
 
 
-def pack(tensor: Any) -> QuantWeight:
+def pack(tensor: Any, factored: bool = False) -> QuantWeight:
     """One HF matrix as a QuantWeight of its own type (float32 stays float32; a QuantWeight,
-    e.g. an AWQ/GPTQ weight unpacked by gpu/hf_quant.py, as it is)."""
+    e.g. an AWQ/GPTQ weight unpacked by gpu/hf_quant.py, as it is). factored: K-quant scales as
+    int8 factors of super planes (gpu/quant.py repack; the CUDA store's, never the CPU's)."""
     if isinstance(tensor, QuantWeight):
         return tensor
     if isinstance(tensor, GGMLTensor):
-        return repack(tensor.raw, tensor.ggml_type, tensor.shape)
+        return repack(tensor.raw, tensor.ggml_type, tensor.shape, factored=factored)
     a = np.ascontiguousarray(tensor)
     qtype = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}.get(a.dtype)
     if qtype is None or a.ndim != 2:
@@ -53,10 +54,11 @@ class SplitWeight:
 PackedWeight = QuantWeight | Int8Weight | SplitWeight
 
 
-def fuse_packed(tensors: Sequence[Any], int8: bool = False) -> PackedWeight:
+def fuse_packed(tensors: Sequence[Any], int8: bool = False, factored: bool = False) -> PackedWeight:
     """Stack HF matrices along rows, each kept in its own type. int8: the integer kinds in the
-    int8-activation kernels' 16-row tiles (gpu/cpu_int8_kernels.py), the others as they are."""
-    parts = [pack(t) for t in tensors]
+    int8-activation kernels' 16-row tiles (gpu/cpu_int8_kernels.py), the others as they are;
+    factored: as pack's."""
+    parts = [pack(t, factored) for t in tensors]
     groups: list[list[QuantWeight]] = []
     for p in parts:  # neighbours of one type and layout become one weight
         if groups and _same_layout(groups[-1][0], p):
@@ -72,8 +74,7 @@ def fuse_packed(tensors: Sequence[Any], int8: bool = False) -> PackedWeight:
 
 
 def _same_layout(a: QuantWeight, b: QuantWeight) -> bool:
-    return ((a.qtype, a.kind, a.block, a.shape[1], a.offset is None)
-            == (b.qtype, b.kind, b.block, b.shape[1], b.offset is None))
+    return layout(a) == layout(b)  # NOTE: planes' dtypes too: a factored weight never joins a plain one
 
 
 def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: bool) -> None:

@@ -26,6 +26,19 @@ without a minimum (Q8_0, Q5_0, Q6_K, Q3_K, and Q4_0 as int8) store ``q`` already
 F32 and BF16 stay the arrays gpu/cpu_linear.py takes (float32;
 bfloat16 bits as uint16), kinds ``"f32"`` and ``"bf16"``.
 
+Compact scale planes (what the CUDA backend uploads: a batch-1 decode step is bound by the
+bytes it streams, and float32 planes are 0.25 B/weight of Q4_K's 0.75). The scales are exact in
+fewer bytes, and ``dequantize`` reads every form to the same float32 values:
+- ``repack(..., factored=True)``, the K-quants (Q2_K..Q6_K): ``scale`` and ``offset`` hold the
+  int8 sub-block factors (sc; m) and ``scale_super`` / ``offset_super`` float32 [out, in / 256]
+  the super-block's ``d`` and ``-dmin``: a value is ``factor * super[k // 256]``, the same
+  float32 product as ``d * sc`` (and ``m * -dmin == -(dmin * m)`` exactly). Q4_K: 0.5 + 1/32 +
+  1/32 + 8/256 = 0.594 B/weight, Q6_K 1.078, Q5_K 1.094;
+- float16 ``scale`` / ``offset`` (``as_halves``, where every value of both planes is exactly a
+  half): the legacy types' d and m are GGUF f16 fields, Q4_0's folded ``-8 d`` too unless it
+  overflows (GPTQ's s and -8 s as well). Q4_0/Q4_1 as nibbles 0.625 B/weight, Q8_0 1.0625.
+The CPU backend keeps the float32 planes (its kernels read them; the bytes change nothing there).
+
 Layout choice, measured on the 2-core Zen 5 VM (tools/bench_quant.py, docs/bench_quant.md): 4-bit
 quants stay nibbles in 64-weight groups by default: 0.75 instead of 1.25 bytes a weight (what lets
 an 8B Q4_K_M model fit beside llama.cpp's footprint) and the fastest at batch 4 (7.3 vs 5.0 G
@@ -36,7 +49,7 @@ Nibbles in 32-weight groups (Q4_0's own order) streamed at 10 and dequantized at
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -58,14 +71,20 @@ class QuantWeight:
     shape: tuple[int, int]      # (out, in): the logical float matrix
     kind: str                   # "i8" | "u4" | "f16" | "f32" | "bf16"
     q: np.ndarray
-    scale: np.ndarray | None = None
-    offset: np.ndarray | None = None
+    scale: np.ndarray | None = None     # float32, float16, or int8 factors of scale_super
+    offset: np.ndarray | None = None    # as scale (int8 factors of offset_super)
     block: int = 1
+    scale_super: np.ndarray | None = None   # float32 [out, in / 256]: factored K-quants' d
+    offset_super: np.ndarray | None = None  # float32 [out, in / 256]: their -dmin
 
     @property
     def nbytes(self) -> int:
         """Bytes held in memory (what a batch-1 step streams)."""
-        return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
+        return sum(a.nbytes for a in self.planes() if a is not None)
+
+    def planes(self) -> tuple:
+        """Every array it holds (None where absent), in the order of the dataclass fields."""
+        return self.q, self.scale, self.offset, self.scale_super, self.offset_super
 
     @property
     def dtype(self) -> np.dtype:
@@ -87,29 +106,33 @@ def from_gguf(tensor, *, nibbles: bool = True) -> QuantWeight:
 
 def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
     """W[index] (rows are independent in every kind): e.g. llama.cpp's q/k row permutation undone."""
-    def rows(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else np.ascontiguousarray(a[index])
-    q = rows(w.q)
-    assert q is not None
-    return QuantWeight(w.qtype, (len(index), w.shape[1]), w.kind, q, rows(w.scale), rows(w.offset),
-                       w.block)
+    return _with_planes(w, len(index), [None if a is None else np.ascontiguousarray(a[index])
+                                        for a in w.planes()])
+
+
+def layout(w: QuantWeight) -> tuple:
+    """What weights must share to be stacked into one (concat_rows; gpu/cpu_packed.py)."""
+    return (w.qtype, w.kind, w.block, w.shape[1], *(None if a is None else str(a.dtype) for a in w.planes()))
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Weights of one layout stacked along rows (a fused qkv or gate_up), as np.concatenate."""
     first = parts[0]
     for w in parts[1:]:
-        if (w.qtype, w.kind, w.block, w.shape[1]) != (first.qtype, first.kind, first.block, first.shape[1]) \
-                or (w.offset is None) != (first.offset is None):
+        if layout(w) != layout(first):
             raise ValueError(f"cannot stack {w.qtype}/{w.kind} {w.shape} under {first.qtype}/{first.kind} "
                              f"{first.shape}")
+    planes = [None if a is None else np.concatenate([w.planes()[i] for w in parts])
+              for i, a in enumerate(first.planes())]
+    return _with_planes(first, sum(w.shape[0] for w in parts), planes)
 
-    def cat(arrays: list[np.ndarray | None]) -> np.ndarray | None:
-        return None if arrays[0] is None else np.concatenate(arrays)  # type: ignore[arg-type]
-    q = cat([w.q for w in parts])
-    assert q is not None
-    return QuantWeight(first.qtype, (sum(w.shape[0] for w in parts), first.shape[1]), first.kind, q,
-                       cat([w.scale for w in parts]), cat([w.offset for w in parts]), first.block)
+
+def _with_planes(w: QuantWeight, rows: int, planes: list) -> QuantWeight:
+    """w with `rows` rows held in `planes` (QuantWeight.planes' order): the one way a weight is
+    made from another."""
+    q, scale, offset, scale_super, offset_super = planes
+    return replace(w, shape=(rows, w.shape[1]), q=q, scale=scale, offset=offset, scale_super=scale_super,
+                   offset_super=offset_super)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -156,11 +179,13 @@ def _four_bit(qtype: str, values: np.ndarray, scale: np.ndarray, offset: np.ndar
     return QuantWeight(qtype, shape, "i8", q, scale, offset, 32)
 
 
-def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int], *, nibbles: bool = True) -> QuantWeight:
+def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int], *, nibbles: bool = True,
+           factored: bool = False) -> QuantWeight:
     """The raw GGUF bytes of a tensor (any shape holding out * row-bytes uint8, as GGUFReader's
     ``tensor.data``) of type ``qtype`` and logical shape (out, in) -> its packed QuantWeight.
     nibbles: keep 4-bit types (Q4_0, Q4_1, Q4_K) as u4 nibbles (else int8 planes: 1.25 instead of
-    0.75 bytes a weight, faster at batch 1, slower from 4: docs/bench_quant.md)."""
+    0.75 bytes a weight, faster at batch 1, slower from 4: docs/bench_quant.md).
+    factored: the K-quants' scales as int8 factors of float32 super planes (the module doc)."""
     if qtype not in BLOCK_SIZES:
         raise ValueError(f"GGUF type {qtype} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
     n, k = shape
@@ -175,21 +200,35 @@ def repack(raw: np.ndarray, qtype: str, shape: tuple[int, int], *, nibbles: bool
     if qtype in ("F16", "BF16"):
         return QuantWeight(qtype, shape, qtype.lower(), data.view(np.uint16).reshape(n, k))
     b = data.reshape(n, k // bs, ts)
-    if qtype in ("Q4_0", "Q4_1", "Q4_K"):
-        return _FOUR_BIT[qtype](b, n, shape, nibbles)
-    return _REPACK[qtype](b, n, shape)
+    return _REPACK[qtype](b, n, shape, nibbles, factored)
 
 
-def _q8_0(b, n, shape):
+def _k_quant(qtype: str, shape: tuple[int, int], kind: str, q: np.ndarray, block: int, factored: bool,
+             d: np.ndarray, sc: np.ndarray, dmin: np.ndarray | None = None,
+             mn: np.ndarray | None = None) -> QuantWeight:
+    """A K-quant from its super-blocks' d (and dmin), float32 [out, in / 256], and its sub-blocks'
+    integer scales sc (and mins mn) [out, in / 256, subs]: scale = d * sc, offset = -(dmin * mn)
+    in float32, or (factored) sc and mn as int8 planes with d and -dmin as the super planes."""
+    n = shape[0]
+    if factored:  # NOTE: sc, mn fit int8 in every K-quant (6-bit, or Q6_K's own int8)
+        return QuantWeight(qtype, shape, kind, q, sc.astype(np.int8).reshape(n, -1),
+                           None if mn is None else mn.astype(np.int8).reshape(n, -1), block,
+                           np.ascontiguousarray(d), None if dmin is None else -dmin)
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    offset = None if mn is None or dmin is None else -(dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    return QuantWeight(qtype, shape, kind, q, scale, offset, block)
+
+
+def _q8_0(b, n, shape, nibbles, factored):
     return QuantWeight("Q8_0", shape, "i8", b[..., 2:].copy().view(np.int8).reshape(n, -1), _f16(b[..., 0:2]),
                        None, 32)
 
 
-def _q4_0(b, n, shape, nibbles):
+def _q4_0(b, n, shape, nibbles, factored):
     return _four_bit("Q4_0", _nibbles(b[..., 2:], n), _f16(b[..., 0:2]), None, nibbles, shape)
 
 
-def _q4_1(b, n, shape, nibbles):
+def _q4_1(b, n, shape, nibbles, factored):
     return _four_bit("Q4_1", _nibbles(b[..., 4:], n), _f16(b[..., 0:2]), _f16(b[..., 2:4]), nibbles, shape)
 
 
@@ -203,68 +242,66 @@ def _q5(b, n, shape, qtype: str):
     return QuantWeight(qtype, shape, "i8", q, _f16(b[..., 0:2]), offset, 32)
 
 
-def _q4_k(b, n, shape, nibbles):
+def _q4_k(b, n, shape, nibbles, factored):
     sc, mn = _k_scales(b[..., 4:16])
-    scale = (_f16(b[..., 0:2])[..., None] * sc.astype(np.float32)).reshape(n, -1)
-    offset = -(_f16(b[..., 2:4])[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     qs = b[..., 16:].reshape(n, -1)
     if nibbles:  # 4 groups of 32 bytes a block, weight 64g + j low, 64g + 32 + j high: the u4 order
-        return QuantWeight("Q4_K", shape, "u4", qs.copy(), scale, offset, 32)
+        return _k_quant("Q4_K", shape, "u4", qs.copy(), 32, factored, d, sc, dmin, mn)
     g = qs.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return QuantWeight("Q4_K", shape, "i8", (g & 15).astype(np.int8).reshape(n, -1), scale, offset, 32)
+    q = (g & 15).astype(np.int8).reshape(n, -1)
+    return _k_quant("Q4_K", shape, "i8", q, 32, factored, d, sc, dmin, mn)
 
 
-def _q5_k(b, n, shape):
+def _q5_k(b, n, shape, nibbles, factored):
     sc, mn = _k_scales(b[..., 4:16])
-    scale = (_f16(b[..., 0:2])[..., None] * sc.astype(np.float32)).reshape(n, -1)
-    offset = -(_f16(b[..., 2:4])[..., None] * mn.astype(np.float32)).reshape(n, -1)
     qh, qs = b[..., 16:48], b[..., 48:]
     groups = qs.reshape(n, -1, 4, 32)
     low = np.stack([groups & 15, groups >> 4], axis=3)                    # [n, blk, 4, 2, 32]
     high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1                # [n, blk, 8, 32]
     q = (low.reshape(n, -1, 8, 32) | (high << 4)).astype(np.int8).reshape(n, -1)
-    return QuantWeight("Q5_K", shape, "i8", q, scale, offset, 32)
+    return _k_quant("Q5_K", shape, "i8", q, 32, factored, _f16(b[..., 0:2]), sc, _f16(b[..., 2:4]), mn)
 
 
-def _q6_k(b, n, shape):
+def _q6_k(b, n, shape, nibbles, factored):
     ql, qh, sc, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], _f16(b[..., 208:210])
-    scale = (d[..., None] * sc.copy().view(np.int8).astype(np.float32)).reshape(n, -1)
     low = ql.reshape(n, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     low = (low & 15).reshape(n, -1, 8, 32)
     high = qh.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
     high = (high & 3).reshape(n, -1, 8, 32)
     q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(n, -1)
-    return QuantWeight("Q6_K", shape, "i8", q, scale, None, 16)
+    return _k_quant("Q6_K", shape, "i8", q, 16, factored, d, sc.copy().view(np.int8))
 
 
-def _q3_k(b, n, shape):
+def _q3_k(b, n, shape, nibbles, factored):
     hmask, qs, scales, d = b[..., 0:32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
     lo = scales[..., 0:8, None] >> np.array([0, 4], dtype=np.uint8)            # [n, blk, byte, shift]
     hi = scales[..., 8:12, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)
     lo, hi = (a.transpose(0, 1, 3, 2).reshape(n, -1, 16) for a in (lo, hi))  # shift-major, as ggml
     sc = ((lo & 15) | ((hi & 3) << 4)).astype(np.int8) - np.int8(32)
-    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
     ql = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
     qm = (hmask.reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
     q = ql.reshape(n, -1, 8, 32).astype(np.int8) - ((qm ^ 1) << 2).astype(np.int8)
-    return QuantWeight("Q3_K", shape, "i8", q.reshape(n, -1), scale, None, 16)
+    return _k_quant("Q3_K", shape, "i8", q.reshape(n, -1), 16, factored, d, sc)
 
 
-def _q2_k(b, n, shape):
+def _q2_k(b, n, shape, nibbles, factored):
     scales, qs, d, dmin = b[..., 0:16], b[..., 16:80], _f16(b[..., 80:82]), _f16(b[..., 82:84])
-    scale = (d[..., None] * (scales & 15).astype(np.float32)).reshape(n, -1)
-    offset = -(dmin[..., None] * (scales >> 4).astype(np.float32)).reshape(n, -1)
     q = (qs.reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
-    return QuantWeight("Q2_K", shape, "i8", q.astype(np.int8).reshape(n, -1), scale, offset, 16)
+    return _k_quant("Q2_K", shape, "i8", q.astype(np.int8).reshape(n, -1), 16, factored, d, scales & 15, dmin,
+                    scales >> 4)
 
 
-_FOUR_BIT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
-_REPACK = {"Q8_0": _q8_0, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "Q2_K": _q2_k,
-           "Q5_0": lambda b, n, s: _q5(b, n, s, "Q5_0"), "Q5_1": lambda b, n, s: _q5(b, n, s, "Q5_1")}
+# type -> its repacker (b: [out, blocks, block bytes]); nibbles: the 4-bit types', factored: the
+# K-quants' (repack's arguments; the others take and ignore them)
+_REPACK = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+           "Q3_K": _q3_k, "Q2_K": _q2_k, "Q5_0": lambda b, n, s, *_: _q5(b, n, s, "Q5_0"),
+           "Q5_1": lambda b, n, s, *_: _q5(b, n, s, "Q5_1")}
 
 
 def dequantize(w: QuantWeight) -> np.ndarray:
-    """float32 [out, in]: bit-identical to gguf-py's ``dequantize`` of the raw blocks."""
+    """float32 [out, in]: bit-identical to gguf-py's ``dequantize`` of the raw blocks (any form of
+    the scale planes: float32, float16, int8 factors of super planes)."""
     n, k = w.shape
     if w.kind == "f32":
         return w.q
@@ -277,11 +314,40 @@ def dequantize(w: QuantWeight) -> np.ndarray:
         q = (g & 15).astype(np.float32).reshape(n, -1, w.block)
     else:
         q = w.q.astype(np.float32).reshape(n, -1, w.block)
-    assert w.scale is not None  # every quantized kind has scales
-    out = w.scale[..., None] * q
-    if w.offset is not None:
-        out = out + w.offset[..., None]
+    scale = plane_values(w.scale, w.scale_super, w.block)
+    assert scale is not None  # every quantized kind has scales
+    out = scale[..., None] * q
+    offset = plane_values(w.offset, w.offset_super, w.block)
+    if offset is not None:
+        out = out + offset[..., None]
     return out.reshape(n, k)
+
+
+def plane_values(plane: np.ndarray | None, super_: np.ndarray | None, block: int) -> np.ndarray | None:
+    """A scale or offset plane [out, in / block] as float32 values: float32 as it is, float16
+    widened (exact), int8 factors times their super plane [out, in / 256] (the float32 product
+    quant.cu's plane_at computes)."""
+    if plane is None:
+        return None
+    values = plane.astype(np.float32, copy=False)
+    if super_ is None:
+        return values
+    return values * np.repeat(super_, QK_K // block, axis=1)
+
+
+def as_halves(w: QuantWeight) -> QuantWeight:
+    """w with its float32 scale and offset planes as float16 when every value of both is exactly
+    a half (the legacy types' GGUF f16 fields; Q4_0's -8 d unless it overflows; GPTQ's s and
+    -8 s), else w as it is: half the bytes of the planes, the same values. Works on any xp's
+    arrays (numpy here, cupy for planes made on the device)."""
+    planes = [a for a in (w.scale, w.offset) if a is not None]
+    if not planes or w.scale_super is not None or any(a.dtype != np.float32 for a in planes):
+        return w
+    with np.errstate(over="ignore"):  # NOTE: a value past 65504 becomes inf: inexact, so kept
+        halves = [a.astype(np.float16) for a in planes]
+    if not all(bool((h.astype(np.float32) == a).all()) for h, a in zip(halves, planes, strict=True)):
+        return w
+    return replace(w, scale=halves[0], offset=halves[1] if w.offset is not None else None)
 
 
 # Byte offsets of each type's f16 fields in its block (d, dmin, m): the only bytes that can make a

@@ -25,6 +25,7 @@ from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.weights import load_weights
+from test_cuda_quant_host import FORMS, form
 
 pytestmark = pytest.mark.sim
 BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN = 16, 48, 256
@@ -201,6 +202,11 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
     host = HostRunner(model_dir, cuda_host)
     kept = {type(w).__name__ for layer in host.weights.layers for w in (layer.qkv, layer.gate_up, layer.down)}
     assert kept == ({"QuantWeight", "SplitWeight"} if layout == "q4_k_m" else {"QuantWeight"})
+    # the compact scale planes, end to end: each type in its form (test_cuda_quant_host.py FORMS)
+    linears = [p for layer in host.weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+               for p in getattr(w, "parts", (w,))]
+    assert {(w.qtype, form(w)) for w in linears} == {(t, FORMS[t]) for t in {w.qtype for w in linears}}
+    assert {w.qtype for w in linears} & {layout.upper(), "Q4_K"}
     prompts = PACKED_PROMPTS
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
@@ -235,6 +241,7 @@ def test_an_int4_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host,
     model_dir, _ = make_int4_llama(tmp_path / method, method)
     host = HostRunner(model_dir, cuda_host)
     assert all(getattr(layer.qkv, "qtype", None) == method.upper() for layer in host.weights.layers)
+    assert {form(layer.qkv) for layer in host.weights.layers} == {FORMS[method.upper()]}  # GPTQ: fp16
     prompts = PACKED_PROMPTS
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)

@@ -196,8 +196,14 @@ def test_the_quantized_weights_plan_as_the_runner_keeps_them(fmt):
     split = [isinstance(layer.qkv, SplitWeight) for layer in weights.layers]
     # llama.cpp gives v (and down) Q6_K in layers 0, 3, 6, 7 of 8: QKV mixes Q4_K and Q6_K there
     assert split == ([True, False, False, True, False, False, True, True] if fmt == "Q4_K_M" else [False] * 8)
-    per_weight = {"Q4_K_M": (0.75, 1.25), "Q8_0": (1.125, 1.125), "AWQ": (0.5625, 0.5625),
+    # the compact planes (tests/test_cuda_quant_host.py BYTES_PER_WEIGHT): Q4_K 0.59375, Q6_K
+    # 1.078125 (int8 factors, float32 supers), Q8_0 1.0625 (fp16 scales), AWQ float32 planes
+    per_weight = {"Q4_K_M": (0.59375, 1.078125), "Q8_0": (1.0625, 1.0625), "AWQ": (0.5625, 0.5625),
                   "BF16": (2.0, 2.0)}[fmt]
+    from test_cuda_quant_host import FORMS, form
+    parts = [p for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+             for p in getattr(w, "parts", (w,))]
+    assert all(form(p) == FORMS[p.qtype] for p in parts)  # the forms the store makes of a real model
     linears = sum(n for kind, n in kinds.items() if kind != "F16")
     params = c.num_hidden_layers * (c.hidden_size * (2 * c.q_size + 2 * c.kv_size) + 3 * c.hidden_size
                                     * c.intermediate_size)

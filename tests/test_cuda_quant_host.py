@@ -2,7 +2,9 @@
 attention.cu), launched through the launcher's own plan (gpu/cuda/quant_linear.py QuantLinear,
 geometry from gpu/cuda/launch.py), against gguf-py's ``dequantize`` and a float64 matmul on
 random blocks of every GGUF type (gpu/quant.py random_raw; BF16: the bf16 plane, which gguf-py
-widens as bits << 16), and against a numpy reference of AWQ/GPTQ unpacking.
+widens as bits << 16), and against a numpy reference of AWQ/GPTQ unpacking. Each weight goes
+through QuantStore as a model's does, so the kernels read the compact scale planes it uploads
+(FORMS: K-quants int8 factors of float32 super planes, exact halves fp16, else float32).
 
 Bound: the kernels sum in float32, so the float64 result is allowed test_quant_kernels.py's
 bound for a float32 dot of length K, (K + 2) 2^-23 sum |x_i| (|scale q_i| + |offset_i|), plus
@@ -24,7 +26,7 @@ import pytest
 from ringserve.gpu.cpu_packed import SplitWeight
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.quant_linear import LARGE_BATCH_POLICIES, QuantLinear, QuantStore
-from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, random_raw, repack
+from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
 from ringserve.gpu.weights import GGMLTensor
 from test_quant_kernels import magnitude
 
@@ -68,6 +70,41 @@ def device(w: QuantWeight) -> QuantWeight:
     return weight
 
 
+def form(w: QuantWeight) -> str | None:
+    """The form of w's scale planes (quant.cu's scale_bytes): "int8+super", "float16",
+    "float32"; None: no scales (bf16). Both planes checked to share it."""
+    if w.scale is None:
+        return None
+    got = f"{w.scale.dtype}{'+super' if w.scale_super is not None else ''}"
+    if w.offset is not None:
+        assert f"{w.offset.dtype}{'+super' if w.offset_super is not None else ''}" == got
+    return got
+
+
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# The form QuantStore uploads each type in: K-quants' integer sub-block scales as int8 factors
+# of float32 super planes (d, -dmin); the legacy types' f16 fields as fp16 (exact); AWQ's
+# offsets -(z s) are not halves: float32; GPTQ's s and -8 s are: fp16.
+LEGACY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+FORMS = {**{t: "int8+super" for t in K_QUANTS}, **{t: "float16" for t in LEGACY}, "BF16": None,
+         "AWQ": "float32", "GPTQ": "float16"}
+# Bytes a weight on the device: quants (u4 0.5, i8 1, bf16 2) + scale planes (+ supers, 4 bytes a
+# row's 256 weights each)
+BYTES_PER_WEIGHT = {"Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q5_K": 1 + 2 / 32 + 8 / 256,
+                    "Q6_K": 1 + 1 / 16 + 4 / 256, "Q3_K": 1 + 1 / 16 + 4 / 256, "Q2_K": 1 + 2 / 16 + 8 / 256,
+                    "Q8_0": 1 + 2 / 32,
+                    "Q4_0": 0.5 + 4 / 32, "Q4_1": 0.5 + 4 / 32, "Q5_0": 1 + 2 / 32, "Q5_1": 1 + 4 / 32,
+                    "BF16": 2.0, "AWQ": 0.5 + 8 / 128, "GPTQ": 0.5 + 4 / 128}
+
+
+def uploaded(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
+    """A GGUF tensor as the CUDA runner's store keeps it (QuantStore: factored K-quants, fp16
+    planes of exact halves), in the form FORMS says."""
+    weight = QuantStore(np).linear([GGMLTensor(qtype, shape, raw)])
+    assert isinstance(weight, QuantWeight) and form(weight) == FORMS[qtype], (qtype, form(weight))
+    return weight
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("qtype", GGUF_TYPES)
 def test_quant_linear_matches_gguf_dequantize(quant_kernels, qtype, rows):
@@ -77,7 +114,7 @@ def test_quant_linear_matches_gguf_dequantize(quant_kernels, qtype, rows):
     x = rng.standard_normal((rows, K)).astype(np.float16)
     buffer = np.full((rows + 16, N), np.nan, np.float16)  # rows past out's: written by nobody
     out = buffer[:rows]
-    linear_for(quant_kernels)(x, device(w), out)
+    linear_for(quant_kernels)(x, uploaded(qtype, raw, (N, K)), out)
     check(out, x, w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K))
     assert np.isnan(buffer[rows:]).all(), "a row past M was written"
 
@@ -87,25 +124,92 @@ def test_four_bit_types_as_int8_planes(quant_kernels, qtype):
     """A 4-bit row that is not whole 64-weight nibble groups is held as int8 (gpu/quant.py)."""
     rng = np.random.default_rng(7)
     raw = random_raw(qtype, (N, K), rng)
-    w = repack(raw, qtype, (N, K), nibbles=False)
+    w = repack(raw, qtype, (N, K), nibbles=False, factored=True)
     x = rng.standard_normal((2, K)).astype(np.float16)
     out = np.full((2, N), np.nan, np.float16)
     linear_for(quant_kernels)(x, device(w), out)
     check(out, x, w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K))
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_1", "BF16"])
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
 def test_embedding_rows_dequantized_exactly(quant_kernels, qtype):
-    """dequant_*_f32 at ids: gguf-py's rows (the host compiles scale * q + offset without an
-    FMA, as gpu/quant.py and gguf-py round it; a device may fuse it: one rounding less)."""
+    """dequant_*_f32 at ids, from the compact planes QuantStore uploads (FORMS): bit for bit
+    gpu/quant.py's dequantize of the float32 planes, which is gguf-py's (the host compiles
+    scale * q + offset without an FMA, as gpu/quant.py and gguf-py round it; a device may fuse
+    it: one rounding less). K = 2304: 9 super-blocks a row, so a super plane read at the wrong
+    index is a wrong value."""
     rng = np.random.default_rng(3)
     raw = random_raw(qtype, (N, K), rng)
-    w = repack(raw, qtype, (N, K))
     ids = np.array([5, 0, 12, 5, 7], np.int32)
     out = np.full((len(ids), K), np.nan, np.float32)
-    linear_for(quant_kernels).embedding(ids, device(w), out)
-    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)[ids]
-    np.testing.assert_array_equal(out, want)
+    linear_for(quant_kernels).embedding(ids, uploaded(qtype, raw, (N, K)), out)
+    want = dequantize(repack(raw, qtype, (N, K)))[ids]
+    np.testing.assert_array_equal(out, want)  # NOTE: a kernel adds its offset 0.0f: -0.0 == 0.0
+    nonzero = want != 0
+    np.testing.assert_array_equal(out.view(np.uint32)[nonzero], want.view(np.uint32)[nonzero])
+    gguf_rows = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)[ids]
+    np.testing.assert_array_equal(out, gguf_rows)
+
+
+@pytest.mark.parametrize("qtype", [*GGUF_TYPES, "AWQ", "GPTQ"])
+def test_the_store_uploads_each_type_in_its_compact_form(qtype):
+    """Every type's planes on the device: the form FORMS names and the bytes a weight
+    BYTES_PER_WEIGHT says (nbytes counts the super planes), the values those of the float32
+    planes (dequantize, bit for bit)."""
+    rng = np.random.default_rng(8)
+    n, k = 24, 1024
+    if qtype in ("AWQ", "GPTQ"):
+        from ringserve.gpu.hf_quant import unpack_awq, unpack_gptq
+        from test_hf_quant import random_int4
+        tensors, _ = random_int4(n, k, rng, qtype.lower())
+        plain = (unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"]) if qtype == "AWQ"
+                 else unpack_gptq(tensors["qweight"], tensors["scales"], tensors["g_idx"]))
+        weight = device(plain)
+        assert form(weight) == FORMS[qtype]
+    else:
+        raw = random_raw(qtype, (n, k), rng)
+        plain, weight = repack(raw, qtype, (n, k)), uploaded(qtype, raw, (n, k))
+    assert weight.nbytes == BYTES_PER_WEIGHT[qtype] * n * k, (qtype, weight.nbytes / (n * k))
+    if weight.scale_super is not None:
+        assert weight.scale_super.shape == (n, k // 256) and weight.scale_super.dtype == np.float32
+    np.testing.assert_array_equal(dequantize(weight).view(np.uint32), dequantize(plain).view(np.uint32))
+
+
+def test_a_plane_that_is_not_exactly_half_stays_float32(quant_kernels):
+    """Q4_0 folds its zero point into an offset -8 d: a block with d = 10000 makes -80000,
+    past fp16's 65504, so both of its planes stay float32 (one scale_bytes for both); a
+    hand-made scale of 0.1 (not a half) too. The kernels read them as float32: dequant_*_f32
+    bit for bit, the mat-vec within its bound."""
+    rng = np.random.default_rng(12)
+    raw = random_raw("Q4_0", (N, K), rng)
+    raw.reshape(N, K // 32, 18)[3, 5, 0:2] = np.array([10000], np.float16).view(np.uint8)
+    big = QuantStore(np).linear([GGMLTensor("Q4_0", (N, K), raw)])
+    assert form(big) == "float32" and big.offset is not None
+    q = rng.integers(-128, 128, (N, K), dtype=np.int8)
+    scale = np.full((N, K // 32), np.float16(0.25), np.float32)
+    scale[7, 2] = 0.1
+    tenth = device(QuantWeight("Q8_0", (N, K), "i8", q, scale, None, 32))
+    assert form(tenth) == "float32" and tenth.scale[7, 2] == np.float32(0.1)
+    for w, plain in ((big, repack(raw, "Q4_0", (N, K))), (tenth, tenth)):
+        out = np.full((N, K), np.nan, np.float32)
+        linear_for(quant_kernels).dequantize(w, None, 0, N, out)
+        np.testing.assert_array_equal(out, dequantize(plain))
+        x = (rng.standard_normal((2, K)) / 1024).astype(np.float16)  # NOTE: d's row stays within fp16
+        y = np.full((2, N), np.nan, np.float16)
+        linear_for(quant_kernels)(x, w, y)
+        check(y, x, plain, dequantize(plain))
+
+
+def test_the_store_refuses_planes_of_no_kernel_form():
+    """Only float32, fp16 and int8 + super planes reach quant.cu: float16 scales with a
+    float32 offset (one scale_bytes for both), or int8 factors without their super plane,
+    are refused at upload with one line naming them."""
+    q = np.zeros((4, 64), np.int8)
+    halves = np.ones((4, 2), np.float16)
+    with pytest.raises(ValueError, match="not one of quant.cu's forms"):
+        device(QuantWeight("Q5_1", (4, 64), "i8", q, halves, np.full((4, 2), 0.1, np.float32), 32))
+    with pytest.raises(ValueError, match="not one of quant.cu's forms"):
+        device(QuantWeight("Q6_K", (4, 64), "i8", q, np.ones((4, 4), np.int8), None, 16))
 
 
 @pytest.mark.parametrize("rows,large_batch", [(2, "dequant"), (70, "dequant"), (70, "tiled")])
@@ -197,7 +301,7 @@ def gemm_weight(qtype: str, N: int, K: int, rng) -> tuple[QuantWeight, np.ndarra
         w = unpack_gptq(tensors["qweight"], tensors["scales"], tensors["g_idx"])
         return w, values.astype(np.float16)
     raw = random_raw(qtype, (N, K), rng)
-    w = repack(raw, qtype, (N, K))
+    w = uploaded(qtype, raw, (N, K))
     return w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K).astype(np.float16)
 
 
@@ -242,8 +346,10 @@ def test_tiled_gemm_matches_the_fp16_dequantized_weights(quant_kernels, qtype, K
     rng = np.random.default_rng(K)
     w, w16 = gemm_weight(qtype, GEMM_N, K, rng)
     weight = device(w)
-    weight = dataclasses.replace(weight, q=guarded(weight.q), scale=guarded(weight.scale, 4),
-                                 offset=guarded(weight.offset, 4))
+    weight = dataclasses.replace(  # scales: scalar loads of their own size
+        weight, q=guarded(weight.q), **{f: guarded(getattr(weight, f), getattr(weight, f).itemsize)
+                                        for f in ("scale", "offset", "scale_super", "offset_super")
+                                        if getattr(weight, f) is not None})
     linear = linear_for(quant_kernels)
     for rows in GEMM_ROWS:
         padded = np.full((rows, K + 8), np.nan, np.float16)  # read past K: NaN in out

@@ -305,7 +305,9 @@ def test_quant_kernels_match_gguf_dequantize(qtype, rows):
     from ringserve.gpu.cuda.gemm import CublasGemm
     from ringserve.gpu.cuda.quant import QuantKernels
     from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
-    from ringserve.gpu.quant import random_raw, repack
+    from ringserve.gpu.quant import random_raw
+    from ringserve.gpu.weights import GGMLTensor
+    from test_cuda_quant_host import FORMS, form
     rng = np.random.default_rng(rows)
     N, K = 40, 2304
     raw = random_raw(qtype, (N, K), rng)
@@ -315,7 +317,8 @@ def test_quant_kernels_match_gguf_dequantize(qtype, rows):
     workspace = cp.empty(32 << 20, cp.uint8)
     gemm = CublasGemm(cublas, stream.ptr, workspace.data.ptr, workspace.nbytes, lambda a: a.data.ptr)
     linear = QuantLinear(QuantKernels(stream).call, gemm, cp.empty(8 * K, cp.float16))
-    w = QuantStore(cp).linear([repack(raw, qtype, (N, K))])
+    w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
+    assert form(w) == FORMS[qtype]
     out = cp.full((rows, N), cp.nan, cp.float16)
     with stream:
         linear(cp.asarray(x), w, out)
@@ -341,7 +344,9 @@ def test_quant_tiled_gemm_on_tensor_cores(qtype, K):
     from ringserve.gpu.cuda.gemm import CublasGemm
     from ringserve.gpu.cuda.quant import QuantKernels
     from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
-    from ringserve.gpu.quant import random_raw, repack
+    from ringserve.gpu.quant import random_raw
+    from ringserve.gpu.weights import GGMLTensor
+    from test_cuda_quant_host import FORMS, form
     rng = np.random.default_rng(K)
     N = 77
     raw = random_raw(qtype, (N, K), rng)
@@ -352,7 +357,8 @@ def test_quant_tiled_gemm_on_tensor_cores(qtype, K):
     kernels = QuantKernels(stream).call
     tiled = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="tiled")
     dequant = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="dequant")
-    w = QuantStore(cp).linear([repack(raw, qtype, (N, K))])
+    w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
+    assert form(w) == FORMS[qtype]
     for rows in (1, 17, 64, 70, 130):
         x = rng.standard_normal((rows, K)).astype(np.float16)
         x_dev = cp.zeros((rows, K + 8), cp.float16)

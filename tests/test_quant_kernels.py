@@ -23,7 +23,15 @@ import pytest
 
 from ringserve.gpu import cpu_quant_kernels
 from ringserve.gpu.cpu_quant_kernels import SMALL_ROWS, STREAM_ROWS, quant_linear
-from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
+from ringserve.gpu.quant import (
+    BLOCK_SIZES,
+    QuantWeight,
+    as_halves,
+    dequantize,
+    plane_values,
+    random_raw,
+    repack,
+)
 
 TYPES = list(BLOCK_SIZES)
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
@@ -41,8 +49,8 @@ def magnitude(w: QuantWeight) -> np.ndarray:
     """|scale * q| + |offset| per weight: what the rounding error scales with."""
     if w.offset is None:
         return np.abs(dequantize(w)).astype(np.float64)
-    part = np.abs(dequantize(dataclasses.replace(w, offset=None))).astype(np.float64)
-    return part + np.repeat(np.abs(w.offset), w.block, axis=1)
+    part = np.abs(dequantize(dataclasses.replace(w, offset=None, offset_super=None))).astype(np.float64)
+    return part + np.repeat(np.abs(plane_values(w.offset, w.offset_super, w.block)), w.block, axis=1)
 
 
 def check_linear(x: np.ndarray, w: QuantWeight, reference: np.ndarray, parallel: bool) -> None:
@@ -69,12 +77,76 @@ def test_repack_round_trips_exactly(qtype):
         w = repack(raw, qtype, shape)
         if qtype in FOUR_BIT:  # nibbles when the row fills 64-weight groups, else int8
             assert w.kind == ("u4" if shape[1] % 64 == 0 else "i8")
-        got, want = dequantize(w), gguf_weights(qtype, raw, shape)
-        assert got.dtype == np.float32 and got.shape == shape
-        if w.kind == "u4" and qtype == "Q4_0":  # d * q + (-8 d) is +0.0 where gguf-py has d * 0
-            np.testing.assert_array_equal(got, want)  # equal as numbers: -0.0 == 0.0
-        else:
-            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # bit for bit
+        want = gguf_weights(qtype, raw, shape)
+        # every form of the scale planes: float32, factored (K-quants), float16 (exact halves)
+        for form in (w, repack(raw, qtype, shape, factored=True), as_halves(w)):
+            got = dequantize(form)
+            assert got.dtype == np.float32 and got.shape == shape
+            if w.kind == "u4" and qtype == "Q4_0":  # d * q + (-8 d) is +0.0 where gguf-py has d * 0
+                np.testing.assert_array_equal(got, want)  # equal as numbers: -0.0 == 0.0
+            else:
+                np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # bit for bit
+
+
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_compact_scale_planes(qtype):
+    """repack(factored=True): the K-quants' scales as int8 factors [out, in / block] of float32
+    super planes [out, in / 256] (d; -dmin), the other types as without it; as_halves: float32
+    planes of exact halves (every legacy type's f16 fields) as float16, others as they are.
+    nbytes counts every plane."""
+    rng = np.random.default_rng(6)
+    shape = (6, 768)
+    raw = random_raw(qtype, shape, rng)
+    plain, factored = repack(raw, qtype, shape), repack(raw, qtype, shape, factored=True)
+    if qtype in K_QUANTS:
+        assert factored.scale.dtype == np.int8 and factored.scale_super.shape == (6, 3)
+        assert factored.scale_super.dtype == np.float32
+        assert (factored.offset is None) == (factored.offset_super is None) == (plain.offset is None)
+        planes = 1 if plain.offset is None else 2
+        assert factored.nbytes == plain.q.nbytes + planes * (plain.scale.size + 4 * 6 * 3)
+        assert as_halves(factored) is factored  # int8 factors stay
+    else:
+        assert all(a is b or np.array_equal(a, b)
+                   for a, b in zip(factored.planes(), plain.planes(), strict=True))
+        assert factored.scale_super is None
+    halves = as_halves(plain)
+    if qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        assert halves.scale.dtype == np.float16 and halves.nbytes < plain.nbytes
+        assert halves.offset is None or halves.offset.dtype == np.float16
+    elif qtype in ("F32", "F16", "BF16"):
+        assert halves is plain  # no planes to narrow
+    if plain.scale is not None:
+        tenth = dataclasses.replace(plain, scale=np.full_like(plain.scale, 0.1))
+        assert as_halves(tenth) is tenth  # 0.1 is no half: kept float32
+
+
+def test_rows_of_compact_weights():
+    """take_rows and concat_rows carry the super planes and the fp16 planes; a factored weight
+    never stacks with a plain one (concat_rows refuses, fuse_packed keeps them apart)."""
+    from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed
+    from ringserve.gpu.quant import concat_rows, take_rows
+    from ringserve.gpu.weights import GGMLTensor
+    rng = np.random.default_rng(9)
+    for qtype in ("Q4_K", "Q6_K", "Q4_1"):
+        raws = [random_raw(qtype, (n, 512), rng) for n in (5, 3)]
+        ws = [as_halves(repack(r, qtype, (len(r), 512), factored=True)) for r in raws]
+        want = np.concatenate([dequantize(repack(r, qtype, (len(r), 512))) for r in raws])
+        both = concat_rows(ws)
+        assert both.shape == (8, 512) and both.nbytes == sum(w.nbytes for w in ws)
+        np.testing.assert_array_equal(dequantize(both), want)
+        perm = rng.permutation(8)
+        np.testing.assert_array_equal(dequantize(take_rows(both, perm)), want[perm])
+    raw = random_raw("Q4_K", (4, 512), rng)
+    factored, plain = repack(raw, "Q4_K", (4, 512), factored=True), repack(raw, "Q4_K", (4, 512))
+    with pytest.raises(ValueError, match="cannot stack"):
+        concat_rows([factored, plain])
+    split = fuse_packed([factored, GGMLTensor("Q4_K", (4, 512), raw)])
+    assert isinstance(split, SplitWeight) and [p.scale.dtype for p in split.parts] == [np.int8, np.float32]
+    fused = fuse_packed([GGMLTensor("Q4_K", (4, 512), raw)] * 2, factored=True)
+    assert isinstance(fused, QuantWeight) and fused.scale_super.shape == (8, 2)
 
 
 def test_repack_refuses_what_it_cannot_hold():

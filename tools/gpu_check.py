@@ -120,26 +120,38 @@ FOUR_BIT = ("Q4_K_M", "AWQ")
 # Formats run on some shapes only: BF16 streams fp16's bytes, so its ratio to fp16 is the
 # point and the 1B says it (the 8B's 16 GB runner would not fit the 6 minutes).
 FORMAT_MODELS = {"BF16": ("1B",)}
-# (kind, weights per scale, has an offset, quant range) of each type's planes (gpu/quant.py),
-# and the scale that gives weights of about 0.02 from random quants of that range
-_PLANES = {"Q4_K": ("u4", 32, True, 16), "Q6_K": ("i8", 16, False, 64), "Q8_0": ("i8", 32, False, 256),
-           "AWQ": ("u4", 128, True, 16)}
+# (kind, weights per scale, has an offset, quant range, scale form) of each type's planes as
+# the CUDA store uploads them (gpu/quant.py; QuantStore): "super", int8 factors of float32
+# super planes (K-quants); "f16", exact halves (legacy types); "f32" (AWQ: its offsets are no
+# halves); and the scale that gives weights of about 0.02 from random quants of that range
+_PLANES = {"Q4_K": ("u4", 32, True, 16, "super"), "Q6_K": ("i8", 16, False, 64, "super"),
+           "Q8_0": ("i8", 32, False, 256, "f16"), "AWQ": ("u4", 128, True, 16, "f32")}
 
 
 def random_planes(xp, rng, qtype: str, rows: int, cols: int):
-    """A QuantWeight of random planes of `qtype` made by xp's Generator rng (cupy: on the device)."""
-    from ringserve.gpu.quant import QuantWeight
+    """A QuantWeight of random planes of `qtype` made by xp's Generator rng (cupy: on the
+    device), in the form QuantStore uploads (so nbytes is what a step reads)."""
+    from ringserve.gpu.quant import QK_K, QuantWeight
     if qtype == "BF16":  # bfloat16 bits of N(0, 0.02) (truncated: random is random)
         bits = (rng.standard_normal((rows, cols), dtype=xp.float32) * 0.02).view(xp.uint32) >> 16
         return QuantWeight(qtype, (rows, cols), "bf16", bits.astype(xp.uint16))
-    kind, block, has_offset, levels = _PLANES[qtype]
+    kind, block, has_offset, levels, form = _PLANES[qtype]
     width = cols // 2 if kind == "u4" else cols
     q = rng.integers(0, 256, size=(rows, width), dtype=xp.int32).astype(xp.uint8)
     if kind == "i8":
         q = q.view(xp.int8)
     s = 0.04 / levels
+    if form == "super":  # factors 32..63 of supers about s / 48: scales about s, as llama.cpp's
+        factors = rng.integers(32, 64, size=(rows, cols // block), dtype=xp.int32).astype(xp.int8)
+        d = (rng.random((rows, cols // QK_K), dtype=xp.float32) * s + s / 2) / 48
+        if not has_offset:
+            return QuantWeight(qtype, (rows, cols), kind, q, factors, None, block, d)
+        minus = (-(levels // 2) * d).astype(xp.float32)  # offset = factor * -(levels / 2) d: centred
+        return QuantWeight(qtype, (rows, cols), kind, q, factors, factors.copy(), block, d, minus)
     scale = (rng.random((rows, cols // block), dtype=xp.float32) * s + s / 2).astype(xp.float32)
     offset = (-(levels // 2) * scale).astype(xp.float32) if has_offset else None
+    if form == "f16":
+        scale, offset = scale.astype(xp.float16), None if offset is None else offset.astype(xp.float16)
     return QuantWeight(qtype, (rows, cols), kind, q, scale, offset, block)
 
 

@@ -3,10 +3,19 @@
 //   u4: unsigned char [N, K/2], 4-bit quants in 64-weight groups (byte j of group g: weight
 //       64g + j in its low nibble, 64g + 32 + j in its high one): Q4_0, Q4_1, Q4_K, AWQ, GPTQ;
 //   i8: signed char [N, K], one quant a byte: Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K;
-//   scale, offset: float32 [N, K/block] (offset may be null): weight = scale * q + offset,
-// so one kernel per plane kind serves every type. Every 16 contiguous weights share one
-// scale (block is a multiple of 16), and every lane reads its 16 quant bytes with one 16-byte
-// load (row pitches K/2 and K are multiples of 16 bytes: K % 64 == 0 for u4, K % 16 for i8);
+//   scale, offset: [N, K/block] (offset may be null): weight = scale * q + offset, each plane in
+//       one of three forms, scale_bytes says which (both planes share it): 4, float32; 2, fp16
+//       (legacy types, GPTQ: exact halves); 1, int8 factors of the float32 super planes
+//       scale_super, offset_super [N, K/256] (the K-quants: sc * d and m * -dmin, the float32
+//       products gpu/quant.py computes, so bit-identical), all read by plane_at,
+// so one kernel per plane kind serves every type. Why the compact forms: a batch-1 step streams
+// the planes with the quants, and float32 ones are a quarter of Q4_K's 0.75 B/weight (0.594
+// factored). Why a runtime scale_bytes and not a template parameter: one uniform branch per 16
+// weights in a memory-bound kernel, and the kernel count (compile time) stays; ptxas (sm_80,
+// sm_90): 0 spills, gemm_u4 127 registers of its 128 (125/128 and 128/128 before).
+// Every 16 contiguous weights share one scale (block is a multiple of 16), and every lane
+// reads its 16 quant bytes with one 16-byte load (row pitches K/2 and K are multiples of 16
+// bytes: K % 64 == 0 for u4, K % 16 for i8);
 //   bf16: unsigned short [N, K], bfloat16 bits (BF16 GGUF tensors, HF bfloat16 checkpoints),
 //       no scale or offset (null, block unused): a weight is the upper half of a float32, so
 //       widening is exact, a shift; a 16-byte load holds 8 weights (K % 8 == 0).
@@ -29,6 +38,7 @@
 
 #define FULL_MASK 0xffffffffu
 #define QUANT_WARPS 4
+#define QK_K 256  // weights a K-quant super-block holds: one super plane value a row's 256
 
 union Chunk16 {  // 16 quant bytes in one vector load (union punning: see attention.cu)
     uint4 vector;
@@ -116,24 +126,49 @@ __device__ __forceinline__ void write_rows(float* acc, int M, __half* out, int l
     }
 }
 
-// Each plane kind's 16-byte chunk c of a row: which weights it holds and their values.
-// chunk(bits, c, srow, ...) calls use(k, w) once for each run of RUN weights k..k + RUN - 1 of
-// the chunk, with w their float32 values; the mat-vec and the dequantize kernels share this
-// and differ only in what use() does with them.
+// Value `at` of a scale or offset plane in the form `bytes` says (the header): float32, fp16, or
+// an int8 factor times its row's super plane value for weight k. The one place a plane is read.
+__device__ __forceinline__ float plane_at(const void* __restrict__ plane, const float* __restrict__ super,
+                                          int bytes, size_t n, int K, int block, int k) {
+    const size_t at = n * (size_t)(K / block) + k / block;
+    if (bytes == 4) return static_cast<const float*>(plane)[at];
+    if (bytes == 2) return __half2float(static_cast<const __half*>(plane)[at]);
+    return (float)static_cast<const signed char*>(plane)[at] * super[n * (size_t)(K / QK_K) + k / QK_K];
+}
+
+// A weight's scale and offset planes, as the kernels take them (offset may be null: 0).
+struct Scales {
+    const void* scale;
+    const void* offset;
+    const float* scale_super;
+    const float* offset_super;
+    int bytes, block;
+    // weight k of row n (K weights a row): its scale s and offset o
+    __device__ __forceinline__ void at(size_t n, int K, int k, float& s, float& o) const {
+        s = plane_at(scale, scale_super, bytes, n, K, block, k);
+        o = offset ? plane_at(offset, offset_super, bytes, n, K, block, k) : 0.0f;
+    }
+};
+
+// Each plane kind's 16-byte chunk c of row n: which weights it holds and their values.
+// chunk(bits, c, scales, n, K, use) calls use(k, w) once for each run of RUN weights
+// k..k + RUN - 1 of the chunk, with w their float32 values; the mat-vec and the dequantize
+// kernels share this and differ only in what use() does with them.
 struct U4 {  // two runs of 16: the low nibbles (weights k_lo..) and the high ones (k_lo + 32..)
     using Q = unsigned char;
     static constexpr int WEIGHTS = 32, RUN = 16;
     static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K / 2; }
-    static __device__ __forceinline__ int scales_per_row(int K, int block) { return K / block; }
     template <class Use>
-    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const float* scale,
-                                                 const float* offset, size_t srow, int block, Use use) {
+    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const Scales& sc, size_t n,
+                                                 int K, Use use) {
         const int k_lo = 64 * (c >> 1) + 16 * (c & 1);
         float w[16];  // NOTE: one nibble half at a time: 16 weights live, not 32 (registers)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int k = k_lo + 32 * half;
-            dequant16_u4(bits, half, scale[srow + k / block], offset ? offset[srow + k / block] : 0.0f, w);
+            float s, o;
+            sc.at(n, K, k, s, o);
+            dequant16_u4(bits, half, s, o, w);
             use(k, w);
         }
     }
@@ -143,27 +178,26 @@ struct I8 {  // one run of 16: weights 16c..16c + 15
     using Q = signed char;
     static constexpr int WEIGHTS = 16, RUN = 16;
     static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K; }
-    static __device__ __forceinline__ int scales_per_row(int K, int block) { return K / block; }
     template <class Use>
-    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const float* scale,
-                                                 const float* offset, size_t srow, int block, Use use) {
+    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const Scales& sc, size_t n,
+                                                 int K, Use use) {
         const int k = 16 * c;
-        float w[16];
-        dequant16_i8(bits, scale[srow + k / block], offset ? offset[srow + k / block] : 0.0f, w);
+        float w[16], s, o;
+        sc.at(n, K, k, s, o);
+        dequant16_i8(bits, s, o, w);
         use(k, w);
     }
 };
 
-// scale, offset, block: unused (a bf16 weight is its own value; block may be 0), taken so that
-// every kind has the launchers' one signature.
+// The scales: unused (a bf16 weight is its own value; block may be 0), taken so that every
+// kind has the launchers' one signature.
 struct BF16 {  // one run of 8: weights 8c..8c + 7
     using Q = unsigned short;
     static constexpr int WEIGHTS = 8, RUN = 8;
     static __device__ __forceinline__ size_t row_bytes(int K) { return 2 * (size_t)K; }
-    static __device__ __forceinline__ int scales_per_row(int, int) { return 0; }
     template <class Use>
-    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const float*,
-                                                 const float*, size_t, int, Use use) {
+    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const Scales&, size_t, int,
+                                                 Use use) {
         float w[8];
         widen8_bf16(bits, w);
         use(8 * c, w);
@@ -181,20 +215,18 @@ __device__ __forceinline__ float dot_run(const float* w, const __half* x) {
 // matching weights of every row of x.
 template <class Kind, int ROWS>
 __device__ __forceinline__ void matvec(
-        const typename Kind::Q* __restrict__ q, const float* __restrict__ scale,
-        const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx, int M,
-        int N, int K, __half* __restrict__ out, int ldo) {
+        const typename Kind::Q* __restrict__ q, const Scales& scales, const __half* __restrict__ x, int ldx,
+        int M, int N, int K, __half* __restrict__ out, int ldo) {
     const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
     if (n >= N) return;  // the whole warp: n is the warp's
     const unsigned char* qrow = reinterpret_cast<const unsigned char*>(q) + (size_t)n * Kind::row_bytes(K);
-    const size_t srow = (size_t)n * Kind::scales_per_row(K, block);
     float acc[ROWS];
 #pragma unroll
     for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
     for (int c = lane; c < K / Kind::WEIGHTS; c += 32) {
         Chunk16 bits;
         bits.vector = *reinterpret_cast<const uint4*>(qrow + 16 * c);
-        Kind::chunk(bits, c, scale, offset, srow, block, [&](int k, const float* w) {
+        Kind::chunk(bits, c, scales, n, K, [&](int k, const float* w) {
 #pragma unroll
             for (int m = 0; m < ROWS; ++m)
                 if (m < M) acc[m] += dot_run<Kind::RUN>(w, x + (size_t)m * ldx + k);
@@ -203,12 +235,18 @@ __device__ __forceinline__ void matvec(
     write_rows<ROWS>(acc, M, out, ldo, n);
 }
 
+// Every kernel's weight arguments: the quants, then the Scales' fields (bf16: ignored).
+#define WEIGHT_PARAMS(QT)                                                                          \
+    const QT *__restrict__ q, const void *__restrict__ scale, const void *__restrict__ offset,     \
+        const float *__restrict__ scale_super, const float *__restrict__ offset_super,             \
+        int scale_bytes, int block
+#define SCALES Scales{scale, offset, scale_super, offset_super, scale_bytes, block}
+
 #define MATVEC(KIND, QT, R)                                                                        \
     extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, 4) matvec_##KIND##_r##R(         \
-            const QT* __restrict__ q, const float* __restrict__ scale,                             \
-            const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx,    \
-            int M, int N, int K, __half* __restrict__ out, int ldo) {                              \
-        matvec<KIND_##KIND, R>(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                \
+            WEIGHT_PARAMS(QT), const __half* __restrict__ x, int ldx, int M, int N, int K,          \
+            __half* __restrict__ out, int ldo) {                                                    \
+        matvec<KIND_##KIND, R>(q, SCALES, x, ldx, M, N, K, out, ldo);                              \
     }
 using KIND_u4 = U4;
 using KIND_i8 = I8;
@@ -287,19 +325,15 @@ struct TileU4 {
     Chunk16 bits;
     float s_lo, o_lo, s_hi, o_hi;
     bool valid;
-    __device__ __forceinline__ void fetch(const unsigned char* __restrict__ q, const float* __restrict__ scale,
-                                          const float* __restrict__ offset, int block, int N, int K,
+    __device__ __forceinline__ void fetch(const unsigned char* __restrict__ q, const Scales& sc, int N, int K,
                                           int n0, int k0) {
         const int r = threadIdx.x >> 1, c = threadIdx.x & 1, n = n0 + r;
         valid = n < N;  // K % 64 == 0: every group is whole
         if (!valid) return;
         bits.vector = *reinterpret_cast<const uint4*>(q + (size_t)n * (K / 2) + k0 / 2 + 16 * c);
-        const size_t srow = (size_t)n * (K / block);
-        const int k_lo = k0 + 16 * c, k_hi = k_lo + 32;
-        s_lo = scale[srow + k_lo / block];
-        s_hi = scale[srow + k_hi / block];
-        o_lo = offset ? offset[srow + k_lo / block] : 0.0f;
-        o_hi = offset ? offset[srow + k_hi / block] : 0.0f;
+        const int k_lo = k0 + 16 * c;
+        sc.at(n, K, k_lo, s_lo, o_lo);
+        sc.at(n, K, k_lo + 32, s_hi, o_hi);
     }
     __device__ __forceinline__ void put(unsigned (*w_tile)[GEMM_PITCH]) const {
         const int r = threadIdx.x >> 1, c = threadIdx.x & 1;
@@ -322,8 +356,7 @@ struct TileI8 {
     Chunk16 bits[2];
     float s[2], o[2];
     bool valid[2];
-    __device__ __forceinline__ void fetch(const signed char* __restrict__ q, const float* __restrict__ scale,
-                                          const float* __restrict__ offset, int block, int N, int K,
+    __device__ __forceinline__ void fetch(const signed char* __restrict__ q, const Scales& sc, int N, int K,
                                           int n0, int k0) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -331,9 +364,7 @@ struct TileI8 {
             valid[j] = n < N && k < K;
             if (!valid[j]) continue;
             bits[j].vector = *reinterpret_cast<const uint4*>(q + (size_t)n * K + k);
-            const size_t at = (size_t)n * (K / block) + k / block;
-            s[j] = scale[at];
-            o[j] = offset ? offset[at] : 0.0f;
+            sc.at(n, K, k, s[j], o[j]);
         }
     }
     __device__ __forceinline__ void put(unsigned (*w_tile)[GEMM_PITCH]) const {
@@ -356,8 +387,8 @@ struct TileI8 {
 struct TileBF16 {
     Chunk16 bits[4];
     bool valid[4];
-    __device__ __forceinline__ void fetch(const unsigned short* __restrict__ q, const float* __restrict__,
-                                          const float* __restrict__, int, int N, int K, int n0, int k0) {
+    __device__ __forceinline__ void fetch(const unsigned short* __restrict__ q, const Scales&, int N, int K,
+                                          int n0, int k0) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int i = threadIdx.x + GEMM_WARPS * 32 * j, n = n0 + (i >> 3), k = k0 + 8 * (i & 7);
@@ -404,9 +435,8 @@ struct TileX {
 
 template <class Tile, typename QT>
 __device__ __forceinline__ void gemm_tiles(
-        const QT* __restrict__ q, const float* __restrict__ scale, const float* __restrict__ offset,
-        int block, const __half* __restrict__ x, int ldx, int M, int N, int K,
-        __half* __restrict__ out, int ldo) {
+        const QT* __restrict__ q, const Scales& scales, const __half* __restrict__ x, int ldx, int M, int N,
+        int K, __half* __restrict__ out, int ldo) {
     // NOTE: words, not halves: the fragments are 32-bit loads of two halves (k, k + 1)
     __shared__ unsigned x_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
     __shared__ unsigned w_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
@@ -422,7 +452,7 @@ __device__ __forceinline__ void gemm_tiles(
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
     Tile wt;
     TileX xt;
-    wt.fetch(q, scale, offset, block, N, K, n0, 0);
+    wt.fetch(q, scales, N, K, n0, 0);
     xt.fetch(x, ldx, M, K, m0, 0);
     for (int k0 = 0; k0 < K; k0 += GEMM_TILE) {
         __syncthreads();  // every warp is done reading the previous step's tiles
@@ -430,7 +460,7 @@ __device__ __forceinline__ void gemm_tiles(
         xt.put(x_tile);
         __syncthreads();
         if (k0 + GEMM_TILE < K) {  // PERF: the next step's global loads in flight during the mma
-            wt.fetch(q, scale, offset, block, N, K, n0, k0 + GEMM_TILE);
+            wt.fetch(q, scales, N, K, n0, k0 + GEMM_TILE);
             xt.fetch(x, ldx, M, K, m0, k0 + GEMM_TILE);
         }
 #pragma unroll
@@ -466,10 +496,9 @@ __device__ __forceinline__ void gemm_tiles(
 
 #define GEMM(KIND, QT, TILE)                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 4) gemm_##KIND(                  \
-            const QT* __restrict__ q, const float* __restrict__ scale,                             \
-            const float* __restrict__ offset, int block, const __half* __restrict__ x, int ldx,    \
-            int M, int N, int K, __half* __restrict__ out, int ldo) {                              \
-        gemm_tiles<TILE, QT>(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                  \
+            WEIGHT_PARAMS(QT), const __half* __restrict__ x, int ldx, int M, int N, int K,          \
+            __half* __restrict__ out, int ldo) {                                                    \
+        gemm_tiles<TILE, QT>(q, SCALES, x, ldx, M, N, K, out, ldo);                                \
     }
 GEMM(u4, unsigned char, TileU4)
 GEMM(i8, signed char, TileI8)
@@ -486,8 +515,7 @@ __device__ __forceinline__ void put(__half* p, float v) { *p = __float2half(v); 
 // before. The mat-vec (decode) reads the bf16 bits as they are.
 template <class Kind, typename T>
 __device__ __forceinline__ void dequant(
-        const typename Kind::Q* __restrict__ q, const float* __restrict__ scale,
-        const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,
+        const typename Kind::Q* __restrict__ q, const Scales& scales, int K, const int* __restrict__ ids,
         int row_begin, int nrows, T* __restrict__ out, int ldo) {
     const int chunks = K / Kind::WEIGHTS;
     const size_t total = (size_t)nrows * chunks;
@@ -499,20 +527,18 @@ __device__ __forceinline__ void dequant(
         bits.vector = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(q) +
                                                       src * Kind::row_bytes(K) + 16 * c);
         T* o = out + (size_t)r * ldo;
-        Kind::chunk(bits, c, scale, offset, src * Kind::scales_per_row(K, block), block,
-                    [&](int k, const float* w) {
+        Kind::chunk(bits, c, scales, src, K, [&](int k, const float* w) {
 #pragma unroll
-                        for (int j = 0; j < Kind::RUN; ++j) put(o + k + j, w[j]);
-                    });
+            for (int j = 0; j < Kind::RUN; ++j) put(o + k + j, w[j]);
+        });
     }
 }
 
 #define DEQUANT(KIND, QT, T, SUFFIX)                                                               \
     extern "C" __global__ void __launch_bounds__(256) dequant_##KIND##_##SUFFIX(                   \
-            const QT* __restrict__ q, const float* __restrict__ scale,                             \
-            const float* __restrict__ offset, int block, int K, const int* __restrict__ ids,       \
-            int row_begin, int nrows, T* __restrict__ out, int ldo) {                              \
-        dequant<KIND_##KIND, T>(q, scale, offset, block, K, ids, row_begin, nrows, out, ldo);      \
+            WEIGHT_PARAMS(QT), int K, const int* __restrict__ ids, int row_begin, int nrows,       \
+            T* __restrict__ out, int ldo) {                                                        \
+        dequant<KIND_##KIND, T>(q, SCALES, K, ids, row_begin, nrows, out, ldo);                    \
     }
 DEQUANT(u4, unsigned char, __half, f16)
 DEQUANT(u4, unsigned char, float, f32)

@@ -2,15 +2,22 @@
 uploads gpu/quant.py's planes as they are, and the linear that reads them through quant.cu's
 kernels (launched by gpu/cuda/quant.py on a GPU, by tests/cuda_host_kernels.py on the host).
 
-Device layout: gpu/quant.py's planes (u4 nibbles in 64-weight groups, or int8; float32 scale
-and offset per block of 16/32/128 weights; bf16 bits as they are), not the raw GGUF blocks.
+Device layout: gpu/quant.py's planes (u4 nibbles in 64-weight groups, or int8; a scale and
+offset per block of 16/32/128 weights; bf16 bits as they are), not the raw GGUF blocks. The
+scale planes in their compact exact form (gpu/quant.py's module doc; quant.cu's plane_at
+reads all three): K-quants as int8 factors of float32 super planes (repack factored=True:
+d and -dmin per 256 weights), float32 planes of exact halves as fp16 (as_halves: every legacy
+type, GPTQ), anything else float32 (AWQ, whose offsets -(z s) are no halves).
 Why: (1) every quant row is 16-byte aligned, so each lane streams its quants with one vector
 load (GGUF blocks are 18, 20, 22, 34, 84, 110, 144, 176 or 210 bytes: no vector load lines up
 with them); (2) one kernel per plane kind serves all ten GGUF types and AWQ/GPTQ int4
 (repacked into the same u4 planes); (3) the planes are the ones tests/test_quant_kernels.py
-proves bit-identical to gguf-py's `dequantize`. The price is bytes: float32 scales and 5/6-bit
-quants widened to int8 read 0.75 B/weight for Q4_K (0.5625 raw), 1.125 for Q8_0 (1.0625) and
-1.25 for Q5_K/Q6_K (0.69/0.82). The kernels and the GPU check report the bytes actually read.
+proves bit-identical to gguf-py's `dequantize`, in every form. The price is bytes, mostly
+5/6-bit quants widened to int8: B/weight (raw GGUF in brackets) Q4_K 0.594 (0.5625), Q4_0 and
+Q4_1 0.625 (0.5625/0.625), Q8_0 and Q5_0 1.0625 (1.0625/0.6875), Q6_K and Q3_K 1.078
+(0.82/0.43), Q5_K 1.094 (0.69), Q5_1 1.125 (0.75), Q2_K 1.156 (0.33), AWQ 0.5625, GPTQ
+0.531 (float32 scales: 0.75, 1.125, 1.25, 1.25, 1.25, 1.5; AWQ/GPTQ 0.5625). The kernels and
+the GPU check report the bytes actually read (QuantWeight.nbytes).
 
 16-bit floats are kept as they are stored: BF16 (a GGUF BF16 tensor, or an HF checkpoint in
 bfloat16: gpu/weights.py GGMLTensor "BF16") as the "bf16" plane, which the kernels widen to
@@ -52,7 +59,7 @@ import numpy as np
 from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.buffers import Fp16Store
-from ringserve.gpu.quant import QuantWeight, dequantize
+from ringserve.gpu.quant import QuantWeight, as_halves, dequantize
 from ringserve.gpu.weights import GGMLTensor
 
 PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; F16 and F32 are Fp16Store's (cuBLAS)
@@ -102,7 +109,7 @@ class QuantStore:
     def linear(self, arrays: Sequence[Any]) -> Any:
         if not any(keeps_blocks(a) for a in arrays):
             return self.fp16.linear(arrays)
-        packed = fuse_packed(arrays)
+        packed = fuse_packed(arrays, factored=True)  # NOTE: K-quant scales as int8 factors (fewer bytes)
         if isinstance(packed, SplitWeight):
             return SplitWeight(tuple(self._upload(p) for p in packed.parts), packed.shape)
         return self._upload(packed)
@@ -111,8 +118,10 @@ class QuantStore:
         assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/quant.py's planes
         if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
             return self.fp16.linear([dequantize(w)])
-        return replace(w, q=self._device(w.q), scale=self._device(w.scale),
-                       offset=self._device(w.offset))
+        w = as_halves(w)  # float32 planes of exact halves as fp16: half their bytes
+        check_scales(w)
+        return replace(w, q=self._device(w.q), scale=self._device(w.scale), offset=self._device(w.offset),
+                       scale_super=self._device(w.scale_super), offset_super=self._device(w.offset_super))
 
     def _device(self, a: Any) -> Any:
         """A plane on the device (None stays None), 16-byte aligned for the kernels' vector
@@ -177,16 +186,15 @@ class QuantLinear:
         for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
             m = min(tile, M - lo)
             self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}", launch.matvec_launch(N),
-                      w.q, w.scale, w.offset, np.int32(w.block), x[lo:lo + m], np.int32(ldx),
-                      np.int32(m), np.int32(N), np.int32(K), out[lo:lo + m], np.int32(ldo))
+                      *weight_args(w), x[lo:lo + m], np.int32(ldx), np.int32(m), np.int32(N), np.int32(K),
+                      out[lo:lo + m], np.int32(ldo))
 
     def tiled(self, x, w: QuantWeight, out) -> None:
         """gemm_<kind>: dequantized into shared memory, tensor cores, one launch (any M); no
         workspace."""
         M, K, N = x.shape[0], x.shape[1], w.shape[0]
-        self.call(f"gemm_{w.kind}", launch.gemm_launch(M, N), w.q, w.scale, w.offset,
-                  np.int32(w.block), x, np.int32(_x_pitch(x)), np.int32(M), np.int32(N),
-                  np.int32(K), out, np.int32(_pitch(out, "out")))
+        self.call(f"gemm_{w.kind}", launch.gemm_launch(M, N), *weight_args(w), x, np.int32(_x_pitch(x)),
+                  np.int32(M), np.int32(N), np.int32(K), out, np.int32(_pitch(out, "out")))
 
     def dequant_gemm(self, x, w: QuantWeight, out) -> None:
         """The weight dequantized to fp16 into the workspace, chunk of rows by chunk of rows,
@@ -205,12 +213,36 @@ class QuantLinear:
         K = w.shape[1]
         self.call(f"dequant_{w.kind}_{suffix}",
                   launch.dequant_launch(num_rows, K // WEIGHTS_PER_CHUNK[w.kind]),
-                  w.q, w.scale, w.offset, np.int32(w.block), np.int32(K), ids, np.int32(row_begin),
-                  np.int32(num_rows), out, np.int32(_pitch(out, "out")))
+                  *weight_args(w), np.int32(K), ids, np.int32(row_begin), np.int32(num_rows), out,
+                  np.int32(_pitch(out, "out")))
 
     def embedding(self, ids, table: QuantWeight, out) -> None:
         """out [T, hidden] = table[ids], dequantized in out's dtype."""
         self.dequantize(table, ids, 0, len(ids), out)
+
+
+# The forms of the scale and offset planes quant.cu reads (scale_bytes: the planes' itemsize):
+# (dtype of both, with super planes)
+SCALE_FORMS = (("float32", False), ("float16", False), ("int8", True))
+
+
+def check_scales(w: QuantWeight) -> None:
+    """w's scale planes are one of SCALE_FORMS (bf16: none), both planes in the same form."""
+    if w.scale is None:
+        return
+    form = (str(w.scale.dtype), w.scale_super is not None)
+    if form not in SCALE_FORMS or (w.offset is not None and (str(w.offset.dtype), w.offset_super is not None)
+                                   != form):
+        raise ValueError(f"{w.qtype}: scale {form} / offset "
+                         f"{None if w.offset is None else (str(w.offset.dtype), w.offset_super is not None)} "
+                         f"(dtype, super planes): not one of quant.cu's forms {SCALE_FORMS}")
+
+
+def weight_args(w: QuantWeight) -> tuple:
+    """quant.cu's WEIGHT_PARAMS for w (QuantStore's: check_scales passed): quants, scale and
+    offset planes (None: a null pointer), super planes, scale_bytes, block (bf16: no scales)."""
+    scale_bytes = 4 if w.scale is None else w.scale.itemsize  # NOTE: 4, 2, 1: the form (SCALE_FORMS)
+    return (w.q, w.scale, w.offset, w.scale_super, w.offset_super, np.int32(scale_bytes), np.int32(w.block))
 
 
 def _x_pitch(x: Any) -> int:

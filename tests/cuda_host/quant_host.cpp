@@ -4,12 +4,17 @@
 
 using cuda_host::launch;
 
+// quant.cu's WEIGHT_PARAMS, as the kernels take them
+#define HOST_WEIGHT(QT)                                                                                 \
+    const QT *q, const void *scale, const void *offset, const float *scale_super,                       \
+        const float *offset_super, int scale_bytes, int block
+#define HOST_WEIGHT_ARGS q, scale, offset, scale_super, offset_super, scale_bytes, block
+
 #define HOST_MATVEC(KIND, QT, R)                                                                        \
-    extern "C" int launch_matvec_##KIND##_r##R(const unsigned* dims, const QT* q, const float* scale,   \
-                                               const float* offset, int block, const __half* x, int ldx, \
-                                               int M, int N, int K, __half* out, int ldo) {              \
+    extern "C" int launch_matvec_##KIND##_r##R(const unsigned* dims, HOST_WEIGHT(QT), const __half* x,  \
+                                               int ldx, int M, int N, int K, __half* out, int ldo) {     \
         return launch(dims, QUANT_WARPS * 32, [=] {  /* its __launch_bounds__ */                         \
-            matvec_##KIND##_r##R(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                    \
+            matvec_##KIND##_r##R(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                           \
         });                                                                                              \
     }
 HOST_MATVEC(u4, unsigned char, 1)
@@ -29,11 +34,11 @@ HOST_MATVEC(bf16, unsigned short, 8)
 HOST_MATVEC(bf16, unsigned short, 16)
 
 #define HOST_DEQUANT(KIND, QT, T, SUFFIX)                                                               \
-    extern "C" int launch_dequant_##KIND##_##SUFFIX(const unsigned* dims, const QT* q, const float* scale, \
-                                                    const float* offset, int block, int K, const int* ids, \
-                                                    int row_begin, int nrows, T* out, int ldo) {         \
+    extern "C" int launch_dequant_##KIND##_##SUFFIX(const unsigned* dims, HOST_WEIGHT(QT), int K,        \
+                                                    const int* ids, int row_begin, int nrows, T* out,    \
+                                                    int ldo) {                                           \
         return launch(dims, 256, [=] {                                                                   \
-            dequant_##KIND##_##SUFFIX(q, scale, offset, block, K, ids, row_begin, nrows, out, ldo);      \
+            dequant_##KIND##_##SUFFIX(HOST_WEIGHT_ARGS, K, ids, row_begin, nrows, out, ldo);             \
         });                                                                                              \
     }
 HOST_DEQUANT(u4, unsigned char, __half, f16)
@@ -44,11 +49,10 @@ HOST_DEQUANT(bf16, unsigned short, __half, f16)
 HOST_DEQUANT(bf16, unsigned short, float, f32)
 
 #define HOST_GEMM(KIND, QT)                                                                            \
-    extern "C" int launch_gemm_##KIND(const unsigned* dims, const QT* q, const float* scale,            \
-                                      const float* offset, int block, const __half* x, int ldx, int M,  \
-                                      int N, int K, __half* out, int ldo) {                             \
+    extern "C" int launch_gemm_##KIND(const unsigned* dims, HOST_WEIGHT(QT), const __half* x, int ldx,  \
+                                      int M, int N, int K, __half* out, int ldo) {                      \
         return launch(dims, GEMM_WARPS * 32, [=] {  /* its __launch_bounds__ */                         \
-            gemm_##KIND(q, scale, offset, block, x, ldx, M, N, K, out, ldo);                            \
+            gemm_##KIND(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                                   \
         });                                                                                             \
     }
 HOST_GEMM(u4, unsigned char)
