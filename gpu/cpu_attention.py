@@ -88,43 +88,46 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
 # numpy calls per KV head (measured: 128 x 128 Numba 0.6 ms vs 1.0; 512 x 512 9.7 vs 7.4 ms).
 BLAS_MIN_QUERIES = 32
 BLAS_MIN_PAIRS = 128 * 1024
-BLAS_QUERY_TILE = 256  # query tokens a score matrix holds: 256 x group x 8k keys is 24 MB
+# floats a score matrix holds (32 MB): up to 256 query tokens a tile, fewer at long contexts
+SCORES_BUDGET = 8 << 20
 
 
 @njit(cache=True, nogil=True)
-def gather_kv(cache, table_row, num_keys, out):  # pragma: no cover - compiled
-    """out [KVH, num_keys, D] float32 = the request's first num_keys cached rows, head-major."""
-    block_size, num_kv_heads, head_dim = cache.shape[1], cache.shape[2], cache.shape[3]
+def gather_kv(cache, table_row, num_keys, kv_head, out):  # pragma: no cover - compiled
+    """out [num_keys, D] float32 = KV head kv_head of the request's first num_keys cached rows."""
+    block_size, head_dim = cache.shape[1], cache.shape[3]
     for j in range(num_keys):
         block, row = table_row[j // block_size], j % block_size
-        for h in range(num_kv_heads):
-            for d in range(head_dim):
-                out[h, j, d] = kv_load(cache[block, row, h, d])
+        for d in range(head_dim):
+            out[j, d] = kv_load(cache[block, row, kv_head, d])
 
 
 def blas_attention(q, k_cache, v_cache, positions, t0: int, t1: int, seq_len: int, table_row, scale,
                    out) -> None:
     """paged_attention's result for one request's query tokens t0..t1-1 (paged_attention's
-    arguments, the request's own seq_len and block-table row), by two GEMMs per KV head."""
+    arguments, the request's own seq_len and block-table row), by two GEMMs per KV head and
+    tile of query tokens. NOTE: one KV head's keys and values at a time: at a 128k context an
+    8B shape's are 64 MB each, all heads' would be 1 GB."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     sees = np.minimum(positions[t0:t1] + 1, seq_len)  # keys each query token sees
     num_keys = int(sees.max())
-    keys = np.empty((num_kv_heads, num_keys, head_dim), np.float32)
+    tile = max(1, min(256, SCORES_BUDGET // (group * num_keys)))
+    keys = np.empty((num_keys, head_dim), np.float32)
     values = np.empty_like(keys)
-    gather_kv(k_cache, table_row, num_keys, keys)
-    gather_kv(v_cache, table_row, num_keys, values)
-    for a in range(t0, t1, BLAS_QUERY_TILE):
-        b = min(t1, a + BLAS_QUERY_TILE)
-        lane_sees = np.repeat(sees[a - t0:b - t0], group)  # lane = query * group + g, as q's heads
-        n = int(lane_sees.max())
-        for kvh in range(num_kv_heads):
-            heads = slice(kvh * group, (kvh + 1) * group)
+    for kvh in range(num_kv_heads):
+        gather_kv(k_cache, table_row, num_keys, kvh, keys)
+        gather_kv(v_cache, table_row, num_keys, kvh, values)
+        heads = slice(kvh * group, (kvh + 1) * group)
+        for a in range(t0, t1, tile):
+            b = min(t1, a + tile)
+            lane_sees = np.repeat(sees[a - t0:b - t0], group)  # lane = query * group + g, as q's heads
+            n = int(lane_sees.max())
             lanes = q[a:b, heads, :].reshape(-1, head_dim) * scale
-            scores = lanes @ keys[kvh, :n].T
+            scores = lanes @ keys[:n].T
             total = np.empty(len(lanes), np.float32)
-            causal_softmax(scores, lane_sees, total)  # PERF: one parallel pass, not numpy's four
-            mixed = scores @ values[kvh, :n]
+            causal_softmax(scores, lane_sees, total)  # PERF: one pass, not numpy's four (and the mask)
+            mixed = scores @ values[:n]
             mixed /= total[:, None]
             out[a:b, heads, :] = mixed.reshape(b - a, group, head_dim)
 

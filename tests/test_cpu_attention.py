@@ -56,6 +56,17 @@ CASES = {"chunk after prefix": [(700, 300)], "first chunk": [(0, 512)],
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("case", CASES)
 def test_blas_path_matches_the_numba_loop(case, dtype):
+    _matches_the_numba_loop(case, dtype)
+
+
+def test_small_score_budgets_tile_a_chunk_finely(monkeypatch):
+    """At long contexts a tile holds fewer query tokens (ca.SCORES_BUDGET): tiles of 1 and 7."""
+    for budget in (3 * 1000, 7 * 3 * 1000):
+        monkeypatch.setattr(ca, "SCORES_BUDGET", budget)
+        _matches_the_numba_loop("chunk after prefix", "float32")
+
+
+def _matches_the_numba_loop(case, dtype):
     rng = np.random.default_rng(len(case))
     q, (k, v), _, positions, qsl, seq_lens, tables = _step(rng, CASES[case], dtype=dtype)
     scale = np.float32(0.125)
