@@ -63,12 +63,6 @@ __device__ __forceinline__ void load_x8(const __half* p, float* f) {
     }
 }
 
-// 16 halves of x (32 bytes, two vector loads) as floats.
-__device__ __forceinline__ void load_x16(const __half* p, float* f) {
-    load_x8(p, f);
-    load_x8(p + 8, f + 8);
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
@@ -98,21 +92,15 @@ __device__ __forceinline__ void widen8_bf16(const Chunk16& c, float* w) {
     }
 }
 
-__device__ __forceinline__ float dot8(const float* w, const __half* x) {
-    float xv[8];
-    load_x8(x, xv);
+// The dot product of N weights w with N halves of x (N / 8 vector loads; p 16-byte aligned).
+template <int N>
+__device__ __forceinline__ float dot(const float* w, const __half* x) {
+    float xv[N];
+#pragma unroll
+    for (int i = 0; i < N; i += 8) load_x8(x + i, xv + i);
     float d = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) d += w[i] * xv[i];
-    return d;
-}
-
-__device__ __forceinline__ float dot16(const float* w, const __half* x) {
-    float xv[16];
-    load_x16(x, xv);
-    float d = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) d += w[i] * xv[i];
+    for (int i = 0; i < N; ++i) d += w[i] * xv[i];
     return d;
 }
 
@@ -204,12 +192,6 @@ struct BF16 {  // one run of 8: weights 8c..8c + 7
     }
 };
 
-template <int RUN>
-__device__ __forceinline__ float dot_run(const float* w, const __half* x) {
-    if constexpr (RUN == 16) return dot16(w, x);
-    else return dot8(w, x);
-}
-
 // One warp per output row n: each lane loads 16-byte chunks of the row's quants (PERF: the one
 // weight load, once for every row of x), dequantizes them in registers and dots them with the
 // matching weights of every row of x.
@@ -229,7 +211,7 @@ __device__ __forceinline__ void matvec(
         Kind::chunk(bits, c, scales, n, K, [&](int k, const float* w) {
 #pragma unroll
             for (int m = 0; m < ROWS; ++m)
-                if (m < M) acc[m] += dot_run<Kind::RUN>(w, x + (size_t)m * ldx + k);
+                if (m < M) acc[m] += dot<Kind::RUN>(w, x + (size_t)m * ldx + k);
         });
     }
     write_rows<ROWS>(acc, M, out, ldo, n);
