@@ -19,7 +19,7 @@ import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.cpu_attention import attention
+from ringserve.gpu.cpu_attention import paged_attention
 from ringserve.gpu.cpu_kernels import add_rms_norm, rms_norm, rope_store_kv, silu_mul
 from ringserve.gpu.cpu_kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu_linear import linear, to_bfloat16, widen_bfloat16
@@ -158,8 +158,8 @@ class CpuOps:
         rope_store_kv(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
 
     def attention(self, buf: CpuStepBuffers, k_cache, v_cache, launch: None) -> None:
-        attention(buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
-                  buf.block_tables, self.scale, buf.attn_heads)
+        paged_attention(buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
+                        buf.block_tables, self.scale, buf.attn_heads)
 
     def silu_mul(self, gate_up, out) -> None:
         silu_mul(gate_up, out)

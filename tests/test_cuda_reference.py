@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringserve.gpu.cpu_attention import attention as cpu_attention
+from ringserve.gpu.cpu_attention import paged_attention as cpu_paged_attention
 from ringserve.gpu.cuda import reference as ref
 
 
@@ -24,8 +24,8 @@ def test_paged_attention_matches_cpu_backend():
     ref.store_kv(qkv, slots, k, v, H)
     out = ref.paged_attention(qkv, k, v, positions, qsl, seq_lens, tables, H, 0.3)
     expect = np.empty((9, H, D), np.float32)
-    cpu_attention(np.ascontiguousarray(qkv[:, :H * D].reshape(9, H, D)), k, v, positions,
-                  qsl, seq_lens, tables, np.float32(0.3), expect)
+    cpu_paged_attention(np.ascontiguousarray(qkv[:, :H * D].reshape(9, H, D)), k, v, positions,
+                        qsl, seq_lens, tables, np.float32(0.3), expect)
     np.testing.assert_allclose(out, expect.reshape(9, -1), rtol=1e-5, atol=1e-5)
 
 

@@ -10,7 +10,7 @@ import pytest
 from numba import njit
 
 from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.cpu_attention import attention
+from ringserve.gpu.cpu_attention import paged_attention
 from ringserve.gpu.cpu_kv_dtypes import kv_load, kv_store
 from ringserve.gpu.cpu_linear import to_bfloat16, widen_bfloat16
 from ringserve.gpu.runner import ModelRunner
@@ -83,8 +83,8 @@ def test_attention_over_16_bit_caches_is_attention_over_their_values(dtype):
     args = (np.array([9, 10, 4], np.int32), np.array([0, 2, 3], np.int32), np.array([11, 5], np.int32),
             np.array([[0, 2, 4], [5, 1, 3]], np.int32), np.float32(0.25))
     got, want = np.empty_like(q), np.empty_like(q)
-    attention(q, stored_k, stored_v, *args, got)
-    attention(q, wide_k, wide_v, *args, want)
+    paged_attention(q, stored_k, stored_v, *args, got)
+    paged_attention(q, wide_k, wide_v, *args, want)
     assert np.array_equal(got, want)
 
 
