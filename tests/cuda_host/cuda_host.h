@@ -11,7 +11,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -90,7 +89,7 @@ struct Warp {
     // lanes that posted them (a bit each; double-buffered by each lane's mma count), and
     // each lane's count of mmas (its buffer's parity).
     uint32_t mma_a[32][4], mma_b[32][2];
-    std::atomic<uint32_t> mma_lanes[2] = {0, 0};
+    uint32_t mma_lanes[2] = {0, 0};  // plain: every fiber runs on the launching thread
     unsigned mma_count[32] = {};
 };
 struct Block {
@@ -153,11 +152,11 @@ inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (
     const int lane = tl_lane, parity = w.mma_count[lane]++ & 1;
     std::memcpy(w.mma_a[lane], a, sizeof a);
     std::memcpy(w.mma_b[lane], b, sizeof b);
-    w.mma_lanes[parity].fetch_or(1u << lane);
+    w.mma_lanes[parity] |= 1u << lane;
     w.bar.arrive_and_wait();
-    if (w.mma_lanes[parity].load() != 0xffffffffu)
+    if (w.mma_lanes[parity] != 0xffffffffu)
         fail("mma_m16n8k16: not all 32 lanes of the warp are present");
-    if (lane == 0) w.mma_lanes[parity ^ 1].store(0);  // the next mma's: nobody reads it now
+    if (lane == 0) w.mma_lanes[parity ^ 1] = 0;  // the next mma's: nobody reads it now
     // element e (0, 1) of 32-bit word `reg` of lane `src`
     auto half_at = [&](const uint32_t* words, int e) {
         return __half2float(__half{(uint16_t)(words[0] >> (16 * e))});
