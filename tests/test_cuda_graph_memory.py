@@ -1,0 +1,131 @@
+"""Nothing a CUDA graph points at can be freed (issue 25 item 3), checked without a GPU.
+
+A captured graph keeps raw device addresses: a buffer it reads or writes that goes back to
+CuPy's pool (its last array released) may be handed to another array, or to the driver by
+free_all_blocks or CuPy's retry after an out-of-memory error, and the next replay writes into
+someone else's memory or into unmapped memory (a sticky error: the engine dies).
+
+The real CudaModelRunner (set-up, CudaOps, capture_graphs, the replay path) runs over
+tests/cupy_host.py's device stand-in, which records every launch made during a capture (CUDA C
+kernels, Numba kernels, cuBLAS GEMMs with the handle's workspace, CuPy's own copies) as the
+allocations its operands lie in. After the runner is built: every allocation a captured launch
+touches must be reachable from the runner (weights, KV caches, RoPE tables, workspaces, the
+graph records), and every graph replays without touching freed memory. The `gpu` test that
+does the same on a device (pools emptied and refilled with garbage): tests/test_gpu_graph_memory.py.
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from cupy_host import Cublas, Device, IllegalAddress, NumbaCuda, NumbaKernel, span
+from ringserve.gpu.cuda import numba_kernels as nk
+from test_cuda_capture import decode
+
+pytestmark = pytest.mark.sim
+# max_model_len 2048 > one 512-key partition, with 132 SMs: every ladder size splits its keys
+RUNNER = dict(num_blocks=64, max_num_seqs=8, max_model_len=2048)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """gpu/cuda/runner.py imported over a `cupy` and an `nvmath.bindings.cublas` of one
+    cupy_host.Device, its Numba kernels' dispatchers stood in: (device, runner module)."""
+    device = Device()
+    cp = device.cupy()
+    nvmath, bindings = types.ModuleType("nvmath"), types.ModuleType("nvmath.bindings")
+    bindings.cublas = Cublas(device)  # type: ignore[attr-defined]
+    nvmath.bindings = bindings  # type: ignore[attr-defined]
+    before = set(sys.modules)
+    for name, module in (("cupy", cp), ("nvmath", nvmath), ("nvmath.bindings", bindings)):
+        monkeypatch.setitem(sys.modules, name, module)
+    for name in ("runner", "attention", "fused", "quant"):
+        monkeypatch.delitem(sys.modules, f"ringserve.gpu.cuda.{name}", raising=False)
+    runner = importlib.import_module("ringserve.gpu.cuda.runner")
+    monkeypatch.setattr(runner, "nb_cuda", NumbaCuda(device))
+    for name in [n for n in vars(nk) if n.endswith("_kernel")]:
+        monkeypatch.setattr(nk, name, NumbaKernel(device, name))
+    # NOTE: warm_up samples through gpu/cuda/sampler.py's Numba device arrays (a device's);
+    # it runs after the capture and the graphs point at nothing of it
+    monkeypatch.setattr(runner.CudaModelRunner, "warm_up", lambda self: None)
+    yield device, runner
+    for name in set(sys.modules) - before:  # the modules bound to the stand-in go
+        if any(value is cp for value in vars(sys.modules[name]).values()):
+            del sys.modules[name]
+
+
+def held_blocks(root, device: Device) -> set[int]:
+    """The live allocations reachable from root by references (what root owns)."""
+    held: set[int] = set()
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, Device)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            block = device.block_at(*span(obj)) if obj.size else None
+            if block is not None:
+                held.add(block.id)
+        elif isinstance(obj, types.FunctionType):  # its closure, not its module's globals
+            todo.extend(cell.cell_contents for cell in obj.__closure__ or ())
+        else:
+            todo.extend(gc.get_referents(obj))
+    return held
+
+
+def stray_allocations(runner, device: Device) -> list[str]:
+    """What a captured launch touches that the runner does not hold, one line each."""
+    held = held_blocks(runner, device)
+    stray = {(launch.name, op.block) for graph in device.graphs for launch in graph.launches
+             for op in launch.operands if op.block not in held}
+    return sorted(f"{name}: a {device.blocks[b].nbytes}-byte allocation made at {device.blocks[b].site}, "
+                  f"{'held by something else' if device.blocks[b].alive else 'freed'}" for name, b in stray)
+
+
+def build(stand_in, model_dir, **kw):
+    device, runner_module = stand_in
+    runner = runner_module.CudaModelRunner.from_dir(model_dir, **{**RUNNER, **kw})
+    assert sorted(runner.graphs.graphs) == runner.graphs.sizes, runner.capture_failures
+    assert len(device.graphs) == len(runner.graphs.sizes)
+    gc.collect()  # whatever only the capture's frames held is freed now
+    return runner
+
+
+@pytest.mark.parametrize("backend", ["rawkernel", "numba"])
+def test_every_allocation_a_captured_graph_touches_is_held_by_the_runner(stand_in, tiny_cuda_models, backend):
+    device, _ = stand_in
+    runner = build(stand_in, tiny_cuda_models("tied-g3"), attention_backend=backend)
+    names = {launch.name for graph in device.graphs for launch in graph.launches}
+    # each kind of operand is in the graphs: weights, caches, RoPE tables, step buffers, the
+    # cuBLAS workspace; the split-K attention's workspace (its reduce) with the RawKernel
+    assert {"cublas gemm_ex", "add_rms_norm", "rope", "silu_mul", "numba store_kv_kernel",
+            "numba gather_rows_kernel", "cupy copy"} <= names, names
+    assert ("attention_reduce" in names) == (backend == "rawkernel")
+    stray = stray_allocations(runner, device)
+    assert not stray, "\n".join(stray)
+    for n in (1, 3, 5, 8):  # every graph replays through the runner's own path
+        logits, _ = runner._launch(decode(n))
+        assert logits.shape == (n, runner.config.vocab_size)
+
+
+def test_a_packed_models_quant_workspace_is_held_by_the_runner(stand_in, tmp_path, monkeypatch):
+    """A tiny Q4_K_M GGUF with graphs up to 72 rows: above 64 the linears dequantize into
+    quant_linear's workspace and GEMM it (the packed parts through quant.cu)."""
+    from test_cuda_forward_host import tiny_gguf
+
+    device, _ = stand_in
+    runner = build(stand_in, tiny_gguf(tmp_path, "q4_k_m", monkeypatch), max_num_seqs=72)
+    names = {launch.name for graph in device.graphs for launch in graph.launches}
+    assert {"dequant_u4_f16", "matvec_u4_r16", "cublas gemm_ex"} <= names, names
+    stray = stray_allocations(runner, device)
+    assert not stray, "\n".join(stray)
+    logits, _ = runner._launch(decode(70))
+    assert logits.shape == (70, runner.config.vocab_size)
+
