@@ -129,3 +129,16 @@ def test_a_packed_models_quant_workspace_is_held_by_the_runner(stand_in, tmp_pat
     logits, _ = runner._launch(decode(70))
     assert logits.shape == (70, runner.config.vocab_size)
 
+
+def test_the_check_sees_a_workspace_the_runner_let_go(stand_in, tiny_cuda_models):
+    """The bug this file is for: the split-K workspace dropped after capture (as when
+    capture_graphs held it in a local) is reported, and the replay touches freed memory."""
+    device, _ = stand_in
+    runner = build(stand_in, tiny_cuda_models("tied-g3"))
+    for captured in runner.graphs.graphs.values():
+        captured.attention.workspace = (None, None)
+    gc.collect()
+    stray = stray_allocations(runner, device)
+    assert stray and all("attention.py" in line and line.endswith("freed") for line in stray), stray
+    with pytest.raises(IllegalAddress, match=r"paged_attention touches .*attention\.py.*, freed since"):
+        runner._launch(decode(1))

@@ -163,3 +163,24 @@ class AttentionLaunch:
     splits: int
     max_seq_len: int      # bounds every request's length (max_model_len in a graph)
     workspace: tuple      # split-K partials (PagedAttention.workspace), (None, None) for 1 split
+
+
+@dataclass
+class CapturedGraph:
+    """One captured decode graph and the step-scoped buffers its launches point at.
+
+    A CUDA graph keeps raw device addresses, not references: whatever it reads or writes must
+    stay allocated for as long as it can replay. An array whose last reference goes returns its
+    memory to CuPy's pool, which hands it to the next allocation, or to the driver on
+    free_all_blocks (and on CuPy's own retry after an out-of-memory error): the next replay
+    would write into someone else's array or into unmapped memory (a sticky error, the end of
+    the engine). So the record holds its graph's per-step buffers (views of the runner's one
+    StepBuffers) and its attention launch (the split-K workspace); the runner holds the rest
+    (weights, KV caches, RoPE tables, the cuBLAS and quant workspaces) for its own life, which
+    is the graphs' (tests/test_cuda_graph_memory.py checks every captured launch's operands)."""
+    graph: Any            # cupy.cuda.graph.Graph
+    buffers: StepBuffers
+    attention: AttentionLaunch
+
+    def launch(self, stream: Any) -> None:
+        self.graph.launch(stream)

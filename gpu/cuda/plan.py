@@ -85,7 +85,7 @@ class GraphTable:
 
     def __init__(self, sizes: list[int]):
         self.sizes = sorted(sizes)
-        self.graphs: dict[int, Any] = {}  # cupy CUDA graphs
+        self.graphs: dict[int, Any] = {}  # the runner's buffers.CapturedGraph records
         self.capture_seconds: dict[int, float] = {}
 
     def add(self, size: int, graph: Any, seconds: float) -> None:

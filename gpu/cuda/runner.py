@@ -8,7 +8,8 @@ fused QKV and gate-up weights; the fused math is CUDA C (fused.cu, attention.cu)
 indexing is Numba CUDA (numba_kernels.py), launched on the same CuPy stream through
 numba.cuda.external_stream so that a CUDA graph captures it too. Decode batches replay graphs
 captured for the ladder in gpu/cuda/plan.py; everything a graph touches is allocated before
-its capture, and an allocation during one raises (gpu/cuda/capture.py). Set-up (weights, RoPE
+its capture, an allocation during one raises (gpu/cuda/capture.py), and everything it touches
+is held for its life: by the runner, or by the graph's record (buffers.CapturedGraph). Set-up (weights, RoPE
 tables, KV pool) ends with a device synchronize, and every kernel is compiled and run once
 before the first request (warm_up).
 """
@@ -28,7 +29,7 @@ from ringserve.gpu.cuda import capture, launch, plan
 from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import sampling_kernels as sk
 from ringserve.gpu.cuda.attention import PagedAttention
-from ringserve.gpu.cuda.buffers import AttentionLaunch, PinnedStaging, StepBuffers
+from ringserve.gpu.cuda.buffers import AttentionLaunch, CapturedGraph, PinnedStaging, StepBuffers
 from ringserve.gpu.cuda.fused import FusedKernels
 from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
 from ringserve.gpu.cuda.quant_linear import WORKSPACE_ELEMENTS, QuantLinear, QuantStore, keeps_blocks
@@ -196,8 +197,7 @@ class CudaModelRunner:
             self.kv_caches = [(cp.zeros(shape, cp.float16), cp.zeros(shape, cp.float16))
                               for _ in range(c.num_hidden_layers)]
         cp.cuda.Device().synchronize()
-        self.graphs = plan.GraphTable(plan.graph_batch_sizes(max_num_seqs))
-        self._graph_buffers: dict[int, StepBuffers] = {}  # views of one set (capture_graphs)
+        self.graphs = plan.GraphTable(plan.graph_batch_sizes(max_num_seqs))  # CapturedGraph records
         self.capture_failures: dict[int, str] = {}  # batch size -> why it runs eager
         if not enforce_eager:
             self.capture_graphs()
@@ -251,7 +251,8 @@ class CudaModelRunner:
     def capture_graphs(self) -> None:
         """One graph per ladder size over views of one set of buffers (the largest size's) and
         one attention workspace (the largest any size needs): nothing is allocated per size,
-        and nothing during a capture."""
+        and nothing during a capture. Each size's record (CapturedGraph) holds its views and its
+        attention launch, workspace included: a graph keeps only their addresses."""
         t0 = time.perf_counter()
         c = self.config
         splits = {size: plan.attention_splits(num_tokens=size, num_kv_heads=c.num_key_value_heads,
@@ -278,8 +279,7 @@ class CudaModelRunner:
                 graph = capture.capture(
                     self.stream, lambda: self._forward(buf, self.kv_caches, attention),
                     lambda: cp.cuda.using_allocator(capture.refuse_allocation))
-            self._graph_buffers[size] = buf
-            return graph
+            return CapturedGraph(graph, buf, attention)
 
         self.capture_failures = capture.capture_ladder(self.graphs, capture_size)
         self.stream.synchronize()
@@ -306,10 +306,11 @@ class CudaModelRunner:
         valid until the next launch, which the stream orders after everything enqueued on them."""
         size = self.graphs.pick(batch)
         if size is not None and batch.block_tables.shape[1] <= self.max_blocks:
-            buf = self._graph_buffers[size]
+            captured: CapturedGraph = self.graphs.graphs[size]
+            buf = captured.buffers
             with self.stream:
                 buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
-                self.graphs.graphs[size].launch(self.stream)
+                captured.launch(self.stream)
             return buf.logits[:batch.num_reqs], buf
         with self.stream:
             buf = self._eager(batch, self.kv_caches)
