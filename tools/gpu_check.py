@@ -5,8 +5,9 @@
 0. A ~30 s preflight (tools/gpu_preflight.py), each result printed as it comes: the imports
    (without a device too), the .cu kernels compile, one eager step of a tiny model, one
    captured cuBLAS GEMM replayed against numpy.
-1. pytest -m gpu (kernels vs references, graphs == eager, greedy == CPU backend, sampling), in
-   its own session: on timeout the whole process group is killed.
+1. pytest -m gpu over tests/test_gpu_*.py (kernels vs references, graphs == eager, greedy == CPU
+   backend, sampling, graphs replaying after CuPy's pools are emptied), in its own session: on
+   timeout the whole process group is killed.
 2. The device-to-device copy bandwidth (the yardstick), then paged-attention decode bandwidth:
    bytes of K/V one decode step reads, over its time, for the RawKernel and the Numba kernel.
 3. Decode-step time at batch 1/16/64/256 for random-weight Llama shapes (~1B, ~8B; weights
@@ -755,9 +756,9 @@ def run_in_session(cmd: list[str], timeout: float) -> int | None:
 
 
 def run_tests(budget: Budget) -> str:
-    tests = Path(__file__).resolve().parent.parent / "tests" / "test_gpu_cuda.py"
+    tests = sorted((Path(__file__).resolve().parent.parent / "tests").glob("test_gpu_*.py"))
     timeout = max(1.0, min(TESTS_TIMEOUT_S, budget.left() - sum(ESTIMATES.values()) / 2))
-    rc = run_in_session([sys.executable, "-u", "-m", "pytest", "-q", "-m", "gpu", str(tests)], timeout)
+    rc = run_in_session([sys.executable, "-u", "-m", "pytest", "-q", "-m", "gpu", *map(str, tests)], timeout)
     if rc is None:
         return f"timed out after {timeout:.0f} s"
     return "passed" if rc == 0 else f"failed (rc {rc})"

@@ -9,9 +9,9 @@ indexing is Numba CUDA (numba_kernels.py), launched on the same CuPy stream thro
 numba.cuda.external_stream so that a CUDA graph captures it too. Decode batches replay graphs
 captured for the ladder in gpu/cuda/plan.py; everything a graph touches is allocated before
 its capture, an allocation during one raises (gpu/cuda/capture.py), and everything it touches
-is held for its life: by the runner, or by the graph's record (buffers.CapturedGraph). Set-up (weights, RoPE
-tables, KV pool) ends with a device synchronize, and every kernel is compiled and run once
-before the first request (warm_up).
+is held for the graph's life, by the runner or by the graph's record (buffers.CapturedGraph).
+Set-up (weights, RoPE tables, KV pool) ends with a device synchronize, and every kernel is
+compiled and run once before the first request (warm_up).
 """
 from __future__ import annotations
 
