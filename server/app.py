@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 import falcon
 import falcon.asgi
 import msgspec
+from falcon.routing import CompiledRouter
 
 from ringserve.server import protocol as P
 from ringserve.server import serving_chat, serving_completions
@@ -104,22 +105,41 @@ async def _unexpected(req, resp, ex: Exception, params) -> None:
 
 class _Auth:
     """Bearer-token check when --api-key is set, on every route but those marked `public`
-    (/health, /version, /metrics: open as in vLLM, for load balancers and Prometheus).
+    (/health, /version, /metrics: open as in vLLM, for load balancers and Prometheus), and on
+    every method of a route (OPTIONS too: its Allow header would tell what a route serves).
 
-    NOTE: it runs on the resource Falcon's router resolved, never on the raw path: the router
+    It runs on the request's head, before Falcon, which waits for the first body bytes before
+    it routes: an unauthorized client gets its 401 at once, never a `100 Continue`, and, when
+    it declared a body, the connection is closed rather than that body read (RFC 9110 §15.5.2).
+
+    NOTE: it checks the resource Falcon's router resolves, never the raw path: the router
     ignores empty and `.` segments and the server has already decoded %2F, so `//v1/models`,
     `/%2Fv1/models`, `/./v1/models` and `/v1//models` reach the same resource as `/v1/models`
     and meet the same check. A new route is protected unless it says otherwise."""
 
-    def __init__(self, api_key: str):
+    def __init__(self, api_key: str, router: CompiledRouter):
         self._expected = f"Bearer {api_key}".encode()
+        self._router = router
 
-    async def process_resource(self, req, resp, resource, params) -> None:
-        if resource is None or getattr(resource, "public", False) or req.method == "OPTIONS":
-            return  # no route (404) or an open one
-        got = (req.get_header("Authorization") or "").encode()
-        if not hmac.compare_digest(got, self._expected):
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+    def allows(self, scope: dict) -> bool:
+        path = scope["path"] or "/"
+        if len(path) > 1 and path.endswith("/"):  # as Falcon routes (strip_url_path_trailing_slash)
+            path = path[:-1]
+        route = self._router.find(path)
+        if route is None or getattr(route[0], "public", False):
+            return True  # no route (Falcon's 404) or an open one
+        given = [value for name, value in scope["headers"] if name == b"authorization"]
+        return len(given) == 1 and hmac.compare_digest(given[0], self._expected)
+
+    @staticmethod
+    async def refuse(scope: dict, send: Callable[[dict], Awaitable[None]]) -> None:
+        body = APIError(401, "invalid or missing API key", code="invalid_api_key").to_json()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        if any(name in (b"content-length", b"transfer-encoding") and value != b"0"
+               for name, value in scope["headers"]):
+            headers.append((b"connection", b"close"))  # its body is not read
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 class _Lifespan:
@@ -395,10 +415,8 @@ class KVEventSources:
 def create_app(ctx: ServerContext, options: AppOptions | None = None):
     """The ASGI callable: the Falcon app, wrapped so that handlers can watch for disconnects."""
     options = options or AppOptions()
-    middleware: list[Any] = [_Lifespan(options)]
-    if options.api_key:
-        middleware.append(_Auth(options.api_key))
-    app = falcon.asgi.App(middleware=middleware)
+    router = CompiledRouter()
+    app = falcon.asgi.App(middleware=[_Lifespan(options)], router=router)
     app.req_options.strip_url_path_trailing_slash = True
     app.add_error_handler(Exception, _unexpected)
     app.add_error_handler(falcon.HTTPError, _http_error)
@@ -424,8 +442,15 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
         from ringserve.server.debug import add_debug_routes
         add_debug_routes(app, options.debug_engines)
 
+    auth = _Auth(options.api_key, router) if options.api_key else None
+
     async def asgi(scope, receive, send):
         if scope["type"] == "http":
+            if auth is not None and not auth.allows(scope):
+                await auth.refuse(scope, send)
+                return
+            if scope["method"] == "HEAD":  # answered as GET; the server sends no body for HEAD
+                scope = {**scope, "method": "GET"}
             scope[RECEIVE_KEY] = receive
         await app(scope, receive, send)
 
