@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version as _pkg_version
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 import falcon
 import falcon.asgi
@@ -33,6 +33,10 @@ log = logging.getLogger("ringserve.server")
 
 MAX_BODY_BYTES = ServerConfig.max_body_bytes
 RECEIVE_KEY = "ringserve.receive"  # the ASGI receive callable, for the disconnect watcher
+# Requests with larger bodies are prepared in a thread (off_loop): ~10 ms of tokenizing at most
+# on the loop, and no thread hop for the usual small request.
+OFF_LOOP_BODY_BYTES = 1 << 14
+T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -69,6 +73,15 @@ async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
             raise too_big
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def off_loop(body_size: int, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) (render, tokenize, validate) on the event loop for a small body, in a thread
+    for a large one: a large prompt's tokenizing (1-3 s for 1 MB, without the GIL: tokenizer.py)
+    must not stall the worker's other streams and /health."""
+    if body_size < OFF_LOOP_BODY_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 def json_response(resp: falcon.asgi.Response, obj, status: int = 200) -> None:
@@ -191,7 +204,8 @@ class _Generate:
         resp.set_header(P.REQUEST_ID_HEADER, request_id)
         req.context.request_id = request_id
         model = request.model or self._ctx.model_name
-        gen = self.serving.prepare(self._ctx, request, P.new_id(self.prefix))
+        gen = await off_loop(len(body), self.serving.prepare, self._ctx, request,
+                             P.new_id(self.prefix))
         extensions = req.scope.get("extensions") or {}  # from our protocol (http_worker.py)
         gen.client_blocked = extensions.get(CLIENT_BLOCKED)
         gen.close_connection = extensions.get(CLOSE_CONNECTION)
@@ -262,8 +276,14 @@ class Tokenize:
         self._ctx, self._options = ctx, options
 
     async def on_post(self, req, resp) -> None:
-        request = P.decode_tokenize_request(await read_body(req, self._options.max_body_bytes))
+        body = await read_body(req, self._options.max_body_bytes)
+        request = P.decode_tokenize_request(body)
         P.check_model(request.model, self._ctx.served_model_names)
+        ids = await off_loop(len(body), self._tokenize, request)
+        json_response(resp, {"count": len(ids), "max_model_len": self._ctx.max_model_len,
+                             "tokens": ids, "token_strs": None})
+
+    def _tokenize(self, request: P.TokenizeCompletionRequest | P.TokenizeChatRequest) -> list[int]:
         if isinstance(request, P.TokenizeChatRequest):
             tools = None if request.tools is None else [
                 msgspec.to_builtins(t) for t in request.tools]
@@ -271,9 +291,7 @@ class Tokenize:
                                               request.add_generation_prompt, tools)
         else:
             text = request.prompt
-        ids = self._ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        json_response(resp, {"count": len(ids), "max_model_len": self._ctx.max_model_len,
-                             "tokens": ids, "token_strs": None})
+        return self._ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
 
 class Detokenize:
