@@ -42,7 +42,7 @@ class ServerContext:
         if least >= self.max_model_len:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. "
                               f"However, your request has at least {least} input tokens (one "
-                              f"token is at most {self.tokenizer.max_token_bytes} bytes of "
+                              f"token is at most {self.tokenizer.token_bytes.most} bytes of "
                               f"text). Please reduce the length of the input.", param=param,
                               code="context_length_exceeded")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

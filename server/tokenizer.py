@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -51,8 +52,8 @@ class Tokenizer:
         self.bos_token_id: int | None = self._id_of(self.bos_token)
         self.eos_token_id: int | None = self._id_of(self.eos_token)
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
-        # The most bytes of text one token can stand for (None: no such bound, _max_token_bytes).
-        self.max_token_bytes: int | None = _max_token_bytes(tokenizer)
+        # What one token can stand for, to bound a text's tokens by its bytes (None: unknown).
+        self.token_bytes: TokenBytes | None = _token_bytes(tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -74,10 +75,8 @@ class Tokenizer:
         return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def min_tokens(self, text: str) -> int:
-        """A lower bound on len(encode(text)) from its UTF-8 length alone (0: none known)."""
-        if self.max_token_bytes is None or not text:
-            return 0
-        return -(-len(text.encode()) // self.max_token_bytes)
+        """A lower bound on len(encode(text)) from its bytes alone (0: none known)."""
+        return 0 if self.token_bytes is None else self.token_bytes.min_tokens(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -132,11 +131,33 @@ class Tokenizer:
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Metaspace", "Split", "Punctuation", "Sequence"}
 
 
-def _max_token_bytes(tokenizer: tokenizers.Tokenizer) -> int | None:
-    """The most bytes of input text one token stands for, when every input byte ends up in
-    some token: a BPE with no normalizer (which may drop or merge text), pre-tokenizers that
-    only split, and every byte representable (byte-level, or byte fallback). None otherwise
-    (WordPiece's one [UNK] may stand for a whole word)."""
+@dataclass(frozen=True)
+class TokenBytes:
+    """How many bytes of text one token stands for at most, and the bytes no token spells
+    (dropped from the text: SmolLM2's byte-level vocabulary lacks 21 of the 256)."""
+    most: int
+    unspelled: bytes
+
+    def min_tokens(self, text: str) -> int:
+        data = text.encode()
+        kept = len(data.translate(None, self.unspelled)) if self.unspelled else len(data)
+        return -(-kept // self.most)
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's 256 printable stand-ins for the bytes, in byte order (byte-level BPE vocabularies
+    are written in them)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _token_bytes(tokenizer: tokenizers.Tokenizer) -> TokenBytes | None:
+    """Bounds that hold when each byte of the text either ends up in a token or in none: a BPE
+    with no normalizer (which may rewrite text), pre-tokenizers that only split, and every byte
+    spelled by the vocabulary (byte-level) or by a byte token (byte fallback, all 256 of them).
+    None otherwise (WordPiece's one [UNK] may stand for a whole word)."""
     model = tokenizer.model
     if tokenizer.normalizer is not None or not isinstance(model, tokenizers.models.BPE):
         return None
@@ -147,15 +168,17 @@ def _max_token_bytes(tokenizer: tokenizers.Tokenizer) -> int | None:
     if any(p.get("type") not in _KEEPING_PRE_TOKENIZERS or p.get("behavior") == "Removed"
            for p in parts):
         return None
-    byte_level = any(p.get("type") == "ByteLevel" for p in parts)
-    if not (byte_level or model.byte_fallback):
-        return None
-    # A byte-level vocabulary writes each byte as one character; otherwise UTF-8 bytes bound it.
-    longest = max((len(t) if byte_level else len(t.encode())
-                   for t in tokenizer.get_vocab(with_added_tokens=False)), default=1)
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
     added = max((len(t.content.encode()) for t in tokenizer.get_added_tokens_decoder().values()),
                 default=1)
-    return max(longest, added, 1)
+    if any(p.get("type") == "ByteLevel" for p in parts):
+        # Each character of a byte-level token is one byte; a byte whose character is not a token
+        # of its own cannot start a BPE word: it is dropped (no unknown token in such a model).
+        unspelled = bytes(b for b, c in enumerate(byte_level_alphabet()) if c not in vocab)
+        return TokenBytes(max(max(map(len, vocab), default=1), added), unspelled)
+    if model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return TokenBytes(max(max((len(t.encode()) for t in vocab), default=1), added), b"")
+    return None
 
 
 def _raise_exception(message: str):
