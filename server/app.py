@@ -94,6 +94,8 @@ async def _api_error(req, resp, ex: APIError, params) -> None:
     resp.status = ex.status
     resp.content_type = falcon.MEDIA_JSON
     resp.data = ex.to_json()
+    if ex.status == 413:  # the rest of the body is not read: close rather than take it in
+        resp.set_header("Connection", "close")
 
 
 async def _http_error(req, resp, ex: falcon.HTTPError, params) -> None:

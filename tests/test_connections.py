@@ -250,6 +250,14 @@ def test_a_body_that_does_not_arrive_is_408(server):
     _completes(server)
 
 
+def test_an_oversized_body_is_413_and_the_connection_closed(server):
+    """Declared larger than --max-body-bytes: 413 at once, and the connection closes rather
+    than take in the rest (here never sent)."""
+    reply = _exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Length: 2000000\r\n\r\n{\"prompt\": \"")
+    _assert_refusal(reply, 413, "body_too_large")
+
+
 def test_head_is_answered_as_get_and_errors_are_json(server):
     """HEAD: GET's status and headers, no body. Falcon's 404 and 405 are OpenAI error JSON."""
     for path in ("/health", "/v1/models", "/version", "/metrics"):
