@@ -58,7 +58,7 @@ _HEAD_END = re.compile(b"\n\r?\n")  # where a request's head ends, as h11 finds 
 _HTTP_VERSIONS = (b"1.1", b"1.0")
 
 
-def refusal(status: int, message: str, code: str) -> bytes:
+def _refusal(status: int, message: str, code: str) -> bytes:
     """A whole response, OpenAI's error JSON, that closes the connection."""
     body = error_body(message, "server_error" if status >= 500 else "invalid_request_error",
                       code=code)
@@ -68,9 +68,9 @@ def refusal(status: int, message: str, code: str) -> bytes:
     return head.encode() + body
 
 
-_HEADER_TIMEOUT_408 = refusal(408, "request headers not received in time", "request_timeout")
-_BODY_TIMEOUT_408 = refusal(408, "request body not received in time", "request_timeout")
-_TOO_LARGE_431 = refusal(431, "request line and headers are too large", "headers_too_large")
+_HEADER_TIMEOUT_408 = _refusal(408, "request headers not received in time", "request_timeout")
+_BODY_TIMEOUT_408 = _refusal(408, "request body not received in time", "request_timeout")
+_TOO_LARGE_431 = _refusal(431, "request line and headers are too large", "headers_too_large")
 _SERVER_ERROR = error_body("internal error", "server_error", code="internal_error")
 
 
@@ -189,7 +189,7 @@ class TimedH11Protocol(H11Protocol):
         reason = str(exc) if exc is not None else msg
         code = {431: "headers_too_large", 505: "http_version_not_supported"}.get(
             status, "invalid_http_request")
-        self._refuse(refusal(status, f"invalid HTTP request: {reason}", code))
+        self._refuse(_refusal(status, f"invalid HTTP request: {reason}", code))
 
     def _client_blocked(self) -> bool:
         """The client is not taking what was sent: the transport's buffer is above its high-water
