@@ -11,11 +11,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version as _pkg_version
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
 
 import falcon
 import falcon.asgi
 import msgspec
+from falcon.routing import CompiledRouter
 
 from ringserve.server import protocol as P
 from ringserve.server import serving_chat, serving_completions
@@ -32,6 +33,10 @@ log = logging.getLogger("ringserve.server")
 
 MAX_BODY_BYTES = ServerConfig.max_body_bytes
 RECEIVE_KEY = "ringserve.receive"  # the ASGI receive callable, for the disconnect watcher
+# Requests with larger bodies are prepared in a thread (off_loop): ~10 ms of tokenizing at most
+# on the loop, and no thread hop for the usual small request.
+OFF_LOOP_BODY_BYTES = 1 << 14
+T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -70,6 +75,15 @@ async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def off_loop(body_size: int, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) (render, tokenize, validate) on the event loop for a small body, in a thread
+    for a large one: a large prompt's tokenizing (1-3 s for 1 MB, without the GIL: tokenizer.py)
+    must not stall the worker's other streams and /health."""
+    if body_size < OFF_LOOP_BODY_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
 def json_response(resp: falcon.asgi.Response, obj, status: int = 200) -> None:
     resp.status = status
     resp.content_type = falcon.MEDIA_JSON
@@ -80,6 +94,8 @@ async def _api_error(req, resp, ex: APIError, params) -> None:
     resp.status = ex.status
     resp.content_type = falcon.MEDIA_JSON
     resp.data = ex.to_json()
+    if ex.status == 413:  # the rest of the body is not read: close rather than take it in
+        resp.set_header("Connection", "close")
 
 
 async def _http_error(req, resp, ex: falcon.HTTPError, params) -> None:
@@ -104,22 +120,41 @@ async def _unexpected(req, resp, ex: Exception, params) -> None:
 
 class _Auth:
     """Bearer-token check when --api-key is set, on every route but those marked `public`
-    (/health, /version, /metrics: open as in vLLM, for load balancers and Prometheus).
+    (/health, /version, /metrics: open as in vLLM, for load balancers and Prometheus), and on
+    every method of a route (OPTIONS too: its Allow header would tell what a route serves).
 
-    NOTE: it runs on the resource Falcon's router resolved, never on the raw path: the router
+    It runs on the request's head, before Falcon, which waits for the first body bytes before
+    it routes: an unauthorized client gets its 401 at once, never a `100 Continue`, and, when
+    it declared a body, the connection is closed rather than that body read (RFC 9110 §15.5.2).
+
+    NOTE: it checks the resource Falcon's router resolves, never the raw path: the router
     ignores empty and `.` segments and the server has already decoded %2F, so `//v1/models`,
     `/%2Fv1/models`, `/./v1/models` and `/v1//models` reach the same resource as `/v1/models`
     and meet the same check. A new route is protected unless it says otherwise."""
 
-    def __init__(self, api_key: str):
+    def __init__(self, api_key: str, router: CompiledRouter):
         self._expected = f"Bearer {api_key}".encode()
+        self._router = router
 
-    async def process_resource(self, req, resp, resource, params) -> None:
-        if resource is None or getattr(resource, "public", False) or req.method == "OPTIONS":
-            return  # no route (404) or an open one
-        got = (req.get_header("Authorization") or "").encode()
-        if not hmac.compare_digest(got, self._expected):
-            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+    def allows(self, scope: dict) -> bool:
+        path = scope["path"] or "/"
+        if len(path) > 1 and path.endswith("/"):  # as Falcon routes (strip_url_path_trailing_slash)
+            path = path[:-1]
+        route = self._router.find(path)
+        if route is None or getattr(route[0], "public", False):
+            return True  # no route (Falcon's 404) or an open one
+        given = [value for name, value in scope["headers"] if name == b"authorization"]
+        return len(given) == 1 and hmac.compare_digest(given[0], self._expected)
+
+    @staticmethod
+    async def refuse(scope: dict, send: Callable[[dict], Awaitable[None]]) -> None:
+        body = APIError(401, "invalid or missing API key", code="invalid_api_key").to_json()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        if any(name in (b"content-length", b"transfer-encoding") and value != b"0"
+               for name, value in scope["headers"]):
+            headers.append((b"connection", b"close"))  # its body is not read
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 class _Lifespan:
@@ -171,7 +206,8 @@ class _Generate:
         resp.set_header(P.REQUEST_ID_HEADER, request_id)
         req.context.request_id = request_id
         model = request.model or self._ctx.model_name
-        gen = self.serving.prepare(self._ctx, request, P.new_id(self.prefix))
+        gen = await off_loop(len(body), self.serving.prepare, self._ctx, request,
+                             P.new_id(self.prefix))
         extensions = req.scope.get("extensions") or {}  # from our protocol (http_worker.py)
         gen.client_blocked = extensions.get(CLIENT_BLOCKED)
         gen.close_connection = extensions.get(CLOSE_CONNECTION)
@@ -242,8 +278,14 @@ class Tokenize:
         self._ctx, self._options = ctx, options
 
     async def on_post(self, req, resp) -> None:
-        request = P.decode_tokenize_request(await read_body(req, self._options.max_body_bytes))
+        body = await read_body(req, self._options.max_body_bytes)
+        request = P.decode_tokenize_request(body)
         P.check_model(request.model, self._ctx.served_model_names)
+        ids = await off_loop(len(body), self._tokenize, request)
+        json_response(resp, {"count": len(ids), "max_model_len": self._ctx.max_model_len,
+                             "tokens": ids, "token_strs": None})
+
+    def _tokenize(self, request: P.TokenizeCompletionRequest | P.TokenizeChatRequest) -> list[int]:
         if isinstance(request, P.TokenizeChatRequest):
             tools = None if request.tools is None else [
                 msgspec.to_builtins(t) for t in request.tools]
@@ -251,9 +293,7 @@ class Tokenize:
                                               request.add_generation_prompt, tools)
         else:
             text = request.prompt
-        ids = self._ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        json_response(resp, {"count": len(ids), "max_model_len": self._ctx.max_model_len,
-                             "tokens": ids, "token_strs": None})
+        return self._ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
 
 class Detokenize:
@@ -395,10 +435,8 @@ class KVEventSources:
 def create_app(ctx: ServerContext, options: AppOptions | None = None):
     """The ASGI callable: the Falcon app, wrapped so that handlers can watch for disconnects."""
     options = options or AppOptions()
-    middleware: list[Any] = [_Lifespan(options)]
-    if options.api_key:
-        middleware.append(_Auth(options.api_key))
-    app = falcon.asgi.App(middleware=middleware)
+    router = CompiledRouter()
+    app = falcon.asgi.App(middleware=[_Lifespan(options)], router=router)
     app.req_options.strip_url_path_trailing_slash = True
     app.add_error_handler(Exception, _unexpected)
     app.add_error_handler(falcon.HTTPError, _http_error)
@@ -424,8 +462,15 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
         from ringserve.server.debug import add_debug_routes
         add_debug_routes(app, options.debug_engines)
 
+    auth = _Auth(options.api_key, router) if options.api_key else None
+
     async def asgi(scope, receive, send):
         if scope["type"] == "http":
+            if auth is not None and not auth.allows(scope):
+                await auth.refuse(scope, send)
+                return
+            if scope["method"] == "HEAD":  # answered as GET; the server sends no body for HEAD
+                scope = {**scope, "method": "GET"}
             scope[RECEIVE_KEY] = receive
         await app(scope, receive, send)
 

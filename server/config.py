@@ -49,6 +49,11 @@ class ServerConfig:
     timeout_header_read: float = field(default=30.0, metadata={
         "help": "close (408) a connection whose request line and headers take longer, counted "
                 "from their first byte"})
+    # A deadline, not nginx's inactivity timer (client_body_timeout, 60 s between two reads),
+    # which one byte a period defeats; --max-body-bytes in 30 s is ~35 KB/s.
+    timeout_body_read: float = field(default=30.0, metadata={
+        "help": "close (408) a connection whose request body has not all arrived this many "
+                "seconds after its headers"})
     h11_max_incomplete_event_size: int = field(default=16384, metadata={
         "help": "largest request line + headers in bytes; a larger head gets 431 and the "
                 "connection is closed"})
@@ -77,7 +82,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _at_least(self, 1, "max_body_bytes", "timeout_keep_alive", "h11_max_incomplete_event_size",
                   "max_stream_backlog")
-        for name in ("timeout_header_read", "engine_hang_timeout"):
+        for name in ("timeout_header_read", "timeout_body_read", "engine_hang_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
         if self.drain_timeout < 0:

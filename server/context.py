@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringserve.server.errors import bad_request
 from ringserve.server.generate import Engine
 from ringserve.server.metrics import RequestMetrics
 from ringserve.server.protocol import RequestLimits
@@ -33,3 +34,15 @@ class ServerContext:
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (for logprobs)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def encode_prompt(self, text: str, add_special_tokens: bool, *, param: str) -> list[int]:
+        """A prompt's token ids; a prompt whose UTF-8 length alone proves it longer than the
+        context is a 400 before any tokenizing (a 1 MB prompt costs 1-3 s to tokenize)."""
+        least = self.tokenizer.min_tokens(text)
+        if least >= self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. "
+                              f"However, your request has at least {least} input tokens (one "
+                              f"token is at most {self.tokenizer.token_bytes.most} bytes of "
+                              f"text). Please reduce the length of the input.", param=param,
+                              code="context_length_exceeded")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -212,6 +212,7 @@ class Launcher:
                    RINGSERVE_LOG_LEVEL=a.log_level,
                    RINGSERVE_TIMEOUT_KEEP_ALIVE=str(a.timeout_keep_alive),
                    RINGSERVE_TIMEOUT_HEADER_READ=str(a.timeout_header_read),
+                   RINGSERVE_TIMEOUT_BODY_READ=str(a.timeout_body_read),
                    RINGSERVE_H11_MAX_INCOMPLETE_EVENT_SIZE=str(a.h11_max_incomplete_event_size),
                    **{WORKER_CONFIG_ENV: json.dumps(worker_config)})
         # What an outside engine client (`ringserve loadgen` in ring mode) needs to attach to

@@ -48,8 +48,10 @@ class RequestLimits:
                                        "every token)")
     max_stop_bytes: int = _limit(4096, "most UTF-8 bytes of a request's stop strings together")
     max_stop_token_ids: int = _limit(1024, "most stop_token_ids per request")
-    # n=8 x 8k tokens x 21 fits; ~100 B of worker memory each
-    max_response_logprobs: int = _limit(1 << 21, "most logprob entries one answer may hold: "
+    # n=3 x 8k tokens x 21 fits. Each entry is ~25 B of JSON and ~120 B of worker memory at
+    # the answer's peak, which the worker keeps as its high-water mark: 2^21 entries made a
+    # 51.5 MB answer and left a worker at 542 MB (from 182); at 2^19 it is ~13 MB and ~+90 MB.
+    max_response_logprobs: int = _limit(1 << 19, "most logprob entries one answer may hold: "
                                                  "choices x tokens (echoed prompt included) x "
                                                  "(1 + logprobs)")
 

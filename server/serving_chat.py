@@ -33,7 +33,7 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
         raise P.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     text = render_prompt(ctx, req.messages, req.add_generation_prompt, tp.template_tools)
     # The template already holds the special tokens (as vLLM's chat default).
-    ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    ids = ctx.encode_prompt(text, False, param="messages")
     if not ids:
         raise P.bad_request("the rendered prompt is empty", param="messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

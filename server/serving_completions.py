@@ -32,7 +32,7 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
     prompts = []
     for item in inputs:
         if isinstance(item, str):
-            ids = ctx.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+            ids = ctx.encode_prompt(item, req.add_special_tokens, param="prompt")
             if not ids:
                 raise P.bad_request("prompt must not be empty", param="prompt")
         else:

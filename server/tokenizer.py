@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -21,6 +22,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 from tokenizers.decoders import DecodeStream
+
+GIL_FREE_CHARS = 1 << 14  # texts at least this long are encoded without the GIL
 
 
 class ChatTemplateError(ValueError):
@@ -49,6 +52,8 @@ class Tokenizer:
         self.bos_token_id: int | None = self._id_of(self.bos_token)
         self.eos_token_id: int | None = self._id_of(self.eos_token)
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        # What one token can stand for, to bound a text's tokens by its bytes (None: unknown).
+        self.token_bytes: TokenBytes | None = _token_bytes(tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -60,8 +65,18 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are always
-        recognised; ``add_special_tokens`` is about the ones the tokenizer adds itself (a BOS)."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        recognised; ``add_special_tokens`` is about the ones the tokenizer adds itself (a BOS).
+
+        A long text is encoded without the GIL, so that encoding it in a thread does not stop
+        the event loop (a 1 MB prompt takes 1-3 s)."""
+        if len(text) < GIL_FREE_CHARS:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: `encode` holds the GIL throughout; `encode_batch` releases it.
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) from its bytes alone (0: none known)."""
+        return 0 if self.token_bytes is None else self.token_bytes.min_tokens(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -110,6 +125,60 @@ class Tokenizer:
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)
+
+
+# Pre-tokenizers that split text without dropping any of it.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Metaspace", "Split", "Punctuation", "Sequence"}
+
+
+@dataclass(frozen=True)
+class TokenBytes:
+    """How many bytes of text one token stands for at most, and the bytes no token spells
+    (dropped from the text: SmolLM2's byte-level vocabulary lacks 21 of the 256)."""
+    most: int
+    unspelled: bytes
+
+    def min_tokens(self, text: str) -> int:
+        data = text.encode()
+        kept = len(data.translate(None, self.unspelled)) if self.unspelled else len(data)
+        return -(-kept // self.most)
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's 256 printable stand-ins for the bytes, in byte order (byte-level BPE vocabularies
+    are written in them)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _token_bytes(tokenizer: tokenizers.Tokenizer) -> TokenBytes | None:
+    """Bounds that hold when each byte of the text either ends up in a token or in none: a BPE
+    with no normalizer (which may rewrite text), pre-tokenizers that only split, and every byte
+    spelled by the vocabulary (byte-level) or by a byte token (byte fallback, all 256 of them).
+    None otherwise (WordPiece's one [UNK] may stand for a whole word)."""
+    model = tokenizer.model
+    if tokenizer.normalizer is not None or not isinstance(model, tokenizers.models.BPE):
+        return None
+    parts: list[dict] = []
+    if tokenizer.pre_tokenizer is not None:
+        pre = json.loads(tokenizer.pre_tokenizer.__getstate__())
+        parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if any(p.get("type") not in _KEEPING_PRE_TOKENIZERS or p.get("behavior") == "Removed"
+           for p in parts):
+        return None
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    added = max((len(t.content.encode()) for t in tokenizer.get_added_tokens_decoder().values()),
+                default=1)
+    if any(p.get("type") == "ByteLevel" for p in parts):
+        # Each character of a byte-level token is one byte; a byte whose character is not a token
+        # of its own cannot start a BPE word: it is dropped (no unknown token in such a model).
+        unspelled = bytes(b for b, c in enumerate(byte_level_alphabet()) if c not in vocab)
+        return TokenBytes(max(max(map(len, vocab), default=1), added), unspelled)
+    if model.byte_fallback and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+        return TokenBytes(max(max((len(t.encode()) for t in vocab), default=1), added), b"")
+    return None
 
 
 def _raise_exception(message: str):

@@ -1,11 +1,15 @@
-"""--api-key against a real server: every protected route, however its path is spelled, is 401
-without the key and served with it; /health, /version, /metrics and the load stay open; the key given as
-RINGSERVE_API_KEY appears on no command line of the server's processes."""
+"""--api-key against a real server: every protected route, however its path is spelled and
+whatever the method (OPTIONS, HEAD too), is 401 without the key and served with it; the 401 is
+decided from the head, before any body is read (and before any `100 Continue`); /health,
+/version, /metrics and the load stay open; the key given as RINGSERVE_API_KEY appears on no
+command line of the server's processes."""
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -109,3 +113,68 @@ def test_the_key_is_on_no_command_line(server):
         except OSError:
             continue  # exited meanwhile
         assert KEY.encode() not in cmdline, (pid, cmdline)
+
+
+def _raw(port: int, data: bytes, then: bytes = b"", timeout: float = 10.0) -> bytes:
+    """Send `data`, wait for the first bytes of an answer, send `then`, read until the server
+    closes (socket.timeout, failing the test, if it does not within `timeout`)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        reply = s.recv(65536)
+        if then:
+            s.sendall(then)
+        while chunk := s.recv(65536):
+            reply += chunk
+        return reply
+
+
+def _status(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
+@pytest.mark.parametrize("expect", [False, True], ids=["body-never-sent", "expect-100"])
+def test_an_unauthorized_request_is_refused_from_its_head(server, expect):
+    """A POST that declares 100 bytes of body and sends none: 401 at once (the body timeout is
+    30 s; the socket gives up after 10), never a `100 Continue`, and the connection is closed
+    without waiting for the body."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n" + (b"Expect: 100-continue\r\n" if expect else b"") + b"\r\n")
+    for auth in (b"", b"Authorization: Bearer wrong\r\n", b"Authorization: Basic x\r\n"):
+        started = time.monotonic()
+        reply = _raw(server.port, head.replace(b"\r\n\r\n", b"\r\n" + auth + b"\r\n"))
+        assert time.monotonic() - started < 10
+        assert reply.startswith(b"HTTP/1.1 401 "), reply
+        assert b"100 Continue" not in reply and reply.count(b"HTTP/1.1") == 1, reply
+        err = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+        assert err["code"] == "invalid_api_key", err
+
+
+def test_expect_100_continue_is_answered_for_an_authorized_request(server):
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nExpect: 100-continue\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+    reply = _raw(server.port, head, then=body, timeout=60)
+    assert reply.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 "), reply
+    assert json.loads(reply.rpartition(b"\r\n\r\n")[2])["choices"], reply
+
+
+@pytest.mark.parametrize("method,path,body", PROTECTED, ids=[p for _, p, _ in PROTECTED])
+def test_options_and_head_need_the_key_too(server, method, path, body):
+    """OPTIONS would answer 200 with an Allow header (what the route serves) and HEAD a GET's
+    headers: both are behind the route's key."""
+    for probe in ("OPTIONS", "HEAD"):
+        status, data = request(server.port, probe, path)
+        assert status == 401, (probe, path, status, data)
+    status, _ = request(server.port, "OPTIONS", path, headers=AUTH)
+    assert status == 200
+    if method == "GET":
+        status, data = request(server.port, "HEAD", path, headers=AUTH)
+        assert status == 200 and data == b"", (path, status, data[:100])
+
+
+def test_open_routes_answer_options_and_head_without_the_key(server):
+    for path in OPEN:
+        for method in ("OPTIONS", "HEAD"):
+            status, data = request(server.port, method, path)
+            assert status == 200 and (method == "OPTIONS" or data == b""), (method, path, status)

@@ -1,5 +1,7 @@
-"""Connection-level limits against a real server: header-read and idle
-timeouts, the head-size bound, streams whose client does not read, SO_REUSEPORT spreading.
+"""Connection-level limits against a real server: header-read, body-read and idle
+timeouts, the head-size bound, framing RFC 9112 refuses (request smuggling), versions other than
+HTTP/1.x, HEAD, the error JSON of every refusal, streams whose client does not read,
+SO_REUSEPORT spreading.
 
 Raw sockets stand in for hostile clients; small limits (flags) keep the module quick."""
 from __future__ import annotations
@@ -14,6 +16,7 @@ import httpx
 import pytest
 
 HEADER_TIMEOUT_S = 2
+BODY_TIMEOUT_S = 2
 KEEP_ALIVE_S = 2
 MAX_HEAD = 4096
 BACKLOG = 256       # more than a ring drain brings at once unless the worker is far behind
@@ -34,6 +37,7 @@ def _start(serve, model_dir, backlog: int):
                  "--max-model-len", str(MAX_LEN), "--num-gpu-blocks-override", str(MAX_LEN // 16),
                  "--drain-timeout", "2",
                  "--timeout-header-read", str(HEADER_TIMEOUT_S),
+                 "--timeout-body-read", str(BODY_TIMEOUT_S),
                  "--timeout-keep-alive", str(KEEP_ALIVE_S),
                  "--h11-max-incomplete-event-size", str(MAX_HEAD),
                  "--max-stream-backlog", str(backlog))
@@ -110,6 +114,25 @@ def _completes(server) -> None:
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def _assert_refusal(reply: bytes, status: int, code: str) -> dict:
+    """One response, `status` with OpenAI's error JSON, and then the connection closed (the
+    reply was read to EOF): nothing else was answered on it."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), reply
+    assert reply.count(b"HTTP/1.1 ") == 1, reply
+    assert b"content-type: application/json" in head.lower(), reply
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert err["code"] == code, err
+    return err
+
+
+def _exchange(server, data: bytes) -> bytes:
+    with _connect(server) as s:
+        s.sendall(data)
+        return _read_to_eof(s)
+
+
 # --- slowloris and idle connections --------------------------------------------------------
 
 def test_partial_headers_are_cut_after_the_header_timeout(server):
@@ -127,7 +150,7 @@ def test_partial_headers_are_cut_after_the_header_timeout(server):
         except (BrokenPipeError, ConnectionResetError):
             pass
         reply = _read_to_eof(s)
-    assert reply.startswith(b"HTTP/1.1 408 "), reply
+    _assert_refusal(reply, 408, "request_timeout")
     _completes(server)
 
 
@@ -153,8 +176,104 @@ def test_a_head_larger_than_the_limit_is_refused(server):
                       + b"\r\nConnection: close\r\n\r\n")
             return _read_to_eof(s)
     assert get(MAX_HEAD - 200).startswith(b"HTTP/1.1 200 ")
-    assert get(4 * MAX_HEAD).startswith(b"HTTP/1.1 431 ")
+    _assert_refusal(get(4 * MAX_HEAD), 431, "headers_too_large")
     _completes(server)
+
+
+# --- request bodies, framing and versions ---------------------------------------------------
+
+SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    b"Content-Length: 4\r\n\r\n",
+    b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+], ids=["CL-TE", "TE-CL", "TE-in-1.0"])
+def test_ambiguous_framing_is_refused_and_the_connection_closed(server, head):
+    """RFC 9112 §6.1: Content-Length beside Transfer-Encoding (and Transfer-Encoding in
+    HTTP/1.0) is a 400 and the connection closes: the request smuggled behind it, in the same
+    bytes, is never answered."""
+    _assert_refusal(_exchange(server, head + b"0\r\n\r\n" + SMUGGLED), 400, "invalid_http_request")
+    _completes(server)
+
+
+@pytest.mark.parametrize("version", [b"2.0", b"3.0", b"0.9", b"1.2"])
+def test_an_unsupported_http_version_is_505(server, version):
+    """Never a 500 with a traceback (the module's server.stop() finds none in the log)."""
+    err = _assert_refusal(_exchange(server, b"GET /health HTTP/" + version + b"\r\nHost: x\r\n\r\n"),
+                          505, "http_version_not_supported")
+    assert version.decode() in err["message"]
+
+
+@pytest.mark.parametrize("data", [
+    b"GET /health HTTP/1.1\r\nHost x\r\n\r\n",                         # no colon
+    b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",                                     # no Host
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",                 # a TLS hello
+], ids=["header-line", "two-lengths", "no-host", "tls"])
+def test_an_unparsable_request_is_400_json(server, data):
+    _assert_refusal(_exchange(server, data), 400, "invalid_http_request")
+
+
+def test_a_body_that_does_not_arrive_is_408(server):
+    """A head that declares a body, then part of it (or none, or a trickle of chunks): 408
+    once --timeout-body-read has passed since the head, however the bytes trickle, and the
+    connection closes; a handful at once are all released on time."""
+    heads = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n",
+             b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt',
+             b"POST /tokenize HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+             b"Content-Length: 100\r\n\r\n"] * 4
+    socks = [_connect(server) for _ in heads]
+    started = time.monotonic()
+    for s, head in zip(socks, heads, strict=True):
+        s.sendall(head)
+    trickled = _connect(server)
+    trickled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    try:
+        while time.monotonic() < started + 10 * BODY_TIMEOUT_S:
+            trickled.sendall(b"1\r\n \r\n")  # one byte of body at a time
+            time.sleep(0.2)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    replies = [_read_to_eof(s) for s in [*socks, trickled]]
+    elapsed = time.monotonic() - started
+    for s in [*socks, trickled]:
+        s.close()
+    for reply in replies:
+        if reply.startswith(b"HTTP/1.1 100 "):  # Expect: 100-continue is answered, then 408
+            reply = reply.partition(b"\r\n\r\n")[2]
+        _assert_refusal(reply, 408, "request_timeout")
+    assert elapsed < 10 * BODY_TIMEOUT_S  # the trickle was cut, not waited out
+    _completes(server)
+
+
+def test_an_oversized_body_is_413_and_the_connection_closed(server):
+    """Declared larger than --max-body-bytes: 413 at once, and the connection closes rather
+    than take in the rest (here never sent)."""
+    reply = _exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Length: 2000000\r\n\r\n{\"prompt\": \"")
+    _assert_refusal(reply, 413, "body_too_large")
+
+
+def test_head_is_answered_as_get_and_errors_are_json(server):
+    """HEAD: GET's status and headers, no body. Falcon's 404 and 405 are OpenAI error JSON."""
+    for path in ("/health", "/v1/models", "/version", "/metrics"):
+        get = httpx.get(server.url + path, timeout=WAIT_S)
+        head = httpx.head(server.url + path, timeout=WAIT_S)
+        assert head.status_code == get.status_code == 200, (path, head)
+        assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+    for method, path, status in (("GET", "/v1/nothing", 404), ("HEAD", "/v1/nothing", 404),
+                                 ("DELETE", "/v1/models", 405), ("HEAD", "/v1/completions", 405),
+                                 ("PUT", "/health", 405)):
+        reply = _exchange(server, f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                  "\r\n".encode())
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 %d " % status), (method, path, reply)
+        if method != "HEAD":
+            assert json.loads(body)["error"]["message"], reply
 
 
 def test_a_port_in_use_is_refused(tiny_model_dir):

@@ -3,8 +3,10 @@ it is a 400 naming the field and the flag. Once with the default flags (the defa
 never reaches), once with small flags (so that the limits on work are cheap to reach)."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -53,6 +55,62 @@ def refused(r: httpx.Response, param: str, flag: str) -> None:
 
 
 # -- default flags ----------------------------------------------------------------------------
+
+def test_response_logprobs_default_bounds_the_amplification(default_server):
+    """n=48, logprobs=20, max_tokens=2000 once made a 51.5 MB answer from a 120-byte body (and a
+    worker 360 MB larger for good): the default --max-response-logprobs (2^19) refuses such a
+    request; here 128 x 196 x 21 = 526,848 entries."""
+    refused(completions(default_server, n=128, max_tokens=196, logprobs=20), "logprobs",
+            "--max-response-logprobs")
+
+
+def test_a_huge_prompt_never_stalls_the_worker(default_server):
+    """A 1 MB prompt of digits is a million tokens, 3 s of tokenizing on this machine: the
+    completion is refused by the prompt's bytes alone (256 tokens of at most 13 bytes each cannot
+    hold it), /tokenize tokenizes it in a thread; meanwhile the worker's only event loop keeps
+    answering /health and streaming another completion."""
+    digits = "1" * 1_000_000
+
+    async def probe(c: httpx.AsyncClient, done: asyncio.Event) -> list[float]:
+        waits = []
+        while not done.is_set():
+            started = time.monotonic()
+            assert (await c.get("/health")).status_code == 200
+            waits.append(time.monotonic() - started)
+            await asyncio.sleep(0.02)
+        return waits
+
+    async def stream(c: httpx.AsyncClient) -> list[float]:
+        gaps, last = [], time.monotonic()
+        async with c.stream("POST", "/v1/completions", json={
+                "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+            async for _ in r.aiter_lines():
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+        return gaps
+
+    async def timed(coro) -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        return await coro, time.monotonic() - started
+
+    async def main():
+        async with httpx.AsyncClient(base_url=str(default_server.base_url), timeout=120) as c:
+            done = asyncio.Event()
+            health = asyncio.create_task(probe(c, done))
+            await asyncio.sleep(0.1)
+            refused_, _ = await timed(c.post("/v1/completions", json={"prompt": digits}))
+            (tokenized, took), gaps = await asyncio.gather(
+                timed(c.post("/tokenize", json={"prompt": digits})), stream(c))
+            done.set()
+            return refused_, tokenized, took, gaps, await health
+
+    refused_, tokenized, took, gaps, waits = asyncio.run(main())
+    assert refused_.status_code == 400 and "at least" in refused_.text, refused_.text
+    assert refused_.json()["error"]["code"] == "context_length_exceeded"
+    assert tokenized.json()["count"] == 1_000_000
+    assert took > 0.5  # long enough that a stalled loop would show
+    assert max(waits) < took / 4 and max(gaps) < took / 4, (took, max(waits), max(gaps))
+
 
 def test_max_logprobs_default_is_vllms_20(default_server):
     c = default_server

@@ -13,8 +13,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ringserve.server.tokenizer import ChatTemplateError, Tokenizer
-from ringserve.tools.tiny_gguf import byte_level_alphabet
+from ringserve.server.tokenizer import ChatTemplateError, Tokenizer, byte_level_alphabet
 
 REFERENCE = Path(__file__).parent / "data" / "smollm2_reference.npz"
 pytestmark = pytest.mark.slow
@@ -180,3 +179,36 @@ def test_multibyte_character_split_across_tokens(tok):
     stream = tok.decode_stream(skip_special_tokens=True)
     chat = tok.encode("<|im_start|>assistant\nhé<|im_end|>")
     assert "".join(stream.step(i) for i in chat) == tok.decode(chat) == "assistant\nhé"
+
+
+def test_min_tokens_bounds_the_token_count_from_below(tok, spellable):
+    """A prompt is refused by its bytes alone when even its fewest possible tokens exceed the
+    context (server/context.py encode_prompt): the bound must never exceed the true count, also
+    for the longest tokens repeated and for bytes the vocabulary cannot spell (dropped)."""
+    tb = tok.token_bytes
+    assert tb is not None and tb.most == 81 and len(tb.unspelled) == 21
+    longest = max(tok._tokenizer.get_vocab(), key=len)
+    alphabet = {c: b for b, c in enumerate(byte_level_alphabet())}
+    longest_text = bytes(alphabet[c] for c in longest).decode()
+    texts = [longest_text * 1000, " " * 100_000, "\n" + " " * 80, "1" * 5000, "\x04" * 5000 + "hi",
+             "<|im_start|>" * 300, "😀" * 1000, "hello world " * 2000, "é\x04" * 100]
+    for text in texts:
+        n = len(tok.encode(text))
+        assert tok.min_tokens(text) <= n, (text[:20], tok.min_tokens(text), n)
+    assert tok.min_tokens(longest_text * 1000) == len(tok.encode(longest_text * 1000)) == 1000
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_min_tokens_of_any_text(tok, data):
+    text = data.draw(st.text(max_size=300))
+    assert tok.min_tokens(text) <= len(tok.encode(text, add_special_tokens=False))
+
+
+def test_no_byte_bound_where_a_token_may_stand_for_any_text():
+    """WordPiece's [UNK] is a whole word; a normalizer may drop text: no bound, no refusal."""
+    wordpiece = tokenizers.Tokenizer(tokenizers.models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    assert Tokenizer(wordpiece, {}).min_tokens("x" * 10_000) == 0
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE({"a": 0}, []))
+    bpe.normalizer = tokenizers.normalizers.Strip()
+    assert Tokenizer(bpe, {}).min_tokens(" " * 10_000) == 0

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ringserve.server.tokenizer import byte_level_alphabet
+
 # GGUF tensor (after "blk.N.") -> (HF name, GGML type name). Quantized rows are 32-multiples.
 LAYER_TENSORS = {
     "attn_norm.weight": ("input_layernorm.weight", "F32"),
@@ -35,14 +37,6 @@ CHATML_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['rol
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's permutation of HF q/k rows (convert_hf_to_gguf.py LlamaModel.permute)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def byte_level_alphabet() -> list[str]:
-    """GPT-2's 256 printable stand-ins for the bytes, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
 def make_tiny_gguf(path: str | Path, *, arch: str = "llama", seed: int = 0, num_layers: int = 2,
