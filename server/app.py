@@ -209,13 +209,18 @@ class _Generate:
 
 async def _guarded(chunks: AsyncIterator[bytes], gen: Generation,
                    watcher: asyncio.Task | None) -> AsyncIterator[bytes]:
-    """A stream that ends with an error event instead of a cut connection, and that aborts
-    whatever is still running in the engine however it ends (client gone, error)."""
+    """A stream that ends with an error event and [DONE] instead of a cut connection, whatever
+    failed (the engine, or our own output processing), and that aborts whatever is still
+    running in the engine however it ends (client gone, error)."""
     try:
         async for chunk in chunks:
             yield chunk
     except EngineError as exc:
         yield error_event(engine_error(exc))
+        yield DONE
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: the client still gets a whole stream
+        log.exception("stream of request %s failed", gen.choices[0].request_id)
+        yield error_event(APIError(500, f"internal error: {type(exc).__name__}"))
         yield DONE
     finally:
         gen.abort()
