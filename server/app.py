@@ -17,6 +17,7 @@ import falcon
 import falcon.asgi
 import msgspec
 
+from ringserve.ipc.ring import MessageTooLarge
 from ringserve.server import protocol as P
 from ringserve.server import serving_chat, serving_completions
 from ringserve.server.config import ServerConfig
@@ -181,6 +182,8 @@ class _Generate:
             await gen.start()
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
+        except MessageTooLarge as exc:  # over the limit of one ring message (docs/ipc.md)
+            raise APIError(400, str(exc), code="request_too_large") from None
         receive = req.scope.get(RECEIVE_KEY)
         watcher = watch_disconnect(receive, gen.abort) if receive is not None else None
         if request.stream:
