@@ -79,10 +79,11 @@ class _Slot:
     attached: bool = False
     taken: int = 0                                            # AddRequest records consumed
     open: dict[str, int] = field(default_factory=dict)       # request id -> unfinished samples
-    # Output records (payload, more: a fragment) its ring had no room for, in order, and their
+    # Output records (payload, flag: 0, or a fragment's MORE/END) its ring had no room for, in
+    # order, and their
     # bytes. A worker empties its ring whatever its HTTP clients do, so beyond one large message
     # this grows only if the worker stopped.
-    backlog: collections.deque[tuple[bytes | memoryview, bool]] = field(default_factory=collections.deque)
+    backlog: collections.deque[tuple[bytes | memoryview, int]] = field(default_factory=collections.deque)
     backlog_bytes: int = 0
 
     def key(self, request_id: str) -> str:
@@ -291,12 +292,12 @@ class EngineProcess:
         for message in encode_output_messages(outs, self.max_message):
             if len(message) <= ring.max_fragment:  # PERF: the common case, one record
                 if slot.backlog or not ring.try_write(message):
-                    slot.backlog.append((message, False))  # the worker is behind: keep order
+                    slot.backlog.append((message, 0))  # the worker is behind: keep order
                     slot.backlog_bytes += len(message)
                 continue
-            for piece, more in ring.fragments(message):
-                if slot.backlog or not ring.try_write(piece, more):
-                    slot.backlog.append((piece, more))
+            for piece, flag in ring.fragments(message):
+                if slot.backlog or not ring.try_write(piece, flag):
+                    slot.backlog.append((piece, flag))
                     slot.backlog_bytes += len(piece)
 
     def _write_each(self, slot: _Slot, outs: list[tuple[EngineOutput, str]]) -> None:

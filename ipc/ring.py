@@ -17,13 +17,14 @@ nothing is lost.
 
 Messages of any size up to ``max_message``. A message larger than ``max_fragment`` (a quarter of
 the ring, so that a writer never waits for an empty ring) goes as consecutive records
-(``fragments``), each but the last flagged with MORE, the top bit of its header: no length comes
-near it, so an honest reader's check "the record ends at or before the tail" fails on a flagged
-header and only then looks at the flag, and the common path costs nothing. ``read`` returns
-whole messages: it gathers the fragments as they come, across calls (the writer may be waiting
-for room), and raises :class:`CorruptRing` once a message would exceed ``max_message``. The
-ring has one writer, so one message's fragments are never interleaved with another's; a writer
-with several producers (asyncio tasks) queues whole messages (server/engine_client.py).
+(``fragments``), flagged in the top bits of their headers: MORE on each but the last, END on the
+last. No length comes near those bits, so the reader's check "the record ends at or before the
+tail" fails on a flagged header and only then are the flags looked at: a message in one record
+(the common path) costs nothing more. ``read`` returns whole messages: it gathers the fragments
+as they come, across calls (the writer may be waiting for room), and raises
+:class:`CorruptRing` once a message would exceed ``max_message``. The ring has one writer, so
+one message's fragments are never interleaved with another's; a writer with several producers
+(asyncio tasks) queues whole messages (server/engine_client.py).
 
 Memory ordering. The producer copies the payload and only then stores the new tail; the
 consumer loads the tail and only then reads the payload, and stores the head after copying
@@ -46,6 +47,8 @@ HEAD, TAIL = 0, 8  # indices into the uint64 view of the 128-byte header
 HEADER_BYTES = 128
 RECORD_HEADER = 8
 MORE = 1 << 63  # record header flag: a fragment; its message goes on in the next record
+END = 1 << 62   # record header flag: the last fragment of a message
+_FLAGS = MORE | END
 # The largest message either side sends or accepts, by default: a whole request (prompt ids,
 # stop strings, logit_bias, a structured-output grammar) or one step's outputs for one worker
 # (the largest: an echoed prompt's prompt logprobs, bounded by --max-response-logprobs).
@@ -117,19 +120,22 @@ class Ring:
         return HEADER_BYTES + capacity
 
     # -- producer --------------------------------------------------------------------
-    def fragments(self, message) -> list[tuple[memoryview, bool]]:
-        """``message`` as (payload, more) records of at most ``max_fragment`` bytes each, to be
-        written in order with ``try_write(payload, more)`` and nothing between them. Raises
-        MessageTooLarge over ``max_message``."""
+    def fragments(self, message) -> list[tuple[memoryview, int]]:
+        """``message`` as (payload, flag) records of at most ``max_fragment`` bytes each, to be
+        written in order with ``try_write(payload, flag)`` and nothing between them: one record
+        (flag 0) when it fits, else fragments (MORE, ..., END). Raises MessageTooLarge over
+        ``max_message``."""
         n = len(message)
         if n > self.max_message:
             raise MessageTooLarge(f"a message of {n} bytes is over the limit of {self.max_message} "
                                   "bytes for one message between a worker and an engine")
         view, size = memoryview(message).cast("B"), self.max_fragment
-        return [(view[i:i + size], i + size < n) for i in range(0, max(n, 1), size)]
+        if n <= size:
+            return [(view, 0)]
+        return [(view[i:i + size], MORE if i + size < n else END) for i in range(0, n, size)]
 
-    def try_write(self, payload, more: bool = False) -> bool:
-        """Write one record (``more``: a fragment, its message goes on in the next record)."""
+    def try_write(self, payload, flag: int = 0) -> bool:
+        """Write one record (``flag``: MORE or END for a fragment of a larger message)."""
         if type(payload) is not bytes and not isinstance(payload, bytearray):
             payload = memoryview(payload).cast("B")
         n = len(payload)
@@ -145,7 +151,7 @@ class Ring:
                 return False
         data = self._data
         pos = tail % cap
-        self._words[pos >> 3] = n | MORE if more else n
+        self._words[pos >> 3] = n | flag
         pos = (pos + RECORD_HEADER) % cap
         first = cap - pos
         if n <= first:
@@ -158,68 +164,82 @@ class Ring:
         self._counters[TAIL] = tail + size  # publish: after the payload (see module docstring)
         return True
 
-    def write(self, payload, more: bool = False) -> None:
-        if not self.try_write(payload, more):
+    def write(self, payload, flag: int = 0) -> None:
+        if not self.try_write(payload, flag):
             raise Full(f"ring full ({self.used()} of {self.capacity} bytes in use)")
 
     # -- consumer --------------------------------------------------------------------
     def read(self) -> bytes | None:
         """The next whole message (a copy), or None when there is none yet (the ring is empty,
         or holds only the first fragments of a message)."""
+        head = self._head
+        if head == self._tail_seen:
+            self._tail_seen = tail = self._counters[TAIL]
+            if head == tail:
+                return None
+            if not head < tail <= head + self.capacity:
+                raise CorruptRing(f"tail {tail} is not within one ring ({self.capacity} bytes) "
+                                  f"after head {head}")
+        cap, data = self.capacity, self._data
+        pos = head % cap
+        n = self._words[pos >> 3]
+        # The writer publishes whole records, so a record ends at or before the tail; a header
+        # or tail that says otherwise (2**40, or a tail behind the head) is corrupt. One
+        # comparison: without it a bad header makes the reader copy garbage and loop for ever.
+        # A fragment's header (its flag bits set) fails it too, and is told apart only then.
+        if n > self._tail_seen - head - RECORD_HEADER:
+            return self._read_fragments(n, head)
+        pos = (pos + RECORD_HEADER) % cap  # NOTE: _take's copy, inlined on the common path
+        first = cap - pos
+        if n <= first:
+            out = data[pos : pos + n].tobytes()
+        else:
+            out = data[pos:cap].tobytes() + data[: n - first].tobytes()
+        self._head = head + RECORD_HEADER + ((n + 7) & ~7)
+        self._counters[HEAD] = self._head  # release the space only after the copy
+        return out
+
+    def _take(self, head: int, n: int) -> bytes:
+        """Copy out the record of n bytes at head and release its space."""
+        cap, data = self.capacity, self._data
+        pos = (head % cap + RECORD_HEADER) % cap
+        first = cap - pos
+        if n <= first:
+            out = data[pos : pos + n].tobytes()
+        else:
+            out = data[pos:cap].tobytes() + data[: n - first].tobytes()
+        self._head = head + RECORD_HEADER + ((n + 7) & ~7)
+        self._counters[HEAD] = self._head  # release the space only after the copy
+        return out
+
+    def _read_fragments(self, header: int, head: int) -> bytes | None:
+        """The rare path: fragments from head on, gathered until a message is whole (returned)
+        or the ring is empty (None: the rest comes later). CorruptRing for a header that is no
+        fragment either, or a message over max_message."""
         while True:
+            n, flag = header & ~_FLAGS, header & _FLAGS
+            if not flag or flag == _FLAGS or n > self._tail_seen - head - RECORD_HEADER:
+                raise CorruptRing(f"record header of {header} bytes at {head}, but only "
+                                  f"{self._tail_seen - head} bytes are published")
+            self._parts_bytes += n
+            if self._parts_bytes > self.max_message:
+                raise CorruptRing(f"a message of more than {self.max_message} bytes (the limit) "
+                                  "came in fragments")
+            self._parts.append(self._take(head, n))
+            if flag == END:
+                whole = b"".join(self._parts)
+                self._parts.clear()
+                self._parts_bytes = 0
+                return whole
             head = self._head
             if head == self._tail_seen:
                 self._tail_seen = tail = self._counters[TAIL]
                 if head == tail:
                     return None
                 if not head < tail <= head + self.capacity:
-                    raise CorruptRing(f"tail {tail} is not within one ring ({self.capacity} bytes) "
-                                      f"after head {head}")
-            cap, data = self.capacity, self._data
-            pos = head % cap
-            n = self._words[pos >> 3]
-            # The writer publishes whole records, so a record ends at or before the tail; a
-            # header or tail that says otherwise (2**40, or a tail behind the head) is corrupt.
-            # One comparison: without it a bad header makes the reader copy garbage and loop for
-            # ever. A fragment's header (MORE set) fails it too, and is told apart only then.
-            more = n > self._tail_seen - head - RECORD_HEADER
-            if more:
-                n = self._fragment_length(n, head)
-            pos = (pos + RECORD_HEADER) % cap
-            first = cap - pos
-            if n <= first:
-                out = data[pos : pos + n].tobytes()
-            else:
-                out = data[pos:cap].tobytes() + data[: n - first].tobytes()
-            self._head = head + RECORD_HEADER + ((n + 7) & ~7)
-            self._counters[HEAD] = self._head  # release the space only after the copy
-            if not (more or self._parts):  # NOTE: the common case, a message in one record
-                return out
-            whole = self._gather(out, more)
-            if whole is not None:
-                return whole
-
-    def _fragment_length(self, header: int, head: int) -> int:
-        """A header that failed the length check: a fragment's length, or CorruptRing."""
-        n = header & ~MORE
-        if not header & MORE or n > self._tail_seen - head - RECORD_HEADER:
-            raise CorruptRing(f"record header of {header} bytes at {head}, but only "
-                              f"{self._tail_seen - head} bytes are published")
-        return n
-
-    def _gather(self, payload: bytes, more: bool) -> bytes | None:
-        """Add a fragment (more) or a message's last record; the message once whole."""
-        self._parts_bytes += len(payload)
-        if self._parts_bytes > self.max_message:
-            raise CorruptRing(f"a message of more than {self.max_message} bytes (the limit) "
-                              "came in fragments")
-        self._parts.append(payload)
-        if more:
-            return None
-        whole = b"".join(self._parts)
-        self._parts.clear()
-        self._parts_bytes = 0
-        return whole
+                    raise CorruptRing(f"tail {tail} is not within one ring ({self.capacity} "
+                                      f"bytes) after head {head}")
+            header = self._words[(head % self.capacity) >> 3]
 
     def has_data(self) -> bool:
         return self._head != self._counters[TAIL]

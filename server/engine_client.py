@@ -117,9 +117,9 @@ class _Engine:
         self.stats = EngineStats(self.stats_segment.buf)
         self.submitted = 0                   # AddRequest records written to this engine
         self.streams: dict[str, RequestStream] = {}
-        # Records waiting for room in the request ring, in order: (payload, more: a fragment,
-        # the future of a submit waiting for its request's last record, or None).
-        self.outbox: collections.deque[tuple[bytes | memoryview, bool, asyncio.Future | None]] = \
+        # Records waiting for room in the request ring, in order: (payload, flag: 0 or a
+        # fragment's, the future of a submit waiting for its request's last record, or None).
+        self.outbox: collections.deque[tuple[bytes | memoryview, int, asyncio.Future | None]] = \
             collections.deque()
         self.flush_due = False               # a retry of the outbox is scheduled
         self.alive = True
@@ -265,7 +265,7 @@ class EngineClient:
             return None
         done = self._loop.create_future() if wait else None
         pieces = ring.fragments(record)
-        engine.outbox.extend((piece, more, None) for piece, more in pieces[:-1])
+        engine.outbox.extend((piece, flag, None) for piece, flag in pieces[:-1])
         engine.outbox.append((*pieces[-1], done))
         self._flush(engine)
         return done

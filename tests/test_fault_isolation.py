@@ -13,7 +13,7 @@ from ringserve.engine.core import EngineCore
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.sampler import SamplingMetadata, sample
 from ringserve.ipc.messages import EngineOutput, decode_outputs, encode_output_messages, encode_outputs
-from ringserve.ipc.ring import MORE, TAIL, CorruptRing, MessageTooLarge, Ring
+from ringserve.ipc.ring import END, MORE, TAIL, CorruptRing, MessageTooLarge, Ring
 
 # -- the ring -------------------------------------------------------------------------------
 
@@ -89,15 +89,24 @@ def test_a_message_over_the_limit_is_refused_by_the_writer_and_the_reader():
     # A writer that ignores the limit (it flags fragments for ever): the reader stops at it.
     with pytest.raises(CorruptRing, match="limit"):
         for _ in range(100):
-            while writer.try_write(bytes(200), True):
+            while writer.try_write(bytes(200), MORE):
                 pass
             assert reader.read() is None
 
 
-def test_a_flagged_header_longer_than_what_is_published_is_corrupt():
+@pytest.mark.parametrize("header", [MORE | 1024, END | 1024, MORE | END | 8])
+def test_a_fragment_header_that_cannot_be_true_is_corrupt(header):
     writer, reader = _ring()
-    writer.write(b"x" * 16, more=True)
-    writer._words[0] = MORE | 1024  # a fragment that says it is longer than what was published
+    writer.write(b"x" * 16, MORE)
+    writer._words[0] = header  # longer than what was published, or both flags at once
+    with pytest.raises(CorruptRing):
+        reader.read()
+
+
+def test_a_whole_record_between_fragments_is_corrupt():
+    writer, reader = _ring()
+    writer.write(b"a" * 16, MORE)
+    writer.write(b"b" * 16)  # the writer broke off its message
     with pytest.raises(CorruptRing):
         reader.read()
 

@@ -555,7 +555,7 @@ def test_messages_larger_than_the_ring_cross_both_ways_beside_small_ones(small_r
     requests written at the same time; every answer is whole and the small ones are what they
     are alone. A request over the 128 KiB message limit is refused before it is written; a
     writer that sends fragments past the limit has its slot detached."""
-    from ringserve.ipc.ring import MessageTooLarge
+    from ringserve.ipc.ring import MORE, MessageTooLarge
     path, proc = small_ring_engine
     long_prompt = [(7 * i) % 380 + 1 for i in range(200)]
     big = dict(max_tokens=3, temperature=0.0, prompt_logprobs=20, stop=["x" * 100_000])
@@ -600,7 +600,7 @@ def test_messages_larger_than_the_ring_cross_both_ways_beside_small_ones(small_r
         deadline = time.monotonic() + 30
         while not raw.detached():
             assert time.monotonic() < deadline, "the slot was never detached"
-            if raw.channel.requests.try_write(bytes(16_000), True):
+            if raw.channel.requests.try_write(bytes(16_000), MORE):
                 raw.engine_bell.ring()
             else:
                 time.sleep(0.01)
