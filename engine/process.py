@@ -9,7 +9,8 @@ long one. On a device whose steps run asynchronously (CUDA), step N-1's outputs 
 step N runs (launch_step, deliver N-1, finish_step): the host work hides behind the device's,
 and results are the same because nothing delivered feeds the step in flight. With nothing to
 do, the loop drains its doorbell, rechecks the rings, and blocks in epoll on the doorbell and
-the control sockets.
+the control sockets; but while a slot's backlog holds outputs its ring had no room for (the last
+fragments of a large output), it offers them again every BACKLOG_POLL_S instead.
 
 Workers arrive on the control socket and get a slot; a slot's requests are named inside the
 core as ``<slot>.<generation>.<request id>`` so that two workers may use the same ids. When a
@@ -67,6 +68,7 @@ DEBUG_STEPS = 120        # with debug on: the recent steps kept for /debug/engin
 IDLE_BEAT_S = 1.0        # while idle, wake this often (a missed wake-up costs at most this)
 MAX_ERROR_CHARS = 1000   # a refusal's message is cut here (it may quote what the record held)
 BACKLOG_RINGS = 8        # a slot may hold one message and this many rings' worth of unread outputs
+BACKLOG_POLL_S = 0.002   # while idle with outputs waiting for room, offer them again this often
 
 
 @dataclass(eq=False)
@@ -168,6 +170,10 @@ class EngineProcess:
                 continue
             self.stats.went_idle()
             self._publish()
+            if self._flush_backlogs():  # no step will: offer what waits while the worker reads
+                self._handle_control(BACKLOG_POLL_S)
+                last_check = time.monotonic()
+                continue
             self.bell.drain()  # before the recheck: a record written after it rings again
             if any(s is not None and s.attached and s.channel.requests.has_data() for s in self.slots):
                 continue
@@ -315,6 +321,17 @@ class EngineProcess:
             if out.finished:  # else the abort's own output ends this sample (next step)
                 self._write(slot, [EngineOutput(out.request_id, [], FinishReason.ERROR, out.index,
                                                 out.num_prompt_tokens, error=error)])
+
+    def _flush_backlogs(self) -> bool:
+        """Idle: write what waits in the slots' backlogs (the last fragments of a large output,
+        which no step will now send); True while some still waits."""
+        waiting = False
+        for slot in self.slots:
+            if slot is not None and slot.backlog:
+                if self._flush_backlog(slot):
+                    slot.bell.ring()
+                waiting = waiting or bool(slot.backlog)
+        return waiting
 
     def _flush_backlog(self, slot: _Slot) -> bool:
         wrote = False

@@ -548,15 +548,25 @@ def test_a_slot_that_stops_reading_its_outputs_is_detached_not_queued_forever(sm
     asyncio.run(body())
 
 
-def test_messages_larger_than_the_ring_cross_both_ways_beside_small_ones(small_ring_engine):
-    """On 64 KiB rings (records of 16 KiB), through a real engine process: requests of ~100 KiB
+TINY_RING = 32 << 10
+
+
+@pytest.fixture
+def tiny_ring_engine(tiny_model_dir, tmp_path):
+    yield from _engine_process(tiny_model_dir, tmp_path, ring_capacity=TINY_RING,
+                               max_message=SMALL_MESSAGE)
+
+
+def test_messages_larger_than_the_ring_cross_both_ways_beside_small_ones(tiny_ring_engine):
+    """On 32 KiB rings (records of 8 KiB), through a real engine process: requests of ~100 KiB
     (a long stop string: the engine takes it, the frontend applies it) and outputs of ~55 KiB
-    (prompt logprobs 20 of a 200-token prompt) go in fragments, interleaved with small
-    requests written at the same time; every answer is whole and the small ones are what they
-    are alone. A request over the 128 KiB message limit is refused before it is written; a
-    writer that sends fragments past the limit has its slot detached."""
+    (prompt logprobs 20 of a 200-token prompt), both larger than the ring, go in fragments,
+    interleaved with small requests written at the same time; every answer is whole and the
+    small ones are what they are alone. Such an output as the last of a request, the engine
+    then idle, still arrives whole. A request over the 128 KiB message limit is refused before
+    it is written; a writer that sends fragments past the limit has its slot detached."""
     from ringserve.ipc.ring import MORE, MessageTooLarge
-    path, proc = small_ring_engine
+    path, proc = tiny_ring_engine
     long_prompt = [(7 * i) % 380 + 1 for i in range(200)]
     big = dict(max_tokens=3, temperature=0.0, prompt_logprobs=20, stop=["x" * 100_000])
 
@@ -584,9 +594,12 @@ def test_messages_larger_than_the_ring_cross_both_ways_beside_small_ones(small_r
             (out,) = [o for o in outs if o.prompt_logprobs is not None]
             plp = out.prompt_logprobs
             assert len(plp) == len(long_prompt) - 1 and all(20 <= len(p) <= 21 for p in plp)
-            assert len(encode_outputs([out])) > 3 * (SMALL_RING // 4)  # 4 fragments or more
+            assert len(encode_outputs([out])) > TINY_RING  # more than the ring
             firsts.append(plp)
         assert len(firsts) == 3 and firsts[0] == firsts[1] == firsts[2]  # whole, and the same
+        # alone, its large output the last: what the ring could not hold goes out while idle
+        last = await asyncio.wait_for(run("last", long_prompt, dict(big, max_tokens=1)), 30)
+        assert last[-1].finished and last[-1].prompt_logprobs == firsts[0]
         with pytest.raises(MessageTooLarge, match=str(SMALL_MESSAGE)):
             await client.submit("huge", PROMPT, dict(GREEDY, stop=["x" * SMALL_MESSAGE]))
         assert "huge" not in client.streams
