@@ -82,9 +82,8 @@ class _Slot:
     taken: int = 0                                            # AddRequest records consumed
     open: dict[str, int] = field(default_factory=dict)       # request id -> unfinished samples
     # Output records (payload, flag: 0, or a fragment's MORE/END) its ring had no room for, in
-    # order, and their
-    # bytes. A worker empties its ring whatever its HTTP clients do, so beyond one large message
-    # this grows only if the worker stopped.
+    # order, and their bytes. A worker empties its ring whatever its HTTP clients do, so beyond
+    # one large message this grows only if the worker stopped.
     backlog: collections.deque[tuple[bytes | memoryview, int]] = field(default_factory=collections.deque)
     backlog_bytes: int = 0
 

@@ -50,7 +50,7 @@ MORE = 1 << 63  # record header flag: a fragment; its message goes on in the nex
 END = 1 << 62   # record header flag: the last fragment of a message
 _FLAGS = MORE | END
 # The largest message either side sends or accepts, by default: a whole request (prompt ids,
-# stop strings, logit_bias, a structured-output grammar) or one step's outputs for one worker
+# stop strings, a structured-output grammar) or one step's outputs for one worker
 # (the largest: an echoed prompt's prompt logprobs, bounded by --max-response-logprobs).
 DEFAULT_MAX_MESSAGE = 64 << 20
 _STRONG_ORDER_MACHINES = {"x86_64", "amd64", "i386", "i686", "x86"}

@@ -206,7 +206,7 @@ class EngineClient:
         if len(record) > engine.channel.max_message:
             raise MessageTooLarge(
                 f"this request is {len(record)} bytes on its way to the engine (prompt token ids, "
-                f"stop strings, logit_bias, structured-output grammar and the other parameters), "
+                f"stop strings, structured-output grammar and the other parameters), "
                 f"over the limit of {engine.channel.max_message} bytes for one message")
         stream = RequestStream(request_id, engine.index, int(params.get("n", 1)),
                                self.max_stream_backlog, self._on_backlog_full)
