@@ -9,7 +9,8 @@ long one. On a device whose steps run asynchronously (CUDA), step N-1's outputs 
 step N runs (launch_step, deliver N-1, finish_step): the host work hides behind the device's,
 and results are the same because nothing delivered feeds the step in flight. With nothing to
 do, the loop drains its doorbell, rechecks the rings, and blocks in epoll on the doorbell and
-the control sockets.
+the control sockets; but while a slot's backlog holds outputs its ring had no room for (the last
+fragments of a large output), it offers them again every BACKLOG_POLL_S instead.
 
 Workers arrive on the control socket and get a slot; a slot's requests are named inside the
 core as ``<slot>.<generation>.<request id>`` so that two workers may use the same ids. When a
@@ -21,9 +22,10 @@ buggy or hostile client). A record that is not a request (undecodable, wrong sha
 header that cannot be true) means the writer is broken: the record is logged and dropped and
 the slot is detached (its control connection closed: its client sees the engine as lost for
 that slot and reconnects to a new one). A request that decodes but cannot run gets an error
-output; a request that fails later fails alone (engine/core.py). Outputs are cut into records
-that fit the ring (ipc/messages.encode_output_records); one that cannot be encoded or cut
-ends its request with an error instead.
+output; a request that fails later fails alone (engine/core.py). A step's outputs for one
+worker are one message (halved if over the message limit, ipc/messages.encode_output_messages),
+which the ring carries in fragments when it is larger than a record (ipc/ring.py); an output
+that cannot be encoded or is over the limit alone ends its request with an error instead.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ from ringserve.ipc.messages import (
     EngineOutput,
     FinishReason,
     decode_request,
-    encode_output_records,
+    encode_output_messages,
 )
+from ringserve.ipc.ring import DEFAULT_MAX_MESSAGE
 from ringserve.ipc.shm import Segment, remove_stale_segments
 from ringserve.ipc.stats import EngineStats, Heartbeat, stats_size
 
@@ -64,7 +67,8 @@ CONTROL_CHECK_S = 0.05   # while busy, look at the control sockets this often (o
 DEBUG_STEPS = 120        # with debug on: the recent steps kept for /debug/engines
 IDLE_BEAT_S = 1.0        # while idle, wake this often (a missed wake-up costs at most this)
 MAX_ERROR_CHARS = 1000   # a refusal's message is cut here (it may quote what the record held)
-BACKLOG_RINGS = 8        # a slot may hold this many rings' worth of unread outputs, then it is detached
+BACKLOG_RINGS = 8        # a slot may hold one message and this many rings' worth of unread outputs
+BACKLOG_POLL_S = 0.002   # while idle with outputs waiting for room, offer them again this often
 
 
 @dataclass(eq=False)
@@ -77,9 +81,10 @@ class _Slot:
     attached: bool = False
     taken: int = 0                                            # AddRequest records consumed
     open: dict[str, int] = field(default_factory=dict)       # request id -> unfinished samples
-    # Output records its ring had no room for, in order, and their bytes. A worker empties
-    # its ring whatever its HTTP clients do, so this grows only if the worker stopped.
-    backlog: collections.deque[bytes] = field(default_factory=collections.deque)
+    # Output records (payload, flag: 0, or a fragment's MORE/END) its ring had no room for, in
+    # order, and their bytes. A worker empties its ring whatever its HTTP clients do, so beyond
+    # one large message this grows only if the worker stopped.
+    backlog: collections.deque[tuple[bytes | memoryview, int]] = field(default_factory=collections.deque)
     backlog_bytes: int = 0
 
     def key(self, request_id: str) -> str:
@@ -88,9 +93,11 @@ class _Slot:
 
 class EngineProcess:
     def __init__(self, core: EngineCore, control_path: str, *, max_slots: int = 64,
-                 ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None,
-                 overlap: bool | None = None, data_parallel_rank: int = 0):
-        """debug_path: where to publish a snapshot (queues, block pool, recent steps) for
+                 ring_capacity: int = DEFAULT_RING_CAPACITY, max_message: int = DEFAULT_MAX_MESSAGE,
+                 debug_path: str | None = None, overlap: bool | None = None,
+                 data_parallel_rank: int = 0):
+        """max_message: the most bytes of one message either way (ipc/ring.py), told to clients.
+        debug_path: where to publish a snapshot (queues, block pool, recent steps) for
         /debug/engines (engine/trace.py); None: no snapshot, no step history.
         data_parallel_rank: this engine's index among the server's engines (its KV events'
         port offset and data_parallel_rank).
@@ -107,6 +114,10 @@ class EngineProcess:
             self.kv_events.publish([AllBlocksCleared()])  # a new engine's pool is empty
         self.overlap = core.runner_is_asynchronous if overlap is None else overlap
         self.ring_capacity = ring_capacity
+        self.max_message = max_message
+        # Past this, a slot's backlog means a stopped worker: one whole message may wait there
+        # (its fragments beyond what the ring holds) and BACKLOG_RINGS rings more.
+        self.max_backlog = max_message + BACKLOG_RINGS * ring_capacity
         self.slots: list[_Slot | None] = [None] * max_slots
         self.generations = [0] * max_slots
         self.bell = Doorbell()
@@ -158,6 +169,10 @@ class EngineProcess:
                 continue
             self.stats.went_idle()
             self._publish()
+            if self._flush_backlogs():  # no step will: offer what waits while the worker reads
+                self._handle_control(BACKLOG_POLL_S)
+                last_check = time.monotonic()
+                continue
             self.bell.drain()  # before the recheck: a record written after it rings again
             if any(s is not None and s.attached and s.channel.requests.has_data() for s in self.slots):
                 continue
@@ -247,7 +262,7 @@ class EngineProcess:
                 wrote = True
             if wrote:
                 slot.bell.ring()  # once per step per worker
-            if slot.backlog_bytes > BACKLOG_RINGS * self.ring_capacity:
+            if slot.backlog_bytes > self.max_backlog:
                 # No unbounded queue: a worker that stopped reading loses its slot (its
                 # requests are aborted, their blocks freed); it reconnects when it wakes.
                 self._drop(slot, f"stopped reading its outputs ({slot.backlog_bytes} bytes waiting)")
@@ -263,6 +278,8 @@ class EngineProcess:
             if slot is None or slot.generation != int(generation):
                 continue  # its worker is gone
             if out.finished:
+                if out.error is not None and len(out.error) > MAX_ERROR_CHARS:  # may quote the request
+                    out.error = out.error[:MAX_ERROR_CHARS] + "..."
                 left = slot.open.get(request_id, 1) - 1
                 if left > 0:
                     slot.open[request_id] = left
@@ -273,12 +290,20 @@ class EngineProcess:
         return per_slot
 
     def _write(self, slot: _Slot, outs: list[EngineOutput]) -> None:
-        """The outputs as records that fit the ring (RecordTooLarge when one cannot be cut).
-        A record is at most a quarter of the ring, so that it never waits for an empty one."""
-        for record in encode_output_records(outs, slot.channel.outputs.max_record // 4):
-            if slot.backlog or not slot.channel.outputs.try_write(record):
-                slot.backlog.append(record)  # the worker is behind: keep order, never drop
-                slot.backlog_bytes += len(record)
+        """The outputs as messages, each one record or (larger than a quarter of the ring, so
+        that none waits for an empty ring) fragments. MessageTooLarge for an output over the
+        message limit alone."""
+        ring = slot.channel.outputs
+        for message in encode_output_messages(outs, self.max_message):
+            if len(message) <= ring.max_fragment:  # PERF: the common case, one record
+                if slot.backlog or not ring.try_write(message):
+                    slot.backlog.append((message, 0))  # the worker is behind: keep order
+                    slot.backlog_bytes += len(message)
+                continue
+            for piece, flag in ring.fragments(message):
+                if slot.backlog or not ring.try_write(piece, flag):
+                    slot.backlog.append((piece, flag))
+                    slot.backlog_bytes += len(piece)
 
     def _write_each(self, slot: _Slot, outs: list[tuple[EngineOutput, str]]) -> None:
         """_write's rare path: one output at a time; one that cannot be sent becomes an error
@@ -296,10 +321,21 @@ class EngineProcess:
                 self._write(slot, [EngineOutput(out.request_id, [], FinishReason.ERROR, out.index,
                                                 out.num_prompt_tokens, error=error)])
 
+    def _flush_backlogs(self) -> bool:
+        """Idle: write what waits in the slots' backlogs (the last fragments of a large output,
+        which no step will now send); True while some still waits."""
+        waiting = False
+        for slot in self.slots:
+            if slot is not None and slot.backlog:
+                if self._flush_backlog(slot):
+                    slot.bell.ring()
+                waiting = waiting or bool(slot.backlog)
+        return waiting
+
     def _flush_backlog(self, slot: _Slot) -> bool:
         wrote = False
-        while slot.backlog and slot.channel.outputs.try_write(slot.backlog[0]):
-            slot.backlog_bytes -= len(slot.backlog.popleft())
+        while slot.backlog and slot.channel.outputs.try_write(*slot.backlog[0]):
+            slot.backlog_bytes -= len(slot.backlog.popleft()[0])
             wrote = True
         return wrote
 
@@ -323,13 +359,14 @@ class EngineProcess:
                 conn.close()
                 continue
             self.generations[free] += 1
-            channel = Channel.create(self.ring_capacity)
+            channel = Channel.create(self.ring_capacity, self.max_message)
             slot = _Slot(free, self.generations[free], conn, channel, Doorbell())
             try:
                 control.send_welcome(conn, control.Welcome(
                     slot=free, generation=slot.generation, engine_pid=os.getpid(),
                     segment=channel.segment.name, stats_segment=self.stats_segment.name,
-                    ring_capacity=self.ring_capacity), [self.bell.fd, slot.bell.fd])
+                    ring_capacity=self.ring_capacity, max_message=self.max_message),
+                    [self.bell.fd, slot.bell.fd])
             except OSError:
                 channel.close()
                 slot.bell.close()
@@ -400,11 +437,13 @@ class EngineProcess:
 
 
 def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
-               ring_capacity: int = DEFAULT_RING_CAPACITY, debug_path: str | None = None,
-               overlap: bool | None = None, data_parallel_rank: int = 0) -> None:
+               ring_capacity: int = DEFAULT_RING_CAPACITY, max_message: int = DEFAULT_MAX_MESSAGE,
+               debug_path: str | None = None, overlap: bool | None = None,
+               data_parallel_rank: int = 0) -> None:
     """Build the core, serve until SIGTERM/SIGINT, clean up (the target of an engine process)."""
     engine = EngineProcess(EngineCore(config), control_path, max_slots=max_slots,
-                           ring_capacity=ring_capacity, debug_path=debug_path, overlap=overlap,
+                           ring_capacity=ring_capacity, max_message=max_message,
+                           debug_path=debug_path, overlap=overlap,
                            data_parallel_rank=data_parallel_rank)
     # What exists now (weights, the block pool's KVBlocks) lives as long as the process: keep it
     # out of the cyclic collector, whose full passes otherwise walk it (25-31 ms at 1024 running).

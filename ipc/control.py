@@ -19,6 +19,8 @@ import socket
 
 import msgspec
 
+from ringserve.ipc.ring import DEFAULT_MAX_MESSAGE
+
 ATTACHED = b"attached"
 _MAX_MSG = 4096
 
@@ -30,6 +32,7 @@ class Welcome(msgspec.Struct, tag=True):
     segment: str            # the slot's request ring + output ring
     stats_segment: str      # the engine's published load, heartbeat and per-slot counters
     ring_capacity: int
+    max_message: int = DEFAULT_MAX_MESSAGE  # the most bytes of one message, either way (ipc/ring.py)
 
 
 class Refused(msgspec.Struct, tag=True):

@@ -1,4 +1,5 @@
-"""Wire messages between an engine client (server/) and an engine process, one ring record each.
+"""Wire messages between an engine client (server/) and an engine process, one ring message
+each (a record, or consecutive fragments when it is larger than a quarter of the ring: ipc/ring.py).
 
 msgpack through msgspec (one C call each way, reused Encoder/Decoder), array-like structs (a
 record is a msgpack array, no field names). A prompt's token ids travel as one raw native int32
@@ -12,8 +13,7 @@ Worker -> engine records: :class:`AddRequest`, :class:`Abort` (``encode_request`
 told apart by their tag (the array's first item).
 Engine -> worker record: one step's list of :class:`EngineOutput` (``encode_outputs``/``decode_outputs``),
 the same struct the engine core returns in-process (the offline ``LLM`` reads it directly);
-``encode_output_records`` cuts what would not fit one ring record into several (a long prompt's
-prompt logprobs in parts, joined again by the reader with ``join_part``).
+``encode_output_messages`` halves a step whose outputs together exceed the message limit.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import msgspec
 import numpy as np
 
-from ringserve.ipc.ring import RecordTooLarge
+from ringserve.ipc.ring import MessageTooLarge
 
 # Structs hold no reference cycles, so the garbage collector need not track them (cheaper).
 
@@ -79,10 +79,6 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
     # When prompt_logprobs were asked, once (on sample 0's first output): one PositionLogprobs
     # per prompt token from the second on (the first has none; nothing precedes it).
     prompt_logprobs: list[PositionLogprobs] | None = None
-    # An output too large for one record travels in parts on consecutive records (split_output):
-    # 1: a part, its prompt_logprobs continue on the next part of this request and index;
-    # 2: the last part, the output itself. 0: a whole output (always, once the client joined them).
-    part: int = 0
 
     @property
     def finished(self) -> bool:
@@ -90,6 +86,10 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
 
 
 MAX_REQUEST_ID = 1024  # characters: ours are "cmpl-<32 hex>-<choice>"
+# The most bytes one logprob entry takes in an encoded output: a 3-array (1) of an int32 id (5),
+# a float64 (9) and a rank (5), plus its position's list header (3). The frontend bounds an
+# answer's entries (--max-response-logprobs) so that its outputs always fit one ring message.
+MAX_LOGPROB_ENTRY_BYTES = 23
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(AddRequest | Abort).decode
@@ -163,50 +163,17 @@ def decode_outputs(buf: bytes | memoryview) -> list[EngineOutput]:
     return outputs
 
 
-def encode_output_records(outputs: Sequence[EngineOutput], max_bytes: int) -> list[bytes]:
-    """``outputs`` as records of at most ``max_bytes`` each, in order: one record but for a
-    step whose outputs are too large together (then halves), or one output too large alone
-    (prompt logprobs of a long prompt: then its parts, split_output). Raises RecordTooLarge
-    when one output cannot be split small enough."""
-    record = encode_outputs(outputs)
-    if len(record) <= max_bytes:
-        return [record]  # the common case: one encode, one length check
+def encode_output_messages(outputs: Sequence[EngineOutput], max_bytes: int) -> list[bytes]:
+    """``outputs`` as messages of at most ``max_bytes`` each, in order: one message but for a
+    step whose outputs are too large together (then halves). The ring cuts a message larger
+    than a record into fragments (ipc/ring.py). Raises MessageTooLarge for one output larger
+    than ``max_bytes`` alone."""
+    message = encode_outputs(outputs)
+    if len(message) <= max_bytes:
+        return [message]  # the common case: one encode, one length check
     if len(outputs) > 1:
         half = len(outputs) // 2
-        return encode_output_records(outputs[:half], max_bytes) + \
-            encode_output_records(outputs[half:], max_bytes)
-    return [r for part in split_output(outputs[0], len(record), max_bytes)
-            for r in encode_output_records([part], max_bytes)]
-
-
-def split_output(out: EngineOutput, size: int, max_bytes: int) -> list[EngineOutput]:
-    """An output of ``size`` encoded bytes as parts of about max_bytes / 2 each: its
-    prompt_logprobs in pieces, the first ones on parts of their own (part 1), the last with
-    everything else (part 2, or 1 again when ``out`` is itself a part). The client joins them
-    (join_part) before anyone sees the output."""
-    plp = out.prompt_logprobs
-    if plp is None or len(plp) < 2:
-        raise RecordTooLarge(f"an output of {size} bytes does not fit a ring record of {max_bytes}")
-    per = max(1, len(plp) * max_bytes // (2 * size))
-    pieces = [plp[i:i + per] for i in range(0, len(plp), per)]
-    if len(pieces) == 1:
-        pieces = [plp[:len(plp) // 2], plp[len(plp) // 2:]]
-    parts = [EngineOutput(out.request_id, [], None, out.index, out.num_prompt_tokens,
-                    prompt_logprobs=piece, part=1) for piece in pieces[:-1]]
-    parts.append(msgspec.structs.replace(out, prompt_logprobs=pieces[-1],
-                                         part=1 if out.part == 1 else 2))
-    return parts
-
-
-def join_part(pending: dict[tuple[str, int], list], out: EngineOutput) -> EngineOutput | None:
-    """Take one part of a split output (out.part != 0); the whole output once its last part
-    came, else None. ``pending``: the reader's parts so far, by (request id, index)."""
-    key = (out.request_id, out.index)
-    if out.part == 1:
-        pending.setdefault(key, []).extend(out.prompt_logprobs or ())
-        return None
-    head = pending.pop(key, None)
-    if head is not None:
-        out.prompt_logprobs = head + (out.prompt_logprobs or [])
-    out.part = 0
-    return out
+        return encode_output_messages(outputs[:half], max_bytes) + \
+            encode_output_messages(outputs[half:], max_bytes)
+    raise MessageTooLarge(f"an output of {len(message)} bytes is over the limit of {max_bytes} "
+                          "bytes for one message")

@@ -18,6 +18,7 @@ import falcon.asgi
 import msgspec
 from falcon.routing import CompiledRouter
 
+from ringserve.ipc.ring import MessageTooLarge
 from ringserve.server import protocol as P
 from ringserve.server import serving_chat, serving_completions
 from ringserve.server.config import ServerConfig
@@ -217,6 +218,8 @@ class _Generate:
             await gen.start()
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
+        except MessageTooLarge as exc:  # over the limit of one ring message (docs/ipc.md)
+            raise APIError(400, str(exc), code="request_too_large") from None
         receive = req.scope.get(RECEIVE_KEY)
         watcher = watch_disconnect(receive, gen.abort) if receive is not None else None
         if request.stream:
@@ -245,13 +248,18 @@ class _Generate:
 
 async def _guarded(chunks: AsyncIterator[bytes], gen: Generation,
                    watcher: asyncio.Task | None) -> AsyncIterator[bytes]:
-    """A stream that ends with an error event instead of a cut connection, and that aborts
-    whatever is still running in the engine however it ends (client gone, error)."""
+    """A stream that ends with an error event and [DONE] instead of a cut connection, whatever
+    failed (the engine, or our own output processing), and that aborts whatever is still
+    running in the engine however it ends (client gone, error)."""
     try:
         async for chunk in chunks:
             yield chunk
     except EngineError as exc:
         yield error_event(engine_error(exc))
+        yield DONE
+    except Exception as exc:  # noqa: BLE001 - a bug of ours: the client still gets a whole stream
+        log.exception("stream of request %s failed", gen.choices[0].request_id)
+        yield error_event(APIError(500, f"internal error: {type(exc).__name__}"))
         yield DONE
     finally:
         gen.abort()

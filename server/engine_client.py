@@ -4,7 +4,10 @@ It holds one slot on every engine that is up: a control connection (its closing 
 engine died), a ring pair, the engine's doorbell and its own output doorbell, registered with
 the event loop. ``submit`` picks the least-loaded engine — ``4 * waiting + running`` from the
 engine's published counts, plus this client's submissions the engine has not counted yet —
-writes an AddRequest and rings the engine; outputs come back as an async iterator.
+writes an AddRequest and rings the engine; outputs come back as an async iterator. A request
+larger than a quarter of the ring goes in fragments (ipc/ring.py), queued whole behind what
+waits for room so that no other record lands between them; one over the engine's message limit
+is refused before anything is written (``MessageTooLarge``: HTTP 400).
 
 When an engine dies, every open request on it ends at once with an ``error`` output, new work
 goes to the other engines (``EngineUnavailable`` when there is none: HTTP 503), and a
@@ -35,8 +38,8 @@ from ringserve.ipc.messages import (
     FinishReason,
     decode_outputs,
     encode_request,
-    join_part,
 )
+from ringserve.ipc.ring import MessageTooLarge
 from ringserve.ipc.shm import Segment
 from ringserve.ipc.stats import EngineStats, least_loaded, score
 
@@ -109,12 +112,16 @@ class _Engine:
         self.sock = sock
         self.welcome = welcome
         self.engine_bell, self.bell = Doorbell(fds[0]), Doorbell(fds[1])
-        self.channel = Channel.attach(welcome.segment, welcome.ring_capacity)
+        self.channel = Channel.attach(welcome.segment, welcome.ring_capacity, welcome.max_message)
         self.stats_segment = Segment.attach(welcome.stats_segment)
         self.stats = EngineStats(self.stats_segment.buf)
         self.submitted = 0                   # AddRequest records written to this engine
         self.streams: dict[str, RequestStream] = {}
-        self.parts: dict[tuple[str, int], list] = {}  # a split output's parts so far (join_part)
+        # Records waiting for room in the request ring, in order: (payload, flag: 0 or a
+        # fragment's, the future of a submit waiting for its request's last record, or None).
+        self.outbox: collections.deque[tuple[bytes | memoryview, int, asyncio.Future | None]] = \
+            collections.deque()
+        self.flush_due = False               # a retry of the outbox is scheduled
         self.alive = True
         self.detached: str | None = None     # why the engine detached this slot, if it did
 
@@ -186,7 +193,8 @@ class EngineClient:
         """Send a request to the least-loaded engine; iterate the returned stream for outputs.
 
         ``params``: SamplingParams fields by name (validated by the caller; the engine answers
-        an invalid one with an error output). Raises EngineUnavailable when no engine is up.
+        an invalid one with an error output). Raises EngineUnavailable when no engine is up,
+        MessageTooLarge when the request is over the engine's message limit.
         ``trace``: the engine records the request's journey and returns it on the last output;
         the stream's ``route`` then holds the engine chosen and every engine's score."""
         if request_id in self.streams:
@@ -195,6 +203,11 @@ class EngineClient:
         record = encode_request(AddRequest(request_id, prompt_token_ids, params, trace))
         scores = self.loads() if trace else None
         engine = self._choose()
+        if len(record) > engine.channel.max_message:
+            raise MessageTooLarge(
+                f"this request is {len(record)} bytes on its way to the engine (prompt token ids, "
+                f"stop strings, structured-output grammar and the other parameters), "
+                f"over the limit of {engine.channel.max_message} bytes for one message")
         stream = RequestStream(request_id, engine.index, int(params.get("n", 1)),
                                self.max_stream_backlog, self._on_backlog_full)
         route = None
@@ -202,13 +215,17 @@ class EngineClient:
             route = stream.route = {"engine": engine.index, "scores": scores,
                                     "chosen_at": time.monotonic()}
         self.streams[request_id] = engine.streams[request_id] = stream
-        while not engine.channel.requests.try_write(record):  # full: the engine is behind
-            await asyncio.sleep(0.001)
-            if not engine.alive:
-                self.streams.pop(request_id, None)
-                raise EngineUnavailable(f"engine {engine.index} died before taking the request")
+        try:
+            written = self._post(engine, record, wait=True)
+            if written is not None:  # queued (the ring is full, or the request is in fragments)
+                await written
+        except EngineUnavailable:
+            self.streams.pop(request_id, None)
+            raise
+        except asyncio.CancelledError:  # its client left: the abort goes in behind the request
+            self.abort(request_id)
+            raise
         engine.submitted += 1
-        engine.engine_bell.ring()
         if route is not None:
             route["written_at"] = time.monotonic()
         return stream
@@ -222,7 +239,7 @@ class EngineClient:
         stream._put(EngineOutput(request_id, [], FinishReason.ABORT), final=True)
         if engine is not None and engine.alive:
             engine.streams.pop(request_id, None)
-            self._send_abort(engine, encode_request(Abort(request_id)))
+            self._post(engine, encode_request(Abort(request_id)), wait=False)
 
     def _on_backlog_full(self, stream: RequestStream) -> None:
         """A stream's consumer stopped taking outputs: abort its request (after the output
@@ -236,13 +253,42 @@ class EngineClient:
                 stream.on_backlog_full()
         self._loop.call_soon(abort)
 
-    def _send_abort(self, engine: _Engine, record: bytes) -> None:
+    def _post(self, engine: _Engine, record: bytes, wait: bool) -> asyncio.Future | None:
+        """Write a request or abort message now, or queue it (in fragments if it is larger than
+        a quarter of the ring) behind what waits. wait: the future of its last record's write
+        (EngineUnavailable if the engine is lost first); None when written now."""
+        if not engine.alive:
+            raise EngineUnavailable(f"engine {engine.index} died before taking the request")
+        ring = engine.channel.requests
+        if not engine.outbox and len(record) <= ring.max_fragment and ring.try_write(record):
+            engine.engine_bell.ring()  # PERF: the common case, one record
+            return None
+        done = self._loop.create_future() if wait else None
+        pieces = ring.fragments(record)
+        engine.outbox.extend((piece, flag, None) for piece, flag in pieces[:-1])
+        engine.outbox.append((*pieces[-1], done))
+        self._flush(engine)
+        return done
+
+    def _flush(self, engine: _Engine) -> None:
+        """Write what the outbox holds while the ring has room; retry in 1 ms if it is full."""
         if not engine.alive:
             return
-        if engine.channel.requests.try_write(record):
+        ring, outbox, wrote = engine.channel.requests, engine.outbox, False
+        while outbox and ring.try_write(outbox[0][0], outbox[0][1]):
+            done = outbox.popleft()[2]
+            wrote = True
+            if done is not None and not done.done():
+                done.set_result(None)
+        if wrote:
             engine.engine_bell.ring()
-        else:
-            self._loop.call_later(0.001, self._send_abort, engine, record)
+        if outbox and not engine.flush_due:  # full: the engine is behind
+            engine.flush_due = True
+            self._loop.call_later(0.001, self._retry, engine)
+
+    def _retry(self, engine: _Engine) -> None:
+        engine.flush_due = False
+        self._flush(engine)
 
     def _choose(self) -> _Engine:
         up = [e for e in self.engines if e is not None]
@@ -258,11 +304,6 @@ class EngineClient:
         ring = engine.channel.outputs
         while (record := ring.read()) is not None:
             for out in decode_outputs(record):
-                if out.part:  # NOTE: rare: an output too large for one record came in parts
-                    whole = join_part(engine.parts, out)
-                    if whole is None:
-                        continue
-                    out = whole
                 stream = engine.streams.get(out.request_id)
                 if stream is None:
                     continue  # aborted here already
@@ -319,6 +360,11 @@ class EngineClient:
             stream._put(EngineOutput(request_id, [], FinishReason.ERROR, error=reason), final=True)
             self.streams.pop(request_id, None)
         engine.streams.clear()
+        for _, _, done in engine.outbox:  # a submit still waiting to write its request
+            if done is not None and not done.done():
+                done.set_exception(EngineUnavailable(
+                    f"engine {engine.index} died before taking the request"))
+        engine.outbox.clear()
         self.engines[engine.index] = None
         engine.close()
         log.warning("%s", reason)

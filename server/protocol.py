@@ -22,6 +22,8 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from ringserve.ipc import limits
+from ringserve.ipc.messages import MAX_LOGPROB_ENTRY_BYTES
+from ringserve.ipc.ring import DEFAULT_MAX_MESSAGE
 from ringserve.ipc.structured import StructuredOutputsParams
 from ringserve.server.errors import APIError, bad_request, from_validation_error
 from ringserve.server.structured_outputs import ResponseFormat
@@ -60,6 +62,12 @@ class RequestLimits:
             if value < (0 if name == "max_logprobs" else 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be at least "
                                  f"{0 if name == 'max_logprobs' else 1}, got {value}")
+        # An answer's logprobs (an echoed prompt's come in one engine output) must fit one
+        # ring message, so that no output is ever too large to send (docs/ipc.md).
+        most = DEFAULT_MAX_MESSAGE // MAX_LOGPROB_ENTRY_BYTES
+        if self.max_response_logprobs > most:
+            raise ValueError(f"--max-response-logprobs must be at most {most} (one engine "
+                             f"message of {DEFAULT_MAX_MESSAGE} bytes), got {self.max_response_logprobs}")
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):

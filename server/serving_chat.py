@@ -140,8 +140,8 @@ async def _stream_tools(ctx: ServerContext, req: P.ChatCompletionRequest, gen: G
                     yield chunk(c.index, delta)
                 if called and tp.mode != "named":
                     finish = "tool_calls"
-            else:  # cut short: what was held back goes out as it is
-                rest = ts.text[ts.sent:] if tp.mode == "auto" else ""
+            else:  # cut short: what was held back goes out as it is (named: sent as arguments)
+                rest = ts.text[ts.sent:] if tp.mode != "named" else ""
                 if rest:
                     yield chunk(c.index, P.DeltaMessage(content=rest))
             yield chunk(c.index, P.DeltaMessage(), finish=finish, stop=c.stop_reason)

@@ -12,6 +12,9 @@ serves them.
   `message.tool_calls`; without a parser, "auto" is a 400 (vLLM answers the same).
 - "none": tools are shown to the template, no call is parsed.
 A response with calls has `finish_reason` "tool_calls" (a named choice keeps "stop", as OpenAI).
+A constrained answer cut before its call is whole (a `stop` string, `max_tokens`) has no calls:
+its text so far is the content, with the finish reason it ended with (vLLM's behaviour); a
+streamed named call has sent its arguments as they came, so it ends with them as they are.
 """
 from __future__ import annotations
 
@@ -87,12 +90,19 @@ def _schema(f: P.FunctionDefinition) -> dict[str, Any]:
 # --- turning output text into calls -------------------------------------------------------------
 
 def constrained_calls(tp: ToolPlan, text: str) -> list[P.ToolCall]:
-    """The calls of a required / named answer (its text is the constrained JSON)."""
-    if tp.mode == "named":
-        return [P.ToolCall(id=new_call_id(), function=P.FunctionCall(tp.name or "", text))]
-    return [P.ToolCall(id=new_call_id(), function=P.FunctionCall(
-                c["name"], json.dumps(c["parameters"], ensure_ascii=False)))
-            for c in json.loads(text)]
+    """The calls of a required / named answer (its text is the constrained JSON); none when the
+    text is not a whole call: a stop string or max_tokens cut it before the grammar was done."""
+    try:
+        value = json.loads(text)
+        if tp.mode == "named":
+            if not isinstance(value, dict):
+                return []
+            return [P.ToolCall(id=new_call_id(), function=P.FunctionCall(tp.name or "", text))]
+        return [P.ToolCall(id=new_call_id(), function=P.FunctionCall(
+                    str(c["name"]), json.dumps(c["parameters"], ensure_ascii=False)))
+                for c in value]
+    except (ValueError, KeyError, TypeError):  # cut (or a stop string inside a string)
+        return []
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -197,6 +207,8 @@ class ToolStream:
             return [], True
         if self.tp.mode == "required":
             calls = constrained_calls(self.tp, self.text)
+            if not calls:  # cut before the call was whole: the text so far is content
+                return ([P.DeltaMessage(content=self.text)] if self.text else []), False
             return [d for i, c in enumerate(calls) for d in _whole(i, c)], True
         content, calls = parse_auto(self.tp.parser or "", self.text)
         if not calls:  # no call after all: what was held is content

@@ -121,6 +121,8 @@ def test_engine_config_refuses_bad_settings(kwargs, match):
     (ServerConfig, {"engine_hang_timeout": -1}, "--engine-hang-timeout must be positive"),
     (ParallelConfig, {"workers": 0}, "--workers must be at least 1"),
     (ParallelConfig, {"engines": 0}, "--engines must be at least 1"),
+    # an answer's logprobs must fit one ring message (docs/ipc.md): 64 MiB / 23 bytes an entry
+    (RequestLimits, {"max_response_logprobs": 2_917_777}, "--max-response-logprobs must be at most 2917776"),
 ])
 def test_server_configs_refuse_bad_settings(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):

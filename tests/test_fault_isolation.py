@@ -1,7 +1,7 @@
-"""Fault isolation in the parts, without processes: a corrupt ring, outputs too large for one
-record, a sampling row that raises, a step that raises (engine/core.py, gpu/sampler.py,
-ipc/ring.py, ipc/messages.py). The same through real engine processes and a real server:
-tests/test_fault_isolation_engine.py."""
+"""Fault isolation in the parts, without processes: a corrupt ring, messages larger than a
+record or over the message limit, a sampling row that raises, a step that raises
+(engine/core.py, gpu/sampler.py, ipc/ring.py, ipc/messages.py). The same through real engine
+processes and a real server: tests/test_fault_isolation_engine.py."""
 from __future__ import annotations
 
 import msgspec
@@ -12,21 +12,15 @@ from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.sampler import SamplingMetadata, sample
-from ringserve.ipc.messages import (
-    EngineOutput,
-    decode_outputs,
-    encode_output_records,
-    encode_outputs,
-    join_part,
-)
-from ringserve.ipc.ring import TAIL, CorruptRing, RecordTooLarge, Ring
+from ringserve.ipc.messages import EngineOutput, decode_outputs, encode_output_messages, encode_outputs
+from ringserve.ipc.ring import END, MORE, TAIL, CorruptRing, MessageTooLarge, Ring
 
 # -- the ring -------------------------------------------------------------------------------
 
 
-def _ring(capacity: int = 1024) -> tuple[Ring, Ring]:
+def _ring(capacity: int = 1024, max_message: int = 1 << 20) -> tuple[Ring, Ring]:
     buf = memoryview(bytearray(Ring.region_size(capacity)))
-    return Ring(buf, 0, capacity), Ring(buf, 0, capacity)
+    return Ring(buf, 0, capacity, max_message), Ring(buf, 0, capacity, max_message)
 
 
 @pytest.mark.parametrize("header", [2**40, 2**64 - 1, 1024, 17])
@@ -66,7 +60,56 @@ def test_honest_records_still_read_across_the_wrap():
     assert reader.read() is None
 
 
-# -- outputs in parts ------------------------------------------------------------------------
+# -- messages larger than a record -----------------------------------------------------------
+
+def test_a_message_larger_than_the_ring_crosses_in_fragments_with_small_ones_between():
+    """Messages of 0 to 3 rings' size, written a fragment at a time as room appears (the writer
+    waits for the reader, as it would for another process), come out whole and in order."""
+    writer, reader = _ring(1024)
+    rng = np.random.default_rng(0)
+    sizes = [0, 5, 3000, 200, 255, 250, 2500, 1, 700, 3072]
+    messages = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    pending = [piece for m in messages for piece in writer.fragments(m)]
+    assert len(pending) > 2 * len(messages)
+    got: list[bytes] = []
+    while pending or got != messages:
+        while pending and writer.try_write(*pending[0]):
+            pending.pop(0)
+        if (m := reader.read()) is not None:
+            got.append(m)
+        elif not pending:
+            break
+    assert got == messages and reader.read() is None
+
+
+def test_a_message_over_the_limit_is_refused_by_the_writer_and_the_reader():
+    writer, reader = _ring(1024, max_message=4096)
+    with pytest.raises(MessageTooLarge, match="4096"):
+        writer.fragments(bytes(4097))
+    # A writer that ignores the limit (it flags fragments for ever): the reader stops at it.
+    with pytest.raises(CorruptRing, match="limit"):
+        for _ in range(100):
+            while writer.try_write(bytes(200), MORE):
+                pass
+            assert reader.read() is None
+
+
+@pytest.mark.parametrize("header", [MORE | 1024, END | 1024, MORE | END | 8])
+def test_a_fragment_header_that_cannot_be_true_is_corrupt(header):
+    writer, reader = _ring()
+    writer.write(b"x" * 16, MORE)
+    writer._words[0] = header  # longer than what was published, or both flags at once
+    with pytest.raises(CorruptRing):
+        reader.read()
+
+
+def test_a_whole_record_between_fragments_is_corrupt():
+    writer, reader = _ring()
+    writer.write(b"a" * 16, MORE)
+    writer.write(b"b" * 16)  # the writer broke off its message
+    with pytest.raises(CorruptRing):
+        reader.read()
+
 
 def _prompt_logprobs(positions: int, top: int = 20) -> list:
     rng = np.random.default_rng(0)
@@ -75,31 +118,26 @@ def _prompt_logprobs(positions: int, top: int = 20) -> list:
             for _ in range(positions)]
 
 
-def test_an_output_larger_than_a_record_travels_in_parts_and_is_joined_whole():
-    big = EngineOutput("echo", [17], None, 0, 4001, logprobs=[[(17, -0.5, 1)]],
-                 prompt_logprobs=_prompt_logprobs(4000))
+def test_a_step_over_the_message_limit_is_halved_in_order():
+    big = [EngineOutput(f"echo{i}", [17], None, 0, 4001, logprobs=[[(17, -0.5, 1)]],
+                        prompt_logprobs=_prompt_logprobs(1000)) for i in range(3)]
     small = [EngineOutput("other", [5]), EngineOutput("third", [9], "length")]
-    outs = [small[0], big, small[1]]
-    limit = 64 * 1024
-    assert len(encode_outputs(outs)) > 10 * limit       # ~1.3 MB: more than the default ring
-    records = encode_output_records(outs, limit)
-    assert len(records) > 10 and all(len(r) <= limit for r in records)
-    pending: dict = {}
-    got = [o for r in records for o in map(lambda o: join_part(pending, o) if o.part else o,
-                                            decode_outputs(r)) if o is not None]
-    assert got == outs and not pending
-    assert [o.request_id for o in got] == ["other", "echo", "third"]  # order kept
+    outs = [small[0], big[0], big[1], small[1], big[2]]
+    limit = len(encode_outputs(big[:1])) + 100   # one big output fits, two do not
+    messages = encode_output_messages(outs, limit)
+    assert len(messages) >= 3 and all(len(m) <= limit for m in messages)
+    assert [o for m in messages for o in decode_outputs(m)] == outs  # whole, in order
 
 
-def test_outputs_that_fit_stay_one_record():
+def test_outputs_that_fit_stay_one_message():
     outs = [EngineOutput(f"r{i}", [i], logprobs=[[(i, -1.0, 1)]]) for i in range(100)]
-    (record,) = encode_output_records(outs, 1 << 18)
-    assert record == encode_outputs(outs)
+    (message,) = encode_output_messages(outs, 1 << 18)
+    assert message == encode_outputs(outs)
 
 
-def test_an_output_that_cannot_be_cut_is_refused():
-    with pytest.raises(RecordTooLarge):
-        encode_output_records([EngineOutput("x", [], "error", error="e" * 5000)], 4096)
+def test_an_output_over_the_message_limit_alone_is_refused():
+    with pytest.raises(MessageTooLarge):
+        encode_output_messages([EngineOutput("x", [], "error", error="e" * 5000)], 4096)
 
 
 # -- the sampler -----------------------------------------------------------------------------

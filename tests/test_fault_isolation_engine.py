@@ -23,7 +23,14 @@ from ringserve.engine.process import run_engine
 from ringserve.ipc import control
 from ringserve.ipc.channel import Channel
 from ringserve.ipc.doorbell import Doorbell
-from ringserve.ipc.messages import Abort, AddRequest, EngineOutput, decode_outputs, encode_request, join_part
+from ringserve.ipc.messages import (
+    Abort,
+    AddRequest,
+    EngineOutput,
+    decode_outputs,
+    encode_outputs,
+    encode_request,
+)
 from ringserve.ipc.ring import RECORD_HEADER, TAIL
 from ringserve.ipc.stats import NUM_FREE_BLOCKS
 from ringserve.server.engine_client import EngineClient
@@ -65,10 +72,10 @@ class RawSlot:
 
     def __init__(self, path: str):
         self.sock, self.welcome, (engine_fd, output_fd) = control.connect(path)
-        self.channel = Channel.attach(self.welcome.segment, self.welcome.ring_capacity)
+        self.channel = Channel.attach(self.welcome.segment, self.welcome.ring_capacity,
+                                      self.welcome.max_message)
         self.engine_bell, self.bell = Doorbell(engine_fd), Doorbell(output_fd)
         self.sock.send(control.ATTACHED)
-        self.parts: dict = {}
 
     def send(self, record: bytes) -> None:
         self.channel.requests.write(record)
@@ -94,11 +101,7 @@ class RawSlot:
     def outputs(self) -> list[EngineOutput]:
         got = []
         while (record := self.channel.outputs.read()) is not None:
-            for out in decode_outputs(record):
-                if out.part:
-                    out = join_part(self.parts, out)
-                if out is not None:
-                    got.append(out)
+            got += decode_outputs(record)
         return got
 
     def wait_for(self, request_id: str, timeout: float = 30.0) -> list[EngineOutput] | None:
@@ -442,10 +445,11 @@ WORDS = ("the of and to in is was for on that with as by at from his her it an w
 
 def test_a_long_echo_with_logprobs_is_larger_than_the_ring_and_completes(serve, default_model_dir):
     """echo + logprobs 20 on a 4,000-word prompt with the real default model: the prompt
-    logprobs (~1.3 MB encoded, more than the 1 MiB ring) arrive in parts, whole: one entry per
-    prompt token and per generated token. A request beside it is unharmed."""
+    logprobs (~1.3 MB encoded, more than the 1 MiB ring) arrive in fragments, whole: one entry per
+    prompt token and per generated token. A request of ~1.5 MB (its grammar) crosses the other
+    way in fragments. A request beside them is unharmed."""
     server = serve(default_model_dir, "--workers", "1", "--device", "cpu",
-                   "--max-num-batched-tokens", "512", timeout=300)
+                   "--max-num-batched-tokens", "512", "--max-body-bytes", str(4 << 20), timeout=300)
     url = server.url
     rng = random.Random(0)
     prompt = " ".join(rng.choice(WORDS) for _ in range(4000))
@@ -461,6 +465,22 @@ def test_a_long_echo_with_logprobs_is_larger_than_the_ring_and_completes(serve, 
         r = client.post(url + "/v1/completions", json={
             "model": model, "prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 2,
             "temperature": 0.0})
+        # The other way: a request whose grammar (one choice of 1.5 MB) is larger than the
+        # ring; the answer follows it, streamed or not.
+        choices = ["yes", "no", "y" * 1_500_000]
+        for stream in (False, True):
+            asked = client.post(url + "/v1/completions", json={
+                "model": model, "prompt": "Answer yes or no:", "max_tokens": 4, "stream": stream,
+                "temperature": 0.0, "guided_choice": choices})
+            assert asked.status_code == 200, asked.text[:500]
+            if stream:
+                assert asked.text.endswith("data: [DONE]\n\n") and '"error"' not in asked.text
+                text = "".join(json.loads(line[6:])["choices"][0]["text"]
+                               for line in asked.text.splitlines()
+                               if line.startswith("data: {"))
+            else:
+                text = asked.json()["choices"][0]["text"]
+            assert any(c.startswith(text) for c in choices) and text, text
         runner.join(600)
     assert r.status_code == 200, r.text
     body = r.json()
@@ -477,22 +497,24 @@ def test_a_long_echo_with_logprobs_is_larger_than_the_ring_and_completes(serve, 
     assert "died" not in server.log.read_text()
 
 
-SMALL_RING = 64 << 10  # a slot may then hold BACKLOG_RINGS x 64 KiB of unread outputs
+SMALL_RING = 64 << 10     # a slot may then hold one message and BACKLOG_RINGS x 64 KiB of
+SMALL_MESSAGE = 128 << 10  # unread outputs
 
 
 @pytest.fixture
 def small_ring_engine(tiny_model_dir, tmp_path):
-    yield from _engine_process(tiny_model_dir, tmp_path, ring_capacity=SMALL_RING)
+    yield from _engine_process(tiny_model_dir, tmp_path, ring_capacity=SMALL_RING,
+                               max_message=SMALL_MESSAGE)
 
 
 def test_a_slot_that_stops_reading_its_outputs_is_detached_not_queued_forever(small_ring_engine):
-    """A slot whose outputs nobody reads (a stopped worker) holds at most BACKLOG_RINGS rings of
-    them in the engine: past that it is detached, its requests aborted (the pool whole again),
-    and a client on another slot is served as before."""
+    """A slot whose outputs nobody reads (a stopped worker) holds at most one message and
+    BACKLOG_RINGS rings of them in the engine: past that it is detached, its requests aborted
+    (the pool whole again), and a client on another slot is served as before."""
     from ringserve.engine.process import BACKLOG_RINGS
     path, proc = small_ring_engine
     params = dict(max_tokens=230, temperature=0.0, ignore_eos=True, logprobs=20)
-    # 12 x 230 tokens x 21 logprobs: about 1 MB of outputs, over 8 x 64 KiB
+    # 12 x 230 tokens x 21 logprobs: about 1 MB of outputs, over 128 KiB + 8 x 64 KiB
 
     async def body():
         client = EngineClient([path])
@@ -522,5 +544,80 @@ def test_a_slot_that_stops_reading_its_outputs_is_detached_not_queued_forever(sm
         assert engine.alive and engine.welcome.engine_pid == proc.pid
         await client.close()
 
-    assert BACKLOG_RINGS * SMALL_RING < 12 * 230 * 21 * 12  # the test's outputs exceed the bound
+    assert SMALL_MESSAGE + BACKLOG_RINGS * SMALL_RING < 12 * 230 * 21 * 12  # outputs exceed the bound
     asyncio.run(body())
+
+
+TINY_RING = 32 << 10
+
+
+@pytest.fixture
+def tiny_ring_engine(tiny_model_dir, tmp_path):
+    yield from _engine_process(tiny_model_dir, tmp_path, ring_capacity=TINY_RING,
+                               max_message=SMALL_MESSAGE)
+
+
+def test_messages_larger_than_the_ring_cross_both_ways_beside_small_ones(tiny_ring_engine):
+    """On 32 KiB rings (records of 8 KiB), through a real engine process: requests of ~100 KiB
+    (a long stop string: the engine takes it, the frontend applies it) and outputs of ~55 KiB
+    (prompt logprobs 20 of a 200-token prompt), both larger than the ring, go in fragments,
+    interleaved with small requests written at the same time; every answer is whole and the
+    small ones are what they are alone. Such an output as the last of a request, the engine
+    then idle, still arrives whole. A request over the 128 KiB message limit is refused before
+    it is written; a writer that sends fragments past the limit has its slot detached."""
+    from ringserve.ipc.ring import MORE, MessageTooLarge
+    path, proc = tiny_ring_engine
+    long_prompt = [(7 * i) % 380 + 1 for i in range(200)]
+    big = dict(max_tokens=3, temperature=0.0, prompt_logprobs=20, stop=["x" * 100_000])
+
+    async def body():
+        client = EngineClient([path])
+        await client.start()
+        await client.wait_ready()
+        assert client.engines[0].channel.max_message == SMALL_MESSAGE  # told in the Welcome
+        alone = [t async for o in await client.submit("ref", PROMPT, GREEDY) for t in o.new_token_ids]
+
+        async def run(rid: str, prompt, params) -> list[EngineOutput]:
+            return [o async for o in await client.submit(rid, prompt, params)]
+
+        jobs = [run(f"big{k}", long_prompt, big) if k % 3 == 0 else run(f"small{k}", PROMPT, GREEDY)
+                for k in range(9)]
+        results = await asyncio.gather(*jobs)
+        firsts = []
+        for k, outs in enumerate(results):
+            assert outs[-1].finished and outs[-1].error is None, outs[-1]
+            tokens = [t for o in outs for t in o.new_token_ids]
+            if k % 3:
+                assert tokens == alone
+                continue
+            assert len(tokens) == 3
+            (out,) = [o for o in outs if o.prompt_logprobs is not None]
+            plp = out.prompt_logprobs
+            assert len(plp) == len(long_prompt) - 1 and all(20 <= len(p) <= 21 for p in plp)
+            assert len(encode_outputs([out])) > TINY_RING  # more than the ring
+            firsts.append(plp)
+        assert len(firsts) == 3 and firsts[0] == firsts[1] == firsts[2]  # whole, and the same
+        # alone, its large output the last: what the ring could not hold goes out while idle
+        last = await asyncio.wait_for(run("last", long_prompt, dict(big, max_tokens=1)), 30)
+        assert last[-1].finished and last[-1].prompt_logprobs == firsts[0]
+        with pytest.raises(MessageTooLarge, match=str(SMALL_MESSAGE)):
+            await client.submit("huge", PROMPT, dict(GREEDY, stop=["x" * SMALL_MESSAGE]))
+        assert "huge" not in client.streams
+        assert [t async for o in await client.submit("after", PROMPT, GREEDY)
+                for t in o.new_token_ids] == alone
+        await client.close()
+
+    asyncio.run(body())
+    raw = RawSlot(path)  # a writer that ignores the limit: fragments without end
+    try:
+        deadline = time.monotonic() + 30
+        while not raw.detached():
+            assert time.monotonic() < deadline, "the slot was never detached"
+            if raw.channel.requests.try_write(bytes(16_000), MORE):
+                raw.engine_bell.ring()
+            else:
+                time.sleep(0.01)
+        assert "not a request" in raw.why and str(SMALL_MESSAGE) in raw.why, raw.why
+    finally:
+        raw.close()
+    assert proc.is_alive()

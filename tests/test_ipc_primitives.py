@@ -249,6 +249,46 @@ def test_32k_token_prompt_crosses():
     ch.close()
 
 
+def _echo_messages(name: str, capacity: int, count: int) -> None:
+    """Read `count` messages from the request ring and write each back on the output ring, a
+    fragment at a time as room appears (an engine's part, in another process)."""
+    ch = Channel.attach(name, capacity)
+    pending: list = []
+    echoed = 0
+    while echoed < count or pending:
+        if echoed < count and (msg := ch.requests.read()) is not None:
+            pending += ch.outputs.fragments(msg)
+            echoed += 1
+        while pending and ch.outputs.try_write(*pending[0]):
+            pending.pop(0)
+    ch.close()
+
+
+def test_messages_several_rings_large_cross_both_ways_between_processes():
+    """Messages up to 5x the ring (20 records' worth), interleaved with small ones, go to
+    another process and back, each written in fragments as the reader makes room: all whole,
+    in order, both ways."""
+    ch = Channel.create(capacity=16 * 1024)
+    rng = np.random.default_rng(1)
+    sizes = [int(rng.integers(1, 200)) if i % 3 else int(rng.integers(20_000, 80_000)) for i in range(60)]
+    messages = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    p = ctx.Process(target=_echo_messages, args=(ch.segment.name, ch.capacity, len(messages)))
+    p.start()
+    pending = [piece for m in messages for piece in ch.requests.fragments(m)]
+    got: list[bytes] = []
+    deadline = time.monotonic() + 60
+    while len(got) < len(messages):
+        assert time.monotonic() < deadline and (p.is_alive() or p.exitcode == 0)
+        while pending and ch.requests.try_write(*pending[0]):
+            pending.pop(0)
+        if (msg := ch.outputs.read()) is not None:
+            got.append(msg)
+    p.join(30)
+    assert p.exitcode == 0 and got == messages and ch.outputs.read() is None
+    assert max(sizes) > 4 * ch.capacity
+    ch.close()
+
+
 # -- messages ----------------------------------------------------------------------------
 
 
@@ -282,9 +322,9 @@ def test_output_messages_round_trip():
     ]
     assert decode_outputs(encode_outputs(outs)) == outs
     assert decode_outputs(encode_outputs([])) == []
-    # one decode token of one request: 31 bytes (the step's int32 id block and int32 count
-    # block, 4 bytes each, then a 12-field array holding the id and an empty list)
-    assert len(encode_outputs([EngineOutput("abcd", [5])])) == 31
+    # one decode token of one request: 30 bytes (the step's int32 id block and int32 count
+    # block, 4 bytes each, then an 11-field array holding the id and an empty list)
+    assert len(encode_outputs([EngineOutput("abcd", [5])])) == 30
 
 
 # -- load score --------------------------------------------------------------------------

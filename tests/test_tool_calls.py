@@ -275,3 +275,53 @@ def test_llm_chat_passes_tools_to_the_template(model_dir):
     assert '"name": "get_weather"' in out.prompt and "<tools>" in out.prompt
     _valid([{"name": "get_weather", "arguments": out.outputs[0].text}])
     assert "<tools>" not in llm.chat(ASK, SamplingParams(max_tokens=1))[0].prompt
+
+
+# A constrained call cut by a stop string or max_tokens (issue 33 item 5): no call, the text so
+# far as content, the finish reason it ended with; streamed, a whole stream ending in [DONE].
+CUT_CALLS = [  # (tool_choice, cut, finish_reason)
+    ("required", {"stop": ["parameters"]}, "stop"),
+    ("required", {"max_tokens": 6}, "length"),
+    ({"type": "function", "function": {"name": "get_weather"}}, {"stop": ["unit"]}, "stop"),
+    ({"type": "function", "function": {"name": "get_weather"}}, {"max_tokens": 4}, "length"),
+]
+
+
+@pytest.mark.parametrize("tool_choice,cut,finish", CUT_CALLS)
+def test_a_constrained_call_cut_short_is_content(hermes, tool_choice, cut, finish):
+    body = dict(messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                **{"max_tokens": 100, **cut})
+    r = _client(hermes).chat.completions.create(model="x", **body)
+    ch = r.choices[0]
+    assert ch.finish_reason == finish and ch.message.tool_calls is None, ch
+    text = ch.message.content
+    assert text and ("{" in text or "[" in text), text  # the call's JSON so far
+    with pytest.raises(ValueError):
+        json.loads(text)  # not a whole call
+    if "stop" in cut:
+        assert cut["stop"][0] not in text and ch.stop_reason == cut["stop"][0]
+    with httpx.Client(base_url=hermes, timeout=300) as c:
+        raw = c.post("/v1/chat/completions", json=dict(body, stream=True)).text
+    assert raw.endswith("data: [DONE]\n\n") and '"error"' not in raw, raw[-500:]
+    streamed, s_finish, content, _ = _streamed(hermes, **body)
+    assert s_finish == finish
+    if tool_choice == "required":  # held back until the end, then sent as content
+        assert (streamed, content) == ([], text)
+    else:  # a named call's arguments went out as they came
+        assert content == "" and [c["arguments"] for c in streamed] == [text]
+
+
+def test_auto_call_cut_inside_tool_call_is_content(hermes):
+    body = dict(messages=ASK, tools=TOOLS, temperature=0, max_tokens=12,
+                structured_outputs={"regex": HERMES_CALL})
+    r = _client(hermes).chat.completions.create(
+        model="x", messages=ASK, tools=TOOLS, temperature=0, max_tokens=12,
+        extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and ch.message.tool_calls is None
+    assert ch.message.content.startswith("Let me check.<tool_call>"), ch.message.content
+    streamed, finish, content, _ = _streamed(hermes, **body)
+    assert (streamed, finish, content) == ([], "length", ch.message.content)
+    # a stop string inside the call: the same, finishing with "stop"
+    streamed, finish, content, _ = _streamed(hermes, **dict(body, max_tokens=100, stop=["arguments"]))
+    assert streamed == [] and finish == "stop" and content.startswith("Let me check.<tool_call>")
