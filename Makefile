@@ -12,7 +12,13 @@ TEST_EXTRAS  := test,plot,bench,kv-events$(CUDA)
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-test browser model serve test clean
+# Python 3.12 (pyenv's, where there is one): a venv with what `.[cuda]` resolves to there, and
+# beside it (not installed) numpy >= 2.5, the pair the start-up check must name;
+# tests/test_cuda_stack.py compiles Numba CUDA kernels to PTX with them (no GPU needed).
+PYTHON312 ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.12*/bin/python))
+VENV312   := .venv312
+
+.PHONY: install install-test browser model serve test venv312 clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +36,15 @@ install: $(VENV)/.installed$(subst $(comma),-,$(CUDA))
 
 install-test: $(VENV)/.installed-$(subst $(comma),-,$(TEST_EXTRAS))
 
+$(VENV312)/.installed: pyproject.toml
+	@if [ -z "$(PYTHON312)" ]; then echo "no Python 3.12 (pyenv): tests/test_cuda_stack.py skips"; else \
+	  rm -rf $(VENV312) && $(PYTHON312) -m venv $(VENV312) && \
+	  $(VENV312)/bin/python -m pip install --quiet -e ".[cuda]" && \
+	  $(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/numpy25 "numpy>=2.5" && \
+	  touch $@; fi
+
+venv312: $(VENV312)/.installed
+
 # Headless Chromium for the /dashboard test (Debian's package; needs root, else that test skips and says why).
 browser:
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
@@ -41,8 +56,8 @@ model: install
 serve: model
 	$(BIN)/ringserve serve $(ARGS)
 
-test: install-test model browser
+test: install-test model browser venv312
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV312) build *.egg-info .pytest_cache .hypothesis

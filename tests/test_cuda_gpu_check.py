@@ -27,8 +27,10 @@ def test_without_a_device_it_checks_the_imports_writes_them_and_exits_1(tmp_path
     assert "no CUDA device" in proc.stderr
     result = json.loads((out / "gpu_check.json").read_text())
     checks = {p["check"]: p for p in result["preflight"]}
-    assert set(checks) == {f"import {m}" for m in gpu_preflight.IMPORTS + gpu_preflight.OPTIONAL}
+    assert set(checks) == {f"import {m}" for m in gpu_preflight.IMPORTS + gpu_preflight.OPTIONAL} | {
+        "numpy / numba-cuda pair"}
     assert checks["import numpy"]["ok"] and checks["import numba.cuda"]["ok"]
+    assert checks["numpy / numba-cuda pair"]["ok"], checks["numpy / numba-cuda pair"]
     assert "preflight ok   import numpy" in proc.stdout  # printed as it ran
     assert "preflight" in result["phases"]
     assert (out / "gpu_check.txt").read_text().startswith("no CUDA device")

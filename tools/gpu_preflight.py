@@ -1,8 +1,9 @@
 """gpu_check's preflight: ~30 s that say whether the long run can work, each result printed as
 it comes. Imports first (they run without a GPU too: the wheel list of docs/deploy.md is
-checked wherever gpu_check runs), then on the device: the CUDA C kernels compile (NVRTC), one
-eager step of a tiny random Llama against the CPU backend, and one cuBLAS GEMM captured into a
-CUDA graph and replayed against numpy (gpu/cuda/gemm.py: the capture CuPy's cuBLAS refuses).
+checked wherever gpu_check runs) and whether numpy and numba-cuda go together, then on the
+device: the CUDA C kernels compile (NVRTC), one eager step of a tiny random Llama against the
+CPU backend, and one cuBLAS GEMM captured into a CUDA graph and replayed against numpy
+(gpu/cuda/gemm.py: the capture CuPy's cuBLAS refuses).
 """
 from __future__ import annotations
 
@@ -45,8 +46,21 @@ def _import(name: str) -> str:
     return str(getattr(module, "__version__", "") or "")
 
 
+def numpy_numba_cuda() -> str:
+    """The numpy / numba-cuda pair can compile a Numba CUDA kernel (gpu/devices.py)."""
+    import importlib.metadata as md
+
+    import numpy as np
+
+    from ringserve.gpu.devices import cuda_stack_problem
+    if (problem := cuda_stack_problem()) is not None:
+        raise RuntimeError(problem)
+    return f"numpy {np.__version__}, numba-cuda {md.version('numba-cuda')}"
+
+
 def imports(results: list[dict]) -> bool:
     ok = all([check(results, f"import {m}", partial(_import, m)) for m in IMPORTS])
+    ok = check(results, "numpy / numba-cuda pair", numpy_numba_cuda) and ok
     for m in OPTIONAL:
         check(results, f"import {m}", partial(_import, m), required=False)
     return ok
