@@ -108,19 +108,18 @@ def captured_gemm() -> str:
     from ringserve.gpu.cuda import capture
     from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
     stream = cp.cuda.Stream(non_blocking=True)
-    ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
-    gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
-    rng = np.random.default_rng(0)
-    x = cp.asarray(rng.standard_normal((7, 256)).astype(np.float16))
-    w = cp.asarray(rng.standard_normal((96, 256)).astype(np.float16) * 0.1)
-    out = cp.zeros((7, 96), cp.float16)
-    cp.cuda.Device().synchronize()
-    with stream:
+    host = np.random.default_rng(0)
+    with stream:  # NOTE: made and filled on the stream that reads them
+        ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
+        gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
+        x = cp.asarray(host.standard_normal((7, 256)).astype(np.float16))
+        w = cp.asarray(host.standard_normal((96, 256)).astype(np.float16) * 0.1)
+        out = cp.zeros((7, 96), cp.float16)
         gemm(x, w, out)  # eager first: cuBLAS picks its kernel outside the capture
         stream.synchronize()
         graph = capture.capture(stream, lambda: gemm(x, w, out),
                                 lambda: cp.cuda.using_allocator(capture.refuse_allocation))
-    x_host = rng.standard_normal((7, 256)).astype(np.float16)
+    x_host = host.standard_normal((7, 256)).astype(np.float16)
     x.set(x_host, stream=stream)  # the replay reads whatever x holds now
     graph.launch(stream)
     stream.synchronize()
