@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 PYTHON312 ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.12*/bin/python))
 VENV312   := .venv312
 
-.PHONY: install install-test browser model serve test venv312 clean
+.PHONY: install install-test browser model serve test venv312 wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ $(VENV312)/.installed: pyproject.toml
 	  touch $@; fi
 
 venv312: $(VENV312)/.installed
+
+# The wheels the device command carries (docs/deploy.md "The device command"): into .whl/.
+wheels:
+	PYTHON=$(PYTHON) bash tools/download_wheels.sh .whl
 
 # Headless Chromium for the /dashboard test (Debian's package; needs root, else that test skips and says why).
 browser:

@@ -1,6 +1,6 @@
 """One command for a GPU machine: a preflight, the `gpu` tests, then a benchmark table.
 
-    python -u -m ringserve.tools.gpu_check --out DIR [--skip-tests] [--budget-s 360]
+    python -u -m ringserve.tools.gpu_check --out DIR [--skip-tests] [--skip-preflight] [--budget-s 360]
 
 0. A ~30 s preflight (tools/gpu_preflight.py), each result printed as it comes: the imports
    (without a device too), the .cu kernels compile, one eager step of a tiny model, one
@@ -840,6 +840,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True,
                     help="folder for gpu_check.json and gpu_check.txt, rewritten after every phase")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-preflight", action="store_true",
+                    help="the preflight's imports only, not its device checks (run before, alone: "
+                         "tools/device_run.py)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="the whole run, tests included")
     ap.add_argument("--table", choices=sorted(TABLES), default="fp16",
                     help="the benchmark tables: fp16 (attention, ours vs transformers), quant "
@@ -855,7 +858,8 @@ def main(argv=None) -> int:
     result.update(skipped=budget.skipped, phases=budget.phases, errors=budget.errors)
     from ringserve.tools import gpu_preflight
     preflight_ok = budget.run("preflight", 1,
-                              lambda: gpu_preflight.run(result["preflight"], device is not None),
+                              lambda: gpu_preflight.run(result["preflight"],
+                                                        device is not None and not args.skip_preflight),
                               limit_s=PREFLIGHT_S * LIMIT_FACTOR)
     if device is None:
         print("gpu_check: no CUDA device (CuPy sees none); the imports above are all it checks "
