@@ -41,8 +41,10 @@ def on_gpu(test):
 
 DTYPES = ("bfloat16", "float16")
 # Steps of the served dtype a clear lead must exceed, at the largest logit magnitude a random
-# model of tools/tiny_llama.py gives (tied embeddings of std 0.3 over a normed hidden state:
-# logits of std ~14, the best of 384 below 64).
+# model of tools/tiny_llama.py gives (tied embeddings of std 0.3 over a normed hidden state of
+# 2048: logits of std ~14, the best of 384 about 40, below 64). A lead between the best two of
+# 384 such logits is ~4 on average: about 4 in 10 positions are unclear in bf16 (2.0), 1 in 16 in
+# fp16 (0.25), so a check must cover at least one position per request on average.
 LEAD_STEPS, LOGIT_MAGNITUDE = 4, 64.0
 SPACING = {"bfloat16": 2.0 ** -7, "float16": 2.0 ** -10, "float32": 2.0 ** -23}  # relative step
 MAX_TOKENS = 32
@@ -84,21 +86,22 @@ def compared(got: list[str], want: list[str], leads: list[float], clear: float) 
     return n
 
 
-def check_batch_invariance(url: str, dtype: str) -> int:
-    """One request alone, then the same beside 63 others: its greedy tokens agree (compared
-    positions returned; each of the 64 must be done)."""
-    probe = prompts(1, seed=1)[0]
-    (alone, leads), = asyncio.run(greedy_all(url, [probe]))
-    crowd = asyncio.run(greedy_all(url, [probe] + prompts(63, seed=2)))
+def check_batch_invariance(url: str, dtype: str, probes: int = 8) -> list[int]:
+    """`probes` requests each alone, then together with the rest of 64 at once: each one's
+    greedy tokens agree (the positions compared per probe; every one of the 64 completes)."""
+    batch = prompts(64, seed=1)
+    alone = [asyncio.run(greedy_all(url, [p]))[0] for p in batch[:probes]]
+    crowd = asyncio.run(greedy_all(url, batch))
     assert all(len(tokens) == MAX_TOKENS for tokens, _ in crowd)
-    return compared(crowd[0][0], alone, leads, clear_lead(dtype))
+    clear = clear_lead(dtype)
+    return [compared(crowd[i][0], tokens, leads, clear) for i, (tokens, leads) in enumerate(alone)]
 
 
 def test_batch_invariance_on_the_cpu_backend(tiny_server):
     """This file's checks on the tiny model and the CPU backend (float32): the same helpers the
     device runs, against a real server."""
     n = check_batch_invariance(tiny_server(), "float32")
-    assert n >= MAX_TOKENS // 2, f"only {n} positions compared"
+    assert sum(n) >= len(n) * MAX_TOKENS // 2, f"too few positions compared: {n}"
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +149,11 @@ def test_greedy_tokens_equal_with_graphs_and_eager(servers, dtype):
     graphs = asyncio.run(greedy_all(servers[dtype, "graphs"], batch))
     eager = asyncio.run(greedy_all(servers[dtype, "eager"], batch))
     n = [compared(g, e, leads, clear_lead(dtype)) for (g, _), (e, leads) in zip(graphs, eager, strict=True)]
-    assert sum(n) >= 2 * MAX_TOKENS, f"too few clear positions to compare: {n}"
+    assert sum(n) >= len(n), f"too few clear positions to compare: {n}"
 
 
 @on_gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batch_invariance(servers, dtype):
     n = check_batch_invariance(servers[dtype, "graphs"], dtype)
-    assert n >= MAX_TOKENS // 4, f"only {n} positions compared"
+    assert sum(n) >= len(n), f"too few clear positions to compare: {n}"

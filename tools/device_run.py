@@ -11,8 +11,8 @@ network, from the checkout's root, in at most --budget-s (530 s) and with at mos
    (np.row_stack = np.vstack) stands in, and device_run.txt says so. The two random 1B-shape
    models (bfloat16, float16) are written in the background meanwhile.
 1. preflight (tools/gpu_preflight.py)                          -> preflight.txt
-2. gpu_check, fp16 / bf16 and quantized tables (--table all)   -> gpu_check.json, .txt, .log
-3. the `gpu` tests (tests/test_gpu_cuda.py, test_gpu_serve.py) -> gpu_tests.txt
+2. the `gpu` tests (tests/test_gpu_serve.py, test_gpu_cuda.py) -> gpu_tests.txt
+3. gpu_check, fp16 / bf16 and quantized tables (--table all)   -> gpu_check.json, .txt, .log
 4. the serve sweep (tools/serve_sweep.py: c = 1, 8, 64, 256, ring and HTTP, both models)
                                                                -> serve_sweep.json, .txt
 and device_run.txt: this driver's log (setup, each phase's command, status and seconds).
@@ -41,7 +41,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_FILES = ("device_run.txt", "preflight.txt", "gpu_check.json", "gpu_check.txt", "gpu_check.log",
                 "gpu_tests.txt", "serve_sweep.json", "serve_sweep.txt")
-GPU_TESTS = ("tests/test_gpu_cuda.py", "tests/test_gpu_serve.py")
+GPU_TESTS = ("tests/test_gpu_serve.py", "tests/test_gpu_cuda.py")  # the servers' start first
 # Stands in for numpy's np.row_stack where the carried numpy < 2.5 cannot be used (gpu/devices.py
 # cuda_stack_problem: numba-cuda 0.30.4 registers it, numpy 2.5 removed it).
 SHIM = ("import numpy as np  # ringserve tools/device_run.py: numba-cuda registers np.row_stack\n"
@@ -66,14 +66,16 @@ def _py(*argv: str) -> list[str]:
     return [sys.executable, "-u", *argv]
 
 
+# Limits add up to 520 s of the 530: setup (~15 s: the wheels) comes out of the last phase's.
+# The gpu tests come before the benchmarks: correctness first when a phase must be cut short.
 PHASES = (
-    Phase("preflight", 60, 20, "preflight.txt", lambda a, s: _py("-m", "ringserve.tools.gpu_preflight")),
-    Phase("gpu_check", 190, 60, "gpu_check.log", lambda a, s: _py(
+    Phase("preflight", 50, 20, "preflight.txt", lambda a, s: _py("-m", "ringserve.tools.gpu_preflight")),
+    Phase("gpu tests", 190, 60, "gpu_tests.txt", lambda a, s: _py(
+        "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider",
+        *GPU_TESTS)),
+    Phase("gpu_check", 170, 60, "gpu_check.log", lambda a, s: _py(
         "-m", "ringserve.tools.gpu_check", "--out", str(a.out), "--skip-tests", "--skip-preflight",
         "--table", "all", "--budget-s", str(int(s - 10)))),
-    Phase("gpu tests", 170, 60, "gpu_tests.txt", lambda a, s: _py(
-        "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-o", "addopts=-ra --strict-markers",
-        *GPU_TESTS)),
     Phase("serve sweep", 110, 40, "device_run.txt", lambda a, s: _py(
         "-m", "ringserve.tools.serve_sweep", "--out", str(a.out), "--device", a.device, "--shape", a.shape,
         "--dtypes", "bfloat16,float16", "--concurrency", a.concurrency, "--budget-s", str(int(s - 10)),
