@@ -360,27 +360,27 @@ def bench_attention(rows, copy_bps, deadline) -> None:
     H, KVH, D = (ATTN_SHAPE[k] for k in ("num_heads", "num_kv_heads", "head_dim"))
     attn = PagedAttention(D, H // KVH)
     num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    stream = cp.cuda.Stream(non_blocking=True)
     for B, ctx in ATTN_CASES:
         if time.monotonic() > deadline:
             print("gpu_check: attention benchmark stopped at the deadline", file=sys.stderr)
             return
         try:
-            rows.extend(attention_case(attn, B, ctx, num_sms, copy_bps))
+            rows.extend(attention_case(attn, B, ctx, num_sms, copy_bps, stream))
         finally:
             free_device_memory()
 
 
-def attention_case(attn, B: int, ctx: int, num_sms: int, copy_bps: float) -> list[dict]:
-    """One (batch, context) case of bench_attention on a stream of its own: every array is
-    made and filled on the stream that then reads it (CuPy's `with stream`), so the kernels
-    never see a block table or K/V still being written on another stream (issue 25: an
-    illegal address at B=16, context 8192, when they were made on the legacy default stream)."""
+def attention_case(attn, B: int, ctx: int, num_sms: int, copy_bps: float, stream) -> list[dict]:
+    """One (batch, context) case of bench_attention: every array is made and filled on the
+    stream that then reads it (CuPy's `with stream`), so the kernels never see a block table
+    or K/V still being written on another stream (issue 25: an illegal address at B=16,
+    context 8192, when they were made on the legacy default stream)."""
     import cupy as cp
     from numba import cuda as nb_cuda
 
     from ringserve.gpu.cuda import plan
     H, KVH, D, BS = (ATTN_SHAPE[k] for k in ("num_heads", "num_kv_heads", "head_dim", "block_size"))
-    stream = cp.cuda.Stream(non_blocking=True)
     per_req = -(-ctx // BS)
     splits = plan.attention_splits(num_tokens=B, num_kv_heads=KVH, max_seq_len=ctx, num_sms=num_sms)
     with stream:

@@ -203,14 +203,16 @@ def num_prompts_for(concurrency: int, minimum: int) -> int:
 
 
 def run(args: argparse.Namespace) -> Sweep:
-    """Each dtype: its model (written if absent), one server, every mode x concurrency while the
-    budget lasts; results rewritten after every point."""
+    """Each dtype: its model (written if absent), one server, every mode x concurrency while its
+    share of the budget lasts; results rewritten after every point."""
     deadline = time.monotonic() + args.budget_s
     sweep = Sweep(args.device, args.shape, args.input_len, args.output_len)
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="serve-sweep-"))  # not in DIR: its files are counted
-    for dtype in args.dtypes:
-        if time.monotonic() > deadline:
+    for i, dtype in enumerate(args.dtypes):
+        # each dtype gets an equal share of what is left: one slow model cannot starve the next
+        share = time.monotonic() + (deadline - time.monotonic()) / (len(args.dtypes) - i)
+        if share - time.monotonic() < 10:
             sweep.skipped.append(f"{dtype}: no time left")
             continue
         model = model_dir(args.shape, dtype, args.models)
@@ -219,7 +221,7 @@ def run(args: argparse.Namespace) -> Sweep:
         t = time.monotonic()
         try:
             server = start_server(model, logs / f"serve-{dtype}.log", "--device", args.device,
-                                  *args.serve_flags, timeout=min(args.start_timeout_s, deadline - t))
+                                  *args.serve_flags, timeout=min(args.start_timeout_s, share - t))
         except RuntimeError as e:
             info["error"] = str(e).splitlines()[0]
             info["log_tail"] = tail(logs / f"serve-{dtype}.log")
@@ -229,7 +231,7 @@ def run(args: argparse.Namespace) -> Sweep:
         try:
             for mode in MODES:
                 for c in args.concurrency:
-                    left = deadline - time.monotonic()
+                    left = share - time.monotonic()
                     if left < 5:
                         sweep.skipped.append(f"{dtype} {mode} c={c}: {left:.0f} s left")
                         continue
