@@ -3,12 +3,14 @@ Numba CUDA kernels to PTX (NVVM from the nvidia wheels, no GPU), and numpy 2.5 b
 — the pair that cannot compile — is named in one line by gpu/devices.py cuda_stack_problem and
 by `ringserve serve --device cuda` before any engine starts.
 
-`make test` builds .venv312 (the Makefile's venv312 target: `pip install -e ".[cuda]"` with
-pyenv's Python 3.12, and numpy >= 2.5 in .venv312/numpy25 to put ahead of it). Each check runs
-in that interpreter; the check's verdict and a real compile must agree both ways, so the day a
+`make test` builds the venv (the Makefile's venv312 target: `pip install ".[cuda]"` with
+pyenv's Python 3.12 into ~/.cache/ringserve-venv312, keyed by pyproject.toml; numpy >= 2.5 in
+its numpy25/ to put ahead). Each check runs in that interpreter with this checkout first on
+PYTHONPATH; the check's verdict and a real compile must agree both ways, so the day a
 numba-cuda release guards np.row_stack this file says the bound can be lifted."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -18,9 +20,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = ROOT / ".venv312"
+VENV = Path(os.environ.get("VENV312", Path.home() / ".cache" / "ringserve-venv312"))  # as the Makefile
 PYTHON = VENV / "bin" / "python"
 NUMPY25 = VENV / "numpy25"
+STAMP = VENV / f".installed-{hashlib.sha256((ROOT / 'pyproject.toml').read_bytes()).hexdigest()[:12]}"
 
 # Run in the 3.12 venv: the versions, the start-up check's verdict, and whether ringserve's
 # own Numba kernels (the largest: paged attention; and the greedy argmax) compile to PTX.
@@ -47,20 +50,27 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def py312() -> Path:
-    """The 3.12 venv, built by the Makefile's own target where pyenv has a Python 3.12."""
-    if not (VENV / ".installed").exists():
+def py312(tmp_path_factory) -> tuple[Path, Path]:
+    """The 3.12 venv (built by the Makefile's own target where pyenv has a Python 3.12, if
+    `make test` has not) and a folder holding a `ringserve` link to this checkout."""
+    if not STAMP.exists():
         proc = subprocess.run(["make", "-C", str(ROOT), "venv312"], capture_output=True, text=True,
-                              timeout=600)
+                              timeout=900)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        if not (VENV / ".installed").exists():
+        if not STAMP.exists():
             pytest.skip("no Python 3.12 here (pyenv's versions/3.12*): " + proc.stdout.strip())
-    return PYTHON
+    pkg = tmp_path_factory.mktemp("pkg")
+    (pkg / "ringserve").symlink_to(ROOT)
+    return PYTHON, pkg
 
 
-def _probe(python: Path, *ahead: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, ahead)))
-    proc = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, env=env,
+def _env(pkg: Path, *ahead: Path, **extra: str) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, (*ahead, pkg))), **extra)
+
+
+def _probe(py312: tuple[Path, Path], *ahead: Path) -> dict:
+    python, pkg = py312
+    proc = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, env=_env(pkg, *ahead),
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -94,8 +104,9 @@ def test_numpy_2_5_beside_numba_cuda_is_named_and_the_verdict_matches_a_real_com
 def test_serve_on_cuda_names_the_pair_before_any_engine_starts(py312, tiny_model_dir):
     """`ringserve serve --device cuda` with numpy 2.5 ahead: exit 1 and one line, no engine
     started, no traceback (CUDA_VISIBLE_DEVICES stands for the GPU: the check comes first)."""
-    env = dict(os.environ, PYTHONPATH=str(NUMPY25), CUDA_VISIBLE_DEVICES="0")
-    proc = subprocess.run([str(py312), "-m", "ringserve.server.cli", "serve", "--model", str(tiny_model_dir),
+    python, pkg = py312
+    env = _env(pkg, NUMPY25, CUDA_VISIBLE_DEVICES="0")
+    proc = subprocess.run([str(python), "-m", "ringserve.server.cli", "serve", "--model", str(tiny_model_dir),
                            "--device", "cuda", "--port", "0"], capture_output=True, text=True, env=env,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
