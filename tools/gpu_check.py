@@ -428,11 +428,15 @@ def greedy_metadata(B: int):
 
 
 def bench_ours(name, shape, rows, deadline) -> None:
+    import cupy as cp
     import numpy as np
 
     from ringserve.gpu.cuda.runner import CudaModelRunner
     c = config_for(shape)
     w = random_weights(c)
+    # NOTE: made on the legacy default stream, which the runner's non-blocking stream does not
+    # wait for, and the runner reads them at once (LlamaWeights.fuse): finished first
+    cp.cuda.Device().synchronize()
     weight_bytes = sum(int(x.nbytes) for x in w.values())
     nb_needed = max(BATCHES) * (-(-(CONTEXT + 1) // 16))
     r = None
@@ -486,6 +490,7 @@ def bench_quant(name, shape, rows, deadline) -> None:
         try:
             free_device_memory()
             w = random_quant_weights(c, fmt, cp)
+            cp.cuda.Device().synchronize()  # NOTE: as in bench_ours: finished before the runner reads them
             r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES), max_model_len=2048)
             w = None  # the runner holds the planes (stacked: the per-tensor ones can go)
             read = streamed_bytes(r.weights)
