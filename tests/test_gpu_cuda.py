@@ -100,14 +100,14 @@ def test_gemm_captures_where_cupys_cublas_refuses_and_capture_fails_safe():
     from ringserve.gpu.cuda import capture
     from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
     stream = cp.cuda.Stream(non_blocking=True)
-    ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
-    gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
     rng = np.random.default_rng(2)
-    x = cp.asarray(rng.standard_normal((8, 320)).astype(np.float16))[:5]  # a leading-rows view
-    w = cp.asarray((rng.standard_normal((72, 320)) * 0.1).astype(np.float16))
-    out = cp.zeros((5, 72), cp.float16)
     no_alloc = lambda: cp.cuda.using_allocator(capture.refuse_allocation)  # noqa: E731
-    with stream:
+    with stream:  # NOTE: every array made on the stream that reads it
+        ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
+        gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
+        x = cp.asarray(rng.standard_normal((8, 320)).astype(np.float16))[:5]  # a leading-rows view
+        w = cp.asarray((rng.standard_normal((72, 320)) * 0.1).astype(np.float16))
+        out = cp.zeros((5, 72), cp.float16)
         gemm(x, w, out)
         stream.synchronize()
         graph = capture.capture(stream, lambda: gemm(x, w, out), no_alloc)
@@ -318,14 +318,14 @@ def test_quant_kernels_match_gguf_dequantize(qtype, rows):
     want_w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)
     x = rng.standard_normal((rows, K)).astype(np.float16)
     stream = cp.cuda.Stream(non_blocking=True)
-    workspace = cp.empty(32 << 20, cp.uint8)
-    gemm = CublasGemm(cublas, stream.ptr, workspace.data.ptr, workspace.nbytes, lambda a: a.data.ptr)
-    linear = QuantLinear(QuantKernels(stream).call, gemm, cp.empty(8 * K, cp.float16))
-    w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
-    assert form(w) == FORMS[qtype]
-    out = cp.full((rows, N), cp.nan, cp.float16)
-    with stream:
+    with stream:  # NOTE: every array made on the stream that reads it (the NaN fill included)
+        workspace = cp.empty(32 << 20, cp.uint8)
+        gemm = CublasGemm(cublas, stream.ptr, workspace.data.ptr, workspace.nbytes, lambda a: a.data.ptr)
+        linear = QuantLinear(QuantKernels(stream).call, gemm, cp.empty(8 * K, cp.float16))
+        w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
+        out = cp.full((rows, N), cp.nan, cp.float16)
         linear(cp.asarray(x), w, out)
+    assert form(w) == FORMS[qtype]
     stream.synchronize()
     want = x.astype(np.float64) @ want_w.astype(np.float64).T
     np.testing.assert_allclose(out.get().astype(np.float64), want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
@@ -356,22 +356,22 @@ def test_quant_tiled_gemm_on_tensor_cores(qtype, K):
     raw = random_raw(qtype, (N, K), rng)
     w16 = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K).astype(np.float16)
     stream = cp.cuda.Stream(non_blocking=True)
-    workspace = cp.empty(32 << 20, cp.uint8)
-    gemm = CublasGemm(cublas, stream.ptr, workspace.data.ptr, workspace.nbytes, lambda a: a.data.ptr)
-    kernels = QuantKernels(stream).call
-    tiled = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="tiled")
-    dequant = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="dequant")
-    w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
+    with stream:  # NOTE: every array made on the stream that reads it
+        workspace = cp.empty(32 << 20, cp.uint8)
+        gemm = CublasGemm(cublas, stream.ptr, workspace.data.ptr, workspace.nbytes, lambda a: a.data.ptr)
+        kernels = QuantKernels(stream).call
+        tiled = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="tiled")
+        dequant = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="dequant")
+        w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
     assert form(w) == FORMS[qtype]
     for rows in (1, 17, 64, 70, 130):
         x = rng.standard_normal((rows, K)).astype(np.float16)
-        x_dev = cp.zeros((rows, K + 8), cp.float16)
-        x_dev[:, :K] = cp.asarray(x)
-        buffer = cp.full((rows, N + 11), cp.nan, cp.float16)
-        out = buffer[:, 5:5 + N]
-        other = cp.full((rows, N), cp.nan, cp.float16)
-        cp.cuda.Device().synchronize()  # the arrays above are the null stream's
         with stream:
+            x_dev = cp.zeros((rows, K + 8), cp.float16)
+            x_dev[:, :K] = cp.asarray(x)
+            buffer = cp.full((rows, N + 11), cp.nan, cp.float16)
+            out = buffer[:, 5:5 + N]
+            other = cp.full((rows, N), cp.nan, cp.float16)
             tiled.tiled(x_dev[:, :K], w, out)
             dequant.dequant_gemm(x_dev[:, :K], w, other)
         stream.synchronize()
