@@ -115,6 +115,18 @@ def test_serve_on_cuda_names_the_pair_before_any_engine_starts(py312, tiny_model
     assert "row_stack" in lines[0] and "engine" not in proc.stderr.lower()
 
 
+def test_the_offline_runner_names_the_pair_too(py312, tiny_model_dir):
+    """ModelRunner(device="cuda") (what LLM and the tools build) refuses in the same one line,
+    before CuPy or Numba touch a device."""
+    python, pkg = py312
+    code = ("from ringserve.gpu.runner import ModelRunner\ntry:\n"
+            f"    ModelRunner({str(tiny_model_dir)!r}, device='cuda')\n"
+            "except ValueError as e:\n    print('refused:', e)\n")
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=_env(pkg, NUMPY25))
+    assert proc.stdout.startswith("refused: numpy 2.") and "row_stack" in proc.stdout, proc.stderr
+
+
 def test_the_check_costs_nothing_on_a_good_pair():
     """Here (the project's venv, numpy < 2.5): no problem, numba-cuda's array module not loaded."""
     from ringserve.gpu.devices import NUMBA_CUDA_ARRAYS, cuda_stack_problem
