@@ -16,10 +16,11 @@ PYTEST_ARGS ?=
 # (ringserve itself uninstalled: the tests put the checkout first), and beside it (not
 # installed) numpy >= 2.5, the pair the start-up check must name; tests/test_cuda_stack.py
 # compiles Numba CUDA kernels to PTX with them (no GPU needed). Outside the checkout and keyed
-# by pyproject.toml, so that a fresh clone (CI) reuses it: ~35 s to build, 2 GB.
+# by pyproject.toml and the ISO week, so that a fresh clone (CI) reuses it and what pip picks
+# is at most a week old: ~35-50 s to build, 2 GB.
 PYTHON312 ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.12*/bin/python))
 VENV312   ?= $(HOME)/.cache/ringserve-venv312
-PY312_KEY := $(shell sha256sum pyproject.toml | cut -c1-12)
+PY312_KEY := $(shell sha256sum pyproject.toml | cut -c1-12)-$(shell date -u +%G%V)
 
 .PHONY: install install-test browser model serve test venv312 wheels clean
 

@@ -4,12 +4,13 @@ Numba CUDA kernels to PTX (NVVM from the nvidia wheels, no GPU), and numpy 2.5 b
 by `ringserve serve --device cuda` before any engine starts.
 
 `make test` builds the venv (the Makefile's venv312 target: `pip install ".[cuda]"` with
-pyenv's Python 3.12 into ~/.cache/ringserve-venv312, keyed by pyproject.toml; numpy >= 2.5 in
+pyenv's Python 3.12 into ~/.cache/ringserve-venv312, keyed by pyproject.toml and the week; numpy >= 2.5 in
 its numpy25/ to put ahead). Each check runs in that interpreter with this checkout first on
 PYTHONPATH; the check's verdict and a real compile must agree both ways, so the day a
 numba-cuda release guards np.row_stack this file says the bound can be lifted."""
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -23,7 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("VENV312", Path.home() / ".cache" / "ringserve-venv312"))  # as the Makefile
 PYTHON = VENV / "bin" / "python"
 NUMPY25 = VENV / "numpy25"
-STAMP = VENV / f".installed-{hashlib.sha256((ROOT / 'pyproject.toml').read_bytes()).hexdigest()[:12]}"
+_year, _week, _ = datetime.datetime.now(datetime.timezone.utc).isocalendar()
+STAMP = VENV / (f".installed-{hashlib.sha256((ROOT / 'pyproject.toml').read_bytes()).hexdigest()[:12]}"
+                f"-{_year}{_week:02d}")  # the Makefile's PY312_KEY
 
 # Run in the 3.12 venv: the versions, the start-up check's verdict, and whether ringserve's
 # own Numba kernels (the largest: paged attention; and the greedy argmax) compile to PTX.
