@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -115,10 +116,9 @@ def run_phase(cmd: list[str], log: Path, timeout: float, env: dict) -> str:
     return "timed out" if rc is None else "ok" if rc == 0 else f"failed (rc {rc})"
 
 
-def setup(args: argparse.Namespace, log: Log) -> dict:
-    """The children's environment: the wheels of args.wheels installed into a folder first on
-    PYTHONPATH, the checkout linked as `ringserve`, numpy checked (the shim if it must)."""
-    work = Path(tempfile.mkdtemp(prefix="ringserve-device-"))
+def setup(args: argparse.Namespace, log: Log, work: Path) -> dict:
+    """The children's environment: the wheels of args.wheels installed into a folder of `work`
+    first on PYTHONPATH, the checkout linked as `ringserve`, numpy checked (the shim if it must)."""
     site, pkg, shim = work / "site", work / "pkg", work / "shim"
     pkg.mkdir()
     (pkg / "ringserve").symlink_to(ROOT)
@@ -190,8 +190,17 @@ def write_models(args: argparse.Namespace, env: dict) -> subprocess.Popen:
 
 
 def run_phases(args: argparse.Namespace, chosen: list[Phase], deadline: float, log: Log) -> dict[str, str]:
-    """Setup, then each phase in turn within its seconds; phase name -> its status."""
-    env = setup(args, log)
+    """Setup, then each phase in turn within its seconds; phase name -> its status. The
+    temporary folder (wheels, link, shim, models unless --models) goes at the end."""
+    work = Path(tempfile.mkdtemp(prefix="ringserve-device-"))
+    try:
+        return _run_phases(args, chosen, deadline, log, setup(args, log, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_phases(args: argparse.Namespace, chosen: list[Phase], deadline: float, log: Log,
+                env: dict) -> dict[str, str]:
     writer = write_models(args, env) if {"serve sweep", "gpu tests"} & set(args.phases) else None
     status: dict[str, str] = {}
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -208,44 +209,51 @@ def run(args: argparse.Namespace) -> Sweep:
     deadline = time.monotonic() + args.budget_s
     sweep = Sweep(args.device, args.shape, args.input_len, args.output_len)
     args.out.mkdir(parents=True, exist_ok=True)
-    logs = Path(tempfile.mkdtemp(prefix="serve-sweep-"))  # not in DIR: its files are counted
-    for i, dtype in enumerate(args.dtypes):
-        # each dtype gets an equal share of what is left: one slow model cannot starve the next
-        share = time.monotonic() + (deadline - time.monotonic()) / (len(args.dtypes) - i)
-        if share - time.monotonic() < 10:
-            sweep.skipped.append(f"{dtype}: no time left")
-            continue
-        model = model_dir(args.shape, dtype, args.models)
-        info: dict = {}
-        sweep.servers[dtype] = info
-        t = time.monotonic()
-        try:
-            server = start_server(model, logs / f"serve-{dtype}.log", "--device", args.device,
-                                  *args.serve_flags, timeout=min(args.start_timeout_s, share - t))
-        except RuntimeError as e:
-            info["error"] = str(e).splitlines()[0]
-            info["log_tail"] = tail(logs / f"serve-{dtype}.log")
-            sweep.write(args.out)
-            continue
-        info["start_s"] = time.monotonic() - t
-        try:
-            for mode in MODES:
-                for c in args.concurrency:
-                    left = share - time.monotonic()
-                    if left < 5:
-                        sweep.skipped.append(f"{dtype} {mode} c={c}: {left:.0f} s left")
-                        continue
-                    summary = loadgen(server.url, model, mode, c, logs / f"{dtype}-{mode}-{c}.json",
-                                      input_len=args.input_len, output_len=args.output_len,
-                                      num_prompts=num_prompts_for(c, args.min_prompts), timeout=left)
-                    sweep.points.append(dict(dtype=dtype, mode=mode, concurrency=c, summary=summary))
-                    print(point_row(sweep.points[-1]), flush=True)
-                    sweep.write(args.out)
-        finally:
-            info["exit"] = server.stop()
-            info["log_tail"] = tail(server.log, 12)
-            sweep.write(args.out)
+    # server logs and loadgen JSON: not in DIR (its files are counted); their tails go into the table
+    logs = Path(tempfile.mkdtemp(prefix="serve-sweep-"))
+    try:
+        for i, dtype in enumerate(args.dtypes):
+            # each dtype gets an equal share of what is left: one slow model cannot starve the next
+            share = time.monotonic() + (deadline - time.monotonic()) / (len(args.dtypes) - i)
+            if share - time.monotonic() < 10:
+                sweep.skipped.append(f"{dtype}: no time left")
+                continue
+            sweep_one(args, sweep, dtype, share, logs)
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return sweep
+
+
+def sweep_one(args: argparse.Namespace, sweep: Sweep, dtype: str, until: float, logs: Path) -> None:
+    """One dtype's server and its points, until the monotonic time `until`."""
+    model = model_dir(args.shape, dtype, args.models)
+    info: dict = {}
+    sweep.servers[dtype] = info
+    t = time.monotonic()
+    try:
+        server = start_server(model, logs / f"serve-{dtype}.log", "--device", args.device,
+                              *args.serve_flags, timeout=min(args.start_timeout_s, until - t))
+    except RuntimeError as e:
+        info.update(error=str(e).splitlines()[0], log_tail=tail(logs / f"serve-{dtype}.log"))
+        sweep.write(args.out)
+        return
+    info["start_s"] = time.monotonic() - t
+    try:
+        for mode in MODES:
+            for c in args.concurrency:
+                left = until - time.monotonic()
+                if left < 5:
+                    sweep.skipped.append(f"{dtype} {mode} c={c}: {left:.0f} s left")
+                    continue
+                summary = loadgen(server.url, model, mode, c, logs / f"{dtype}-{mode}-{c}.json",
+                                  input_len=args.input_len, output_len=args.output_len,
+                                  num_prompts=num_prompts_for(c, args.min_prompts), timeout=left)
+                sweep.points.append(dict(dtype=dtype, mode=mode, concurrency=c, summary=summary))
+                print(point_row(sweep.points[-1]), flush=True)
+                sweep.write(args.out)
+    finally:
+        info.update(exit=server.stop(), log_tail=tail(server.log, 12))
+        sweep.write(args.out)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
