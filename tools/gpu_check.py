@@ -76,7 +76,7 @@ def software_versions() -> dict[str, str]:
     rt = cupy.cuda.runtime
     out = {"cupy": cupy.__version__, "cuda_runtime": str(rt.runtimeGetVersion()),
            "cuda_driver": str(rt.driverGetVersion())}
-    for dist in ("numba", "numba-cuda", "torch", "transformers"):
+    for dist in ("numpy", "numba", "numba-cuda", "torch", "transformers"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
