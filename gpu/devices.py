@@ -112,9 +112,8 @@ def cuda_stack_problem() -> str | None:
     try:
         importlib.import_module(NUMBA_CUDA_ARRAYS)
     except AttributeError as e:
-        if "row_stack" not in str(e):
-            raise
-        return (f"numpy {np.__version__} has no np.row_stack, which numba-cuda {numba_cuda} registers "
+        missing = "np.row_stack" if "row_stack" in str(e) else f"what it needs ({e})"
+        return (f"numpy {np.__version__} has no {missing}, which numba-cuda {numba_cuda} registers "
                 f"({NUMBA_CUDA_ARRAYS}): no Numba CUDA kernel can compile; install numpy<2.5 "
                 "(the `cuda` extra's bound) ahead of it")
     except ImportError:
