@@ -12,7 +12,17 @@ TEST_EXTRAS  := test,plot,bench,kv-events$(CUDA)
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-test browser model serve test clean
+# Python 3.12 (pyenv's, where there is one): a venv with what `.[cuda]` resolves to there
+# (ringserve itself uninstalled: the tests put the checkout first), and beside it (not
+# installed) numpy >= 2.5, the pair the start-up check must name; tests/test_cuda_stack.py
+# compiles Numba CUDA kernels to PTX with them (no GPU needed). Outside the checkout and keyed
+# by pyproject.toml and the ISO week, so that a fresh clone (CI) reuses it and what pip picks
+# is at most a week old: ~35-50 s to build, 2 GB.
+PYTHON312 ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.12*/bin/python))
+VENV312   ?= $(HOME)/.cache/ringserve-venv312
+PY312_KEY := $(shell sha256sum pyproject.toml | cut -c1-12)-$(shell date -u +%G%V)
+
+.PHONY: install install-test browser model serve test venv312 wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +40,20 @@ install: $(VENV)/.installed$(subst $(comma),-,$(CUDA))
 
 install-test: $(VENV)/.installed-$(subst $(comma),-,$(TEST_EXTRAS))
 
+$(VENV312)/.installed-$(PY312_KEY):
+	@if [ -z "$(PYTHON312)" ]; then echo "no Python 3.12 (pyenv): tests/test_cuda_stack.py skips"; else \
+	  rm -rf $(VENV312) && $(PYTHON312) -m venv $(VENV312) && \
+	  $(VENV312)/bin/python -m pip install --quiet ".[cuda]" && \
+	  $(VENV312)/bin/python -m pip uninstall --quiet --yes ringserve && \
+	  $(VENV312)/bin/python -m pip install --quiet --no-deps --target $(VENV312)/numpy25 "numpy>=2.5" && \
+	  touch $@; fi
+
+venv312: $(VENV312)/.installed-$(PY312_KEY)
+
+# The wheels the device command carries (docs/deploy.md "The device command"): into .whl/.
+wheels:
+	PYTHON=$(PYTHON) bash tools/download_wheels.sh .whl
+
 # Headless Chromium for the /dashboard test (Debian's package; needs root, else that test skips and says why).
 browser:
 	@command -v chromium >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
@@ -41,7 +65,7 @@ model: install
 serve: model
 	$(BIN)/ringserve serve $(ARGS)
 
-test: install-test model browser
+test: install-test model browser venv312
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

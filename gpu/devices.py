@@ -9,6 +9,7 @@ Two questions, asked in two kinds of process:
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import subprocess
@@ -85,6 +86,39 @@ def plan_engines(device: str | None, engines: int | None,
     if requested == "cpu":
         return "cpu", [None] * count
     return "cuda", [gpus[i % len(gpus)] for i in range(count)]
+
+
+# NOTE: numba-cuda (0.30.4, the newest release on 2026-12-04) runs `overload(np.row_stack)`
+# when its array module loads, at the first kernel compile; numpy 2.5 removed np.row_stack, so
+# that compile raises AttributeError inside an engine. The `cuda` extra bounds numpy below 2.5;
+# this names the pair for an environment that has it anyway (a GPU image's own numpy).
+NUMBA_CUDA_ARRAYS = "numba.cuda.np.arrayobj"
+
+
+def cuda_stack_problem() -> str | None:
+    """One line naming an installed numpy / numba-cuda pair that cannot compile a Numba CUDA
+    kernel, else None. Costs nothing where numpy still has np.row_stack; otherwise it imports
+    numba-cuda's array module (no CUDA context: only the registration that fails) and tells
+    whether that registration fails."""
+    import importlib.metadata as md
+
+    import numpy as np
+    if hasattr(np, "row_stack"):
+        return None
+    try:
+        numba_cuda = md.version("numba-cuda")
+    except md.PackageNotFoundError:
+        return None  # numba's built-in CUDA target (numba < 0.61) guards it itself
+    try:
+        importlib.import_module(NUMBA_CUDA_ARRAYS)
+    except AttributeError as e:
+        missing = "np.row_stack" if "row_stack" in str(e) else f"what it needs ({e})"
+        return (f"numpy {np.__version__} has no {missing}, which numba-cuda {numba_cuda} registers "
+                f"({NUMBA_CUDA_ARRAYS}): no Numba CUDA kernel can compile; install numpy<2.5 "
+                "(the `cuda` extra's bound) ahead of it")
+    except ImportError:
+        return None  # a numba-cuda without that module: nothing registers row_stack
+    return None
 
 
 def cpu_threads_per_engine(engines: int = 1) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.devices import cupy_installed, resolve_device
+from ringserve.gpu.devices import cuda_stack_problem, cupy_installed, resolve_device
 from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
 from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
@@ -101,6 +101,8 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
         if not cupy_installed():
             raise ValueError("device 'cuda' needs CuPy: pip install -e '.[cuda]' "
                              "(docs/deploy.md)")
+        if (problem := cuda_stack_problem()) is not None:  # LLM and the tools too, not only serve
+            raise ValueError(problem)
         from ringserve.gpu.cuda.runner import CudaModelRunner
         return CudaModelRunner.from_dir(
             model_dir, block_size=block_size, num_blocks=num_blocks,

@@ -108,7 +108,7 @@ class Launcher:
         """args: the parsed `serve` flags. Each settings class is built from them here, so a bad
         flag fails (ValueError) before anything starts."""
         from ringserve.engine.config import EngineConfig
-        from ringserve.gpu.devices import cpu_threads_per_engine, plan_engines
+        from ringserve.gpu.devices import cpu_threads_per_engine, cuda_stack_problem, plan_engines
         from ringserve.server.config import ParallelConfig, ServerConfig, from_args
         from ringserve.server.protocol import RequestLimits
         self.model_dir = model_dir
@@ -118,6 +118,8 @@ class Launcher:
         self.request_limits: RequestLimits = from_args(RequestLimits, args)
         # Counted without initializing CUDA here (gpu/devices.py); one engine per GPU by default.
         self.device, self.engine_gpus = plan_engines(args.device, self.parallel.engines)
+        if self.device == "cuda" and (problem := cuda_stack_problem()) is not None:
+            raise ValueError(problem)  # one line now, not an engine's AttributeError later
         # With the device resolved, EngineConfig resolves its by-device defaults without CUDA.
         self.engine_config: EngineConfig = from_args(
             EngineConfig, args, model=str(model_dir), max_model_len=max_model_len, device=self.device)

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import TINY_CUDA_MODELS
 from cuda_host_kernels import paged_attention
-from fp16_checks import decode_against_cpu
+from fp16_checks import decode_against_cpu, fp16_tolerance, next_batch
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda import launch, plan
@@ -170,6 +170,10 @@ def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, de
     cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     host = HostRunner(tiny_cuda_model_dir, cuda_host)
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 6, graph=decode == "graph")
+    if decode == "eager":  # the prompt-logprobs gpu test's tolerance holds for the fp16 forward
+        batch = next_batch([list(p) for p in prompts], [list(p) for p in prompts], tables, BLOCK_SIZE)
+        want = cpu.execute(batch)
+        np.testing.assert_allclose(host.eager(batch), want, atol=fp16_tolerance(want))
 
 
 def tiny_gguf(folder, layout: str, monkeypatch):

@@ -3,6 +3,7 @@ clear message and exit code 1; and its machinery: the budget, per-phase time lim
 files after every phase, the tests phase killed as a process group, the tables."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -27,8 +28,10 @@ def test_without_a_device_it_checks_the_imports_writes_them_and_exits_1(tmp_path
     assert "no CUDA device" in proc.stderr
     result = json.loads((out / "gpu_check.json").read_text())
     checks = {p["check"]: p for p in result["preflight"]}
-    assert set(checks) == {f"import {m}" for m in gpu_preflight.IMPORTS + gpu_preflight.OPTIONAL}
+    assert set(checks) == {f"import {m}" for m in gpu_preflight.IMPORTS + gpu_preflight.OPTIONAL} | {
+        "numpy / numba-cuda pair"}
     assert checks["import numpy"]["ok"] and checks["import numba.cuda"]["ok"]
+    assert checks["numpy / numba-cuda pair"]["ok"], checks["numpy / numba-cuda pair"]
     assert "preflight ok   import numpy" in proc.stdout  # printed as it ran
     assert "preflight" in result["phases"]
     assert (out / "gpu_check.txt").read_text().startswith("no CUDA device")
@@ -48,7 +51,10 @@ def test_the_preflight_imports_are_the_deploy_wheel_list():
             "cupy": "cupy-cuda13x"}
     missing = [m for m in gpu_preflight.IMPORTS if dist.get(m, m) not in wheels | image]
     assert not missing, f"docs/deploy.md's wheel list lacks {missing}"
-    assert "nvmath-python" in wheels and not wheels & image
+    # numpy alone is in both: the image's 2.5 cannot compile Numba CUDA kernels (issue 25)
+    assert {"nvmath-python", "llguidance"} <= wheels and wheels & image == {"numpy"}
+    script = (ROOT / "tools" / "download_wheels.sh").read_text()
+    assert all(w in script for w in ("nvmath-python", "llguidance", '"numpy<2.5"', "manylinux_2_31_x86_64"))
 
 
 def test_benchmark_shapes_are_the_1b_and_8b_llamas():
@@ -273,3 +279,78 @@ def test_the_quant_linear_table_prints_each_way_and_the_fastest_per_batch(capsys
     assert "8B up    Q4_K      64 matvec       120.0     367     62.6\n" in out
     assert "8B up    Q4_K     256 dequant      160.0     275    187.9 *" in out
     assert "fastest per batch (of the shapes and formats): 64: tiled 1/1; 256: dequant 1/2, tiled 1/2" in out
+
+
+# What makes or fills a device array: a call on cupy (but its stream/event/pool machinery under
+# cp.cuda and cp.get_default_*), on a cupy Generator (gpu_check's `rng`; the tests' is numpy's),
+# or of the helpers that do (random_planes, PagedAttention.workspace, QuantStore.linear).
+_DEVICE_CALLS = {"random_planes", "workspace", "QuantStore"}
+CHECKED = {"tools/gpu_check.py": {"cp", "rng"}, "tools/gpu_preflight.py": {"cp"},
+           "tests/test_gpu_cuda.py": {"cp"}}
+
+
+def _call_path(node: ast.expr) -> list[str]:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Call):
+        return _call_path(node.func)
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return parts[::-1]
+
+
+def _makes_device_array(call: ast.Call, roots: set[str]) -> bool:
+    path = _call_path(call.func)
+    if not path:
+        return False
+    if path[-1] in _DEVICE_CALLS or path[0] in _DEVICE_CALLS:
+        return True
+    return path[0] in roots and len(path) > 1 and path[1] != "cuda" and not path[1].startswith("get_default")
+
+
+def _unordered_arrays(tree: ast.Module, roots: set[str] = CHECKED["tools/gpu_check.py"]) -> list[str]:
+    """`file:line what` for each device array made outside `with stream:` in a function that
+    launches on a non-blocking stream of its own (or in a module function such a function calls
+    outside its `with stream:`): the race of issue 25."""
+    functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    found: list[str] = []
+
+    def walk(node: ast.AST, inside: bool, seen: set[str]) -> None:
+        if isinstance(node, ast.With) and any(
+                isinstance(i.context_expr, ast.Name) and i.context_expr.id == "stream" for i in node.items):
+            inside = True
+        if isinstance(node, ast.Call) and not inside:
+            where = f"{node.lineno}: {'.'.join(_call_path(node.func))}"
+            if _makes_device_array(node, roots) and where not in found:  # x.astype(..) of x: once
+                found.append(where)
+            name = _call_path(node.func)[-1:] or [""]
+            if name[0] in functions and name[0] not in seen:
+                seen.add(name[0])
+                walk(functions[name[0]], False, seen)
+        for child in ast.iter_child_nodes(node):
+            walk(child, inside, seen)
+
+    for f in functions.values():
+        if "Stream(non_blocking=True)" in ast.unparse(f):
+            for stmt in f.body:
+                walk(stmt, False, {f.name})
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(CHECKED))
+def test_every_device_array_is_made_on_the_stream_that_uses_it(path):
+    """Issue 25: the attention phase made its K/V and block tables on the legacy default stream
+    and launched on a non-blocking one with nothing ordering the two (an illegal address at
+    B=16, context 8192). Every array a non-blocking stream reads is made inside `with stream:`
+    (the gpu tests' too: a NaN fill on the default stream could land after the kernel's write)."""
+    tree = ast.parse((ROOT / path).read_text())
+    assert _unordered_arrays(tree, CHECKED[path]) == []
+
+
+def test_the_stream_check_finds_an_array_made_outside_the_stream():
+    racy = ast.parse("def f():\n    stream = cp.cuda.Stream(non_blocking=True)\n    x = cp.ones(4)\n"
+                     "    with stream:\n        y = cp.zeros(4)\n    helper()\n"
+                     "def helper():\n    return rng.random(3)\n")
+    assert _unordered_arrays(racy) == ["3: cp.ones", "8: rng.random"]

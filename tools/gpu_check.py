@@ -1,6 +1,6 @@
 """One command for a GPU machine: a preflight, the `gpu` tests, then a benchmark table.
 
-    python -u -m ringserve.tools.gpu_check --out DIR [--skip-tests] [--budget-s 360]
+    python -u -m ringserve.tools.gpu_check --out DIR [--skip-tests] [--skip-preflight] [--budget-s 360]
 
 0. A ~30 s preflight (tools/gpu_preflight.py), each result printed as it comes: the imports
    (without a device too), the .cu kernels compile, one eager step of a tiny model, one
@@ -77,7 +77,7 @@ def software_versions() -> dict[str, str]:
     rt = cupy.cuda.runtime
     out = {"cupy": cupy.__version__, "cuda_runtime": str(rt.runtimeGetVersion()),
            "cuda_driver": str(rt.driverGetVersion())}
-    for dist in ("numba", "numba-cuda", "torch", "transformers"):
+    for dist in ("numpy", "numba", "numba-cuda", "torch", "transformers"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -318,16 +318,32 @@ def gpu_time(fn, stream, n=20, graph=False) -> float:
     return cp.cuda.get_elapsed_time(start, end) / 1e3 / reps
 
 
+def free_device_memory() -> None:
+    """Everything no longer referenced goes back to the driver: cycles collected first (a
+    runner's bound methods and closures hold its arrays), the device idle, then both of CuPy's
+    pools emptied. Between cases and phases, so that each measures from an empty pool."""
+    import gc
+
+    import cupy as cp
+    gc.collect()
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    cp.get_default_pinned_memory_pool().free_all_blocks()
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a 1 GiB device-to-device copy, counting the read and the write."""
     import cupy as cp
-    a = cp.ones(1 << 30, cp.uint8)
-    b = cp.empty_like(a)
     stream = cp.cuda.Stream(non_blocking=True)
-    dt = gpu_time(lambda: cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, a.nbytes,
-                                                      cp.cuda.runtime.memcpyDeviceToDevice,
-                                                      stream.ptr), stream, 10)
-    return 2 * a.nbytes / dt
+    with stream:  # NOTE: made and filled on the stream that copies them (no null-stream race)
+        a = cp.ones(1 << 30, cp.uint8)
+        b = cp.empty_like(a)
+    try:
+        return 2 * a.nbytes / gpu_time(lambda: cp.cuda.runtime.memcpyAsync(
+            b.data.ptr, a.data.ptr, a.nbytes, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr), stream, 10)
+    finally:
+        a = b = None  # the closure's cells too
+        free_device_memory()
 
 
 ATTN_SHAPE = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)  # Llama-3-8B
@@ -337,22 +353,38 @@ ATTN_CASES = [(B, ctx) for ctx in (1024, 8192) for B in (1, 16, 64, 256)]
 def bench_attention(rows, copy_bps, deadline) -> None:
     """One decode step of paged attention (one layer): K/V bytes read over its time, for the
     RawKernel (with the runner's split-K choice) and the Numba kernel; the block tables point
-    at shuffled blocks, as a long-running pool's do."""
+    at shuffled blocks, as a long-running pool's do. Each case's arrays live in
+    attention_case alone and are freed (free_device_memory) before the next is made."""
     import cupy as cp
-    from numba import cuda as nb_cuda
 
-    from ringserve.gpu.cuda import plan
     from ringserve.gpu.cuda.attention import PagedAttention
-    H, KVH, D, BS = (ATTN_SHAPE[k] for k in ("num_heads", "num_kv_heads", "head_dim", "block_size"))
+    H, KVH, D = (ATTN_SHAPE[k] for k in ("num_heads", "num_kv_heads", "head_dim"))
     attn = PagedAttention(D, H // KVH)
     num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     stream = cp.cuda.Stream(non_blocking=True)
-    nb_stream = nb_cuda.external_stream(stream.ptr)
     for B, ctx in ATTN_CASES:
         if time.monotonic() > deadline:
             print("gpu_check: attention benchmark stopped at the deadline", file=sys.stderr)
             return
-        per_req = -(-ctx // BS)
+        try:
+            rows.extend(attention_case(attn, B, ctx, num_sms, copy_bps, stream))
+        finally:
+            free_device_memory()
+
+
+def attention_case(attn, B: int, ctx: int, num_sms: int, copy_bps: float, stream) -> list[dict]:
+    """One (batch, context) case of bench_attention: every array is made and filled on the
+    stream that then reads it (CuPy's `with stream`), so the kernels never see a block table
+    or K/V still being written on another stream (issue 25: an illegal address at B=16,
+    context 8192, when they were made on the legacy default stream)."""
+    import cupy as cp
+    from numba import cuda as nb_cuda
+
+    from ringserve.gpu.cuda import plan
+    H, KVH, D, BS = (ATTN_SHAPE[k] for k in ("num_heads", "num_kv_heads", "head_dim", "block_size"))
+    per_req = -(-ctx // BS)
+    splits = plan.attention_splits(num_tokens=B, num_kv_heads=KVH, max_seq_len=ctx, num_sms=num_sms)
+    with stream:
         k = cp.full((B * per_req, BS, KVH, D), 0.01, cp.float16)
         v = cp.full_like(k, 0.02)
         tables = cp.random.permutation(B * per_req).astype(cp.int32).reshape(B, per_req)
@@ -361,18 +393,18 @@ def bench_attention(rows, copy_bps, deadline) -> None:
         qsl = cp.arange(B + 1, dtype=cp.int32)
         seq_lens = cp.full(B, ctx, cp.int32)
         out = cp.empty((B, H * D), cp.float16)
-        kv_bytes = 2 * B * ctx * KVH * D * 2   # K and V, fp16
-        splits = plan.attention_splits(num_tokens=B, num_kv_heads=KVH, max_seq_len=ctx, num_sms=num_sms)
         ws = attn.workspace(B, H, splits)
-        args = (qkv, k, v, positions, qsl, seq_lens, tables)
-        kernels = _attention_kernels(attn, args, D ** -0.5, out, stream, nb_stream,
-                                     splits=splits, max_seq_len=ctx, workspace=ws)
-        for name, fn in kernels.items():
-            dt = gpu_time(fn, stream, 10, graph=True)
-            rows.append(dict(kernel=name, batch=B, context=ctx, splits=splits if name == "rawkernel" else 1,
-                             us=dt * 1e6, GBps=kv_bytes / dt / 1e9, pct_copy=kv_bytes / dt / copy_bps * 100))
-        del k, v
-        cp.get_default_memory_pool().free_all_blocks()
+    kv_bytes = 2 * B * ctx * KVH * D * 2   # K and V, fp16
+    kernels = _attention_kernels(attn, (qkv, k, v, positions, qsl, seq_lens, tables), D ** -0.5, out,
+                                 stream, nb_cuda.external_stream(stream.ptr),
+                                 splits=splits, max_seq_len=ctx, workspace=ws)
+    rows = []
+    for name, fn in kernels.items():
+        dt = gpu_time(fn, stream, 10, graph=True)
+        rows.append(dict(kernel=name, batch=B, context=ctx, splits=splits if name == "rawkernel" else 1,
+                         us=dt * 1e6, GBps=kv_bytes / dt / 1e9, pct_copy=kv_bytes / dt / copy_bps * 100))
+    stream.synchronize()
+    return rows
 
 
 def _attention_kernels(attn, args, scale, out, stream, nb_stream, **raw_kwargs) -> dict:
@@ -403,6 +435,9 @@ def bench_ours(name, shape, rows, deadline) -> None:
     from ringserve.gpu.cuda.runner import CudaModelRunner
     c = config_for(shape)
     w = random_weights(c)
+    # NOTE: made on the legacy default stream, which the runner's non-blocking stream does not
+    # wait for, and the runner reads them at once (LlamaWeights.fuse): finished first
+    cp.cuda.Device().synchronize()
     weight_bytes = sum(int(x.nbytes) for x in w.values())
     nb_needed = max(BATCHES) * (-(-(CONTEXT + 1) // 16))
     r = None
@@ -411,7 +446,7 @@ def bench_ours(name, shape, rows, deadline) -> None:
             if time.monotonic() > deadline:
                 return
             r = None  # the previous runner's memory goes before the next one is built
-            cp.get_default_memory_pool().free_all_blocks()
+            free_device_memory()
             r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES),
                                 max_model_len=2048, enforce_eager=eager)
             for B in BATCHES:
@@ -429,8 +464,7 @@ def bench_ours(name, shape, rows, deadline) -> None:
     finally:  # the next phase (torch: its own pool) gets the memory, whatever happened here
         r = None
         w.clear()
-        cp.get_default_memory_pool().free_all_blocks()
-        cp.get_default_pinned_memory_pool().free_all_blocks()
+        free_device_memory()
 
 
 def _decode_step(runner, batch, rows, meta) -> None:
@@ -455,8 +489,9 @@ def bench_quant(name, shape, rows, deadline) -> None:
             continue
         r = w = None
         try:
-            cp.get_default_memory_pool().free_all_blocks()
+            free_device_memory()
             w = random_quant_weights(c, fmt, cp)
+            cp.cuda.Device().synchronize()  # NOTE: as in bench_ours: finished before the runner reads them
             r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES), max_model_len=2048)
             w = None  # the runner holds the planes (stacked: the per-tensor ones can go)
             read = streamed_bytes(r.weights)
@@ -474,8 +509,8 @@ def bench_quant(name, shape, rows, deadline) -> None:
                                      replayed=mode == "eager" or r.graphs.pick(b) is not None))
         finally:
             r = w = None
-            cp.get_default_memory_pool().free_all_blocks()
-            cp.get_default_pinned_memory_pool().free_all_blocks()
+            graphs = plan.GraphTable([])  # the old table (and the runner its closures hold) goes too
+            free_device_memory()
 
 
 # The quantized linear alone (the large-batch choice, gpu/cuda/quant_linear.py LARGE_BATCH):
@@ -499,40 +534,53 @@ def bench_quant_linear(rows, deadline) -> None:
 
     from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
     from ringserve.gpu.cuda.quant import QuantKernels
-    from ringserve.gpu.cuda.quant_linear import MATVEC_MAX_ROWS, WORKSPACE_ELEMENTS, QuantLinear
+    from ringserve.gpu.cuda.quant_linear import WORKSPACE_ELEMENTS, QuantLinear
     stream = cp.cuda.Stream(non_blocking=True)
-    gemm_workspace = cp.empty(WORKSPACE_BYTES, cp.uint8)
-    gemm = CublasGemm(cublas, stream.ptr, gemm_workspace.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
-    linear = QuantLinear(QuantKernels(stream).call, gemm, cp.empty(WORKSPACE_ELEMENTS, cp.float16))
-    rng = cp.random.default_rng(0)
     l2_bytes = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
-    try:
-        for name, (N, K) in LINEAR_SHAPES.items():
-            for fmt in LINEAR_FORMATS:
-                first = random_planes(cp, rng, fmt, N, K)
-                weights = [first] + [random_planes(cp, rng, fmt, N, K)
-                                     for _ in range(-(-2 * l2_bytes // first.nbytes) - 1)]
-                for B in LINEAR_BATCHES:
-                    if time.monotonic() > deadline:
-                        print("gpu_check: quant linear stopped at the deadline", file=sys.stderr)
+    with stream:  # NOTE: every array made and filled on the stream that reads it
+        gemm_workspace = cp.empty(WORKSPACE_BYTES, cp.uint8)
+        gemm = CublasGemm(cublas, stream.ptr, gemm_workspace.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
+        linear = QuantLinear(QuantKernels(stream).call, gemm, cp.empty(WORKSPACE_ELEMENTS, cp.float16))
+        rng = cp.random.default_rng(0)
+        try:
+            for name, (N, K) in LINEAR_SHAPES.items():
+                for fmt in LINEAR_FORMATS:
+                    if not _quant_linear_case(rows, linear, rng, name, fmt, N, K, l2_bytes, stream, deadline):
                         return
-                    x = (rng.standard_normal((B, K), dtype=cp.float32)).astype(cp.float16)
-                    out = cp.empty((B, N), cp.float16)
-                    cp.cuda.Device().synchronize()  # x is the null stream's; the timing is `stream`'s
-                    impls = {"matvec": linear.matvec} if B <= MATVEC_MAX_ROWS else {}
-                    impls.update(tiled=linear.tiled, dequant=linear.dequant_gemm)
-                    for impl, fn in impls.items():
-                        cycle = itertools.cycle(weights)
+        finally:
+            gemm.close()
+            del linear, gemm_workspace
+            free_device_memory()
 
-                        def one(fn=fn, x=x, out=out, cycle=cycle) -> None:  # bound now
-                            fn(x, next(cycle), out)
-                        dt = gpu_time(one, stream, 20, graph=True)
-                        rows.append(dict(linear=name, format=fmt, batch=B, impl=impl, N=N, K=K,
-                                         us=dt * 1e6, GBps=first.nbytes / dt / 1e9,
-                                         TFLOPs=2 * B * N * K / dt / 1e12))
-    finally:
-        gemm.close()
-        cp.get_default_memory_pool().free_all_blocks()
+
+def _quant_linear_case(rows, linear, rng, name, fmt, N, K, l2_bytes, stream, deadline) -> bool:
+    """bench_quant_linear's rows of one linear shape and format (called inside `with stream`);
+    False at the deadline. Its weights go when it returns."""
+    import cupy as cp
+
+    from ringserve.gpu.cuda.quant_linear import MATVEC_MAX_ROWS
+    first = random_planes(cp, rng, fmt, N, K)
+    weights = [first] + [random_planes(cp, rng, fmt, N, K)
+                         for _ in range(-(-2 * l2_bytes // first.nbytes) - 1)]
+    for B in LINEAR_BATCHES:
+        if time.monotonic() > deadline:
+            print("gpu_check: quant linear stopped at the deadline", file=sys.stderr)
+            return False
+        x = (rng.standard_normal((B, K), dtype=cp.float32)).astype(cp.float16)
+        out = cp.empty((B, N), cp.float16)
+        impls = {"matvec": linear.matvec} if B <= MATVEC_MAX_ROWS else {}
+        impls.update(tiled=linear.tiled, dequant=linear.dequant_gemm)
+        for impl, fn in impls.items():
+            cycle = itertools.cycle(weights)
+
+            def one(fn=fn, x=x, out=out, cycle=cycle) -> None:  # bound now
+                fn(x, next(cycle), out)
+            dt = gpu_time(one, stream, 20, graph=True)
+            rows.append(dict(linear=name, format=fmt, batch=B, impl=impl, N=N, K=K,
+                             us=dt * 1e6, GBps=first.nbytes / dt / 1e9,
+                             TFLOPs=2 * B * N * K / dt / 1e12))
+    stream.synchronize()
+    return True
 
 
 def bench_transformers(name, shape, rows, deadline) -> None:
@@ -798,6 +846,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True,
                     help="folder for gpu_check.json and gpu_check.txt, rewritten after every phase")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-preflight", action="store_true",
+                    help="the preflight's imports only, not its device checks (run before, alone: "
+                         "tools/device_run.py)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="the whole run, tests included")
     ap.add_argument("--table", choices=sorted(TABLES), default="fp16",
                     help="the benchmark tables: fp16 (attention, ours vs transformers), quant "
@@ -813,7 +864,8 @@ def main(argv=None) -> int:
     result.update(skipped=budget.skipped, phases=budget.phases, errors=budget.errors)
     from ringserve.tools import gpu_preflight
     preflight_ok = budget.run("preflight", 1,
-                              lambda: gpu_preflight.run(result["preflight"], device is not None),
+                              lambda: gpu_preflight.run(result["preflight"],
+                                                        device is not None and not args.skip_preflight),
                               limit_s=PREFLIGHT_S * LIMIT_FACTOR)
     if device is None:
         print("gpu_check: no CUDA device (CuPy sees none); the imports above are all it checks "

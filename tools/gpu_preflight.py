@@ -1,8 +1,9 @@
 """gpu_check's preflight: ~30 s that say whether the long run can work, each result printed as
 it comes. Imports first (they run without a GPU too: the wheel list of docs/deploy.md is
-checked wherever gpu_check runs), then on the device: the CUDA C kernels compile (NVRTC), one
-eager step of a tiny random Llama against the CPU backend, and one cuBLAS GEMM captured into a
-CUDA graph and replayed against numpy (gpu/cuda/gemm.py: the capture CuPy's cuBLAS refuses).
+checked wherever gpu_check runs) and whether numpy and numba-cuda go together, then on the
+device: the CUDA C kernels compile (NVRTC), one eager step of a tiny random Llama against the
+CPU backend, and one cuBLAS GEMM captured into a CUDA graph and replayed against numpy
+(gpu/cuda/gemm.py: the capture CuPy's cuBLAS refuses).
 """
 from __future__ import annotations
 
@@ -45,8 +46,21 @@ def _import(name: str) -> str:
     return str(getattr(module, "__version__", "") or "")
 
 
+def numpy_numba_cuda() -> str:
+    """The numpy / numba-cuda pair can compile a Numba CUDA kernel (gpu/devices.py)."""
+    import importlib.metadata as md
+
+    import numpy as np
+
+    from ringserve.gpu.devices import cuda_stack_problem
+    if (problem := cuda_stack_problem()) is not None:
+        raise RuntimeError(problem)
+    return f"numpy {np.__version__}, numba-cuda {md.version('numba-cuda')}"
+
+
 def imports(results: list[dict]) -> bool:
     ok = all([check(results, f"import {m}", partial(_import, m)) for m in IMPORTS])
+    ok = check(results, "numpy / numba-cuda pair", numpy_numba_cuda) and ok
     for m in OPTIONAL:
         check(results, f"import {m}", partial(_import, m), required=False)
     return ok
@@ -94,19 +108,18 @@ def captured_gemm() -> str:
     from ringserve.gpu.cuda import capture
     from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
     stream = cp.cuda.Stream(non_blocking=True)
-    ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
-    gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
-    rng = np.random.default_rng(0)
-    x = cp.asarray(rng.standard_normal((7, 256)).astype(np.float16))
-    w = cp.asarray(rng.standard_normal((96, 256)).astype(np.float16) * 0.1)
-    out = cp.zeros((7, 96), cp.float16)
-    cp.cuda.Device().synchronize()
-    with stream:
+    host = np.random.default_rng(0)
+    with stream:  # NOTE: made and filled on the stream that reads them
+        ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
+        gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
+        x = cp.asarray(host.standard_normal((7, 256)).astype(np.float16))
+        w = cp.asarray(host.standard_normal((96, 256)).astype(np.float16) * 0.1)
+        out = cp.zeros((7, 96), cp.float16)
         gemm(x, w, out)  # eager first: cuBLAS picks its kernel outside the capture
         stream.synchronize()
         graph = capture.capture(stream, lambda: gemm(x, w, out),
                                 lambda: cp.cuda.using_allocator(capture.refuse_allocation))
-    x_host = rng.standard_normal((7, 256)).astype(np.float16)
+    x_host = host.standard_normal((7, 256)).astype(np.float16)
     x.set(x_host, stream=stream)  # the replay reads whatever x holds now
     graph.launch(stream)
     stream.synchronize()

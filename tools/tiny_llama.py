@@ -5,7 +5,7 @@ tokenizer.json, tokenizer_config.json, generation_config.json).
 Deterministic from the seed. Weights are scaled so that activations stay O(1) and the logits
 are spread (not uniform, not one-hot), so greedy outputs depend on the prompt. float32 by
 default; dtype="bfloat16" writes every tensor as BF16 (rounded to nearest even), as a bfloat16
-HF checkpoint is stored.
+HF checkpoint is stored, and dtype="float16" as FP16.
 """
 from __future__ import annotations
 
@@ -114,10 +114,11 @@ def make_tiny_llama(path: str | Path, *, seed: int = 0, num_layers: int = 2, hid
         tensors["lm_head.weight"] = normal((vocab_size, hidden), 0.3)
     if dtype == "bfloat16":
         save_bf16(tensors, path / "model.safetensors")
-    elif dtype == "float32":
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "np"})
+    elif dtype in ("float32", "float16"):
+        save_file({k: v.astype(dtype) for k, v in tensors.items()}, str(path / "model.safetensors"),
+                  metadata={"format": "np"})
     else:
-        raise ValueError(f"dtype {dtype!r}: float32 or bfloat16")
+        raise ValueError(f"dtype {dtype!r}: float32, float16 or bfloat16")
     return path
 
 
