@@ -31,7 +31,7 @@ from ringserve.gpu.weights import GGMLTensor
 from test_quant_kernels import magnitude
 
 pytestmark = pytest.mark.sim
-GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16")]  # F16, F32: Fp16Store's (cuBLAS)
+GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16")]  # F16, F32: DenseStore's (cuBLAS)
 # matvec r1, r4 (3 of 4 rows), r16; 37: tiles of 16, 16 and 5 (r8); 70 > MATVEC_MAX_ROWS:
 # dequantized chunks + GEMM
 ROWS = [1, 3, 16, 37, 70]

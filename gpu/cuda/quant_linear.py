@@ -19,13 +19,12 @@ Q4_1 0.625 (0.5625/0.625), Q8_0 and Q5_0 1.0625 (1.0625/0.6875), Q6_K and Q3_K 1
 0.531 (float32 scales: 0.75, 1.125, 1.25, 1.25, 1.25, 1.5; AWQ/GPTQ 0.5625). The kernels and
 the GPU check report the bytes actually read (QuantWeight.nbytes).
 
-16-bit floats are kept as they are stored: BF16 (a GGUF BF16 tensor, or an HF checkpoint in
-bfloat16: gpu/weights.py GGMLTensor "BF16") as the "bf16" plane, which the kernels widen to
-float32 exactly (decode reads 2 B/weight, as fp16 would, and no weight is rounded; a large
-batch's chunks are fp16, see quant.cu's dequant_bf16 for why that is exact in practice); F16
-(numpy float16, from safetensors or a GGUF F16 tensor) is already the runner's own storage
-dtype: Fp16Store uploads its bits unchanged and cuBLAS reads them. Only F32 weights are
-narrowed (to fp16).
+16-bit float matrices are dense: DenseStore (gpu/cuda/buffers.py) uploads them in the serving
+dtype (gpu/cuda/dtypes.py: a bfloat16 checkpoint serves in bfloat16, its BF16 bits as they are)
+and cuBLAS multiplies them. Only inside a linear that has packed parts does a BF16 part become
+the "bf16" plane here, which the kernels widen to float32 exactly (a quantized model serves in
+fp16; a large batch's chunks are fp16, see quant.cu's dequant_bf16 for why that is exact in
+practice).
 
 A linear with M rows of activations runs:
 - M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R>, dequantized in registers, on tiles of up
@@ -58,11 +57,11 @@ import numpy as np
 
 from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
-from ringserve.gpu.cuda.buffers import Fp16Store
+from ringserve.gpu.cuda.buffers import DenseStore
 from ringserve.gpu.quant import QuantWeight, as_halves, dequantize
 from ringserve.gpu.weights import GGMLTensor
 
-PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; F16 and F32 are Fp16Store's (cuBLAS)
+PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; dense F16, F32, BF16 are DenseStore's (cuBLAS)
 WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
 MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; above, LARGE_BATCH's
 # Above MATVEC_MAX_ROWS: "dequant" (the weight to fp16 into the workspace, then cuBLAS) or
@@ -97,18 +96,19 @@ def keeps_blocks(tensor: Any) -> bool:
 class QuantStore:
     """model.WeightStore for the CUDA backend: a linear with a packed part is gpu/cpu_packed.py's
     QuantWeight (or SplitWeight of several types) with its planes moved to the device (arrays of
-    xp: cupy on a GPU, numpy in CI); F16/F32 parts and every other weight are Fp16Store's.
+    xp: cupy on a GPU, numpy in CI); every other weight is DenseStore's, in `dtype` (the serving
+    dtype: float16 whenever a weight is packed, gpu/cuda/dtypes.py).
     QuantWeights already on the device are stacked there (np.concatenate reaches
     cupy.concatenate through __array_function__)."""
 
-    def __init__(self, xp):
+    def __init__(self, xp, dtype: str = "float16"):
         self.xp = xp
-        self.fp16 = Fp16Store(xp)
-        self.vector = self.fp16.vector
+        self.dense = DenseStore(xp, dtype)
+        self.vector = self.dense.vector
 
     def linear(self, arrays: Sequence[Any]) -> Any:
         if not any(keeps_blocks(a) for a in arrays):
-            return self.fp16.linear(arrays)
+            return self.dense.linear(arrays)
         packed = fuse_packed(arrays, factored=True)  # NOTE: K-quant scales as int8 factors (fewer bytes)
         if isinstance(packed, SplitWeight):
             return SplitWeight(tuple(self._upload(p) for p in packed.parts), packed.shape)
@@ -117,7 +117,7 @@ class QuantStore:
     def _upload(self, w: Any) -> Any:
         assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/quant.py's planes
         if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
-            return self.fp16.linear([dequantize(w)])
+            return self.dense.linear([dequantize(w)])
         w = as_halves(w)  # float32 planes of exact halves as fp16: half their bytes
         check_scales(w)
         return replace(w, q=self._device(w.q), scale=self._device(w.scale), offset=self._device(w.offset),
