@@ -109,6 +109,18 @@ def test_cuda_c_compiles_with_nvrtc(name, arch):
         check_resources(toolchain.ptxas_report(ptx, arch), where)
 
 
+def test_fused_cu_defines_every_kernel_in_both_element_types():
+    """gpu/cuda/fused.py gets each kernel by name in fp16 (plain) and bf16 (_bf16); the bf16
+    ones read and write bf16 (cvt.rn.bf16.f32: round to nearest even; widening is a shift)."""
+    from ringserve.gpu.cuda.launch import FUSED_KERNELS, SUFFIXES
+    ptx = toolchain.nvrtc_ptx(toolchain.source("fused.cu"), "sm_80", toolchain.options(), "fused.cu")
+    names = {k + s for k in FUSED_KERNELS for s in SUFFIXES.values()}
+    assert set(toolchain.ptxas_report(ptx, "sm_80")) == names
+    bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
+    for name in ("add_rms_norm", "rope", "silu_mul", "add_bias"):
+        assert ".bf16" in bodies[name + "_bf16"] and ".bf16" not in bodies[name], name
+
+
 def test_quant_cu_defines_every_kernel_its_launcher_loads():
     """gpu/cuda/quant.py gets each of quant_linear.KERNELS by name (a matvec per plane kind and
     row tile, a dequant per kind and output dtype): a kind without its kernels fails here, not

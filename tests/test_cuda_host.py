@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cuda_host_kernels import paged_attention, paged_attention_args
+from fp16_checks import ELEMENT_TYPES, SUFFIX, assert_rounded_from, narrow, widen
 from paged_cases import paged_layout
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda import reference as ref
@@ -35,59 +36,79 @@ def host_kernels(cuda_host):
 
 
 def assert_fp16_close(actual: np.ndarray, expect: np.ndarray, atol: float = 1e-5) -> None:
-    """actual (fp16) is expect (float32) rounded to fp16: within one fp16 step of it, plus atol
-    for float32 summation-order noise on tiny values."""
-    actual = actual.astype(np.float32)
-    tol = np.spacing(np.abs(expect).astype(np.float16)).astype(np.float32) + np.float32(atol)
-    bad = ~(np.abs(actual - expect) <= tol)  # NaN (an unwritten output) is bad too
-    assert not bad.any(), (f"{bad.sum()} of {bad.size} off, first at {np.argwhere(bad)[0]}: "
-                           f"{actual[bad][:5]} vs {expect[bad][:5]}")
+    """actual (fp16, or bf16 bits) is expect (float32) rounded to its type (fp16_checks)."""
+    assert_rounded_from(actual, expect, atol)
 
 
-# ---- fused.cu
+def unwritten(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """An output buffer of NaN in the element type's storage (0xFFFF: NaN in both)."""
+    return np.full(shape, 0xFFFF, np.uint16).view(np.float16 if dtype == "float16" else np.uint16)
 
+
+# ---- fused.cu: every kernel in both element types (fp16: the plain names, bf16: _bf16)
+
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 @pytest.mark.parametrize("hidden", [576, 64])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm(host_kernels, hidden, with_delta):
+def test_add_rms_norm(host_kernels, hidden, with_delta, dtype):
     rng = np.random.default_rng(hidden)
     T, eps = 3, 1e-5
     h = (rng.standard_normal((T, hidden)) * 2).astype(np.float32)
-    delta = rng.standard_normal((T, hidden)).astype(np.float16) if with_delta else None
-    weight = (1 + 0.3 * rng.standard_normal(hidden)).astype(np.float16)
-    out = np.full((T, hidden), np.nan, np.float16)
-    expect_h, expect_out = ref.add_rms_norm(h, delta, weight, eps)
-    host_kernels["fused"].call("add_rms_norm", launch.norm_launch(T, hidden), h, delta, weight, out,
-                               np.int32(hidden), np.float32(eps))
+    delta = narrow(rng.standard_normal((T, hidden)), dtype) if with_delta else None
+    weight = narrow(1 + 0.3 * rng.standard_normal(hidden), dtype)
+    out = unwritten((T, hidden), dtype)
+    expect_h, expect_out = ref.add_rms_norm(h, None if delta is None else widen(delta), widen(weight), eps)
+    host_kernels["fused"].call("add_rms_norm" + SUFFIX[dtype], launch.norm_launch(T, hidden), h, delta,
+                               weight, out, np.int32(hidden), np.float32(eps))
     np.testing.assert_array_equal(h, expect_h)  # the same float32 adds, in place
     assert_fp16_close(out, expect_out)
 
 
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 2)])
-def test_rope_rotates_q_and_k_only(host_kernels, head_dim, num_heads, num_kv_heads):
+def test_rope_rotates_q_and_k_only(host_kernels, head_dim, num_heads, num_kv_heads, dtype):
     rng = np.random.default_rng(head_dim)
     T, max_pos, half = 5, 100, head_dim // 2
     inv_freq = 1.0 / 10000.0 ** (np.arange(half) / half)
     angles = np.arange(max_pos)[:, None] * inv_freq[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     positions = rng.integers(0, max_pos, T).astype(np.int32)
-    qkv = rng.standard_normal((T, (num_heads + 2 * num_kv_heads) * head_dim)).astype(np.float16)
-    expect = ref.rope(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim)
+    qkv = narrow(rng.standard_normal((T, (num_heads + 2 * num_kv_heads) * head_dim)), dtype)
+    expect = ref.rope(widen(qkv), positions, cos, sin, num_heads, num_kv_heads, head_dim)
     x = qkv.copy()
     rot = num_heads + num_kv_heads
-    host_kernels["fused"].call("rope", launch.rope_launch(T, rot, head_dim), x, positions, cos, sin,
-                               np.int32(rot), np.int32(head_dim), np.int32(qkv.shape[1]))
+    host_kernels["fused"].call("rope" + SUFFIX[dtype], launch.rope_launch(T, rot, head_dim), x, positions,
+                               cos, sin, np.int32(rot), np.int32(head_dim), np.int32(qkv.shape[1]))
     assert_fp16_close(x[:, :rot * head_dim], expect[:, :rot * head_dim])
     np.testing.assert_array_equal(x[:, rot * head_dim:], qkv[:, rot * head_dim:])  # v untouched
 
 
-def test_silu_mul_odd_token_count(host_kernels):
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_silu_mul_odd_token_count(host_kernels, dtype):
     rng = np.random.default_rng(5)
     T, inter = 7, 96
-    gate_up = (rng.standard_normal((T, 2 * inter)) * 3).astype(np.float16)
-    out = np.full((T, inter), np.nan, np.float16)
-    host_kernels["fused"].call("silu_mul", launch.silu_launch(T, inter), gate_up, out, np.int32(T),
-                               np.int32(inter // 2))
-    assert_fp16_close(out, ref.silu_mul(gate_up))
+    gate_up = narrow(rng.standard_normal((T, 2 * inter)) * 3, dtype)
+    out = unwritten((T, inter), dtype)
+    host_kernels["fused"].call("silu_mul" + SUFFIX[dtype], launch.silu_launch(T, inter), gate_up, out,
+                               np.int32(T), np.int32(inter // 2))
+    assert_fp16_close(out, ref.silu_mul(widen(gate_up)))
+
+
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_add_bias_and_to_float32(host_kernels, dtype):
+    """x += bias (one rounding of the float32 sum); the logits widened to float32 exactly."""
+    rng = np.random.default_rng(6)
+    T, n = 5, 200
+    x, bias = narrow(rng.standard_normal((T, n)) * 4, dtype), narrow(rng.standard_normal(n), dtype)
+    got = x.copy()
+    host_kernels["fused"].call("add_bias" + SUFFIX[dtype], launch.elementwise_launch(T * n), got, bias,
+                               np.int32(T), np.int32(n))
+    expect = widen(x) + widen(bias)
+    np.testing.assert_array_equal(got, narrow(expect, dtype))  # round to nearest even, as numpy
+    out = np.full((T, n), np.nan, np.float32)
+    host_kernels["fused"].call("to_float32" + SUFFIX[dtype], launch.elementwise_launch(T * n), got, out,
+                               np.int32(T), np.int32(n))
+    np.testing.assert_array_equal(out, widen(got))
 
 
 # ---- attention.cu

@@ -52,6 +52,22 @@ __forceinline__ __half __float2half(float f) { return {std::bit_cast<uint16_t>((
 __forceinline__ float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
 __forceinline__ __half2 __floats2half2_rn(float a, float b) { return {__float2half(a), __float2half(b)}; }
 
+// ---- bf16: the upper half of a float32's bits; narrowing rounds to nearest even (a NaN stays a
+// NaN), as cuda_bf16.h's __float2bfloat16.
+struct __nv_bfloat16 { uint16_t bits; };
+struct alignas(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
+
+__forceinline__ float __bfloat162float(__nv_bfloat16 h) { return std::bit_cast<float>((uint32_t)h.bits << 16); }
+__forceinline__ __nv_bfloat16 __float2bfloat16(float f) {
+    const uint32_t u = std::bit_cast<uint32_t>(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40u)};
+    return {(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+__forceinline__ float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
+__forceinline__ __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return {__float2bfloat16(a), __float2bfloat16(b)};
+}
+
 // ---- math intrinsics (host libm: at least as accurate as the device's fast versions)
 __forceinline__ float __expf(float x) { return expf(x); }
 __forceinline__ float rsqrtf(float x) { return 1.0f / sqrtf(x); }
