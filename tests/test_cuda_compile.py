@@ -106,7 +106,11 @@ def test_cuda_c_compiles_with_nvrtc(name, arch):
         ptx = toolchain.nvrtc_ptx(toolchain.source(name), arch, toolchain.options(defines), name)
         where = f"{name} {defines} {arch}"
         assert ".f64" not in ptx, f"{where}: float64 in the PTX"
-        check_resources(toolchain.ptxas_report(ptx, arch), where)
+        report = toolchain.ptxas_report(ptx, arch)
+        check_resources(report, where)  # both element types' instantiations within budget
+        if name != "quant.cu":  # fused.cu, attention.cu: every kernel in fp16 and in bf16 (_bf16)
+            fp16 = {k for k in report if not k.endswith("_bf16")}
+            assert set(report) == fp16 | {k + "_bf16" for k in fp16}, f"{where}: {sorted(report)}"
 
 
 def test_fused_cu_defines_every_kernel_in_both_element_types():

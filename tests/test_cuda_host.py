@@ -117,22 +117,24 @@ def guarded(a: np.ndarray) -> np.ndarray:
     """a inside a buffer one block larger at each end, filled with 7: a kernel that reads block
     -1 (a padding row's table entry) or past the pool gets keys and values of 7, not memory that
     happens to be there (not NaN: fmaxf drops a NaN score and the row would still come out 0)."""
-    buf = np.full((a.shape[0] + 2, *a.shape[1:]), 7.0, a.dtype)
+    seven = narrow(np.float32(7.0)[None], "bfloat16" if a.dtype == np.uint16 else "float16")[0]
+    buf = np.full((a.shape[0] + 2, *a.shape[1:]), seven, a.dtype)
     buf[1:-1] = a
     return buf[1:-1]
 
 
 def paged_case(rng, *, head_dim: int, group: int, kvh: int, requests: list[tuple[int, int]],
-               pad: int = 0, block_size: int = 16) -> dict:
+               pad: int = 0, block_size: int = 16, dtype: str = "float16") -> dict:
     """requests: (tokens already cached, new tokens) each, blocks shuffled over a pool with
     spare blocks; pad: graph padding rows after them (one token, seq_len 0, slot -1, table -1).
-    The new tokens' K/V are stored first, as the runner does before attention."""
+    The new tokens' K/V are stored first, as the runner does before attention. dtype: q and the
+    cache's element type (bf16: uint16 bits)."""
     layout = paged_layout(rng, requests, block_size=block_size, pad=pad)
     positions, slots, num_blocks = layout["positions"], layout["slots"], layout["num_blocks"]
     num_heads = kvh * group
-    qkv = rng.standard_normal((len(positions), (num_heads + 2 * kvh) * head_dim)).astype(np.float16)
-    k_cache = guarded(rng.standard_normal((num_blocks, block_size, kvh, head_dim)).astype(np.float16))
-    v_cache = guarded(rng.standard_normal((num_blocks, block_size, kvh, head_dim)).astype(np.float16))
+    qkv = narrow(rng.standard_normal((len(positions), (num_heads + 2 * kvh) * head_dim)), dtype)
+    k_cache = guarded(narrow(rng.standard_normal((num_blocks, block_size, kvh, head_dim)), dtype))
+    v_cache = guarded(narrow(rng.standard_normal((num_blocks, block_size, kvh, head_dim)), dtype))
     ref.store_kv(qkv, slots, k_cache, v_cache, num_heads)
     return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions,
                 query_start_loc=layout["query_start_loc"], seq_lens=layout["seq_lens"],
@@ -148,7 +150,7 @@ def case_args(c: dict) -> tuple:
 def run_attention(kernels, c: dict, splits: int, max_seq_len: int) -> np.ndarray:
     """What PagedAttention.__call__ launches, with NaN-filled outputs and workspace."""
     T, d, H = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"]
-    out = np.full((T, H * d), np.nan, np.float16)
+    out = unwritten((T, H * d), "bfloat16" if c["qkv"].dtype == np.uint16 else "float16")
     workspace = (np.full((T, H, splits, d), np.nan, np.float32),
                  np.full((T, H, splits, 2), np.nan, np.float32)) if splits > 1 else (None, None)
     paged_attention(kernels, *case_args(c), out, splits, max_seq_len, workspace)
@@ -156,32 +158,35 @@ def run_attention(kernels, c: dict, splits: int, max_seq_len: int) -> np.ndarray
 
 
 def expected_attention(c: dict) -> np.ndarray:
-    return ref.paged_attention(c["qkv"], c["k_cache"], c["v_cache"], c["positions"],
+    return ref.paged_attention(widen(c["qkv"]), widen(c["k_cache"]), widen(c["v_cache"]), c["positions"],
                                c["query_start_loc"], c["seq_lens"], c["block_tables"], c["num_heads"],
                                c["k_cache"].shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS), ids=VARIANT_IDS)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_paged_attention_prefill_and_decode(host_kernels, variant, splits):
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_paged_attention_prefill_and_decode(host_kernels, variant, splits, dtype):
     """A fresh prefill, a prefill chunk over a cached prefix, two decodes; eager split-K (the
-    partition from the batch's longest sequence: the 4-key decode leaves splits 1, 2 empty)."""
+    partition from the batch's longest sequence: the 4-key decode leaves splits 1, 2 empty).
+    Each element type: the kernels of q's and the cache's (fp16, or bf16: _bf16)."""
     d, g = variant
     c = paged_case(np.random.default_rng(d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
-                   requests=[(0, 5), (21, 4), (40, 1), (3, 1)])
+                   requests=[(0, 5), (21, 4), (40, 1), (3, 1)], dtype=dtype)
     out = run_attention(host_kernels[variant], c, splits, int(c["seq_lens"].max()))
     assert_fp16_close(out, expected_attention(c))
 
 
 @pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS), ids=VARIANT_IDS)
 @pytest.mark.parametrize("splits", [1, 8])
-def test_paged_attention_padded_graph_decode(host_kernels, variant, splits):
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_paged_attention_padded_graph_decode(host_kernels, variant, splits, dtype):
     """A graph replay: decodes padded to the captured size with seq_len-0 rows, partitions
     from max_model_len (256 / 8 = 32 keys): the 10-key decode sees only split 0, the 200-key
     one not split 7. Padding rows must come out exactly zero."""
     d, g = variant
     c = paged_case(np.random.default_rng(10 * d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
-                   requests=[(9, 1), (199, 1), (0, 1)], pad=2)
+                   requests=[(9, 1), (199, 1), (0, 1)], pad=2, dtype=dtype)
     out = run_attention(host_kernels[variant], c, splits, max_seq_len=256)
     expect = expected_attention(c)
     assert_fp16_close(out, expect)

@@ -3,28 +3,11 @@
 // type T, instantiated as extern "C" kernels for fp16 (__half: the plain names) and bf16
 // (__nv_bfloat16: the _bf16 names), so a launcher picks one by the arrays' dtype (float16, or
 // bf16 bits in uint16) and nothing is mangled. Compiled at run time by NVRTC (through CuPy),
-// which defines no INFINITY and no libc: only cuda_fp16.h and cuda_bf16.h are included.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+// which defines no INFINITY and no libc: only cuda_fp16.h and cuda_bf16.h are included (by
+// elem.cuh: the element types' helpers, pasted in by toolchain.source).
+#include "elem.cuh"
 
 #define FULL_MASK 0xffffffffu
-
-// The element types: a value to and from float32 (round to nearest even), and a pair of them.
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float2 to_float2(__half2 x) { return __half22float2(x); }
-__device__ __forceinline__ float2 to_float2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
-template <class T> struct Elem;
-template <> struct Elem<__half> {
-    using Pair = __half2;
-    static __device__ __forceinline__ __half from(float x) { return __float2half(x); }
-    static __device__ __forceinline__ __half2 pair(float a, float b) { return __floats2half2_rn(a, b); }
-};
-template <> struct Elem<__nv_bfloat16> {
-    using Pair = __nv_bfloat162;
-    static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16(x); }
-    static __device__ __forceinline__ __nv_bfloat162 pair(float a, float b) { return __floats2bfloat162_rn(a, b); }
-};
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the sum.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
