@@ -22,17 +22,24 @@ f16_1d, f16_2d, f16_4d = (types.Array(types.float16, n, "C") for n in (1, 2, 4))
 f32_1d, f32_2d = types.Array(types.float32, 1, "C"), types.Array(types.float32, 2, "C")
 i32_1d, i32_2d = types.Array(types.int32, 1, "C"), types.Array(types.int32, 2, "C")
 u32_2d = types.Array(types.uint32, 2, "C")
+u16_2d, u16_4d = types.Array(types.uint16, 2, "C"), types.Array(types.uint16, 4, "C")  # bf16 bits
+flag = types.boolean
 NUMBA_MODULES = (numba_kernels, sampling_kernels)
 
-# Every kernel with the signatures the runner launches it with (fp16 activations and cache).
+# Every kernel with the signatures the runner launches it with (fp16, and bf16 bits in uint16,
+# activations and cache).
 NUMBA_SIGNATURES = {
-    "store_kv_kernel": [(f16_2d, i32_1d, f16_4d, f16_4d, types.int64)],
-    # gather_rows also serves the embedding (fp16 table -> fp32 or fp16 rows)
-    "gather_rows_kernel": [(f16_2d, i32_1d, f16_2d), (f32_2d, i32_1d, f32_2d),
-                           (f16_2d, i32_1d, f32_2d)],
+    "store_kv_kernel": [(f16_2d, i32_1d, f16_4d, f16_4d, types.int64),
+                        (u16_2d, i32_1d, u16_4d, u16_4d, types.int64)],
+    # gather_rows also serves the embedding (a 16-bit table -> fp32 rows: the residual stream)
+    "gather_rows_kernel": [(f16_2d, i32_1d, f16_2d, flag), (f32_2d, i32_1d, f32_2d, flag),
+                           (f16_2d, i32_1d, f32_2d, flag), (u16_2d, i32_1d, u16_2d, flag),
+                           (u16_2d, i32_1d, f32_2d, flag)],
     "argmax_kernel": [(f32_2d, i32_1d), (f16_2d, i32_1d)],
     "paged_attention_kernel": [(f16_2d, f16_4d, f16_4d, i32_1d, i32_1d, i32_1d, i32_2d,
-                                types.float32, f16_2d)],
+                                types.float32, f16_2d, flag),
+                               (u16_2d, u16_4d, u16_4d, i32_1d, i32_1d, i32_1d, i32_2d,
+                                types.float32, u16_2d, flag)],
     # sampling_kernels: float32 logits (the runner's fp32 logits buffer), 1024 threads per row
     "penalties_kernel": [(f32_2d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d,
                           f32_1d, f32_1d, f32_1d)],
