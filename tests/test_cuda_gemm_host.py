@@ -3,9 +3,9 @@ host stand-in of nvmath's cuBLAS binding (tests/cublas_host.py: records every ca
 column-major GEMM in numpy on the memory the pointers name).
 
 - the (transa, transb, m, n, k, lda, ldb, ldc) of each call reproduce x @ w.T, for every linear
-  of the model: the whole forward (gpu/model.py llama_forward, eager and graph-shaped) runs
-  through the runner's own CudaOps.linear / add_bias / to_float32 over the stand-in, the other
-  ops as tests/test_cuda_forward_host.py runs them, against the CPU backend's logits;
+  of the model: the whole forward (gpu/model.py llama_forward, eager and graph-shaped, in fp16
+  and in bf16) runs through the runner's own CudaOps.linear over the stand-in, the other ops
+  as tests/test_cuda_forward_host.py runs them, against the CPU backend's logits;
 - the forward calls no CuPy cuBLAS entry point: CudaOps is imported over a `cupy` that has no
   attribute at all (any cp.matmul / cp.dot / cp.cublas use raises), and the modules of the
   captured path are read for GEMMs by any other name (`@`, .dot, tensordot, einsum, cublas).
@@ -25,7 +25,7 @@ import pytest
 
 import test_cuda_forward_host as fwd
 from cublas_host import CUDA_R_16BF, CUDA_R_16F, ComputeType, HostCublas, Operation
-from fp16_checks import decode_against_cpu
+from fp16_checks import decode_against_cpu, widen
 from ringserve.gpu.cuda import gemm
 from ringserve.gpu.cuda.dtypes import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cuda.gemm import CublasGemm, linear_args
@@ -34,8 +34,8 @@ from ringserve.gpu.runner import ModelRunner
 pytestmark = pytest.mark.sim
 STREAM = 0x5EED
 F16, F32 = np.float16, np.float32
-KERNEL_OPS = ("copy_in", "copy_in_corner", "embedding", "add_rms_norm", "rope_store_kv",
-              "attention", "silu_mul", "gather_rows")
+KERNEL_OPS = ("copy_in", "copy_in_corner", "embedding", "add_bias", "add_rms_norm", "rope_store_kv",
+              "attention", "silu_mul", "gather_rows", "to_float32")
 
 
 def host_gemm(cublas: HostCublas) -> CublasGemm:
@@ -145,15 +145,16 @@ class CheckedGemm:
 
     def __call__(self, x, w, out) -> None:
         self.inner(x, w, out)
-        want = x.astype(F32) @ w.astype(F32).T
-        np.testing.assert_allclose(out.astype(F32), want, rtol=1e-2, atol=1e-2)
+        want = widen(x) @ widen(w).T
+        np.testing.assert_allclose(widen(out), want, rtol=1e-2, atol=1e-2)
         self.shapes.add(w.shape)
 
 
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 @pytest.mark.parametrize("decode", ["eager", "graph"])
 def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host,
-                                                                   cuda_ops_class, decode):
-    host = fwd.HostRunner(tiny_cuda_model_dir, cuda_host)
+                                                                   cuda_ops_class, decode, dtype):
+    host = fwd.HostRunner(tiny_cuda_model_dir, cuda_host, dtype=dtype)
     c = host.config
     cublas = HostCublas()
 
@@ -176,6 +177,7 @@ def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_mode
                                     (c.hidden_size, c.intermediate_size), (c.vocab_size, c.hidden_size)}
     per_step = 4 * c.num_hidden_layers + 1
     assert len(cublas.calls) == 3 * per_step
+    assert {call.atype for call in cublas.calls} == {CUDA_R_16F if dtype == "auto" else CUDA_R_16BF}
 
 
 def test_a_packed_forward_through_the_runners_ops(tmp_path, cuda_host, cuda_ops_class, monkeypatch):

@@ -65,7 +65,7 @@ def check(got: np.ndarray, x: np.ndarray, w: QuantWeight, reference: np.ndarray)
 
 
 def device(w: QuantWeight) -> QuantWeight:
-    weight = QuantStore(np).linear([w])
+    weight = QuantStore(np).packed([w])
     assert isinstance(weight, QuantWeight) and weight.kind == w.kind
     return weight
 
@@ -100,7 +100,7 @@ BYTES_PER_WEIGHT = {"Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q5_K": 1 + 2 / 32 + 8 / 256
 def uploaded(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
     """A GGUF tensor as the CUDA runner's store keeps it (QuantStore: factored K-quants, fp16
     planes of exact halves), in the form FORMS says."""
-    weight = QuantStore(np).linear([GGMLTensor(qtype, shape, raw)])
+    weight = QuantStore(np).packed([GGMLTensor(qtype, shape, raw)])
     assert isinstance(weight, QuantWeight) and form(weight) == FORMS[qtype], (qtype, form(weight))
     return weight
 
@@ -183,7 +183,7 @@ def test_a_plane_that_is_not_exactly_half_stays_float32(quant_kernels):
     rng = np.random.default_rng(12)
     raw = random_raw("Q4_0", (N, K), rng)
     raw.reshape(N, K // 32, 18)[3, 5, 0:2] = np.array([10000], np.float16).view(np.uint8)
-    big = QuantStore(np).linear([GGMLTensor("Q4_0", (N, K), raw)])
+    big = QuantStore(np).packed([GGMLTensor("Q4_0", (N, K), raw)])
     assert form(big) == "float32" and big.offset is not None
     q = rng.integers(-128, 128, (N, K), dtype=np.int8)
     scale = np.full((N, K // 32), np.float16(0.25), np.float32)
@@ -224,7 +224,7 @@ def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_k
         ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, 512)
         tensors.append(ref.astype(np.float16) if qtype == "F16" else GGMLTensor(qtype, (n, 512), raw))
         references.append(ref)
-    weight = QuantStore(np).linear(tensors)
+    weight = QuantStore(np).packed(tensors)
     assert isinstance(weight, SplitWeight)
     assert [getattr(p, "qtype", "fp16") for p in weight.parts] == ["Q4_K", "Q6_K", "fp16"]
     x = rng.standard_normal((rows, 512)).astype(np.float16)
@@ -237,20 +237,21 @@ def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_k
 
 
 def test_bf16_weights_stay_their_bits_on_the_device():
-    """A BF16 matrix (gpu/weights.py's GGMLTensor, as a bfloat16 checkpoint loads) is the bf16
-    plane, its bits unchanged and 16-byte aligned even when the file maps it at an odd address;
+    """A BF16 matrix (gpu/weights.py's GGMLTensor, as a bfloat16 checkpoint loads) packed (a part
+    of a quantized linear: a dense bf16 checkpoint's go to cuBLAS) is the bf16 plane, its bits
+    unchanged and 16-byte aligned even when the file maps it at an odd address;
     a row that is not whole 16-byte loads (8 weights) goes the fp16 path."""
     rng = np.random.default_rng(5)
     raw = random_raw("BF16", (N, 64), rng)
     buffer = np.zeros(raw.size + 2, np.uint8)
     buffer[2:] = raw.reshape(-1)  # as a memory map may place it: 2 bytes past an alignment
     mapped = buffer[2:].reshape(raw.shape)
-    weight = QuantStore(np).linear([GGMLTensor("BF16", (N, 64), mapped)])
+    weight = QuantStore(np).packed([GGMLTensor("BF16", (N, 64), mapped)])
     assert isinstance(weight, QuantWeight) and weight.kind == "bf16" and weight.scale is None
     assert weight.q.ctypes.data % 16 == 0
     np.testing.assert_array_equal(weight.q, raw.view(np.uint16))
     odd = random_raw("BF16", (N, 12), rng)
-    narrowed = QuantStore(np).linear([GGMLTensor("BF16", (N, 12), odd)])
+    narrowed = QuantStore(np).packed([GGMLTensor("BF16", (N, 12), odd)])
     assert isinstance(narrowed, np.ndarray) and narrowed.dtype == np.float16
     np.testing.assert_array_equal(narrowed, (odd.view(np.uint16).astype(np.uint32) << 16)
                                   .view(np.float32).astype(np.float16))

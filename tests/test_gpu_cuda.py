@@ -317,7 +317,7 @@ def test_quant_kernels_match_gguf_dequantize(qtype, rows):
     workspace = cp.empty(32 << 20, cp.uint8)
     gemm = CublasGemm(cublas, stream.ptr, workspace.data.ptr, workspace.nbytes, lambda a: a.data.ptr)
     linear = QuantLinear(QuantKernels(stream).call, gemm, cp.empty(8 * K, cp.float16))
-    w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
+    w = QuantStore(cp).packed([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
     assert form(w) == FORMS[qtype]
     out = cp.full((rows, N), cp.nan, cp.float16)
     with stream:
@@ -357,7 +357,7 @@ def test_quant_tiled_gemm_on_tensor_cores(qtype, K):
     kernels = QuantKernels(stream).call
     tiled = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="tiled")
     dequant = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="dequant")
-    w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
+    w = QuantStore(cp).packed([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
     assert form(w) == FORMS[qtype]
     for rows in (1, 17, 64, 70, 130):
         x = rng.standard_normal((rows, K)).astype(np.float16)
@@ -382,9 +382,13 @@ def test_quant_tiled_gemm_on_tensor_cores(qtype, K):
 
 @pytest.mark.parametrize("layout", ["q4_k_m", "q8_0", "awq", "bf16"])
 def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, monkeypatch, layout):
-    """A tiny random Q4_K_M / Q8_0 GGUF, a tiny AWQ and a tiny bfloat16 checkpoint, weights
-    packed on the device (bf16: its bits): a prefill of 69 rows (dequantize + GEMM), then
-    decodes (the mat-vec kernels), eager and graph-replayed logits as the CPU backend's."""
+    """A tiny random Q4_K_M / Q8_0 GGUF and a tiny AWQ, weights packed on the device: a prefill
+    of 69 rows (dequantize + GEMM), then decodes (the mat-vec kernels); and a tiny bfloat16
+    checkpoint, served in bf16 (its bits through cuBLAS's CUDA_R_16BF GEMMs, bf16 activations
+    and KV cache, every kernel's _bf16 instantiation). Eager and graph-replayed logits as the
+    CPU backend's."""
+    import cupy as cp
+
     from fp16_checks import assert_logits_close, next_batch
     from ringserve.gpu.cuda.runner import CudaModelRunner
     from ringserve.gpu.runner import ModelRunner
@@ -404,7 +408,9 @@ def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, mon
     eager = CudaModelRunner.from_dir(model_dir, num_blocks=64, max_num_seqs=8, enforce_eager=True)
     graphs = CudaModelRunner.from_dir(model_dir, num_blocks=64, max_num_seqs=8)
     assert sorted(graphs.graphs.graphs) == graphs.graphs.sizes, graphs.capture_failures
-    assert eager.ops.quant is not None
+    assert (eager.ops.quant is None) == (layout == "bf16")
+    assert eager.dtype == graphs.dtype == ("bfloat16" if layout == "bf16" else "float16")
+    assert eager.kv_caches[0][0].dtype == (cp.uint16 if layout == "bf16" else cp.float16)
     seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
     for _ in range(6):
         batch = next_batch(seqs, new, tables, 16)

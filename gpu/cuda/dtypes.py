@@ -64,6 +64,15 @@ def resolve_dtype(requested: str, checkpoint: str) -> str:
     return requested
 
 
+def serving_dtype(requested: str, weights: dict[str, Any]) -> str:
+    """What CudaModelRunner serves `weights` in for --dtype `requested` (resolve_dtype of their
+    checkpoint dtype), after refusing a weight fp16 cannot hold when that is float16."""
+    dtype = resolve_dtype(requested, checkpoint_dtype(weights))
+    if dtype == "float16":
+        check_fp16_range(weights)
+    return dtype
+
+
 def check_fp16_range(weights: dict[str, Any]) -> None:
     """Raise ModelError (one line, naming the tensor) if narrowing a host weight to fp16 would
     turn a finite value into inf. BF16 tensors are checked on their bits, float32 ones by their

@@ -83,14 +83,12 @@ def _on_planes(kind: str, cols: int) -> bool:
 
 
 def keeps_blocks(tensor: Any) -> bool:
-    """A tensor the CUDA backend keeps packed: GGUF blocks or BF16 (a GGMLTensor: F16 and F32
-    are numpy arrays) or a QuantWeight already made (AWQ/GPTQ from gpu/hf_quant.py; gpu_check's,
-    made on the device)."""
+    """A tensor the CUDA backend keeps packed: GGUF integer blocks (a GGMLTensor) or a
+    QuantWeight already made (AWQ/GPTQ from gpu/hf_quant.py; gpu_check's, made on the device).
+    Float tensors (BF16, F16, F32) are dense: cuBLAS in the serving dtype."""
     if isinstance(tensor, QuantWeight):
         return _on_planes(tensor.kind, tensor.shape[1])
-    if not isinstance(tensor, GGMLTensor) or tensor.ggml_type in ("F16", "F32"):
-        return False
-    return tensor.ggml_type != "BF16" or _on_planes("bf16", tensor.shape[1])
+    return isinstance(tensor, GGMLTensor) and tensor.ggml_type not in ("BF16", "F16", "F32")
 
 
 class QuantStore:
@@ -109,6 +107,12 @@ class QuantStore:
     def linear(self, arrays: Sequence[Any]) -> Any:
         if not any(keeps_blocks(a) for a in arrays):
             return self.dense.linear(arrays)
+        return self.packed(arrays)
+
+    def packed(self, arrays: Sequence[Any]) -> Any:
+        """The arrays as planes on the device whatever their type (a BF16 tensor too: the bf16
+        plane; an F16/F32 part, or a bf16 row of odd length, dense): what linear() makes of a
+        weight with a packed part, and what the kernel tests and gpu_check make of one."""
         packed = fuse_packed(arrays, factored=True)  # NOTE: K-quant scales as int8 factors (fewer bytes)
         if isinstance(packed, SplitWeight):
             return SplitWeight(tuple(self._upload(p) for p in packed.parts), packed.shape)
