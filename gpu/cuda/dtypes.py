@@ -79,15 +79,25 @@ def check_fp16_range(weights: dict[str, Any]) -> None:
     largest magnitude; fp16 and packed weights need no narrowing."""
     for name, t in weights.items():
         if isinstance(t, GGMLTensor) and t.ggml_type == "BF16":
-            mag = np.asarray(t.raw).view(np.uint16) & np.uint16(0x7FFF)
-            bad = (mag >= _BF16_FP16_OVERFLOW) & (mag < _BF16_INF)
-            if bad.any():
-                worst = widen_bfloat16(np, mag[bad].max()[None])[0]
-                _refuse(name, float(worst))
-        elif isinstance(t, np.ndarray) and t.dtype == np.float32 and t.size:
-            worst = float(np.abs(t[np.isfinite(t)]).max(initial=0.0))
-            if worst >= FP16_MAX + 16:  # NOTE: up to 65519.99 rounds down to 65504
-                _refuse(name, worst)
+            for chunk in _chunks(np.asarray(t.raw).view(np.uint16)):
+                mag = chunk & np.uint16(0x7FFF)
+                bad = mag[(mag >= _BF16_FP16_OVERFLOW) & (mag < _BF16_INF)]
+                if bad.size:
+                    _refuse(name, float(widen_bfloat16(np, bad.max()[None])[0]))
+        elif isinstance(t, np.ndarray) and t.dtype == np.float32:
+            for chunk in _chunks(t):
+                mag = np.abs(chunk)
+                worst = float(mag[np.isfinite(mag)].max(initial=0.0))
+                if worst >= FP16_MAX + 16:  # NOTE: up to 65519.99 rounds down to 65504
+                    _refuse(name, worst)
+
+
+def _chunks(a: np.ndarray, size: int = 1 << 24):
+    """a's elements in flat pieces of `size`: a check's temporaries stay small (a float32
+    checkpoint's embedding alone can be GBs)."""
+    flat = a.reshape(-1)
+    for i in range(0, flat.size, size):
+        yield flat[i:i + size]
 
 
 def _refuse(name: str, worst: float) -> None:
