@@ -28,7 +28,7 @@ TABLE = {
     ("float16", "bfloat16"): "float16", ("float16", "float16"): "float16", ("float16", "float32"): "float16",
     ("float16", "quantized"): "float16",
     ("bfloat16", "bfloat16"): "bfloat16", ("bfloat16", "float16"): "bfloat16",
-    ("bfloat16", "float32"): "bfloat16", ("bfloat16", "quantized"): None,
+    ("bfloat16", "float32"): "bfloat16", ("bfloat16", "quantized"): "bfloat16",
     ("float32", "bfloat16"): None, ("float32", "float32"): None,
 }
 

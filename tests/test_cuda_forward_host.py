@@ -38,12 +38,15 @@ F16, F32 = np.float16, np.float32
 class HostOps:
     """model.ModelOps on the CPU as CudaOps runs them (see the module docstring)."""
 
-    def __init__(self, c: ModelConfig, cuda_host, packed: bool = False, large_batch: str = LARGE_BATCH):
+    def __init__(self, c: ModelConfig, cuda_host, packed: bool = False, large_batch: str = LARGE_BATCH,
+                 act_dtype=F16):
         self.fused = cuda_host.get("fused.cu")
         # packed weights: quant.cu through the runner's own plan, a workspace of 2 ** 16
-        # elements (several chunks of rows for the larger weights of a prefill)
-        self.quant = QuantLinear(cuda_host.get("quant.cu").call, fp16_gemm,
-                                 np.full(1 << 16, np.nan, F16), large_batch) if packed else None
+        # elements in the activations' dtype (several chunks of rows for the larger weights of
+        # a prefill), NaN in fp16 and bf16
+        workspace = np.full(1 << 16, 0xFFFF, np.uint16).view(act_dtype)
+        self.quant = QuantLinear(cuda_host.get("quant.cu").call, fp16_gemm, workspace,
+                                 large_batch) if packed else None
         self.paged = cuda_host.get("attention.cu", dict(
             HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
         self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
@@ -128,10 +131,10 @@ class HostRunner:
                  dtype: str = "auto"):
         c = self.config = ModelConfig.from_dir(model_dir)
         weights = load_weights(model_dir)
-        self.ops = HostOps(c, cuda_host, packed=any(keeps_blocks(t) for t in weights.values()),
-                           large_batch=large_batch)
         self.dtype = serving_dtype(dtype, weights)  # as CudaModelRunner
         act = self.act_dtype = SERVING_DTYPES[self.dtype]
+        self.ops = HostOps(c, cuda_host, packed=any(keeps_blocks(t) for t in weights.values()),
+                           large_batch=large_batch, act_dtype=act)
         self.weights = LlamaWeights.fuse(c, weights, QuantStore(np, self.dtype))
         shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
         self.caches = [(np.zeros(shape, act), np.zeros(shape, act)) for _ in range(c.num_hidden_layers)]
@@ -229,6 +232,23 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)  # prefill, one decode
+
+
+def test_a_packed_gguf_served_in_bf16_matches_the_cpu_backend(tmp_path_factory, cuda_host, monkeypatch):
+    """A tiny Q4_K_M GGUF with --dtype bfloat16: the packed planes as ever, bf16 activations and
+    KV cache (quant.cu's matvec_*_bf16 for the decodes, dequant_*_bf16 chunks and the bf16 GEMM
+    for the 69-row prefill, the other kernels' _bf16), against the CPU backend."""
+    model_dir = tiny_gguf(tmp_path_factory.mktemp("gguf-bf16"), "q4_k_m", monkeypatch)
+    host = HostRunner(model_dir, cuda_host, dtype="bfloat16")
+    launched = []
+    call = host.ops.quant.call
+    host.ops.quant.call = lambda name, *args: (launched.append(name), call(name, *args))[1]
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
+    assert host.caches[0][0].dtype == np.uint16
+    assert {"matvec_u4_r4_bf16", "dequant_u4_bf16", "dequant_i8_bf16"} <= set(launched)
+    assert not any(n.startswith("matvec_") and not n.endswith("_bf16") for n in launched)
 
 
 def test_a_packed_prefill_through_the_tiled_gemm_matches_the_cpu_backend(tmp_path_factory, cuda_host,

@@ -23,6 +23,7 @@ import gguf.quants
 import numpy as np
 import pytest
 
+from fp16_checks import narrow, spacing, widen
 from ringserve.gpu.cpu_packed import SplitWeight
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.quant_linear import LARGE_BATCH_POLICIES, QuantLinear, QuantStore
@@ -117,6 +118,36 @@ def test_quant_linear_matches_gguf_dequantize(quant_kernels, qtype, rows):
     linear_for(quant_kernels)(x, uploaded(qtype, raw, (N, K)), out)
     check(out, x, w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K))
     assert np.isnan(buffer[rows:]).all(), "a row past M was written"
+
+
+def bf16_gemm(x, w, out):
+    """cuBLAS's stand-in in bf16 (bits in uint16): float32 sums rounded once."""
+    out[...] = narrow(widen(x) @ widen(w).T, "bfloat16")
+
+
+# u4 and i8 planes with fp16 and int8+super scales, and the bf16 plane
+@pytest.mark.parametrize("rows", [1, 16, 70])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K", "BF16"])
+def test_quant_linear_with_bf16_activations(quant_kernels, qtype, rows):
+    """bf16 x and out (uint16 bits, as a quantized model served with --dtype bfloat16): the
+    mat-vec's _bf16 instantiations up to 64 rows, above them dequant_*_bf16 chunks into a bf16
+    workspace and the bf16 GEMM. Bound: float32 sums, one bf16 rounding of out, and above 64
+    rows the weights' own rounding to bf16 (2^-9 relative)."""
+    rng = np.random.default_rng(rows + 7)
+    raw = random_raw(qtype, (N, K), rng)
+    w = repack(raw, qtype, (N, K))
+    x = narrow(rng.standard_normal((rows, K)), "bfloat16")
+    buffer = np.full((rows + 16, N), 0xFFFF, np.uint16)  # NaN: rows past out's written by nobody
+    out = buffer[:rows]
+    linear = QuantLinear(quant_kernels.call, bf16_gemm, np.full(4 * K, 0xFFFF, np.uint16))
+    linear(x, uploaded(qtype, raw, (N, K)), out)
+    reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)
+    want = widen(x).astype(np.float64) @ reference.astype(np.float64).T
+    scale = np.abs(widen(x)).astype(np.float64) @ magnitude(w).T
+    bound = ((K + 2) * 2.0 ** -23 + (2.0 ** -9 if rows > 64 else 0)) * scale + spacing(want, "bfloat16")
+    err = np.abs(widen(out).astype(np.float64) - want)
+    assert np.all(err <= bound), f"{qtype}: {(~(err <= bound)).sum()} off, worst {np.nanmax(err / bound):.3g}"
+    assert (buffer[rows:] == 0xFFFF).all(), "a row past M was written"
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])

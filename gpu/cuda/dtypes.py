@@ -3,9 +3,9 @@
 
 `--dtype auto` serves a checkpoint in its own type where the GPU has it: bfloat16 as bfloat16,
 float16 as float16, float32 narrowed to float16 (vLLM's rule), and a quantized checkpoint (GGUF
-integer blocks, AWQ/GPTQ) with float16 activations, which quant.cu's kernels take. `--dtype
-float16|bfloat16` overrides; narrowing a weight to float16 refuses one whose values fp16 cannot
-hold (|w| >= 65520 rounds to inf), naming it.
+integer blocks, AWQ/GPTQ) with float16 activations (quant.cu's mat-vecs take either; its tiled
+GEMM fp16 only). `--dtype float16|bfloat16` overrides; narrowing a weight to float16 refuses
+one whose values fp16 cannot hold (|w| >= 65520 rounds to inf), naming it.
 
 bfloat16 lives on the device as its bits in uint16 arrays (numpy and CuPy have no bfloat16; the
 CPU backend keeps them the same way): the kernels and cuBLAS read a uint16 array as bfloat16, so
@@ -56,12 +56,7 @@ def resolve_dtype(requested: str, checkpoint: str) -> str:
     if requested not in CUDA_DTYPES:
         raise ValueError(f"dtype {requested!r} is not supported by the CUDA backend "
                          f"({', '.join(CUDA_DTYPES)})")
-    if requested == "auto":
-        return AUTO[checkpoint]
-    if requested == "bfloat16" and checkpoint == "quantized":
-        raise ValueError("dtype 'bfloat16': a quantized checkpoint runs with float16 activations on the "
-                         "CUDA backend (quant.cu's kernels); use --dtype auto or float16")
-    return requested
+    return AUTO[checkpoint] if requested == "auto" else requested
 
 
 def serving_dtype(requested: str, weights: dict[str, Any]) -> str:

@@ -28,13 +28,16 @@
 // gemm_*: a large batch (QuantLinear's large_batch "tiled"): 64 x 64 tiles of out, the
 // weight dequantized into shared memory a tile at a time and multiplied on tensor cores
 // (below, after the mat-vecs).
-// dequant_*_{f16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
-// floats: fp16 into the workspace the cuBLAS GEMM of a large batch reads, float32 for the
-// embedding of a packed table.
+// dequant_*_{f16,bf16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
+// floats: fp16 or bf16 (the activations' type) into the workspace the cuBLAS GEMM of a large
+// batch reads, float32 for the embedding of a packed table.
+// The activations x and out are fp16 (the plain names) or bf16 (matvec_*_bf16: x and out
+// __nv_bfloat16, elem.cuh), a template parameter; the scales stay as the store made them.
+// gemm_* are fp16 only (their mma.sync is .f16; QuantLinear runs a bf16 batch by dequant).
 // Both are one template each over a plane-kind policy (U4, I8, BF16 below: what a chunk of
 // 16 bytes holds and its weights' values), so a kind is written once and read by every kernel.
-// NVRTC defines no libc and no stdint: only cuda_fp16.h is included.
-#include <cuda_fp16.h>
+// NVRTC defines no libc and no stdint: only cuda_fp16.h and cuda_bf16.h are included (elem.cuh).
+#include "elem.cuh"
 
 #define FULL_MASK 0xffffffffu
 #define QUANT_WARPS 4
@@ -46,18 +49,20 @@ union Chunk16 {  // 16 quant bytes in one vector load (union punning: see attent
     signed char s[16];
     unsigned int pairs[4];  // bf16: word i holds weight 2i in its low half, 2i + 1 in its high one
 };
-union Halves8 {
+template <class T>
+union Pairs8 {  // 8 16-bit values of x in one vector load
     uint4 vector;
-    __half2 pairs[4];
+    typename Elem<T>::Pair pairs[4];
 };
 
-// 8 halves of x (16 bytes, one vector load; p is 16-byte aligned: ldx % 8 == 0) as floats.
-__device__ __forceinline__ void load_x8(const __half* p, float* f) {
-    Halves8 h;
+// 8 values of x (16 bytes, one vector load; p is 16-byte aligned: ldx % 8 == 0) as floats.
+template <class T>
+__device__ __forceinline__ void load_x8(const T* p, float* f) {
+    Pairs8<T> h;
     h.vector = *reinterpret_cast<const uint4*>(p);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float2 t = __half22float2(h.pairs[i]);
+        const float2 t = to_float2(h.pairs[i]);
         f[2 * i] = t.x;
         f[2 * i + 1] = t.y;
     }
@@ -92,9 +97,9 @@ __device__ __forceinline__ void widen8_bf16(const Chunk16& c, float* w) {
     }
 }
 
-// The dot product of N weights w with N halves of x (N / 8 vector loads; p 16-byte aligned).
-template <int N>
-__device__ __forceinline__ float dot(const float* w, const __half* x) {
+// The dot product of N weights w with N values of x (N / 8 vector loads; p 16-byte aligned).
+template <int N, class T>
+__device__ __forceinline__ float dot(const float* w, const T* x) {
     float xv[N];
 #pragma unroll
     for (int i = 0; i < N; i += 8) load_x8(x + i, xv + i);
@@ -104,13 +109,13 @@ __device__ __forceinline__ float dot(const float* w, const __half* x) {
     return d;
 }
 
-template <int ROWS>
-__device__ __forceinline__ void write_rows(float* acc, int M, __half* out, int ldo, int n) {
+template <int ROWS, class T>
+__device__ __forceinline__ void write_rows(float* acc, int M, T* out, int ldo, int n) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < ROWS; ++m) {
         const float v = warp_sum(acc[m]);
-        if (lane == 0 && m < M) out[(size_t)m * ldo + n] = __float2half(v);
+        if (lane == 0 && m < M) out[(size_t)m * ldo + n] = Elem<T>::from(v);
     }
 }
 
@@ -195,10 +200,10 @@ struct BF16 {  // one run of 8: weights 8c..8c + 7
 // One warp per output row n: each lane loads 16-byte chunks of the row's quants (PERF: the one
 // weight load, once for every row of x), dequantizes them in registers and dots them with the
 // matching weights of every row of x.
-template <class Kind, int ROWS>
+template <class Kind, int ROWS, class T>
 __device__ __forceinline__ void matvec(
-        const typename Kind::Q* __restrict__ q, const Scales& scales, const __half* __restrict__ x, int ldx,
-        int M, int N, int K, __half* __restrict__ out, int ldo) {
+        const typename Kind::Q* __restrict__ q, const Scales& scales, const T* __restrict__ x, int ldx,
+        int M, int N, int K, T* __restrict__ out, int ldo) {
     const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
     if (n >= N) return;  // the whole warp: n is the warp's
     const unsigned char* qrow = reinterpret_cast<const unsigned char*>(q) + (size_t)n * Kind::row_bytes(K);
@@ -224,12 +229,14 @@ __device__ __forceinline__ void matvec(
         int scale_bytes, int block
 #define SCALES Scales{scale, offset, scale_super, offset_super, scale_bytes, block}
 
-#define MATVEC(KIND, QT, R)                                                                        \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, 4) matvec_##KIND##_r##R(         \
-            WEIGHT_PARAMS(QT), const __half* __restrict__ x, int ldx, int M, int N, int K,          \
-            __half* __restrict__ out, int ldo) {                                                    \
-        matvec<KIND_##KIND, R>(q, SCALES, x, ldx, M, N, K, out, ldo);                              \
+// matvec_<kind>_r<R> (fp16 x and out) and matvec_<kind>_r<R>_bf16 (bf16 x and out)
+#define MATVEC_T(KIND, QT, R, T, SUFFIX)                                                           \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, 4) matvec_##KIND##_r##R##SUFFIX( \
+            WEIGHT_PARAMS(QT), const T* __restrict__ x, int ldx, int M, int N, int K,               \
+            T* __restrict__ out, int ldo) {                                                         \
+        matvec<KIND_##KIND, R, T>(q, SCALES, x, ldx, M, N, K, out, ldo);                           \
     }
+#define MATVEC(KIND, QT, R) MATVEC_T(KIND, QT, R, __half, ) MATVEC_T(KIND, QT, R, __nv_bfloat16, _bf16)
 using KIND_u4 = U4;
 using KIND_i8 = I8;
 using KIND_bf16 = BF16;
@@ -488,6 +495,7 @@ GEMM(bf16, unsigned short, TileBF16)
 
 __device__ __forceinline__ void put(float* p, float v) { *p = v; }
 __device__ __forceinline__ void put(__half* p, float v) { *p = __float2half(v); }
+__device__ __forceinline__ void put(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 
 // Grid-stride over (row, chunk); each thread dequantizes one 16-byte chunk of quants.
 // NOTE: bf16 into the fp16 workspace (a large batch's GEMM) is exact for |w| in [2^-14, 65504]
@@ -523,8 +531,11 @@ __device__ __forceinline__ void dequant(
         dequant<KIND_##KIND, T>(q, SCALES, K, ids, row_begin, nrows, out, ldo);                    \
     }
 DEQUANT(u4, unsigned char, __half, f16)
+DEQUANT(u4, unsigned char, __nv_bfloat16, bf16)
 DEQUANT(u4, unsigned char, float, f32)
 DEQUANT(i8, signed char, __half, f16)
+DEQUANT(i8, signed char, __nv_bfloat16, bf16)
 DEQUANT(i8, signed char, float, f32)
 DEQUANT(bf16, unsigned short, __half, f16)
+DEQUANT(bf16, unsigned short, __nv_bfloat16, bf16)
 DEQUANT(bf16, unsigned short, float, f32)

@@ -70,9 +70,13 @@ MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; ab
 LARGE_BATCH_POLICIES = ("dequant", "tiled")
 LARGE_BATCH = "dequant"
 WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16, "bf16": 8}  # weights one 16-byte load of quants holds
-# quant.cu's kernels (extern "C"): what gpu/cuda/quant.py loads, tests/test_cuda_compile.py checks
-KERNELS = tuple(f"matvec_{kind}_r{rows}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS) + \
-    tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in ("f16", "f32")) + \
+# dequant_*'s output types, by dtype name: the activations' (fp16, bf16 bits) and float32
+DEQUANT_SUFFIXES = {"float16": "f16", "uint16": "bf16", "float32": "f32"}
+# quant.cu's kernels (extern "C"): what gpu/cuda/quant.py loads, tests/test_cuda_compile.py checks.
+# The mat-vecs in each activation type (launch.SUFFIXES: fp16 plain, bf16 _bf16); gemm_* fp16 only.
+KERNELS = tuple(f"matvec_{kind}_r{rows}{suffix}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS
+                for suffix in launch.SUFFIXES.values()) + \
+    tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in DEQUANT_SUFFIXES.values()) + \
     tuple(f"gemm_{kind}" for kind in PLANE_KINDS)
 
 
@@ -145,9 +149,10 @@ Call = Callable[..., None]  # call(kernel name, (grid, block), *args): one launc
 class QuantLinear:
     """ops.linear (and the embedding of a packed table) over QuantStore's weights.
     call: launches a quant.cu kernel (np.int32 scalars, arrays, None for a null pointer);
-    gemm(x, w, out): out = x @ w.T for fp16 arrays (CublasGemm on a GPU); workspace: a 1-D fp16
-    array, allocated once (never during a graph capture); large_batch: LARGE_BATCH_POLICIES,
-    what runs above MATVEC_MAX_ROWS rows."""
+    gemm(x, w, out): out = x @ w.T for 16-bit arrays (CublasGemm on a GPU); workspace: a 1-D
+    array in the activations' dtype (fp16, or bf16 bits), allocated once (never during a graph
+    capture); large_batch: LARGE_BATCH_POLICIES, what runs above MATVEC_MAX_ROWS rows (bf16
+    activations: always "dequant", gemm_* being fp16)."""
 
     def __init__(self, call: Call, gemm: Callable[[Any, Any, Any], None], workspace: Any,
                  large_batch: str = LARGE_BATCH):
@@ -177,7 +182,7 @@ class QuantLinear:
             return
         if M <= MATVEC_MAX_ROWS:
             self.matvec(x, w, out)
-        elif self.large_batch == "tiled":
+        elif self.large_batch == "tiled" and str(x.dtype) == "float16":  # NOTE: gemm_* are fp16 (mma .f16)
             self.tiled(x, w, out)
         else:
             self.dequant_gemm(x, w, out)
@@ -189,7 +194,8 @@ class QuantLinear:
         tile = launch.MATVEC_ROWS[-1]
         for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
             m = min(tile, M - lo)
-            self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}", launch.matvec_launch(N),
+            self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}{launch.SUFFIXES[str(x.dtype)]}",
+                      launch.matvec_launch(N),
                       *weight_args(w), x[lo:lo + m], np.int32(ldx), np.int32(m), np.int32(N), np.int32(K),
                       out[lo:lo + m], np.int32(ldo))
 
@@ -212,8 +218,9 @@ class QuantLinear:
             self.gemm(x, chunk, out[:, lo:lo + n])
 
     def dequantize(self, w: QuantWeight, ids, row_begin: int, num_rows: int, out) -> None:
-        """out[r] = W[ids[r]] (ids None: W[row_begin + r]) in out's dtype (fp16 or float32)."""
-        suffix = {"float16": "f16", "float32": "f32"}[str(out.dtype)]
+        """out[r] = W[ids[r]] (ids None: W[row_begin + r]) in out's dtype (fp16, bf16 bits or
+        float32)."""
+        suffix = DEQUANT_SUFFIXES[str(out.dtype)]
         K = w.shape[1]
         self.call(f"dequant_{w.kind}_{suffix}",
                   launch.dequant_launch(num_rows, K // WEIGHTS_PER_CHUNK[w.kind]),

@@ -69,8 +69,9 @@ class CudaOps:
     CuPy GEMM, which raises during capture); everything is enqueued, nothing waits."""
 
     def __init__(self, c: ModelConfig, stream: cp.cuda.Stream, attention_backend: str,
-                 packed: bool = False):
-        """packed: the model keeps weights packed (quant.cu and its static workspace)."""
+                 packed: bool = False, act_dtype=np.float16):
+        """packed: the model keeps weights packed (quant.cu and its static workspace, in the
+        activations' dtype act_dtype: float16, or uint16 bf16 bits)."""
         try:
             from nvmath.bindings import cublas
         except ImportError as e:
@@ -86,7 +87,7 @@ class CudaOps:
         if packed:
             from ringserve.gpu.cuda.quant import QuantKernels
             self.quant = QuantLinear(QuantKernels(stream).call, self.gemm,
-                                     cp.empty(WORKSPACE_ELEMENTS, cp.float16))
+                                     cp.empty(WORKSPACE_ELEMENTS, act_dtype))
         self.paged = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
         self.attention_backend = attention_backend
         self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
@@ -182,7 +183,7 @@ class CudaModelRunner:
         self.max_blocks = -(-self.max_model_len // block_size)
         self.stream = cp.cuda.Stream(non_blocking=True)
         packed = any(keeps_blocks(t) for t in weights.values())
-        self.ops = CudaOps(c, self.stream, attention_backend, packed=packed)
+        self.ops = CudaOps(c, self.stream, attention_backend, packed=packed, act_dtype=act)
         self.nb_stream = self.ops.nb_stream
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.sampler = CudaSampler(threads=1024, stream=self.nb_stream)
