@@ -27,12 +27,14 @@ fp16; a large batch's chunks are fp16, see quant.cu's dequant_bf16 for why that 
 practice).
 
 A linear with M rows of activations runs:
-- M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R>, dequantized in registers, on tiles of up
+- M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R> (bf16 activations: _bf16), dequantized in
+  registers, on tiles of up
   to 16 rows of x (launch.MATVEC_ROWS): the weight is streamed once per tile (from L2 after
   the first when a layer's weight fits it);
 - above, by the large_batch policy (LARGE_BATCH, or the constructor's argument):
-  "dequant" (the default): the weight dequantized to fp16 into a static workspace, chunk of
-  rows by chunk of rows, each chunk followed by the cuBLAS GEMM (the GEMMs of the fp16 path).
+  "dequant" (the default): the weight dequantized to the activations' type (fp16, or bf16
+  with --dtype bfloat16) into a static workspace, chunk of rows by chunk of rows, each chunk
+  followed by the cuBLAS GEMM (the GEMMs of the dense path).
   Static: a CUDA graph captures it as it is. It writes and reads 4 bytes a weight besides the
   quants (at batch 64-256 about 6x the bytes of Q4_K's quants), which pays only once the
   GEMM's own work dominates;
@@ -40,7 +42,8 @@ A linear with M rows of activations runs:
   tile of the weight into shared memory (the same fp16 values as the workspace) and
   multiplying on tensor cores (mma.sync m16n8k16, fp32 accumulation), so each quant is read
   once per 64 rows of x (vLLM's awq_gemm, llama.cpp's MMQ: the same idea). No workspace and
-  no cuBLAS: a graph captures it as it is.
+  no cuBLAS: a graph captures it as it is. fp16 only (mma .f16): bf16 activations take
+  "dequant".
 Both the crossover and the policy are guesses until a GPU measures them: "dequant" stays the
 default until then (tools/gpu_check.py --table quant: its "quant linear" rows time the mat-vec
 tiles, the tiled GEMM and dequantize + cuBLAS on the 8B MLP shapes at batch 16-256, and its
