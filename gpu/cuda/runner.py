@@ -1,6 +1,6 @@
 """The CUDA model runner: gpu/runner.py's Runner face on one GPU. Weights, activations and KV
-cache in the serving dtype (gpu/cuda/dtypes.py: a bfloat16 checkpoint in bf16, the others in
-fp16; a GGUF or AWQ/GPTQ checkpoint's packed planes read by quant.cu with fp16 activations:
+cache in the serving dtype (gpu/cuda/dtypes.py: by default a bfloat16 checkpoint in bf16, the
+others in fp16; a GGUF or AWQ/GPTQ checkpoint's packed planes read by quant.cu:
 gpu/cuda/quant_linear.py), float32 residual stream and accumulation.
 
 The model is gpu/model.py's llama_forward over CudaOps: GEMMs are cuBLAS on the runner's own
