@@ -148,9 +148,11 @@ def test_quant_gemm_runs_on_tensor_cores(arch):
     tiles a warp, 4 k16 steps), unrolled; the other kernels none."""
     ptx = toolchain.nvrtc_ptx(toolchain.source("quant.cu"), arch, toolchain.options(), "quant.cu")
     bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-    counts = {name: body.count(mma) for name, body in bodies.items()}
-    assert {n: c for n, c in counts.items() if c} == {f"gemm_{k}": 32 for k in ("u4", "i8", "bf16")}
+    for suffix, t in (("", "f16"), ("_bf16", "bf16")):  # gemm_* fp16, gemm_*_bf16 bf16 fragments
+        mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
+        counts = {name: body.count(mma) for name, body in bodies.items()}
+        want = {f"gemm_{k}{suffix}": 32 for k in ("u4", "i8", "bf16")}
+        assert {n: c for n, c in counts.items() if c} == want
 
 
 def test_nvrtc_reports_errors():

@@ -400,6 +400,32 @@ def test_tiled_gemm_matches_the_fp16_dequantized_weights(quant_kernels, qtype, K
         assert np.isnan(outside).all(), f"{qtype} K {K} M {rows}: written outside out"
 
 
+@pytest.mark.parametrize("qtype,K", [("Q4_K", 256), ("Q8_0", 96), ("BF16", 72)])
+def test_tiled_gemm_in_bf16(quant_kernels, qtype, K):
+    """gemm_<kind>_bf16 (bf16 x and out, the tile dequantized to bf16, mma .bf16) at row tails
+    17, 64 and 70 and a K tail (96, 72: not whole 64-steps): within fp32 accumulation of the
+    float64 product of the bf16-rounded weights, plus out's bf16 rounding; nothing written
+    outside out."""
+    rng = np.random.default_rng(K + 1)
+    raw = random_raw(qtype, (GEMM_N, K), rng)
+    weight = uploaded(qtype, raw, (GEMM_N, K))
+    w_bf16 = widen(narrow(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(GEMM_N, K),
+                          "bfloat16")).astype(np.float64)
+    linear = QuantLinear(quant_kernels.call, bf16_gemm, None, large_batch="tiled")
+    for rows in (17, 64, 70):
+        x = narrow(rng.standard_normal((rows, K)), "bfloat16")
+        buffer = np.full((rows + 3, GEMM_N + 11), 0xFFFF, np.uint16)
+        out = buffer[:rows, 5:5 + GEMM_N]
+        linear.tiled(x, weight, out)
+        want = widen(x).astype(np.float64) @ w_bf16.T
+        bound = (K + 2) * 2.0 ** -23 * (np.abs(widen(x)).astype(np.float64) @ np.abs(w_bf16).T)
+        bound += spacing(want, "bfloat16")
+        err = np.abs(widen(out).astype(np.float64) - want)
+        assert np.all(err <= bound), f"{qtype} M {rows}: worst {np.nanmax(err / bound):.3g} of the bound"
+        buffer[:rows, 5:5 + GEMM_N] = 0xFFFF
+        assert (buffer == 0xFFFF).all(), f"{qtype} M {rows}: written outside out"
+
+
 def test_the_large_batch_policy_picks_the_tiled_gemm_or_dequantize_and_cublas(quant_kernels):
     """The same QuantWeights through QuantLinear above MATVEC_MAX_ROWS: "tiled" launches
     gemm_<kind> and no cuBLAS GEMM, "dequant" the workspace chunks and cuBLAS (the host
@@ -440,13 +466,13 @@ def test_gemm_launch_geometry():
         launch.gemm_launch(64, 64 * 65536)
 
 
-def ptx_fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray) -> tuple:
-    """Each lane's fragments of mma.m16n8k16 .f16 A (16 x 16), B (16 x 8) and .f32 C (16 x 8),
-    as the PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating point type" computes
+def ptx_fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray, bf16: bool = False) -> tuple:
+    """Each lane's fragments of mma.m16n8k16 .f16 (bf16: .bf16) A (16 x 16), B (16 x 8) and .f32
+    C (16 x 8), as the PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating point type" computes
     them (groupID = lane >> 2, threadID_in_group = lane % 4), written here from its formulas
     independently of the shim; also the (row, col) of each lane's c/d elements."""
-    a = np.zeros((32, 8), np.float16)
-    b = np.zeros((32, 4), np.float16)
+    a = np.zeros((32, 8), np.float32)
+    b = np.zeros((32, 4), np.float32)
     c = np.zeros((32, 4), np.float32)
     where = np.zeros((32, 4, 2), int)
     for lane in range(32):
@@ -459,8 +485,9 @@ def ptx_fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray) -> tuple:
             b[lane, i] = B[tig * 2 + (i & 1) + (8 if i >= 2 else 0), group]
             where[lane, i] = (group if i < 2 else group + 8), tig * 2 + (i & 1)
             c[lane, i] = C[tuple(where[lane, i])]
-    # .f16x2 registers: element 2j in the low half of register j
-    return a.view(np.uint32), b.view(np.uint32), c, where
+    # .f16x2 (.bf16x2) registers: element 2j in the low half of register j
+    a16, b16 = (narrow(v, "bfloat16" if bf16 else "float16").view(np.uint16) for v in (a, b))
+    return a16.view(np.uint32), b16.view(np.uint32), c, where
 
 
 @pytest.fixture(scope="module")
@@ -475,27 +502,29 @@ def mma_warp(tmp_path_factory):
     lib = ctypes.CDLL(str(out))
     lib.cuda_host_error.restype = ctypes.c_char_p
 
-    def run(lanes: int, a, b, c) -> tuple[int, np.ndarray, str]:
+    def run(lanes: int, a, b, c, bf16: bool = False) -> tuple[int, np.ndarray, str]:
         d = np.full((32, 4), np.nan, np.float32)
-        rc = lib.mma_warp(lanes, *(ctypes.c_void_p(np.ascontiguousarray(v).ctypes.data) for v in (a, b, c)),
-                          ctypes.c_void_p(d.ctypes.data))
+        pointers = (ctypes.c_void_p(np.ascontiguousarray(v).ctypes.data) for v in (a, b, c))
+        rc = lib.mma_warp(lanes, int(bf16), *pointers, ctypes.c_void_p(d.ctypes.data))
         return rc, d, lib.cuda_host_error().decode()
     return run
 
 
-def test_the_host_mma_is_the_ptx_m16n8k16(mma_warp):
-    """The shim's mma_m16n8k16 (what gemm_* runs on the host) computes D = A B + C from
-    fragments laid out as the PTX ISA says, exactly for small integers (every sum exact in
-    float32); a warp with a lane missing is an error, as the .aligned instruction requires."""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_host_mma_is_the_ptx_m16n8k16(mma_warp, bf16):
+    """The shim's mma_m16n8k16 (what gemm_* runs on the host; bf16: mma_m16n8k16_bf16, gemm_*_bf16's)
+    computes D = A B + C from fragments laid out as the PTX ISA says, exactly for small
+    integers (exact in fp16 and bf16, every sum exact in float32); a warp with a lane missing
+    is an error, as the .aligned instruction requires."""
     rng = np.random.default_rng(4)
-    A = rng.integers(-8, 8, (16, 16)).astype(np.float16)
-    B = rng.integers(-8, 8, (16, 8)).astype(np.float16)
+    A = rng.integers(-8, 8, (16, 16)).astype(np.float32)
+    B = rng.integers(-8, 8, (16, 8)).astype(np.float32)
     C = rng.integers(-100, 100, (16, 8)).astype(np.float32)
-    a, b, c, where = ptx_fragments(A, B, C)
-    rc, d, error = mma_warp(32, a, b, c)
+    a, b, c, where = ptx_fragments(A, B, C, bf16)
+    rc, d, error = mma_warp(32, a, b, c, bf16)
     assert rc == 0, error
     D = np.zeros((16, 8), np.float32)
     D[where[..., 0], where[..., 1]] = d
-    np.testing.assert_array_equal(D, A.astype(np.float32) @ B.astype(np.float32) + C)
-    rc, _, error = mma_warp(31, a, b, c)
+    np.testing.assert_array_equal(D, A @ B + C)
+    rc, _, error = mma_warp(31, a, b, c, bf16)
     assert rc == 1 and "not all 32 lanes" in error

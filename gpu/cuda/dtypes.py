@@ -3,8 +3,8 @@
 
 `--dtype auto` serves a checkpoint in its own type where the GPU has it: bfloat16 as bfloat16,
 float16 as float16, float32 narrowed to float16 (vLLM's rule), and a quantized checkpoint (GGUF
-integer blocks, AWQ/GPTQ) with float16 activations (quant.cu's mat-vecs take either; its tiled
-GEMM fp16 only). `--dtype float16|bfloat16` overrides; narrowing a weight to float16 refuses
+integer blocks, AWQ/GPTQ) with float16 activations (quant.cu's kernels take either).
+`--dtype float16|bfloat16` overrides; narrowing a weight to float16 refuses
 one whose values fp16 cannot hold (|w| >= 65520 rounds to inf), naming it.
 
 bfloat16 lives on the device as its bits in uint16 arrays (numpy and CuPy have no bfloat16; the

@@ -31,9 +31,9 @@
 // dequant_*_{f16,bf16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
 // floats: fp16 or bf16 (the activations' type) into the workspace the cuBLAS GEMM of a large
 // batch reads, float32 for the embedding of a packed table.
-// The activations x and out are fp16 (the plain names) or bf16 (matvec_*_bf16: x and out
-// __nv_bfloat16, elem.cuh), a template parameter; the scales stay as the store made them.
-// gemm_* are fp16 only (their mma.sync is .f16; QuantLinear runs a bf16 batch by dequant).
+// The activations x and out are fp16 (the plain names) or bf16 (matvec_*_bf16, gemm_*_bf16: x
+// and out __nv_bfloat16, elem.cuh, and mma.sync .bf16), a template parameter; the scales stay
+// as the store made them.
 // Both are one template each over a plane-kind policy (U4, I8, BF16 below: what a chunk of
 // 16 bytes holds and its weights' values), so a kind is written once and read by every kernel.
 // NVRTC defines no libc and no stdint: only cuda_fp16.h and cuda_bf16.h are included (elem.cuh).
@@ -258,7 +258,7 @@ MATVEC(bf16, unsigned short, 16)
 
 // ---- gemm_<kind>: the large batch (M > MATVEC_MAX_ROWS) on tensor cores, the tiled option.
 // out[M, N] = x[M, K] @ W[N, K]^T with W dequantized into shared memory a tile at a time, to
-// exactly the fp16 values dequant_<kind>_f16 writes, and fp32 accumulation by
+// exactly the values dequant_<kind>_{f16,bf16} writes (the activations' type), and fp32 accumulation by
 // mma.sync.m16n8k16 (sm_80+). Why: dequant_* + cuBLAS writes and re-reads 4 bytes a weight
 // (fp16 out, fp16 in) besides the quants; here each quant is read once per 64-row tile of x
 // (from L2 after the first: the grid's x runs over M, so the M tiles of one weight tile are
@@ -275,13 +275,14 @@ MATVEC(bf16, unsigned short, 16)
 // NOTE: with 36 words a row, the fragment loads (lane: word 36 g + t, g = lane >> 2,
 // t = lane & 3) fall in 32 different banks: 4 g + t.
 
-union Pack8 {  // 8 fp16 values, written as one 16-byte store into shared memory
+template <class T>
+union Pack8 {  // 8 16-bit values, written as one 16-byte store into shared memory
     uint4 vector;
-    __half h[8];
+    T h[8];
 };
 
 #ifdef __CUDACC__
-// c += a b for one 16 x 8 x 16 tile (fp16 in, fp32 accumulation), warp-collective; fragments
+// c += a b for one 16 x 8 x 16 tile (fp16 in, or bf16 in: _bf16; fp32 accumulation), warp-collective; fragments
 // in the PTX ISA's layout ("Matrix Fragments for mma.m16n8k16 with floating point type";
 // g = lane >> 2, t = lane & 3):
 //   a[0]: A[g][2t..2t+1], a[1]: A[g+8][2t..], a[2]: A[g][2t+8..], a[3]: A[g+8][2t+8..];
@@ -293,23 +294,44 @@ __device__ __forceinline__ void mma_m16n8k16(const unsigned (&a)[4], const unsig
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+__device__ __forceinline__ void mma_m16n8k16_bf16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 #endif
 
-// 8 floats as fp16 (__float2half, as dequant_*_f16 rounds them) into shared row `dst`.
+// The mma of element type T (fp16 or bf16 fragments).
+template <class T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+        mma_m16n8k16(a, b, c);
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+        mma_m16n8k16_bf16(a, b, c);
+    }
+};
+
+// 8 floats in T (Elem<T>::from, as dequant_*_{f16,bf16} rounds them) into shared row `dst`.
+template <class T>
 __device__ __forceinline__ void store8(unsigned* dst, const float* w) {
-    Pack8 p;
+    Pack8<T> p;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) p.h[i] = __float2half(w[i]);
+    for (int i = 0; i < 8; ++i) p.h[i] = Elem<T>::from(w[i]);
     *reinterpret_cast<uint4*>(dst) = p.vector;
 }
 
-__device__ __forceinline__ void store_zero8(unsigned* dst) {  // 8 fp16 zeros
+__device__ __forceinline__ void store_zero8(unsigned* dst) {  // 8 zeros (fp16 and bf16 alike)
     *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u};
 }
 
 // One K step's weight tile: each thread fetches (global -> registers) its 16-byte chunks of
 // quants and their scales, then puts them (dequantized, fp16) into w_tile[feature][k].
 // u4: 64 features x 32 bytes (one group) = 128 chunks: one a thread, low and high nibbles.
+template <class T>
 struct TileU4 {
     Chunk16 bits;
     float s_lo, o_lo, s_hi, o_hi;
@@ -334,13 +356,14 @@ struct TileU4 {
         }
         float w[16];
         dequant16_u4(bits, 0, s_lo, o_lo, w);
-        store8(lo, w), store8(lo + 4, w + 8);
+        store8<T>(lo, w), store8<T>(lo + 4, w + 8);
         dequant16_u4(bits, 1, s_hi, o_hi, w);
-        store8(hi, w), store8(hi + 4, w + 8);
+        store8<T>(hi, w), store8<T>(hi + 4, w + 8);
     }
 };
 
 // i8: 64 features x 64 bytes = 256 chunks of 16 weights: two a thread.
+template <class T>
 struct TileI8 {
     Chunk16 bits[2];
     float s[2], o[2];
@@ -367,12 +390,13 @@ struct TileI8 {
             }
             float w[16];
             dequant16_i8(bits[j], s[j], o[j], w);
-            store8(dst, w), store8(dst + 4, w + 8);
+            store8<T>(dst, w), store8<T>(dst + 4, w + 8);
         }
     }
 };
 
 // bf16: 64 features x 128 bytes = 512 chunks of 8 weights: four a thread.
+template <class T>
 struct TileBF16 {
     Chunk16 bits[4];
     bool valid[4];
@@ -396,7 +420,7 @@ struct TileBF16 {
             }
             float w[8];
             widen8_bf16(bits[j], w);
-            store8(dst, w);
+            store8<T>(dst, w);
         }
     }
 };
@@ -405,7 +429,8 @@ struct TileBF16 {
 // thread, copied as they are.
 struct TileX {
     uint4 bits[4];
-    __device__ __forceinline__ void fetch(const __half* __restrict__ x, int ldx, int M, int K, int m0, int k0) {
+    template <class T>
+    __device__ __forceinline__ void fetch(const T* __restrict__ x, int ldx, int M, int K, int m0, int k0) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int i = threadIdx.x + GEMM_WARPS * 32 * j, m = m0 + (i >> 3), k = k0 + 8 * (i & 7);
@@ -422,10 +447,10 @@ struct TileX {
     }
 };
 
-template <class Tile, typename QT>
+template <class Tile, typename QT, class T>
 __device__ __forceinline__ void gemm_tiles(
-        const QT* __restrict__ q, const Scales& scales, const __half* __restrict__ x, int ldx, int M, int N,
-        int K, __half* __restrict__ out, int ldo) {
+        const QT* __restrict__ q, const Scales& scales, const T* __restrict__ x, int ldx, int M, int N,
+        int K, T* __restrict__ out, int ldo) {
     // NOTE: words, not halves: the fragments are 32-bit loads of two halves (k, k + 1)
     __shared__ unsigned x_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
     __shared__ unsigned w_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
@@ -469,7 +494,7 @@ __device__ __forceinline__ void gemm_tiles(
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) mma_m16n8k16(a[i], b[j], acc[i][j]);
+                for (int j = 0; j < 4; ++j) Mma<T>::run(a[i], b[j], acc[i][j]);
         }
     }
 #pragma unroll
@@ -479,16 +504,18 @@ __device__ __forceinline__ void gemm_tiles(
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int m = m0 + wm + 16 * i + g + 8 * (e >> 1), n = n0 + wn + 8 * j + 2 * t + (e & 1);
-                if (m < M && n < N) out[(size_t)m * ldo + n] = __float2half(acc[i][j][e]);
+                if (m < M && n < N) out[(size_t)m * ldo + n] = Elem<T>::from(acc[i][j][e]);
             }
 }
 
-#define GEMM(KIND, QT, TILE)                                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 4) gemm_##KIND(                  \
-            WEIGHT_PARAMS(QT), const __half* __restrict__ x, int ldx, int M, int N, int K,          \
-            __half* __restrict__ out, int ldo) {                                                    \
-        gemm_tiles<TILE, QT>(q, SCALES, x, ldx, M, N, K, out, ldo);                                \
+// gemm_<kind> (fp16 x and out, mma .f16) and gemm_<kind>_bf16 (bf16, mma .bf16)
+#define GEMM_T(KIND, QT, TILE, T, SUFFIX)                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 4) gemm_##KIND##SUFFIX(          \
+            WEIGHT_PARAMS(QT), const T* __restrict__ x, int ldx, int M, int N, int K,               \
+            T* __restrict__ out, int ldo) {                                                         \
+        gemm_tiles<TILE<T>, QT, T>(q, SCALES, x, ldx, M, N, K, out, ldo);                          \
     }
+#define GEMM(KIND, QT, TILE) GEMM_T(KIND, QT, TILE, __half, ) GEMM_T(KIND, QT, TILE, __nv_bfloat16, _bf16)
 GEMM(u4, unsigned char, TileU4)
 GEMM(i8, signed char, TileI8)
 GEMM(bf16, unsigned short, TileBF16)

@@ -39,11 +39,10 @@ A linear with M rows of activations runs:
   quants (at batch 64-256 about 6x the bytes of Q4_K's quants), which pays only once the
   GEMM's own work dominates;
   "tiled": gemm_<kind>, one launch: 64 x 64 tiles of out, each block dequantizing a 64 x 64
-  tile of the weight into shared memory (the same fp16 values as the workspace) and
+  tile of the weight into shared memory (the same 16-bit values as the workspace) and
   multiplying on tensor cores (mma.sync m16n8k16, fp32 accumulation), so each quant is read
   once per 64 rows of x (vLLM's awq_gemm, llama.cpp's MMQ: the same idea). No workspace and
-  no cuBLAS: a graph captures it as it is. fp16 only (mma .f16): bf16 activations take
-  "dequant".
+  no cuBLAS: a graph captures it as it is. bf16 activations: gemm_<kind>_bf16 (mma .bf16).
 Both the crossover and the policy are guesses until a GPU measures them: "dequant" stays the
 default until then (tools/gpu_check.py --table quant: its "quant linear" rows time the mat-vec
 tiles, the tiled GEMM and dequantize + cuBLAS on the 8B MLP shapes at batch 16-256, and its
@@ -76,11 +75,11 @@ WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16, "bf16": 8}  # weights one 16-byte load 
 # dequant_*'s output types, by dtype name: the activations' (fp16, bf16 bits) and float32
 DEQUANT_SUFFIXES = {"float16": "f16", "uint16": "bf16", "float32": "f32"}
 # quant.cu's kernels (extern "C"): what gpu/cuda/quant.py loads, tests/test_cuda_compile.py checks.
-# The mat-vecs in each activation type (launch.SUFFIXES: fp16 plain, bf16 _bf16); gemm_* fp16 only.
+# The mat-vecs and tiled GEMMs in each activation type (launch.SUFFIXES: fp16 plain, bf16 _bf16).
 KERNELS = tuple(f"matvec_{kind}_r{rows}{suffix}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS
                 for suffix in launch.SUFFIXES.values()) + \
     tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in DEQUANT_SUFFIXES.values()) + \
-    tuple(f"gemm_{kind}" for kind in PLANE_KINDS)
+    tuple(f"gemm_{kind}{suffix}" for kind in PLANE_KINDS for suffix in launch.SUFFIXES.values())
 
 
 def _on_planes(kind: str, cols: int) -> bool:
@@ -154,8 +153,7 @@ class QuantLinear:
     call: launches a quant.cu kernel (np.int32 scalars, arrays, None for a null pointer);
     gemm(x, w, out): out = x @ w.T for 16-bit arrays (CublasGemm on a GPU); workspace: a 1-D
     array in the activations' dtype (fp16, or bf16 bits), allocated once (never during a graph
-    capture); large_batch: LARGE_BATCH_POLICIES, what runs above MATVEC_MAX_ROWS rows (bf16
-    activations: always "dequant", gemm_* being fp16)."""
+    capture); large_batch: LARGE_BATCH_POLICIES, what runs above MATVEC_MAX_ROWS rows."""
 
     def __init__(self, call: Call, gemm: Callable[[Any, Any, Any], None], workspace: Any,
                  large_batch: str = LARGE_BATCH):
@@ -185,7 +183,7 @@ class QuantLinear:
             return
         if M <= MATVEC_MAX_ROWS:
             self.matvec(x, w, out)
-        elif self.large_batch == "tiled" and str(x.dtype) == "float16":  # NOTE: gemm_* are fp16 (mma .f16)
+        elif self.large_batch == "tiled":
             self.tiled(x, w, out)
         else:
             self.dequant_gemm(x, w, out)
@@ -203,11 +201,12 @@ class QuantLinear:
                       out[lo:lo + m], np.int32(ldo))
 
     def tiled(self, x, w: QuantWeight, out) -> None:
-        """gemm_<kind>: dequantized into shared memory, tensor cores, one launch (any M); no
-        workspace."""
+        """gemm_<kind> (bf16 activations: _bf16): dequantized into shared memory, tensor cores,
+        one launch (any M); no workspace."""
         M, K, N = x.shape[0], x.shape[1], w.shape[0]
-        self.call(f"gemm_{w.kind}", launch.gemm_launch(M, N), *weight_args(w), x, np.int32(_x_pitch(x)),
-                  np.int32(M), np.int32(N), np.int32(K), out, np.int32(_pitch(out, "out")))
+        self.call(f"gemm_{w.kind}{launch.SUFFIXES[str(x.dtype)]}", launch.gemm_launch(M, N), *weight_args(w),
+                  x, np.int32(_x_pitch(x)), np.int32(M), np.int32(N), np.int32(K), out,
+                  np.int32(_pitch(out, "out")))
 
     def dequant_gemm(self, x, w: QuantWeight, out) -> None:
         """The weight dequantized to fp16 into the workspace, chunk of rows by chunk of rows,

@@ -162,7 +162,9 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = warpSize) {
 // a[3] A[g+8][2t+8, 2t+9] (low half first); b[0] B[2t, 2t+1][g], b[1] B[2t+8, 2t+9][g];
 // c[0], c[1] C[g][2t, 2t+1], c[2], c[3] C[g+8][2t, 2t+1]. fp16 products are exact in float;
 // summed in float in k order (the device's order is its own: tests allow for fp32 sums).
-inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+// BF16: the fragments hold bf16 (mma...bf16.bf16.f32, mma_m16n8k16_bf16 below), else fp16.
+template <bool BF16>
+inline void mma_m16n8k16_of(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
     using namespace cuda_host;
     Warp& w = *tl_warp;
     const int lane = tl_lane, parity = w.mma_count[lane]++ & 1;
@@ -175,7 +177,8 @@ inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (
     if (lane == 0) w.mma_lanes[parity ^ 1] = 0;  // the next mma's: nobody reads it now
     // element e (0, 1) of 32-bit word `reg` of lane `src`
     auto half_at = [&](const uint32_t* words, int e) {
-        return __half2float(__half{(uint16_t)(words[0] >> (16 * e))});
+        const uint16_t bits = (uint16_t)(words[0] >> (16 * e));
+        return BF16 ? __bfloat162float(__nv_bfloat16{bits}) : __half2float(__half{bits});
     };
     auto A = [&](int row, int k) {  // row 0..15, k 0..15
         const int src = 4 * (row & 7) + ((k & 7) >> 1), reg = (row >> 3) + 2 * (k >> 3);
@@ -195,6 +198,12 @@ inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (
     }
     w.bar.arrive_and_wait();  // every lane has read the fragments before any posts its next
     for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+    mma_m16n8k16_of<false>(a, b, c);
+}
+inline void mma_m16n8k16_bf16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+    mma_m16n8k16_of<true>(a, b, c);
 }
 
 extern "C" __attribute__((weak)) char __start_cuda_host_shared[], __stop_cuda_host_shared[];

@@ -53,13 +53,14 @@ HOST_DEQUANT(bf16, unsigned short, __half, f16)
 HOST_DEQUANT(bf16, unsigned short, __nv_bfloat16, bf16)
 HOST_DEQUANT(bf16, unsigned short, float, f32)
 
-#define HOST_GEMM(KIND, QT)                                                                            \
-    extern "C" int launch_gemm_##KIND(const unsigned* dims, HOST_WEIGHT(QT), const __half* x, int ldx,  \
-                                      int M, int N, int K, __half* out, int ldo) {                      \
-        return launch(dims, GEMM_WARPS * 32, [=] {  /* its __launch_bounds__ */                         \
-            gemm_##KIND(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                                   \
-        });                                                                                             \
+#define HOST_GEMM_T(KIND, QT, T, SUFFIX)                                                                 \
+    extern "C" int launch_gemm_##KIND##SUFFIX(const unsigned* dims, HOST_WEIGHT(QT), const T* x, int ldx, \
+                                              int M, int N, int K, T* out, int ldo) {                     \
+        return launch(dims, GEMM_WARPS * 32, [=] {  /* its __launch_bounds__ */                          \
+            gemm_##KIND##SUFFIX(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                            \
+        });                                                                                              \
     }
+#define HOST_GEMM(KIND, QT) HOST_GEMM_T(KIND, QT, __half, ) HOST_GEMM_T(KIND, QT, __nv_bfloat16, _bf16)
 HOST_GEMM(u4, unsigned char)
 HOST_GEMM(i8, signed char)
 HOST_GEMM(bf16, unsigned short)
