@@ -1,12 +1,12 @@
 """The Llama model, written once: the HF -> fused weight mapping and the layer sequence, over a
 backend's ops. The CPU backend runs it over gpu/cpu_ops.py CpuOps (numpy + Numba, float32
 activations); the CUDA backend over gpu/cuda/runner.py CudaOps (cuBLAS, CUDA C, Numba CUDA;
-fp16 activations), and CI over tests/test_cuda_forward_host.py HostOps (the same CUDA C
+fp16 or bf16 activations), and CI over tests/test_cuda_forward_host.py HostOps (the same CUDA C
 compiled for the host). Nothing here imports numpy's or CuPy's arrays: a weight, a buffer or a
 cache is whatever its backend made it.
 
 What a backend decides, through its objects, and the sequence never sees:
-- WeightStore: how a (fused) weight is kept: float32 or bfloat16 bits on the CPU, fp16 on CUDA;
+- WeightStore: how a (fused) weight is kept: float32 or bfloat16 bits on the CPU, fp16 or bf16 bits on CUDA;
   a quantized format (packed blocks) is another store plus an ops.linear that reads it.
 - step buffers (`buf`): every activation of one step, in the backend's dtypes (the residual
   stream h is float32 on both).

@@ -16,13 +16,12 @@ import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.cuda.dtypes import CUDA_DTYPES
 from ringserve.gpu.devices import cuda_stack_problem, cupy_installed, resolve_device
 from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
 from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
 from ringserve.gpu.settings import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, SchedulerConfig
-
-CUDA_DTYPES = ("auto", "float16")  # fp16 weights and KV cache, float32 accumulation
 
 
 class StepHandle(Protocol):
@@ -84,20 +83,21 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
     The settings' defaults are gpu/settings.py's; the engine passes its EngineConfig's
     (engine/core.py _make_runner). device "cpu" unless asked (tests compare against CPU
     references).
-    device "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). kv_cache_dtype: auto
-    or float16 on CUDA (its KV cache is fp16). kv_cache_memory_bytes, num_threads,
-    cpu_activation_dtype and widen_packed (the float path for comparisons: gpu/cpu_runner.py)
-    are the CPU backend's; the arguments after them the CUDA backend's (KV pool from free
-    memory, graph ladder up to max_num_seqs, the profiling forward's size, graphs off,
-    paged-attention kernel)."""
+    device "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). dtype on CUDA: auto
+    (the checkpoint's bfloat16 or float16; float32 and quantized checkpoints in float16),
+    float16 or bfloat16 (gpu/cuda/dtypes.py); kv_cache_dtype there: auto or the same.
+    kv_cache_memory_bytes, num_threads, cpu_activation_dtype and widen_packed (the float path
+    for comparisons: gpu/cpu_runner.py) are the CPU backend's; the arguments after them the
+    CUDA backend's (KV pool from free memory, graph ladder up to max_num_seqs, the profiling
+    forward's size, graphs off, paged-attention kernel)."""
     device = resolve_device(device)
     if device == "cuda":
         if dtype not in CUDA_DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported by the CUDA backend "
                              f"({', '.join(CUDA_DTYPES)})")
-        if kv_cache_dtype not in ("auto", "float16"):
+        if kv_cache_dtype not in CUDA_DTYPES:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the CUDA backend "
-                             f"(auto, float16: its KV cache is float16)")
+                             f"({', '.join(CUDA_DTYPES)}: its KV cache is in the serving dtype)")
         if not cupy_installed():
             raise ValueError("device 'cuda' needs CuPy: pip install -e '.[cuda]' "
                              "(docs/deploy.md)")
@@ -108,7 +108,8 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
             model_dir, block_size=block_size, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enforce_eager=enforce_eager, attention_backend=attention_backend)
+            enforce_eager=enforce_eager, attention_backend=attention_backend, dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype)
     from ringserve.gpu.cpu_runner import CpuModelRunner
     return CpuModelRunner(model_dir, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
                           kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -26,7 +26,7 @@ CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_MAX_NUM_BATCHED_TOKENS = 512
 CPU_KV_CACHE_MEMORY_BYTES = 1 << 30  # the CPU pool when neither its size nor its bytes are given
 # Every dtype some backend takes; each takes a subset (gpu/cpu_runner.py CPU_DTYPES,
-# gpu/runner.py CUDA_DTYPES).
+# gpu/cuda/dtypes.py CUDA_DTYPES).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES  # the same names (vLLM's flag; its fp8 types are not here)
 CPU_ACTIVATION_DTYPES = ("auto", "int8", "float32")
@@ -56,8 +56,9 @@ class DeviceConfig:
         "help": "backend: auto is cuda when CuPy is installed and a GPU is visible, else cpu"})
     dtype: str = field(default="auto", metadata={
         "choices": DTYPES,
-        "help": "weights (and the KV cache on cuda): auto is float32 on cpu (which also takes "
-                "bfloat16 weights), float16 on cuda"})
+        "help": "weights (on cuda also activations and the KV cache): auto is float32 on cpu (which "
+                "also takes bfloat16 weights); on cuda the checkpoint's bfloat16 or float16, float16 "
+                "for a float32 or quantized one (vLLM's rule)"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "cuda: no CUDA graphs for decode (debugging; slower)"})
     cpu_threads: int | None = field(default=None, metadata={
@@ -97,9 +98,9 @@ class CacheConfig:
         "help": "reuse the KV blocks of a prompt prefix seen before"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "choices": KV_CACHE_DTYPES,
-        "help": "the KV cache's storage type: auto is float32 on cpu, float16 on cuda (its only "
-                "one); on cpu bfloat16 or float16 halve the cache's bytes (attention reads them "
-                "widened to float32)"})
+        "help": "the KV cache's storage type: auto is float32 on cpu, the serving dtype on cuda "
+                "(its only one); on cpu bfloat16 or float16 halve the cache's bytes (attention "
+                "reads them widened to float32)"})
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "block_size", "num_gpu_blocks_override", "kv_cache_memory_bytes")

@@ -3,7 +3,10 @@ enums gpu/cuda/gemm.py CublasGemm calls, with cuBLAS's signatures (nvmath/bindin
 and enum values (cublas_api.h, library_types.h). gemm_ex records its arguments and does the
 column-major GEMM in numpy on the memory its pointers name, so wrong transposes, leading
 dimensions or pointers give wrong numbers (a read outside the arrays handed out through
-`ptr` fails the test instead of reading stray memory).
+`ptr` fails the test instead of reading stray memory). The data types are checked too: A, B and
+C share one, fp16 (CUDA_R_16F) or bf16 (CUDA_R_16BF: bits in uint16), which must be the dtype
+of the arrays the pointers fall in, and the compute type is COMPUTE_32F; C is rounded to its
+type from the float32 sums (bf16: to nearest even, as cuBLAS's epilogue).
 """
 from __future__ import annotations
 
@@ -13,7 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringserve.gpu.cuda.dtypes import to_bfloat16, widen_bfloat16
+
 CUDA_R_16F = 2  # library_types.h
+CUDA_R_16BF = 14
+DATA_TYPES = {CUDA_R_16F: np.dtype(np.float16), CUDA_R_16BF: np.dtype(np.uint16)}  # -> host storage
 
 
 class Operation(enum.IntEnum):
@@ -87,8 +94,9 @@ class HostCublas:
         self.handles[handle]["workspace"] = (workspace, nbytes)
         self.events.append(("set_workspace", handle, workspace, nbytes))
 
-    def _view(self, ptr: int, rows: int, cols: int, ld: int) -> np.ndarray:
-        """The column-major fp16 matrix [rows, cols] with leading dimension ld at ptr."""
+    def _view(self, ptr: int, rows: int, cols: int, ld: int, dtype: np.dtype) -> np.ndarray:
+        """The column-major 16-bit matrix [rows, cols] with leading dimension ld at ptr, inside
+        an array of `dtype` (the one its cudaDataType_t names)."""
         assert ld >= max(1, rows), f"ld {ld} < rows {rows}"
         nbytes = ((cols - 1) * ld + rows) * 2
         for base, arr in self.arrays.items():
@@ -96,8 +104,9 @@ class HostCublas:
                 break
         else:
             raise AssertionError(f"gemm_ex reads {nbytes} bytes at {ptr:#x}: outside every array")
+        assert arr.dtype == dtype, f"gemm_ex was told {dtype} for an array of {arr.dtype}"
         buf = (ctypes.c_char * nbytes).from_address(ptr)
-        return np.ndarray((rows, cols), np.float16, buffer=buf, strides=(2, 2 * ld))
+        return np.ndarray((rows, cols), dtype, buffer=buf, strides=(2, 2 * ld))
 
     def gemm_ex(self, handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta,
                 c, ctype, ldc, compute_type, algo) -> None:
@@ -105,14 +114,22 @@ class HostCublas:
         assert state["stream"] and state["workspace"], f"gemm_ex without stream or workspace: {state}"
         self.calls.append(GemmCall(transa, transb, m, n, k, lda, ldb, ldc, a, b, c, atype, btype,
                                    ctype, compute_type))
+        assert atype == btype == ctype and atype in DATA_TYPES, f"types {atype}, {btype}, {ctype}"
+        assert compute_type == ComputeType.COMPUTE_32F, f"compute type {compute_type}: fp32 sums"
+        dtype = DATA_TYPES[atype]
         alpha_v = ctypes.c_float.from_address(alpha).value
         beta_v = ctypes.c_float.from_address(beta).value
-        A = self._view(a, *((m, k) if transa == Operation.N else (k, m)), lda)
-        B = self._view(b, *((k, n) if transb == Operation.N else (n, k)), ldb)
-        C = self._view(c, m, n, ldc)
+        A = self._view(a, *((m, k) if transa == Operation.N else (k, m)), lda, dtype)
+        B = self._view(b, *((k, n) if transb == Operation.N else (n, k)), ldb, dtype)
+        C = self._view(c, m, n, ldc, dtype)
         opA = A if transa == Operation.N else A.T
         opB = B if transb == Operation.N else B.T
-        acc = alpha_v * (opA.astype(np.float32) @ opB.astype(np.float32))
+        acc = alpha_v * (_widen(opA) @ _widen(opB))
         if beta_v:
-            acc += beta_v * C.astype(np.float32)
-        C[...] = acc.astype(np.float16)
+            acc += beta_v * _widen(C)
+        C[...] = acc.astype(np.float16) if dtype == np.float16 else to_bfloat16(np, acc)
+
+
+def _widen(a: np.ndarray) -> np.ndarray:
+    """A 16-bit matrix as float32 (bf16 bits widened exactly)."""
+    return widen_bfloat16(np, a) if a.dtype == np.uint16 else a.astype(np.float32)

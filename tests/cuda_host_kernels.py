@@ -77,11 +77,12 @@ def paged_attention(kernels: HostKernels, qkv, k_cache, v_cache, positions, quer
     """What PagedAttention.__call__ launches (the kernel, then the split-K reduce)."""
     T, (_, _, kvh, d), num_heads = qkv.shape[0], k_cache.shape, out.shape[1] // k_cache.shape[3]
     part_acc, part_ml = workspace
-    kernels.call("paged_attention", launch.attention_launch(T, kvh, splits), *paged_attention_args(
+    suffix = launch.SUFFIXES[str(qkv.dtype)]  # fp16 or bf16 (uint16 bits), as PagedAttention picks
+    kernels.call("paged_attention" + suffix, launch.attention_launch(T, kvh, splits), *paged_attention_args(
         qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables, scale, out,
         launch.attention_partition(max_seq_len, splits), part_acc, part_ml))
     if splits > 1:
-        kernels.call("attention_reduce", launch.reduce_launch(T, num_heads, d), part_acc, part_ml,
+        kernels.call("attention_reduce" + suffix, launch.reduce_launch(T, num_heads, d), part_acc, part_ml,
                      np.int32(splits), out)
 
 
@@ -113,7 +114,11 @@ class HostBuild:
     def _build(self, source: str, defines: dict[str, int] | None) -> HostKernels:
         suffix = "_".join(f"{k}{v}" for k, v in sorted((defines or {}).items()))
         out = self.folder / f"{Path(source).stem}{'_' + suffix if suffix else ''}.so"
-        cmd = [self.gxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-pthread",
+        # NOTE: -fno-gnu-unique: a __shared__ array inside a kernel template is a static local of
+        # an inline function, which GCC makes a GNU-unique symbol, one copy per process across
+        # every loaded .so: attention.cu's variants (each HEAD_DIM/GQA_GROUP its own sizes)
+        # would all write the first one's
+        cmd = [self.gxx, "-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-fno-gnu-unique",
                f"-I{HOST_DIR / 'include'}", "-iquote", str(self.folder), *gxx_defines(defines),
                str(HOST_DIR / ENTRIES[source]), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -1,14 +1,52 @@
-"""Comparing an fp16 backend (CUDA; its host-run forward) with the float32 CPU backend. Random
-tiny models have near-ties among their top logits, which fp16 rounding may flip: greedy tokens
-are compared only where float32's best leads its runner-up clearly, and a generation is
-compared only up to its first unclear choice."""
+"""Comparing a 16-bit backend (CUDA in fp16 or bf16; its host-run forward) with the float32 CPU
+backend. Random tiny models have near-ties among their top logits, which 16-bit rounding may
+flip: greedy tokens are compared only where float32's best leads its runner-up clearly, and a
+generation is compared only up to its first unclear choice.
+
+The element types as the CUDA backend holds them (gpu/cuda/dtypes.py): fp16 as numpy float16,
+bf16 as its bits in uint16; `narrow`, `widen` and `spacing` give each one's rounding and step.
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from ringserve.gpu.batch import Batch
+from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, to_bfloat16, widen_bfloat16
 
 CLEAR = 0.02  # a lead (over the largest |logit|, or in logprob) beyond fp16 noise
+ELEMENT_TYPES = tuple(SERVING_DTYPES)  # "float16", "bfloat16"
+SUFFIX = {"float16": "", "bfloat16": "_bf16"}  # the CUDA C kernels' names per element type
+
+
+def narrow(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Float values in the element type's storage, rounded to nearest even."""
+    return a.astype(np.float16) if dtype == "float16" else to_bfloat16(np, a)
+
+
+def widen(a: np.ndarray) -> np.ndarray:
+    """Stored values as float32, exactly (uint16: bf16 bits)."""
+    return widen_bfloat16(np, a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+def spacing(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The element type's step at |x| (x rounded to it first): fp16 11 significant bits, bf16 8
+    (its step is float32's times 2^16)."""
+    x = np.abs(np.asarray(x, np.float32))
+    if dtype == "float16":
+        return np.spacing(x.astype(np.float16)).astype(np.float32)
+    return np.spacing(widen(narrow(x, dtype))) * np.float32(65536)
+
+
+def assert_rounded_from(actual: np.ndarray, expect: np.ndarray, atol: float = 1e-5) -> None:
+    """actual (stored 16-bit) is expect (float32) rounded to its element type: within one step
+    of it, plus atol for float32 summation-order noise on tiny values. NaN (an unwritten
+    output) fails."""
+    dtype = "bfloat16" if actual.dtype == np.uint16 else "float16"
+    got = widen(actual)
+    tol = spacing(expect, dtype) + np.float32(atol)
+    bad = ~(np.abs(got - expect) <= tol)
+    assert not bad.any(), (f"{dtype}: {bad.sum()} of {bad.size} off, first at {np.argwhere(bad)[0]}: "
+                           f"{got[bad][:5]} vs {expect[bad][:5]}")
 
 
 # fp16 steps (ulps) a logit of the fp16 forward may be from float32's: the output rounding

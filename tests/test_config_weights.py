@@ -13,7 +13,8 @@ from safetensors.numpy import load_file, save_file
 from ringserve.gpu.config import ModelConfig, RopeScaling
 from ringserve.gpu.cpu_linear import widen_bfloat16
 from ringserve.gpu.cpu_ops import CpuWeightStore
-from ringserve.gpu.cuda.buffers import Fp16Store
+from ringserve.gpu.cuda.buffers import DenseStore
+from ringserve.gpu.cuda.dtypes import to_bfloat16
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.rope import inv_freq
@@ -197,8 +198,9 @@ def as_float32(a: np.ndarray) -> np.ndarray:
     return widen_bfloat16(a) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
-@pytest.mark.parametrize("store", [CpuWeightStore("float32"), CpuWeightStore("bfloat16"), Fp16Store(np)],
-                         ids=["cpu-float32", "cpu-bfloat16", "cuda-fp16"])
+@pytest.mark.parametrize("store", [CpuWeightStore("float32"), CpuWeightStore("bfloat16"),
+                                   DenseStore(np, "float16"), DenseStore(np, "bfloat16")],
+                         ids=["cpu-float32", "cpu-bfloat16", "cuda-fp16", "cuda-bf16"])
 def test_one_weight_mapping_for_every_backend(tiny_model_dir, store):
     """gpu/model.py LlamaWeights.fuse is the one HF -> fused mapping: each backend's store gets
     q|k|v and gate|up stacked in that order, the tied lm_head is the embedding, norms stay
@@ -218,13 +220,16 @@ def test_one_weight_mapping_for_every_backend(tiny_model_dir, store):
             want = as_float32(store.linear([hf[p + hf_name + ".weight"]]))
             np.testing.assert_array_equal(stacked[lo:hi], want, err_msg=f"{name} {hf_name}")
     assert fused.lm_head is fused.embed and c.tie_word_embeddings
-    np.testing.assert_array_equal(as_float32(fused.layers[1].post_norm),
-                                  hf[p + "post_attention_layernorm.weight"].astype(store_dtype(store)))
+    np.testing.assert_array_equal(fused.layers[1].post_norm,
+                                  stored_vector(store, hf[p + "post_attention_layernorm.weight"]))
     del hf[p + "mlp.down_proj.weight"]
     one_line_error(r"weights: tensor 'model.layers.1.mlp.down_proj.weight' is missing",
                    LlamaWeights.fuse, c, hf, store)
 
 
-def store_dtype(store) -> type:
-    """Norm weights: float32 on the CPU (also with bfloat16 linears), fp16 on CUDA."""
-    return np.float16 if isinstance(store, Fp16Store) else np.float32
+def stored_vector(store, v: np.ndarray) -> np.ndarray:
+    """Norm weights: float32 on the CPU (also with bfloat16 linears), the serving dtype on CUDA
+    (fp16, or bf16 bits rounded to nearest even)."""
+    if not isinstance(store, DenseStore):
+        return v.astype(np.float32)
+    return v.astype(np.float16) if store.dtype == "float16" else to_bfloat16(np, v)

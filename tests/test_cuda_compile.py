@@ -22,17 +22,24 @@ f16_1d, f16_2d, f16_4d = (types.Array(types.float16, n, "C") for n in (1, 2, 4))
 f32_1d, f32_2d = types.Array(types.float32, 1, "C"), types.Array(types.float32, 2, "C")
 i32_1d, i32_2d = types.Array(types.int32, 1, "C"), types.Array(types.int32, 2, "C")
 u32_2d = types.Array(types.uint32, 2, "C")
+u16_2d, u16_4d = types.Array(types.uint16, 2, "C"), types.Array(types.uint16, 4, "C")  # bf16 bits
+flag = types.boolean
 NUMBA_MODULES = (numba_kernels, sampling_kernels)
 
-# Every kernel with the signatures the runner launches it with (fp16 activations and cache).
+# Every kernel with the signatures the runner launches it with (fp16, and bf16 bits in uint16,
+# activations and cache).
 NUMBA_SIGNATURES = {
-    "store_kv_kernel": [(f16_2d, i32_1d, f16_4d, f16_4d, types.int64)],
-    # gather_rows also serves the embedding (fp16 table -> fp32 or fp16 rows)
-    "gather_rows_kernel": [(f16_2d, i32_1d, f16_2d), (f32_2d, i32_1d, f32_2d),
-                           (f16_2d, i32_1d, f32_2d)],
+    "store_kv_kernel": [(f16_2d, i32_1d, f16_4d, f16_4d, types.int64),
+                        (u16_2d, i32_1d, u16_4d, u16_4d, types.int64)],
+    # gather_rows also serves the embedding (a 16-bit table -> fp32 rows: the residual stream)
+    "gather_rows_kernel": [(f16_2d, i32_1d, f16_2d, flag), (f32_2d, i32_1d, f32_2d, flag),
+                           (f16_2d, i32_1d, f32_2d, flag), (u16_2d, i32_1d, u16_2d, flag),
+                           (u16_2d, i32_1d, f32_2d, flag)],
     "argmax_kernel": [(f32_2d, i32_1d), (f16_2d, i32_1d)],
     "paged_attention_kernel": [(f16_2d, f16_4d, f16_4d, i32_1d, i32_1d, i32_1d, i32_2d,
-                                types.float32, f16_2d)],
+                                types.float32, f16_2d, flag),
+                               (u16_2d, u16_4d, u16_4d, i32_1d, i32_1d, i32_1d, i32_2d,
+                                types.float32, u16_2d, flag)],
     # sampling_kernels: float32 logits (the runner's fp32 logits buffer), 1024 threads per row
     "penalties_kernel": [(f32_2d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d,
                           f32_1d, f32_1d, f32_1d)],
@@ -106,7 +113,23 @@ def test_cuda_c_compiles_with_nvrtc(name, arch):
         ptx = toolchain.nvrtc_ptx(toolchain.source(name), arch, toolchain.options(defines), name)
         where = f"{name} {defines} {arch}"
         assert ".f64" not in ptx, f"{where}: float64 in the PTX"
-        check_resources(toolchain.ptxas_report(ptx, arch), where)
+        report = toolchain.ptxas_report(ptx, arch)
+        check_resources(report, where)  # both element types' instantiations within budget
+        if name != "quant.cu":  # fused.cu, attention.cu: every kernel in fp16 and in bf16 (_bf16)
+            fp16 = {k for k in report if not k.endswith("_bf16")}
+            assert set(report) == fp16 | {k + "_bf16" for k in fp16}, f"{where}: {sorted(report)}"
+
+
+def test_fused_cu_defines_every_kernel_in_both_element_types():
+    """gpu/cuda/fused.py gets each kernel by name in fp16 (plain) and bf16 (_bf16); the bf16
+    ones read and write bf16 (cvt.rn.bf16.f32: round to nearest even; widening is a shift)."""
+    from ringserve.gpu.cuda.launch import FUSED_KERNELS, SUFFIXES
+    ptx = toolchain.nvrtc_ptx(toolchain.source("fused.cu"), "sm_80", toolchain.options(), "fused.cu")
+    names = {k + s for k in FUSED_KERNELS for s in SUFFIXES.values()}
+    assert set(toolchain.ptxas_report(ptx, "sm_80")) == names
+    bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
+    for name in ("add_rms_norm", "rope", "silu_mul", "add_bias"):
+        assert ".bf16" in bodies[name + "_bf16"] and ".bf16" not in bodies[name], name
 
 
 def test_quant_cu_defines_every_kernel_its_launcher_loads():
@@ -125,9 +148,11 @@ def test_quant_gemm_runs_on_tensor_cores(arch):
     tiles a warp, 4 k16 steps), unrolled; the other kernels none."""
     ptx = toolchain.nvrtc_ptx(toolchain.source("quant.cu"), arch, toolchain.options(), "quant.cu")
     bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
-    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-    counts = {name: body.count(mma) for name, body in bodies.items()}
-    assert {n: c for n, c in counts.items() if c} == {f"gemm_{k}": 32 for k in ("u4", "i8", "bf16")}
+    for suffix, t in (("", "f16"), ("_bf16", "bf16")):  # gemm_* fp16, gemm_*_bf16 bf16 fragments
+        mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
+        counts = {name: body.count(mma) for name, body in bodies.items()}
+        want = {f"gemm_{k}{suffix}": 32 for k in ("u4", "i8", "bf16")}
+        assert {n: c for n, c in counts.items() if c} == want
 
 
 def test_nvrtc_reports_errors():

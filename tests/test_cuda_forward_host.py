@@ -1,11 +1,13 @@
 """The CUDA backend's whole forward without a GPU: gpu/model.py's llama_forward, the model
 CudaModelRunner runs, over HostOps (model.ModelOps): the real CUDA C kernels (fused.cu,
 attention.cu) compiled for the host (tests/cuda_host_kernels.py), numpy in place of cuBLAS
-(fp16 in and out, float32 accumulation) and the numpy references of the Numba kernels (which
+(16-bit in and out, float32 accumulation) and the numpy references of the Numba kernels (which
 run in the CUDA simulator in tests/test_cuda_sim.py). Against the CPU backend's logits on tiny
 random Llamas: eager prefill and decode, and decode the way a CUDA graph replays it (padded to
 a ladder size, the shared buffers' block table holding stale rows, split-K from
-max_model_len). What it cannot check: cuBLAS, CuPy, Numba on a device, graph capture.
+max_model_len); in fp16 and in bf16 (weights, activations and KV cache as bf16 bits: each
+kernel's _bf16 instantiation). What it cannot check: cuBLAS, CuPy, Numba on a device, graph
+capture.
 """
 from __future__ import annotations
 
@@ -14,12 +16,13 @@ import pytest
 
 from conftest import TINY_CUDA_MODELS
 from cuda_host_kernels import paged_attention
-from fp16_checks import decode_against_cpu, fp16_tolerance, next_batch
+from fp16_checks import decode_against_cpu, fp16_tolerance, narrow, next_batch, widen
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda import launch, plan
 from ringserve.gpu.cuda import reference as ref
 from ringserve.gpu.cuda.buffers import AttentionLaunch, StepBuffers
+from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, serving_dtype
 from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, QuantLinear, QuantStore, keeps_blocks
 from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.rope import cos_sin, inv_freq
@@ -35,12 +38,15 @@ F16, F32 = np.float16, np.float32
 class HostOps:
     """model.ModelOps on the CPU as CudaOps runs them (see the module docstring)."""
 
-    def __init__(self, c: ModelConfig, cuda_host, packed: bool = False, large_batch: str = LARGE_BATCH):
+    def __init__(self, c: ModelConfig, cuda_host, packed: bool = False, large_batch: str = LARGE_BATCH,
+                 act_dtype=F16):
         self.fused = cuda_host.get("fused.cu")
         # packed weights: quant.cu through the runner's own plan, a workspace of 2 ** 16
-        # elements (several chunks of rows for the larger weights of a prefill)
-        self.quant = QuantLinear(cuda_host.get("quant.cu").call, fp16_gemm,
-                                 np.full(1 << 16, np.nan, F16), large_batch) if packed else None
+        # elements in the activations' dtype (several chunks of rows for the larger weights of
+        # a prefill), NaN in fp16 and bf16
+        workspace = np.full(1 << 16, 0xFFFF, np.uint16).view(act_dtype)
+        self.quant = QuantLinear(cuda_host.get("quant.cu").call, fp16_gemm, workspace,
+                                 large_batch) if packed else None
         self.paged = cuda_host.get("attention.cu", dict(
             HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
         self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
@@ -66,17 +72,19 @@ class HostOps:
             fp16_gemm(x, weight, out)
 
     def add_bias(self, x, bias):
-        x += bias
+        T, n = x.shape
+        self.fused.call("add_bias" + _suffix(x), launch.elementwise_launch(T * n), x, bias, np.int32(T),
+                        np.int32(n))
 
     def add_rms_norm(self, h, delta, weight, out):
         T, n = h.shape
-        self.fused.call("add_rms_norm", launch.norm_launch(T, n), h, delta, weight, out,
+        self.fused.call("add_rms_norm" + _suffix(out), launch.norm_launch(T, n), h, delta, weight, out,
                         np.int32(n), np.float32(self.eps))
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache):
         qkv, heads, D = buf.qkv, self.num_rot_heads, self.head_dim
-        self.fused.call("rope", launch.rope_launch(qkv.shape[0], heads, D), qkv, buf.positions,
-                        cos, sin, np.int32(heads), np.int32(D), np.int32(qkv.shape[1]))
+        self.fused.call("rope" + _suffix(qkv), launch.rope_launch(qkv.shape[0], heads, D), qkv,
+                        buf.positions, cos, sin, np.int32(heads), np.int32(D), np.int32(qkv.shape[1]))
         ref.store_kv(qkv, buf.slot_mapping, k_cache, v_cache, self.num_heads)
 
     def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch):
@@ -86,19 +94,26 @@ class HostOps:
 
     def silu_mul(self, gate_up, out):
         T, inter = out.shape
-        self.fused.call("silu_mul", launch.silu_launch(T, inter), gate_up, out, np.int32(T),
+        self.fused.call("silu_mul" + _suffix(out), launch.silu_launch(T, inter), gate_up, out, np.int32(T),
                         np.int32(inter // 2))
 
     def gather_rows(self, x, indices, out):
         out[...] = x[indices]
 
     def to_float32(self, src, out):
-        out[...] = src
+        rows, cols = src.shape
+        self.fused.call("to_float32" + _suffix(src), launch.elementwise_launch(rows * cols), src, out,
+                        np.int32(rows), np.int32(cols))
+
+
+def _suffix(x) -> str:
+    """The CUDA C kernel of x's element type (fused.py's choice)."""
+    return launch.SUFFIXES[str(x.dtype)]
 
 
 def fp16_gemm(x, weight, out):
-    """cuBLAS's stand-in: fp16 in and out, float32 accumulation."""
-    out[...] = (x.astype(F32) @ weight.astype(F32).T).astype(F16)
+    """cuBLAS's stand-in: 16-bit in and out (fp16, or bf16 bits), float32 accumulation."""
+    out[...] = narrow(widen(x) @ widen(weight).T, "bfloat16" if out.dtype == np.uint16 else "float16")
 
 
 def workspace(T: int, num_heads: int, head_dim: int, splits: int) -> tuple:
@@ -112,20 +127,23 @@ def workspace(T: int, num_heads: int, head_dim: int, splits: int) -> tuple:
 class HostRunner:
     """CudaModelRunner's eager and graph-shaped paths, on HostOps."""
 
-    def __init__(self, model_dir, cuda_host, num_sms: int = 16, large_batch: str = LARGE_BATCH):
+    def __init__(self, model_dir, cuda_host, num_sms: int = 16, large_batch: str = LARGE_BATCH,
+                 dtype: str = "auto"):
         c = self.config = ModelConfig.from_dir(model_dir)
         weights = load_weights(model_dir)
+        self.dtype = serving_dtype(dtype, weights)  # as CudaModelRunner
+        act = self.act_dtype = SERVING_DTYPES[self.dtype]
         self.ops = HostOps(c, cuda_host, packed=any(keeps_blocks(t) for t in weights.values()),
-                           large_batch=large_batch)
-        self.weights = LlamaWeights.fuse(c, weights, QuantStore(np))  # as CudaModelRunner
+                           large_batch=large_batch, act_dtype=act)
+        self.weights = LlamaWeights.fuse(c, weights, QuantStore(np, self.dtype))
         shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
-        self.caches = [(np.zeros(shape, F16), np.zeros(shape, F16)) for _ in range(c.num_hidden_layers)]
+        self.caches = [(np.zeros(shape, act), np.zeros(shape, act)) for _ in range(c.num_hidden_layers)]
         self.cos, self.sin = cos_sin(np.arange(MAX_MODEL_LEN), inv_freq(c))
         self.num_sms = num_sms  # few "SMs": split-K kicks in at these tiny batches
         self.ladder = plan.graph_batch_sizes(8)
         self.max_blocks = MAX_MODEL_LEN // BLOCK_SIZE
         # the graphs' one set of buffers, with stale garbage where no step wrote yet
-        self.shared = StepBuffers(c, self.ladder[-1], self.ladder[-1], self.max_blocks, np)
+        self.shared = StepBuffers(c, self.ladder[-1], self.ladder[-1], self.max_blocks, np, act)
         tables = self.shared.block_tables
         tables[...] = np.random.default_rng(0).integers(0, NUM_BLOCKS, tables.shape)
 
@@ -135,7 +153,8 @@ class HostRunner:
 
     def eager(self, batch: Batch) -> np.ndarray:
         c = self.config
-        buf = StepBuffers(c, batch.num_tokens, batch.num_reqs, batch.block_tables.shape[1], np)
+        buf = StepBuffers(c, batch.num_tokens, batch.num_reqs, batch.block_tables.shape[1], np,
+                          self.act_dtype)
         buf.load(batch, self.ops)
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
@@ -160,17 +179,19 @@ class HostRunner:
         return buf.logits[:batch.num_reqs].copy()
 
 
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])  # auto: a float32 checkpoint in fp16
 @pytest.mark.parametrize("decode", ["eager", "graph"])
-def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, decode):
+def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, decode, dtype):
     """Three requests (one prompt spans two blocks) prefilled together, then decoded greedily
     (the CPU backend's tokens fed to both): every step's logits as the CPU backend's, K/V
     written and read through shuffled block tables."""
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 60))]
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
-    host = HostRunner(tiny_cuda_model_dir, cuda_host)
+    host = HostRunner(tiny_cuda_model_dir, cuda_host, dtype=dtype)
+    assert host.caches[0][0].dtype == (F16 if dtype == "auto" else np.uint16)
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 6, graph=decode == "graph")
-    if decode == "eager":  # the prompt-logprobs gpu test's tolerance holds for the fp16 forward
+    if decode == "eager" and dtype == "auto":  # the prompt-logprobs gpu test's fp16 tolerance holds
         batch = next_batch([list(p) for p in prompts], [list(p) for p in prompts], tables, BLOCK_SIZE)
         want = cpu.execute(batch)
         np.testing.assert_allclose(host.eager(batch), want, atol=fp16_tolerance(want))
@@ -217,6 +238,23 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)  # prefill, one decode
 
 
+def test_a_packed_gguf_served_in_bf16_matches_the_cpu_backend(tmp_path_factory, cuda_host, monkeypatch):
+    """A tiny Q4_K_M GGUF with --dtype bfloat16: the packed planes as ever, bf16 activations and
+    KV cache (quant.cu's matvec_*_bf16 for the decodes, dequant_*_bf16 chunks and the bf16 GEMM
+    for the 69-row prefill, the other kernels' _bf16), against the CPU backend."""
+    model_dir = tiny_gguf(tmp_path_factory.mktemp("gguf-bf16"), "q4_k_m", monkeypatch)
+    host = HostRunner(model_dir, cuda_host, dtype="bfloat16")
+    launched = []
+    call = host.ops.quant.call
+    host.ops.quant.call = lambda name, *args: (launched.append(name), call(name, *args))[1]
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
+    assert host.caches[0][0].dtype == np.uint16
+    assert {"matvec_u4_r4_bf16", "dequant_u4_bf16", "dequant_i8_bf16"} <= set(launched)
+    assert not any(n.startswith("matvec_") and not n.endswith("_bf16") for n in launched)
+
+
 def test_a_packed_prefill_through_the_tiled_gemm_matches_the_cpu_backend(tmp_path_factory, cuda_host,
                                                                          monkeypatch):
     """The large_batch="tiled" policy: the 69-row prefill of a tiny Q4_K_M GGUF (Q4_K and Q6_K
@@ -252,21 +290,25 @@ def test_an_int4_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host,
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)
 
 
-def test_a_bf16_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host):
+@pytest.mark.parametrize("dtype", ["auto", "float16"])
+def test_a_bf16_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host, dtype):
     """A tiny Llama stored in bfloat16 (tools/tiny_llama.py dtype="bfloat16", tied: the table is
-    the embedding and the lm_head): every matrix stays bf16 bits on the CUDA side (quant.cu's
-    bf16 plane: the prefill's 69 rows through fp16 chunks and the GEMM, decodes through the
-    mat-vec, the embedding widened), against the CPU backend, which keeps them bf16 too."""
+    the embedding and the lm_head). auto serves it in bf16 as vLLM does: every weight the file's
+    bits, bf16 activations and KV cache, the linears through the GEMM (cuBLAS's stand-in in
+    bf16), every kernel's _bf16 instantiation; --dtype float16 narrows it (exactly, at these
+    magnitudes) and runs the fp16 kernels. Against the CPU backend, which keeps the weights
+    bf16 and computes in float32."""
     from ringserve.tools.tiny_llama import make_tiny_llama
 
     # NOTE: one layer, as the GGUF models above: the host runs every CUDA thread as a fiber
     model_dir = make_tiny_llama(tmp_path / "bf16", dtype="bfloat16", num_layers=1,
                                 **TINY_CUDA_MODELS["tied-g3"])
-    host = HostRunner(model_dir, cuda_host)
+    host = HostRunner(model_dir, cuda_host, dtype=dtype)
     w = host.weights
-    kept = {getattr(m, "kind", None) for layer in w.layers
-            for m in (layer.qkv, layer.o, layer.gate_up, layer.down)}
-    assert kept == {"bf16"} and w.embed.kind == "bf16" and w.lm_head is w.embed
+    want = np.uint16 if dtype == "auto" else F16
+    assert host.dtype == ("bfloat16" if dtype == "auto" else "float16")
+    assert all(m.dtype == want for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert w.embed.dtype == want and w.lm_head is w.embed and host.caches[0][0].dtype == want
     prompts = PACKED_PROMPTS
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)

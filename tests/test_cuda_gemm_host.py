@@ -3,9 +3,9 @@ host stand-in of nvmath's cuBLAS binding (tests/cublas_host.py: records every ca
 column-major GEMM in numpy on the memory the pointers name).
 
 - the (transa, transb, m, n, k, lda, ldb, ldc) of each call reproduce x @ w.T, for every linear
-  of the model: the whole forward (gpu/model.py llama_forward, eager and graph-shaped) runs
-  through the runner's own CudaOps.linear / add_bias / to_float32 over the stand-in, the other
-  ops as tests/test_cuda_forward_host.py runs them, against the CPU backend's logits;
+  of the model: the whole forward (gpu/model.py llama_forward, eager and graph-shaped, in fp16
+  and in bf16) runs through the runner's own CudaOps.linear over the stand-in, the other ops
+  as tests/test_cuda_forward_host.py runs them, against the CPU backend's logits;
 - the forward calls no CuPy cuBLAS entry point: CudaOps is imported over a `cupy` that has no
   attribute at all (any cp.matmul / cp.dot / cp.cublas use raises), and the modules of the
   captured path are read for GEMMs by any other name (`@`, .dot, tensordot, einsum, cublas).
@@ -24,17 +24,18 @@ import numpy as np
 import pytest
 
 import test_cuda_forward_host as fwd
-from cublas_host import CUDA_R_16F, ComputeType, HostCublas, Operation
-from fp16_checks import decode_against_cpu
+from cublas_host import CUDA_R_16BF, CUDA_R_16F, ComputeType, HostCublas, Operation
+from fp16_checks import decode_against_cpu, widen
 from ringserve.gpu.cuda import gemm
+from ringserve.gpu.cuda.dtypes import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cuda.gemm import CublasGemm, linear_args
 from ringserve.gpu.runner import ModelRunner
 
 pytestmark = pytest.mark.sim
 STREAM = 0x5EED
 F16, F32 = np.float16, np.float32
-KERNEL_OPS = ("copy_in", "copy_in_corner", "embedding", "add_rms_norm", "rope_store_kv",
-              "attention", "silu_mul", "gather_rows")
+KERNEL_OPS = ("copy_in", "copy_in_corner", "embedding", "add_bias", "add_rms_norm", "rope_store_kv",
+              "attention", "silu_mul", "gather_rows", "to_float32")
 
 
 def host_gemm(cublas: HostCublas) -> CublasGemm:
@@ -44,27 +45,38 @@ def host_gemm(cublas: HostCublas) -> CublasGemm:
     return g
 
 
+# the serving dtypes as the device holds them: (storage dtype, float32 -> storage, storage -> float32)
+DTYPES = {"float16": (F16, lambda a: a.astype(F16), lambda a: a.astype(F32)),
+          "bfloat16": (np.uint16, lambda a: to_bfloat16(np, a), lambda a: widen_bfloat16(np, a))}
+CUDA_TYPES = {"float16": CUDA_R_16F, "bfloat16": CUDA_R_16BF}
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("pad", [0, 8])
 @pytest.mark.parametrize("M,K,N", [(1, 64, 3), (7, 96, 40), (33, 17, 5)])
-def test_gemm_reproduces_x_at_w_transposed(M, K, N, pad):
+def test_gemm_reproduces_x_at_w_transposed(M, K, N, pad, dtype):
     """Leading-rows views of taller buffers (a graph size's views); pad: rows wider than the
-    matrix, so that x's, w's and out's pitches all differ from K and N."""
+    matrix, so that x's, w's and out's pitches all differ from K and N. bf16: uint16 bits, the
+    call's types CUDA_R_16BF, the result x @ w.T of the bf16 values rounded once to bf16."""
+    store, narrow, widen = DTYPES[dtype]
     rng = np.random.default_rng(M)
     cublas = HostCublas()
     g = host_gemm(cublas)
-    big_x = rng.standard_normal((M + 4, K + pad)).astype(F16)
-    w = rng.standard_normal((N, K + 2 * pad)).astype(F16)[:, :K]
-    big_out = np.full((M + 4, N + 3 * pad), np.nan, F16)
+    big_x = narrow(rng.standard_normal((M + 4, K + pad)))
+    w = narrow(rng.standard_normal((N, K + 2 * pad)))[:, :K]
+    big_out = np.full((M + 4, N + 3 * pad), 0xFFFF, np.uint16).view(store).copy()  # NaN in both
     x, out = big_x[:M, :K], big_out[:M, :N]
     g(x, w, out)
-    want = (x.astype(F32) @ w.astype(F32).T).astype(F16)
-    np.testing.assert_allclose(out.astype(F32), want.astype(F32), rtol=2e-3, atol=2e-3)
-    big_out[:M, :N] = np.nan
-    assert np.isnan(big_out.astype(F32)).all()  # nothing outside the view written
+    exact = widen(x) @ widen(w).T
+    # one rounding of sums near |exact|: half a unit of the last place of the 16-bit type
+    spacing = np.spacing(np.abs(exact).astype(F16)).astype(F32) * (8 if dtype == "bfloat16" else 1)
+    assert np.all(np.abs(widen(out) - exact) <= spacing + 1e-4 * np.abs(exact).max())
+    big_out.view(np.uint16)[:M, :N] = 0xFFFF
+    assert (big_out.view(np.uint16) == 0xFFFF).all()  # nothing outside the view written
     (call,) = cublas.calls
     assert (call.transa, call.transb, call.m, call.n, call.k) == (Operation.T, Operation.N, N, M, K)
     assert (call.lda, call.ldb, call.ldc) == (K + 2 * pad, K + pad, N + 3 * pad)
-    assert (call.atype, call.btype, call.ctype) == (CUDA_R_16F,) * 3
+    assert (call.atype, call.btype, call.ctype) == (CUDA_TYPES[dtype],) * 3
     assert call.compute_type == ComputeType.COMPUTE_32F
     assert (call.a, call.b, call.c) == (w.ctypes.data, x.ctypes.data, out.ctypes.data)
 
@@ -86,6 +98,7 @@ def test_the_stand_in_has_nvmaths_names_and_values():
     nvmath = pytest.importorskip("nvmath")
     from nvmath.bindings import cublas
     assert int(nvmath.CudaDataType.CUDA_R_16F) == CUDA_R_16F == gemm.CUDA_R_16F
+    assert int(nvmath.CudaDataType.CUDA_R_16BF) == CUDA_R_16BF == gemm.CUDA_R_16BF
     for enum_name in ("Operation", "ComputeType", "GemmAlgo"):
         ours = getattr(HostCublas, enum_name)
         for member in ours:
@@ -96,8 +109,10 @@ def test_the_stand_in_has_nvmaths_names_and_values():
 
 def test_bad_operands_are_refused():
     x, w = np.zeros((2, 8), F16), np.zeros((3, 8), F16)
-    with pytest.raises(ValueError, match="fp16"):
+    with pytest.raises(ValueError, match="one of float16 or uint16"):
         linear_args(x.astype(F32), w, np.zeros((2, 3), F16), 0, 1)
+    with pytest.raises(ValueError, match="x float16, w uint16"):  # fp16 activations, bf16 weights
+        linear_args(x, w.view(np.uint16), np.zeros((2, 3), F16), 0, 1)
     with pytest.raises(ValueError, match="rows must be contiguous"):
         linear_args(np.zeros((8, 2), F16).T, w, np.zeros((2, 3), F16), 0, 1)
     with pytest.raises(ValueError, match=r"x \(2, 8\) @ w \(3, 9\)"):
@@ -130,15 +145,16 @@ class CheckedGemm:
 
     def __call__(self, x, w, out) -> None:
         self.inner(x, w, out)
-        want = x.astype(F32) @ w.astype(F32).T
-        np.testing.assert_allclose(out.astype(F32), want, rtol=1e-2, atol=1e-2)
+        want = widen(x) @ widen(w).T
+        np.testing.assert_allclose(widen(out), want, rtol=1e-2, atol=1e-2)
         self.shapes.add(w.shape)
 
 
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 @pytest.mark.parametrize("decode", ["eager", "graph"])
 def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host,
-                                                                   cuda_ops_class, decode):
-    host = fwd.HostRunner(tiny_cuda_model_dir, cuda_host)
+                                                                   cuda_ops_class, decode, dtype):
+    host = fwd.HostRunner(tiny_cuda_model_dir, cuda_host, dtype=dtype)
     c = host.config
     cublas = HostCublas()
 
@@ -161,6 +177,7 @@ def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_mode
                                     (c.hidden_size, c.intermediate_size), (c.vocab_size, c.hidden_size)}
     per_step = 4 * c.num_hidden_layers + 1
     assert len(cublas.calls) == 3 * per_step
+    assert {call.atype for call in cublas.calls} == {CUDA_R_16F if dtype == "auto" else CUDA_R_16BF}
 
 
 def test_a_packed_forward_through_the_runners_ops(tmp_path, cuda_host, cuda_ops_class, monkeypatch):

@@ -116,6 +116,10 @@ def test_the_table_prints_every_section(capsys):
                         dict(model="1B", impl="transformers", batch=1, step_ms=9.0, tok_s=111.0),
                         dict(model="1B", impl="ringserve graphs", batch=64, step_ms=4.0, tok_s=16000.0,
                              weight_bytes=3_000_000_000),
+                        dict(model="1B", impl="ringserve graphs", dtype="bfloat16", batch=1, step_ms=1.04,
+                             tok_s=961.5, weight_bytes=3_000_000_000),
+                        dict(model="1B", impl="ringserve graphs", dtype="bfloat16", batch=64, step_ms=4.4,
+                             tok_s=14545.5, weight_bytes=3_000_000_000),
                         dict(model="1B", impl="transformers", batch=64, step_ms=10.0, tok_s=6400.0)],
                   skipped=["ours 8B: skipped (10 s left of the budget, it needs ~100 s)"],
                   phases={"tests": 80.0, "copy": 2.0}, errors={"transformers 8B": "OutOfMemoryError: x"})
@@ -125,13 +129,16 @@ def test_the_table_prints_every_section(capsys):
     assert "preflight: 0/1 ok\n  FAIL import nvmath.bindings.cublas: ModuleNotFoundError" in out
     assert "rawkernel      1    1024      8      12.5    1342   33.5" in out
     # the graphs row streams 3 GB at 4000 GB/s: 0.75 ms of a 1.0 ms step = 75 % of the bound
-    assert "ringserve graphs         1     1.000       1000    75.0" in out
-    assert "transformers             1     9.000        111     nan" in out
+    assert "ringserve graphs     float16      1     1.000       1000    75.0" in out
+    assert "transformers         float16      1     9.000        111     nan" in out
+    assert "ringserve graphs     bfloat16    64     4.400      14546    17.0" in out
     assert "skipped: ours 8B" in out and "failed: transformers 8B: OutOfMemoryError" in out
     # the ratios, same run: 1000 / 400 tok/s = 2.5x eager, 1000 / 111 = 9.01x transformers
-    assert ("1B         1        2.50x           9.01x    75.0  %bound >= 60: met, "
-            "graphs >= 2x eager: met") in out
-    assert "1B        64         nanx           2.50x    18.8  tok/s >= 3x transformers: MISSED" in out
+    # bf16 beside fp16: 1.04 / 1.0 ms and 4.4 / 4.0 ms, against issue 25's 5 %
+    assert ("1B         1        2.50x           9.01x    75.0         1.040x  bf16 step <= 1.05x fp16: met, "
+            "%bound >= 60: met, graphs >= 2x eager: met") in out
+    assert ("1B        64         nanx           2.50x    18.8         1.100x  bf16 step <= 1.05x fp16: "
+            "MISSED, tok/s >= 3x transformers: MISSED") in out
 
 
 def test_a_phase_past_its_limit_is_stopped_and_each_phase_leaves_the_files(tmp_path):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cuda_host_kernels import paged_attention, paged_attention_args
+from fp16_checks import ELEMENT_TYPES, SUFFIX, assert_rounded_from, narrow, widen
 from paged_cases import paged_layout
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda import reference as ref
@@ -35,59 +36,79 @@ def host_kernels(cuda_host):
 
 
 def assert_fp16_close(actual: np.ndarray, expect: np.ndarray, atol: float = 1e-5) -> None:
-    """actual (fp16) is expect (float32) rounded to fp16: within one fp16 step of it, plus atol
-    for float32 summation-order noise on tiny values."""
-    actual = actual.astype(np.float32)
-    tol = np.spacing(np.abs(expect).astype(np.float16)).astype(np.float32) + np.float32(atol)
-    bad = ~(np.abs(actual - expect) <= tol)  # NaN (an unwritten output) is bad too
-    assert not bad.any(), (f"{bad.sum()} of {bad.size} off, first at {np.argwhere(bad)[0]}: "
-                           f"{actual[bad][:5]} vs {expect[bad][:5]}")
+    """actual (fp16, or bf16 bits) is expect (float32) rounded to its type (fp16_checks)."""
+    assert_rounded_from(actual, expect, atol)
 
 
-# ---- fused.cu
+def unwritten(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """An output buffer of NaN in the element type's storage (0xFFFF: NaN in both)."""
+    return np.full(shape, 0xFFFF, np.uint16).view(np.float16 if dtype == "float16" else np.uint16)
 
+
+# ---- fused.cu: every kernel in both element types (fp16: the plain names, bf16: _bf16)
+
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 @pytest.mark.parametrize("hidden", [576, 64])
 @pytest.mark.parametrize("with_delta", [True, False])
-def test_add_rms_norm(host_kernels, hidden, with_delta):
+def test_add_rms_norm(host_kernels, hidden, with_delta, dtype):
     rng = np.random.default_rng(hidden)
     T, eps = 3, 1e-5
     h = (rng.standard_normal((T, hidden)) * 2).astype(np.float32)
-    delta = rng.standard_normal((T, hidden)).astype(np.float16) if with_delta else None
-    weight = (1 + 0.3 * rng.standard_normal(hidden)).astype(np.float16)
-    out = np.full((T, hidden), np.nan, np.float16)
-    expect_h, expect_out = ref.add_rms_norm(h, delta, weight, eps)
-    host_kernels["fused"].call("add_rms_norm", launch.norm_launch(T, hidden), h, delta, weight, out,
-                               np.int32(hidden), np.float32(eps))
+    delta = narrow(rng.standard_normal((T, hidden)), dtype) if with_delta else None
+    weight = narrow(1 + 0.3 * rng.standard_normal(hidden), dtype)
+    out = unwritten((T, hidden), dtype)
+    expect_h, expect_out = ref.add_rms_norm(h, None if delta is None else widen(delta), widen(weight), eps)
+    host_kernels["fused"].call("add_rms_norm" + SUFFIX[dtype], launch.norm_launch(T, hidden), h, delta,
+                               weight, out, np.int32(hidden), np.float32(eps))
     np.testing.assert_array_equal(h, expect_h)  # the same float32 adds, in place
     assert_fp16_close(out, expect_out)
 
 
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 2)])
-def test_rope_rotates_q_and_k_only(host_kernels, head_dim, num_heads, num_kv_heads):
+def test_rope_rotates_q_and_k_only(host_kernels, head_dim, num_heads, num_kv_heads, dtype):
     rng = np.random.default_rng(head_dim)
     T, max_pos, half = 5, 100, head_dim // 2
     inv_freq = 1.0 / 10000.0 ** (np.arange(half) / half)
     angles = np.arange(max_pos)[:, None] * inv_freq[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     positions = rng.integers(0, max_pos, T).astype(np.int32)
-    qkv = rng.standard_normal((T, (num_heads + 2 * num_kv_heads) * head_dim)).astype(np.float16)
-    expect = ref.rope(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim)
+    qkv = narrow(rng.standard_normal((T, (num_heads + 2 * num_kv_heads) * head_dim)), dtype)
+    expect = ref.rope(widen(qkv), positions, cos, sin, num_heads, num_kv_heads, head_dim)
     x = qkv.copy()
     rot = num_heads + num_kv_heads
-    host_kernels["fused"].call("rope", launch.rope_launch(T, rot, head_dim), x, positions, cos, sin,
-                               np.int32(rot), np.int32(head_dim), np.int32(qkv.shape[1]))
+    host_kernels["fused"].call("rope" + SUFFIX[dtype], launch.rope_launch(T, rot, head_dim), x, positions,
+                               cos, sin, np.int32(rot), np.int32(head_dim), np.int32(qkv.shape[1]))
     assert_fp16_close(x[:, :rot * head_dim], expect[:, :rot * head_dim])
     np.testing.assert_array_equal(x[:, rot * head_dim:], qkv[:, rot * head_dim:])  # v untouched
 
 
-def test_silu_mul_odd_token_count(host_kernels):
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_silu_mul_odd_token_count(host_kernels, dtype):
     rng = np.random.default_rng(5)
     T, inter = 7, 96
-    gate_up = (rng.standard_normal((T, 2 * inter)) * 3).astype(np.float16)
-    out = np.full((T, inter), np.nan, np.float16)
-    host_kernels["fused"].call("silu_mul", launch.silu_launch(T, inter), gate_up, out, np.int32(T),
-                               np.int32(inter // 2))
-    assert_fp16_close(out, ref.silu_mul(gate_up))
+    gate_up = narrow(rng.standard_normal((T, 2 * inter)) * 3, dtype)
+    out = unwritten((T, inter), dtype)
+    host_kernels["fused"].call("silu_mul" + SUFFIX[dtype], launch.silu_launch(T, inter), gate_up, out,
+                               np.int32(T), np.int32(inter // 2))
+    assert_fp16_close(out, ref.silu_mul(widen(gate_up)))
+
+
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_add_bias_and_to_float32(host_kernels, dtype):
+    """x += bias (one rounding of the float32 sum); the logits widened to float32 exactly."""
+    rng = np.random.default_rng(6)
+    T, n = 5, 200
+    x, bias = narrow(rng.standard_normal((T, n)) * 4, dtype), narrow(rng.standard_normal(n), dtype)
+    got = x.copy()
+    host_kernels["fused"].call("add_bias" + SUFFIX[dtype], launch.elementwise_launch(T * n), got, bias,
+                               np.int32(T), np.int32(n))
+    expect = widen(x) + widen(bias)
+    np.testing.assert_array_equal(got, narrow(expect, dtype))  # round to nearest even, as numpy
+    out = np.full((T, n), np.nan, np.float32)
+    host_kernels["fused"].call("to_float32" + SUFFIX[dtype], launch.elementwise_launch(T * n), got, out,
+                               np.int32(T), np.int32(n))
+    np.testing.assert_array_equal(out, widen(got))
 
 
 # ---- attention.cu
@@ -96,22 +117,24 @@ def guarded(a: np.ndarray) -> np.ndarray:
     """a inside a buffer one block larger at each end, filled with 7: a kernel that reads block
     -1 (a padding row's table entry) or past the pool gets keys and values of 7, not memory that
     happens to be there (not NaN: fmaxf drops a NaN score and the row would still come out 0)."""
-    buf = np.full((a.shape[0] + 2, *a.shape[1:]), 7.0, a.dtype)
+    seven = narrow(np.float32(7.0)[None], "bfloat16" if a.dtype == np.uint16 else "float16")[0]
+    buf = np.full((a.shape[0] + 2, *a.shape[1:]), seven, a.dtype)
     buf[1:-1] = a
     return buf[1:-1]
 
 
 def paged_case(rng, *, head_dim: int, group: int, kvh: int, requests: list[tuple[int, int]],
-               pad: int = 0, block_size: int = 16) -> dict:
+               pad: int = 0, block_size: int = 16, dtype: str = "float16") -> dict:
     """requests: (tokens already cached, new tokens) each, blocks shuffled over a pool with
     spare blocks; pad: graph padding rows after them (one token, seq_len 0, slot -1, table -1).
-    The new tokens' K/V are stored first, as the runner does before attention."""
+    The new tokens' K/V are stored first, as the runner does before attention. dtype: q and the
+    cache's element type (bf16: uint16 bits)."""
     layout = paged_layout(rng, requests, block_size=block_size, pad=pad)
     positions, slots, num_blocks = layout["positions"], layout["slots"], layout["num_blocks"]
     num_heads = kvh * group
-    qkv = rng.standard_normal((len(positions), (num_heads + 2 * kvh) * head_dim)).astype(np.float16)
-    k_cache = guarded(rng.standard_normal((num_blocks, block_size, kvh, head_dim)).astype(np.float16))
-    v_cache = guarded(rng.standard_normal((num_blocks, block_size, kvh, head_dim)).astype(np.float16))
+    qkv = narrow(rng.standard_normal((len(positions), (num_heads + 2 * kvh) * head_dim)), dtype)
+    k_cache = guarded(narrow(rng.standard_normal((num_blocks, block_size, kvh, head_dim)), dtype))
+    v_cache = guarded(narrow(rng.standard_normal((num_blocks, block_size, kvh, head_dim)), dtype))
     ref.store_kv(qkv, slots, k_cache, v_cache, num_heads)
     return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions,
                 query_start_loc=layout["query_start_loc"], seq_lens=layout["seq_lens"],
@@ -127,7 +150,7 @@ def case_args(c: dict) -> tuple:
 def run_attention(kernels, c: dict, splits: int, max_seq_len: int) -> np.ndarray:
     """What PagedAttention.__call__ launches, with NaN-filled outputs and workspace."""
     T, d, H = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"]
-    out = np.full((T, H * d), np.nan, np.float16)
+    out = unwritten((T, H * d), "bfloat16" if c["qkv"].dtype == np.uint16 else "float16")
     workspace = (np.full((T, H, splits, d), np.nan, np.float32),
                  np.full((T, H, splits, 2), np.nan, np.float32)) if splits > 1 else (None, None)
     paged_attention(kernels, *case_args(c), out, splits, max_seq_len, workspace)
@@ -135,32 +158,35 @@ def run_attention(kernels, c: dict, splits: int, max_seq_len: int) -> np.ndarray
 
 
 def expected_attention(c: dict) -> np.ndarray:
-    return ref.paged_attention(c["qkv"], c["k_cache"], c["v_cache"], c["positions"],
+    return ref.paged_attention(widen(c["qkv"]), widen(c["k_cache"]), widen(c["v_cache"]), c["positions"],
                                c["query_start_loc"], c["seq_lens"], c["block_tables"], c["num_heads"],
                                c["k_cache"].shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS), ids=VARIANT_IDS)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_paged_attention_prefill_and_decode(host_kernels, variant, splits):
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_paged_attention_prefill_and_decode(host_kernels, variant, splits, dtype):
     """A fresh prefill, a prefill chunk over a cached prefix, two decodes; eager split-K (the
-    partition from the batch's longest sequence: the 4-key decode leaves splits 1, 2 empty)."""
+    partition from the batch's longest sequence: the 4-key decode leaves splits 1, 2 empty).
+    Each element type: the kernels of q's and the cache's (fp16, or bf16: _bf16)."""
     d, g = variant
     c = paged_case(np.random.default_rng(d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
-                   requests=[(0, 5), (21, 4), (40, 1), (3, 1)])
+                   requests=[(0, 5), (21, 4), (40, 1), (3, 1)], dtype=dtype)
     out = run_attention(host_kernels[variant], c, splits, int(c["seq_lens"].max()))
     assert_fp16_close(out, expected_attention(c))
 
 
 @pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS), ids=VARIANT_IDS)
 @pytest.mark.parametrize("splits", [1, 8])
-def test_paged_attention_padded_graph_decode(host_kernels, variant, splits):
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_paged_attention_padded_graph_decode(host_kernels, variant, splits, dtype):
     """A graph replay: decodes padded to the captured size with seq_len-0 rows, partitions
     from max_model_len (256 / 8 = 32 keys): the 10-key decode sees only split 0, the 200-key
     one not split 7. Padding rows must come out exactly zero."""
     d, g = variant
     c = paged_case(np.random.default_rng(10 * d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
-                   requests=[(9, 1), (199, 1), (0, 1)], pad=2)
+                   requests=[(9, 1), (199, 1), (0, 1)], pad=2, dtype=dtype)
     out = run_attention(host_kernels[variant], c, splits, max_seq_len=256)
     expect = expected_attention(c)
     assert_fp16_close(out, expect)

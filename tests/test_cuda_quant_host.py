@@ -23,6 +23,7 @@ import gguf.quants
 import numpy as np
 import pytest
 
+from fp16_checks import narrow, spacing, widen
 from ringserve.gpu.cpu_packed import SplitWeight
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.quant_linear import LARGE_BATCH_POLICIES, QuantLinear, QuantStore
@@ -31,7 +32,7 @@ from ringserve.gpu.weights import GGMLTensor
 from test_quant_kernels import magnitude
 
 pytestmark = pytest.mark.sim
-GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16")]  # F16, F32: Fp16Store's (cuBLAS)
+GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16")]  # F16, F32: DenseStore's (cuBLAS)
 # matvec r1, r4 (3 of 4 rows), r16; 37: tiles of 16, 16 and 5 (r8); 70 > MATVEC_MAX_ROWS:
 # dequantized chunks + GEMM
 ROWS = [1, 3, 16, 37, 70]
@@ -65,7 +66,7 @@ def check(got: np.ndarray, x: np.ndarray, w: QuantWeight, reference: np.ndarray)
 
 
 def device(w: QuantWeight) -> QuantWeight:
-    weight = QuantStore(np).linear([w])
+    weight = QuantStore(np).packed([w])
     assert isinstance(weight, QuantWeight) and weight.kind == w.kind
     return weight
 
@@ -100,7 +101,7 @@ BYTES_PER_WEIGHT = {"Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q5_K": 1 + 2 / 32 + 8 / 256
 def uploaded(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
     """A GGUF tensor as the CUDA runner's store keeps it (QuantStore: factored K-quants, fp16
     planes of exact halves), in the form FORMS says."""
-    weight = QuantStore(np).linear([GGMLTensor(qtype, shape, raw)])
+    weight = QuantStore(np).packed([GGMLTensor(qtype, shape, raw)])
     assert isinstance(weight, QuantWeight) and form(weight) == FORMS[qtype], (qtype, form(weight))
     return weight
 
@@ -117,6 +118,36 @@ def test_quant_linear_matches_gguf_dequantize(quant_kernels, qtype, rows):
     linear_for(quant_kernels)(x, uploaded(qtype, raw, (N, K)), out)
     check(out, x, w, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K))
     assert np.isnan(buffer[rows:]).all(), "a row past M was written"
+
+
+def bf16_gemm(x, w, out):
+    """cuBLAS's stand-in in bf16 (bits in uint16): float32 sums rounded once."""
+    out[...] = narrow(widen(x) @ widen(w).T, "bfloat16")
+
+
+# u4 and i8 planes with fp16 and int8+super scales, and the bf16 plane
+@pytest.mark.parametrize("rows", [1, 16, 70])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K", "BF16"])
+def test_quant_linear_with_bf16_activations(quant_kernels, qtype, rows):
+    """bf16 x and out (uint16 bits, as a quantized model served with --dtype bfloat16): the
+    mat-vec's _bf16 instantiations up to 64 rows, above them dequant_*_bf16 chunks into a bf16
+    workspace and the bf16 GEMM. Bound: float32 sums, one bf16 rounding of out, and above 64
+    rows the weights' own rounding to bf16 (2^-9 relative)."""
+    rng = np.random.default_rng(rows + 7)
+    raw = random_raw(qtype, (N, K), rng)
+    w = repack(raw, qtype, (N, K))
+    x = narrow(rng.standard_normal((rows, K)), "bfloat16")
+    buffer = np.full((rows + 16, N), 0xFFFF, np.uint16)  # NaN: rows past out's written by nobody
+    out = buffer[:rows]
+    linear = QuantLinear(quant_kernels.call, bf16_gemm, np.full(4 * K, 0xFFFF, np.uint16))
+    linear(x, uploaded(qtype, raw, (N, K)), out)
+    reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)
+    want = widen(x).astype(np.float64) @ reference.astype(np.float64).T
+    scale = np.abs(widen(x)).astype(np.float64) @ magnitude(w).T
+    bound = ((K + 2) * 2.0 ** -23 + (2.0 ** -9 if rows > 64 else 0)) * scale + spacing(want, "bfloat16")
+    err = np.abs(widen(out).astype(np.float64) - want)
+    assert np.all(err <= bound), f"{qtype}: {(~(err <= bound)).sum()} off, worst {np.nanmax(err / bound):.3g}"
+    assert (buffer[rows:] == 0xFFFF).all(), "a row past M was written"
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
@@ -183,7 +214,7 @@ def test_a_plane_that_is_not_exactly_half_stays_float32(quant_kernels):
     rng = np.random.default_rng(12)
     raw = random_raw("Q4_0", (N, K), rng)
     raw.reshape(N, K // 32, 18)[3, 5, 0:2] = np.array([10000], np.float16).view(np.uint8)
-    big = QuantStore(np).linear([GGMLTensor("Q4_0", (N, K), raw)])
+    big = QuantStore(np).packed([GGMLTensor("Q4_0", (N, K), raw)])
     assert form(big) == "float32" and big.offset is not None
     q = rng.integers(-128, 128, (N, K), dtype=np.int8)
     scale = np.full((N, K // 32), np.float16(0.25), np.float32)
@@ -224,7 +255,7 @@ def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_k
         ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, 512)
         tensors.append(ref.astype(np.float16) if qtype == "F16" else GGMLTensor(qtype, (n, 512), raw))
         references.append(ref)
-    weight = QuantStore(np).linear(tensors)
+    weight = QuantStore(np).packed(tensors)
     assert isinstance(weight, SplitWeight)
     assert [getattr(p, "qtype", "fp16") for p in weight.parts] == ["Q4_K", "Q6_K", "fp16"]
     x = rng.standard_normal((rows, 512)).astype(np.float16)
@@ -237,20 +268,21 @@ def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_k
 
 
 def test_bf16_weights_stay_their_bits_on_the_device():
-    """A BF16 matrix (gpu/weights.py's GGMLTensor, as a bfloat16 checkpoint loads) is the bf16
-    plane, its bits unchanged and 16-byte aligned even when the file maps it at an odd address;
+    """A BF16 matrix (gpu/weights.py's GGMLTensor, as a bfloat16 checkpoint loads) packed (a part
+    of a quantized linear: a dense bf16 checkpoint's go to cuBLAS) is the bf16 plane, its bits
+    unchanged and 16-byte aligned even when the file maps it at an odd address;
     a row that is not whole 16-byte loads (8 weights) goes the fp16 path."""
     rng = np.random.default_rng(5)
     raw = random_raw("BF16", (N, 64), rng)
     buffer = np.zeros(raw.size + 2, np.uint8)
     buffer[2:] = raw.reshape(-1)  # as a memory map may place it: 2 bytes past an alignment
     mapped = buffer[2:].reshape(raw.shape)
-    weight = QuantStore(np).linear([GGMLTensor("BF16", (N, 64), mapped)])
+    weight = QuantStore(np).packed([GGMLTensor("BF16", (N, 64), mapped)])
     assert isinstance(weight, QuantWeight) and weight.kind == "bf16" and weight.scale is None
     assert weight.q.ctypes.data % 16 == 0
     np.testing.assert_array_equal(weight.q, raw.view(np.uint16))
     odd = random_raw("BF16", (N, 12), rng)
-    narrowed = QuantStore(np).linear([GGMLTensor("BF16", (N, 12), odd)])
+    narrowed = QuantStore(np).packed([GGMLTensor("BF16", (N, 12), odd)])
     assert isinstance(narrowed, np.ndarray) and narrowed.dtype == np.float16
     np.testing.assert_array_equal(narrowed, (odd.view(np.uint16).astype(np.uint32) << 16)
                                   .view(np.float32).astype(np.float16))
@@ -368,6 +400,32 @@ def test_tiled_gemm_matches_the_fp16_dequantized_weights(quant_kernels, qtype, K
         assert np.isnan(outside).all(), f"{qtype} K {K} M {rows}: written outside out"
 
 
+@pytest.mark.parametrize("qtype,K", [("Q4_K", 256), ("Q8_0", 96), ("BF16", 72)])
+def test_tiled_gemm_in_bf16(quant_kernels, qtype, K):
+    """gemm_<kind>_bf16 (bf16 x and out, the tile dequantized to bf16, mma .bf16) at row tails
+    17, 64 and 70 and a K tail (96, 72: not whole 64-steps): within fp32 accumulation of the
+    float64 product of the bf16-rounded weights, plus out's bf16 rounding; nothing written
+    outside out."""
+    rng = np.random.default_rng(K + 1)
+    raw = random_raw(qtype, (GEMM_N, K), rng)
+    weight = uploaded(qtype, raw, (GEMM_N, K))
+    w_bf16 = widen(narrow(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(GEMM_N, K),
+                          "bfloat16")).astype(np.float64)
+    linear = QuantLinear(quant_kernels.call, bf16_gemm, None, large_batch="tiled")
+    for rows in (17, 64, 70):
+        x = narrow(rng.standard_normal((rows, K)), "bfloat16")
+        buffer = np.full((rows + 3, GEMM_N + 11), 0xFFFF, np.uint16)
+        out = buffer[:rows, 5:5 + GEMM_N]
+        linear.tiled(x, weight, out)
+        want = widen(x).astype(np.float64) @ w_bf16.T
+        bound = (K + 2) * 2.0 ** -23 * (np.abs(widen(x)).astype(np.float64) @ np.abs(w_bf16).T)
+        bound += spacing(want, "bfloat16")
+        err = np.abs(widen(out).astype(np.float64) - want)
+        assert np.all(err <= bound), f"{qtype} M {rows}: worst {np.nanmax(err / bound):.3g} of the bound"
+        buffer[:rows, 5:5 + GEMM_N] = 0xFFFF
+        assert (buffer == 0xFFFF).all(), f"{qtype} M {rows}: written outside out"
+
+
 def test_the_large_batch_policy_picks_the_tiled_gemm_or_dequantize_and_cublas(quant_kernels):
     """The same QuantWeights through QuantLinear above MATVEC_MAX_ROWS: "tiled" launches
     gemm_<kind> and no cuBLAS GEMM, "dequant" the workspace chunks and cuBLAS (the host
@@ -408,13 +466,13 @@ def test_gemm_launch_geometry():
         launch.gemm_launch(64, 64 * 65536)
 
 
-def ptx_fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray) -> tuple:
-    """Each lane's fragments of mma.m16n8k16 .f16 A (16 x 16), B (16 x 8) and .f32 C (16 x 8),
-    as the PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating point type" computes
+def ptx_fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray, bf16: bool = False) -> tuple:
+    """Each lane's fragments of mma.m16n8k16 .f16 (bf16: .bf16) A (16 x 16), B (16 x 8) and .f32
+    C (16 x 8), as the PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating point type" computes
     them (groupID = lane >> 2, threadID_in_group = lane % 4), written here from its formulas
     independently of the shim; also the (row, col) of each lane's c/d elements."""
-    a = np.zeros((32, 8), np.float16)
-    b = np.zeros((32, 4), np.float16)
+    a = np.zeros((32, 8), np.float32)
+    b = np.zeros((32, 4), np.float32)
     c = np.zeros((32, 4), np.float32)
     where = np.zeros((32, 4, 2), int)
     for lane in range(32):
@@ -427,8 +485,9 @@ def ptx_fragments(A: np.ndarray, B: np.ndarray, C: np.ndarray) -> tuple:
             b[lane, i] = B[tig * 2 + (i & 1) + (8 if i >= 2 else 0), group]
             where[lane, i] = (group if i < 2 else group + 8), tig * 2 + (i & 1)
             c[lane, i] = C[tuple(where[lane, i])]
-    # .f16x2 registers: element 2j in the low half of register j
-    return a.view(np.uint32), b.view(np.uint32), c, where
+    # .f16x2 (.bf16x2) registers: element 2j in the low half of register j
+    a16, b16 = (narrow(v, "bfloat16" if bf16 else "float16").view(np.uint16) for v in (a, b))
+    return a16.view(np.uint32), b16.view(np.uint32), c, where
 
 
 @pytest.fixture(scope="module")
@@ -443,27 +502,29 @@ def mma_warp(tmp_path_factory):
     lib = ctypes.CDLL(str(out))
     lib.cuda_host_error.restype = ctypes.c_char_p
 
-    def run(lanes: int, a, b, c) -> tuple[int, np.ndarray, str]:
+    def run(lanes: int, a, b, c, bf16: bool = False) -> tuple[int, np.ndarray, str]:
         d = np.full((32, 4), np.nan, np.float32)
-        rc = lib.mma_warp(lanes, *(ctypes.c_void_p(np.ascontiguousarray(v).ctypes.data) for v in (a, b, c)),
-                          ctypes.c_void_p(d.ctypes.data))
+        pointers = (ctypes.c_void_p(np.ascontiguousarray(v).ctypes.data) for v in (a, b, c))
+        rc = lib.mma_warp(lanes, int(bf16), *pointers, ctypes.c_void_p(d.ctypes.data))
         return rc, d, lib.cuda_host_error().decode()
     return run
 
 
-def test_the_host_mma_is_the_ptx_m16n8k16(mma_warp):
-    """The shim's mma_m16n8k16 (what gemm_* runs on the host) computes D = A B + C from
-    fragments laid out as the PTX ISA says, exactly for small integers (every sum exact in
-    float32); a warp with a lane missing is an error, as the .aligned instruction requires."""
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_host_mma_is_the_ptx_m16n8k16(mma_warp, bf16):
+    """The shim's mma_m16n8k16 (what gemm_* runs on the host; bf16: mma_m16n8k16_bf16, gemm_*_bf16's)
+    computes D = A B + C from fragments laid out as the PTX ISA says, exactly for small
+    integers (exact in fp16 and bf16, every sum exact in float32); a warp with a lane missing
+    is an error, as the .aligned instruction requires."""
     rng = np.random.default_rng(4)
-    A = rng.integers(-8, 8, (16, 16)).astype(np.float16)
-    B = rng.integers(-8, 8, (16, 8)).astype(np.float16)
+    A = rng.integers(-8, 8, (16, 16)).astype(np.float32)
+    B = rng.integers(-8, 8, (16, 8)).astype(np.float32)
     C = rng.integers(-100, 100, (16, 8)).astype(np.float32)
-    a, b, c, where = ptx_fragments(A, B, C)
-    rc, d, error = mma_warp(32, a, b, c)
+    a, b, c, where = ptx_fragments(A, B, C, bf16)
+    rc, d, error = mma_warp(32, a, b, c, bf16)
     assert rc == 0, error
     D = np.zeros((16, 8), np.float32)
     D[where[..., 0], where[..., 1]] = d
-    np.testing.assert_array_equal(D, A.astype(np.float32) @ B.astype(np.float32) + C)
-    rc, _, error = mma_warp(31, a, b, c)
+    np.testing.assert_array_equal(D, A @ B + C)
+    rc, _, error = mma_warp(31, a, b, c, bf16)
     assert rc == 1 and "not all 32 lanes" in error

@@ -29,22 +29,26 @@ if not IN_SIMULATOR:
 
 else:
     from numba import config as numba_config
+    from numba import cuda
 
     from paged_cases import paged_layout
     from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda import reference as ref
+    from ringserve.gpu.cuda.dtypes import to_bfloat16, widen_bfloat16
 
     assert numba_config.ENABLE_CUDASIM  # the kernels below run in the simulator, not on a device
 
-    def paged_case(rng, *, num_heads=4, kvh=2, d=16, block_size=4, num_blocks=24):
-        """Two prefill chunks (one with a cached prefix) and two decodes, shuffled blocks."""
+    def paged_case(rng, *, num_heads=4, kvh=2, d=16, block_size=4, num_blocks=24, bf16=False):
+        """Two prefill chunks (one with a cached prefix) and two decodes, shuffled blocks.
+        bf16: the arrays hold bf16 bits (uint16), as the runner's in bfloat16."""
         layout = paged_layout(rng, [(0, 5), (6, 3), (9, 1), (2, 1)],  # (cached, new tokens)
                               block_size=block_size, num_blocks=num_blocks)
         positions = layout["positions"]
         T = len(positions)
-        qkv = rng.standard_normal((T, (num_heads + 2 * kvh) * d)).astype(np.float16)
-        k_cache = rng.standard_normal((num_blocks, block_size, kvh, d)).astype(np.float16)
-        v_cache = rng.standard_normal((num_blocks, block_size, kvh, d)).astype(np.float16)
+        store = (lambda a: to_bfloat16(np, a)) if bf16 else (lambda a: a.astype(np.float16))
+        qkv = store(rng.standard_normal((T, (num_heads + 2 * kvh) * d)))
+        k_cache = store(rng.standard_normal((num_blocks, block_size, kvh, d)))
+        v_cache = store(rng.standard_normal((num_blocks, block_size, kvh, d)))
         return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions,
                     query_start_loc=layout["query_start_loc"], seq_lens=layout["seq_lens"],
                     block_tables=layout["block_tables"], slots=layout["slots"], num_heads=num_heads)
@@ -57,13 +61,22 @@ else:
         nk.embedding(ids, table, out, threads=THREADS)
         np.testing.assert_array_equal(out, ref.embedding(ids, table))
 
-    def test_store_kv_skips_padding_slots():
+    def test_embedding_of_a_bf16_table_widens_it_exactly():
+        rng = np.random.default_rng(0)
+        table = to_bfloat16(np, rng.standard_normal((50, 40)))
+        ids = np.array([3, 0, 49, 3], np.int32)
+        out = np.zeros((4, 40), np.float32)  # the residual stream
+        nk.embedding(ids, table, out, threads=THREADS)
+        np.testing.assert_array_equal(out, widen_bfloat16(np, table[ids]))
+
+    @pytest.mark.parametrize("dtype", [np.float16, np.uint16])  # uint16: bf16 bits, moved as they are
+    def test_store_kv_skips_padding_slots(dtype):
         rng = np.random.default_rng(1)
         H, KVH, D, BS = 4, 2, 8, 4
-        qkv = rng.standard_normal((5, (H + 2 * KVH) * D)).astype(np.float16)
+        qkv = rng.standard_normal((5, (H + 2 * KVH) * D)).astype(np.float16).view(dtype)
         slots = np.array([7, -1, 0, 13, -1], np.int32)
-        k = rng.standard_normal((4, BS, KVH, D)).astype(np.float16)
-        v = rng.standard_normal((4, BS, KVH, D)).astype(np.float16)
+        k = rng.standard_normal((4, BS, KVH, D)).astype(np.float16).view(dtype)
+        v = rng.standard_normal((4, BS, KVH, D)).astype(np.float16).view(dtype)
         k_ref, v_ref = k.copy(), v.copy()
         ref.store_kv(qkv, slots, k_ref, v_ref, H)
         nk.store_kv(qkv, slots, k, v, H, threads=THREADS)
@@ -83,6 +96,39 @@ else:
         np.testing.assert_array_equal(out, ref.argmax_rows(rows))
         assert out[1] == 5
 
+    def test_gather_rows_moves_bf16_bits():
+        x = np.arange(7 * 70, dtype=np.uint16).reshape(7, 70) * np.uint16(131)
+        idx = np.array([6, 2, 0], np.int32)
+        rows = np.zeros((3, 70), np.uint16)
+        nk.gather_rows(x, idx, rows, threads=THREADS)
+        np.testing.assert_array_equal(rows, x[idx])
+
+    @cuda.jit
+    def convert_kernel(bits, widened, floats, narrowed):  # pragma: no cover - device code
+        for i in range(cuda.threadIdx.x, bits.shape[0], cuda.blockDim.x):
+            widened[i] = nk.bf16_to_float32(bits[i])
+        for i in range(cuda.threadIdx.x, floats.shape[0], cuda.blockDim.x):
+            narrowed[i] = nk.float32_to_bf16(floats[i])
+
+    def test_bf16_conversions_are_exact_and_round_to_nearest_even():
+        """Every bf16 bit pattern widens to its float32 (NaN to a NaN); float32 values (random
+        magnitudes 1e-40..1e38, every bf16 value, and each one's halfway point to the next:
+        the ties) narrow as torch rounds."""
+        bits = np.arange(1 << 16, dtype=np.uint16)
+        exact = widen_bfloat16(np, bits)
+        finite = exact[np.isfinite(exact)]
+        halfway = (finite.view(np.uint32) + np.uint32(0x8000)).view(np.float32)
+        rng = np.random.default_rng(9)
+        scaled = rng.standard_normal(2000) * 10.0 ** rng.integers(-40, 38, 2000)
+        floats = np.concatenate([finite, halfway[np.isfinite(halfway)], scaled.astype(np.float32)])
+        widened = np.zeros(len(bits), np.float32)
+        narrowed = np.zeros(len(floats), np.uint16)
+        convert_kernel[1, THREADS](bits, widened, floats, narrowed)
+        nan = np.isnan(exact)
+        np.testing.assert_array_equal(widened[~nan], exact[~nan])
+        assert np.isnan(widened[nan]).all()
+        np.testing.assert_array_equal(narrowed, to_bfloat16(np, floats))
+
     @pytest.mark.parametrize("threads", [8, THREADS])
     def test_paged_attention_matches_reference(threads):
         c = paged_case(np.random.default_rng(3))
@@ -93,6 +139,19 @@ else:
         nk.paged_attention(*args, 0.25, out, threads=threads)
         expect = ref.paged_attention(*args, c["num_heads"], 0.25)
         np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-4)
+
+    def test_paged_attention_in_bf16():
+        """bf16 q and cache (uint16 bits) into a bf16 out: the float32 result rounded once."""
+        c = paged_case(np.random.default_rng(3), bf16=True)
+        ref.store_kv(c["qkv"], c["slots"], c["k_cache"], c["v_cache"], c["num_heads"])
+        out = np.full((len(c["positions"]), c["num_heads"] * 16), 0xFFFF, np.uint16)
+        args = (c["qkv"], c["k_cache"], c["v_cache"], c["positions"], c["query_start_loc"],
+                c["seq_lens"], c["block_tables"])
+        nk.paged_attention(*args, 0.25, out, threads=THREADS)
+        wide = tuple(widen_bfloat16(np, a) for a in args[:3])
+        expect = ref.paged_attention(*wide, *args[3:], c["num_heads"], 0.25)
+        step = np.spacing(np.abs(expect)) * np.float32(65536)  # bf16's step (float32's x 2^16)
+        assert np.all(np.abs(widen_bfloat16(np, out) - expect) <= step + 1e-5)
 
     def test_paged_attention_padding_request_gets_zeros():
         c = paged_case(np.random.default_rng(4))

@@ -8,6 +8,7 @@ import contextlib
 import numpy as np
 import pytest
 
+from fp16_checks import ELEMENT_TYPES, narrow, widen
 from ringserve.gpu.cuda import reference as ref
 
 
@@ -36,58 +37,92 @@ def _paged_case(rng, T_dec=6, H=8, KVH=2, D=128, BS=16, NB=64):
     return qkv, k, v, pos, qsl, seq_lens, tables, H
 
 
+# relative tolerance of one kernel's 16-bit output against its float32 reference: a few steps
+TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2}
+
+
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)  # bfloat16: the _bf16 kernels on uint16 bits
 @pytest.mark.parametrize("splits", [1, 3])
-def test_paged_attention_kernels_match_reference(splits):
+def test_paged_attention_kernels_match_reference(splits, dtype):
     import cupy as cp
     from numba import cuda
 
     from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda.attention import PagedAttention
     qkv, k, v, pos, qsl, seq_lens, tables, H = _paged_case(np.random.default_rng(0))
-    expect = ref.paged_attention(qkv, k, v, pos, qsl, seq_lens, tables, H, 0.088)
+    qkv, k, v = (narrow(a.astype(np.float32), dtype) for a in (qkv, k, v))
+    expect = ref.paged_attention(widen(qkv), widen(k), widen(v), pos, qsl, seq_lens, tables, H, 0.088)
     d = [cp.asarray(a) for a in (qkv, k, v, pos, qsl, seq_lens, tables)]
-    out = cp.zeros((len(pos), H * 128), cp.float16)
+    out = cp.zeros((len(pos), H * 128), qkv.dtype)
     attn = PagedAttention(128, H // 2)
     stream = cp.cuda.Stream()
     attn(*d, 0.088, out, stream, splits=splits, max_seq_len=int(seq_lens.max()),
          workspace=attn.workspace(len(pos), H, splits))
     stream.synchronize()
-    np.testing.assert_allclose(out.get().astype(np.float32), expect, rtol=2e-2, atol=2e-2)
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(widen(out.get()), expect, rtol=tol, atol=tol)
     out_nb = cp.zeros_like(out)
     nk.paged_attention(*(cuda.as_cuda_array(a) for a in d), 0.088, cuda.as_cuda_array(out_nb))
     cuda.synchronize()
-    np.testing.assert_allclose(out_nb.get().astype(np.float32), expect, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(widen(out_nb.get()), expect, rtol=tol, atol=tol)
 
 
-def test_fused_kernels_match_reference():
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_fused_kernels_match_reference(dtype):
     import cupy as cp
 
     from ringserve.gpu.cuda.fused import FusedKernels
     rng = np.random.default_rng(1)
     f, s = FusedKernels(), cp.cuda.Stream()
+    tol = TOLERANCE[dtype]
     h = rng.standard_normal((5, 576)).astype(np.float32)
-    delta = rng.standard_normal((5, 576)).astype(np.float16)
-    w = rng.standard_normal(576).astype(np.float16)
-    hd, out = cp.asarray(h), cp.empty((5, 576), cp.float16)
+    delta = narrow(rng.standard_normal((5, 576)), dtype)
+    w = narrow(rng.standard_normal(576), dtype)
+    hd, out = cp.asarray(h), cp.empty((5, 576), delta.dtype)
     f.add_rms_norm(hd, cp.asarray(delta), cp.asarray(w), out, 1e-5, s)
-    h_ref, out_ref = ref.add_rms_norm(h, delta, w, 1e-5)
+    h_ref, out_ref = ref.add_rms_norm(h, widen(delta), widen(w), 1e-5)
     s.synchronize()
     np.testing.assert_allclose(hd.get(), h_ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(out.get().astype(np.float32), out_ref, rtol=1e-2, atol=1e-2)
-    qkv = rng.standard_normal((4, 12 * 64)).astype(np.float16)  # H=8, KVH=2, D=64
+    np.testing.assert_allclose(widen(out.get()), out_ref, rtol=tol, atol=tol)
+    qkv = narrow(rng.standard_normal((4, 12 * 64)), dtype)  # H=8, KVH=2, D=64
     pos = np.array([0, 5, 77, 1000], np.int32)
     from ringserve.gpu.rope import cos_sin
     cos, sin = cos_sin(np.arange(1024), (1e4 ** -(np.arange(0, 64, 2) / 64)).astype(np.float32))
     qd = cp.asarray(qkv)
     f.rope(qd, cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), 10, 64, s)
     s.synchronize()
-    np.testing.assert_allclose(qd.get().astype(np.float32), ref.rope(qkv, pos, cos, sin, 8, 2, 64),
-                               rtol=1e-2, atol=1e-2)
-    gu = rng.standard_normal((3, 2 * 1536)).astype(np.float16)
-    act = cp.empty((3, 1536), cp.float16)
+    np.testing.assert_allclose(widen(qd.get()), ref.rope(widen(qkv), pos, cos, sin, 8, 2, 64),
+                               rtol=tol, atol=tol)
+    gu = narrow(rng.standard_normal((3, 2 * 1536)), dtype)
+    act = cp.empty((3, 1536), gu.dtype)
     f.silu_mul(cp.asarray(gu), act, s)
     s.synchronize()
-    np.testing.assert_allclose(act.get().astype(np.float32), ref.silu_mul(gu), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(widen(act.get()), ref.silu_mul(widen(gu)), rtol=tol, atol=tol)
+    bias = narrow(rng.standard_normal(1536), dtype)
+    f.add_bias(act, cp.asarray(bias), s)
+    wide = cp.empty(act.shape, cp.float32)
+    f.to_float32(act, wide, s)
+    s.synchronize()
+    np.testing.assert_allclose(wide.get(), ref.silu_mul(widen(gu)) + widen(bias), rtol=tol, atol=tol)
+
+
+def test_gemm_in_bf16_matches_numpy():
+    """cuBLAS with CUDA_R_16BF operands and fp32 sums: bf16 bits in uint16 arrays, one rounding."""
+    import cupy as cp
+    from nvmath.bindings import cublas
+
+    from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
+    stream = cp.cuda.Stream(non_blocking=True)
+    ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
+    gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
+    rng = np.random.default_rng(3)
+    x = narrow(rng.standard_normal((7, 320)), "bfloat16")
+    w = narrow(rng.standard_normal((72, 320)) * 0.1, "bfloat16")
+    out = cp.zeros((7, 72), cp.uint16)
+    gemm(cp.asarray(x), cp.asarray(w), out)
+    stream.synchronize()
+    np.testing.assert_allclose(widen(out.get()), widen(x) @ widen(w).T, rtol=1e-2, atol=2e-2)
+    gemm.close()
 
 
 def test_gemm_captures_where_cupys_cublas_refuses_and_capture_fails_safe():
@@ -322,7 +357,7 @@ def test_quant_kernels_match_gguf_dequantize(qtype, rows):
         workspace = cp.empty(32 << 20, cp.uint8)
         gemm = CublasGemm(cublas, stream.ptr, workspace.data.ptr, workspace.nbytes, lambda a: a.data.ptr)
         linear = QuantLinear(QuantKernels(stream).call, gemm, cp.empty(8 * K, cp.float16))
-        w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
+        w = QuantStore(cp).packed([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
         out = cp.full((rows, N), cp.nan, cp.float16)
         linear(cp.asarray(x), w, out)
     assert form(w) == FORMS[qtype]
@@ -362,7 +397,7 @@ def test_quant_tiled_gemm_on_tensor_cores(qtype, K):
         kernels = QuantKernels(stream).call
         tiled = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="tiled")
         dequant = QuantLinear(kernels, gemm, cp.empty(8 * K, cp.float16), large_batch="dequant")
-        w = QuantStore(cp).linear([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
+        w = QuantStore(cp).packed([GGMLTensor(qtype, (N, K), raw)])  # the compact planes, as a model's
     assert form(w) == FORMS[qtype]
     for rows in (1, 17, 64, 70, 130):
         x = rng.standard_normal((rows, K)).astype(np.float16)
@@ -386,9 +421,13 @@ def test_quant_tiled_gemm_on_tensor_cores(qtype, K):
 
 @pytest.mark.parametrize("layout", ["q4_k_m", "q8_0", "awq", "bf16"])
 def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, monkeypatch, layout):
-    """A tiny random Q4_K_M / Q8_0 GGUF, a tiny AWQ and a tiny bfloat16 checkpoint, weights
-    packed on the device (bf16: its bits): a prefill of 69 rows (dequantize + GEMM), then
-    decodes (the mat-vec kernels), eager and graph-replayed logits as the CPU backend's."""
+    """A tiny random Q4_K_M / Q8_0 GGUF and a tiny AWQ, weights packed on the device: a prefill
+    of 69 rows (dequantize + GEMM), then decodes (the mat-vec kernels); and a tiny bfloat16
+    checkpoint, served in bf16 (its bits through cuBLAS's CUDA_R_16BF GEMMs, bf16 activations
+    and KV cache, every kernel's _bf16 instantiation). Eager and graph-replayed logits as the
+    CPU backend's."""
+    import cupy as cp
+
     from fp16_checks import assert_logits_close, next_batch
     from ringserve.gpu.cuda.runner import CudaModelRunner
     from ringserve.gpu.runner import ModelRunner
@@ -408,7 +447,9 @@ def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, mon
     eager = CudaModelRunner.from_dir(model_dir, num_blocks=64, max_num_seqs=8, enforce_eager=True)
     graphs = CudaModelRunner.from_dir(model_dir, num_blocks=64, max_num_seqs=8)
     assert sorted(graphs.graphs.graphs) == graphs.graphs.sizes, graphs.capture_failures
-    assert eager.ops.quant is not None
+    assert (eager.ops.quant is None) == (layout == "bf16")
+    assert eager.dtype == graphs.dtype == ("bfloat16" if layout == "bf16" else "float16")
+    assert eager.kv_caches[0][0].dtype == (cp.uint16 if layout == "bf16" else cp.float16)
     seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
     for _ in range(6):
         batch = next_batch(seqs, new, tables, 16)

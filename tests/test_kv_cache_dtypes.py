@@ -101,8 +101,9 @@ def test_a_model_on_a_16_bit_cache_is_near_float32_and_takes_half_the_bytes(tiny
 
 
 def test_cuda_refuses_a_cache_type_it_does_not_have(tiny_model_dir):
-    with pytest.raises(ValueError, match="kv_cache_dtype 'bfloat16' is not supported by the CUDA"):
-        ModelRunner(tiny_model_dir, device="cuda", kv_cache_dtype="bfloat16")
+    """float32 is not a CUDA cache type (bfloat16 and float16 are, as the serving dtype)."""
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float32' is not supported by the CUDA"):
+        ModelRunner(tiny_model_dir, device="cuda", kv_cache_dtype="float32")
 
 
 def test_serve_takes_the_flag_and_reports_the_halved_pool(tiny_server, tiny_model_dir):

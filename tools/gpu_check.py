@@ -13,7 +13,9 @@
 3. Decode-step time at batch 1/16/64/256 for random-weight Llama shapes (~1B, ~8B; weights
    made on the GPU), the engine's step (forward + greedy sampling on the device, token ids
    to the host), eager vs CUDA graphs; transformers (torch) on the same shapes as the peer
-   when it is installed.
+   when it is installed. The dtype axis: the same weights served in bfloat16 (--dtype
+   bfloat16: bf16 GEMMs, activations and KV cache), graphs, beside fp16, with the ratio of
+   their step times (issue 25: bf16 within 5 % of fp16).
 4. The quantized table (--table quant or all): the same shapes with weights kept packed
    (gpu/cuda/quant_linear.py; random planes made on the device) in Q4_K_M (llama.cpp's mix of
    Q4_K and Q6_K), Q8_0 and AWQ int4 (group 128), and BF16 on the 1B shape (a bfloat16
@@ -428,27 +430,29 @@ def greedy_metadata(B: int):
                             np.zeros(B, np.float32), [None] * B)
 
 
-def bench_ours(name, shape, rows, deadline) -> None:
+def bench_ours(name, shape, rows, deadline, dtype: str = "float16") -> None:
+    """Decode steps of a random-weight `shape` served in `dtype`: float16 eager and graphs;
+    bfloat16 graphs only (its rows sit beside fp16's: the eager ratio is fp16's)."""
     import cupy as cp
     import numpy as np
 
     from ringserve.gpu.cuda.runner import CudaModelRunner
     c = config_for(shape)
-    w = random_weights(c)
+    w = random_weights(c)  # fp16 on the device; a bf16 runner rounds them to bf16 there
     # NOTE: made on the legacy default stream, which the runner's non-blocking stream does not
     # wait for, and the runner reads them at once (LlamaWeights.fuse): finished first
     cp.cuda.Device().synchronize()
-    weight_bytes = sum(int(x.nbytes) for x in w.values())
+    weight_bytes = sum(int(x.nbytes) for x in w.values())  # the same 2 bytes a weight in bf16
     nb_needed = max(BATCHES) * (-(-(CONTEXT + 1) // 16))
     r = None
     try:
-        for eager in (True, False):
+        for eager in ((True, False) if dtype == "float16" else (False,)):
             if time.monotonic() > deadline:
                 return
             r = None  # the previous runner's memory goes before the next one is built
             free_device_memory()
             r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES),
-                                max_model_len=2048, enforce_eager=eager)
+                                max_model_len=2048, enforce_eager=eager, dtype=dtype)
             for B in BATCHES:
                 if time.monotonic() > deadline:
                     print(f"gpu_check: {name} benchmark stopped at the deadline", file=sys.stderr)
@@ -459,7 +463,8 @@ def bench_ours(name, shape, rows, deadline) -> None:
                 dt = time_steps(partial(_decode_step, r, b, rows_, meta))
                 # replayed: False where this size's capture failed and the step ran eager
                 rows.append(dict(model=name, impl="ringserve " + ("eager" if eager else "graphs"),
-                                 batch=B, step_ms=dt * 1e3, tok_s=B / dt, weight_bytes=weight_bytes,
+                                 dtype=dtype, batch=B, step_ms=dt * 1e3, tok_s=B / dt,
+                                 weight_bytes=weight_bytes,
                                  replayed=not eager and r.graphs.pick(b) is not None))
     finally:  # the next phase (torch: its own pool) gets the memory, whatever happened here
         r = None
@@ -632,12 +637,14 @@ def bench_transformers(name, shape, rows, deadline) -> None:
 # its loops stop at the deadline, so a short estimate costs at most its last rows.
 ESTIMATES = {"copy": 5, "attention": 30, "ours 1B": 60, "transformers 1B": 45, "ours 8B": 100,
              "transformers 8B": 70, "quant linear": 20, "quant 1B": 65,  # quant 1B: BF16 too
-             "quant 8B": 80}
+             "quant 8B": 80, "bf16 1B": 35, "bf16 8B": 60}  # bf16: graphs only
 # The phases of each --table: "quant" keeps the fp16 rows it is compared with (ours) and drops
-# attention and transformers, so that it fits 6 minutes with --skip-tests.
-TABLES = {"fp16": ("copy", "attention", "ours", "transformers"),
+# attention, transformers and bf16, so that it fits 6 minutes with --skip-tests; "fp16" (the
+# decode table) has the bf16 rows beside fp16's.
+TABLES = {"fp16": ("copy", "attention", "ours", "bf16", "transformers"),
           "quant": ("copy", "ours", "quant"),
-          "all": ("copy", "attention", "ours", "transformers", "quant")}
+          "all": ("copy", "attention", "ours", "bf16", "transformers", "quant")}
+BF16_TARGET = 1.05  # issue 25: a bf16 decode step within 5 % of the same model's in fp16
 LIMIT_FACTOR = 2.0
 PREFLIGHT_S = 30
 TESTS_TIMEOUT_S = 240  # NVRTC and Numba compile every kernel on first use, in each process
@@ -654,19 +661,23 @@ def weight_bound_pct(row: dict, copy_GBps: float | None) -> float:
 def ratios(result: dict) -> list[dict]:
     """Per model and batch: graphs over eager and over transformers (tokens/s, same run), the
     graphs' % of the weight-streaming bound, and the targets of docs/deploy.md where they apply."""
-    by = {(r["model"], r["batch"], r["impl"]): r for r in result["rows"]}
+    by = {(r["model"], r["batch"], r["impl"], r.get("dtype", "float16")): r for r in result["rows"]}
     out = []
     for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in result["rows"]):
-        graphs = by.get((model, batch, "ringserve graphs"))
+        graphs = by.get((model, batch, "ringserve graphs", "float16"))
         if graphs is None:
             continue
-        eager = by.get((model, batch, "ringserve eager"))
-        peer = by.get((model, batch, "transformers"))
+        eager = by.get((model, batch, "ringserve eager", "float16"))
+        peer = by.get((model, batch, "transformers", "float16"))
+        bf16 = by.get((model, batch, "ringserve graphs", "bfloat16"))
         row = dict(model=model, batch=batch,
                    graphs_vs_eager=graphs["tok_s"] / eager["tok_s"] if eager else float("nan"),
                    vs_transformers=graphs["tok_s"] / peer["tok_s"] if peer else float("nan"),
-                   pct_bound=weight_bound_pct(graphs, result.get("copy_GBps")))
+                   pct_bound=weight_bound_pct(graphs, result.get("copy_GBps")),
+                   bf16_step=bf16["step_ms"] / graphs["step_ms"] if bf16 else float("nan"))
         targets = []
+        if bf16:
+            targets.append((f"bf16 step <= {BF16_TARGET}x fp16", row["bf16_step"] <= BF16_TARGET))
         if model == "1B" and batch == 1:
             targets += [("%bound >= 60", row["pct_bound"] >= 60),
                         ("graphs >= 2x eager", row["graphs_vs_eager"] >= 2)]
@@ -681,7 +692,8 @@ def quant_ratios(result: dict) -> list[dict]:
     """Per model, format and batch: graphs tok/s, % of the bound for the bytes read, the ratio
     to our fp16 graphs row of the same model and batch, and the issue-16 targets at batch 1
     (>= 60 % of the bound; 4-bit >= 2.5x fp16)."""
-    fp16 = {(r["model"], r["batch"]): r for r in result["rows"] if r["impl"] == "ringserve graphs"}
+    fp16 = {(r["model"], r["batch"]): r for r in result["rows"]
+            if r["impl"] == "ringserve graphs" and r.get("dtype", "float16") == "float16"}
     by = {(r["model"], r["format"], r["batch"], r["impl"]): r for r in result.get("quant", [])}
     out = []
     for model, fmt, batch in dict.fromkeys((r["model"], r["format"], r["batch"])
@@ -766,18 +778,20 @@ def print_tables(result) -> None:
             print(f"{r['kernel']:10} {r['batch']:>5} {r['context']:>7} {r['splits']:>6} "
                   f"{r['us']:>9.1f} {r['GBps']:>7.0f} {r['pct_copy']:>6.1f}")
     if result["rows"]:
-        print(f"\n{'model':6} {'impl':20} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'%bound':>7}")
+        print(f"\n{'model':6} {'impl':20} {'dtype':8} {'batch':>5} {'step ms':>9} {'tok/s':>10} "
+              f"{'%bound':>7}")
         for r in result["rows"]:
-            print(f"{r['model']:6} {r['impl']:20} {r['batch']:>5} {r['step_ms']:>9.3f} "
+            print(f"{r['model']:6} {r['impl']:20} {r.get('dtype', 'float16'):8} {r['batch']:>5} "
+                  f"{r['step_ms']:>9.3f} "
                   f"{r['tok_s']:>10.0f} {weight_bound_pct(r, result.get('copy_GBps')):>7.1f}"
                   + ("  (no graph: ran eager)" if r.get("replayed") is False and "graphs" in r["impl"]
                      else ""))
         print(f"\n{'model':6} {'batch':>5} {'graphs/eager':>12} {'vs transformers':>15} "
-              f"{'%bound':>7}  targets")
+              f"{'%bound':>7} {'bf16/fp16 step':>14}  targets")
         for r in ratios(result):
             met = ", ".join(f"{name}: {'met' if ok else 'MISSED'}" for name, ok in r["targets"])
             print(f"{r['model']:6} {r['batch']:>5} {r['graphs_vs_eager']:>11.2f}x "
-                  f"{r['vs_transformers']:>14.2f}x {r['pct_bound']:>7.1f}  {met}")
+                  f"{r['vs_transformers']:>14.2f}x {r['pct_bound']:>7.1f} {r['bf16_step']:>13.3f}x  {met}")
     print_quant_linear_table(result)
     print_quant_table(result)
     for msg in result["skipped"]:
@@ -833,6 +847,7 @@ def run_phases(budget: Budget, result: dict, kinds: tuple[str, ...]) -> None:
     phase("quant linear", partial(bench_quant_linear, result.setdefault("quant_linear", []), budget.deadline))
     for name, shape in SHAPES.items():
         phase(f"ours {name}", partial(bench_ours, name, shape, result["rows"], budget.deadline))
+        phase(f"bf16 {name}", partial(bench_ours, name, shape, result["rows"], budget.deadline, "bfloat16"))
         phase(f"quant {name}", partial(bench_quant, name, shape, result["quant"], budget.deadline))
         phase(f"transformers {name}",
               partial(bench_transformers, name, shape, result["rows"], budget.deadline))
@@ -851,9 +866,9 @@ def main(argv=None) -> int:
                          "tools/device_run.py)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="the whole run, tests included")
     ap.add_argument("--table", choices=sorted(TABLES), default="fp16",
-                    help="the benchmark tables: fp16 (attention, ours vs transformers), quant "
-                         "(packed weights vs ours in fp16), or all (past 6 minutes: phases that do "
-                         "not fit are skipped)")
+                    help="the benchmark tables: fp16 (attention, ours in fp16 and bf16 vs "
+                         "transformers), quant (packed weights vs ours in fp16), or all (past 6 "
+                         "minutes: phases that do not fit are skipped)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = cuda_device_name()

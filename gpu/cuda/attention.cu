@@ -10,7 +10,10 @@
 // request's keys 0..pos through the block table). Long contexts with few tokens (decode) are
 // split along the keys (gridDim.z splits of partition_size keys): partial (acc, max, sum)
 // go to part_* and attention_reduce combines them.
-#include <cuda_fp16.h>
+// q, the KV cache and out are in the activations' element type T: each kernel is a template,
+// instantiated as extern "C" kernels for fp16 (the plain names) and bf16 (_bf16) (elem.cuh);
+// scores, softmax and sums are float32 in both.
+#include "elem.cuh"
 
 #ifndef HEAD_DIM
 #error "compile with -DHEAD_DIM=<head_dim>"
@@ -31,10 +34,10 @@ static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM <= 256, "HEAD_DIM: 64, 128, 192 or 
 // q and acc registers are many (the 128-register cap below must not spill).
 #define KEYS_PER_WARP ((GQA_GROUP * PER_LANE <= 16) ? 4 : 2)
 
-// A lane's PER_LANE contiguous halves (4, 8, 12 or 16 bytes) in one vector load; its offset is a
-// multiple of PER_LANE halves, and CuPy allocations are 256-byte aligned. The union reads the
-// loaded bits as halves (GCC and NVCC define union punning; a pointer cast would break
-// strict aliasing).
+// A lane's PER_LANE contiguous 16-bit values (4, 8, 12 or 16 bytes) in one vector load; its
+// offset is a multiple of PER_LANE values, and CuPy allocations are 256-byte aligned. The union
+// reads the loaded bits as pairs of T (GCC and NVCC define union punning; a pointer cast would
+// break strict aliasing).
 #if PER_LANE == 8
 typedef uint4 RowVector;
 #elif PER_LANE == 6
@@ -44,31 +47,33 @@ typedef uint2 RowVector;
 #else
 typedef unsigned int RowVector;
 #endif
+template <class T>
 union RowBits {
     RowVector vector;
-    __half2 pairs[PER_LANE / 2];
+    typename Elem<T>::Pair pairs[PER_LANE / 2];
 };
 
-__device__ __forceinline__ void load_row(const __half* p, float* f) {
-    RowBits bits;
+template <class T>
+__device__ __forceinline__ void load_row(const T* p, float* f) {
+    RowBits<T> bits;
     bits.vector = *reinterpret_cast<const RowVector*>(p);
 #pragma unroll
     for (int i = 0; i < PER_LANE / 2; ++i) {
-        const float2 x = __half22float2(bits.pairs[i]);
+        const float2 x = to_float2(bits.pairs[i]);
         f[2 * i] = x.x;
         f[2 * i + 1] = x.y;
     }
 }
 
-// At least 4 blocks per SM: caps registers at 128 (ptxas then spills nothing; a cap of 64
-// spilled at HEAD_DIM 128, GQA_GROUP 4 on sm_80, caught by tests/test_cuda_compile.py).
-extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) paged_attention(
-        const __half* __restrict__ qkv, int row_stride,  // q heads at the start of each row
-        const __half* __restrict__ k_cache, const __half* __restrict__ v_cache,
+// The kernel body, for element type T (launch bounds: the instantiations at the end).
+template <class T>
+__device__ __forceinline__ void paged_attention_t(
+        const T* __restrict__ qkv, int row_stride,  // q heads at the start of each row
+        const T* __restrict__ k_cache, const T* __restrict__ v_cache,
         const int* __restrict__ positions, const int* __restrict__ query_start_loc,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
         int num_reqs, int num_kv_heads, int block_size, float scale, int partition_size,
-        __half* __restrict__ out,                                // [T, H * D] when gridDim.z == 1
+        T* __restrict__ out,                                     // [T, H * D] when gridDim.z == 1
         float* __restrict__ part_acc, float* __restrict__ part_ml) {  // [T, H, S, D], [T, H, S, 2]
     __shared__ float sm_acc[WARPS][GQA_GROUP][HEAD_DIM];
     __shared__ float sm_m[WARPS][GQA_GROUP], sm_l[WARPS][GQA_GROUP];
@@ -169,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) paged_attention(
             }
         }
         if (splits == 1) {
-            out[(size_t)t * num_heads * HEAD_DIM + h * HEAD_DIM + d] = __float2half(sum > 0.0f ? a / sum : 0.0f);
+            out[(size_t)t * num_heads * HEAD_DIM + h * HEAD_DIM + d] = Elem<T>::from(sum > 0.0f ? a / sum : 0.0f);
         } else {
             const size_t part = ((size_t)t * num_heads + h) * splits + split;
             part_acc[part * HEAD_DIM + d] = a;
@@ -179,9 +184,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) paged_attention(
 }
 
 // Combine the splits of each (token, head): grid (T, H), HEAD_DIM threads.
-extern "C" __global__ void attention_reduce(const float* __restrict__ part_acc,
-                                            const float* __restrict__ part_ml, int splits,
-                                            __half* __restrict__ out) {
+template <class T>
+__device__ __forceinline__ void attention_reduce_t(const float* __restrict__ part_acc,
+                                                   const float* __restrict__ part_ml, int splits,
+                                                   T* __restrict__ out) {
     const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, num_heads = gridDim.y;
     const size_t base = ((size_t)t * num_heads + h) * splits;
     float mx = NEG_INF;
@@ -194,5 +200,27 @@ extern "C" __global__ void attention_reduce(const float* __restrict__ part_acc,
             sum += part_ml[(base + s) * 2 + 1] * f;
         }
     }
-    out[((size_t)t * num_heads + h) * HEAD_DIM + d] = __float2half(sum > 0.0f ? a / sum : 0.0f);
+    out[((size_t)t * num_heads + h) * HEAD_DIM + d] = Elem<T>::from(sum > 0.0f ? a / sum : 0.0f);
 }
+
+// At least 4 blocks per SM: caps registers at 128 (ptxas then spills nothing; a cap of 64
+// spilled at HEAD_DIM 128, GQA_GROUP 4 on sm_80, caught by tests/test_cuda_compile.py).
+#define ATTENTION_KERNELS(T, SUFFIX)                                                                      \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) paged_attention##SUFFIX(                  \
+            const T* __restrict__ qkv, int row_stride, const T* __restrict__ k_cache,                    \
+            const T* __restrict__ v_cache, const int* __restrict__ positions,                            \
+            const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,                   \
+            const int* __restrict__ block_tables, int max_blocks, int num_reqs, int num_kv_heads,        \
+            int block_size, float scale, int partition_size, T* __restrict__ out,                        \
+            float* __restrict__ part_acc, float* __restrict__ part_ml) {                                 \
+        paged_attention_t<T>(qkv, row_stride, k_cache, v_cache, positions, query_start_loc, seq_lens,    \
+                             block_tables, max_blocks, num_reqs, num_kv_heads, block_size, scale,        \
+                             partition_size, out, part_acc, part_ml);                                    \
+    }                                                                                                    \
+    extern "C" __global__ void attention_reduce##SUFFIX(const float* __restrict__ part_acc,               \
+                                                        const float* __restrict__ part_ml, int splits,    \
+                                                        T* __restrict__ out) {                            \
+        attention_reduce_t<T>(part_acc, part_ml, splits, out);                                           \
+    }
+ATTENTION_KERNELS(__half, )
+ATTENTION_KERNELS(__nv_bfloat16, _bf16)

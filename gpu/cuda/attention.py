@@ -1,4 +1,6 @@
-"""Launcher for attention.cu (the paged-attention RawKernel, with split-K for long decodes)."""
+"""Launcher for attention.cu (the paged-attention RawKernel, with split-K for long decodes).
+q, the KV cache and out in fp16 or bf16 (uint16 bits): the kernels of their element type
+(attention.cu's plain and _bf16 instantiations)."""
 from __future__ import annotations
 
 import cupy as cp
@@ -12,8 +14,9 @@ class PagedAttention:
         self.head_dim, self.group = head_dim, group
         module = cp.RawModule(code=toolchain.source("attention.cu"), backend="nvrtc",
                               options=toolchain.options(dict(HEAD_DIM=head_dim, GQA_GROUP=group)))
-        self._attn = module.get_function("paged_attention")
-        self._reduce = module.get_function("attention_reduce")
+        suffixes = launch.SUFFIXES.items()
+        self._attn = {dtype: module.get_function("paged_attention" + s) for dtype, s in suffixes}
+        self._reduce = {dtype: module.get_function("attention_reduce" + s) for dtype, s in suffixes}
 
     def workspace(self, num_tokens: int, num_heads: int, splits: int):
         """Partial results for `splits` > 1 (allocate before a graph capture, not during)."""
@@ -32,12 +35,13 @@ class PagedAttention:
         part_acc, part_ml = workspace
         partition = launch.attention_partition(max_seq_len, splits)
         null = np.uint64(0)
-        self._attn(*launch.attention_launch(T, kvh, splits), (
+        dtype = str(qkv.dtype)  # NOTE: the cache and out must be the same type (the runner's)
+        self._attn[dtype](*launch.attention_launch(T, kvh, splits), (
             qkv, np.int32(qkv.shape[1]), k_cache, v_cache, positions, query_start_loc, seq_lens,
             block_tables, np.int32(block_tables.shape[1]), np.int32(seq_lens.shape[0]),
             np.int32(kvh), np.int32(block_size), np.float32(scale), np.int32(partition),
             out, null if part_acc is None else part_acc, null if part_ml is None else part_ml),
             stream=stream)
         if splits > 1:
-            self._reduce(*launch.reduce_launch(T, kvh * self.group, d),
+            self._reduce[dtype](*launch.reduce_launch(T, kvh * self.group, d),
                          (part_acc, part_ml, np.int32(splits), out), stream=stream)

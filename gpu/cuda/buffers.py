@@ -1,9 +1,10 @@
-"""The CUDA backend's side of gpu/model.py that CI runs without CuPy: the fp16 weight store,
+"""The CUDA backend's side of gpu/model.py that CI runs without CuPy: the dense weight store,
 the step buffers a forward (and a CUDA graph) runs over, and the attention launch plan. On a GPU
 xp is cupy (gpu/cuda/runner.py); in tests/test_cuda_forward_host.py it is numpy.
 
-fp16 weights, activations and KV cache; the residual stream h is float32 (one fused
-add + RMSNorm kernel per residual step).
+Weights, activations and KV cache in the serving dtype (gpu/cuda/dtypes.py: fp16, or bfloat16
+as uint16 bits); the residual stream h is float32 (one fused add + RMSNorm kernel per residual
+step).
 """
 from __future__ import annotations
 
@@ -13,18 +14,26 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, to_bfloat16
+from ringserve.gpu.weights import GGMLTensor
 
 
-class Fp16Store:
-    """model.WeightStore: every weight as one contiguous fp16 array of xp (arrays stacked along
-    rows: fused QKV and gate-up are one GEMM each)."""
+class DenseStore:
+    """model.WeightStore: every weight as one contiguous array of xp in the serving dtype
+    (arrays stacked along rows: fused QKV and gate-up are one GEMM each). "float16": F16 as it
+    is, F32 and BF16 narrowed (the runner first refuses values fp16 cannot hold:
+    dtypes.check_fp16_range); "bfloat16": BF16 bits as they are, F32 and F16 rounded to nearest
+    even, all as uint16."""
 
-    def __init__(self, xp):
-        self.xp = xp
+    def __init__(self, xp, dtype: str = "float16"):
+        if dtype not in SERVING_DTYPES:
+            raise ValueError(f"dense store: dtype {dtype!r}, expected one of {', '.join(SERVING_DTYPES)}")
+        self.xp, self.dtype = xp, dtype
+        self._cast = self._fp16 if dtype == "float16" else self._bf16
 
     def linear(self, arrays: Sequence[Any]) -> Any:
         xp = self.xp
-        return xp.ascontiguousarray(xp.concatenate([self._fp16(a) for a in arrays]))
+        return xp.ascontiguousarray(xp.concatenate([self._cast(a) for a in arrays]))
 
     def _fp16(self, a: Any) -> Any:
         """One tensor as fp16 on the device. NOTE: a host tensor is made fp16 by numpy first: a
@@ -33,6 +42,15 @@ class Fp16Store:
         if isinstance(a, self.xp.ndarray):
             return a.astype(self.xp.float16, copy=False)
         return self.xp.asarray(np.asarray(a, dtype=np.float16))
+
+    def _bf16(self, a: Any) -> Any:
+        """One tensor as bfloat16 bits on the device: a BF16 tensor's own bits (exact), anything
+        else rounded from its float32 values (on the device for an array already there)."""
+        if isinstance(a, GGMLTensor) and a.ggml_type == "BF16":
+            return self.xp.asarray(np.asarray(a.raw).view(np.uint16).reshape(a.shape))
+        if isinstance(a, self.xp.ndarray):
+            return to_bfloat16(self.xp, a)
+        return self.xp.asarray(to_bfloat16(np, np.asarray(a, dtype=np.float32)))
 
     vector = linear
 
@@ -86,7 +104,8 @@ class HostCopies(Protocol):
 
 
 class StepBuffers:
-    """Every activation of one forward over T tokens and B requests (static for a graph).
+    """Every activation of one forward over T tokens and B requests (static for a graph), in the
+    serving dtype but for the float32 residual stream h and logits.
     xp: the array module the device allocates with (cupy; numpy on the host).
 
     The step's small int32 inputs share one block, so that a step loads them in one copy:
@@ -105,7 +124,8 @@ class StepBuffers:
                  "gate_up", "act")
     PER_REQUEST = ("seq_lens", "block_tables", "logits_indices", "last", "logits16", "logits")
 
-    def __init__(self, c: ModelConfig, T: int, B: int, max_blocks: int, xp):
+    def __init__(self, c: ModelConfig, T: int, B: int, max_blocks: int, xp, dtype: Any = np.float16):
+        """dtype: the activations' storage (dtypes.SERVING_DTYPES: float16, or uint16 bf16 bits)."""
         self.inputs = xp.zeros(3 * T + 3 * B + 1, xp.int32)
         self.offsets = {"input_ids": 0, "positions": T, "slot_mapping": 2 * T,
                         "query_start_loc": 3 * T, "seq_lens": 3 * T + B + 1,
@@ -116,14 +136,14 @@ class StepBuffers:
         self.slot_mapping[...] = -1
         self.block_tables = xp.full((B, max_blocks), -1, xp.int32)
         self.h = xp.empty((T, c.hidden_size), xp.float32)
-        self.x = xp.empty((T, c.hidden_size), xp.float16)
-        self.delta = xp.empty((T, c.hidden_size), xp.float16)
-        self.qkv = xp.empty((T, c.q_size + 2 * c.kv_size), xp.float16)
-        self.attn = xp.empty((T, c.q_size), xp.float16)
-        self.gate_up = xp.empty((T, 2 * c.intermediate_size), xp.float16)
-        self.act = xp.empty((T, c.intermediate_size), xp.float16)
-        self.last = xp.empty((B, c.hidden_size), xp.float16)
-        self.logits16 = xp.empty((B, c.vocab_size), xp.float16)
+        self.x = xp.empty((T, c.hidden_size), dtype)
+        self.delta = xp.empty((T, c.hidden_size), dtype)
+        self.qkv = xp.empty((T, c.q_size + 2 * c.kv_size), dtype)
+        self.attn = xp.empty((T, c.q_size), dtype)
+        self.gate_up = xp.empty((T, 2 * c.intermediate_size), dtype)
+        self.act = xp.empty((T, c.intermediate_size), dtype)
+        self.last = xp.empty((B, c.hidden_size), dtype)
+        self.logits16 = xp.empty((B, c.vocab_size), dtype)
         self.logits = xp.empty((B, c.vocab_size), xp.float32)
 
     def leading(self, T: int, B: int) -> StepBuffers:

@@ -1,7 +1,11 @@
 // The Llama layer's fused elementwise kernels (launchers: gpu/cuda/fused.py).
-// fp16 in and out, float32 math. Compiled at run time by NVRTC (through CuPy), which defines
-// no INFINITY and no libc: only cuda_fp16.h is included.
-#include <cuda_fp16.h>
+// 16-bit activations in and out, float32 math. Each kernel is one template over the element
+// type T, instantiated as extern "C" kernels for fp16 (__half: the plain names) and bf16
+// (__nv_bfloat16: the _bf16 names), so a launcher picks one by the arrays' dtype (float16, or
+// bf16 bits in uint16) and nothing is mangled. Compiled at run time by NVRTC (through CuPy),
+// which defines no INFINITY and no libc: only cuda_fp16.h and cuda_bf16.h are included (by
+// elem.cuh: the element types' helpers, pasted in by toolchain.source).
+#include "elem.cuh"
 
 #define FULL_MASK 0xffffffffu
 
@@ -18,55 +22,104 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 }
 
 // The residual step, one block per token: h += delta (h is the float32 residual stream; a
-// null delta is the first layer's plain norm), then out = RMSNorm(h) * weight in fp16.
-extern "C" __global__ void __launch_bounds__(1024) add_rms_norm(
-        float* __restrict__ h, const __half* __restrict__ delta, const __half* __restrict__ weight,
-        __half* __restrict__ out, int hidden, float eps) {
+// null delta is the first layer's plain norm), then out = RMSNorm(h) * weight in T.
+template <class T>
+__device__ __forceinline__ void add_rms_norm_t(float* __restrict__ h, const T* __restrict__ delta,
+                                               const T* __restrict__ weight, T* __restrict__ out, int hidden,
+                                               float eps) {
     __shared__ float scratch[32];
     const size_t row = (size_t)blockIdx.x * hidden;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
         float x = h[row + i];
         if (delta != nullptr) {
-            x += __half2float(delta[row + i]);
+            x += to_float(delta[row + i]);
             h[row + i] = x;
         }
         ss += x * x;
     }
     const float r = rsqrtf(block_sum(ss, scratch) / (float)hidden + eps);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        out[row + i] = __float2half(h[row + i] * r * __half2float(weight[i]));
+        out[row + i] = Elem<T>::from(h[row + i] * r * to_float(weight[i]));
 }
 
 // RoPE in place on the q and k heads of qkv [T, row_stride] (HF rotate_half: element i pairs
 // with i + head_dim/2). cos/sin tables float32 [max_pos, head_dim/2], indexed by position.
 // grid (T), one thread per (head, pair).
-extern "C" __global__ void rope(
-        __half* __restrict__ qkv, const int* __restrict__ positions,
-        const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-        int num_rot_heads, int head_dim, int row_stride) {
+template <class T>
+__device__ __forceinline__ void rope_t(T* __restrict__ qkv, const int* __restrict__ positions,
+                                       const float* __restrict__ cos_table, const float* __restrict__ sin_table,
+                                       int num_rot_heads, int head_dim, int row_stride) {
     const int t = blockIdx.x, half_dim = head_dim >> 1;
     const int p = positions[t];
-    __half* row = qkv + (size_t)t * row_stride;
+    T* row = qkv + (size_t)t * row_stride;
     for (int i = threadIdx.x; i < num_rot_heads * half_dim; i += blockDim.x) {
         const int head = i / half_dim, j = i - head * half_dim;
         const float c = cos_table[(size_t)p * half_dim + j], s = sin_table[(size_t)p * half_dim + j];
-        __half* x = row + head * head_dim;
-        const float x1 = __half2float(x[j]), x2 = __half2float(x[j + half_dim]);
-        x[j] = __float2half(x1 * c - x2 * s);
-        x[j + half_dim] = __float2half(x2 * c + x1 * s);
+        T* x = row + head * head_dim;
+        const float x1 = to_float(x[j]), x2 = to_float(x[j + half_dim]);
+        x[j] = Elem<T>::from(x1 * c - x2 * s);
+        x[j + half_dim] = Elem<T>::from(x2 * c + x1 * s);
     }
 }
 
-// out [T, I] = silu(gate) * up from gate_up [T, 2I] (gate first). Grid-stride, half2 pairs.
-extern "C" __global__ void silu_mul(const __half2* __restrict__ gate_up, __half2* __restrict__ out,
-                                    int num_tokens, int inter2) {  // inter2 = I / 2
+// out [T, I] = silu(gate) * up from gate_up [T, 2I] (gate first). Grid-stride, pairs of T.
+template <class T>
+__device__ __forceinline__ void silu_mul_t(const typename Elem<T>::Pair* __restrict__ gate_up,
+                                           typename Elem<T>::Pair* __restrict__ out, int num_tokens,
+                                           int inter2) {  // inter2 = I / 2
     const size_t n = (size_t)num_tokens * inter2;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t t = i / inter2, j = i - t * inter2;
-        const float2 g = __half22float2(gate_up[t * 2 * inter2 + j]);
-        const float2 u = __half22float2(gate_up[t * 2 * inter2 + inter2 + j]);
-        out[i] = __floats2half2_rn(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y);
+        const float2 g = to_float2(gate_up[t * 2 * inter2 + j]);
+        const float2 u = to_float2(gate_up[t * 2 * inter2 + inter2 + j]);
+        out[i] = Elem<T>::pair(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y);
     }
 }
+
+// x [rows, n] += bias [n] (Qwen2's QKV bias), in float32, rounded once. Grid-stride.
+template <class T>
+__device__ __forceinline__ void add_bias_t(T* __restrict__ x, const T* __restrict__ bias, int rows, int n) {
+    const size_t total = (size_t)rows * n;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (size_t)gridDim.x * blockDim.x)
+        x[i] = Elem<T>::from(to_float(x[i]) + to_float(bias[i % n]));
+}
+
+// out [rows, cols] float32 = src [rows, cols] (the logits), exactly. Grid-stride.
+template <class T>
+__device__ __forceinline__ void to_float32_t(const T* __restrict__ src, float* __restrict__ out, int rows,
+                                             int cols) {
+    const size_t count = (size_t)rows * cols;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = to_float(src[i]);
+}
+
+#define FUSED_KERNELS(T, SUFFIX)                                                                          \
+    extern "C" __global__ void __launch_bounds__(1024) add_rms_norm##SUFFIX(                              \
+            float* __restrict__ h, const T* __restrict__ delta, const T* __restrict__ weight,            \
+            T* __restrict__ out, int hidden, float eps) {                                                \
+        add_rms_norm_t<T>(h, delta, weight, out, hidden, eps);                                           \
+    }                                                                                                    \
+    extern "C" __global__ void rope##SUFFIX(T* __restrict__ qkv, const int* __restrict__ positions,       \
+                                            const float* __restrict__ cos_table,                          \
+                                            const float* __restrict__ sin_table, int num_rot_heads,       \
+                                            int head_dim, int row_stride) {                               \
+        rope_t<T>(qkv, positions, cos_table, sin_table, num_rot_heads, head_dim, row_stride);            \
+    }                                                                                                    \
+    extern "C" __global__ void silu_mul##SUFFIX(const Elem<T>::Pair* __restrict__ gate_up,                \
+                                                Elem<T>::Pair* __restrict__ out, int num_tokens,          \
+                                                int inter2) {                                             \
+        silu_mul_t<T>(gate_up, out, num_tokens, inter2);                                                  \
+    }                                                                                                    \
+    extern "C" __global__ void add_bias##SUFFIX(T* __restrict__ x, const T* __restrict__ bias, int rows,  \
+                                                int n) {                                                  \
+        add_bias_t<T>(x, bias, rows, n);                                                                  \
+    }                                                                                                    \
+    extern "C" __global__ void to_float32##SUFFIX(const T* __restrict__ src, float* __restrict__ out,     \
+                                                  int rows, int cols) {                                   \
+        to_float32_t<T>(src, out, rows, cols);                                                            \
+    }
+FUSED_KERNELS(__half, )
+FUSED_KERNELS(__nv_bfloat16, _bf16)

@@ -1,5 +1,7 @@
-"""Launchers for fused.cu (CuPy RawKernels): residual-add + RMSNorm, RoPE, SiLU·mul.
-fp16 activations, float32 residual stream and math (reference: gpu/cuda/reference.py)."""
+"""Launchers for fused.cu (CuPy RawKernels): residual-add + RMSNorm, RoPE, SiLU·mul, bias add,
+widening to float32. Activations fp16 or bf16 (uint16 bits): each call takes the kernel of the
+arrays' element type (fused.cu's plain and _bf16 instantiations); float32 residual stream and
+math (reference: gpu/cuda/reference.py)."""
 from __future__ import annotations
 
 import cupy as cp
@@ -14,23 +16,37 @@ class FusedKernels:
     def __init__(self):
         self.module = cp.RawModule(code=toolchain.source("fused.cu"), options=toolchain.options(),
                                    backend="nvrtc")
-        self._norm = self.module.get_function("add_rms_norm")
-        self._rope = self.module.get_function("rope")
-        self._silu = self.module.get_function("silu_mul")
+        self._kernels = {(name, dtype): self.module.get_function(name + suffix)
+                         for name in launch.FUSED_KERNELS for dtype, suffix in launch.SUFFIXES.items()}
+
+    def _kernel(self, name: str, x):
+        return self._kernels[name, str(x.dtype)]
 
     def add_rms_norm(self, h, delta, weight, out, eps: float, stream) -> None:
-        """h [T, n] float32 += delta [T, n] fp16 (None: no add); out fp16 = RMSNorm(h) * weight."""
+        """h [T, n] float32 += delta [T, n] (None: no add); out = RMSNorm(h) * weight."""
         T, n = h.shape
-        self._norm(*launch.norm_launch(T, n), (h, _NULL if delta is None else delta, weight, out,
-                                               np.int32(n), np.float32(eps)), stream=stream)
+        self._kernel("add_rms_norm", out)(*launch.norm_launch(T, n), (
+            h, _NULL if delta is None else delta, weight, out, np.int32(n), np.float32(eps)), stream=stream)
 
     def rope(self, qkv, positions, cos, sin, num_rot_heads: int, head_dim: int, stream) -> None:
         T = qkv.shape[0]
-        self._rope(*launch.rope_launch(T, num_rot_heads, head_dim),
-                   (qkv, positions, cos, sin, np.int32(num_rot_heads), np.int32(head_dim),
-                    np.int32(qkv.shape[1])), stream=stream)
+        self._kernel("rope", qkv)(*launch.rope_launch(T, num_rot_heads, head_dim),
+                                  (qkv, positions, cos, sin, np.int32(num_rot_heads), np.int32(head_dim),
+                                   np.int32(qkv.shape[1])), stream=stream)
 
     def silu_mul(self, gate_up, out, stream) -> None:
         T, inter = out.shape
-        self._silu(*launch.silu_launch(T, inter), (gate_up, out, np.int32(T), np.int32(inter // 2)),
-                   stream=stream)
+        self._kernel("silu_mul", out)(*launch.silu_launch(T, inter),
+                                      (gate_up, out, np.int32(T), np.int32(inter // 2)), stream=stream)
+
+    def add_bias(self, x, bias, stream) -> None:
+        """x [T, n] += bias [n] (contiguous rows)."""
+        T, n = x.shape
+        self._kernel("add_bias", x)(*launch.elementwise_launch(T * n), (x, bias, np.int32(T), np.int32(n)),
+                                    stream=stream)
+
+    def to_float32(self, src, out, stream) -> None:
+        """out [rows, cols] float32 = src, exactly (contiguous)."""
+        rows, cols = src.shape
+        self._kernel("to_float32", src)(*launch.elementwise_launch(rows * cols),
+                                        (src, out, np.int32(rows), np.int32(cols)), stream=stream)

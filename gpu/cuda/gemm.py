@@ -13,6 +13,10 @@ gemm_ex), which has no such guard. The binding is passed in (`cublas`): CI runs 
 a host stand-in that records each call and does the column-major GEMM in numpy
 (tests/test_cuda_gemm_host.py).
 
+The element type is the arrays' (one for all three): fp16 (CUDA_R_16F), or bfloat16 bits in
+uint16 arrays (CUDA_R_16BF, gpu/cuda/dtypes.py); the compute type is always CUBLAS_COMPUTE_32F
+(fp32 accumulation, alpha and beta float32), as vLLM's (torch's) bf16 and fp16 GEMMs.
+
 Row-major out[M, N] = x[M, K] @ w[N, K].T, read column-major (a row-major array is its
 transpose there): out^T[N, M] = w[N, K] x^T[K, M], i.e. C = op(A) op(B) with A = w seen as
 [K, N] (lda: w's row pitch) and op(A) = A^T, B = x seen as [K, M] (ldb: x's row pitch), C = out
@@ -27,8 +31,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-# cudaDataType_t (library_types.h; nvmath.CudaDataType.CUDA_R_16F): fp16 in and out.
+# cudaDataType_t (library_types.h; nvmath.CudaDataType): the GEMMs' element types, by the numpy
+# dtype the arrays hold them in (bf16: its bits in uint16).
 CUDA_R_16F = 2
+CUDA_R_16BF = 14
+DATA_TYPES = {np.dtype(np.float16): CUDA_R_16F, np.dtype(np.uint16): CUDA_R_16BF}
 # cuBLAS wants a workspace it owns for graph capture (cuBLAS docs, "CUDA Graphs Support"):
 # PyTorch gives Hopper 32 MiB (CUBLAS_WORKSPACE_CONFIG :4096:8), so do we, on every GPU.
 WORKSPACE_BYTES = 32 << 20
@@ -39,6 +46,7 @@ class GemmArgs:
     """cublasGemmEx's shape arguments for one linear (the binding's Operation values)."""
     transa: int
     transb: int
+    dtype: int    # cudaDataType_t of A, B and C
     m: int
     n: int
     k: int
@@ -48,9 +56,7 @@ class GemmArgs:
 
 
 def _row_pitch(a: Any, name: str) -> int:
-    """Elements between rows of a 2-D fp16 array whose rows are contiguous."""
-    if a.dtype != np.float16:
-        raise ValueError(f"gemm: {name} is {a.dtype}; the GEMMs take fp16")
+    """Elements between rows of a 2-D 16-bit array whose rows are contiguous."""
     if a.ndim != 2 or a.strides[1] != a.itemsize or a.strides[0] % a.itemsize:
         raise ValueError(f"gemm: {name} {a.shape} strides {a.strides}: rows must be contiguous")
     return max(1, a.strides[0] // a.itemsize, a.shape[1])
@@ -62,12 +68,16 @@ def linear_args(x: Any, w: Any, out: Any, op_n: int, op_t: int) -> GemmArgs:
     N = w.shape[0]
     if w.shape[1] != K or out.shape != (M, N):
         raise ValueError(f"gemm: x {x.shape} @ w {w.shape}.T into out {out.shape}")
-    return GemmArgs(transa=op_t, transb=op_n, m=N, n=M, k=K, lda=_row_pitch(w, "w"),
+    dtype = DATA_TYPES.get(np.dtype(x.dtype))
+    if dtype is None or w.dtype != x.dtype or out.dtype != x.dtype:
+        raise ValueError(f"gemm: x {x.dtype}, w {w.dtype}, out {out.dtype}: the GEMMs take one of "
+                         f"float16 or uint16 (bfloat16 bits) for all three")
+    return GemmArgs(transa=op_t, transb=op_n, dtype=dtype, m=N, n=M, k=K, lda=_row_pitch(w, "w"),
                     ldb=_row_pitch(x, "x"), ldc=_row_pitch(out, "out"))
 
 
 class CublasGemm:
-    """out = x @ w.T, fp16 arrays, fp32 compute, enqueued on one stream with one preallocated
+    """out = x @ w.T, fp16 or bf16 arrays, fp32 compute, enqueued on one stream with one preallocated
     workspace, in eager mode and inside a graph capture alike.
 
     cublas: nvmath.bindings.cublas (or CI's stand-in). ptr: an array's device address
@@ -95,9 +105,9 @@ class CublasGemm:
             return
         # PERF: one binding call per linear; no allocation, no sync, nothing CuPy does
         self.lib.gemm_ex(self.handle, a.transa, a.transb, a.m, a.n, a.k,
-                            self._alpha.ctypes.data, self.ptr(w), CUDA_R_16F, a.lda,
-                            self.ptr(x), CUDA_R_16F, a.ldb, self._beta.ctypes.data,
-                            self.ptr(out), CUDA_R_16F, a.ldc, self.compute, self.algo)
+                         self._alpha.ctypes.data, self.ptr(w), a.dtype, a.lda,
+                         self.ptr(x), a.dtype, a.ldb, self._beta.ctypes.data,
+                         self.ptr(out), a.dtype, a.ldc, self.compute, self.algo)
 
     def close(self) -> None:
         if self.handle:

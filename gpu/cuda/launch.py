@@ -6,6 +6,11 @@ Each function returns (grid, block) as CUDA dim tuples, or the scalar a launch p
 from __future__ import annotations
 
 Dims = tuple[int, ...]
+# fused.cu's and attention.cu's kernels are instantiated per element type: fp16 under their plain
+# names, bf16 (its bits in uint16 arrays, gpu/cuda/dtypes.py) with this suffix; by the
+# activations' dtype name (str(array.dtype), numpy's or CuPy's)
+SUFFIXES = {"float16": "", "uint16": "_bf16"}
+FUSED_KERNELS = ("add_rms_norm", "rope", "silu_mul", "add_bias", "to_float32")  # fused.cu's
 
 ATTENTION_THREADS = 128  # attention.cu: WARPS (4) * 32, one block per (token, KV head, split)
 ATTENTION_HEAD_DIMS = (64, 128, 192, 256)  # attention.cu: 32 lanes x an even number of dims each
@@ -42,6 +47,11 @@ def silu_launch(num_tokens: int, inter: int) -> tuple[Dims, Dims]:
     """silu_mul: grid-stride over the T * I / 2 half2 pairs, 256 threads, grid.x <= 65535."""
     n = num_tokens * inter // 2
     return (max(1, min(65535, -(-n // 256))),), (256,)
+
+
+def elementwise_launch(count: int) -> tuple[Dims, Dims]:
+    """add_bias, to_float32: grid-stride over count elements, 256 threads, grid.x <= 65535."""
+    return (max(1, min(65535, -(-count // 256))),), (256,)
 
 
 def attention_partition(max_seq_len: int, splits: int) -> int:

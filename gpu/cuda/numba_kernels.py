@@ -5,7 +5,15 @@ to the RawKernel in attention.cu).
 Written so that Numba's CUDA simulator can run them (CI has no GPU, docs/design.md §8): no warp
 shuffles (reductions go through shared memory), every loop strided by blockDim so a block of
 32 threads (the simulator) and of 128 (a device) compute the same thing. Math in float32;
-arrays fp16 on a device (any float dtype works).
+arrays fp16 on a device (any float dtype works), or bf16 as its bits in uint16
+(gpu/cuda/dtypes.py). numba-cuda 0.30 has a bfloat16 scalar type (numba.cuda.bf16) but no
+bf16 arrays to hand it (CuPy and numpy have none) and the simulator lacks it (its bf16 module
+is None); so the kernels that only move values (K/V scatter, row gather) move the uint16 bits
+unchanged, which is exact, and the ones that compute (the embedding into the float32
+residual, paged attention) convert with bf16_to_float32 / float32_to_bf16 below: plain
+integer and ldexp/frexp arithmetic, which both a device and the simulator run. Their `bf16`
+argument says whether the 16-bit arrays are bf16 bits (the launchers set it from the dtype);
+both branches compile for either dtype, only one runs.
 
 Each launcher takes `threads` (threads per block) and `stream` (a Numba stream; on a device,
 numba.cuda.external_stream(cupy_stream.ptr) so the launch joins a CuPy stream and its graph).
@@ -14,7 +22,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint16
 
 from ringserve.gpu.cuda.block_reduce import block_argmax
 
@@ -25,10 +33,61 @@ MAX_DIMS_PER_THREAD = 8
 ATTN_TILE = 32  # keys per tile = the largest block size the launcher accepts (and the sim's)
 
 
+@cuda.jit(device=True, inline=True)
+def bf16_to_float32(bits):  # pragma: no cover - device code
+    """bf16 bits (a uint16) -> its float32 value, exactly (normal, subnormal, inf, NaN)."""
+    b = int(bits)
+    e = (b >> 7) & 0xFF
+    m = b & 0x7F
+    if e == 0:
+        v = math.ldexp(float32(m), -133)  # subnormal: m * 2^-133
+    elif e == 0xFF:
+        v = float32(math.inf) if m == 0 else float32(math.nan)
+    else:
+        v = math.ldexp(float32(m + 128), e - 134)  # (1 + m/128) * 2^(e - 127)
+    return -v if b & 0x8000 else v
+
+
+@cuda.jit(device=True, inline=True)
+def round_half_even(y):  # pragma: no cover - device code
+    """A float32 y >= 0 (below 2^31) to the nearest int32, ties to even, in float32 arithmetic
+    (every step exact: y - floor(y) of a float32 is)."""
+    n = int32(y)
+    r = y - float32(n)
+    if r > float32(0.5) or (r == float32(0.5) and n & 1):
+        n += 1
+    return n
+
+
+@cuda.jit(device=True, inline=True)
+def float32_to_bf16(x):  # pragma: no cover - device code
+    """float32 -> bf16 bits (a uint16), rounded to nearest even (torch's and cuda_bf16.h's
+    __float2bfloat16): 8 significant bits of |x| by frexp, the sign apart."""
+    if x != x:
+        return uint16(0x7FC0)
+    sign = 0x8000 if math.copysign(float32(1.0), x) < 0 else 0  # -0.0 too
+    a = -x if x < 0 else x
+    if a == math.inf:
+        return uint16(sign | 0x7F80)
+    if a == 0:
+        return uint16(sign)
+    frac, e = math.frexp(a)  # a = frac * 2^e, frac in [0.5, 1)
+    if e <= -126:  # below bf16's smallest normal 2^-126: subnormal steps of 2^-133
+        return uint16(sign | round_half_even(math.ldexp(a, 133)))  # 128: the smallest normal
+    q = round_half_even(math.ldexp(frac, 8))  # 128..256
+    if q == 256:
+        q = 128
+        e += 1
+    biased = e + 126  # a = (q / 128) * 2^(e - 1)
+    if biased >= 0xFF:
+        return uint16(sign | 0x7F80)
+    return uint16(sign | (biased << 7) | (q - 128))
+
+
 @cuda.jit
 def store_kv_kernel(qkv, slot_mapping, k_cache, v_cache, num_heads):  # pragma: no cover
     """Token t's k and v heads (columns after the q heads of qkv) go to its slot; -1 = skip.
-    grid (T,)."""
+    grid (T,). Values move as they are (bf16: the uint16 bits, exactly)."""
     t = cuda.blockIdx.x
     slot = slot_mapping[t]
     if slot < 0:
@@ -46,12 +105,16 @@ def store_kv_kernel(qkv, slot_mapping, k_cache, v_cache, num_heads):  # pragma: 
 
 
 @cuda.jit
-def gather_rows_kernel(x, indices, out):  # pragma: no cover - device code
-    """out[b, :] = x[indices[b], :]; grid (B,)."""
+def gather_rows_kernel(x, indices, out, widen_bf16):  # pragma: no cover - device code
+    """out[b, :] = x[indices[b], :]; grid (B,). widen_bf16: x holds bf16 bits and out is float
+    (the embedding into the residual stream); else values move as they are (bf16 bits too)."""
     b = cuda.blockIdx.x
     src = indices[b]
     for d in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
-        out[b, d] = x[src, d]
+        if widen_bf16:
+            out[b, d] = bf16_to_float32(x[src, d])
+        else:
+            out[b, d] = x[src, d]
 
 
 @cuda.jit
@@ -87,13 +150,20 @@ def request_of(query_start_loc, t):  # pragma: no cover - device code
     return lo
 
 
+@cuda.jit(device=True, inline=True)
+def load(a, bf16):  # pragma: no cover - device code
+    """An element of a 16-bit array as float32 (bf16: a's uint16 bits)."""
+    return bf16_to_float32(a) if bf16 else float32(a)
+
+
 @cuda.jit
 def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens,  # noqa: C901
-                           block_tables, scale, out):  # pragma: no cover - device code
+                           block_tables, scale, out, bf16):  # pragma: no cover - device code
     """out [T, H*D]: token t, head h attends causally to its request's keys through the block
     table. grid (T, H). Tiles of ATTN_TILE keys: each thread scores one key of the tile into
     shared memory, then every thread folds the tile into its dims' accumulators (online
-    softmax). Two barriers per tile, none per key."""
+    softmax). Two barriers per tile, none per key. bf16: qkv, the caches and out hold bf16
+    bits (uint16)."""
     q_sh = cuda.shared.array(MAX_HEAD_DIM, float32)
     s_sh = cuda.shared.array(ATTN_TILE, float32)
     t = cuda.blockIdx.x
@@ -106,7 +176,7 @@ def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, se
     r = request_of(query_start_loc, t)
     n = min(positions[t] + 1, seq_lens[r])
     for i in range(tid, d, nt):
-        q_sh[i] = float32(qkv[t, h * d + i]) * scale
+        q_sh[i] = load(qkv[t, h * d + i], bf16) * scale
     acc = cuda.local.array(MAX_DIMS_PER_THREAD, float32)
     for i in range(MAX_DIMS_PER_THREAD):
         acc[i] = float32(0.0)
@@ -121,7 +191,7 @@ def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, se
             row = j % block_size
             s = float32(0.0)
             for i in range(d):
-                s += q_sh[i] * float32(k_cache[blk, row, kv, i])
+                s += q_sh[i] * load(k_cache[blk, row, kv, i], bf16)
             s_sh[jj] = s
         cuda.syncthreads()
         m_new = m
@@ -139,22 +209,33 @@ def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, se
             total += p
             c = 0
             for i in range(tid, d, nt):
-                acc[c] += p * float32(v_cache[blk, row, kv, i])
+                acc[c] += p * load(v_cache[blk, row, kv, i], bf16)
                 c += 1
         m = m_new
         cuda.syncthreads()
     inv = float32(1.0) / total if total > 0 else float32(0.0)
     c = 0
     for i in range(tid, d, nt):
-        out[t, h * d + i] = acc[c] * inv
+        if bf16:
+            out[t, h * d + i] = float32_to_bf16(acc[c] * inv)
+        else:
+            out[t, h * d + i] = acc[c] * inv
         c += 1
 
 
 # Launchers: one place that knows each kernel's grid.
 
+def _is_bf16(a) -> bool:
+    """A 16-bit activation array that holds bf16 bits (gpu/cuda/dtypes.py: uint16)."""
+    return str(a.dtype) == "uint16"
+
+
 def embedding(ids, table, out, *, threads=128, stream=0):
-    """out[t, :] = table[ids[t], :]: a row gather of the embedding table."""
-    gather_rows(table, ids, out, threads=threads, stream=stream)
+    """out[t, :] = table[ids[t], :]: a row gather of the embedding table into out's dtype (a
+    bf16 table widened exactly)."""
+    if ids.shape[0]:
+        gather_rows_kernel[ids.shape[0], threads, stream](table, ids, out,
+                                                          _is_bf16(table) and not _is_bf16(out))
 
 
 def store_kv(qkv, slot_mapping, k_cache, v_cache, num_heads, *, threads=128, stream=0):
@@ -164,7 +245,7 @@ def store_kv(qkv, slot_mapping, k_cache, v_cache, num_heads, *, threads=128, str
 
 def gather_rows(x, indices, out, *, threads=128, stream=0):
     if indices.shape[0]:
-        gather_rows_kernel[indices.shape[0], threads, stream](x, indices, out)
+        gather_rows_kernel[indices.shape[0], threads, stream](x, indices, out, False)
 
 
 def argmax(logits, out, *, threads=128, stream=0):
@@ -184,4 +265,4 @@ def paged_attention(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens,
     if qkv.shape[0]:
         paged_attention_kernel[(qkv.shape[0], num_heads), threads, stream](
             qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-            float32(scale), out)
+            float32(scale), out, _is_bf16(out))

@@ -28,13 +28,16 @@
 // gemm_*: a large batch (QuantLinear's large_batch "tiled"): 64 x 64 tiles of out, the
 // weight dequantized into shared memory a tile at a time and multiplied on tensor cores
 // (below, after the mat-vecs).
-// dequant_*_{f16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
-// floats: fp16 into the workspace the cuBLAS GEMM of a large batch reads, float32 for the
-// embedding of a packed table.
+// dequant_*_{f16,bf16,f32}: the weight's rows (ids[r], or row_begin + r when ids is null) as
+// floats: fp16 or bf16 (the activations' type) into the workspace the cuBLAS GEMM of a large
+// batch reads, float32 for the embedding of a packed table.
+// The activations x and out are fp16 (the plain names) or bf16 (matvec_*_bf16, gemm_*_bf16: x
+// and out __nv_bfloat16, elem.cuh, and mma.sync .bf16), a template parameter; the scales stay
+// as the store made them.
 // Both are one template each over a plane-kind policy (U4, I8, BF16 below: what a chunk of
 // 16 bytes holds and its weights' values), so a kind is written once and read by every kernel.
-// NVRTC defines no libc and no stdint: only cuda_fp16.h is included.
-#include <cuda_fp16.h>
+// NVRTC defines no libc and no stdint: only cuda_fp16.h and cuda_bf16.h are included (elem.cuh).
+#include "elem.cuh"
 
 #define FULL_MASK 0xffffffffu
 #define QUANT_WARPS 4
@@ -46,18 +49,20 @@ union Chunk16 {  // 16 quant bytes in one vector load (union punning: see attent
     signed char s[16];
     unsigned int pairs[4];  // bf16: word i holds weight 2i in its low half, 2i + 1 in its high one
 };
-union Halves8 {
+template <class T>
+union Pairs8 {  // 8 16-bit values of x in one vector load
     uint4 vector;
-    __half2 pairs[4];
+    typename Elem<T>::Pair pairs[4];
 };
 
-// 8 halves of x (16 bytes, one vector load; p is 16-byte aligned: ldx % 8 == 0) as floats.
-__device__ __forceinline__ void load_x8(const __half* p, float* f) {
-    Halves8 h;
+// 8 values of x (16 bytes, one vector load; p is 16-byte aligned: ldx % 8 == 0) as floats.
+template <class T>
+__device__ __forceinline__ void load_x8(const T* p, float* f) {
+    Pairs8<T> h;
     h.vector = *reinterpret_cast<const uint4*>(p);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float2 t = __half22float2(h.pairs[i]);
+        const float2 t = to_float2(h.pairs[i]);
         f[2 * i] = t.x;
         f[2 * i + 1] = t.y;
     }
@@ -92,9 +97,9 @@ __device__ __forceinline__ void widen8_bf16(const Chunk16& c, float* w) {
     }
 }
 
-// The dot product of N weights w with N halves of x (N / 8 vector loads; p 16-byte aligned).
-template <int N>
-__device__ __forceinline__ float dot(const float* w, const __half* x) {
+// The dot product of N weights w with N values of x (N / 8 vector loads; p 16-byte aligned).
+template <int N, class T>
+__device__ __forceinline__ float dot(const float* w, const T* x) {
     float xv[N];
 #pragma unroll
     for (int i = 0; i < N; i += 8) load_x8(x + i, xv + i);
@@ -104,13 +109,13 @@ __device__ __forceinline__ float dot(const float* w, const __half* x) {
     return d;
 }
 
-template <int ROWS>
-__device__ __forceinline__ void write_rows(float* acc, int M, __half* out, int ldo, int n) {
+template <int ROWS, class T>
+__device__ __forceinline__ void write_rows(float* acc, int M, T* out, int ldo, int n) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < ROWS; ++m) {
         const float v = warp_sum(acc[m]);
-        if (lane == 0 && m < M) out[(size_t)m * ldo + n] = __float2half(v);
+        if (lane == 0 && m < M) out[(size_t)m * ldo + n] = Elem<T>::from(v);
     }
 }
 
@@ -195,10 +200,10 @@ struct BF16 {  // one run of 8: weights 8c..8c + 7
 // One warp per output row n: each lane loads 16-byte chunks of the row's quants (PERF: the one
 // weight load, once for every row of x), dequantizes them in registers and dots them with the
 // matching weights of every row of x.
-template <class Kind, int ROWS>
+template <class Kind, int ROWS, class T>
 __device__ __forceinline__ void matvec(
-        const typename Kind::Q* __restrict__ q, const Scales& scales, const __half* __restrict__ x, int ldx,
-        int M, int N, int K, __half* __restrict__ out, int ldo) {
+        const typename Kind::Q* __restrict__ q, const Scales& scales, const T* __restrict__ x, int ldx,
+        int M, int N, int K, T* __restrict__ out, int ldo) {
     const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
     if (n >= N) return;  // the whole warp: n is the warp's
     const unsigned char* qrow = reinterpret_cast<const unsigned char*>(q) + (size_t)n * Kind::row_bytes(K);
@@ -224,12 +229,14 @@ __device__ __forceinline__ void matvec(
         int scale_bytes, int block
 #define SCALES Scales{scale, offset, scale_super, offset_super, scale_bytes, block}
 
-#define MATVEC(KIND, QT, R)                                                                        \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, 4) matvec_##KIND##_r##R(         \
-            WEIGHT_PARAMS(QT), const __half* __restrict__ x, int ldx, int M, int N, int K,          \
-            __half* __restrict__ out, int ldo) {                                                    \
-        matvec<KIND_##KIND, R>(q, SCALES, x, ldx, M, N, K, out, ldo);                              \
+// matvec_<kind>_r<R> (fp16 x and out) and matvec_<kind>_r<R>_bf16 (bf16 x and out)
+#define MATVEC_T(KIND, QT, R, T, SUFFIX)                                                           \
+    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, 4) matvec_##KIND##_r##R##SUFFIX( \
+            WEIGHT_PARAMS(QT), const T* __restrict__ x, int ldx, int M, int N, int K,               \
+            T* __restrict__ out, int ldo) {                                                         \
+        matvec<KIND_##KIND, R, T>(q, SCALES, x, ldx, M, N, K, out, ldo);                           \
     }
+#define MATVEC(KIND, QT, R) MATVEC_T(KIND, QT, R, __half, ) MATVEC_T(KIND, QT, R, __nv_bfloat16, _bf16)
 using KIND_u4 = U4;
 using KIND_i8 = I8;
 using KIND_bf16 = BF16;
@@ -251,7 +258,7 @@ MATVEC(bf16, unsigned short, 16)
 
 // ---- gemm_<kind>: the large batch (M > MATVEC_MAX_ROWS) on tensor cores, the tiled option.
 // out[M, N] = x[M, K] @ W[N, K]^T with W dequantized into shared memory a tile at a time, to
-// exactly the fp16 values dequant_<kind>_f16 writes, and fp32 accumulation by
+// exactly the values dequant_<kind>_{f16,bf16} writes (the activations' type), and fp32 accumulation by
 // mma.sync.m16n8k16 (sm_80+). Why: dequant_* + cuBLAS writes and re-reads 4 bytes a weight
 // (fp16 out, fp16 in) besides the quants; here each quant is read once per 64-row tile of x
 // (from L2 after the first: the grid's x runs over M, so the M tiles of one weight tile are
@@ -268,13 +275,14 @@ MATVEC(bf16, unsigned short, 16)
 // NOTE: with 36 words a row, the fragment loads (lane: word 36 g + t, g = lane >> 2,
 // t = lane & 3) fall in 32 different banks: 4 g + t.
 
-union Pack8 {  // 8 fp16 values, written as one 16-byte store into shared memory
+template <class T>
+union Pack8 {  // 8 16-bit values, written as one 16-byte store into shared memory
     uint4 vector;
-    __half h[8];
+    T h[8];
 };
 
 #ifdef __CUDACC__
-// c += a b for one 16 x 8 x 16 tile (fp16 in, fp32 accumulation), warp-collective; fragments
+// c += a b for one 16 x 8 x 16 tile (fp16 in, or bf16 in: _bf16; fp32 accumulation), warp-collective; fragments
 // in the PTX ISA's layout ("Matrix Fragments for mma.m16n8k16 with floating point type";
 // g = lane >> 2, t = lane & 3):
 //   a[0]: A[g][2t..2t+1], a[1]: A[g+8][2t..], a[2]: A[g][2t+8..], a[3]: A[g+8][2t+8..];
@@ -286,23 +294,44 @@ __device__ __forceinline__ void mma_m16n8k16(const unsigned (&a)[4], const unsig
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+__device__ __forceinline__ void mma_m16n8k16_bf16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 #endif
 
-// 8 floats as fp16 (__float2half, as dequant_*_f16 rounds them) into shared row `dst`.
+// The mma of element type T (fp16 or bf16 fragments).
+template <class T> struct Mma;
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+        mma_m16n8k16(a, b, c);
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+        mma_m16n8k16_bf16(a, b, c);
+    }
+};
+
+// 8 floats in T (Elem<T>::from, as dequant_*_{f16,bf16} rounds them) into shared row `dst`.
+template <class T>
 __device__ __forceinline__ void store8(unsigned* dst, const float* w) {
-    Pack8 p;
+    Pack8<T> p;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) p.h[i] = __float2half(w[i]);
+    for (int i = 0; i < 8; ++i) p.h[i] = Elem<T>::from(w[i]);
     *reinterpret_cast<uint4*>(dst) = p.vector;
 }
 
-__device__ __forceinline__ void store_zero8(unsigned* dst) {  // 8 fp16 zeros
+__device__ __forceinline__ void store_zero8(unsigned* dst) {  // 8 zeros (fp16 and bf16 alike)
     *reinterpret_cast<uint4*>(dst) = uint4{0u, 0u, 0u, 0u};
 }
 
 // One K step's weight tile: each thread fetches (global -> registers) its 16-byte chunks of
 // quants and their scales, then puts them (dequantized, fp16) into w_tile[feature][k].
 // u4: 64 features x 32 bytes (one group) = 128 chunks: one a thread, low and high nibbles.
+template <class T>
 struct TileU4 {
     Chunk16 bits;
     float s_lo, o_lo, s_hi, o_hi;
@@ -327,13 +356,14 @@ struct TileU4 {
         }
         float w[16];
         dequant16_u4(bits, 0, s_lo, o_lo, w);
-        store8(lo, w), store8(lo + 4, w + 8);
+        store8<T>(lo, w), store8<T>(lo + 4, w + 8);
         dequant16_u4(bits, 1, s_hi, o_hi, w);
-        store8(hi, w), store8(hi + 4, w + 8);
+        store8<T>(hi, w), store8<T>(hi + 4, w + 8);
     }
 };
 
 // i8: 64 features x 64 bytes = 256 chunks of 16 weights: two a thread.
+template <class T>
 struct TileI8 {
     Chunk16 bits[2];
     float s[2], o[2];
@@ -360,12 +390,13 @@ struct TileI8 {
             }
             float w[16];
             dequant16_i8(bits[j], s[j], o[j], w);
-            store8(dst, w), store8(dst + 4, w + 8);
+            store8<T>(dst, w), store8<T>(dst + 4, w + 8);
         }
     }
 };
 
 // bf16: 64 features x 128 bytes = 512 chunks of 8 weights: four a thread.
+template <class T>
 struct TileBF16 {
     Chunk16 bits[4];
     bool valid[4];
@@ -389,7 +420,7 @@ struct TileBF16 {
             }
             float w[8];
             widen8_bf16(bits[j], w);
-            store8(dst, w);
+            store8<T>(dst, w);
         }
     }
 };
@@ -398,7 +429,8 @@ struct TileBF16 {
 // thread, copied as they are.
 struct TileX {
     uint4 bits[4];
-    __device__ __forceinline__ void fetch(const __half* __restrict__ x, int ldx, int M, int K, int m0, int k0) {
+    template <class T>
+    __device__ __forceinline__ void fetch(const T* __restrict__ x, int ldx, int M, int K, int m0, int k0) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int i = threadIdx.x + GEMM_WARPS * 32 * j, m = m0 + (i >> 3), k = k0 + 8 * (i & 7);
@@ -415,10 +447,10 @@ struct TileX {
     }
 };
 
-template <class Tile, typename QT>
+template <class Tile, typename QT, class T>
 __device__ __forceinline__ void gemm_tiles(
-        const QT* __restrict__ q, const Scales& scales, const __half* __restrict__ x, int ldx, int M, int N,
-        int K, __half* __restrict__ out, int ldo) {
+        const QT* __restrict__ q, const Scales& scales, const T* __restrict__ x, int ldx, int M, int N,
+        int K, T* __restrict__ out, int ldo) {
     // NOTE: words, not halves: the fragments are 32-bit loads of two halves (k, k + 1)
     __shared__ unsigned x_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
     __shared__ unsigned w_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
@@ -462,7 +494,7 @@ __device__ __forceinline__ void gemm_tiles(
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) mma_m16n8k16(a[i], b[j], acc[i][j]);
+                for (int j = 0; j < 4; ++j) Mma<T>::run(a[i], b[j], acc[i][j]);
         }
     }
 #pragma unroll
@@ -472,22 +504,25 @@ __device__ __forceinline__ void gemm_tiles(
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int m = m0 + wm + 16 * i + g + 8 * (e >> 1), n = n0 + wn + 8 * j + 2 * t + (e & 1);
-                if (m < M && n < N) out[(size_t)m * ldo + n] = __float2half(acc[i][j][e]);
+                if (m < M && n < N) out[(size_t)m * ldo + n] = Elem<T>::from(acc[i][j][e]);
             }
 }
 
-#define GEMM(KIND, QT, TILE)                                                                       \
-    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 4) gemm_##KIND(                  \
-            WEIGHT_PARAMS(QT), const __half* __restrict__ x, int ldx, int M, int N, int K,          \
-            __half* __restrict__ out, int ldo) {                                                    \
-        gemm_tiles<TILE, QT>(q, SCALES, x, ldx, M, N, K, out, ldo);                                \
+// gemm_<kind> (fp16 x and out, mma .f16) and gemm_<kind>_bf16 (bf16, mma .bf16)
+#define GEMM_T(KIND, QT, TILE, T, SUFFIX)                                                          \
+    extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 4) gemm_##KIND##SUFFIX(          \
+            WEIGHT_PARAMS(QT), const T* __restrict__ x, int ldx, int M, int N, int K,               \
+            T* __restrict__ out, int ldo) {                                                         \
+        gemm_tiles<TILE<T>, QT, T>(q, SCALES, x, ldx, M, N, K, out, ldo);                          \
     }
+#define GEMM(KIND, QT, TILE) GEMM_T(KIND, QT, TILE, __half, ) GEMM_T(KIND, QT, TILE, __nv_bfloat16, _bf16)
 GEMM(u4, unsigned char, TileU4)
 GEMM(i8, signed char, TileI8)
 GEMM(bf16, unsigned short, TileBF16)
 
 __device__ __forceinline__ void put(float* p, float v) { *p = v; }
 __device__ __forceinline__ void put(__half* p, float v) { *p = __float2half(v); }
+__device__ __forceinline__ void put(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
 
 // Grid-stride over (row, chunk); each thread dequantizes one 16-byte chunk of quants.
 // NOTE: bf16 into the fp16 workspace (a large batch's GEMM) is exact for |w| in [2^-14, 65504]
@@ -523,8 +558,11 @@ __device__ __forceinline__ void dequant(
         dequant<KIND_##KIND, T>(q, SCALES, K, ids, row_begin, nrows, out, ldo);                    \
     }
 DEQUANT(u4, unsigned char, __half, f16)
+DEQUANT(u4, unsigned char, __nv_bfloat16, bf16)
 DEQUANT(u4, unsigned char, float, f32)
 DEQUANT(i8, signed char, __half, f16)
+DEQUANT(i8, signed char, __nv_bfloat16, bf16)
 DEQUANT(i8, signed char, float, f32)
 DEQUANT(bf16, unsigned short, __half, f16)
+DEQUANT(bf16, unsigned short, __nv_bfloat16, bf16)
 DEQUANT(bf16, unsigned short, float, f32)

@@ -19,29 +19,30 @@ Q4_1 0.625 (0.5625/0.625), Q8_0 and Q5_0 1.0625 (1.0625/0.6875), Q6_K and Q3_K 1
 0.531 (float32 scales: 0.75, 1.125, 1.25, 1.25, 1.25, 1.5; AWQ/GPTQ 0.5625). The kernels and
 the GPU check report the bytes actually read (QuantWeight.nbytes).
 
-16-bit floats are kept as they are stored: BF16 (a GGUF BF16 tensor, or an HF checkpoint in
-bfloat16: gpu/weights.py GGMLTensor "BF16") as the "bf16" plane, which the kernels widen to
-float32 exactly (decode reads 2 B/weight, as fp16 would, and no weight is rounded; a large
-batch's chunks are fp16, see quant.cu's dequant_bf16 for why that is exact in practice); F16
-(numpy float16, from safetensors or a GGUF F16 tensor) is already the runner's own storage
-dtype: Fp16Store uploads its bits unchanged and cuBLAS reads them. Only F32 weights are
-narrowed (to fp16).
+16-bit float matrices are dense: DenseStore (gpu/cuda/buffers.py) uploads them in the serving
+dtype (gpu/cuda/dtypes.py: a bfloat16 checkpoint serves in bfloat16, its BF16 bits as they are)
+and cuBLAS multiplies them. Only inside a linear that has packed parts does a BF16 part become
+the "bf16" plane here, which the kernels widen to float32 exactly (a quantized model serves in
+fp16; a large batch's chunks are fp16, see quant.cu's dequant_bf16 for why that is exact in
+practice).
 
 A linear with M rows of activations runs:
-- M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R>, dequantized in registers, on tiles of up
+- M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R> (bf16 activations: _bf16), dequantized in
+  registers, on tiles of up
   to 16 rows of x (launch.MATVEC_ROWS): the weight is streamed once per tile (from L2 after
   the first when a layer's weight fits it);
 - above, by the large_batch policy (LARGE_BATCH, or the constructor's argument):
-  "dequant" (the default): the weight dequantized to fp16 into a static workspace, chunk of
-  rows by chunk of rows, each chunk followed by the cuBLAS GEMM (the GEMMs of the fp16 path).
+  "dequant" (the default): the weight dequantized to the activations' type (fp16, or bf16
+  with --dtype bfloat16) into a static workspace, chunk of rows by chunk of rows, each chunk
+  followed by the cuBLAS GEMM (the GEMMs of the dense path).
   Static: a CUDA graph captures it as it is. It writes and reads 4 bytes a weight besides the
   quants (at batch 64-256 about 6x the bytes of Q4_K's quants), which pays only once the
   GEMM's own work dominates;
   "tiled": gemm_<kind>, one launch: 64 x 64 tiles of out, each block dequantizing a 64 x 64
-  tile of the weight into shared memory (the same fp16 values as the workspace) and
+  tile of the weight into shared memory (the same 16-bit values as the workspace) and
   multiplying on tensor cores (mma.sync m16n8k16, fp32 accumulation), so each quant is read
   once per 64 rows of x (vLLM's awq_gemm, llama.cpp's MMQ: the same idea). No workspace and
-  no cuBLAS: a graph captures it as it is.
+  no cuBLAS: a graph captures it as it is. bf16 activations: gemm_<kind>_bf16 (mma .bf16).
 Both the crossover and the policy are guesses until a GPU measures them: "dequant" stays the
 default until then (tools/gpu_check.py --table quant: its "quant linear" rows time the mat-vec
 tiles, the tiled GEMM and dequantize + cuBLAS on the 8B MLP shapes at batch 16-256, and its
@@ -58,11 +59,11 @@ import numpy as np
 
 from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
-from ringserve.gpu.cuda.buffers import Fp16Store
+from ringserve.gpu.cuda.buffers import DenseStore
 from ringserve.gpu.quant import QuantWeight, as_halves, dequantize
 from ringserve.gpu.weights import GGMLTensor
 
-PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; F16 and F32 are Fp16Store's (cuBLAS)
+PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; dense F16, F32, BF16 are DenseStore's (cuBLAS)
 WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
 MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; above, LARGE_BATCH's
 # Above MATVEC_MAX_ROWS: "dequant" (the weight to fp16 into the workspace, then cuBLAS) or
@@ -71,10 +72,14 @@ MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; ab
 LARGE_BATCH_POLICIES = ("dequant", "tiled")
 LARGE_BATCH = "dequant"
 WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16, "bf16": 8}  # weights one 16-byte load of quants holds
-# quant.cu's kernels (extern "C"): what gpu/cuda/quant.py loads, tests/test_cuda_compile.py checks
-KERNELS = tuple(f"matvec_{kind}_r{rows}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS) + \
-    tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in ("f16", "f32")) + \
-    tuple(f"gemm_{kind}" for kind in PLANE_KINDS)
+# dequant_*'s output types, by dtype name: the activations' (fp16, bf16 bits) and float32
+DEQUANT_SUFFIXES = {"float16": "f16", "uint16": "bf16", "float32": "f32"}
+# quant.cu's kernels (extern "C"): what gpu/cuda/quant.py loads, tests/test_cuda_compile.py checks.
+# The mat-vecs and tiled GEMMs in each activation type (launch.SUFFIXES: fp16 plain, bf16 _bf16).
+KERNELS = tuple(f"matvec_{kind}_r{rows}{suffix}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS
+                for suffix in launch.SUFFIXES.values()) + \
+    tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in DEQUANT_SUFFIXES.values()) + \
+    tuple(f"gemm_{kind}{suffix}" for kind in PLANE_KINDS for suffix in launch.SUFFIXES.values())
 
 
 def _on_planes(kind: str, cols: int) -> bool:
@@ -84,31 +89,36 @@ def _on_planes(kind: str, cols: int) -> bool:
 
 
 def keeps_blocks(tensor: Any) -> bool:
-    """A tensor the CUDA backend keeps packed: GGUF blocks or BF16 (a GGMLTensor: F16 and F32
-    are numpy arrays) or a QuantWeight already made (AWQ/GPTQ from gpu/hf_quant.py; gpu_check's,
-    made on the device)."""
+    """A tensor the CUDA backend keeps packed: GGUF integer blocks (a GGMLTensor) or a
+    QuantWeight already made (AWQ/GPTQ from gpu/hf_quant.py; gpu_check's, made on the device).
+    Float tensors (BF16, F16, F32) are dense: cuBLAS in the serving dtype."""
     if isinstance(tensor, QuantWeight):
         return _on_planes(tensor.kind, tensor.shape[1])
-    if not isinstance(tensor, GGMLTensor) or tensor.ggml_type in ("F16", "F32"):
-        return False
-    return tensor.ggml_type != "BF16" or _on_planes("bf16", tensor.shape[1])
+    return isinstance(tensor, GGMLTensor) and tensor.ggml_type not in ("BF16", "F16", "F32")
 
 
 class QuantStore:
     """model.WeightStore for the CUDA backend: a linear with a packed part is gpu/cpu_packed.py's
     QuantWeight (or SplitWeight of several types) with its planes moved to the device (arrays of
-    xp: cupy on a GPU, numpy in CI); F16/F32 parts and every other weight are Fp16Store's.
+    xp: cupy on a GPU, numpy in CI); every other weight is DenseStore's, in `dtype` (the serving
+    dtype: float16 whenever a weight is packed, gpu/cuda/dtypes.py).
     QuantWeights already on the device are stacked there (np.concatenate reaches
     cupy.concatenate through __array_function__)."""
 
-    def __init__(self, xp):
+    def __init__(self, xp, dtype: str = "float16"):
         self.xp = xp
-        self.fp16 = Fp16Store(xp)
-        self.vector = self.fp16.vector
+        self.dense = DenseStore(xp, dtype)
+        self.vector = self.dense.vector
 
     def linear(self, arrays: Sequence[Any]) -> Any:
         if not any(keeps_blocks(a) for a in arrays):
-            return self.fp16.linear(arrays)
+            return self.dense.linear(arrays)
+        return self.packed(arrays)
+
+    def packed(self, arrays: Sequence[Any]) -> Any:
+        """The arrays as planes on the device whatever their type (a BF16 tensor too: the bf16
+        plane; an F16/F32 part, or a bf16 row of odd length, dense): what linear() makes of a
+        weight with a packed part, and what the kernel tests and gpu_check make of one."""
         packed = fuse_packed(arrays, factored=True)  # NOTE: K-quant scales as int8 factors (fewer bytes)
         if isinstance(packed, SplitWeight):
             return SplitWeight(tuple(self._upload(p) for p in packed.parts), packed.shape)
@@ -117,7 +127,7 @@ class QuantStore:
     def _upload(self, w: Any) -> Any:
         assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/quant.py's planes
         if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
-            return self.fp16.linear([dequantize(w)])
+            return self.dense.linear([dequantize(w)])
         w = as_halves(w)  # float32 planes of exact halves as fp16: half their bytes
         check_scales(w)
         return replace(w, q=self._device(w.q), scale=self._device(w.scale), offset=self._device(w.offset),
@@ -141,9 +151,9 @@ Call = Callable[..., None]  # call(kernel name, (grid, block), *args): one launc
 class QuantLinear:
     """ops.linear (and the embedding of a packed table) over QuantStore's weights.
     call: launches a quant.cu kernel (np.int32 scalars, arrays, None for a null pointer);
-    gemm(x, w, out): out = x @ w.T for fp16 arrays (CublasGemm on a GPU); workspace: a 1-D fp16
-    array, allocated once (never during a graph capture); large_batch: LARGE_BATCH_POLICIES,
-    what runs above MATVEC_MAX_ROWS rows."""
+    gemm(x, w, out): out = x @ w.T for 16-bit arrays (CublasGemm on a GPU); workspace: a 1-D
+    array in the activations' dtype (fp16, or bf16 bits), allocated once (never during a graph
+    capture); large_batch: LARGE_BATCH_POLICIES, what runs above MATVEC_MAX_ROWS rows."""
 
     def __init__(self, call: Call, gemm: Callable[[Any, Any, Any], None], workspace: Any,
                  large_batch: str = LARGE_BATCH):
@@ -185,16 +195,18 @@ class QuantLinear:
         tile = launch.MATVEC_ROWS[-1]
         for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
             m = min(tile, M - lo)
-            self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}", launch.matvec_launch(N),
+            self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}{launch.SUFFIXES[str(x.dtype)]}",
+                      launch.matvec_launch(N),
                       *weight_args(w), x[lo:lo + m], np.int32(ldx), np.int32(m), np.int32(N), np.int32(K),
                       out[lo:lo + m], np.int32(ldo))
 
     def tiled(self, x, w: QuantWeight, out) -> None:
-        """gemm_<kind>: dequantized into shared memory, tensor cores, one launch (any M); no
-        workspace."""
+        """gemm_<kind> (bf16 activations: _bf16): dequantized into shared memory, tensor cores,
+        one launch (any M); no workspace."""
         M, K, N = x.shape[0], x.shape[1], w.shape[0]
-        self.call(f"gemm_{w.kind}", launch.gemm_launch(M, N), *weight_args(w), x, np.int32(_x_pitch(x)),
-                  np.int32(M), np.int32(N), np.int32(K), out, np.int32(_pitch(out, "out")))
+        self.call(f"gemm_{w.kind}{launch.SUFFIXES[str(x.dtype)]}", launch.gemm_launch(M, N), *weight_args(w),
+                  x, np.int32(_x_pitch(x)), np.int32(M), np.int32(N), np.int32(K), out,
+                  np.int32(_pitch(out, "out")))
 
     def dequant_gemm(self, x, w: QuantWeight, out) -> None:
         """The weight dequantized to fp16 into the workspace, chunk of rows by chunk of rows,
@@ -208,8 +220,9 @@ class QuantLinear:
             self.gemm(x, chunk, out[:, lo:lo + n])
 
     def dequantize(self, w: QuantWeight, ids, row_begin: int, num_rows: int, out) -> None:
-        """out[r] = W[ids[r]] (ids None: W[row_begin + r]) in out's dtype (fp16 or float32)."""
-        suffix = {"float16": "f16", "float32": "f32"}[str(out.dtype)]
+        """out[r] = W[ids[r]] (ids None: W[row_begin + r]) in out's dtype (fp16, bf16 bits or
+        float32)."""
+        suffix = DEQUANT_SUFFIXES[str(out.dtype)]
         K = w.shape[1]
         self.call(f"dequant_{w.kind}_{suffix}",
                   launch.dequant_launch(num_rows, K // WEIGHTS_PER_CHUNK[w.kind]),

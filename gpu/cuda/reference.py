@@ -12,8 +12,9 @@ import numpy as np
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """[T, hidden] rows of table at ids."""
-    return table[ids]
+    """[T, hidden] rows of table at ids (a bf16 table, uint16 bits: widened to float32)."""
+    rows = table[ids]
+    return (rows.astype(np.uint32) << np.uint32(16)).view(np.float32) if rows.dtype == np.uint16 else rows
 
 
 def add_rms_norm(h: np.ndarray, delta: np.ndarray | None, weight: np.ndarray,

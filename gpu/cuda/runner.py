@@ -1,6 +1,7 @@
-"""The CUDA model runner: gpu/runner.py's Runner face on one GPU. fp16 weights (or, for a GGUF,
-AWQ/GPTQ or bfloat16 checkpoint, packed planes or bf16 bits read by quant.cu:
-gpu/cuda/quant_linear.py) and KV cache, float32 residual stream and accumulation.
+"""The CUDA model runner: gpu/runner.py's Runner face on one GPU. Weights, activations and KV
+cache in the serving dtype (gpu/cuda/dtypes.py: by default a bfloat16 checkpoint in bf16, the
+others in fp16; a GGUF or AWQ/GPTQ checkpoint's packed planes read by quant.cu:
+gpu/cuda/quant_linear.py), float32 residual stream and accumulation.
 
 The model is gpu/model.py's llama_forward over CudaOps: GEMMs are cuBLAS on the runner's own
 handle (gpu/cuda/gemm.py, nvmath-python's binding: CuPy's refuses to run during a capture) with
@@ -30,6 +31,7 @@ from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import sampling_kernels as sk
 from ringserve.gpu.cuda.attention import PagedAttention
 from ringserve.gpu.cuda.buffers import AttentionLaunch, CapturedGraph, PinnedStaging, StepBuffers
+from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, serving_dtype
 from ringserve.gpu.cuda.fused import FusedKernels
 from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
 from ringserve.gpu.cuda.quant_linear import WORKSPACE_ELEMENTS, QuantLinear, QuantStore, keeps_blocks
@@ -68,8 +70,9 @@ class CudaOps:
     CuPy GEMM, which raises during capture); everything is enqueued, nothing waits."""
 
     def __init__(self, c: ModelConfig, stream: cp.cuda.Stream, attention_backend: str,
-                 packed: bool = False):
-        """packed: the model keeps weights packed (quant.cu and its static workspace)."""
+                 packed: bool = False, act_dtype=np.float16):
+        """packed: the model keeps weights packed (quant.cu and its static workspace, in the
+        activations' dtype act_dtype: float16, or uint16 bf16 bits)."""
         try:
             from nvmath.bindings import cublas
         except ImportError as e:
@@ -85,7 +88,7 @@ class CudaOps:
         if packed:
             from ringserve.gpu.cuda.quant import QuantKernels
             self.quant = QuantLinear(QuantKernels(stream).call, self.gemm,
-                                     cp.empty(WORKSPACE_ELEMENTS, cp.float16))
+                                     cp.empty(WORKSPACE_ELEMENTS, act_dtype))
         self.paged = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
         self.attention_backend = attention_backend
         self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
@@ -119,8 +122,7 @@ class CudaOps:
             self.gemm(x, weight, out)
 
     def add_bias(self, x, bias) -> None:
-        with self.stream:
-            x += bias
+        self.fused.add_bias(x, bias, self.stream)
 
     def add_rms_norm(self, h, delta, weight, out) -> None:
         self.fused.add_rms_norm(h, delta, weight, out, self.eps, self.stream)
@@ -150,8 +152,7 @@ class CudaOps:
         nk.gather_rows(_nb(x), _nb(indices), _nb(out), threads=NUMBA_THREADS, stream=self.nb_stream)
 
     def to_float32(self, src, out) -> None:
-        with self.stream:
-            out[...] = src
+        self.fused.to_float32(src, out, self.stream)
 
 
 class CudaModelRunner:
@@ -164,37 +165,48 @@ class CudaModelRunner:
                  max_num_seqs: int = SchedulerConfig.max_num_seqs,
                  max_num_batched_tokens: int = CUDA_MAX_NUM_BATCHED_TOKENS,
                  max_model_len: int | None = None, enforce_eager: bool = DeviceConfig.enforce_eager,
-                 attention_backend: str = DeviceConfig.attention_backend):
+                 attention_backend: str = DeviceConfig.attention_backend, dtype: str = DeviceConfig.dtype,
+                 kv_cache_dtype: str = CacheConfig.kv_cache_dtype):
         """weights: HF names -> numpy or CuPy arrays (gpu_check makes them on the GPU).
         attention_backend: "rawkernel" (attention.cu, the fast path), "numba", or "auto" (the
-        RawKernel where it handles the head size: gpu/cuda/launch.attention_backend_for)."""
+        RawKernel where it handles the head size: gpu/cuda/launch.attention_backend_for).
+        dtype: auto, float16 or bfloat16 (gpu/cuda/dtypes.py); kv_cache_dtype: auto or the same
+        (the kernels read the cache in the activations' type)."""
         attention_backend = launch.attention_backend_for(attention_backend, config.head_dim)
+        self.dtype = serving_dtype(dtype, weights)
+        if kv_cache_dtype not in ("auto", self.dtype):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the CUDA backend's KV cache is in the "
+                             f"serving dtype, here {self.dtype} (--kv-cache-dtype auto)")
+        act = self.act_dtype = SERVING_DTYPES[self.dtype]
         c = self.config = config
         self.block_size = block_size
         self.max_model_len = max_model_len or c.max_position_embeddings
         self.max_blocks = -(-self.max_model_len // block_size)
         self.stream = cp.cuda.Stream(non_blocking=True)
         packed = any(keeps_blocks(t) for t in weights.values())
-        self.ops = CudaOps(c, self.stream, attention_backend, packed=packed)
+        self.ops = CudaOps(c, self.stream, attention_backend, packed=packed, act_dtype=act)
         self.nb_stream = self.ops.nb_stream
         self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
         self.sampler = CudaSampler(threads=1024, stream=self.nb_stream)
         # NOTE: the set-up's arrays are made on the runner's stream, but weights the caller made
         # (gpu_check: on the legacy default stream) and CuPy's pageable uploads may still be in
-        # flight, and a non-blocking stream does not wait for the default one: hence the
-        # device synchronize before the first forward (the profile) and at the end.
+        # flight, and a non-blocking stream does not wait for the default one: hence a device
+        # synchronize before fusing reads them, before the first forward (the profile) and at
+        # the end.
+        cp.cuda.Device().synchronize()
         with self.stream:
-            self.weights = LlamaWeights.fuse(c, weights, QuantStore(cp))  # fp16 unless packed or bf16
+            self.weights = LlamaWeights.fuse(c, weights, QuantStore(cp, self.dtype))
             cos, sin = cos_sin(np.arange(self.max_model_len), inv_freq(c))
             self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         cp.cuda.Device().synchronize()
+        log.info("weights, activations and KV cache in %s", self.dtype)
 
         if num_blocks is None:
             num_blocks = self._profile_num_blocks(max_num_batched_tokens, gpu_memory_utilization)
         self.num_blocks = int(num_blocks)
         shape = (self.num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         with self.stream:
-            self.kv_caches = [(cp.zeros(shape, cp.float16), cp.zeros(shape, cp.float16))
+            self.kv_caches = [(cp.zeros(shape, act), cp.zeros(shape, act))
                               for _ in range(c.num_hidden_layers)]
         cp.cuda.Device().synchronize()
         self.graphs = plan.GraphTable(plan.graph_batch_sizes(max_num_seqs))  # CapturedGraph records
@@ -218,7 +230,7 @@ class CudaModelRunner:
         c = self.config
         T = min(max_tokens, self.max_model_len)
         with self.stream:
-            tiny = [(cp.zeros((1, self.block_size, c.num_key_value_heads, c.head_dim), cp.float16),) * 2
+            tiny = [(cp.zeros((1, self.block_size, c.num_key_value_heads, c.head_dim), self.act_dtype),) * 2
                     for _ in range(c.num_hidden_layers)]
         batch = Batch(np.zeros(T, np.int32), np.arange(T, dtype=np.int32), np.full(T, -1, np.int32),
                       np.array([0, T], np.int32), np.array([T], np.int32),
@@ -238,7 +250,7 @@ class CudaModelRunner:
     def _eager(self, batch: Batch, caches) -> StepBuffers:
         with self.stream:
             buf = StepBuffers(self.config, batch.num_tokens, batch.num_reqs,
-                              batch.block_tables.shape[1], cp)
+                              batch.block_tables.shape[1], cp, self.act_dtype)
             buf.load(batch, self.ops)
             max_len = int(batch.seq_lens.max())
             splits = plan.attention_splits(num_tokens=batch.num_tokens,
@@ -260,7 +272,7 @@ class CudaModelRunner:
                   for size in self.graphs.sizes}
         largest = self.graphs.sizes[-1]
         with self.stream:
-            shared = StepBuffers(c, largest, largest, self.max_blocks, cp)
+            shared = StepBuffers(c, largest, largest, self.max_blocks, cp, self.act_dtype)
             # The kernels index the workspace by their own launch's (T, H, splits): any buffer
             # of at least T * H * splits rows of each size serves them all.
             ws = self.ops.paged.workspace(largest, c.num_attention_heads, max(splits.values()))
@@ -320,9 +332,11 @@ class CudaModelRunner:
         """float32 logits [len(rows), V] of final hidden states x at `rows` (enqueued)."""
         with self.stream:
             h = x[cp.asarray(np.asarray(rows, np.int64))]
-            raw = cp.empty((len(rows), self.config.vocab_size), cp.float16)
+            raw = cp.empty((len(rows), self.config.vocab_size), self.act_dtype)
             self.ops.linear(h, self.weights.lm_head, raw)
-            return raw.astype(cp.float32)
+            out = cp.empty(raw.shape, cp.float32)
+            self.ops.to_float32(raw, out)
+            return out
 
     def execute(self, batch: Batch, logits_indices: np.ndarray | None = None) -> np.ndarray:
         """float32 logits at rows logits_indices of the super-sequence (default: each request's

@@ -20,8 +20,14 @@ SOURCE_DIR = Path(__file__).parent
 BASE_OPTIONS = ("--std=c++17",)
 
 
+_LOCAL_INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.MULTILINE)
+
+
 def source(name: str) -> str:
-    return (SOURCE_DIR / name).read_text()
+    """A .cu file's text with its local headers (#include "x.cuh": elem.cuh) pasted in: NVRTC
+    gets code, not a folder, and the host build compiles the same text."""
+    text = (SOURCE_DIR / name).read_text()
+    return _LOCAL_INCLUDE.sub(lambda m: (SOURCE_DIR / m.group(1)).read_text(), text)
 
 
 def options(defines: dict[str, int] | None = None) -> tuple[str, ...]:

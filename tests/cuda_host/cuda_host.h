@@ -52,6 +52,22 @@ __forceinline__ __half __float2half(float f) { return {std::bit_cast<uint16_t>((
 __forceinline__ float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
 __forceinline__ __half2 __floats2half2_rn(float a, float b) { return {__float2half(a), __float2half(b)}; }
 
+// ---- bf16: the upper half of a float32's bits; narrowing rounds to nearest even (a NaN stays a
+// NaN), as cuda_bf16.h's __float2bfloat16.
+struct __nv_bfloat16 { uint16_t bits; };
+struct alignas(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
+
+__forceinline__ float __bfloat162float(__nv_bfloat16 h) { return std::bit_cast<float>((uint32_t)h.bits << 16); }
+__forceinline__ __nv_bfloat16 __float2bfloat16(float f) {
+    const uint32_t u = std::bit_cast<uint32_t>(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40u)};
+    return {(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+__forceinline__ float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
+__forceinline__ __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+    return {__float2bfloat16(a), __float2bfloat16(b)};
+}
+
 // ---- math intrinsics (host libm: at least as accurate as the device's fast versions)
 __forceinline__ float __expf(float x) { return expf(x); }
 __forceinline__ float rsqrtf(float x) { return 1.0f / sqrtf(x); }
@@ -146,7 +162,9 @@ T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = warpSize) {
 // a[3] A[g+8][2t+8, 2t+9] (low half first); b[0] B[2t, 2t+1][g], b[1] B[2t+8, 2t+9][g];
 // c[0], c[1] C[g][2t, 2t+1], c[2], c[3] C[g+8][2t, 2t+1]. fp16 products are exact in float;
 // summed in float in k order (the device's order is its own: tests allow for fp32 sums).
-inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+// BF16: the fragments hold bf16 (mma...bf16.bf16.f32, mma_m16n8k16_bf16 below), else fp16.
+template <bool BF16>
+inline void mma_m16n8k16_of(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
     using namespace cuda_host;
     Warp& w = *tl_warp;
     const int lane = tl_lane, parity = w.mma_count[lane]++ & 1;
@@ -159,7 +177,8 @@ inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (
     if (lane == 0) w.mma_lanes[parity ^ 1] = 0;  // the next mma's: nobody reads it now
     // element e (0, 1) of 32-bit word `reg` of lane `src`
     auto half_at = [&](const uint32_t* words, int e) {
-        return __half2float(__half{(uint16_t)(words[0] >> (16 * e))});
+        const uint16_t bits = (uint16_t)(words[0] >> (16 * e));
+        return BF16 ? __bfloat162float(__nv_bfloat16{bits}) : __half2float(__half{bits});
     };
     auto A = [&](int row, int k) {  // row 0..15, k 0..15
         const int src = 4 * (row & 7) + ((k & 7) >> 1), reg = (row >> 3) + 2 * (k >> 3);
@@ -179,6 +198,12 @@ inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (
     }
     w.bar.arrive_and_wait();  // every lane has read the fragments before any posts its next
     for (int e = 0; e < 4; ++e) c[e] = d[e];
+}
+inline void mma_m16n8k16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+    mma_m16n8k16_of<false>(a, b, c);
+}
+inline void mma_m16n8k16_bf16(const unsigned (&a)[4], const unsigned (&b)[2], float (&c)[4]) {
+    mma_m16n8k16_of<true>(a, b, c);
 }
 
 extern "C" __attribute__((weak)) char __start_cuda_host_shared[], __stop_cuda_host_shared[];

@@ -10,13 +10,15 @@ using cuda_host::launch;
         const float *offset_super, int scale_bytes, int block
 #define HOST_WEIGHT_ARGS q, scale, offset, scale_super, offset_super, scale_bytes, block
 
-#define HOST_MATVEC(KIND, QT, R)                                                                        \
-    extern "C" int launch_matvec_##KIND##_r##R(const unsigned* dims, HOST_WEIGHT(QT), const __half* x,  \
-                                               int ldx, int M, int N, int K, __half* out, int ldo) {     \
+#define HOST_MATVEC_T(KIND, QT, R, T, SUFFIX)                                                           \
+    extern "C" int launch_matvec_##KIND##_r##R##SUFFIX(const unsigned* dims, HOST_WEIGHT(QT), const T* x, \
+                                                       int ldx, int M, int N, int K, T* out, int ldo) {   \
         return launch(dims, QUANT_WARPS * 32, [=] {  /* its __launch_bounds__ */                         \
-            matvec_##KIND##_r##R(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                           \
+            matvec_##KIND##_r##R##SUFFIX(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                   \
         });                                                                                              \
     }
+// fp16 x and out (the plain names) and bf16 (_bf16)
+#define HOST_MATVEC(KIND, QT, R) HOST_MATVEC_T(KIND, QT, R, __half, ) HOST_MATVEC_T(KIND, QT, R, __nv_bfloat16, _bf16)
 HOST_MATVEC(u4, unsigned char, 1)
 HOST_MATVEC(u4, unsigned char, 2)
 HOST_MATVEC(u4, unsigned char, 4)
@@ -42,19 +44,23 @@ HOST_MATVEC(bf16, unsigned short, 16)
         });                                                                                              \
     }
 HOST_DEQUANT(u4, unsigned char, __half, f16)
+HOST_DEQUANT(u4, unsigned char, __nv_bfloat16, bf16)
 HOST_DEQUANT(u4, unsigned char, float, f32)
 HOST_DEQUANT(i8, signed char, __half, f16)
+HOST_DEQUANT(i8, signed char, __nv_bfloat16, bf16)
 HOST_DEQUANT(i8, signed char, float, f32)
 HOST_DEQUANT(bf16, unsigned short, __half, f16)
+HOST_DEQUANT(bf16, unsigned short, __nv_bfloat16, bf16)
 HOST_DEQUANT(bf16, unsigned short, float, f32)
 
-#define HOST_GEMM(KIND, QT)                                                                            \
-    extern "C" int launch_gemm_##KIND(const unsigned* dims, HOST_WEIGHT(QT), const __half* x, int ldx,  \
-                                      int M, int N, int K, __half* out, int ldo) {                      \
-        return launch(dims, GEMM_WARPS * 32, [=] {  /* its __launch_bounds__ */                         \
-            gemm_##KIND(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                                   \
-        });                                                                                             \
+#define HOST_GEMM_T(KIND, QT, T, SUFFIX)                                                                 \
+    extern "C" int launch_gemm_##KIND##SUFFIX(const unsigned* dims, HOST_WEIGHT(QT), const T* x, int ldx, \
+                                              int M, int N, int K, T* out, int ldo) {                     \
+        return launch(dims, GEMM_WARPS * 32, [=] {  /* its __launch_bounds__ */                          \
+            gemm_##KIND##SUFFIX(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                            \
+        });                                                                                              \
     }
+#define HOST_GEMM(KIND, QT) HOST_GEMM_T(KIND, QT, __half, ) HOST_GEMM_T(KIND, QT, __nv_bfloat16, _bf16)
 HOST_GEMM(u4, unsigned char)
 HOST_GEMM(i8, signed char)
 HOST_GEMM(bf16, unsigned short)

@@ -1,0 +1,112 @@
+"""The CUDA backend's element type, as vLLM chooses it: weights, activations and KV cache in one
+16-bit float type, the residual stream and every sum in float32.
+
+`--dtype auto` serves a checkpoint in its own type where the GPU has it: bfloat16 as bfloat16,
+float16 as float16, float32 narrowed to float16 (vLLM's rule), and a quantized checkpoint (GGUF
+integer blocks, AWQ/GPTQ) with float16 activations (quant.cu's kernels take either).
+`--dtype float16|bfloat16` overrides; narrowing a weight to float16 refuses
+one whose values fp16 cannot hold (|w| >= 65520 rounds to inf), naming it.
+
+bfloat16 lives on the device as its bits in uint16 arrays (numpy and CuPy have no bfloat16; the
+CPU backend keeps them the same way): the kernels and cuBLAS read a uint16 array as bfloat16, so
+an array's dtype says its element type and nothing else needs to be told. CI-safe: no CuPy here;
+the conversions take the array module (numpy, or cupy for weights made on the device).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ringserve.gpu.errors import ModelError
+from ringserve.gpu.quant import QuantWeight
+from ringserve.gpu.weights import GGMLTensor
+
+CUDA_DTYPES = ("auto", "float16", "bfloat16")   # --dtype on cuda (float32: no)
+SERVING_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}  # -> device storage
+CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32", "quantized")
+# auto: the serving dtype for each checkpoint dtype
+AUTO = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float16", "quantized": "float16"}
+FP16_MAX = 65504.0
+# bf16 bits (sign cleared) from which a finite value rounds to fp16's inf: 2^16 (every bf16 below
+# it is at most 65280, within fp16's range); 0x7F80 and up are bf16's inf and NaN
+_BF16_FP16_OVERFLOW, _BF16_INF = 0x4780, 0x7F80
+
+
+def checkpoint_dtype(weights: dict[str, Any]) -> str:
+    """What the checkpoint's matrices are stored in (the weights tell, not config.json's
+    torch_dtype): "quantized" if any is packed integer blocks, else "bfloat16" if any is BF16,
+    else "float16" if any is fp16, else "float32". Weights already on the device (gpu_check)
+    count by their dtype."""
+    kinds = set()
+    for t in weights.values():
+        floats = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+        if isinstance(t, QuantWeight) or (isinstance(t, GGMLTensor) and t.ggml_type not in floats):
+            kinds.add("quantized")
+        elif isinstance(t, GGMLTensor):
+            kinds.add(floats[t.ggml_type])
+        elif str(t.dtype) in ("float16", "float32"):
+            kinds.add(str(t.dtype))
+    return next((k for k in ("quantized", "bfloat16", "float16") if k in kinds), "float32")
+
+
+def resolve_dtype(requested: str, checkpoint: str) -> str:
+    """The serving dtype ("float16" or "bfloat16") for --dtype `requested` and a checkpoint
+    stored in `checkpoint` (CHECKPOINT_DTYPES)."""
+    if requested not in CUDA_DTYPES:
+        raise ValueError(f"dtype {requested!r} is not supported by the CUDA backend "
+                         f"({', '.join(CUDA_DTYPES)})")
+    return AUTO[checkpoint] if requested == "auto" else requested
+
+
+def serving_dtype(requested: str, weights: dict[str, Any]) -> str:
+    """What CudaModelRunner serves `weights` in for --dtype `requested` (resolve_dtype of their
+    checkpoint dtype), after refusing a weight fp16 cannot hold when that is float16."""
+    dtype = resolve_dtype(requested, checkpoint_dtype(weights))
+    if dtype == "float16":
+        check_fp16_range(weights)
+    return dtype
+
+
+def check_fp16_range(weights: dict[str, Any]) -> None:
+    """Raise ModelError (one line, naming the tensor) if narrowing a host weight to fp16 would
+    turn a finite value into inf. BF16 tensors are checked on their bits, float32 ones by their
+    largest magnitude; fp16 and packed weights need no narrowing."""
+    for name, t in weights.items():
+        if isinstance(t, GGMLTensor) and t.ggml_type == "BF16":
+            for chunk in _chunks(np.asarray(t.raw).view(np.uint16)):
+                mag = chunk & np.uint16(0x7FFF)
+                bad = mag[(mag >= _BF16_FP16_OVERFLOW) & (mag < _BF16_INF)]
+                if bad.size:
+                    _refuse(name, float(widen_bfloat16(np, bad.max()[None])[0]))
+        elif isinstance(t, np.ndarray) and t.dtype == np.float32:
+            for chunk in _chunks(t):
+                mag = np.abs(chunk)
+                worst = float(mag[np.isfinite(mag)].max(initial=0.0))
+                if worst >= FP16_MAX + 16:  # NOTE: up to 65519.99 rounds down to 65504
+                    _refuse(name, worst)
+
+
+def _chunks(a: np.ndarray, size: int = 1 << 24):
+    """a's elements in flat pieces of `size`: a check's temporaries stay small (a float32
+    checkpoint's embedding alone can be GBs)."""
+    flat = a.reshape(-1)
+    for i in range(0, flat.size, size):
+        yield flat[i:i + size]
+
+
+def _refuse(name: str, worst: float) -> None:
+    raise ModelError(f"weights: tensor {name!r} holds values up to {worst:.6g} in magnitude, beyond "
+                     f"float16's {FP16_MAX:.0f}: serve it in bfloat16 (--dtype bfloat16)")
+
+
+def to_bfloat16(xp, a: Any) -> Any:
+    """Float values -> bfloat16 bits (uint16 of xp), rounded to nearest even (as torch)."""
+    bits = xp.ascontiguousarray(a, dtype=xp.float32).view(xp.uint32)
+    rounded = bits + xp.uint32(0x7FFF) + ((bits >> xp.uint32(16)) & xp.uint32(1))
+    return (rounded >> xp.uint32(16)).astype(xp.uint16)
+
+
+def widen_bfloat16(xp, bits: Any) -> Any:
+    """bfloat16 bits (uint16) -> float32, exactly."""
+    return (bits.astype(xp.uint32) << xp.uint32(16)).view(xp.float32)
