@@ -46,7 +46,7 @@ def test_the_gpu_tests_collect_here():
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     collected = re.findall(r"(test_\w+)\.py::", proc.stdout)
-    assert set(collected) == {"test_gpu_cuda", "test_gpu_serve"}
+    assert set(collected) == {"test_gpu_cuda", "test_gpu_serve", "test_gpu_graph_memory"}
     assert collected.count("test_gpu_serve") == 8 and len(collected) > 80
 
 

@@ -113,13 +113,14 @@ def test_gemm_in_bf16_matches_numpy():
 
     from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
     stream = cp.cuda.Stream(non_blocking=True)
-    ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
-    gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
     rng = np.random.default_rng(3)
     x = narrow(rng.standard_normal((7, 320)), "bfloat16")
     w = narrow(rng.standard_normal((72, 320)) * 0.1, "bfloat16")
-    out = cp.zeros((7, 72), cp.uint16)
-    gemm(cp.asarray(x), cp.asarray(w), out)
+    with stream:  # NOTE: every array made on the stream that reads it
+        ws = cp.empty(WORKSPACE_BYTES, cp.uint8)
+        gemm = CublasGemm(cublas, stream.ptr, ws.data.ptr, WORKSPACE_BYTES, lambda a: a.data.ptr)
+        out = cp.zeros((7, 72), cp.uint16)
+        gemm(cp.asarray(x), cp.asarray(w), out)
     stream.synchronize()
     np.testing.assert_allclose(widen(out.get()), widen(x) @ widen(w).T, rtol=1e-2, atol=2e-2)
     gemm.close()
