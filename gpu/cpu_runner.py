@@ -21,8 +21,7 @@ from ringserve.gpu.errors import ModelError
 from ringserve.gpu.model import LlamaWeights, compute_logits, hidden_states
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
 from ringserve.gpu.rope import cos_sin, inv_freq
-from ringserve.gpu.runner import CompletedStep, sample_on_host
-from ringserve.gpu.sampler import SamplingMetadata
+from ringserve.gpu.sampler import CompletedStep, SamplingMetadata, sample_on_host
 from ringserve.gpu.settings import (
     CPU_ACTIVATION_DTYPES,
     CPU_KV_CACHE_MEMORY_BYTES,

@@ -20,7 +20,7 @@ from ringserve.gpu.cuda.dtypes import CUDA_DTYPES
 from ringserve.gpu.devices import cuda_stack_problem, cupy_installed, resolve_device
 from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
-from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
+from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata
 from ringserve.gpu.settings import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, SchedulerConfig
 
 
@@ -116,22 +116,3 @@ def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
                           kv_cache_dtype=kv_cache_dtype,
                           num_threads=num_threads, widen_packed=widen_packed,
                           activation_dtype=cpu_activation_dtype)
-
-
-@dataclass
-class CompletedStep:
-    """A step whose sampled tokens are already on the host (the CPU backend computes in submit;
-    the CUDA backend returns a gpu.cuda.sampler.PendingSample with the same result())."""
-    output: SamplerOutput
-
-    def result(self) -> SamplerOutput:
-        return self.output
-
-
-def sample_on_host(logits: np.ndarray, rows: np.ndarray, metadata: SamplingMetadata) -> CompletedStep:
-    """Sample `rows` of host logits [B, V] with gpu/sampler.py (the CPU backend's submit)."""
-    if len(rows) == 0:
-        return CompletedStep(SamplerOutput(np.zeros(0, np.int32)))
-    if len(rows) < len(logits):
-        logits = logits[rows]
-    return CompletedStep(sample(logits, metadata))

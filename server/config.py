@@ -16,6 +16,7 @@ import typing
 from dataclasses import MISSING, Field, dataclass, field, fields
 
 API_KEY_ENV = "RINGSERVE_API_KEY"  # --api-key's default
+WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"  # the JSON a worker builds its app from (worker.py)
 METRICS_PREFIXES = ("ringserve", "vllm")  # --metrics-prefix: every metric is "<prefix>:..."
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ringserve.ipc.shm import Segment, remove_stale_segments
 from ringserve.ipc.stats import BLOCK_SIZE, KV_CACHE_BYTES, NUM_BLOCKS, EngineStats, hang_reason
+from ringserve.server.config import WORKER_CONFIG_ENV
 from ringserve.server.supervision import (
     LAUNCHER_PID_ENV,
     die_with_parent,
@@ -44,7 +45,6 @@ from ringserve.server.supervision import (
 log = logging.getLogger("ringserve.launch")
 
 ENGINE_START_TIMEOUT_S = 600.0
-WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"  # the JSON a worker builds its app from (worker.py)
 
 
 def serve_sections() -> list[tuple[str, type]]:

@@ -77,7 +77,7 @@ def test_api_key_flag_defaults_to_the_environment(monkeypatch):
 def test_serve_help_explains_every_flag_without_loading_gpu_code():
     """`ringserve serve --help` in a fresh interpreter: every flag is there, and building the
     parser imported no numba, CuPy or engine core (gpu/settings.py and engine/config.py only)."""
-    code = ("import sys\nfrom ringserve.server.cli import main\n"
+    code = ("import sys\nfrom ringserve.tools.cli import main\n"
             "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('numba', 'cupy', 'ringserve.engine.core', 'ringserve.gpu.runner')"
             " if m in sys.modules]\nprint('HEAVY', heavy)\n")
@@ -130,7 +130,7 @@ def test_server_configs_refuse_bad_settings(cls, kwargs, match):
 
 
 def test_llm_takes_the_engine_config_names(tiny_model_dir):
-    from ringserve.engine.llm import LLM
+    from ringserve.server.llm import LLM
     llm = LLM(str(tiny_model_dir), device="cpu", max_num_seqs=3, num_gpu_blocks_override=32,
               enable_prefix_caching=False)
     assert (llm.config.max_num_seqs, llm.engine.scheduler.max_num_seqs) == (3, 3)
@@ -170,7 +170,7 @@ def test_the_flag_table_in_docs_lists_every_flag():
     ("--engine-hang-timeout", "0", "--engine-hang-timeout must be positive"),  # ServerConfig
 ])
 def test_serve_refuses_a_bad_setting_before_starting(tiny_model_dir, flag, value, message):
-    r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+    r = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
                         str(tiny_model_dir), "--device", "cpu", "--port", str(free_port()), flag, value],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
@@ -181,7 +181,7 @@ def test_serve_refuses_a_bad_setting_before_starting(tiny_model_dir, flag, value
 def test_serve_refuses_a_kv_pool_the_machine_cannot_hold_in_one_line(tiny_model_dir, flag, value):
     """The pool is allocated lazily (np.zeros): without the check the server would start and
     fail mid-serving. The engine says what it needs and what there is, without a traceback."""
-    r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+    r = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
                         str(tiny_model_dir), "--device", "cpu", "--port", str(free_port()), flag, value],
                        capture_output=True, text=True, timeout=120)
     lines = [x for x in r.stderr.splitlines() if x.startswith("error: the model does not fit")]

@@ -109,7 +109,7 @@ def test_serve_on_cuda_names_the_pair_before_any_engine_starts(py312, tiny_model
     started, no traceback (CUDA_VISIBLE_DEVICES stands for the GPU: the check comes first)."""
     python, pkg = py312
     env = _env(pkg, NUMPY25, CUDA_VISIBLE_DEVICES="0")
-    proc = subprocess.run([str(python), "-m", "ringserve.server.cli", "serve", "--model", str(tiny_model_dir),
+    proc = subprocess.run([str(python), "-m", "ringserve.tools.cli", "serve", "--model", str(tiny_model_dir),
                            "--device", "cuda", "--port", "0"], capture_output=True, text=True, env=env,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr

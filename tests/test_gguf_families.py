@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ringserve.engine.llm import LLM
+from ringserve.server.llm import LLM
 from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.errors import ModelError

@@ -295,7 +295,7 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
     import multiprocessing as mp
 
     from fp16_checks import assert_same_generation
-    from ringserve.engine.llm import LLM
+    from ringserve.server.llm import LLM
     from ringserve.engine.sampling_params import SamplingParams
     from ringserve.server.engine_client import EngineClient
     tiny_cuda_model_dir = tiny_cuda_models("tied-g3")  # one model: a spawned engine compiles every kernel

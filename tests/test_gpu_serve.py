@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ringserve.server.cli import main as cli
+from ringserve.tools.cli import main as cli
 from ringserve.tools import serve_sweep
 
 

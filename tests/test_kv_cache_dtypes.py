@@ -120,6 +120,6 @@ def test_serve_takes_the_flag_and_reports_the_halved_pool(tiny_server, tiny_mode
     c = ModelConfig.from_dir(tiny_model_dir)
     per_block = 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * c.head_dim * 2   # 2 bytes each
     assert float(line.rsplit(" ", 1)[1]) == blocks * per_block and blocks == (1 << 20) // per_block
-    bad = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--kv-cache-dtype", "fp8"],
+    bad = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--kv-cache-dtype", "fp8"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr and "fp8" in bad.stderr

@@ -1,7 +1,7 @@
 """The offline API (engine/llm.py): tiny model for the mechanics, the default model for text."""
 import pytest
 
-from ringserve.engine.llm import LLM
+from ringserve.server.llm import LLM
 from ringserve.engine.sampling_params import SamplingParams
 
 

@@ -224,7 +224,7 @@ def test_invalid_constraints_are_400_naming_the_field(server):
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
-    from ringserve.engine.llm import LLM
+    from ringserve.server.llm import LLM
     return LLM(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN)
 
 

@@ -217,7 +217,7 @@ def test_traced_stream_by_header_carries_the_journey_last(debug_server):
 
 
 def test_trace_cli_prints_every_station(debug_server):
-    out = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "trace", "Explain the KV cache",
+    out = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "trace", "Explain the KV cache",
                           "--url", debug_server, "--max-tokens", "6"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -1,15 +1,17 @@
-"""The offline API, shaped like vLLM's `LLM` where they overlap.
+"""The offline API, shaped like vLLM's `LLM` where they overlap; one import line brings it:
+
+    from ringserve.server.llm import LLM, SamplingParams
 
     llm = LLM(model="SmolLM2-135M-Instruct", max_num_seqs=64, enable_prefix_caching=True)
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
     outs[0].outputs[0].text
 
 It runs an EngineCore in this process until every request of the call is done. It is a
-frontend facade (like vLLM's entrypoints/llm.py): the one engine module that tokenizes and
-detokenizes, with the HTTP server's own code (server/tokenizer.py and the output processor,
-server/output_processor.py), so that text, stop strings, logprobs and finish reasons come out
-exactly as they do over HTTP (a stop string aborts the engine sample). A request the engine
-refuses (too long for max_model_len or the pool) raises ValueError.
+frontend like the HTTP server (vLLM's entrypoints/llm.py), so it lives beside it and uses its
+code: server/tokenizer.py and the output processor (server/output_processor.py), so that text,
+stop strings, logprobs and finish reasons come out exactly as they do over HTTP (a stop string
+aborts the engine sample). A request the engine refuses (too long for max_model_len or the
+pool) raises ValueError.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from ringserve.gpu.model_store import resolve_model
 from ringserve.ipc.messages import FinishReason
 from ringserve.server.output_processor import SampleParams, SampleState, TokenLogprob
 from ringserve.server.tokenizer import Tokenizer
+
+__all__ = ["LLM", "SamplingParams", "GenerationOutput", "CompletionOutput", "Logprob"]
 
 PromptType = Union[str, Sequence[int]]
 
