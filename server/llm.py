@@ -75,9 +75,10 @@ class GenerationOutput:
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         """model: a known name (None: the default model), an HF folder or a .gguf file;
-        engine_args: the EngineConfig fields (the `ringserve serve` flags in snake_case)."""
+        engine_args: the setting names of EngineConfig and its parts, flat (the `ringserve serve`
+        flags in snake_case, as vLLM's EngineArgs): EngineConfig.create sorts them."""
         model_dir = resolve_model(model)
-        self.config = EngineConfig(model=str(model_dir), **engine_args)
+        self.config = EngineConfig.create(model=str(model_dir), **engine_args)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

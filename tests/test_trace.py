@@ -82,9 +82,9 @@ def check_engine_journey(e: dict, time_key: str = "at") -> None:
 
 def test_engine_traces_only_traced_requests_through_preemption(tiny_model_dir):
     # A pool too small for both: the newer request is preempted and recomputed.
-    core = EngineCore(EngineConfig(model=str(tiny_model_dir), block_size=BLOCK_SIZE,
-                                   num_gpu_blocks_override=12, max_num_batched_tokens=16,
-                                   enable_prefix_caching=False))
+    core = EngineCore(EngineConfig.create(model=str(tiny_model_dir), block_size=BLOCK_SIZE,
+                                          num_gpu_blocks_override=12, max_num_batched_tokens=16,
+                                          enable_prefix_caching=False))
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     core.add_request("old", list(range(5, 25)), params, trace=True)
     core.add_request("new", list(range(30, 46)), params, trace=True)
