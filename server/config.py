@@ -3,10 +3,11 @@ becomes command-line flags (add_arguments, from_args).
 
 Every setting is a dataclass field that holds its default, its help text (metadata "help") and
 its choices (metadata "choices"), and its class checks it in __post_init__. `ringserve serve`'s
-flags are generated from these classes, engine/config.py's EngineConfig and
-server/protocol.py's RequestLimits (server/launch.py add_serve_arguments): the flag of field
-`max_num_seqs` is `--max-num-seqs`. The server modules take their defaults from here. This
-module imports nothing of ringserve: a worker may import it.
+flags are generated from these classes, engine/config.py's EngineConfig and its parts
+(DeviceConfig, CacheConfig, SchedulerConfig) and server/protocol.py's RequestLimits
+(server/launch.py add_serve_arguments): the flag of field `max_num_seqs` is `--max-num-seqs`.
+The server modules take their defaults from here. This module imports nothing of ringserve: a
+worker may import it.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The offline API (engine/llm.py): tiny model for the mechanics, the default model for text."""
+"""The offline API (server/llm.py): tiny model for the mechanics, the default model for text."""
 import pytest
 
 from ringserve.engine.sampling_params import SamplingParams
