@@ -1,20 +1,64 @@
-"""EngineConfig: every setting an engine is built with, flat (vLLM's EngineArgs).
+"""EngineConfig: every setting an engine is built with, in parts (vLLM's VllmConfig).
 
-The union of gpu/settings.py's DeviceConfig, CacheConfig and SchedulerConfig (which the runner
-reads too) and the model fields below. `LLM(**kwargs)` takes these names, the launcher builds
-one from the `ringserve serve` flags of the same names (generated from these fields), and the
-engine process (run_engine) and the runner (engine/core.py _make_runner) are built from it.
+It holds a DeviceConfig and a CacheConfig (gpu/settings.py: the runner takes them whole), a
+SchedulerConfig (below: the scheduler takes it whole) and the model fields. The runner learns
+the scheduler's bounds as gpu's own StepLimits (step_limits). `LLM(**kwargs)` takes the flat
+setting names, as vLLM's EngineArgs does (EngineConfig.create sorts them into the parts); the
+launcher builds one from the `ringserve serve` flags of the same names (generated from these
+fields), and the engine process (run_engine) and the runner (engine/core.py _make_runner) are
+built from it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from ringserve.engine.kv_events import KVEventsConfig, parse_kv_events_config
-from ringserve.gpu.settings import CacheConfig, DeviceConfig, SchedulerConfig, max_num_batched_tokens_for
+from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
+
+# Tokens per step when max_num_batched_tokens is not given; longer prompts are chunked.
+CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+# The CPU's is small so that a step stays short: every running request waits for the whole
+# step for its next token. Measured (docs/engine.md, the default model, 2 cores): an 8,000-token
+# prompt is one 84-166 s step at 8192, 4 steps of up to 37 s at 2048, 16 of 3.6-9 s at 512;
+# its total cost is the same at any budget. 512 = 2 x the default max_num_seqs: all running
+# sequences decode every step with room left for a prompt chunk.
+CPU_MAX_NUM_BATCHED_TOKENS = 512
+
+
+def max_num_batched_tokens_for(device: str) -> int:
+    """The default tokens per step on a resolved device ("cpu" or "cuda")."""
+    return CUDA_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
 
 
 @dataclass(kw_only=True)
-class EngineConfig(DeviceConfig, CacheConfig, SchedulerConfig):
+class SchedulerConfig:
+    """The scheduler's budgets per step (vLLM's SchedulerConfig)."""
+    max_num_seqs: int = field(default=256, metadata={
+        "help": "most sequences in one engine step (the CUDA graph ladder goes up to it)"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={
+        "help": f"most tokens in one engine step; longer prompts are prefilled in chunks "
+                f"(default: {CUDA_MAX_NUM_BATCHED_TOKENS} on cuda, {CPU_MAX_NUM_BATCHED_TOKENS} "
+                f"on cpu, where it keeps a step short: docs/engine.md)"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+
+    @property
+    def token_budget(self) -> int:
+        """max_num_batched_tokens as EngineConfig resolved it for the device."""
+        if self.max_num_batched_tokens is None:
+            raise ValueError("max_num_batched_tokens is not resolved: EngineConfig resolves it by device")
+        return self.max_num_batched_tokens
+
+
+PARTS = {"device_config": DeviceConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
     model: str | None = field(default=None, metadata={
         "help": "a known model name, an HF folder or a .gguf file (default: the default model, "
                 "SmolLM2-135M-Instruct)"})
@@ -29,11 +73,12 @@ class EngineConfig(DeviceConfig, CacheConfig, SchedulerConfig):
                 "buffer_steps, hwm, max_queue_size, topic; each engine's ports are offset by its "
                 "index (docs/scale-out.md; needs pyzmq, the kv-events extra). Published by the "
                 "engine processes of `ringserve serve`, not by the offline LLM"})
+    # The parts: settings classes of their own (no flag each; their fields are the flags).
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        DeviceConfig.__post_init__(self)
-        CacheConfig.__post_init__(self)
-        SchedulerConfig.__post_init__(self)
         kv_events = parse_kv_events_config(self.kv_events_config)  # ValueError: one line
         if kv_events is not None and kv_events.enabled:
             try:
@@ -43,9 +88,20 @@ class EngineConfig(DeviceConfig, CacheConfig, SchedulerConfig):
                                  "(pip install 'ringserve[kv-events]')") from None
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
-        if self.max_num_batched_tokens is None:  # the one place the by-device default is resolved
+        if self.scheduler_config.max_num_batched_tokens is None:  # the one place it is resolved
             from ringserve.gpu.devices import resolve_device
-            self.max_num_batched_tokens = max_num_batched_tokens_for(resolve_device(self.device))
+            budget = max_num_batched_tokens_for(resolve_device(self.device_config.device))
+            self.scheduler_config = replace(self.scheduler_config, max_num_batched_tokens=budget)
+
+    @classmethod
+    def create(cls, **settings) -> EngineConfig:
+        """An EngineConfig from the flat setting names (`LLM(**kwargs)`, vLLM's EngineArgs): each
+        name goes to the part that declares it. An unknown name is a TypeError."""
+        parts = {}
+        for name, part in PARTS.items():
+            own = {f.name for f in fields(part)}
+            parts[name] = part(**{k: settings.pop(k) for k in list(settings) if k in own})
+        return cls(**settings, **parts)
 
     @property
     def kv_events(self) -> KVEventsConfig | None:
@@ -53,7 +109,8 @@ class EngineConfig(DeviceConfig, CacheConfig, SchedulerConfig):
         return parse_kv_events_config(self.kv_events_config)
 
     @property
-    def token_budget(self) -> int:
-        """max_num_batched_tokens as resolved for the device (never None once built)."""
-        assert self.max_num_batched_tokens is not None
-        return self.max_num_batched_tokens
+    def step_limits(self) -> StepLimits:
+        """The scheduler's bounds on a step, as the runner takes them."""
+        return StepLimits(max_num_seqs=self.scheduler_config.max_num_seqs,
+                          max_num_batched_tokens=self.scheduler_config.token_budget,
+                          max_model_len=self.max_model_len)

@@ -93,9 +93,9 @@ class EngineCore:
             raise ValueError(f"max_model_len {self.max_model_len} is longer than the model's "
                              f"max_position_embeddings {model.max_position_embeddings}")
         self.block_size = runner.block_size
-        self.kv = KVCacheManager(runner.num_blocks, self.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.token_budget)
+        self.kv = KVCacheManager(runner.num_blocks, self.block_size,
+                                 config.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.scheduler_config)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
         self._pending: list[EngineOutput] = []               # refusals and aborts, out next step
@@ -134,7 +134,8 @@ class EngineCore:
                                  for i in range(samples))
             return
         prompt = prompt.astype(np.int32, copy=False)
-        sharing_salt = request_id if params.n > 1 and not self.config.enable_prefix_caching else None
+        caching = self.config.cache_config.enable_prefix_caching
+        sharing_salt = request_id if params.n > 1 and not caching else None
         # Every sample is made before any is queued: a request that raises here leaves nothing.
         group = [Request(request_id, prompt, params, index=i,
                          eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
@@ -347,13 +348,4 @@ def _make_runner(config: EngineConfig):
     from ringserve.gpu.runner import ModelRunner
 
     model_dir: Path = resolve_model(config.model)
-    return ModelRunner(model_dir, device=config.device, dtype=config.dtype,
-                       block_size=config.block_size, num_blocks=config.num_gpu_blocks_override,
-                       kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-                       kv_cache_dtype=config.kv_cache_dtype, num_threads=config.cpu_threads,
-                       cpu_activation_dtype=config.cpu_activation_dtype,
-                       gpu_memory_utilization=config.gpu_memory_utilization,
-                       max_num_seqs=config.max_num_seqs,
-                       max_num_batched_tokens=config.token_budget,
-                       max_model_len=config.max_model_len, enforce_eager=config.enforce_eager,
-                       attention_backend=config.attention_backend)
+    return ModelRunner(model_dir, config.device_config, config.cache_config, config.step_limits)

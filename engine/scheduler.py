@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from ringserve.engine.config import SchedulerConfig
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request, RequestStatus
 from ringserve.ipc.messages import FinishReason
@@ -44,10 +45,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig):
+        """config: its max_num_batched_tokens resolved (EngineConfig does it by device)."""
         self.kv = kv
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []     # admission order: the last one is the newest
 

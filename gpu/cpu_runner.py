@@ -21,10 +21,11 @@ from ringserve.gpu.errors import ModelError
 from ringserve.gpu.model import LlamaWeights, compute_logits, hidden_states
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
 from ringserve.gpu.rope import cos_sin, inv_freq
-from ringserve.gpu.runner import CompletedStep, sample_on_host
-from ringserve.gpu.sampler import SamplingMetadata
+from ringserve.gpu.sampler import CompletedStep, SamplingMetadata, sample_on_host
 from ringserve.gpu.settings import (
     CPU_ACTIVATION_DTYPES,
+    CPU_DTYPES,
+    CPU_KV_CACHE_DTYPES,
     CPU_KV_CACHE_MEMORY_BYTES,
     CacheConfig,
     DeviceConfig,
@@ -32,40 +33,26 @@ from ringserve.gpu.settings import (
 from ringserve.gpu.weights import load_weights
 
 _BLAS = ThreadpoolController()
-# dtype -> how the CPU backend stores float32 weights; it always computes in float32. "bfloat16"
-# is an option that halves the bytes a decode step streams (its logits differ from float32's by
-# bf16 rounding of the weights); float32 is the default and matches transformers. Weights stored
-# in another type (GGUF blocks, F16, BF16) stay in it whatever the dtype (gpu/cpu_packed.py).
-CPU_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
-KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 class CpuModelRunner:
     device = "cpu"
     asynchronous = False  # submit() computes the step before it returns
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = DeviceConfig.dtype,
-                 block_size: int = CacheConfig.block_size, num_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
-                 kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
-                 num_threads: int | None = None, widen_packed: bool = False,
-                 activation_dtype: str = DeviceConfig.cpu_activation_dtype):
-        """num_threads: Numba's (and BLAS's) threads for a step, default_num_threads() by
-        default; num_blocks: the KV pool, else as many blocks as kv_cache_memory_bytes holds
-        (in kv_cache_dtype: gpu/cpu_kv_dtypes.py). widen_packed: GGUF blocks and 16-bit weights
-        widened to dtype as well (the float path, for comparisons), not kept packed.
-        activation_dtype: "int8" multiplies quantized weights by int8 activation blocks
-        (gpu/cpu_int8_kernels.py, needs AVX-512 VNNI), "float32" exactly; "auto": int8 where
-        the CPU can."""
-        if dtype not in CPU_DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported by the CPU backend "
-                             f"({', '.join(CPU_DTYPES)})")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the CPU backend "
-                             f"({', '.join(KV_CACHE_DTYPES)})")
-        self.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
-        if block_size <= 0:
-            raise ValueError(f"block_size {block_size} must be positive")
+    def __init__(self, model_dir: str | Path, device: DeviceConfig, cache: CacheConfig, *,
+                 widen_packed: bool = False):
+        """The settings it reads, checked by DeviceConfig.check_backend (gpu/runner.py
+        ModelRunner): device.dtype (CPU_DTYPES), device.cpu_threads (Numba's and BLAS's threads
+        for a step; default_num_threads() by default), device.cpu_activation_dtype ("int8"
+        multiplies quantized weights by int8 activation blocks, gpu/cpu_int8_kernels.py, needs
+        AVX-512 VNNI; "float32" exactly; "auto": int8 where the CPU can); cache.block_size,
+        cache.kv_cache_dtype (gpu/cpu_kv_dtypes.py) and the pool: cache.num_gpu_blocks_override
+        blocks, else as many as cache.kv_cache_memory_bytes holds. widen_packed: GGUF blocks and
+        16-bit weights widened to dtype as well (the float path, for comparisons), not kept
+        packed."""
+        self.kv_cache_dtype = CPU_KV_CACHE_DTYPES[cache.kv_cache_dtype]
+        block_size, num_blocks, num_threads = cache.block_size, cache.num_gpu_blocks_override, \
+            device.cpu_threads
         self.config = c = ModelConfig.from_dir(model_dir)
         self.model_dir = Path(model_dir)  # its tokenizer.json: the engine's structured outputs
         self.num_threads = default_num_threads() if num_threads is None else num_threads
@@ -74,15 +61,16 @@ class CpuModelRunner:
                              f"{numba_max_threads()} (NUMBA_NUM_THREADS)")
         self.block_size = block_size
         if num_blocks is None:
-            budget = CPU_KV_CACHE_MEMORY_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
+            budget = cache.kv_cache_memory_bytes
+            budget = CPU_KV_CACHE_MEMORY_BYTES if budget is None else budget
             num_blocks = budget // self.bytes_per_block
         if num_blocks <= 0:
             raise ValueError(f"the KV cache holds no block: {num_blocks} blocks "
                              f"({self.bytes_per_block} bytes per block)")
         self.num_blocks = int(num_blocks)
         hf = load_weights(model_dir)
-        self.int8_activations = int8_activations(activation_dtype)
-        store = CpuWeightStore(CPU_DTYPES[dtype], widen_packed, self.int8_activations)
+        self.int8_activations = int8_activations(device.cpu_activation_dtype)
+        store = CpuWeightStore(CPU_DTYPES[device.dtype], widen_packed, self.int8_activations)
         check_fits(sum(store.nbytes(t) for t in hf.values()), self.num_blocks * self.bytes_per_block,
                    self.num_blocks)
         self.weights = LlamaWeights.fuse(c, hf, store)

@@ -3,8 +3,10 @@
 A runner owns the weights and the paged KV cache (allocated once, never resized) and turns a
 Batch into sampled tokens. Two runners, one face (`Runner`), one model (gpu/model.py):
 gpu/cpu_runner.py CpuModelRunner (numpy + Numba) and gpu/cuda/runner.py CudaModelRunner (CuPy),
-built by `ModelRunner(model_dir, device=...)`. This module holds what both share and imports
-neither backend until it is asked for one (the CUDA one imports CuPy).
+built by `ModelRunner(model_dir, device, cache, limits)` from the settings objects
+(gpu/settings.py). This module holds what both share and imports
+neither backend until it is asked for one (the CUDA one imports CuPy); the backends import
+nothing of it.
 """
 from __future__ import annotations
 
@@ -16,12 +18,10 @@ import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.cuda.dtypes import CUDA_DTYPES
-from ringserve.gpu.devices import cuda_stack_problem, cupy_installed, resolve_device
 from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
-from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata, sample
-from ringserve.gpu.settings import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, SchedulerConfig
+from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata
+from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 
 class StepHandle(Protocol):
@@ -67,71 +67,23 @@ class MemoryReport:
         return cls(runner.weights.nbytes_by_type(), kv)
 
 
-def ModelRunner(model_dir: str | Path, *, device: str = "cpu",  # noqa: N802
-                dtype: str = DeviceConfig.dtype, block_size: int = CacheConfig.block_size,
-                num_blocks: int | None = None,
-                kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes,
-                kv_cache_dtype: str = CacheConfig.kv_cache_dtype,
-                num_threads: int | None = None, widen_packed: bool = False,
-                cpu_activation_dtype: str = DeviceConfig.cpu_activation_dtype,
-                gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
-                max_num_seqs: int = SchedulerConfig.max_num_seqs,
-                max_num_batched_tokens: int = CUDA_MAX_NUM_BATCHED_TOKENS,
-                max_model_len: int | None = None, enforce_eager: bool = DeviceConfig.enforce_eager,
-                attention_backend: str = DeviceConfig.attention_backend) -> Runner:
-    """The runner for `device` (named as a class: the engine, LLM and the tools construct it).
-    The settings' defaults are gpu/settings.py's; the engine passes its EngineConfig's
-    (engine/core.py _make_runner). device "cpu" unless asked (tests compare against CPU
-    references).
-    device "auto": cuda when CuPy sees a GPU, else cpu (gpu/devices.py). dtype on CUDA: auto
-    (the checkpoint's bfloat16 or float16; float32 and quantized checkpoints in float16),
-    float16 or bfloat16 (gpu/cuda/dtypes.py); kv_cache_dtype there: auto or the same.
-    kv_cache_memory_bytes, num_threads, cpu_activation_dtype and widen_packed (the float path
-    for comparisons: gpu/cpu_runner.py) are the CPU backend's; the arguments after them the
-    CUDA backend's (KV pool from free memory, graph ladder up to max_num_seqs, the profiling
-    forward's size, graphs off, paged-attention kernel)."""
-    device = resolve_device(device)
-    if device == "cuda":
-        if dtype not in CUDA_DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported by the CUDA backend "
-                             f"({', '.join(CUDA_DTYPES)})")
-        if kv_cache_dtype not in CUDA_DTYPES:
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the CUDA backend "
-                             f"({', '.join(CUDA_DTYPES)}: its KV cache is in the serving dtype)")
-        if not cupy_installed():
-            raise ValueError("device 'cuda' needs CuPy: pip install -e '.[cuda]' "
-                             "(docs/deploy.md)")
-        if (problem := cuda_stack_problem()) is not None:  # LLM and the tools too, not only serve
-            raise ValueError(problem)
+def ModelRunner(model_dir: str | Path, device: DeviceConfig | None = None,  # noqa: N802
+                cache: CacheConfig | None = None, limits: StepLimits | None = None, *,
+                widen_packed: bool = False) -> Runner:
+    """The runner for `device` (named as a class: the engine, LLM and the tools construct it),
+    built from the settings objects whole: the engine passes its EngineConfig's parts
+    (engine/core.py _make_runner). device: DeviceConfig(device="cpu") unless given (tests
+    compare against CPU references); "auto" is cuda when CuPy sees a GPU, else cpu, and
+    DeviceConfig.check_backend refuses what the backend cannot serve. cache: CacheConfig()
+    unless given. limits: the largest step (the CUDA backend's graph ladder, profiling forward
+    and block tables); the CPU backend needs none. widen_packed: the CPU backend's float path
+    for comparisons (gpu/cpu_runner.py)."""
+    device = DeviceConfig(device="cpu") if device is None else device
+    cache = CacheConfig() if cache is None else cache
+    if device.check_backend(cache) == "cuda":
+        if limits is None:
+            raise ValueError("the CUDA runner needs its StepLimits (max_num_seqs, max_num_batched_tokens)")
         from ringserve.gpu.cuda.runner import CudaModelRunner
-        return CudaModelRunner.from_dir(
-            model_dir, block_size=block_size, num_blocks=num_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enforce_eager=enforce_eager, attention_backend=attention_backend, dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype)
+        return CudaModelRunner.from_dir(model_dir, device, cache, limits)
     from ringserve.gpu.cpu_runner import CpuModelRunner
-    return CpuModelRunner(model_dir, dtype=dtype, block_size=block_size, num_blocks=num_blocks,
-                          kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          kv_cache_dtype=kv_cache_dtype,
-                          num_threads=num_threads, widen_packed=widen_packed,
-                          activation_dtype=cpu_activation_dtype)
-
-
-@dataclass
-class CompletedStep:
-    """A step whose sampled tokens are already on the host (the CPU backend computes in submit;
-    the CUDA backend returns a gpu.cuda.sampler.PendingSample with the same result())."""
-    output: SamplerOutput
-
-    def result(self) -> SamplerOutput:
-        return self.output
-
-
-def sample_on_host(logits: np.ndarray, rows: np.ndarray, metadata: SamplingMetadata) -> CompletedStep:
-    """Sample `rows` of host logits [B, V] with gpu/sampler.py (the CPU backend's submit)."""
-    if len(rows) == 0:
-        return CompletedStep(SamplerOutput(np.zeros(0, np.int32)))
-    if len(rows) < len(logits):
-        logits = logits[rows]
-    return CompletedStep(sample(logits, metadata))
+    return CpuModelRunner(model_dir, device, cache, widen_packed=widen_packed)

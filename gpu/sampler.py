@@ -249,3 +249,22 @@ def _gather_rows(logits: np.ndarray, token_ids: np.ndarray, num_top: int,
 
     each_row(range(len(token_ids)), gather, failed)
     return out
+
+
+@dataclass
+class CompletedStep:
+    """A step whose sampled tokens are already on the host: the CPU backend computes in submit
+    (the CUDA backend returns a gpu.cuda.sampler.PendingSample with the same result())."""
+    output: SamplerOutput
+
+    def result(self) -> SamplerOutput:
+        return self.output
+
+
+def sample_on_host(logits: np.ndarray, rows: np.ndarray, metadata: SamplingMetadata) -> CompletedStep:
+    """Sample `rows` of host logits [B, V] with sample() (the CPU backend's submit)."""
+    if len(rows) == 0:
+        return CompletedStep(SamplerOutput(np.zeros(0, np.int32)))
+    if len(rows) < len(logits):
+        logits = logits[rows]
+    return CompletedStep(sample(logits, metadata))

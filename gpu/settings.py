@@ -1,40 +1,33 @@
-"""The engine settings that the model runner reads too: the device, the KV cache, the
-scheduler's budgets (vLLM's DeviceConfig, CacheConfig, SchedulerConfig).
+"""The runner's settings: the device (DeviceConfig), the KV cache (CacheConfig), the largest
+step it must be ready for (StepLimits). vLLM's DeviceConfig and CacheConfig.
 
-Each field holds a setting's default, its help text (metadata "help") and, where it has a fixed
-set of values, its choices (metadata "choices"); each class checks its fields in __post_init__.
-engine/config.py's EngineConfig is their union plus the model fields; `ringserve serve`
-generates its flags from them (server/config.py add_arguments) and the runners' keyword
-defaults are these fields' defaults. They live in gpu/, the lowest layer that both the engine
-and the runners may import (docs/design.md §2). Importing this module loads neither numba nor
-CuPy: the CLI builds its --help from it.
+Each setting field holds its default, its help text (metadata "help") and, where it has a fixed
+set of values, its choices (metadata "choices"); each class checks its fields in __post_init__,
+and DeviceConfig also the checks that depend on the backend it resolves to (check_backend).
+engine/config.py's EngineConfig holds one of each of the first two (and makes the StepLimits
+from its SchedulerConfig); `ringserve serve` generates its flags from their fields
+(server/config.py add_arguments), and the runners take these objects whole. Importing this
+module loads neither numba nor CuPy: the CLI builds its --help from it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ringserve.gpu.cuda.dtypes import CUDA_DTYPES
 from ringserve.gpu.cuda.launch import ATTENTION_BACKENDS
-from ringserve.gpu.devices import DEVICES
+from ringserve.gpu.devices import DEVICES, cuda_stack_problem, cupy_installed, resolve_device
 
-# Tokens per step when max_num_batched_tokens is not given; longer prompts are chunked.
-CUDA_MAX_NUM_BATCHED_TOKENS = 8192
-# The CPU's is small so that a step stays short: every running request waits for the whole
-# step for its next token. Measured (docs/engine.md, the default model, 2 cores): an 8,000-token
-# prompt is one 84-166 s step at 8192, 4 steps of up to 37 s at 2048, 16 of 3.6-9 s at 512;
-# its total cost is the same at any budget. 512 = 2 x the default max_num_seqs: all running
-# sequences decode every step with room left for a prompt chunk.
-CPU_MAX_NUM_BATCHED_TOKENS = 512
 CPU_KV_CACHE_MEMORY_BYTES = 1 << 30  # the CPU pool when neither its size nor its bytes are given
-# Every dtype some backend takes; each takes a subset (gpu/cpu_runner.py CPU_DTYPES,
-# gpu/cuda/dtypes.py CUDA_DTYPES).
+# Every dtype some backend takes; each takes a subset (CPU_DTYPES, gpu/cuda/dtypes.py CUDA_DTYPES).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES  # the same names (vLLM's flag; its fp8 types are not here)
 CPU_ACTIVATION_DTYPES = ("auto", "int8", "float32")
-
-
-def max_num_batched_tokens_for(device: str) -> int:
-    """The default tokens per step on a resolved device ("cpu" or "cuda")."""
-    return CUDA_MAX_NUM_BATCHED_TOKENS if device == "cuda" else CPU_MAX_NUM_BATCHED_TOKENS
+# dtype -> how the CPU backend stores float32 weights; it always computes in float32. "bfloat16"
+# is an option that halves the bytes a decode step streams (its logits differ from float32's by
+# bf16 rounding of the weights); float32 is the default and matches transformers. Weights stored
+# in another type (GGUF blocks, F16, BF16) stay in it whatever the dtype (gpu/cpu_packed.py).
+CPU_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
+CPU_KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _at_least(obj, low: int, *names: str) -> None:
@@ -81,6 +74,31 @@ class DeviceConfig:
         _one_of(self, "cpu_activation_dtype", CPU_ACTIVATION_DTYPES)
         _at_least(self, 1, "cpu_threads")
 
+    def check_backend(self, cache: CacheConfig) -> str:
+        """The backend this resolves to ("cpu" or "cuda": gpu/devices.py resolve_device), after
+        the checks that depend on it: its dtypes (the weights' and `cache`'s) and, on CUDA, that
+        CuPy and a working CUDA stack are installed. ValueError, one line, otherwise."""
+        device = resolve_device(self.device)
+        if device == "cpu":
+            if self.dtype not in CPU_DTYPES:
+                raise ValueError(f"dtype {self.dtype!r} is not supported by the CPU backend "
+                                 f"({', '.join(CPU_DTYPES)})")
+            if cache.kv_cache_dtype not in CPU_KV_CACHE_DTYPES:
+                raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype!r} is not supported by the CPU "
+                                 f"backend ({', '.join(CPU_KV_CACHE_DTYPES)})")
+            return device
+        if self.dtype not in CUDA_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported by the CUDA backend "
+                             f"({', '.join(CUDA_DTYPES)})")
+        if cache.kv_cache_dtype not in CUDA_DTYPES:
+            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype!r} is not supported by the CUDA backend "
+                             f"({', '.join(CUDA_DTYPES)}: its KV cache is in the serving dtype)")
+        if not cupy_installed():
+            raise ValueError("device 'cuda' needs CuPy: pip install -e '.[cuda]' (docs/deploy.md)")
+        if (problem := cuda_stack_problem()) is not None:  # LLM and the tools too, not only serve
+            raise ValueError(problem)
+        return device
+
 
 @dataclass(kw_only=True)
 class CacheConfig:
@@ -110,14 +128,16 @@ class CacheConfig:
                              f"{self.gpu_memory_utilization}.")
 
 
-@dataclass(kw_only=True)
-class SchedulerConfig:
-    max_num_seqs: int = field(default=256, metadata={
-        "help": "most sequences in one engine step (the CUDA graph ladder goes up to it)"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={
-        "help": f"most tokens in one engine step; longer prompts are prefilled in chunks "
-                f"(default: {CUDA_MAX_NUM_BATCHED_TOKENS} on cuda, {CPU_MAX_NUM_BATCHED_TOKENS} "
-                f"on cpu, where it keeps a step short: docs/engine.md)"})
+@dataclass(frozen=True)
+class StepLimits:
+    """The largest step the runner must be ready for, as the scheduler bounds it (engine/config.py
+    SchedulerConfig, EngineConfig.step_limits): the CUDA runner captures its graph ladder up to
+    max_num_seqs, sizes its KV pool after a profiling forward of max_num_batched_tokens, and its
+    block tables for max_model_len (None: the model's max_position_embeddings). The CPU runner
+    needs none of them."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "max_num_seqs", "max_num_batched_tokens")
+        _at_least(self, 1, "max_num_seqs", "max_num_batched_tokens", "max_model_len")

@@ -3,19 +3,21 @@ becomes command-line flags (add_arguments, from_args).
 
 Every setting is a dataclass field that holds its default, its help text (metadata "help") and
 its choices (metadata "choices"), and its class checks it in __post_init__. `ringserve serve`'s
-flags are generated from these classes, engine/config.py's EngineConfig and
-server/protocol.py's RequestLimits (server/launch.py add_serve_arguments): the flag of field
-`max_num_seqs` is `--max-num-seqs`. The server modules take their defaults from here. This
-module imports nothing of ringserve: a worker may import it.
+flags are generated from these classes, engine/config.py's EngineConfig and its parts
+(DeviceConfig, CacheConfig, SchedulerConfig) and server/protocol.py's RequestLimits
+(server/launch.py add_serve_arguments): the flag of field `max_num_seqs` is `--max-num-seqs`.
+The server modules take their defaults from here. This module imports nothing of ringserve: a
+worker may import it.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import typing
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 
 API_KEY_ENV = "RINGSERVE_API_KEY"  # --api-key's default
+WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"  # the JSON a worker builds its app from (worker.py)
 METRICS_PREFIXES = ("ringserve", "vllm")  # --metrics-prefix: every metric is "<prefix>:..."
 
 
@@ -104,10 +106,11 @@ def _at_least(obj, low: int, *names: str) -> None:
 
 # -- flags from fields ---------------------------------------------------------------------
 
-def own_fields(cls: type) -> list[Field]:
-    """The fields `cls` declares itself (not those it inherits)."""
-    own = vars(cls).get("__annotations__", {})
-    return [f for f in fields(cls) if f.name in own]
+def setting_fields(cls: type) -> list[Field]:
+    """The fields of `cls` that are settings, a flag each: those with help. A part of a composed
+    config (EngineConfig.cache_config: a settings class of its own, whose fields are the flags)
+    has none."""
+    return [f for f in fields(cls) if "help" in f.metadata]
 
 
 def field_default(f: Field):
@@ -117,13 +120,13 @@ def field_default(f: Field):
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One flag per field `cls` declares itself (own_fields), in a group named `title`:
+    """One flag per setting field of `cls` (setting_fields), in a group named `title`:
     the name from the field's, type, default, choices and help from the field. A bool is
     `--x/--no-x` (vLLM's way); a `list[...]` takes one or more values. A plain default is shown in --help;
     one made by a factory (the core count, an environment variable) is described by the help."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
-    for f in own_fields(cls):
+    for f in setting_fields(cls):
         kind = hints[f.name]
         args = typing.get_args(kind)
         if type(None) in args:  # X | None
@@ -144,6 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> Non
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides):
-    """`cls` built from the parsed flags of its fields (all of them, inherited too)."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls)}
+    """`cls` built from the parsed flags of its setting fields, and each of its parts (a field
+    whose type is a settings dataclass) from the flags of its own."""
+    hints = typing.get_type_hints(cls)
+    values = {f.name: from_args(hints[f.name], args) if is_dataclass(hints[f.name]) else getattr(args, f.name)
+              for f in fields(cls)}
     return cls(**{**values, **overrides})

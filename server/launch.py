@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ringserve.ipc.shm import Segment, remove_stale_segments
 from ringserve.ipc.stats import BLOCK_SIZE, KV_CACHE_BYTES, NUM_BLOCKS, EngineStats, hang_reason
+from ringserve.server.config import WORKER_CONFIG_ENV
 from ringserve.server.supervision import (
     LAUNCHER_PID_ENV,
     die_with_parent,
@@ -44,16 +45,15 @@ from ringserve.server.supervision import (
 log = logging.getLogger("ringserve.launch")
 
 ENGINE_START_TIMEOUT_S = 600.0
-WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"  # the JSON a worker builds its app from (worker.py)
 
 
 def serve_sections() -> list[tuple[str, type]]:
-    """The settings classes whose own fields are the `serve` flags, in --help order (EngineConfig
-    brings its model fields; it inherits the next three). Imported here, not at module level: a worker
-    imports this module and must never import engine/ or gpu/ (gpu/settings.py loads neither
-    numba nor CuPy, so --help stays light)."""
-    from ringserve.engine.config import EngineConfig
-    from ringserve.gpu.settings import CacheConfig, DeviceConfig, SchedulerConfig
+    """The settings classes whose setting fields are the `serve` flags, in --help order
+    (EngineConfig brings its model fields and holds the next three as parts). Imported here, not
+    at module level, so that --help stays light (engine/config.py and gpu/settings.py load
+    neither numba nor CuPy; the engine process does)."""
+    from ringserve.engine.config import EngineConfig, SchedulerConfig
+    from ringserve.gpu.settings import CacheConfig, DeviceConfig
     from ringserve.server.config import ParallelConfig, ServerConfig
     from ringserve.server.protocol import RequestLimits
     return [("model", EngineConfig), ("device", DeviceConfig), ("KV cache", CacheConfig),
@@ -121,11 +121,13 @@ class Launcher:
         if self.device == "cuda" and (problem := cuda_stack_problem()) is not None:
             raise ValueError(problem)  # one line now, not an engine's AttributeError later
         # With the device resolved, EngineConfig resolves its by-device defaults without CUDA.
+        resolved = argparse.Namespace(**{**vars(args), "device": self.device})
         self.engine_config: EngineConfig = from_args(
-            EngineConfig, args, model=str(model_dir), max_model_len=max_model_len, device=self.device)
-        if self.device == "cpu" and self.engine_config.cpu_threads is None and len(self.engine_gpus) > 1:
+            EngineConfig, resolved, model=str(model_dir), max_model_len=max_model_len)
+        device_config = self.engine_config.device_config
+        if self.device == "cpu" and device_config.cpu_threads is None and len(self.engine_gpus) > 1:
             # several CPU engines share the cores (each alone would take them all)
-            self.engine_config.cpu_threads = cpu_threads_per_engine(len(self.engine_gpus))
+            device_config.cpu_threads = cpu_threads_per_engine(len(self.engine_gpus))
         if (busy := self.kv_events_ports_in_use()) is not None:
             raise ValueError(busy)
         # What a launcher killed before its cleanup left: runtime folders, segments.
@@ -233,10 +235,12 @@ class Launcher:
         """The static facts /get_server_info shows (server/app.py ServerInfo): one instance id
         for all workers of this server, and the scheduler settings routers size replicas by."""
         e = self.engine_config
-        return {"instance_id": uuid.uuid4().hex, "engines": len(self.engines), "device": e.device,
-                "max_num_seqs": e.max_num_seqs, "max_running_requests": e.max_num_seqs,
-                "max_num_batched_tokens": e.max_num_batched_tokens,
-                "enable_prefix_caching": e.enable_prefix_caching,
+        sched = e.scheduler_config
+        return {"instance_id": uuid.uuid4().hex, "engines": len(self.engines),
+                "device": e.device_config.device,
+                "max_num_seqs": sched.max_num_seqs, "max_running_requests": sched.max_num_seqs,
+                "max_num_batched_tokens": sched.max_num_batched_tokens,
+                "enable_prefix_caching": e.cache_config.enable_prefix_caching,
                 "kv_events_config": None if e.kv_events is None else asdict(e.kv_events)}
 
     def kv_event_sources(self) -> dict[str, dict]:

@@ -1,5 +1,5 @@
 """Engine outputs -> what one sample says: the one output processor, for the HTTP server
-(server/generate.py) and the offline LLM (engine/llm.py) alike, as vLLM's OutputProcessor
+(server/generate.py) and the offline LLM (server/llm.py) alike, as vLLM's OutputProcessor
 serves both LLM and AsyncLLM.
 
 One `SampleState` per sample (an engine request and sample index). `process` takes each

@@ -20,10 +20,10 @@ from ringserve.ipc.stats import (
     PREFIX_CACHE_QUERIES,
 )
 from ringserve.server.app import AppOptions, create_app
+from ringserve.server.config import WORKER_CONFIG_ENV
 from ringserve.server.context import ServerContext
 from ringserve.server.debug import engine_views
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
-from ringserve.server.launch import WORKER_CONFIG_ENV
 from ringserve.server.metrics import CacheConfig, EngineSnapshot, RequestMetrics
 from ringserve.server.protocol import RequestLimits
 from ringserve.server.tokenizer import Tokenizer

@@ -115,7 +115,7 @@ def start_serve(model_dir: Path, flags: tuple[str, ...], log: Path, started: lis
     """Start `ringserve serve --model MODEL_DIR FLAGS...` (added to `started` at once, so that
     the caller stops it whatever happens next) and wait until /health answers 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "ringserve.tools.cli", "serve", "--model", str(model_dir),
            "--port", str(port), *flags]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, **popen)

@@ -9,26 +9,25 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 
 import pytest
 
 from conftest import free_port
-from ringserve.engine.config import EngineConfig
-from ringserve.gpu.settings import (
+from ringserve.engine.config import (
     CPU_MAX_NUM_BATCHED_TOKENS,
     CUDA_MAX_NUM_BATCHED_TOKENS,
-    DTYPES,
-    CacheConfig,
-    DeviceConfig,
+    EngineConfig,
     SchedulerConfig,
 )
-from ringserve.server.config import ParallelConfig, ServerConfig
+from ringserve.gpu.settings import DTYPES, CacheConfig, DeviceConfig, StepLimits
+from ringserve.server.config import ParallelConfig, ServerConfig, setting_fields
 from ringserve.server.protocol import RequestLimits
 
 # Every settings class of `serve`, written out here (not taken from the launcher): a class the
 # launcher forgot, or a flag it adds by hand, makes the comparison below fail.
-SETTINGS = (EngineConfig, ParallelConfig, ServerConfig, RequestLimits)
+SETTINGS = (EngineConfig, DeviceConfig, CacheConfig, SchedulerConfig, ParallelConfig, ServerConfig,
+            RequestLimits)
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -43,7 +42,7 @@ def _expected_default(f):
 
 
 def test_serve_flags_are_exactly_the_config_fields():
-    settings = {f.name: f for cls in SETTINGS for f in fields(cls)}
+    settings = {f.name: f for cls in SETTINGS for f in setting_fields(cls)}
     actions = {a.dest: a for a in _serve_parser()._actions if a.dest != "help"}
     assert sorted(actions) == sorted(settings)  # every field a flag, no flag without a field
     for name, f in settings.items():
@@ -77,7 +76,7 @@ def test_api_key_flag_defaults_to_the_environment(monkeypatch):
 def test_serve_help_explains_every_flag_without_loading_gpu_code():
     """`ringserve serve --help` in a fresh interpreter: every flag is there, and building the
     parser imported no numba, CuPy or engine core (gpu/settings.py and engine/config.py only)."""
-    code = ("import sys\nfrom ringserve.server.cli import main\n"
+    code = ("import sys\nfrom ringserve.tools.cli import main\n"
             "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('numba', 'cupy', 'ringserve.engine.core', 'ringserve.gpu.runner')"
             " if m in sys.modules]\nprint('HEAVY', heavy)\n")
@@ -85,15 +84,17 @@ def test_serve_help_explains_every_flag_without_loading_gpu_code():
                          timeout=120, env=os.environ).stdout
     assert "HEAVY []" in out, out
     for cls in SETTINGS:
-        for f in fields(cls):
+        for f in setting_fields(cls):
             assert "--" + f.name.replace("_", "-") + " " in out, f.name
 
 
 def test_max_num_batched_tokens_default_is_resolved_by_device():
-    assert EngineConfig(device="cpu").max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS == 512
+    def budget(**settings) -> int | None:
+        return EngineConfig.create(**settings).scheduler_config.max_num_batched_tokens
+    assert budget(device="cpu") == CPU_MAX_NUM_BATCHED_TOKENS == 512
     # "cuda" is taken as given (no GPU needed to build the config)
-    assert EngineConfig(device="cuda").max_num_batched_tokens == CUDA_MAX_NUM_BATCHED_TOKENS == 8192
-    assert EngineConfig(device="cpu", max_num_batched_tokens=64).max_num_batched_tokens == 64
+    assert budget(device="cuda") == CUDA_MAX_NUM_BATCHED_TOKENS == 8192
+    assert budget(device="cpu", max_num_batched_tokens=64) == 64
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -110,7 +111,7 @@ def test_max_num_batched_tokens_default_is_resolved_by_device():
 ])
 def test_engine_config_refuses_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**{"device": "cpu", **kwargs})
+        EngineConfig.create(**{"device": "cpu", **kwargs})
 
 
 @pytest.mark.parametrize("cls, kwargs, match", [
@@ -130,26 +131,32 @@ def test_server_configs_refuse_bad_settings(cls, kwargs, match):
 
 
 def test_llm_takes_the_engine_config_names(tiny_model_dir):
-    from ringserve.engine.llm import LLM
+    from ringserve.server.llm import LLM
     llm = LLM(str(tiny_model_dir), device="cpu", max_num_seqs=3, num_gpu_blocks_override=32,
               enable_prefix_caching=False)
-    assert (llm.config.max_num_seqs, llm.engine.scheduler.max_num_seqs) == (3, 3)
-    assert (llm.engine.kv.num_blocks, llm.config.max_num_batched_tokens) == (32, 512)
+    sched = llm.config.scheduler_config
+    assert (sched.max_num_seqs, llm.engine.scheduler.max_num_seqs) == (3, 3)
+    assert (llm.engine.kv.num_blocks, sched.max_num_batched_tokens) == (32, 512)
     with pytest.raises(TypeError):
         LLM(str(tiny_model_dir), max_num_sequences=3)  # not a setting
 
 
-def test_runner_defaults_are_the_configs():
-    """The runners' keyword defaults are the settings' (no copy to drift)."""
-    from ringserve.gpu.cpu_runner import CPU_DTYPES
-    from ringserve.gpu.runner import CUDA_DTYPES, ModelRunner
+def test_the_runners_take_the_configs_whole():
+    """The runners take the settings objects, not their fields spread into keywords (no copy
+    of a default to drift); EngineConfig's parts are those objects, its step limits the
+    scheduler's."""
+    from ringserve.gpu.cuda.dtypes import CUDA_DTYPES
+    from ringserve.gpu.runner import ModelRunner
+    from ringserve.gpu.settings import CPU_DTYPES
     params = inspect.signature(ModelRunner).parameters
-    for cls in (DeviceConfig, CacheConfig, SchedulerConfig):
-        for f in fields(cls):
-            # The runner's device is "cpu" unless asked; its budget is the resolved cuda one.
-            if f.name in params and f.name not in ("device", "max_num_batched_tokens"):
-                assert params[f.name].default == f.default, f.name
-    assert params["max_num_batched_tokens"].default == CUDA_MAX_NUM_BATCHED_TOKENS
+    assert [(p.name, p.annotation) for p in list(params.values())[1:4]] == [
+        ("device", "DeviceConfig | None"), ("cache", "CacheConfig | None"), ("limits", "StepLimits | None")]
+    assert list(params) == ["model_dir", "device", "cache", "limits", "widen_packed"]  # no setting spread
+    c = EngineConfig.create(device="cpu", max_num_seqs=7, block_size=8, max_model_len=64)
+    assert (type(c.device_config), type(c.cache_config), type(c.scheduler_config)) == (
+        DeviceConfig, CacheConfig, SchedulerConfig)
+    limits = StepLimits(max_num_seqs=7, max_num_batched_tokens=512, max_model_len=64)
+    assert (c.cache_config.block_size, c.step_limits) == (8, limits)
     assert set(CPU_DTYPES) | set(CUDA_DTYPES) == set(DTYPES)
 
 
@@ -157,7 +164,7 @@ def test_the_flag_table_in_docs_lists_every_flag():
     from pathlib import Path
     rows = [line for line in (Path(__file__).parent.parent / "docs" / "serving.md").read_text()
             .splitlines() if line.startswith("| `--")]
-    flags = {"--" + f.name.replace("_", "-") for cls in SETTINGS for f in fields(cls)}
+    flags = {"--" + f.name.replace("_", "-") for cls in SETTINGS for f in setting_fields(cls)}
     listed = {flag for line in rows for flag in flags if f"`{flag}`" in line.split(" | ")[0]}
     assert listed == flags, sorted(flags - listed)
 
@@ -170,7 +177,7 @@ def test_the_flag_table_in_docs_lists_every_flag():
     ("--engine-hang-timeout", "0", "--engine-hang-timeout must be positive"),  # ServerConfig
 ])
 def test_serve_refuses_a_bad_setting_before_starting(tiny_model_dir, flag, value, message):
-    r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+    r = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
                         str(tiny_model_dir), "--device", "cpu", "--port", str(free_port()), flag, value],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
@@ -181,7 +188,7 @@ def test_serve_refuses_a_bad_setting_before_starting(tiny_model_dir, flag, value
 def test_serve_refuses_a_kv_pool_the_machine_cannot_hold_in_one_line(tiny_model_dir, flag, value):
     """The pool is allocated lazily (np.zeros): without the check the server would start and
     fail mid-serving. The engine says what it needs and what there is, without a traceback."""
-    r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+    r = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
                         str(tiny_model_dir), "--device", "cpu", "--port", str(free_port()), flag, value],
                        capture_output=True, text=True, timeout=120)
     lines = [x for x in r.stderr.splitlines() if x.startswith("error: the model does not fit")]

@@ -19,6 +19,7 @@ from ringserve.gpu.errors import ModelError
 from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.rope import inv_freq
 from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from ringserve.gpu.weights import load_weights
 from ringserve.tools.tiny_llama import save_bf16
 
@@ -133,7 +134,8 @@ def test_sharded_equals_single_file(tiny_model_dir, model_copy):
     assert sorted(single) == sorted(sharded)
     for name in single:
         np.testing.assert_array_equal(single[name], sharded[name])
-    ModelRunner(model_copy, num_blocks=4)  # and the runner takes it
+    ModelRunner(model_copy, DeviceConfig(device="cpu"),
+                CacheConfig(num_gpu_blocks_override=4))  # and the runner takes it
 
 
 def test_bf16_tensors_widen_exactly(model_copy):

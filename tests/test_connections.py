@@ -286,7 +286,7 @@ def test_a_port_in_use_is_refused(tiny_model_dir):
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+        r = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
                             str(tiny_model_dir), "--device", "cpu", "--port", str(port)],
                            capture_output=True, text=True, timeout=WAIT_S)
     assert r.returncode == 1, r.stderr

@@ -9,6 +9,7 @@ import pytest
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.cpu_linear import SMALL_ROWS, STREAM_ROWS, linear, to_bfloat16, widen_bfloat16
 from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 
 
 @pytest.mark.parametrize("rows", [1, STREAM_ROWS, STREAM_ROWS + 1, 8, 9, SMALL_ROWS, SMALL_ROWS + 1])
@@ -49,10 +50,13 @@ def run(runner: ModelRunner) -> np.ndarray:
 
 
 def test_runner_options_agree(tiny_model_dir):
-    exact = run(ModelRunner(tiny_model_dir, num_blocks=8, num_threads=1))
-    threaded = run(ModelRunner(tiny_model_dir, num_blocks=8, num_threads=2))
+    exact = run(ModelRunner(tiny_model_dir, DeviceConfig(device="cpu", cpu_threads=1),
+                            CacheConfig(num_gpu_blocks_override=8)))
+    threaded = run(ModelRunner(tiny_model_dir, DeviceConfig(device="cpu", cpu_threads=2),
+                               CacheConfig(num_gpu_blocks_override=8)))
     np.testing.assert_allclose(threaded, exact, rtol=1e-4, atol=1e-4 * np.abs(exact).max())
-    bf16 = run(ModelRunner(tiny_model_dir, num_blocks=8, dtype="bfloat16"))
+    bf16 = run(ModelRunner(tiny_model_dir, DeviceConfig(device="cpu", dtype="bfloat16"),
+                           CacheConfig(num_gpu_blocks_override=8)))
     error = np.abs(bf16 - exact).max() / np.abs(exact).max()
     assert 0 < error < 0.05  # bf16 weights: close, and not secretly float32
 

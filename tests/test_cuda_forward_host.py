@@ -27,6 +27,7 @@ from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, QuantLinear, QuantStore
 from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from ringserve.gpu.weights import load_weights
 from test_cuda_quant_host import FORMS, form
 
@@ -187,7 +188,8 @@ def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, de
     written and read through shuffled block tables."""
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 60))]
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
-    cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    cpu = ModelRunner(tiny_cuda_model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     host = HostRunner(tiny_cuda_model_dir, cuda_host, dtype=dtype)
     assert host.caches[0][0].dtype == (F16 if dtype == "auto" else np.uint16)
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 6, graph=decode == "graph")
@@ -234,7 +236,8 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
     assert {w.qtype for w in linears} & {layout.upper(), "Q4_K"}
     prompts = PACKED_PROMPTS
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
-    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)  # prefill, one decode
 
 
@@ -248,7 +251,8 @@ def test_a_packed_gguf_served_in_bf16_matches_the_cpu_backend(tmp_path_factory, 
     call = host.ops.quant.call
     host.ops.quant.call = lambda name, *args: (launched.append(name), call(name, *args))[1]
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
-    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
     assert host.caches[0][0].dtype == np.uint16
     assert {"matvec_u4_r4_bf16", "dequant_u4_bf16", "dequant_i8_bf16"} <= set(launched)
@@ -268,7 +272,8 @@ def test_a_packed_prefill_through_the_tiled_gemm_matches_the_cpu_backend(tmp_pat
     host.ops.quant.call = lambda name, *args: (launched.append(name), call(name, *args))[1]
     host.ops.quant.gemm = host.ops.quant.workspace = None  # the tiled path uses neither
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
-    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
     assert {"gemm_u4", "gemm_i8"} <= set(launched) and not any(n.startswith("dequant_") and n.endswith("f16")
                                                                for n in launched)
@@ -286,7 +291,8 @@ def test_an_int4_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host,
     assert {form(layer.qkv) for layer in host.weights.layers} == {FORMS[method.upper()]}  # GPTQ: fp16
     prompts = PACKED_PROMPTS
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
-    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)
 
 
@@ -311,5 +317,6 @@ def test_a_bf16_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host, 
     assert w.embed.dtype == want and w.lm_head is w.embed and host.caches[0][0].dtype == want
     prompts = PACKED_PROMPTS
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
-    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)

@@ -30,6 +30,7 @@ from ringserve.gpu.cuda import gemm
 from ringserve.gpu.cuda.dtypes import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cuda.gemm import CublasGemm, linear_args
 from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 
 pytestmark = pytest.mark.sim
 STREAM = 0x5EED
@@ -167,7 +168,8 @@ def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_mode
     ops_class = type("HostCudaOps", (cuda_ops_class,),
                      {"__init__": init, **{n: getattr(fwd.HostOps, n) for n in KERNEL_OPS}})
     host.ops = ops_class(c, cuda_host)
-    cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=fwd.NUM_BLOCKS, block_size=fwd.BLOCK_SIZE)
+    cpu = ModelRunner(tiny_cuda_model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=fwd.NUM_BLOCKS, block_size=fwd.BLOCK_SIZE))
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3]]
     tables = np.random.default_rng(5).permutation(fwd.NUM_BLOCKS)[:8].reshape(2, 4).astype(np.int32)
     decode_against_cpu(cpu, host, prompts, tables, fwd.BLOCK_SIZE, 3, graph=decode == "graph")
@@ -200,7 +202,8 @@ def test_a_packed_forward_through_the_runners_ops(tmp_path, cuda_host, cuda_ops_
     ops_class = type("HostCudaOps", (cuda_ops_class,),
                      {"__init__": init, **{n: getattr(fwd.HostOps, n) for n in KERNEL_OPS if n not in own}})
     host.ops = ops_class(c, cuda_host)
-    cpu = ModelRunner(model_dir, num_blocks=fwd.NUM_BLOCKS, block_size=fwd.BLOCK_SIZE)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=fwd.NUM_BLOCKS, block_size=fwd.BLOCK_SIZE))
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3] + list(range(40, 100))]  # 68 rows: dequantize + GEMM
     tables = np.random.default_rng(5).permutation(fwd.NUM_BLOCKS)[:8].reshape(2, 4).astype(np.int32)
     decode_against_cpu(cpu, host, prompts, tables, fwd.BLOCK_SIZE, 2, graph=True)

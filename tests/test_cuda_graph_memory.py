@@ -19,17 +19,22 @@ import gc
 import importlib
 import sys
 import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from cupy_host import Cublas, Device, IllegalAddress, NumbaCuda, NumbaKernel, span
+from ringserve.engine.config import CUDA_MAX_NUM_BATCHED_TOKENS
 from ringserve.gpu.cuda import numba_kernels as nk
+from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 from test_cuda_capture import decode
 
 pytestmark = pytest.mark.sim
 # max_model_len 2048 > one 512-key partition, with 132 SMs: every ladder size splits its keys
-RUNNER = dict(num_blocks=64, max_num_seqs=8, max_model_len=2048)
+CACHE = CacheConfig(num_gpu_blocks_override=64)
+LIMITS = StepLimits(max_num_seqs=8, max_num_batched_tokens=CUDA_MAX_NUM_BATCHED_TOKENS, max_model_len=2048)
+CUDA = DeviceConfig(device="cuda")
 
 
 @pytest.fixture
@@ -89,9 +94,9 @@ def stray_allocations(runner, device: Device) -> list[str]:
                   f"{'held by something else' if device.blocks[b].alive else 'freed'}" for name, b in stray)
 
 
-def build(stand_in, model_dir, **kw):
+def build(stand_in, model_dir, settings: DeviceConfig = CUDA, limits: StepLimits = LIMITS):
     device, runner_module = stand_in
-    runner = runner_module.CudaModelRunner.from_dir(model_dir, **{**RUNNER, **kw})
+    runner = runner_module.CudaModelRunner.from_dir(model_dir, settings, CACHE, limits)
     assert sorted(runner.graphs.graphs) == runner.graphs.sizes, runner.capture_failures
     assert len(device.graphs) == len(runner.graphs.sizes)
     gc.collect()  # whatever only the capture's frames held is freed now
@@ -101,7 +106,7 @@ def build(stand_in, model_dir, **kw):
 @pytest.mark.parametrize("backend", ["rawkernel", "numba"])
 def test_every_allocation_a_captured_graph_touches_is_held_by_the_runner(stand_in, tiny_cuda_models, backend):
     device, _ = stand_in
-    runner = build(stand_in, tiny_cuda_models("tied-g3"), attention_backend=backend)
+    runner = build(stand_in, tiny_cuda_models("tied-g3"), replace(CUDA, attention_backend=backend))
     names = {launch.name for graph in device.graphs for launch in graph.launches}
     # each kind of operand is in the graphs: weights, caches, RoPE tables, step buffers, the
     # cuBLAS workspace; the split-K attention's workspace (its reduce) with the RawKernel
@@ -121,7 +126,8 @@ def test_a_packed_models_quant_workspace_is_held_by_the_runner(stand_in, tmp_pat
     from test_cuda_forward_host import tiny_gguf
 
     device, _ = stand_in
-    runner = build(stand_in, tiny_gguf(tmp_path, "q4_k_m", monkeypatch), max_num_seqs=72)
+    runner = build(stand_in, tiny_gguf(tmp_path, "q4_k_m", monkeypatch),
+                   limits=replace(LIMITS, max_num_seqs=72))
     names = {launch.name for graph in device.graphs for launch in graph.launches}
     assert {"dequant_u4_f16", "matvec_u4_r16", "cublas gemm_ex"} <= names, names
     stray = stray_allocations(runner, device)

@@ -111,7 +111,7 @@ def test_serve_on_cuda_names_the_pair_before_any_engine_starts(py312, tiny_model
     started, no traceback (CUDA_VISIBLE_DEVICES stands for the GPU: the check comes first)."""
     python, pkg = py312
     env = _env(pkg, NUMPY25, CUDA_VISIBLE_DEVICES="0")
-    proc = subprocess.run([str(python), "-m", "ringserve.server.cli", "serve", "--model", str(tiny_model_dir),
+    proc = subprocess.run([str(python), "-m", "ringserve.tools.cli", "serve", "--model", str(tiny_model_dir),
                            "--device", "cuda", "--port", "0"], capture_output=True, text=True, env=env,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -121,11 +121,12 @@ def test_serve_on_cuda_names_the_pair_before_any_engine_starts(py312, tiny_model
 
 
 def test_the_offline_runner_names_the_pair_too(py312, tiny_model_dir):
-    """ModelRunner(device="cuda") (what LLM and the tools build) refuses in the same one line,
-    before CuPy or Numba touch a device."""
+    """ModelRunner with DeviceConfig(device="cuda") (what LLM and the tools build) refuses in the
+    same one line, before CuPy or Numba touch a device."""
     python, pkg = py312
-    code = ("from ringserve.gpu.runner import ModelRunner\ntry:\n"
-            f"    ModelRunner({str(tiny_model_dir)!r}, device='cuda')\n"
+    code = ("from ringserve.gpu.runner import ModelRunner\nfrom ringserve.gpu.settings import DeviceConfig\n"
+            "try:\n"
+            f"    ModelRunner({str(tiny_model_dir)!r}, DeviceConfig(device='cuda'))\n"
             "except ValueError as e:\n    print('refused:', e)\n")
     proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env=_env(pkg, NUMPY25))

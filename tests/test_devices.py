@@ -83,17 +83,17 @@ def test_serve_flags_reach_the_engine_config(tiny_model_dir, monkeypatch):
     launcher = Launcher(a, tiny_model_dir, 64)
     try:
         assert launcher.engine_gpus == ["1", "4"]   # --engines defaults to the GPU count
-        c = launcher.engine_config
+        c, sched = launcher.engine_config.device_config, launcher.engine_config.scheduler_config
         assert (c.device, c.dtype, c.enforce_eager, c.attention_backend) == ("cuda", "float16", True, "numba")
-        assert c.max_num_batched_tokens == 8192     # the by-device default, resolved for cuda
+        assert sched.max_num_batched_tokens == 8192     # the by-device default, resolved for cuda
     finally:
         shutil.rmtree(launcher.runtime)
 
     launcher = Launcher(_serve_args(["--device", "cpu"]), tiny_model_dir, 64)
     try:
         assert launcher.engine_gpus == [None]
-        c = launcher.engine_config
-        assert (c.device, c.dtype, c.enforce_eager, c.max_num_batched_tokens) == ("cpu", "auto", False, 512)
+        c, s = launcher.engine_config.device_config, launcher.engine_config.scheduler_config
+        assert (c.device, c.dtype, c.enforce_eager, s.max_num_batched_tokens) == ("cpu", "auto", False, 512)
         assert c.cpu_threads is None  # one engine: the runner takes every core (default_num_threads)
     finally:
         shutil.rmtree(launcher.runtime)
@@ -104,15 +104,15 @@ def test_serve_flags_reach_the_engine_config(tiny_model_dir, monkeypatch):
                            (["--engines", "3", "--cpu-threads", "5"], 5)):
         launcher = Launcher(_serve_args(["--device", "cpu", *flags]), tiny_model_dir, 64)
         try:
-            assert launcher.engine_config.cpu_threads == threads, flags
+            assert launcher.engine_config.device_config.cpu_threads == threads, flags
         finally:
             shutil.rmtree(launcher.runtime)
 
 
 def test_engine_config_checks_the_backend_fields():
-    c = EngineConfig()
+    c = EngineConfig.create().device_config
     assert (c.device, c.dtype, c.enforce_eager, c.attention_backend) == ("auto", "auto", False, "auto")
     with pytest.raises(ValueError, match="attention_backend"):
-        EngineConfig(attention_backend="flash")
+        EngineConfig.create(attention_backend="flash")
     with pytest.raises(ValueError, match="device"):
-        EngineConfig(device="gpu")
+        EngineConfig.create(device="gpu")

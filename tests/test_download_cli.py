@@ -20,7 +20,7 @@ def download(*args: str, cache: Path | None = None) -> subprocess.CompletedProce
     env = dict(os.environ)
     if cache is not None:
         env["RINGSERVE_CACHE"] = str(cache)
-    return subprocess.run([sys.executable, "-m", "ringserve.server.cli", "download", *args],
+    return subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "download", *args],
                           capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -26,7 +26,7 @@ def by_token(position) -> dict[int, Candidate]:
 
 def make_engine(model_dir, **kw) -> EngineCore:
     kw.setdefault("max_model_len", 256)
-    return EngineCore(EngineConfig(model=str(model_dir), **kw))
+    return EngineCore(EngineConfig.create(model=str(model_dir), **kw))
 
 
 def run(engine: EngineCore, requests: dict, max_steps: int = 5000):

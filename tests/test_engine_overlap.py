@@ -12,8 +12,8 @@ from ringserve.engine.sampling_params import SamplingParams
 
 
 def _engine(model_dir) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(model_dir), device="cpu", max_model_len=128,
-                                   max_num_seqs=8, max_num_batched_tokens=64))
+    return EngineCore(EngineConfig.create(model=str(model_dir), device="cpu", max_model_len=128,
+                                          max_num_seqs=8, max_num_batched_tokens=64))
 
 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),

@@ -171,7 +171,7 @@ GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def _engine(model_dir, **kw) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(model_dir), max_model_len=256, **kw))
+    return EngineCore(EngineConfig.create(model=str(model_dir), max_model_len=256, **kw))
 
 
 def _run(engine: EngineCore) -> dict:

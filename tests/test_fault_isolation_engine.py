@@ -52,8 +52,8 @@ def engine(tiny_model_dir, tmp_path):
 
 def _engine_process(model_dir, tmp_path, **kwargs):
     path = str(tmp_path / "e.sock")
-    config = EngineConfig(model=str(model_dir), num_gpu_blocks_override=NUM_BLOCKS,
-                          max_model_len=256)
+    config = EngineConfig.create(model=str(model_dir), num_gpu_blocks_override=NUM_BLOCKS,
+                                 max_model_len=256)
     p = ctx.Process(target=run_engine, args=(config, path), kwargs={"max_slots": 4, **kwargs})
     p.start()
     deadline = time.monotonic() + 60
@@ -329,8 +329,8 @@ def test_an_output_that_cannot_be_sent_ends_its_request_not_the_engine(tiny_mode
     from ringserve.engine.process import EngineProcess
     from ringserve.engine.sampling_params import SamplingParams
 
-    config = EngineConfig(model=str(tiny_model_dir), num_gpu_blocks_override=NUM_BLOCKS,
-                          max_model_len=256)
+    config = EngineConfig.create(model=str(tiny_model_dir), num_gpu_blocks_override=NUM_BLOCKS,
+                                 max_model_len=256)
     engine = EngineProcess(EngineCore(config), str(tmp_path / "e.sock"), max_slots=2)
     raw: list[RawSlot] = []
     connecting = threading.Thread(target=lambda: raw.append(RawSlot(engine.control_path)))

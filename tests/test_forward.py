@@ -12,6 +12,7 @@ from reference_llama import reference_logits  # pytest puts tests/ on sys.path
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.devices import cupy_installed
 from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from ringserve.gpu.weights import load_weights
 
 BLOCK = 4  # small blocks so that short sequences span several, with boundaries inside chunks
@@ -51,7 +52,8 @@ def weights(tiny_model_dir):
 @pytest.fixture
 def make_runner(tiny_model_dir):
     def make(num_blocks: int = 64, block_size: int = BLOCK) -> ModelRunner:
-        return ModelRunner(tiny_model_dir, block_size=block_size, num_blocks=num_blocks)
+        return ModelRunner(tiny_model_dir, DeviceConfig(device="cpu"),
+                           CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks))
     return make
 
 
@@ -166,7 +168,8 @@ def test_requests_never_see_each_other(make_runner, seqs):
 
 
 def test_cache_sized_from_memory_budget(tiny_model_dir):
-    runner = ModelRunner(tiny_model_dir, kv_cache_memory_bytes=1 << 20)
+    runner = ModelRunner(tiny_model_dir, DeviceConfig(device="cpu"),
+                         CacheConfig(kv_cache_memory_bytes=1 << 20))
     c = runner.config
     per_block = 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * c.head_dim * 4
     assert runner.block_size == 16
@@ -177,17 +180,18 @@ def test_cache_sized_from_memory_budget(tiny_model_dir):
 @pytest.mark.skipif(cupy_installed(), reason="CuPy is installed here")
 def test_device_choice_without_cupy(tiny_model_dir):
     with pytest.raises(ValueError, match="needs CuPy"):
-        ModelRunner(tiny_model_dir, device="cuda")
+        ModelRunner(tiny_model_dir, DeviceConfig(device="cuda"))
     with pytest.raises(ValueError, match="tpu"):
-        ModelRunner(tiny_model_dir, device="tpu")
-    runner = ModelRunner(tiny_model_dir, device="auto", num_blocks=4)
+        ModelRunner(tiny_model_dir, DeviceConfig(device="tpu"))
+    runner = ModelRunner(tiny_model_dir, DeviceConfig(device="auto"), CacheConfig(num_gpu_blocks_override=4))
     assert runner.device == "cpu" and runner.num_blocks == 4 and not runner.asynchronous
 
 
 def test_untied_lm_head(tmp_path):
     from ringserve.tools.tiny_llama import make_tiny_llama
     model_dir = make_tiny_llama(tmp_path / "untied", seed=3, tie_embeddings=False)
-    runner = ModelRunner(model_dir, block_size=BLOCK, num_blocks=8)
+    runner = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                         CacheConfig(block_size=BLOCK, num_gpu_blocks_override=8))
     seq = tokens(5, 11, runner.config.vocab_size)
     logits = runner.execute(pack([Chunk(seq, 0, [4, 1, 6])]))[0]
     ref = reference_logits(model_dir, load_weights(model_dir), seq)[-1]

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from fp16_checks import ELEMENT_TYPES, narrow, widen
+from ringserve.engine.config import CUDA_MAX_NUM_BATCHED_TOKENS
 from ringserve.gpu.cuda import reference as ref
+from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 
 def _has_device() -> bool:
@@ -21,6 +23,7 @@ def _has_device() -> bool:
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_device(), reason="no CUDA device")]
+LIMITS = StepLimits(max_num_seqs=8, max_num_batched_tokens=CUDA_MAX_NUM_BATCHED_TOKENS)  # the runners' steps
 
 
 def _paged_case(rng, T_dec=6, H=8, KVH=2, D=128, BS=16, NB=64):
@@ -174,11 +177,16 @@ def test_forward_matches_cpu_backend_and_graphs_match_eager(tiny_cuda_model_dir,
     from ringserve.gpu.runner import ModelRunner
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1, 17, 17, 17, 17, 17, 40, 41, 42]]
     tables = np.random.default_rng(0).permutation(64)[:3 * 8].reshape(3, 8).astype(np.int32)
-    cpu = ModelRunner(tiny_cuda_model_dir, num_blocks=64)
-    eager = CudaModelRunner.from_dir(tiny_cuda_model_dir, num_blocks=64, max_num_seqs=8,
-                                     enforce_eager=True, attention_backend=backend)
-    graphs = CudaModelRunner.from_dir(tiny_cuda_model_dir, num_blocks=64, max_num_seqs=8,
-                                      attention_backend=backend)
+    cpu = ModelRunner(tiny_cuda_model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=64))
+    eager = CudaModelRunner.from_dir(tiny_cuda_model_dir, DeviceConfig(device="cuda", enforce_eager=True,
+                                                                          attention_backend=backend),
+                                     CacheConfig(num_gpu_blocks_override=64),
+                                     LIMITS)
+    graphs = CudaModelRunner.from_dir(tiny_cuda_model_dir,
+                                      DeviceConfig(device="cuda", attention_backend=backend),
+                                      CacheConfig(num_gpu_blocks_override=64),
+                                      LIMITS)
     assert sorted(graphs.graphs.graphs) == graphs.graphs.sizes, graphs.capture_failures  # every size
     seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
     for _ in range(12):
@@ -227,7 +235,9 @@ def test_submit_samples_on_device(tiny_cuda_model_dir):
     from ringserve.gpu.batch import Batch
     from ringserve.gpu.runner import ModelRunner
     from ringserve.gpu.sampler import SamplingMetadata
-    r = ModelRunner(tiny_cuda_model_dir, device="cuda", num_blocks=64, max_num_seqs=8)
+    r = ModelRunner(tiny_cuda_model_dir, DeviceConfig(device="cuda"),
+                    CacheConfig(num_gpu_blocks_override=64),
+                    LIMITS)
     tables = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
     b = Batch(np.array([1, 5, 9, 1, 200, 3], np.int32), np.array([0, 1, 2, 0, 1, 0], np.int32),
               np.array([0, 1, 2, 128, 129, 256], np.int32), np.array([0, 3, 5, 6], np.int32),
@@ -260,7 +270,9 @@ def test_prompt_logprobs_and_logits_at_any_row_match_the_cpu_backend(tiny_cuda_m
                             np.zeros(1, np.float32), [None])
     results = []
     for device in ("cpu", "cuda"):
-        r = ModelRunner(tiny_cuda_model_dir, device=device, num_blocks=64, max_num_seqs=8)
+        r = ModelRunner(tiny_cuda_model_dir, DeviceConfig(device=device),
+                        CacheConfig(num_gpu_blocks_override=64),
+                        LIMITS)
         every = r.execute(prefill, np.arange(6))
         outs = [r.submit(b, np.array([2]), meta, s).result()
                 for b, s in zip((prefill, one_each), spec, strict=True)]
@@ -283,8 +295,8 @@ def _lead(position) -> float:
 def _serve_on(path, model_dir, device):
     from ringserve.engine.config import EngineConfig
     from ringserve.engine.process import run_engine
-    run_engine(EngineConfig(model=str(model_dir), device=device, num_gpu_blocks_override=256,
-                            max_num_seqs=8, max_num_batched_tokens=32), path)
+    run_engine(EngineConfig.create(model=str(model_dir), device=device, num_gpu_blocks_override=256,
+                                   max_num_seqs=8, max_num_batched_tokens=32), path)
 
 
 def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models, tmp_path):
@@ -295,9 +307,9 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
     import multiprocessing as mp
 
     from fp16_checks import assert_same_generation
-    from ringserve.engine.llm import LLM
     from ringserve.engine.sampling_params import SamplingParams
     from ringserve.server.engine_client import EngineClient
+    from ringserve.server.llm import LLM
     tiny_cuda_model_dir = tiny_cuda_models("tied-g3")  # one model: a spawned engine compiles every kernel
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], list(range(3, 83))]  # the last one chunked
     params = [dict(max_tokens=10, temperature=0.0, ignore_eos=True)] * 3
@@ -444,9 +456,13 @@ def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, mon
         model_dir = tiny_gguf(tmp_path, layout, monkeypatch)
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 100))]
     tables = np.random.default_rng(0).permutation(64)[:3 * 8].reshape(3, 8).astype(np.int32)
-    cpu = ModelRunner(model_dir, num_blocks=64)
-    eager = CudaModelRunner.from_dir(model_dir, num_blocks=64, max_num_seqs=8, enforce_eager=True)
-    graphs = CudaModelRunner.from_dir(model_dir, num_blocks=64, max_num_seqs=8)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"), CacheConfig(num_gpu_blocks_override=64))
+    eager = CudaModelRunner.from_dir(model_dir, DeviceConfig(device="cuda", enforce_eager=True),
+                                     CacheConfig(num_gpu_blocks_override=64),
+                                     LIMITS)
+    graphs = CudaModelRunner.from_dir(model_dir, DeviceConfig(device="cuda"),
+                                      CacheConfig(num_gpu_blocks_override=64),
+                                      LIMITS)
     assert sorted(graphs.graphs.graphs) == graphs.graphs.sizes, graphs.capture_failures
     assert (eager.ops.quant is None) == (layout == "bf16")
     assert eager.dtype == graphs.dtype == ("bfloat16" if layout == "bf16" else "float16")

@@ -12,10 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ringserve.engine.config import CUDA_MAX_NUM_BATCHED_TOKENS
+from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 from test_gpu_cuda import _has_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _has_device(), reason="no CUDA device")]
-RUNNER = dict(num_blocks=64, max_num_seqs=8, max_model_len=2048)
+CACHE = CacheConfig(num_gpu_blocks_override=64)
+LIMITS = StepLimits(max_num_seqs=8, max_num_batched_tokens=CUDA_MAX_NUM_BATCHED_TOKENS, max_model_len=2048)
 GARBAGE = 0xFF  # every byte: NaN as fp16 and as float32
 
 
@@ -34,16 +37,17 @@ def test_graphs_replay_the_eager_result_after_the_pools_are_emptied_and_refilled
     from ringserve.gpu.cuda.runner import CudaModelRunner
 
     model = tiny_cuda_models("tied-g3")
-    graphs = CudaModelRunner.from_dir(model, **RUNNER)
+    graphs = CudaModelRunner.from_dir(model, DeviceConfig(device="cuda"), CACHE, LIMITS)
     assert sorted(graphs.graphs.graphs) == graphs.graphs.sizes, graphs.capture_failures
     c = graphs.config
     # three requests replay the size-4 graph, whose attention splits its keys: its workspace
     # is one of the buffers under test
     assert plan.attention_splits(num_tokens=4, num_kv_heads=c.num_key_value_heads,
-                                 max_seq_len=RUNNER["max_model_len"], num_sms=graphs.num_sms) > 1
-    eager = CudaModelRunner.from_dir(model, enforce_eager=True, **RUNNER)
+                                 max_seq_len=LIMITS.max_model_len, num_sms=graphs.num_sms) > 1
+    eager = CudaModelRunner.from_dir(model, DeviceConfig(device="cuda", enforce_eager=True), CACHE, LIMITS)
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1, 17, 17, 17, 17, 17, 40, 41, 42]]
-    tables = np.random.default_rng(0).permutation(RUNNER["num_blocks"])[:3 * 8].reshape(3, 8).astype(np.int32)
+    blocks = CACHE.num_gpu_blocks_override
+    tables = np.random.default_rng(0).permutation(blocks)[:3 * 8].reshape(3, 8).astype(np.int32)
     decodes = np.random.default_rng(1).integers(1, c.vocab_size, (6, 3)).tolist()  # fixed tokens
 
     def steps():

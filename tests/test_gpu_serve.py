@@ -22,8 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
-from ringserve.server.cli import main as cli
 from ringserve.tools import serve_sweep
+from ringserve.tools.cli import main as cli
 
 
 def _has_device() -> bool:

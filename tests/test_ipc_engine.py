@@ -4,7 +4,6 @@ EngineCore on the tiny Llama, clients in this process and in killed child proces
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -46,14 +45,14 @@ class Engines:
     """Engine processes for one test, stopped (SIGTERM: a clean close) at its end."""
 
     def __init__(self, model_dir: Path, tmp_path: Path):
-        self.config = EngineConfig(model=str(model_dir), num_gpu_blocks_override=NUM_BLOCKS)
+        self.settings = dict(model=str(model_dir), num_gpu_blocks_override=NUM_BLOCKS)
         self.tmp_path = tmp_path
         self.procs: dict[str, mp.Process] = {}
 
     def start(self, name: str, max_slots: int = 4, overlap: bool | None = None, **config) -> str:
-        """config: EngineConfig fields to change for this engine."""
+        """config: EngineConfig settings (flat names) to change for this engine."""
         path = str(self.tmp_path / f"{name}.sock")
-        p = ctx.Process(target=run_engine, args=(dataclasses.replace(self.config, **config), path),
+        p = ctx.Process(target=run_engine, args=(EngineConfig.create(**{**self.settings, **config}), path),
                         kwargs={"max_slots": max_slots, "overlap": overlap})
         p.start()
         self.procs[name] = p

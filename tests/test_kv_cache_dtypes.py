@@ -14,6 +14,7 @@ from ringserve.gpu.cpu_attention import paged_attention
 from ringserve.gpu.cpu_kv_dtypes import kv_load, kv_store
 from ringserve.gpu.cpu_linear import to_bfloat16, widen_bfloat16
 from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 
 STORAGE = {"bfloat16": np.uint16, "float16": np.int16}
 
@@ -91,8 +92,10 @@ def test_attention_over_16_bit_caches_is_attention_over_their_values(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_model_on_a_16_bit_cache_is_near_float32_and_takes_half_the_bytes(tiny_model_dir, dtype):
     from test_cpu_kernels import run
-    exact_runner = ModelRunner(tiny_model_dir, num_blocks=8, num_threads=1)
-    runner = ModelRunner(tiny_model_dir, num_blocks=8, num_threads=1, kv_cache_dtype=dtype)
+    exact_runner = ModelRunner(tiny_model_dir, DeviceConfig(device="cpu", cpu_threads=1),
+                               CacheConfig(num_gpu_blocks_override=8))
+    runner = ModelRunner(tiny_model_dir, DeviceConfig(device="cpu", cpu_threads=1),
+                         CacheConfig(num_gpu_blocks_override=8, kv_cache_dtype=dtype))
     exact, got = run(exact_runner), run(runner)
     error = np.abs(got - exact).max() / np.abs(exact).max()
     assert 0 < error < (0.05 if dtype == "bfloat16" else 0.01), error
@@ -103,7 +106,7 @@ def test_a_model_on_a_16_bit_cache_is_near_float32_and_takes_half_the_bytes(tiny
 def test_cuda_refuses_a_cache_type_it_does_not_have(tiny_model_dir):
     """float32 is not a CUDA cache type (bfloat16 and float16 are, as the serving dtype)."""
     with pytest.raises(ValueError, match="kv_cache_dtype 'float32' is not supported by the CUDA"):
-        ModelRunner(tiny_model_dir, device="cuda", kv_cache_dtype="float32")
+        ModelRunner(tiny_model_dir, DeviceConfig(device="cuda"), CacheConfig(kv_cache_dtype="float32"))
 
 
 def test_serve_takes_the_flag_and_reports_the_halved_pool(tiny_server, tiny_model_dir):
@@ -120,6 +123,6 @@ def test_serve_takes_the_flag_and_reports_the_halved_pool(tiny_server, tiny_mode
     c = ModelConfig.from_dir(tiny_model_dir)
     per_block = 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * c.head_dim * 2   # 2 bytes each
     assert float(line.rsplit(" ", 1)[1]) == blocks * per_block and blocks == (1 << 20) // per_block
-    bad = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--kv-cache-dtype", "fp8"],
+    bad = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--kv-cache-dtype", "fp8"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr and "fp8" in bad.stderr

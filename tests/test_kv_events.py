@@ -231,7 +231,7 @@ def test_a_bad_config_is_one_line_at_start(tiny_model_dir, tmp_path, config, mes
             (tmp_path / "zmq.py").write_text("raise ImportError(\"No module named 'zmq'\")\n")
             env = dict(os.environ, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
             config = '{"enable_kv_cache_events": true}'
-        r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+        r = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
                             str(tiny_model_dir), "--device", "cpu", "--port", str(free_port()),
                             "--kv-events-config", config],
                            capture_output=True, text=True, timeout=120, env=env)

@@ -1,8 +1,8 @@
-"""The offline API (engine/llm.py): tiny model for the mechanics, the default model for text."""
+"""The offline API (server/llm.py): tiny model for the mechanics, the default model for text."""
 import pytest
 
-from ringserve.engine.llm import LLM
 from ringserve.engine.sampling_params import SamplingParams
+from ringserve.server.llm import LLM
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ringserve.server.cli import main
+from ringserve.tools.cli import main
 
 INPUT_LEN, OUTPUT_LEN = 24, 8
 

@@ -13,6 +13,7 @@ import pytest
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 
 REFERENCE = Path(__file__).parent / "data" / "smollm2_reference.npz"
 BLOCK = 16
@@ -33,8 +34,9 @@ def prompts(ref) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def runner(default_model_dir) -> ModelRunner:
-    return ModelRunner(default_model_dir, device="cpu", dtype="float32", block_size=BLOCK, num_blocks=32,
-                       cpu_activation_dtype="float32")
+    return ModelRunner(default_model_dir,
+                       DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype="float32"),
+                       CacheConfig(block_size=BLOCK, num_gpu_blocks_override=32))
 
 
 def batch(chunks: list[tuple[list[int], int, list[int]]]) -> Batch:

@@ -30,7 +30,7 @@ def test_every_package_folder_is_listed_in_pyproject():
 
 
 def test_cli_entry_point_imports():
-    from ringserve.server.cli import main
+    from ringserve.tools.cli import main
 
     assert callable(main)
 
@@ -38,7 +38,8 @@ def test_cli_entry_point_imports():
 def test_frontend_worker_imports_no_gpu_or_engine_code():
     """docs/design.md §2: a Gunicorn worker must never import ringserve.gpu or the engine (nor CUDA
     libraries), so that it never initializes CUDA. Checked in a fresh interpreter."""
-    code = ("import sys, ringserve.server.worker, ringserve.server.gunicorn_conf\n"
+    code = ("import sys, ringserve.server.worker, ringserve.server.http_worker\n"
+            "import ringserve.server.gunicorn_conf\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'numba')"
             " or m.startswith(('ringserve.gpu', 'ringserve.engine'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -10,6 +10,7 @@ from ringserve.gpu.cpu_int8_kernels import has_vnni
 from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed, packed_linear
 from ringserve.gpu.quant import dequantize, random_raw
 from ringserve.gpu.runner import MemoryReport, ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from ringserve.gpu.weights import GGMLTensor
 from test_cpu_kernels import step
 
@@ -17,9 +18,12 @@ from test_cpu_kernels import step
 @pytest.mark.slow
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_the_default_model_packed_gives_the_float32_logits(default_model_dir, num_threads):
-    packed = ModelRunner(default_model_dir, num_blocks=16, num_threads=num_threads,
-                         cpu_activation_dtype="float32")
-    wide = ModelRunner(default_model_dir, num_blocks=16, num_threads=num_threads, widen_packed=True)
+    packed = ModelRunner(default_model_dir,
+                         DeviceConfig(device="cpu", cpu_threads=num_threads, cpu_activation_dtype="float32"),
+                         CacheConfig(num_gpu_blocks_override=16))
+    wide = ModelRunner(default_model_dir, DeviceConfig(device="cpu", cpu_threads=num_threads),
+                       CacheConfig(num_gpu_blocks_override=16),
+                       widen_packed=True)
     held = MemoryReport.of(packed).weight_bytes
     assert set(held) == {"Q4_1", "Q8_0", "F32"} and MemoryReport.of(wide).weight_bytes.keys() == {"F32"}
     assert sum(held.values()) * 4.5 < sum(MemoryReport.of(wide).weight_bytes.values())
@@ -37,8 +41,13 @@ def test_the_default_model_packed_gives_the_float32_logits(default_model_dir, nu
 def test_int8_activations_keep_the_default_models_greedy_choices(default_model_dir):
     """llama.cpp's numerics (gpu/cpu_int8_kernels.py): the activations' int8 rounding moves the
     logits by a few percent of their range, and the greedy token stays the float path's."""
-    int8 = ModelRunner(default_model_dir, num_blocks=16, num_threads=1, cpu_activation_dtype="int8")
-    exact = ModelRunner(default_model_dir, num_blocks=16, num_threads=1, cpu_activation_dtype="float32")
+    cache = CacheConfig(num_gpu_blocks_override=16)
+    int8 = ModelRunner(default_model_dir,
+                       DeviceConfig(device="cpu", cpu_threads=1, cpu_activation_dtype="int8"),
+                       cache)
+    exact = ModelRunner(default_model_dir,
+                        DeviceConfig(device="cpu", cpu_threads=1, cpu_activation_dtype="float32"),
+                        cache)
     assert int8.int8_activations and not exact.int8_activations
     tokens = np.random.default_rng(3).integers(3, 40000, 40).tolist()
     for runner in (int8, exact):

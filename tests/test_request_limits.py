@@ -147,7 +147,7 @@ def test_choices_default_1024(default_server):
 
 
 def test_a_bad_limit_flag_is_refused_at_start(tiny_model_dir):
-    r = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+    r = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
                         str(tiny_model_dir), "--device", "cpu", "--max-stop-strings", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--max-stop-strings must be at least 1" in r.stderr, r.stderr

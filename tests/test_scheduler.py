@@ -9,6 +9,7 @@ from collections.abc import Callable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ringserve.engine.config import SchedulerConfig
 from ringserve.engine.inputs import build_batch
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request, RequestStatus
@@ -18,7 +19,8 @@ from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 
 def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, caching=False):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return Scheduler(kv, config)
 
 
 def make_req(rid, prompt_len, max_tokens=100, first_token=1):

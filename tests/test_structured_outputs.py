@@ -224,7 +224,7 @@ def test_invalid_constraints_are_400_naming_the_field(server):
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
-    from ringserve.engine.llm import LLM
+    from ringserve.server.llm import LLM
     return LLM(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN)
 
 
@@ -282,11 +282,11 @@ def test_engine_matchers_survive_preemption_chunked_prefill_and_n(default_model_
     tok = llm.tokenizer
     prompts = [tok.encode(f"List {k} things you like, as JSON. " * (4 + k % 3)) for k in range(6)]
     greedy = SamplingParams(max_tokens=120, temperature=0, structured_outputs=S(json=schema))
-    base, _, _ = _engine_outputs(EngineCore(EngineConfig(model=str(default_model_dir),
-                                                         max_model_len=MAX_MODEL_LEN)), prompts, greedy)
-    tight = EngineCore(EngineConfig(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN,
-                                    num_gpu_blocks_override=12, max_num_batched_tokens=32,
-                                    enable_prefix_caching=False))
+    base_config = EngineConfig.create(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN)
+    base, _, _ = _engine_outputs(EngineCore(base_config), prompts, greedy)
+    tight = EngineCore(EngineConfig.create(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN,
+                                           num_gpu_blocks_override=12, max_num_batched_tokens=32,
+                                           enable_prefix_caching=False))
     again, preemptions, chunks = _engine_outputs(tight, prompts, greedy)
     assert preemptions > 0 and chunks > 0
     assert again == base
@@ -308,7 +308,7 @@ def test_aborting_constrained_requests_leaves_the_others_valid(default_model_dir
     from ringserve.engine.core import EngineCore
     from ringserve.engine.sampling_params import SamplingParams
     from ringserve.ipc.structured import StructuredOutputsParams as S
-    core = EngineCore(EngineConfig(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN))
+    core = EngineCore(EngineConfig.create(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN))
     regex = r"[a-z]{3,6}( [a-z]{3,6}){2,5}\."
     params = SamplingParams(max_tokens=60, temperature=1.0, seed=2, n=2,
                             structured_outputs=S(regex=regex))

@@ -156,8 +156,8 @@ def test_heartbeat_goes_on_during_a_long_step_of_the_default_model(tmp_path, def
     """The heartbeat thread beats while the main thread runs a multi-second prefill step of the
     real default model: what the launcher sees is a long step, never a silent engine."""
     path = str(tmp_path / "engine.sock")
-    config = EngineConfig(model=str(default_model_dir), device="cpu", max_model_len=2048,
-                          max_num_batched_tokens=2048, num_gpu_blocks_override=256)
+    config = EngineConfig.create(model=str(default_model_dir), device="cpu", max_model_len=2048,
+                                 max_num_batched_tokens=2048, num_gpu_blocks_override=256)
     p = mp.get_context("spawn").Process(target=run_engine, args=(config, path))
     p.start()
 

@@ -82,9 +82,9 @@ def check_engine_journey(e: dict, time_key: str = "at") -> None:
 
 def test_engine_traces_only_traced_requests_through_preemption(tiny_model_dir):
     # A pool too small for both: the newer request is preempted and recomputed.
-    core = EngineCore(EngineConfig(model=str(tiny_model_dir), block_size=BLOCK_SIZE,
-                                   num_gpu_blocks_override=12, max_num_batched_tokens=16,
-                                   enable_prefix_caching=False))
+    core = EngineCore(EngineConfig.create(model=str(tiny_model_dir), block_size=BLOCK_SIZE,
+                                          num_gpu_blocks_override=12, max_num_batched_tokens=16,
+                                          enable_prefix_caching=False))
     params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
     core.add_request("old", list(range(5, 25)), params, trace=True)
     core.add_request("new", list(range(30, 46)), params, trace=True)
@@ -217,7 +217,7 @@ def test_traced_stream_by_header_carries_the_journey_last(debug_server):
 
 
 def test_trace_cli_prints_every_station(debug_server):
-    out = subprocess.run([sys.executable, "-m", "ringserve.server.cli", "trace", "Explain the KV cache",
+    out = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "trace", "Explain the KV cache",
                           "--url", debug_server, "--max-tokens", "6"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -26,7 +26,7 @@ import numpy as np
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.sampling_params import SamplingParams
-from ringserve.gpu.runner import sample_on_host
+from ringserve.gpu.sampler import sample_on_host
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
 PHASES = ("schedule", "prepare", "update")
@@ -64,8 +64,8 @@ def decode_engine(num_running: int, steps: int, vocab: int, prompt_len: int = 32
     """An engine with num_running greedy requests, every prompt prefilled (the first `traced`
     of them traced): the next steps are steady decode, enough blocks for steps + 64 more."""
     num_blocks = num_running * ((prompt_len + steps + 64) // 16 + 1)
-    config = EngineConfig(max_num_seqs=num_running, max_num_batched_tokens=1 << 20,
-                          kv_events_config=KV_EVENTS if kv_events else None)
+    config = EngineConfig.create(max_num_seqs=num_running, max_num_batched_tokens=1 << 20,
+                                 kv_events_config=KV_EVENTS if kv_events else None)
     engine = EngineCore(config, runner=RandomLogitsRunner(vocab, num_blocks, max_num_reqs=num_running))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     rng = np.random.default_rng(1)

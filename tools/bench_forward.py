@@ -39,6 +39,7 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.cpu_runner import CpuModelRunner, default_num_threads
 from ringserve.gpu.model_store import resolve_model
 from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, read_bandwidth, table
 
 
@@ -89,9 +90,11 @@ class Ours:
         self.args, self.bs = args, 16
         self.per_req = -(-(args.context + args.steps + 2) // self.bs)
         self.prefill_blocks = np.arange(-(-args.prefill_tokens // self.bs), dtype=np.int32)
-        runner = ModelRunner(model_dir, dtype=dtype, block_size=self.bs, num_threads=args.threads,
-                             cpu_activation_dtype=activations,
-                             num_blocks=max(max(args.batch) * self.per_req, len(self.prefill_blocks)))
+        device = DeviceConfig(device="cpu", dtype=dtype, cpu_threads=args.threads,
+                              cpu_activation_dtype=activations)
+        num_blocks = max(max(args.batch) * self.per_req, len(self.prefill_blocks))
+        cache = CacheConfig(block_size=self.bs, num_gpu_blocks_override=num_blocks)
+        runner = ModelRunner(model_dir, device, cache)
         assert isinstance(runner, CpuModelRunner)  # device "cpu": its caches and weights are read here
         self.runner = runner
         self.vocab = self.runner.config.vocab_size

@@ -123,7 +123,7 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
         idle = tree_pss_bytes(proc.pid)
         memory = PeakMemory(proc.pid)
         out = work / f"{name}.json"
-        subprocess.run([sys.executable, "-m", "ringserve.server.cli", "loadgen", "--mode", "http",
+        subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "loadgen", "--mode", "http",
                         "--base-url", url, "--tokenizer", str(args.gguf),
                         "--concurrency", args.concurrency, "--num-prompts", str(args.num_prompts),
                         "--duration", str(args.duration), "--input-len", str(args.input_len),
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp.") as tmp:
         work = Path(tmp)
         port = free_port()
-        ours = sweep("ringserve", [sys.executable, "-m", "ringserve.server.cli", "serve", "--model",
+        ours = sweep("ringserve", [sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
                                    str(args.gguf), "--port", str(port), "--max-model-len",
                                    str(args.max_model_len), "--kv-cache-dtype", "float16",
                                    "--num-gpu-blocks-override", str(-(-context // 16)),

@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     add_json_argument(ap)
     args = ap.parse_args(argv)
-    engine = EngineCore(EngineConfig(model=args.model, device=args.device,
-                                     max_model_len=args.max_tokens + 64))
+    engine = EngineCore(EngineConfig.create(model=args.model, device=args.device,
+                                            max_model_len=args.max_tokens + 64))
     run_once(engine, 1, 4, True)  # warm: JIT, the llguidance tokenizer, the first grammar
     run = BenchRun.start("bench_structured", args)
     rows = [measure(engine, c, args.max_tokens, args.rounds) for c in args.concurrency]

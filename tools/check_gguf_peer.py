@@ -125,7 +125,7 @@ def check_family(arch: str, merges: list[str], args: argparse.Namespace, work: P
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = start([sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(path),
+    server = start([sys.executable, "-m", "ringserve.tools.cli", "serve", "--model", str(path),
                     "--port", str(port), "--max-model-len", "1024", "--workers", "1",
                     *args.ringserve_args.split()], url,
                    work / f"ringserve-{arch}.log", 600)

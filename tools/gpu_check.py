@@ -51,6 +51,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+from ringserve.engine.config import CUDA_MAX_NUM_BATCHED_TOKENS
+from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
+
 SHAPES = {  # Llama-3.2-1B and Llama-3-8B
     "1B": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
@@ -451,8 +454,10 @@ def bench_ours(name, shape, rows, deadline, dtype: str = "float16") -> None:
                 return
             r = None  # the previous runner's memory goes before the next one is built
             free_device_memory()
-            r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES),
-                                max_model_len=2048, enforce_eager=eager, dtype=dtype)
+            r = CudaModelRunner(c, w, DeviceConfig(device="cuda", enforce_eager=eager, dtype=dtype),
+                                CacheConfig(num_gpu_blocks_override=nb_needed),
+                                StepLimits(max_num_seqs=max(BATCHES), max_model_len=2048,
+                                           max_num_batched_tokens=CUDA_MAX_NUM_BATCHED_TOKENS))
             for B in BATCHES:
                 if time.monotonic() > deadline:
                     print(f"gpu_check: {name} benchmark stopped at the deadline", file=sys.stderr)
@@ -497,7 +502,10 @@ def bench_quant(name, shape, rows, deadline) -> None:
             free_device_memory()
             w = random_quant_weights(c, fmt, cp)
             cp.cuda.Device().synchronize()  # NOTE: as in bench_ours: finished before the runner reads them
-            r = CudaModelRunner(c, w, num_blocks=nb_needed, max_num_seqs=max(BATCHES), max_model_len=2048)
+            r = CudaModelRunner(c, w, DeviceConfig(device="cuda"),
+                                CacheConfig(num_gpu_blocks_override=nb_needed),
+                                StepLimits(max_num_seqs=max(BATCHES), max_model_len=2048,
+                                           max_num_batched_tokens=CUDA_MAX_NUM_BATCHED_TOKENS))
             w = None  # the runner holds the planes (stacked: the per-tensor ones can go)
             read = streamed_bytes(r.weights)
             graphs = r.graphs

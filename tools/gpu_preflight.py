@@ -15,6 +15,9 @@ import traceback
 from functools import partial
 from typing import Any, Callable
 
+from ringserve.engine.config import CUDA_MAX_NUM_BATCHED_TOKENS
+from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
+
 # What the gpu tests and gpu_check import beyond the standard library (docs/deploy.md lists
 # the wheels; tests/test_cuda_gpu_check.py keeps the two in step).
 IMPORTS = ("numpy", "cupy", "numba", "numba.cuda", "nvmath.bindings.cublas", "pytest", "httpx",
@@ -89,9 +92,12 @@ def tiny_eager_step() -> str:
         batch = Batch(np.arange(1, n + 1, dtype=np.int32), np.arange(n, dtype=np.int32),
                       np.arange(n, dtype=np.int32), np.array([0, n], np.int32),
                       np.array([n], np.int32), np.zeros((1, 1), np.int32))
-        want = CpuModelRunner(path, num_blocks=4).execute(batch)
-        runner = CudaModelRunner.from_dir(path, num_blocks=4, max_num_seqs=1, max_model_len=64,
-                                          enforce_eager=True)
+        want = CpuModelRunner(path, DeviceConfig(device="cpu"),
+                              CacheConfig(num_gpu_blocks_override=4)).execute(batch)
+        runner = CudaModelRunner.from_dir(path, DeviceConfig(device="cuda", enforce_eager=True),
+                                          CacheConfig(num_gpu_blocks_override=4),
+                                          StepLimits(max_num_seqs=1, max_model_len=64,
+                                                     max_num_batched_tokens=CUDA_MAX_NUM_BATCHED_TOKENS))
         got = runner.execute(batch)
     err = float(np.abs(got - want).max() / max(1e-6, float(np.abs(want).max())))
     if not np.isfinite(got).all() or err > 3e-2 or got.argmax() != want.argmax():

@@ -114,7 +114,7 @@ def launch_server(model: Path, log: Path, *flags: str) -> Server:
     """`ringserve serve --model MODEL FLAGS` on 127.0.0.1 in a session of its own, its output
     into `log`; not waited for (several can start at once: Server.wait_up)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "ringserve.server.cli", "serve", "--model", str(model),
+    cmd = [sys.executable, "-m", "ringserve.tools.cli", "serve", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), *flags]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -136,7 +136,7 @@ def tail(log: Path, lines: int = 30) -> str:
 def loadgen(url: str, model: Path, mode: str, concurrency: int, out: Path, *, input_len: int,
             output_len: int, num_prompts: int, timeout: float) -> dict:
     """One `ringserve loadgen` point in its own process: its summary, or {"error": ...}."""
-    cmd = [sys.executable, "-m", "ringserve.server.cli", "loadgen", "--mode", mode, "--base-url", url,
+    cmd = [sys.executable, "-m", "ringserve.tools.cli", "loadgen", "--mode", mode, "--base-url", url,
            "--tokenizer", str(model), "--concurrency", str(concurrency), "--num-prompts", str(num_prompts),
            "--input-len", str(input_len), "--output-len", str(output_len), "--warmup", "1",
            "--json", str(out), "--no-progress", "--seed", "0"]

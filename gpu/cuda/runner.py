@@ -41,7 +41,7 @@ from ringserve.gpu.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPr
 from ringserve.gpu.quant import QuantWeight
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.sampler import Logprobs, SamplingMetadata
-from ringserve.gpu.settings import CUDA_MAX_NUM_BATCHED_TOKENS, CacheConfig, DeviceConfig, SchedulerConfig
+from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 log = logging.getLogger(__name__)
 NUMBA_THREADS = 128  # threads per block of the Numba kernels in the forward
@@ -159,28 +159,27 @@ class CudaModelRunner:
     device = "cuda"
     asynchronous = True  # submit() only enqueues the step
 
-    def __init__(self, config: ModelConfig, weights: dict, *,
-                 block_size: int = CacheConfig.block_size, num_blocks: int | None = None,
-                 gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
-                 max_num_seqs: int = SchedulerConfig.max_num_seqs,
-                 max_num_batched_tokens: int = CUDA_MAX_NUM_BATCHED_TOKENS,
-                 max_model_len: int | None = None, enforce_eager: bool = DeviceConfig.enforce_eager,
-                 attention_backend: str = DeviceConfig.attention_backend, dtype: str = DeviceConfig.dtype,
-                 kv_cache_dtype: str = CacheConfig.kv_cache_dtype):
+    def __init__(self, config: ModelConfig, weights: dict, device: DeviceConfig, cache: CacheConfig,
+                 limits: StepLimits):
         """weights: HF names -> numpy or CuPy arrays (gpu_check makes them on the GPU).
-        attention_backend: "rawkernel" (attention.cu, the fast path), "numba", or "auto" (the
-        RawKernel where it handles the head size: gpu/cuda/launch.attention_backend_for).
-        dtype: auto, float16 or bfloat16 (gpu/cuda/dtypes.py); kv_cache_dtype: auto or the same
-        (the kernels read the cache in the activations' type)."""
-        attention_backend = launch.attention_backend_for(attention_backend, config.head_dim)
-        self.dtype = serving_dtype(dtype, weights)
-        if kv_cache_dtype not in ("auto", self.dtype):
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the CUDA backend's KV cache is in the "
-                             f"serving dtype, here {self.dtype} (--kv-cache-dtype auto)")
+        The settings it reads (gpu/settings.py): device.attention_backend ("rawkernel":
+        attention.cu, the fast path; "numba"; "auto": the RawKernel where it handles the head
+        size, gpu/cuda/launch.attention_backend_for), device.dtype (auto, float16 or bfloat16:
+        gpu/cuda/dtypes.py), device.enforce_eager; cache.kv_cache_dtype (auto or the serving
+        dtype: the kernels read the cache in the activations' type), cache.block_size and the
+        pool: cache.num_gpu_blocks_override blocks, else what cache.gpu_memory_utilization leaves
+        after a profiling forward of limits.max_num_batched_tokens; graphs up to
+        limits.max_num_seqs, block tables for limits.max_model_len."""
+        block_size, num_blocks = cache.block_size, cache.num_gpu_blocks_override
+        attention_backend = launch.attention_backend_for(device.attention_backend, config.head_dim)
+        self.dtype = serving_dtype(device.dtype, weights)
+        if cache.kv_cache_dtype not in ("auto", self.dtype):
+            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype!r}: the CUDA backend's KV cache is in "
+                             f"the serving dtype, here {self.dtype} (--kv-cache-dtype auto)")
         act = self.act_dtype = SERVING_DTYPES[self.dtype]
         c = self.config = config
         self.block_size = block_size
-        self.max_model_len = max_model_len or c.max_position_embeddings
+        self.max_model_len = limits.max_model_len or c.max_position_embeddings
         self.max_blocks = -(-self.max_model_len // block_size)
         self.stream = cp.cuda.Stream(non_blocking=True)
         packed = any(keeps_blocks(t) for t in weights.values())
@@ -202,23 +201,24 @@ class CudaModelRunner:
         log.info("weights, activations and KV cache in %s", self.dtype)
 
         if num_blocks is None:
-            num_blocks = self._profile_num_blocks(max_num_batched_tokens, gpu_memory_utilization)
+            num_blocks = self._profile_num_blocks(limits.max_num_batched_tokens, cache.gpu_memory_utilization)
         self.num_blocks = int(num_blocks)
         shape = (self.num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         with self.stream:
             self.kv_caches = [(cp.zeros(shape, act), cp.zeros(shape, act))
                               for _ in range(c.num_hidden_layers)]
         cp.cuda.Device().synchronize()
-        self.graphs = plan.GraphTable(plan.graph_batch_sizes(max_num_seqs))  # CapturedGraph records
+        self.graphs = plan.GraphTable(plan.graph_batch_sizes(limits.max_num_seqs))  # CapturedGraph records
         self.capture_failures: dict[int, str] = {}  # batch size -> why it runs eager
-        if not enforce_eager:
+        if not device.enforce_eager:
             self.capture_graphs()
         self.warm_up()
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, **kwargs) -> CudaModelRunner:
+    def from_dir(cls, model_dir: str | Path, device: DeviceConfig, cache: CacheConfig,
+                 limits: StepLimits) -> CudaModelRunner:
         from ringserve.gpu.weights import load_weights
-        runner = cls(ModelConfig.from_dir(model_dir), load_weights(model_dir), **kwargs)
+        runner = cls(ModelConfig.from_dir(model_dir), load_weights(model_dir), device, cache, limits)
         runner.model_dir = Path(model_dir)  # its tokenizer.json: the engine's structured outputs
         return runner
 

@@ -1,15 +1,17 @@
-"""The offline API, shaped like vLLM's `LLM` where they overlap.
+"""The offline API, shaped like vLLM's `LLM` where they overlap; one import line brings it:
+
+    from ringserve.server.llm import LLM, SamplingParams
 
     llm = LLM(model="SmolLM2-135M-Instruct", max_num_seqs=64, enable_prefix_caching=True)
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20))
     outs[0].outputs[0].text
 
 It runs an EngineCore in this process until every request of the call is done. It is a
-frontend facade (like vLLM's entrypoints/llm.py): the one engine module that tokenizes and
-detokenizes, with the HTTP server's own code (server/tokenizer.py and the output processor,
-server/output_processor.py), so that text, stop strings, logprobs and finish reasons come out
-exactly as they do over HTTP (a stop string aborts the engine sample). A request the engine
-refuses (too long for max_model_len or the pool) raises ValueError.
+frontend like the HTTP server (vLLM's entrypoints/llm.py), so it lives beside it and uses its
+code: server/tokenizer.py and the output processor (server/output_processor.py), so that text,
+stop strings, logprobs and finish reasons come out exactly as they do over HTTP (a stop string
+aborts the engine sample). A request the engine refuses (too long for max_model_len or the
+pool) raises ValueError.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from ringserve.gpu.model_store import resolve_model
 from ringserve.ipc.messages import FinishReason
 from ringserve.server.output_processor import SampleParams, SampleState, TokenLogprob
 from ringserve.server.tokenizer import Tokenizer
+
+__all__ = ["LLM", "SamplingParams", "GenerationOutput", "CompletionOutput", "Logprob"]
 
 PromptType = Union[str, Sequence[int]]
 
@@ -71,9 +75,10 @@ class GenerationOutput:
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         """model: a known name (None: the default model), an HF folder or a .gguf file;
-        engine_args: the EngineConfig fields (the `ringserve serve` flags in snake_case)."""
+        engine_args: the setting names of EngineConfig and its parts, flat (the `ringserve serve`
+        flags in snake_case, as vLLM's EngineArgs): EngineConfig.create sorts them."""
         model_dir = resolve_model(model)
-        self.config = EngineConfig(model=str(model_dir), **engine_args)
+        self.config = EngineConfig.create(model=str(model_dir), **engine_args)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
