@@ -296,7 +296,7 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
 
     from fp16_checks import assert_same_generation
     from ringserve.engine.llm import LLM
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     from ringserve.server.engine_client import EngineClient
     tiny_cuda_model_dir = tiny_cuda_models("tied-g3")  # one model: a spawned engine compiles every kernel
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], list(range(3, 83))]  # the last one chunked
@@ -313,7 +313,7 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
         client = EngineClient([path])
         await client.start()
         await client.wait_ready(timeout=120)
-        streams = [await client.submit(f"r{i}", p, q)
+        streams = [await client.submit(f"r{i}", p, SamplingParams(**q))
                    for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
         got = []
         for s in streams:

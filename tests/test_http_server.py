@@ -131,7 +131,7 @@ def test_openai_client_chat(client):
 
 def test_greedy_http_equals_offline_llm(client, default_model_dir):
     from ringserve.engine.llm import LLM
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     prompts = PROMPTS[:4]
     http = client.completions.create(model="smol", prompt=prompts, max_tokens=16, temperature=0)
     llm = LLM(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN)
@@ -155,7 +155,7 @@ def test_n_stop_logprobs_echo(client, default_model_dir):
     # The echoed prompt's logprobs: null for the first token (nothing precedes it), then each
     # prompt token's own logprob with the top 2, as the offline API's prompt_logprobs.
     from ringserve.engine.llm import LLM
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     llm = LLM(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN)
     offline = llm.generate("One, two, three,", SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
     n_prompt = len(offline.prompt_token_ids)

@@ -2,7 +2,7 @@
 import pytest
 
 from ringserve.engine.llm import LLM
-from ringserve.engine.sampling_params import SamplingParams
+from ringserve.ipc.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

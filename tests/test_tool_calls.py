@@ -266,7 +266,7 @@ def test_llm_chat_passes_tools_to_the_template(model_dir):
     """Offline: LLM.chat(tools=...) renders them (as vLLM's LLM.chat); a call constrained to a
     function's schema is valid."""
     from ringserve.engine.llm import LLM
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     from ringserve.ipc.structured import StructuredOutputsParams
     llm = LLM(model=str(model_dir), max_model_len=1024)
     params = SamplingParams(max_tokens=100, temperature=0, structured_outputs=
