@@ -66,6 +66,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
+        elif type(self.stop) is not list:  # a tuple or another sequence of strings
+            self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if isinstance(self.structured_outputs, StructuredOutputsParams):
