@@ -12,7 +12,8 @@ as vLLM V1's EngineCore. The parts live beside it, one idea each:
 Refusals and aborts: a request that can never run is not queued; it comes back from the next
 step() as a finished EngineOutput (ipc/messages.py) with finish_reason ERROR and the message
 in `.error`.
-Invalid SamplingParams raise ValueError when they are built, in the frontend. An abort comes
+Invalid SamplingParams raise ValueError when they are built (ipc/sampling_params.py: by the
+frontend, or by the engine process decoding a ring record). An abort comes
 back the same way, with finish_reason ABORT. So every sample of every request gets exactly
 one finished output.
 
@@ -51,15 +52,16 @@ from ringserve.engine.recovery import MAX_FAILED_STEPS, find_culprits
 from ringserve.engine.request import Request
 from ringserve.engine.request_checks import check_request
 from ringserve.engine.sampling_metadata import build_sampling_metadata
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.engine.stats import SchedulerStats
 from ringserve.engine.stop import check_stop
 from ringserve.engine.structured_outputs import StructuredOutputs, advance
 from ringserve.engine.trace import EngineTracer
 from ringserve.gpu.runner import StepHandle
-from ringserve.gpu.sampler import SamplerOutput
+from ringserve.gpu.sampler import GREEDY_EPS, SamplerOutput
+from ringserve.ipc.limits import generator_seed
 from ringserve.ipc.messages import EngineOutput, FinishReason
+from ringserve.ipc.sampling_params import SamplingParams
 
 log = logging.getLogger("ringserve.engine")
 __all__ = ["EngineCore", "InFlightStep", "MAX_FAILED_STEPS"]
@@ -118,9 +120,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         # One C call, no per-token Python int: an int32 array from the rings is taken as it is.
         prompt = np.asarray(prompt_token_ids)
-        error, max_tokens = check_request(prompt, params, vocab_size=self.vocab_size,
-                                          max_model_len=self.max_model_len,
-                                          max_num_seqs=self.scheduler.max_num_seqs, kv=self.kv)
+        error, params = check_request(prompt, params, vocab_size=self.vocab_size,
+                                      max_model_len=self.max_model_len,
+                                      max_num_seqs=self.scheduler.max_num_seqs, kv=self.kv)
         matchers: list | None = None  # structured outputs: one matcher per sample
         if error is None and isinstance(params.structured_outputs, str):  # made one in __post_init__
             try:
@@ -137,11 +139,12 @@ class EngineCore:
         caching = self.config.cache_config.enable_prefix_caching
         sharing_salt = request_id if params.n > 1 and not caching else None
         # Every sample is made before any is queued: a request that raises here leaves nothing.
+        seed = None if params.seed is None else generator_seed(params.seed)
         group = [Request(request_id, prompt, params, index=i,
                          eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
-                         max_tokens=max_tokens, cache_salt=sharing_salt,
-                         generator=(np.random.default_rng(params.seed + i) if params.seed is not None
-                                    else None if params.greedy else self.generator),
+                         cache_salt=sharing_salt,
+                         generator=(np.random.default_rng(seed + i) if seed is not None
+                                    else None if params.temperature < GREEDY_EPS else self.generator),
                          matcher=None if matchers is None else matchers[i])
                  for i in range(params.n)]
         for req in group:

@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.engine.kv_events import AllBlocksCleared, ZmqEventPublisher
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.trace import DebugPublisher
 from ringserve.gpu.runner import MemoryReport
 from ringserve.ipc import control
@@ -54,6 +53,7 @@ from ringserve.ipc.messages import (
     AddRequest,
     EngineOutput,
     FinishReason,
+    RefusedRequest,
     decode_request,
     encode_output_messages,
 )
@@ -220,6 +220,9 @@ class EngineProcess:
                     msg = decode_request(record)
                     if isinstance(msg, Abort):
                         self.core.abort_request(slot.key(msg.request_id))
+                    elif isinstance(msg, RefusedRequest):  # its params failed SamplingParams.validate
+                        slot.taken += 1
+                        self._refuse(slot, msg.request_id, msg.error, msg.num_prompt_tokens)
                     else:
                         slot.taken += 1
                         self._add(slot, msg)
@@ -227,23 +230,26 @@ class EngineProcess:
                 self._drop(slot, f"sent a record that is not a request ({type(e).__name__}: {e})")
 
     def _add(self, slot: _Slot, msg: AddRequest) -> None:
+        """msg.params were validated when the record was decoded (SamplingParams.__post_init__)."""
         try:
-            params = SamplingParams(**msg.params)
             if msg.request_id in slot.open:
                 raise ValueError(f"request id {msg.request_id!r} is already open")
-            self.core.add_request(slot.key(msg.request_id), msg.prompt_token_ids, params,
+            self.core.add_request(slot.key(msg.request_id), msg.prompt_token_ids, msg.params,
                                   trace=msg.trace)
         except Exception as e:  # noqa: BLE001 - whatever the record holds, it fails alone
             if not isinstance(e, (TypeError, ValueError)):
                 log.exception("request %r from slot %d refused", msg.request_id, slot.index)
-            error = str(e) or type(e).__name__
-            if len(error) > MAX_ERROR_CHARS:  # the message may quote a value of any size
-                error = error[:MAX_ERROR_CHARS] + "..."
-            self._write(slot, [EngineOutput(msg.request_id, [], FinishReason.ERROR, error=error,
-                                            num_prompt_tokens=len(msg.prompt_token_ids))])
-            slot.bell.ring()
+            self._refuse(slot, msg.request_id, str(e) or type(e).__name__, len(msg.prompt_token_ids))
             return
-        slot.open[msg.request_id] = params.n
+        slot.open[msg.request_id] = msg.params.n
+
+    def _refuse(self, slot: _Slot, request_id: str, error: str, num_prompt_tokens: int) -> None:
+        """End a request that cannot be added with its one "error" output."""
+        if len(error) > MAX_ERROR_CHARS:  # the message may quote a value of any size
+            error = error[:MAX_ERROR_CHARS] + "..."
+        self._write(slot, [EngineOutput(request_id, [], FinishReason.ERROR, error=error,
+                                        num_prompt_tokens=num_prompt_tokens)])
+        slot.bell.ring()
 
     # -- outputs out -------------------------------------------------------------------
     def _deliver(self, outputs: list[EngineOutput]) -> None:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.ipc.messages import FinishReason, PositionLogprobs
+from ringserve.ipc.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -24,10 +24,9 @@ class Request:
 
     request_id: str
     prompt_token_ids: np.ndarray                  # int32; a list is converted
-    params: SamplingParams
+    params: SamplingParams                        # max_tokens resolved (engine/request_checks.py)
     index: int = 0                                # which of the n samples
     eos_token_ids: tuple[int, ...] = ()
-    max_tokens: int = 16                          # params.max_tokens resolved against max_model_len
     generator: np.random.Generator | None = None  # seeded requests own one
     cache_salt: object = None                     # scopes prefix-cache sharing (n > 1, caching off)
     output_token_ids: list[int] = field(default_factory=list)
@@ -50,11 +49,14 @@ class Request:
         self.all_token_ids: list[int] = self.prompt_token_ids.tolist() + self.output_token_ids
         # Unique within the engine (the n samples of a request share its request_id).
         self.key: str = self.request_id if self.index == 0 else f"{self.request_id}#{self.index}"
-        # The request's SamplingMetadata row, and whether it needs more than that row; the
-        # params do not change, so they are read once here rather than every step.
-        p = self.params
-        self.sampling_row: tuple[float, int, float, float] = (p.temperature, p.top_k, p.top_p, p.min_p)
-        self.has_sampling_extras: bool = p.has_extras
+        # Whether the request needs more of SamplingMetadata than its four plain columns: read
+        # once here rather than every step (the params do not change).
+        self.has_sampling_extras: bool = self.params.has_extras
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens to generate (params.max_tokens, never None in the engine)."""
+        return cast(int, self.params.max_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,12 +14,14 @@ def check_stop(req: Request, token: int, max_model_len: int) -> FinishReason | N
     max_tokens or max_model_len reached (LENGTH)."""
     # PERF: once per running request per step; plain attributes, not the properties.
     num_output = len(req.output_token_ids)
-    if num_output >= req.params.min_tokens:
+    params = req.params
+    if num_output >= params.min_tokens:
         if token in req.eos_token_ids:
             return FinishReason.STOP
-        if token in req.params.stop_token_ids:
+        if token in params.stop_token_ids:
             req.stop_reason = token
             return FinishReason.STOP
-    if num_output >= req.max_tokens or len(req.all_token_ids) >= max_model_len:
+    # (max_tokens: resolved when the request was added, never None here)
+    if num_output >= params.max_tokens or len(req.all_token_ids) >= max_model_len:  # type: ignore[operator]
         return FinishReason.LENGTH
     return None

@@ -24,6 +24,9 @@ from typing import Callable, NamedTuple, Sequence, cast
 
 import numpy as np
 
+# Below this temperature a row is sampled greedily (vLLM's _SAMPLING_EPS): the one definition,
+# for both samplers (gpu/cuda/sampling_kernels.py) and the engine (a greedy request needs no
+# generator).
 GREEDY_EPS = 1e-5
 
 

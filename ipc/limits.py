@@ -3,17 +3,17 @@
 The engine carries temperature, top_p, min_p and the penalties as float32, top_k in a float32
 sampling row then int32, token ids as int32, and seeds a numpy Generator with the seed. A value
 that is fine as a Python number can still break there: top_p 1e-46 rounds to 0 in float32 (the
-sampler then keeps no token), 1e308 becomes inf. These rules are written once, here: the frontend
-(server/protocol.py) answers 400 naming the field, and the engine (engine/sampling_params.py)
-checks again, because a ring record is not trusted.
+sampler then keeps no token), 1e308 becomes inf. These rules are written once, here, and applied
+once, by ipc/sampling_params.py `SamplingParams.validate`: the frontend answers its refusal with
+a 400 naming the field, and the engine refuses a ring record that breaks them (it trusts none).
 
 OFF VALUES, one convention from the protocol to the kernels: a parameter that is off has the
 value that makes its filter do nothing (top_k 0, top_p 1.0, min_p 0.0, presence/frequency
 penalty 0.0, repetition_penalty 1.0, min_tokens 0), and an optional output that is not asked
 for is None (logprobs, prompt_logprobs, seed, max_tokens: up to max_model_len). top_k alone has
-a second spelling: OpenAI/vLLM clients send -1 or 0 for off (vLLM's old default was -1), so
-the frontend (server/protocol.py `sampling_kwargs`) sends -1 as 0, and SamplingParams makes -1
-(from an offline caller) and any top_k of 2**24 or more 0: the engine and both samplers see 0.
+a second spelling: OpenAI/vLLM clients send -1 or 0 for off (vLLM's old default was -1), and
+SamplingParams makes -1 and any top_k of 2**24 or more 0 when it is built (the one place): the
+wire, the engine and both samplers see 0.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ FLOAT32_TINY = 2.0**-126               # the smallest normal float32: below it, 
 _F32 = struct.Struct("f")  # packing rounds to the nearest float32, and refuses what becomes inf
 
 
-def _show(value: object) -> str:
+def show(value: object) -> str:
+    """A value as an error message quotes it: cut when long (it may be anything a client sent)."""
     text = repr(value)
     return text if len(text) <= 40 else text[:20] + f"... ({len(text)} characters)"
 
@@ -46,7 +47,7 @@ class FloatRange:
         """Why `value` cannot be used (None: it can)."""
         t = type(value)  # PERF: the exact types first; the ABC check only for others (numpy's)
         if t is not float and t is not int and (t is bool or not isinstance(value, numbers.Real)):
-            return f"must be a number, got {_show(value)}"
+            return f"must be a number, got {show(value)}"
         real = cast(float, value)  # a number: checked just above (PERF: by its exact type)
         v = real if t is int else float(real)
         try:  # the value as the engine's float32 will hold it (rounded to nearest)
@@ -54,12 +55,12 @@ class FloatRange:
         except OverflowError:  # rounds to inf
             x = math.inf
         if abs(x) > FLOAT32_MAX or math.isnan(x):  # (a huge int is not converted to float)
-            return f"must be a finite float32 (at most {FLOAT32_MAX:.8g} in magnitude), got {_show(value)}"
+            return f"must be a finite float32 (at most {FLOAT32_MAX:.8g} in magnitude), got {show(value)}"
         if x == 0.0 and value != 0 or 0.0 < abs(x) < FLOAT32_TINY:
             return (f"underflows float32 (a nonzero value must be at least {FLOAT32_TINY:.8g} in "
-                    f"magnitude), got {_show(value)}")
+                    f"magnitude), got {show(value)}")
         if x < self.lo or x > self.hi or (self.lo_open and x == self.lo):
-            return f"must be in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}], got {_show(value)}"
+            return f"must be in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}], got {show(value)}"
         return None
 
 
@@ -71,9 +72,9 @@ class IntRange:
     def why_not(self, value: object) -> str | None:
         t = type(value)
         if t is not int and (t is bool or not isinstance(value, numbers.Integral)):
-            return f"must be an integer, got {_show(value)}"
+            return f"must be an integer, got {show(value)}"
         if not self.lo <= cast(int, value) <= self.hi:
-            return f"must be in [{self.lo}, {self.hi}], got {_show(value)}"
+            return f"must be in [{self.lo}, {self.hi}], got {show(value)}"
         return None
 
 
@@ -95,20 +96,16 @@ INTS: dict[str, IntRange] = {
     "logprobs": IntRange(0, INT32_MAX),
     "prompt_logprobs": IntRange(0, INT32_MAX),
 }
-_RULES: dict[str, FloatRange | IntRange] = {**FLOATS, **INTS}
+RANGES: dict[str, FloatRange | IntRange] = {**FLOATS, **INTS}
 TOKEN_ID = IntRange(0, INT32_MAX)             # and below the vocabulary size, which each side knows
 
 
-def why_not(name: str, value: object, label: str | None = None) -> str | None:
-    """Why sampling parameter `name` cannot be `value`, as "<label> <reason>" (label: the name
-    the caller knows it by, `name` by default; None: it can)."""
+def why_not(name: str, value: object) -> str | None:
+    """Why sampling parameter `name` cannot be `value` (None: it can; None is always allowed,
+    for the optional fields)."""
     if value is None:
         return None
-    rule = _RULES.get(name)
-    if rule is None:
-        return None
-    reason = rule.why_not(value)
-    return None if reason is None else f"{label or name} {reason}"
+    return RANGES[name].why_not(value)
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -10,7 +10,12 @@ outputs together in one block (usually one id per output; a block per output mea
 slower than msgpack ints, one per step costs one pack and one frombuffer+tolist per step).
 
 Worker -> engine records: :class:`AddRequest`, :class:`Abort` (``encode_request``/``decode_request``),
-told apart by their tag (the array's first item).
+told apart by their tag (the array's first item). An AddRequest carries its SamplingParams
+typed (ipc/sampling_params.py), as a msgpack map of the fields not at their default; decoding
+builds and validates it. A record that is an AddRequest but for what its params hold (a value
+out of range, a field of the wrong type or unknown) decodes as a :class:`RefusedRequest`, which
+the engine answers with an "error" output for that request alone; anything else that does not
+decode is not a request at all.
 Engine -> worker record: one step's list of :class:`EngineOutput` (``encode_outputs``/``decode_outputs``),
 the same struct the engine core returns in-process (the offline ``LLM`` reads it directly);
 ``encode_output_messages`` halves a step whose outputs together exceed the message limit.
@@ -26,6 +31,7 @@ import msgspec
 import numpy as np
 
 from ringserve.ipc.ring import MessageTooLarge
+from ringserve.ipc.sampling_params import SamplingParams
 
 # Structs hold no reference cycles, so the garbage collector need not track them (cheaper).
 
@@ -35,8 +41,25 @@ class AddRequest(msgspec.Struct, tag=1, array_like=True, gc=False):
     # In: a list of ints (what the tokenizer gives) or an int32 array. Out of decode_request: a
     # read-only int32 array over the record's bytes. On the wire: raw int32 bytes.
     prompt_token_ids: Any
-    params: dict[str, Any] = {}           # SamplingParams fields by name
+    params: SamplingParams
     trace: bool = False                   # record its journey; it comes back on the last EngineOutput
+
+
+class _AddRequestEnvelope(msgspec.Struct, tag=1, array_like=True, gc=False):
+    """An AddRequest's shape with its params left a map: read only when the typed decode failed,
+    to tell a request whose params are refused from a record that is not a request."""
+    request_id: str
+    prompt_token_ids: bytes
+    params: dict[str, Any]
+    trace: bool = False
+
+
+class RefusedRequest(msgspec.Struct, gc=False):
+    """Not a wire record: what decode_request returns for an AddRequest whose params fail to
+    decode or validate. The engine answers it with an "error" output."""
+    request_id: str
+    num_prompt_tokens: int
+    error: str
 
 
 class Abort(msgspec.Struct, tag=2, array_like=True, gc=False):
@@ -93,6 +116,7 @@ MAX_LOGPROB_ENTRY_BYTES = 23
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(AddRequest | Abort).decode
+_decode_envelope = msgspec.msgpack.Decoder(_AddRequestEnvelope).decode
 _decode_step = msgspec.msgpack.Decoder(tuple[bytes, bytes, list[EngineOutput]]).decode
 _NO_IDS: list[int] = []  # an output's ids on the wire (they travel in the step's block)
 
@@ -125,10 +149,18 @@ def encode_request(msg: AddRequest | Abort) -> bytes:
     return _encode((1, msg.request_id, _int32_bytes(msg.prompt_token_ids), msg.params, msg.trace))
 
 
-def decode_request(buf: bytes | memoryview) -> AddRequest | Abort:
+def decode_request(buf: bytes | memoryview) -> AddRequest | Abort | RefusedRequest:
     """Raises msgspec.DecodeError (a ValidationError for a wrong shape) on a record that is not
-    one of ours: the engine reads records from other processes and trusts none of them."""
-    msg = _decode_request(buf)
+    one of ours: the engine reads records from other processes and trusts none of them. An
+    AddRequest whose params are refused (SamplingParams.validate, or their types) comes back
+    as a RefusedRequest."""
+    try:
+        msg = _decode_request(buf)
+    except msgspec.ValidationError as e:
+        refused = _refused(buf, e)
+        if refused is None:
+            raise
+        return refused
     if len(msg.request_id) > MAX_REQUEST_ID:  # it comes back on every output of the request
         raise msgspec.ValidationError(f"request ids are at most {MAX_REQUEST_ID} characters")
     if type(msg) is AddRequest:
@@ -137,6 +169,20 @@ def decode_request(buf: bytes | memoryview) -> AddRequest | Abort:
             raise msgspec.ValidationError("AddRequest.prompt_token_ids must be raw int32 bytes")
         msg.prompt_token_ids = np.frombuffer(ids, _INT32)  # a view: no copy
     return msg
+
+
+def _refused(buf: bytes | memoryview, error: msgspec.ValidationError) -> RefusedRequest | None:
+    """The request whose params made `error`, or None when the record is no AddRequest either."""
+    try:
+        env = _decode_envelope(buf)
+    except msgspec.DecodeError:
+        return None
+    if len(env.request_id) > MAX_REQUEST_ID or len(env.prompt_token_ids) % 4:
+        return None
+    # SamplingParams.validate's own message, else msgspec's (it names the field)
+    why = error.__cause__ if isinstance(error.__cause__, ValueError) else error
+    return RefusedRequest(env.request_id, len(env.prompt_token_ids) // 4,
+                          f"invalid sampling parameters: {why}")
 
 
 # -- engine -> worker ------------------------------------------------------------------

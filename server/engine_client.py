@@ -40,6 +40,7 @@ from ringserve.ipc.messages import (
     encode_request,
 )
 from ringserve.ipc.ring import MessageTooLarge
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.ipc.shm import Segment
 from ringserve.ipc.stats import EngineStats, least_loaded, score
 
@@ -189,17 +190,16 @@ class EngineClient:
 
     # -- requests ----------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: Sequence[int],
-                     params: dict[str, Any] | None = None, trace: bool = False) -> RequestStream:
+                     params: SamplingParams, trace: bool = False) -> RequestStream:
         """Send a request to the least-loaded engine; iterate the returned stream for outputs.
 
-        ``params``: SamplingParams fields by name (validated by the caller; the engine answers
-        an invalid one with an error output). Raises EngineUnavailable when no engine is up,
+        ``params``: validated when built; the engine validates them again and answers an
+        invalid record with an error output. Raises EngineUnavailable when no engine is up,
         MessageTooLarge when the request is over the engine's message limit.
         ``trace``: the engine records the request's journey and returns it on the last output;
         the stream's ``route`` then holds the engine chosen and every engine's score."""
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already open")
-        params = params or {}
         record = encode_request(AddRequest(request_id, prompt_token_ids, params, trace))
         scores = self.loads() if trace else None
         engine = self._choose()
@@ -208,7 +208,7 @@ class EngineClient:
                 f"this request is {len(record)} bytes on its way to the engine (prompt token ids, "
                 f"stop strings, structured-output grammar and the other parameters), "
                 f"over the limit of {engine.channel.max_message} bytes for one message")
-        stream = RequestStream(request_id, engine.index, int(params.get("n", 1)),
+        stream = RequestStream(request_id, engine.index, params.n,
                                self.max_stream_backlog, self._on_backlog_full)
         route = None
         if trace:

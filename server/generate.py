@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol, cast
+
+import msgspec
 
 from ringserve.ipc.limits import sample_seed
 from ringserve.ipc.messages import EngineOutput, FinishReason
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.metrics import RequestMetrics
 from ringserve.server.output_processor import Detokenizer, SampleParams, SampleState, TokenLogprob
 from ringserve.server.protocol import UsageInfo
@@ -37,7 +40,7 @@ class OutputStream(Protocol):
 class Engine(Protocol):
     """The worker's engine client (ringserve.server.engine_client.EngineClient)."""
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: dict, trace: bool = False) -> OutputStream: ...
+                     params: SamplingParams, trace: bool = False) -> OutputStream: ...
     def abort(self, request_id: str) -> None: ...
 
 
@@ -65,15 +68,15 @@ class Delta:
 
 class Generation:
     def __init__(self, engine: Engine, tokenizer: Detokenizer, metrics: RequestMetrics,
-                 request_id: str, prompts: list[list[int]], params: dict, n: int,
-                 stop: list[str], include_stop: bool = False, skip_special_tokens: bool = True,
-                 discard_output: bool = False):
+                 request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
+                 skip_special_tokens: bool = True, discard_output: bool = False):
+        """params: each engine request's (n=1: the n choices are n engine requests)."""
         self._engine = engine
         self._metrics = metrics
         self._params = params
         self.arrival = time.monotonic()
-        sample = SampleParams(stop, params.get("min_tokens", 0), include_stop, skip_special_tokens,
-                              discard_output)
+        sample = SampleParams(cast(list[str], params.stop), params.min_tokens,
+                              params.include_stop_str_in_output, skip_special_tokens, discard_output)
         self.choices = [Choice(idx, f"{request_id}-{idx}", tokenizer, prompt, sample)
                         for idx, prompt in enumerate(p for p in prompts for _ in range(n))]
         self._n = n
@@ -88,9 +91,8 @@ class Generation:
         """Submit every choice to the engines (raises EngineUnavailable when none is up)."""
         for c in self.choices:
             params = self._params
-            seed = params.get("seed")
-            if seed is not None and self._n > 1:
-                params = dict(params, seed=sample_seed(seed, c.index % self._n))
+            if params.seed is not None and self._n > 1:
+                params = msgspec.structs.replace(params, seed=sample_seed(params.seed, c.index % self._n))
             try:
                 c.outputs = await self._engine.submit(c.request_id, c.prompt_token_ids, params,
                                                       trace=self.trace is not None)

@@ -21,9 +21,9 @@ from typing import Sequence, Union, cast
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.model_store import resolve_model
 from ringserve.ipc.messages import FinishReason
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.output_processor import SampleParams, SampleState, TokenLogprob
 from ringserve.server.tokenizer import Tokenizer
 

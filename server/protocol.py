@@ -1,10 +1,11 @@
 """OpenAI request and response shapes (plus vLLM's sampling extensions), as msgspec Structs.
 
 Decoding a body with `decode_request` checks types (msgspec's message names the field, which
-becomes OpenAI's `param`); `check_*` checks the rest: each sampling value against what the
-engine's dtypes can hold (ipc/limits.py, the rules the engine applies again), the model name,
-empty prompts, context length, and the per-request limits (`RequestLimits`) that keep a small
-body from costing the server much more than its size. Every failure is an `APIError(400)`.
+becomes OpenAI's `param`); `sampling_params` builds the request's SamplingParams, whose own
+`validate` checks every sampling value (ipc/sampling_params.py, the check the engine applies
+again); `check_*` checks the rest: the model name, empty prompts, context length, and the
+per-request limits (`RequestLimits`) that keep a small body from costing the server much more
+than its size. Every failure is an `APIError(400)`.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import json
 import re
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _pkg_version
-from typing import Annotated, Any, Literal, TypeVar, Union, cast
+from typing import Annotated, Any, Iterator, Literal, TypeVar, Union, cast
 
 import msgspec
 from msgspec import Meta, Struct, field
@@ -24,12 +26,13 @@ from msgspec import Meta, Struct, field
 from ringserve.ipc import limits
 from ringserve.ipc.messages import MAX_LOGPROB_ENTRY_BYTES
 from ringserve.ipc.ring import DEFAULT_MAX_MESSAGE
+from ringserve.ipc.sampling_params import SamplingParams, SamplingParamsError
 from ringserve.ipc.structured import StructuredOutputsParams
 from ringserve.server.errors import APIError, bad_request, from_validation_error
 from ringserve.server.structured_outputs import ResponseFormat
 
-# Ranges of sampling values are checked in check_ranges (ipc/limits.py), not by the types; a
-# token id's lower bound is here so that msgspec names the item (`prompt[3]`).
+# Ranges of sampling values are checked by SamplingParams.validate, not by the types; a token
+# id's lower bound is here so that msgspec names the item (`prompt[3]`).
 TokenId = Annotated[int, Meta(ge=limits.TOKEN_ID.lo)]
 
 
@@ -75,13 +78,14 @@ class StreamOptions(Struct, forbid_unknown_fields=False):
 
 
 class _SamplingFields(Struct, kw_only=True):
-    """Fields that completions and chat share; names as OpenAI and vLLM spell them."""
+    """Fields that completions and chat share; names as OpenAI and vLLM spell them. A
+    SamplingParams field left out (None) takes SamplingParams' default (`sampling_params`)."""
     model: str | None = None
     n: Annotated[int, Meta(ge=1, le=128)] = 1  # OpenAI's limit; each choice is an engine request
     temperature: float | None = None
     top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -92,11 +96,11 @@ class _SamplingFields(Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool | None = None
     # ringserve extension: answer with the request's journey (server/trace.py)
     ringserve_trace: bool = False
     # Structured outputs (server/structured_outputs.py): OpenAI's, vLLM's, vLLM's older names
@@ -333,42 +337,11 @@ def prompt_inputs(prompt: str | list) -> list[PromptInput]:
     return items
 
 
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if any(s == "" for s in stops):
-        raise bad_request("stop strings must not be empty", param="stop")
-    return stops
-
-
-# Request field -> the SamplingParams field (ipc/limits.py's name) whose range it must fit.
-_RANGES = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p",
-           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-           "repetition_penalty": "repetition_penalty", "top_k": "top_k", "seed": "seed",
-           "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
-           "min_tokens": "min_tokens", "best_of": "n", "top_logprobs": "logprobs"}
-
-
-def check_ranges(req: _SamplingFields) -> None:
-    """Every sampling value against what the engine's dtypes hold (ipc/limits.py)."""
-    for field_name, name in _RANGES.items():
-        why = limits.why_not(name, getattr(req, field_name, None), label=field_name)
-        if why is not None:
-            raise bad_request(why, param=field_name)
-    logprobs = getattr(req, "logprobs", None)
-    if type(logprobs) is int:  # completions' count (chat's is a bool)
-        why = limits.why_not("logprobs", logprobs)
-        if why is not None:
-            raise bad_request(why, param="logprobs")
-
-
 def check_common(req: _SamplingFields, lim: RequestLimits, vocab_size: int) -> None:
-    """Checks no type can express, shared by completions and chat."""
-    check_ranges(req)
+    """Checks no type can express, shared by completions and chat, beyond SamplingParams' own."""
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
-    stops = stop_list(req.stop)
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []  # (counted, not kept)
     if len(stops) > lim.max_stop_strings:
         raise bad_request(f"at most {lim.max_stop_strings} stop strings are allowed "
                           f"(--max-stop-strings), got {len(stops)}", param="stop")
@@ -432,31 +405,53 @@ def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: 
     return fit.max_tokens
 
 
-def sampling_kwargs(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    structured_outputs: str | None = None) -> dict:
-    """Sampling parameters under vLLM's SamplingParams names (defaults as vLLM's)."""
-    if req.min_tokens > max_tokens:
-        raise bad_request(f"min_tokens ({req.min_tokens}) must be at most max_tokens "
-                          f"({max_tokens})", param="min_tokens")
-    params: dict[str, Any] = dict(
-        n=1,  # the frontend fans `n` out into n engine requests (so a stop string ends one)
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # 0: off (ipc/limits.py)
-        min_p=0.0 if req.min_p is None else req.min_p,
-        seed=req.seed,
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logprobs=logprobs,
-    )
-    if structured_outputs is not None:  # an llguidance grammar (server/structured_outputs.py)
-        params["structured_outputs"] = structured_outputs
-    return params
+# The request fields that are SamplingParams fields of the same name and meaning.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
+                    "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's SamplingParams, checked (SamplingParams.validate: a 400 naming the
+    request's field). Its fields left out (None) take SamplingParams' defaults; n is 1: the
+    frontend fans `n` out into n engine requests, so that a stop string ends one."""
+    given = {name: value for name in _SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+    with _refused_as_400(req):
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs, **given)
+
+
+def for_engine(req: _SamplingFields, params: SamplingParams, *, max_tokens: int,
+               structured_outputs: str | None) -> SamplingParams:
+    """`params` as the engine is to run them: max_tokens resolved against the context
+    (check_length), the compiled llguidance grammar (server/structured_outputs.py). Checked
+    again: min_tokens may be more than the resolved max_tokens."""
+    with _refused_as_400(req):
+        return msgspec.structs.replace(params, max_tokens=max_tokens,
+                                       structured_outputs=structured_outputs)
+
+
+@contextmanager
+def _refused_as_400(req: _SamplingFields) -> Iterator[None]:
+    """SamplingParamsError -> a 400 naming the field as the request spells it."""
+    try:
+        yield
+    except SamplingParamsError as e:
+        param = _request_field(req, e.field)
+        raise bad_request(f"{param} {e.reason}", param=param) from None
+
+
+def _request_field(req: _SamplingFields, name: str) -> str:
+    """The request's name for SamplingParams field `name`."""
+    if name == "prompt_logprobs":  # completions' echo: the prompt's logprobs, as many as `logprobs`
+        return "logprobs"
+    if isinstance(req, ChatCompletionRequest):
+        if name == "logprobs":
+            return "top_logprobs"
+        if name == "max_tokens" and req.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return name
 
 
 # --- responses -------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ def render_prompt(ctx: ServerContext, messages: list[P.ChatMessage],
 def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -> Generation:
     P.check_model(req.model, ctx.served_model_names)
     P.check_common(req, ctx.limits, ctx.vocab_size)
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = P.sampling_params(req, max_tokens=asked, logprobs=logprobs)  # before any tokenizing
     P.check_logprobs(req.top_logprobs, ctx.limits, param="top_logprobs")
     P.check_choices(1, req.n, ctx.limits)
     tp = T.plan(req, ctx.tool_call_parser)
@@ -36,17 +39,13 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
     ids = ctx.encode_prompt(text, False, param="messages")
     if not ids:
         raise P.bad_request("the rendered prompt is empty", param="messages")
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = P.check_length(len(ids), asked, ctx.max_model_len, param="messages")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
     P.check_response_logprobs(req.n * max_tokens, logprobs, ctx.limits, param="top_logprobs")
-    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs,
-                               structured_outputs=compile_request(req, ctx.tokenizer,
-                                                                  tp.constraint))
+    params = P.for_engine(req, params, max_tokens=max_tokens,
+                          structured_outputs=compile_request(req, ctx.tokenizer, tp.constraint))
     # A parser reads the markers a model family may write as special tokens (vLLM keeps them too).
     skip_special = req.skip_special_tokens and tp.mode != "auto"
     gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, [ids], params, req.n,
-                     P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,
                      skip_special_tokens=skip_special)
     gen.tools = tp
     return gen

@@ -22,6 +22,9 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
         # and the frontend drops it (SampleParams.discard_output).
         req = msgspec.structs.replace(req, max_tokens=1)
     P.check_common(req, ctx.limits, ctx.vocab_size)
+    # The echoed prompt's logprobs, as vLLM gives them; the values checked before any tokenizing.
+    params = P.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                               prompt_logprobs=req.logprobs if req.echo else None)
     P.check_logprobs(req.logprobs, ctx.limits, param="logprobs")
     if req.suffix:
         raise P.bad_request("suffix is not supported", param="suffix")
@@ -44,12 +47,9 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
     # Every choice answers with its own copy of its (echoed) prompt's logprobs.
     positions = req.n * sum(max_tokens + (len(ids) if req.echo else 0) for ids in prompts)
     P.check_response_logprobs(positions, req.logprobs, ctx.limits, param="logprobs")
-    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                               structured_outputs=compile_request(req, ctx.tokenizer))
-    if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs, as vLLM gives them
-        params["prompt_logprobs"] = req.logprobs
+    params = P.for_engine(req, params, max_tokens=max_tokens,
+                          structured_outputs=compile_request(req, ctx.tokenizer))
     return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, prompts, params, req.n,
-                      P.stop_list(req.stop), include_stop=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens, discard_output=echo_only)
 
 

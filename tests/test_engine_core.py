@@ -6,7 +6,7 @@ import pytest
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.sampling_params import SamplingParams
+from ringserve.ipc.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -262,7 +262,7 @@ def test_check_stop_is_the_one_stop_rule():
 
     def run(tokens, max_model_len=100, **kw):
         params = SamplingParams(stop_token_ids=[7], max_tokens=4, **kw)
-        req = Request("r", [1, 2, 3], params, eos_token_ids=(9,), max_tokens=4)
+        req = Request("r", [1, 2, 3], params, eos_token_ids=(9,))
         reasons = []
         for t in tokens:
             req.append_output_token(t)

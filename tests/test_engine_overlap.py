@@ -8,7 +8,7 @@ import pytest
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.sampling_params import SamplingParams
+from ringserve.ipc.sampling_params import SamplingParams
 
 
 def _engine(model_dir) -> EngineCore:

@@ -10,10 +10,10 @@ import pytest
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.sampler import SamplingMetadata, sample
 from ringserve.ipc.messages import EngineOutput, decode_outputs, encode_output_messages, encode_outputs
 from ringserve.ipc.ring import END, MORE, TAIL, CorruptRing, MessageTooLarge, Ring
+from ringserve.ipc.sampling_params import SamplingParams
 
 # -- the ring -------------------------------------------------------------------------------
 
@@ -252,7 +252,7 @@ def test_a_step_that_raises_ends_only_the_request_at_fault(tiny_model_dir, alone
     engine = _engine(tiny_model_dir)
     _add_good(engine)
     engine.add_request("bad", [9, 10, 11], SamplingParams(**GREEDY))
-    engine.groups["bad"][0].sampling_row = ("hot", 0, 1.0, 0.0)  # corrupt state: not a float
+    engine.groups["bad"][0].params.temperature = "hot"  # corrupt state: not a float
     got = _run(engine)
     tokens, reasons, errors = got[("bad", 0)]
     assert reasons == ["error"] and "could not sample" in errors[0]

@@ -32,6 +32,7 @@ from ringserve.ipc.messages import (
     encode_request,
 )
 from ringserve.ipc.ring import RECORD_HEADER, TAIL
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.ipc.stats import NUM_FREE_BLOCKS
 from ringserve.server.engine_client import EngineClient
 from ringserve.tools.bench_llamacpp import process_tree
@@ -124,7 +125,8 @@ class RawSlot:
 
 
 def _add(rid: str, prompt=PROMPT, **params) -> bytes:
-    return encode_request(AddRequest(rid, prompt, params))
+    """A record as a raw writer may write it: its params a map of whatever it likes."""
+    return encode_request(AddRequest(rid, prompt, params))  # type: ignore[arg-type]
 
 
 # Decodable requests that must fail alone (an error output) and leave their slot attached.
@@ -152,8 +154,8 @@ def test_requests_that_raise_fail_alone_beside_a_running_stream(engine):
         client = EngineClient([path])
         await client.start()
         await client.wait_ready()
-        alone = [o async for o in await client.submit("ref", PROMPT, GREEDY)]
-        beside = await client.submit("beside", PROMPT, GREEDY)
+        alone = [o async for o in await client.submit("ref", PROMPT, SamplingParams(**GREEDY))]
+        beside = await client.submit("beside", PROMPT, SamplingParams(**GREEDY))
         raw = await asyncio.to_thread(RawSlot, path)
         try:
             for rid, params in BAD_REQUESTS.items():
@@ -257,12 +259,13 @@ def test_fuzzed_records_detach_only_their_slot(engine):
         prompts = [PROMPT, PROMPT[3:], list(range(40, 90))]
         alone = {}
         for j, prompt in enumerate(prompts):
-            alone[j] = [t async for o in await client.submit(f"ref{j}", prompt, GREEDY)
+            alone[j] = [t async for o in await client.submit(f"ref{j}", prompt, SamplingParams(**GREEDY))
                         for t in o.new_token_ids]
         fuzzer = asyncio.ensure_future(asyncio.to_thread(_fuzz, path, proc.pid, report))
         streams = 0
         while not fuzzer.done() or streams < 6:
-            batch = [await client.submit(f"s{streams + j}", prompts[j], GREEDY) for j in range(3)]
+            batch = [await client.submit(f"s{streams + j}", prompts[j], SamplingParams(**GREEDY))
+                     for j in range(3)]
             for j, stream in enumerate(batch):
                 outs = [o async for o in stream]
                 assert outs[-1].finish_reason == "length", outs[-1]
@@ -302,7 +305,7 @@ def test_a_client_whose_slot_is_detached_reconnects_and_serves_again(engine):
         await client.start()
         await client.wait_ready()
         old = client.engines[0]
-        open_stream = await client.submit("open", PROMPT, {"max_tokens": 200, "ignore_eos": True})
+        open_stream = await client.submit("open", PROMPT, SamplingParams(max_tokens=200, ignore_eos=True))
         await open_stream.__anext__()
         old.channel.requests.write(b"\xc1 not msgpack")  # what a broken writer leaves
         old.engine_bell.ring()
@@ -313,7 +316,7 @@ def test_a_client_whose_slot_is_detached_reconnects_and_serves_again(engine):
         new = client.engines[0]
         assert new is not old and new.welcome.engine_pid == proc.pid
         assert (new.welcome.slot, new.welcome.generation) != (old.welcome.slot, old.welcome.generation)
-        outs = [o async for o in await client.submit("after", PROMPT, {"max_tokens": 4})]
+        outs = [o async for o in await client.submit("after", PROMPT, SamplingParams(max_tokens=4))]
         assert outs[-1].finish_reason == "length" and sum(len(o.new_token_ids) for o in outs) == 4
         await client.close()
 
@@ -327,7 +330,6 @@ def test_an_output_that_cannot_be_sent_ends_its_request_not_the_engine(tiny_mode
     that request with an error output, and goes on."""
     from ringserve.engine.core import EngineCore
     from ringserve.engine.process import EngineProcess
-    from ringserve.engine.sampling_params import SamplingParams
 
     config = EngineConfig.create(model=str(tiny_model_dir), num_gpu_blocks_override=NUM_BLOCKS,
                                  max_model_len=256)
@@ -520,7 +522,7 @@ def test_a_slot_that_stops_reading_its_outputs_is_detached_not_queued_forever(sm
         client = EngineClient([path])
         await client.start()
         await client.wait_ready()
-        alone = [o async for o in await client.submit("ref", PROMPT, GREEDY)]
+        alone = [o async for o in await client.submit("ref", PROMPT, SamplingParams(**GREEDY))]
         raw = await asyncio.to_thread(RawSlot, path)
         try:
             for k in range(12):
@@ -539,7 +541,7 @@ def test_a_slot_that_stops_reading_its_outputs_is_detached_not_queued_forever(sm
         while not (stats.running == stats.waiting == 0 and stats[NUM_FREE_BLOCKS] == NUM_BLOCKS):
             assert time.monotonic() < deadline, "the detached slot's requests still hold blocks"
             await asyncio.sleep(0.05)
-        again = [o async for o in await client.submit("again", PROMPT, GREEDY)]
+        again = [o async for o in await client.submit("again", PROMPT, SamplingParams(**GREEDY))]
         assert [t for o in again for t in o.new_token_ids] == [t for o in alone for t in o.new_token_ids]
         assert engine.alive and engine.welcome.engine_pid == proc.pid
         await client.close()
@@ -575,10 +577,11 @@ def test_messages_larger_than_the_ring_cross_both_ways_beside_small_ones(tiny_ri
         await client.start()
         await client.wait_ready()
         assert client.engines[0].channel.max_message == SMALL_MESSAGE  # told in the Welcome
-        alone = [t async for o in await client.submit("ref", PROMPT, GREEDY) for t in o.new_token_ids]
+        alone = [t async for o in await client.submit("ref", PROMPT, SamplingParams(**GREEDY))
+                 for t in o.new_token_ids]
 
         async def run(rid: str, prompt, params) -> list[EngineOutput]:
-            return [o async for o in await client.submit(rid, prompt, params)]
+            return [o async for o in await client.submit(rid, prompt, SamplingParams(**params))]
 
         jobs = [run(f"big{k}", long_prompt, big) if k % 3 == 0 else run(f"small{k}", PROMPT, GREEDY)
                 for k in range(9)]
@@ -601,9 +604,9 @@ def test_messages_larger_than_the_ring_cross_both_ways_beside_small_ones(tiny_ri
         last = await asyncio.wait_for(run("last", long_prompt, dict(big, max_tokens=1)), 30)
         assert last[-1].finished and last[-1].prompt_logprobs == firsts[0]
         with pytest.raises(MessageTooLarge, match=str(SMALL_MESSAGE)):
-            await client.submit("huge", PROMPT, dict(GREEDY, stop=["x" * SMALL_MESSAGE]))
+            await client.submit("huge", PROMPT, SamplingParams(**dict(GREEDY, stop=["x" * SMALL_MESSAGE])))
         assert "huge" not in client.streams
-        assert [t async for o in await client.submit("after", PROMPT, GREEDY)
+        assert [t async for o in await client.submit("after", PROMPT, SamplingParams(**GREEDY))
                 for t in o.new_token_ids] == alone
         await client.close()
 

@@ -14,12 +14,12 @@ import httpx
 import numpy as np
 import pytest
 
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.gguf_convert import convert_gguf, llama3_rope_scaling
 from ringserve.gpu.rope import inv_freq
 from ringserve.gpu.weights import load_weights
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.llm import LLM
 from ringserve.server.tokenizer import Tokenizer
 from ringserve.tools.check_gguf_peer import SHAPES

@@ -307,7 +307,7 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
     import multiprocessing as mp
 
     from fp16_checks import assert_same_generation
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     from ringserve.server.engine_client import EngineClient
     from ringserve.server.llm import LLM
     tiny_cuda_model_dir = tiny_cuda_models("tied-g3")  # one model: a spawned engine compiles every kernel
@@ -325,7 +325,7 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
         client = EngineClient([path])
         await client.start()
         await client.wait_ready(timeout=120)
-        streams = [await client.submit(f"r{i}", p, q)
+        streams = [await client.submit(f"r{i}", p, SamplingParams(**q))
                    for i, (p, q) in enumerate(zip(prompts, params, strict=True))]
         got = []
         for s in streams:

@@ -130,7 +130,7 @@ def test_openai_client_chat(client):
 
 
 def test_greedy_http_equals_offline_llm(client, default_model_dir):
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     from ringserve.server.llm import LLM
     prompts = PROMPTS[:4]
     http = client.completions.create(model="smol", prompt=prompts, max_tokens=16, temperature=0)
@@ -154,7 +154,7 @@ def test_n_stop_logprobs_echo(client, default_model_dir):
         assert all(len(t) <= 3 for t in c.logprobs.top_logprobs[-2:])
     # The echoed prompt's logprobs: null for the first token (nothing precedes it), then each
     # prompt token's own logprob with the top 2, as the offline API's prompt_logprobs.
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     from ringserve.server.llm import LLM
     llm = LLM(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN)
     offline = llm.generate("One, two, three,", SamplingParams(max_tokens=1, prompt_logprobs=2))[0]

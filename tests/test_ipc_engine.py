@@ -17,6 +17,7 @@ from ringserve.engine.process import run_engine
 from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.weights import load_weights
 from ringserve.ipc import control
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.ipc.stats import (
     GENERATION_TOKENS,
     NUM_PREEMPTIONS,
@@ -34,7 +35,7 @@ ctx = mp.get_context("spawn")
 PROMPT = list(range(1, 20))
 # Still running when the test acts on it: a decode step of the tiny model takes well under a
 # millisecond, so "long" needs a long context (tens of seconds of steps; tests abort it).
-LONG = {"max_tokens": 30000, "ignore_eos": True}
+LONG = SamplingParams(max_tokens=30000, ignore_eos=True)
 NUM_BLOCKS = 4096
 
 
@@ -98,9 +99,9 @@ def test_requests_stream_back_through_the_rings(engines):
         client = EngineClient([path])
         await client.start()
         await client.wait_ready()
-        streams = [await client.submit(f"r{i}", PROMPT, {"max_tokens": 5 + i, "temperature": 0.0})
+        streams = [await client.submit(f"r{i}", PROMPT, SamplingParams(max_tokens=5 + i, temperature=0.0))
                    for i in range(4)]
-        bad = await client.submit("bad", [10**6], {})
+        bad = await client.submit("bad", [10**6], SamplingParams())
         for i, s in enumerate(streams):
             outs = [o async for o in s]
             assert sum(len(o.new_token_ids) for o in outs) == 5 + i
@@ -186,10 +187,10 @@ def test_killed_engine_fails_open_requests_fast_and_comes_back(engines):
         assert all(o.finish_reason == "error" and "died" in o.error for o in lasts)
         assert elapsed < 1.0, f"open requests failed {elapsed:.2f} s after the engine died"
         with pytest.raises(EngineUnavailable):
-            await client.submit("refused", PROMPT, {})
+            await client.submit("refused", PROMPT, SamplingParams())
         engines.start("a")  # same control path; removes the dead engine's segment at start
         await client.wait_ready(timeout=60)
-        outs = [o async for o in await client.submit("again", PROMPT, {"max_tokens": 3})]
+        outs = [o async for o in await client.submit("again", PROMPT, SamplingParams(max_tokens=3))]
         assert outs[-1].finish_reason == "length"
         await client.close()
 
@@ -218,8 +219,8 @@ def test_two_engines_receive_work_as_the_score_dictates(engines):
         await client.wait_ready(timeout=60)
         # idle engines tie: the first goes to engine 0; its own uncounted submission then
         # weighs 4 (or 1 once running), so the second goes to engine 1
-        first = await client.submit("first", PROMPT, {"max_tokens": 2})
-        second = await client.submit("second", PROMPT, {"max_tokens": 2})
+        first = await client.submit("first", PROMPT, SamplingParams(max_tokens=2))
+        second = await client.submit("second", PROMPT, SamplingParams(max_tokens=2))
         assert (first.engine, second.engine) == (0, 1)
         for s in (first, second):
             assert [o.finish_reason async for o in s][-1] == "length"
@@ -232,7 +233,7 @@ def test_two_engines_receive_work_as_the_score_dictates(engines):
         await _until(lambda: a.running + a.waiting == 8)
         assert client.loads()[0] >= 8
         # engine 1 scores 0, then at most 4 (our one uncounted submission): both go there
-        placed = [await client.submit(f"n{i}", PROMPT, {"max_tokens": 2}) for i in range(2)]
+        placed = [await client.submit(f"n{i}", PROMPT, SamplingParams(max_tokens=2)) for i in range(2)]
         assert [s.engine for s in placed] == [1, 1]
         for s in placed:
             outs = [o async for o in s]
@@ -254,7 +255,7 @@ def test_engine_counters_reach_the_metrics_page(engines, long_context_model_dir)
         await client.start()
         await client.wait_ready()
         stats = client.engines[0].stats
-        params = {"max_tokens": 60, "ignore_eos": True, "temperature": 0.0}
+        params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0)
         streams = [await client.submit(f"r{i}", PROMPT, params) for i in range(4)]
         generated = 0
         for s in streams:
@@ -301,7 +302,7 @@ def test_a_request_written_before_the_attach_is_served_once_attached(engines):
     channel = Channel.attach(welcome.segment, welcome.ring_capacity)
     engine_bell, output_bell = Doorbell(engine_bell_fd), Doorbell(output_bell_fd)
     try:
-        channel.requests.write(encode_request(AddRequest("early", PROMPT, {"max_tokens": 3})))
+        channel.requests.write(encode_request(AddRequest("early", PROMPT, SamplingParams(max_tokens=3))))
         engine_bell.ring()
         time.sleep(0.3)  # the engine wakes, sees the record on a slot not yet attached
         sock.send(control.ATTACHED)
@@ -340,7 +341,7 @@ def test_overlapped_delivery_gives_the_same_outputs(engines):
         client = EngineClient([path])
         await client.start()
         await client.wait_ready(timeout=60)
-        streams = {rid: await client.submit(rid, prompt, params)
+        streams = {rid: await client.submit(rid, prompt, SamplingParams(**params))
                    for rid, (prompt, params) in requests.items()}
         gone = await client.submit("gone", PROMPT, LONG)
         await gone.__anext__()

@@ -10,6 +10,7 @@ import stat
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -21,12 +22,14 @@ from ringserve.ipc.messages import (
     Abort,
     AddRequest,
     EngineOutput,
+    RefusedRequest,
     decode_outputs,
     decode_request,
     encode_outputs,
     encode_request,
 )
 from ringserve.ipc.ring import RecordTooLarge, Ring
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.ipc.shm import SHM_DIR, Segment, remove_stale_segments
 from ringserve.ipc.stats import (
     GENERATION_TOKENS,
@@ -231,7 +234,7 @@ def test_100k_messages_cross_in_order_with_backpressure():
 def _send_prompt(name: str, capacity: int, n_tokens: int) -> None:
     ch = Channel.attach(name, capacity)
     ids = np.arange(n_tokens, dtype=np.int32) * 7 % 49152
-    while not ch.requests.try_write(encode_request(AddRequest("long", ids, {"max_tokens": 1}))):
+    while not ch.requests.try_write(encode_request(AddRequest("long", ids, SamplingParams(max_tokens=1)))):
         pass
     ch.close()
 
@@ -243,7 +246,7 @@ def test_32k_token_prompt_crosses():
     p.join(60)
     assert p.exitcode == 0
     msg = decode_request(ch.requests.read())
-    assert msg.request_id == "long" and msg.params == {"max_tokens": 1}
+    assert msg.request_id == "long" and msg.params == SamplingParams(max_tokens=1)
     assert msg.prompt_token_ids.dtype == np.int32
     assert np.array_equal(msg.prompt_token_ids, np.arange(32768) * 7 % 49152)
     ch.close()
@@ -294,21 +297,42 @@ def test_messages_several_rings_large_cross_both_ways_between_processes():
 
 def test_request_messages_round_trip():
     ids = [1, -2, 2**31 - 1, 0]
-    add = AddRequest("req-é1", ids, {"temperature": 0.5, "stop_token_ids": [2, 3]}, trace=True)
+    add = AddRequest("req-é1", ids, SamplingParams(temperature=0.5, stop_token_ids=[2, 3]), trace=True)
     got = decode_request(encode_request(add))
     # the prompt comes back as an int32 array (what the engine takes), read-only: it views the record
     assert isinstance(got.prompt_token_ids, np.ndarray) and got.prompt_token_ids.dtype == np.int32
     assert got.prompt_token_ids.tolist() == ids and not got.prompt_token_ids.flags.writeable
     assert (got.request_id, got.params, got.trace) == (add.request_id, add.params, True)
     # an int32 array goes out as it is
-    again = decode_request(encode_request(AddRequest("a", np.array(ids, np.int32), {})))
+    again = decode_request(encode_request(AddRequest("a", np.array(ids, np.int32), SamplingParams())))
     assert again.prompt_token_ids.tolist() == ids and again.trace is False
-    empty = decode_request(encode_request(AddRequest("e", [], {})))
-    assert (empty.request_id, len(empty.prompt_token_ids), empty.params) == ("e", 0, {})
+    empty = decode_request(encode_request(AddRequest("e", [], SamplingParams())))
+    assert (empty.request_id, len(empty.prompt_token_ids), empty.params) == ("e", 0, SamplingParams())
     assert decode_request(encode_request(Abort("req-é1"))) == Abort("req-é1")
     # prompt ids are raw int32: 4 bytes each in one msgpack bin (3-byte header), plus the array
-    # header, tag, id, params and trace flag
-    assert len(encode_request(AddRequest("r", list(range(1000)), {}))) == 1 + 1 + 2 + 3 + 4000 + 1 + 1
+    # header, tag, id, params (all at their defaults: an empty map, whose header msgspec writes
+    # as a map16, 3 bytes) and trace flag
+    assert len(encode_request(AddRequest("r", list(range(1000)), SamplingParams()))) == \
+        1 + 1 + 2 + 3 + 4000 + 3 + 1
+
+
+def test_a_request_whose_params_are_refused_decodes_as_refused_not_as_garbage():
+    """SamplingParams are built, so validated, when a record is decoded: a value out of range,
+    of the wrong type or an unknown field refuses that request alone (the engine answers it
+    with an error output); a params payload that is not a map is no request at all."""
+    def record(params) -> bytes:
+        return msgspec.msgpack.encode((1, "r", b"\x01\x00\x00\x00\x02\x00\x00\x00", params, False))
+
+    for params, why in (({"top_p": 1e-46}, "top_p underflows"), ({"n": "x"}, "$[3].n"),
+                        ({"bogus": 1}, "bogus"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens")):
+        got = decode_request(record(params))
+        assert isinstance(got, RefusedRequest), params
+        assert (got.request_id, got.num_prompt_tokens) == ("r", 2) and why in got.error, got.error
+    # the conversions happen once, when built: top_k's -1 is 0 and a stop string a list
+    ok = decode_request(record({"top_k": -1, "stop": "x"}))
+    assert isinstance(ok, AddRequest) and (ok.params.top_k, ok.params.stop) == (0, ["x"])
+    with pytest.raises(msgspec.ValidationError):
+        decode_request(record([1]))
 
 
 def test_output_messages_round_trip():

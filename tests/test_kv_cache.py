@@ -1,7 +1,7 @@
 """The block pool and prefix caching (engine/kv_cache.py)."""
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request
-from ringserve.engine.sampling_params import SamplingParams
+from ringserve.ipc.sampling_params import SamplingParams
 
 
 def make_req(rid: str, tokens: list[int], salt=None) -> Request:

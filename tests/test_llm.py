@@ -1,7 +1,7 @@
 """The offline API (server/llm.py): tiny model for the mechanics, the default model for text."""
 import pytest
 
-from ringserve.engine.sampling_params import SamplingParams
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.llm import LLM
 
 

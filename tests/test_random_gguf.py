@@ -6,9 +6,9 @@ import gguf
 import numpy as np
 import pytest
 
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.model_store import resolve_model
 from ringserve.gpu.weights import load_weights
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.llm import LLM
 from ringserve.tools.random_gguf import (
     SHAPES,

@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
-from ringserve.engine.sampling_params import SamplingParams
-from ringserve.gpu.sampler import SamplingMetadata, apply_penalties, gather_logprobs, sample
+from ringserve.gpu.sampler import GREEDY_EPS, SamplingMetadata, apply_penalties, gather_logprobs, sample
+from ringserve.ipc.limits import generator_seed
+from ringserve.ipc.sampling_params import SamplingParams
 
 V = 50
 
@@ -114,13 +115,14 @@ def test_values_the_engine_dtypes_cannot_hold_are_refused(kw):
 def test_any_int64_seed_seeds_a_generator():
     for seed in (-1, -2**63, 2**63 - 1, 0):
         p = SamplingParams(seed=seed, n=3)
-        for i in range(3):  # the engine seeds sample i with seed + i
-            np.random.default_rng(p.seed + i).random()
-    assert SamplingParams(seed=5).seed == 5 and SamplingParams(seed=-1).seed != SamplingParams(seed=1).seed
+        assert p.seed == seed  # kept as given; the engine makes the generator's seed (engine/core.py)
+        for i in range(3):  # the engine seeds sample i with generator_seed(seed) + i
+            np.random.default_rng(generator_seed(p.seed) + i).random()
+    assert generator_seed(5) == 5 and generator_seed(-1) != generator_seed(1)
     assert SamplingParams(top_k=2**31 - 1).top_k == 0  # larger than any vocabulary: off
 
 
 def test_sampling_params_defaults_are_vllms():
     p = SamplingParams(top_k=-1)
     assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens) == (1, 1.0, 1.0, 0, 16)
-    assert SamplingParams(temperature=0).greedy and not p.greedy
+    assert SamplingParams(temperature=0).temperature < GREEDY_EPS <= p.temperature  # the sampler's rule

@@ -13,8 +13,8 @@ from ringserve.engine.config import SchedulerConfig
 from ringserve.engine.inputs import build_batch
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request, RequestStatus
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
+from ringserve.ipc.sampling_params import SamplingParams
 
 
 def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, caching=False):
@@ -24,8 +24,7 @@ def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_toke
 
 
 def make_req(rid, prompt_len, max_tokens=100, first_token=1):
-    return Request(rid, [first_token + i for i in range(prompt_len)], SamplingParams(),
-                   max_tokens=max_tokens)
+    return Request(rid, [first_token + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens))
 
 
 def run_step(sched: Scheduler, token=7) -> SchedulerOutput:
@@ -155,8 +154,7 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
     pending = []
     for i, (plen, max_tokens, arrival, abort_at) in enumerate(w["requests"]):
         # Few distinct tokens, so that prompts share prefixes and the cache gets hits.
-        req = Request(f"r{i}", [rng.randrange(3) for _ in range(plen)], SamplingParams(),
-                      max_tokens=max_tokens)
+        req = Request(f"r{i}", [rng.randrange(3) for _ in range(plen)], SamplingParams(max_tokens=max_tokens))
         if kv.blocks_needed(plen + max_tokens - 1) <= kv.num_blocks:   # the engine refuses others
             pending.append((arrival, abort_at, req))
     live: list[Request] = []

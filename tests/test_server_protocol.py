@@ -238,7 +238,8 @@ def test_a_sample_ends_at_its_stop_string_with_its_tokens_and_logprobs_cut(token
 def test_request_round_trip_encodes():
     req = msgspec.json.decode(b'{"prompt": [[1, 2], [3]], "stop": "x", "n": 2}',
                               type=P.CompletionRequest)
-    assert P.prompt_inputs(req.prompt) == [[1, 2], [3]] and P.stop_list(req.stop) == ["x"]
+    assert P.prompt_inputs(req.prompt) == [[1, 2], [3]]
+    assert P.sampling_params(req, max_tokens=4, logprobs=None).stop == ["x"]
 
 
 @pytest.mark.parametrize("top_k, sent", [(None, 0), (-1, 0), (0, 0), (1, 1), (40, 40)])
@@ -248,4 +249,4 @@ def test_top_k_off_goes_to_the_engine_as_0(top_k, sent):
     body = {"prompt": "hi"} if top_k is None else {"prompt": "hi", "top_k": top_k}
     req = msgspec.json.decode(json.dumps(body).encode(), type=P.CompletionRequest)
     P.check_common(req, P.RequestLimits(), vocab_size=100)
-    assert P.sampling_kwargs(req, max_tokens=4, logprobs=None)["top_k"] == sent
+    assert P.sampling_params(req, max_tokens=4, logprobs=None).top_k == sent

@@ -229,7 +229,7 @@ def llm(default_model_dir):
 
 
 def test_llm_generate_follows_constraints(llm):
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     from ringserve.ipc.structured import StructuredOutputsParams as S
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 15},
                                                "pop": {"type": "integer", "minimum": 1,
@@ -274,7 +274,7 @@ def test_engine_matchers_survive_preemption_chunked_prefill_and_n(default_model_
     chunks the prefills or not; each of n samples has its own matcher."""
     from ringserve.engine.config import EngineConfig
     from ringserve.engine.core import EngineCore
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     from ringserve.ipc.structured import StructuredOutputsParams as S
     schema = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 6,
                                                          "items": {"type": "string", "maxLength": 8}}},
@@ -306,7 +306,7 @@ def test_aborting_constrained_requests_leaves_the_others_valid(default_model_dir
     engine forgets every request and block."""
     from ringserve.engine.config import EngineConfig
     from ringserve.engine.core import EngineCore
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     from ringserve.ipc.structured import StructuredOutputsParams as S
     core = EngineCore(EngineConfig.create(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN))
     regex = r"[a-z]{3,6}( [a-z]{3,6}){2,5}\."

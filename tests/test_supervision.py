@@ -20,6 +20,7 @@ import pytest
 from conftest import ServeProcess, start_serve
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.ipc.shm import SHM_DIR
 from ringserve.server.engine_client import EngineClient
 from ringserve.server.supervision import RUNTIME_PREFIX
@@ -166,7 +167,7 @@ def test_heartbeat_goes_on_during_a_long_step_of_the_default_model(tmp_path, def
         await client.start()
         await client.wait_ready(timeout=300)
         stats = client.engines[0].stats
-        stream = await client.submit("long", list(range(1000, 3000)), {"max_tokens": 1})
+        stream = await client.submit("long", list(range(1000, 3000)), SamplingParams(max_tokens=1))
         longest_step = worst_beat = 0.0
         done = asyncio.ensure_future(_drain(stream))
         while not done.done():  # the engine's own process: reading its words costs it nothing

@@ -265,7 +265,7 @@ def test_bad_tool_requests_are_400_naming_the_field(serve, model_dir, hermes):
 def test_llm_chat_passes_tools_to_the_template(model_dir):
     """Offline: LLM.chat(tools=...) renders them (as vLLM's LLM.chat); a call constrained to a
     function's schema is valid."""
-    from ringserve.engine.sampling_params import SamplingParams
+    from ringserve.ipc.sampling_params import SamplingParams
     from ringserve.ipc.structured import StructuredOutputsParams
     from ringserve.server.llm import LLM
     llm = LLM(model=str(model_dir), max_model_len=1024)

@@ -15,7 +15,6 @@ import pytest
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.ipc.messages import (
     AddRequest,
     EngineOutput,
@@ -24,6 +23,7 @@ from ringserve.ipc.messages import (
     encode_outputs,
     encode_request,
 )
+from ringserve.ipc.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -110,9 +110,9 @@ def test_engine_traces_only_traced_requests_through_preemption(tiny_model_dir):
 
 
 def test_trace_flag_and_blob_cross_the_wire():
-    add = decode_request(encode_request(AddRequest("r", [1, 2, 3], {"max_tokens": 2}, trace=True)))
+    add = decode_request(encode_request(AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=2), trace=True)))
     assert add.trace and list(add.prompt_token_ids) == [1, 2, 3]
-    assert not decode_request(encode_request(AddRequest("r", [1], {}))).trace
+    assert not decode_request(encode_request(AddRequest("r", [1], SamplingParams()))).trace
     blob = json.dumps({"steps": [1, 2]}).encode()
     outs = decode_outputs(encode_outputs([EngineOutput("a", [7], None),
                                           EngineOutput("b", [8], "stop", trace=blob,

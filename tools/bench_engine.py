@@ -25,8 +25,8 @@ import numpy as np
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.sampling_params import SamplingParams
 from ringserve.gpu.sampler import sample_on_host
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
 PHASES = ("schedule", "prepare", "update")

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.engine_client import EngineClient
 from ringserve.server.launch import Launcher, add_serve_arguments
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
@@ -54,8 +55,8 @@ async def _via_engine(client: EngineClient, prompts: list[list[int]], max_tokens
     async def one(i: int, ids: list[int]):
         start = time.perf_counter()
         times = []
-        stream = await client.submit(f"bench-{i}", ids, dict(temperature=0.0, max_tokens=max_tokens,
-                                                             ignore_eos=True))
+        stream = await client.submit(f"bench-{i}", ids, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                       ignore_eos=True))
         async for out in stream:
             if out.new_token_ids:
                 times.append(time.perf_counter())

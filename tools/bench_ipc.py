@@ -43,6 +43,7 @@ from ringserve.ipc.messages import (
     encode_outputs,
     encode_request,
 )
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 
 ctx = mp.get_context("fork")  # transports are created first and inherited; nothing here holds CUDA
@@ -52,7 +53,7 @@ T = TypeVar("T")
 class ZmqRequest(msgspec.Struct, array_like=True):  # as vLLM's EngineCoreRequest travels
     request_id: str
     prompt_token_ids: list[int]
-    params: dict
+    params: SamplingParams
 
 
 class ZmqOutput(msgspec.Struct, array_like=True):  # as vLLM's EngineCoreOutput travels
@@ -248,7 +249,7 @@ def _run(transport: Transport, role: str, count: int, body: Callable[[Any], T]) 
 def measure(kind: str, tokens: int, n_msgs: int, n_rtt: int, tmp: str,
             repeats: int) -> tuple[float, float, float]:
     """(msgs/s, the median of ``repeats`` runs; round trip p50 and p99 in us)."""
-    msg = AddRequest("cmpl-0123456789", list(range(tokens)), {"max_tokens": 16})
+    msg = AddRequest("cmpl-0123456789", list(range(tokens)), SamplingParams(max_tokens=16))
     warm = 200
 
     def throughput(end) -> float:
@@ -330,7 +331,7 @@ def wakeup_latency(count: int) -> tuple[float, float]:
 def codec_costs(tokens: int, number: int) -> dict[str, tuple[float, float, float]]:
     """Per codec: (encode us, decode us, us for EngineCore.add_request to turn the decoded ids
     into its int32 array: np.asarray, free for an int32 array)."""
-    msg = AddRequest("cmpl-0123456789", list(range(tokens)), {"max_tokens": 16})
+    msg = AddRequest("cmpl-0123456789", list(range(tokens)), SamplingParams(max_tokens=16))
     enc = msgspec.msgpack.Encoder()
     dec = msgspec.msgpack.Decoder(ZmqRequest)
     codecs = {

@@ -22,7 +22,7 @@ from typing import Any
 from ringserve.engine import core as engine_core
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.engine.sampling_params import SamplingParams
+from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.ipc.structured import StructuredOutputsParams
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 

@@ -27,6 +27,7 @@ import math
 from numba import config, cuda, float32, int32, int64
 
 from ringserve.gpu.cuda.block_reduce import block_argmax, block_sum
+from ringserve.gpu.sampler import GREEDY_EPS  # temperature below this is greedy
 
 SAMPLE_MAX_THREADS = 1024
 
@@ -39,7 +40,6 @@ def _kernel(max_threads: int):
     if config.ENABLE_CUDASIM:  # type: ignore[attr-defined]
         return cuda.jit
     return cuda.jit(launch_bounds=max_threads)  # type: ignore[call-arg]
-GREEDY_EPS = 1e-5            # gpu/sampler.py: temperature below this is greedy
 _KEY_END = 1 << 32           # one past the largest key
 
 

@@ -94,10 +94,11 @@ class RingBackend:
         return self._tokenizer.encode(spec.prompt)
 
     async def send(self, spec: RequestSpec) -> RequestResult:
+        from ringserve.ipc.sampling_params import SamplingParams
         from ringserve.server.engine_client import EngineUnavailable
         ids = self._prompt_ids(spec)
         r = RequestResult(prompt_len=len(ids))
-        params = {"max_tokens": spec.output_len, "ignore_eos": True, "temperature": self.temperature}
+        params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True, temperature=self.temperature)
         timer = _Timer(r)
         try:
             stream = await self._started().submit(f"loadgen-{os.getpid()}-{next(self._ids)}", ids, params)
