@@ -26,6 +26,7 @@ from ringserve.server.errors import APIError, engine_error, error_body
 from ringserve.server.generate import EngineError, Generation
 from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
 from ringserve.server.sse import CLIENT_BLOCKED, CLOSE_CONNECTION, DONE, error_event, watch_disconnect
+from ringserve.server.tool_calls import template_tools
 from ringserve.server.trace import TRACE_FIELD, TRACE_HEADER, start_trace, stream_with_trace, wants_trace
 
 log = logging.getLogger("ringserve.server")
@@ -140,7 +141,7 @@ class _Lifespan:
 class _Serving(Protocol):
     """One endpoint's protocol code (server/serving_completions.py, serving_chat.py)."""
 
-    def prepare(self, ctx: ServerContext, req: Any, request_id: str) -> Generation: ...
+    async def prepare(self, ctx: ServerContext, req: Any, request_id: str) -> Generation: ...
 
     async def complete(self, ctx: ServerContext, req: Any, gen: Generation, request_id: str,
                        model: str) -> Any: ...
@@ -171,7 +172,7 @@ class _Generate:
         resp.set_header(P.REQUEST_ID_HEADER, request_id)
         req.context.request_id = request_id
         model = request.model or self._ctx.model_name
-        gen = self.serving.prepare(self._ctx, request, P.new_id(self.prefix))
+        gen = await self.serving.prepare(self._ctx, request, P.new_id(self.prefix))
         extensions = req.scope.get("extensions") or {}  # from our protocol (http_worker.py)
         gen.client_blocked = extensions.get(CLIENT_BLOCKED)
         gen.close_connection = extensions.get(CLOSE_CONNECTION)
@@ -245,8 +246,8 @@ class Tokenize:
         request = P.decode_tokenize_request(await read_body(req, self._options.max_body_bytes))
         P.check_model(request.model, self._ctx.served_model_names)
         if isinstance(request, P.TokenizeChatRequest):
-            tools = None if request.tools is None else [
-                msgspec.to_builtins(t) for t in request.tools]
+            tools = None if request.tools is None else template_tools(
+                request.tools, self._ctx.structured.max_json_depth)
             text = serving_chat.render_prompt(self._ctx, request.messages,
                                               request.add_generation_prompt, tools)
         else:

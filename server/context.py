@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringserve.server.config import StructuredOutputsConfig
 from ringserve.server.generate import Engine
+from ringserve.server.grammar_compiler import GrammarCompiler
 from ringserve.server.metrics import RequestMetrics
 from ringserve.server.protocol import RequestLimits
 
@@ -19,6 +21,15 @@ class ServerContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_vocab_size: int | None = None  # the model's (config.json); None: the tokenizer's
     tool_call_parser: str | None = None  # --tool-call-parser: "auto" tool choice (tool_calls.py)
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # Compiles constraints in processes of this worker's own; made from the tokenizer (its
+    # processes start on the first constrained request).
+    grammars: GrammarCompiler = field(init=False)
+
+    def __post_init__(self) -> None:
+        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.model_vocab_size, eos,
+                                        self.structured)
 
     @property
     def vocab_size(self) -> int:

@@ -13,7 +13,7 @@ from ringserve.server.sse import DONE, event
 from ringserve.server.structured_outputs import compile_request
 
 
-def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Generation:
+async def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Generation:
     """Validate and tokenize; every problem is a 400 before anything reaches the engine."""
     P.check_model(req.model, ctx.served_model_names)
     echo_only = echo_without_generation(req)
@@ -44,8 +44,9 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
     # Every choice answers with its own copy of its (echoed) prompt's logprobs.
     positions = req.n * sum(max_tokens + (len(ids) if req.echo else 0) for ids in prompts)
     P.check_response_logprobs(positions, req.logprobs, ctx.limits, param="logprobs")
+    grammar = await compile_request(req, ctx)  # off the loop (server/grammar_compiler.py)
     params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                               structured_outputs=compile_request(req, ctx.tokenizer))
+                               structured_outputs=grammar)
     if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs, as vLLM gives them
         params["prompt_logprobs"] = req.logprobs
     return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, prompts, params, req.n,
