@@ -116,7 +116,7 @@ class StructuredOutputsConfig:
     grammar_compile_processes: int = field(default=1, metadata={
         "help": "processes per worker that compile constraints (off the event loop; a crash "
                 "there is a 400, not a dead worker)"})
-    grammar_compile_queue: int = field(default=64, metadata={
+    grammar_compile_queue: int = field(default=1024, metadata={
         "help": "constraints a worker may hold waiting for a compiler process; more get 503"})
     grammar_cache_size: int = field(default=256, metadata={
         "help": "compiled constraints (and refusals) a worker remembers by content, so a "

@@ -10,19 +10,21 @@ bounded queue (--grammar-compile-queue; past it 503). Outcomes, refusals include
 content hash in an LRU (--grammar-cache-size): a repeated schema costs a dictionary look-up,
 and a repeated hostile one never reaches a process again.
 
-The processes come from a forkserver (a fork of a small single-threaded server, not of this
-multi-threaded worker) and import only ringserve.server/ipc and llguidance. Each compiles on a
-thread whose stack is half the engine's main-thread default (COMPILE_STACK_BYTES), so what
-compiles here also compiles in the engine, which compiles every grammar again (it trusts no
-ring record).
+Each process is a fresh interpreter (`python -m ringserve.server.grammar_compiler`: no fork of
+this multi-threaded worker, none of its modules but ringserve.server/ipc and llguidance) that
+talks over its stdin and stdout, runs at nice 19 (a long compile yields the cores to the engine
+and the workers), and compiles on a thread whose stack is half the engine's main-thread default
+(COMPILE_STACK_BYTES), so what compiles here also compiles in the engine, which compiles every
+grammar again (it trusts no ring record).
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
-import multiprocessing
+import os
 import signal
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import asdict
@@ -38,7 +40,7 @@ from ringserve.server.grammar_check import Job, Outcome
 log = logging.getLogger("ringserve.grammar")
 
 COMPILE_STACK_BYTES = 4 << 20  # the engine compiles on its main thread: 8 MiB by default
-_encode_job = msgspec.msgpack.Encoder().encode
+_encode = msgspec.msgpack.Encoder().encode
 _decode_outcome = msgspec.msgpack.Decoder(Outcome).decode
 
 
@@ -47,64 +49,59 @@ class CompilerDied(Exception):
 
 
 class _Process:
-    """One compiler process and the pipe to it (one job at a time)."""
+    """One compiler process (`python -m ringserve.server.grammar_compiler`) and its pipes: one
+    job at a time, each message a 4-byte length and msgpack."""
 
-    def __init__(self, proc: Any, conn: Any):
-        self.proc, self.conn = proc, conn
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
 
     @classmethod
-    def start(cls, tokenizer_json: str, vocab_size: int | None, eos: list[int],
-              cfg: StructuredOutputsConfig) -> _Process:
-        """Blocking (the fork, the tokenizer's ~0.2 s): called on a thread."""
-        ctx = multiprocessing.get_context("forkserver")
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_main, args=(theirs, tokenizer_json, vocab_size, eos, asdict(cfg)),
-                           name="ringserve-grammar", daemon=True)
-        proc.start()
-        theirs.close()
+    async def start(cls, setup: bytes) -> _Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ringserve.server.grammar_compiler",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        self = cls(proc)
         try:
-            ours.recv_bytes()  # ready: the tokenizer is made
-        except EOFError:
-            proc.join(5)
-            raise CompilerDied(f"the grammar compiler did not start ({_exit(proc)})") from None
-        return cls(proc, ours)
+            await self._send(setup)
+            await self._receive()  # ready: the tokenizer is made (~0.2 s)
+        except CompilerDied as e:
+            raise CompilerDied(f"the grammar compiler did not start ({e})") from None
+        return self
 
     async def run(self, job: bytes) -> Outcome:
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        fd = self.conn.fileno()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        await self._send(job)
+        return _decode_outcome(await self._receive())
+
+    async def _send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
         try:
-            await asyncio.to_thread(self.conn.send_bytes, job)  # up to --max-grammar-bytes
-            await readable
-            return _decode_outcome(self.conn.recv_bytes())
-        except (EOFError, OSError):  # it died (a native crash, the OOM killer)
-            await asyncio.to_thread(self.proc.join, 5)
-            raise CompilerDied(_exit(self.proc)) from None
-        finally:
-            loop.remove_reader(fd)
+            self.proc.stdin.write(len(data).to_bytes(4, "little") + data)
+            await self.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            raise CompilerDied(await self._exit()) from None
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.conn.close()
-        self.proc.join(5)
+    async def _receive(self) -> bytes:
+        assert self.proc.stdout is not None
+        try:
+            size = int.from_bytes(await self.proc.stdout.readexactly(4), "little")
+            return await self.proc.stdout.readexactly(size)
+        except asyncio.IncompleteReadError:  # it died (a native crash, the OOM killer)
+            raise CompilerDied(await self._exit()) from None
 
+    async def _exit(self) -> str:
+        code = await self.proc.wait()
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
-def _exit(proc: Any) -> str:
-    code = proc.exitcode
-    if code is not None and code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
 
 
 class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int | None, eos: list[int],
                  cfg: StructuredOutputsConfig):
-        self._start_args = (tokenizer_json, vocab_size, eos, cfg)
-        # The forkserver imports what a compiler process needs once (a process replacing a dead
-        # one starts in ms), and not the worker's __main__ (multiprocessing's default preload).
-        multiprocessing.get_context("forkserver").set_forkserver_preload(
-            ["ringserve.server.grammar_compiler"])
+        self._setup = _encode(_Setup(tokenizer_json, vocab_size, eos, asdict(cfg)))
         self.cfg = cfg
         self._idle: list[_Process] = []
         self._slots = asyncio.Semaphore(cfg.grammar_compile_processes)
@@ -115,7 +112,7 @@ class GrammarCompiler:
 
     async def compile(self, spec: StructuredOutputsParams, param: str) -> str:
         """The llguidance grammar of `spec`, or a 400 naming `param` (503: the queue is full)."""
-        job = _encode_job(Job(param, spec))
+        job = _encode(Job(param, spec))
         key = hashlib.blake2b(job, digest_size=16).digest()
         outcome = await self._outcome(key, job, param)
         if outcome.error is not None:
@@ -173,7 +170,7 @@ class GrammarCompiler:
         proc = self._idle.pop() if self._idle else None
         if proc is None:
             try:
-                proc = await asyncio.to_thread(_Process.start, *self._start_args)
+                proc = await _Process.start(self._setup)
             except CompilerDied as e:
                 log.error("%s", e)
                 raise APIError(503, str(e), code="grammar_compiler_unavailable") from None
@@ -182,56 +179,75 @@ class GrammarCompiler:
         try:
             outcome = await asyncio.wait_for(proc.run(job), timeout)
         except asyncio.TimeoutError:
-            await asyncio.to_thread(proc.kill)
+            await proc.kill()
             log.warning("%s took over %s s to compile: its compiler process was killed", param,
                         timeout)
             return Outcome(error=f"{param} takes longer than {timeout:g} s to compile "
                                  f"(--grammar-compile-timeout)")
         except CompilerDied as e:
-            await asyncio.to_thread(proc.kill)
             log.warning("compiling %s crashed its compiler process (%s); a new one replaces it",
                         param, e)
             return Outcome(error=f"{param} cannot be compiled: the grammar compiler failed on "
                                  f"it ({e})")
         except BaseException:  # cancelled (client gone): its answer would come to the next job
-            await asyncio.shield(asyncio.to_thread(proc.kill))
+            await asyncio.shield(proc.kill())
             raise
         self._idle.append(proc)
         return outcome
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for proc in self._idle:
-            proc.kill()
+            await proc.kill()
         self._idle.clear()
 
 
 # --- the compiler process --------------------------------------------------------------------
 
-def _main(conn: Any, tokenizer_json: str, vocab_size: int | None, eos: list[int], cfg: dict) -> None:
+class _Setup(msgspec.Struct, array_like=True):
+    tokenizer_json: str
+    vocab_size: int | None
+    eos: list[int]
+    config: dict
+
+
+def _read(stream: Any) -> bytes | None:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None  # the worker is gone
+    return stream.read(int.from_bytes(head, "little"))
+
+
+def _write(stream: Any, data: bytes) -> None:
+    stream.write(len(data).to_bytes(4, "little") + data)
+    stream.flush()
+
+
+def main() -> None:
     """A compiler process: make the tokenizer, then answer jobs until the worker goes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when it ends
+    os.nice(19)  # the lowest priority: a long compile yields the cores to the engine and workers
     threading.stack_size(COMPILE_STACK_BYTES)
-    t = threading.Thread(target=_serve, args=(conn, tokenizer_json, vocab_size, eos, cfg),
+    t = threading.Thread(target=_serve, args=(sys.stdin.buffer, sys.stdout.buffer),
                          name="compile")
     t.start()
     t.join()
 
 
-def _serve(conn: Any, tokenizer_json: str, vocab_size: int | None, eos: list[int], cfg: dict) -> None:
+def _serve(inp: Any, out: Any) -> None:
     from llguidance import LLExecutor
 
     from ringserve.ipc.structured import make_ll_tokenizer
     from ringserve.server.grammar_check import check_and_compile
 
-    config = StructuredOutputsConfig(**cfg)
-    tokenizer = make_ll_tokenizer(tokenizer_json, vocab_size, eos)
+    setup = msgspec.msgpack.decode(_read(inp) or b"", type=_Setup)
+    config = StructuredOutputsConfig(**setup.config)
+    tokenizer = make_ll_tokenizer(setup.tokenizer_json, setup.vocab_size, setup.eos)
     executor = LLExecutor()
     decode_job = msgspec.msgpack.Decoder(Job).decode
-    encode = msgspec.msgpack.Encoder().encode
-    conn.send_bytes(b"ready")
-    while True:
-        try:
-            job = decode_job(conn.recv_bytes())
-        except (EOFError, OSError):
-            return  # the worker is gone
-        conn.send_bytes(encode(check_and_compile(job, tokenizer, executor, config)))
+    _write(out, b"ready")
+    while (data := _read(inp)) is not None:
+        _write(out, _encode(check_and_compile(decode_job(data), tokenizer, executor, config)))
+
+
+if __name__ == "__main__":
+    main()

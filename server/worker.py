@@ -66,7 +66,7 @@ def worker_app():
                         structured=StructuredOutputsConfig(**cfg["structured_outputs"]))
 
     async def stop() -> None:
-        ctx.grammars.close()
+        await ctx.grammars.close()
         await client.close()
 
     async def start() -> None:
