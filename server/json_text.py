@@ -42,12 +42,9 @@ def depth(value: Any) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack:
         v, d = stack.pop()
-        if isinstance(v, dict):
-            children = v.values()
-        elif isinstance(v, list):
-            children = v
-        else:
+        if not isinstance(v, (dict, list)):
             continue
+        children = v.values() if isinstance(v, dict) else v
         deepest = max(deepest, d)
         stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
     return deepest
