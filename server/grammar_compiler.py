@@ -40,8 +40,8 @@ from ringserve.server.grammar_check import Job, Outcome
 log = logging.getLogger("ringserve.grammar")
 
 COMPILE_STACK_BYTES = 4 << 20  # the engine compiles on its main thread: 8 MiB by default
-_encode = msgspec.msgpack.Encoder().encode
-_decode_outcome = msgspec.msgpack.Decoder(Outcome).decode
+_encode = msgspec.json.Encoder().encode
+_decode_outcome = msgspec.json.Decoder(Outcome).decode
 
 
 class CompilerDied(Exception):
@@ -50,7 +50,7 @@ class CompilerDied(Exception):
 
 class _Process:
     """One compiler process (`python -m ringserve.server.grammar_compiler`) and its pipes: one
-    job at a time, each message a 4-byte length and msgpack."""
+    job at a time, each message a 4-byte length and JSON (msgpack has no integers past 64 bits)."""
 
     def __init__(self, proc: asyncio.subprocess.Process):
         self.proc = proc
@@ -239,14 +239,19 @@ def _serve(inp: Any, out: Any) -> None:
     from ringserve.ipc.structured import make_ll_tokenizer
     from ringserve.server.grammar_check import check_and_compile
 
-    setup = msgspec.msgpack.decode(_read(inp) or b"", type=_Setup)
+    setup = msgspec.json.decode(_read(inp) or b"", type=_Setup)
     config = StructuredOutputsConfig(**setup.config)
     tokenizer = make_ll_tokenizer(setup.tokenizer_json, setup.vocab_size, setup.eos)
     executor = LLExecutor()
-    decode_job = msgspec.msgpack.Decoder(Job).decode
+    decode_job = msgspec.json.Decoder(Job).decode
     _write(out, b"ready")
     while (data := _read(inp)) is not None:
-        _write(out, _encode(check_and_compile(decode_job(data), tokenizer, executor, config)))
+        try:
+            job = decode_job(data)
+        except (msgspec.DecodeError, RecursionError) as e:  # the worker sent what it decoded
+            _write(out, _encode(Outcome(error=f"the constraint cannot be read: {e}")))
+            continue
+        _write(out, _encode(check_and_compile(job, tokenizer, executor, config)))
 
 
 if __name__ == "__main__":
