@@ -63,6 +63,12 @@ def check_and_compile(job: Job, tokenizer: Any, executor: Any,
         return Outcome(error=f"{param} is nested too deeply to compile")
     except (ValueError, TypeError) as e:  # llguidance's own refusal of a malformed input
         return Outcome(error=f"invalid {param}: {_first_line(str(e))}")
+    except BaseException as e:
+        # pyo3 turns a panic of llguidance's Rust into PanicException, a BaseException ("panic:
+        # assertion failed" on a 16,000-property schema): a refusal like any other.
+        if type(e).__name__ != "PanicException":
+            raise
+        return Outcome(error=f"invalid {param}: llguidance failed on it: {_first_line(str(e))}")
     return Outcome(grammar=grammar)
 
 
