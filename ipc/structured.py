@@ -5,9 +5,10 @@ request's; `to_grammar` turns any of them into the llguidance grammar string tha
 engine in `SamplingParams.structured_outputs` (a ring record: the engine compiles it again and
 trusts nothing), and `check_grammar` compiles it against a tokenizer. Both sides use these, the
 way both apply ipc/limits.py: the frontend answers 400 naming the field before anything reaches
-an engine (server/structured_outputs.py), the engine refuses what still does not compile
-(engine/structured_outputs.py). `make_ll_tokenizer` is the one way to build llguidance's view of
-a model's tokenizer.json, for the frontend's check and for the engine's matchers.
+an engine (its grammar compiler's processes run them, server/grammar_compiler.py), the engine
+refuses what still does not compile (engine/structured_outputs.py). `make_ll_tokenizer` is the
+one way to build llguidance's view of a model's tokenizer.json, for the frontend's check and for
+the engine's matchers.
 
 llguidance (PyPI `llguidance`: Rust, no PyTorch; what vLLM and llama.cpp use) computes the
 allowed next tokens as a bitmask over the vocabulary, one int32 word per 32 tokens.
@@ -85,6 +86,8 @@ def _json_grammar(schema: Any, kind: str) -> str:
             schema = json.loads(schema)
         except ValueError as e:
             raise GrammarError(f"the JSON schema is not JSON: {e}", kind) from None
+        except RecursionError:
+            raise GrammarError("the JSON schema is nested too deeply", kind) from None
     if isinstance(schema, bool):  # JSON Schema's true (anything) and false (nothing)
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version as _pkg_version
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import falcon
 import falcon.asgi
@@ -22,22 +22,19 @@ from ringserve.ipc.ring import MessageTooLarge
 from ringserve.server import protocol as P
 from ringserve.server import serving_chat, serving_completions
 from ringserve.server.config import ServerConfig
-from ringserve.server.context import ServerContext
+from ringserve.server.context import ServerContext, off_loop
 from ringserve.server.engine_client import EngineUnavailable
 from ringserve.server.errors import APIError, engine_error, error_body
 from ringserve.server.generate import EngineError, Generation
 from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
 from ringserve.server.sse import CLIENT_BLOCKED, CLOSE_CONNECTION, DONE, error_event, watch_disconnect
+from ringserve.server.tool_calls import template_tools
 from ringserve.server.trace import TRACE_FIELD, TRACE_HEADER, start_trace, stream_with_trace, wants_trace
 
 log = logging.getLogger("ringserve.server")
 
 MAX_BODY_BYTES = ServerConfig.max_body_bytes
 RECEIVE_KEY = "ringserve.receive"  # the ASGI receive callable, for the disconnect watcher
-# Requests with larger bodies are prepared in a thread (off_loop): ~10 ms of tokenizing at most
-# on the loop, and no thread hop for the usual small request.
-OFF_LOOP_BODY_BYTES = 1 << 14
-T = TypeVar("T")
 _encode = msgspec.json.Encoder().encode
 
 
@@ -74,15 +71,6 @@ async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
             raise too_big
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-async def off_loop(body_size: int, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) (render, tokenize, validate) on the event loop for a small body, in a thread
-    for a large one: a large prompt's tokenizing (1-3 s for 1 MB, without the GIL: tokenizer.py)
-    must not stall the worker's other streams and /health."""
-    if body_size < OFF_LOOP_BODY_BYTES:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
 
 
 def json_response(resp: falcon.asgi.Response, obj, status: int = 200) -> None:
@@ -176,7 +164,7 @@ class _Lifespan:
 class _Serving(Protocol):
     """One endpoint's protocol code (server/serving_completions.py, serving_chat.py)."""
 
-    def prepare(self, ctx: ServerContext, req: Any, request_id: str) -> Generation: ...
+    async def prepare(self, ctx: ServerContext, req: Any, request_id: str) -> Generation: ...
 
     async def complete(self, ctx: ServerContext, req: Any, gen: Generation, request_id: str,
                        model: str) -> Any: ...
@@ -207,8 +195,7 @@ class _Generate:
         resp.set_header(P.REQUEST_ID_HEADER, request_id)
         req.context.request_id = request_id
         model = request.model or self._ctx.model_name
-        gen = await off_loop(len(body), self.serving.prepare, self._ctx, request,
-                             P.new_id(self.prefix))
+        gen = await self.serving.prepare(self._ctx, request, P.new_id(self.prefix))
         extensions = req.scope.get("extensions") or {}  # from our protocol (http_worker.py)
         gen.client_blocked = extensions.get(CLIENT_BLOCKED)
         gen.close_connection = extensions.get(CLOSE_CONNECTION)
@@ -295,8 +282,8 @@ class Tokenize:
 
     def _tokenize(self, request: P.TokenizeCompletionRequest | P.TokenizeChatRequest) -> list[int]:
         if isinstance(request, P.TokenizeChatRequest):
-            tools = None if request.tools is None else [
-                msgspec.to_builtins(t) for t in request.tools]
+            tools = None if request.tools is None else template_tools(
+                request.tools, self._ctx.structured.max_json_depth)
             text = serving_chat.render_prompt(self._ctx, request.messages,
                                               request.add_generation_prompt, tools)
         else:

@@ -93,6 +93,59 @@ class ServerConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
 
 
+@dataclass(kw_only=True)
+class StructuredOutputsConfig:
+    """Bounds on what a request's constraint (schema, regex, choices, grammar, tool schemas) and
+    its JSON given as text may be, checked before llguidance sees any of it, and the worker's
+    grammar compiler: its processes, queue, time budget and cache (server/grammar_compiler.py).
+    A constraint over a bound is a 400 naming the field and the flag."""
+    max_grammar_bytes: int = field(default=1 << 18, metadata={
+        "help": "most UTF-8 bytes of one constraint: a JSON schema (as JSON text), regex, "
+                "grammar or tool schemas"})
+    max_grammar_rules: int = field(default=1000, metadata={
+        "help": "most rules (and terminals) in a Lark or GBNF grammar"})
+    max_grammar_depth: int = field(default=128, metadata={
+        "help": "deepest chain of grammar rules referring to one another, or of JSON-schema "
+                "levels and $refs followed in a row (grammar compilers recurse along it)"})
+    max_grammar_items: int = field(default=2000, metadata={
+        "help": "most alternatives (grammar |, JSON-schema anyOf/oneOf/enum/choice entries) and "
+                "properties in one constraint"})
+    max_choices: int = field(default=1000, metadata={
+        "help": "most strings in a choice list (guided_choice, structured_outputs.choice)"})
+    max_choice_bytes: int = field(default=1 << 16, metadata={
+        "help": "most UTF-8 bytes of a choice list's strings together"})
+    max_json_depth: int = field(default=64, metadata={
+        "help": "deepest nesting of JSON given as text (a schema string, tool-call arguments "
+                "in history) and of a JSON schema"})
+    grammar_compile_timeout: float = field(default=10.0, metadata={
+        "help": "seconds a constraint may take to compile; then its compiler process is killed "
+                "and the request gets 400"})
+    grammar_compile_processes: int = field(default=1, metadata={
+        "help": "processes per worker that compile constraints (off the event loop; a crash "
+                "there is a 400, not a dead worker)"})
+    grammar_compile_queue: int = field(default=1024, metadata={
+        "help": "constraints a worker may hold waiting for a compiler process; more get 503"})
+    grammar_cache_size: int = field(default=256, metadata={
+        "help": "compiled constraints (and refusals) a worker remembers by content, so a "
+                "repeated one costs nothing"})
+
+    def __post_init__(self) -> None:
+        # Upper bounds: past them a limit no longer protects anything (the body limit, the
+        # decoder's recursion, the machine's processes).
+        for name, low, high in (("max_grammar_bytes", 1, 1 << 26), ("max_grammar_rules", 1, 1 << 20),
+                                ("max_grammar_depth", 1, 1000), ("max_grammar_items", 1, 1 << 20),
+                                ("max_choices", 1, 1 << 20), ("max_choice_bytes", 1, 1 << 26),
+                                ("max_json_depth", 1, 500), ("grammar_compile_processes", 1, 64),
+                                ("grammar_compile_queue", 0, 1 << 16),
+                                ("grammar_cache_size", 0, 1 << 20)):
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValueError(f"{_flag(name)} must be in [{low}, {high}], got {value}")
+        if not 0 < self.grammar_compile_timeout <= 3600:
+            raise ValueError(f"--grammar-compile-timeout must be in (0, 3600] seconds, got "
+                             f"{self.grammar_compile_timeout}")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 

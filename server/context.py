@@ -1,13 +1,30 @@
 """What the request handlers of one worker share: tokenizer, engine client, model facts, metrics."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
+from ringserve.server.config import StructuredOutputsConfig
 from ringserve.server.errors import bad_request
 from ringserve.server.generate import Engine
+from ringserve.server.grammar_compiler import GrammarCompiler
 from ringserve.server.metrics import RequestMetrics
 from ringserve.server.protocol import RequestLimits
+
+# Work on more than this many bytes of client text (tokenizing, rendering) runs in a thread:
+# ~10 ms at most on the loop, and no thread hop for the usual small request.
+OFF_LOOP_BYTES = 1 << 14
+T = TypeVar("T")
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on the event loop for a small input, in a thread for a large one: a large
+    prompt's tokenizing (1-3 s for 1 MB, without the GIL: tokenizer.py) must not stall the
+    worker's other streams and /health."""
+    if size < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 @dataclass
@@ -20,6 +37,15 @@ class ServerContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_vocab_size: int | None = None  # the model's (config.json); None: the tokenizer's
     tool_call_parser: str | None = None  # --tool-call-parser: "auto" tool choice (tool_calls.py)
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # Compiles constraints in processes of this worker's own; made from the tokenizer (its
+    # processes start on the first constrained request).
+    grammars: GrammarCompiler = field(init=False)
+
+    def __post_init__(self) -> None:
+        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.model_vocab_size, eos,
+                                        self.structured)
 
     @property
     def vocab_size(self) -> int:
@@ -35,9 +61,10 @@ class ServerContext:
         """One token as text, special tokens included (for logprobs)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def encode_prompt(self, text: str, add_special_tokens: bool, *, param: str) -> list[int]:
-        """A prompt's token ids; a prompt whose UTF-8 length alone proves it longer than the
-        context is a 400 before any tokenizing (a 1 MB prompt costs 1-3 s to tokenize)."""
+    async def encode_prompt(self, text: str, add_special_tokens: bool, *, param: str) -> list[int]:
+        """A prompt's token ids, a long one tokenized off the loop; a prompt whose UTF-8 length
+        alone proves it longer than the context is a 400 before any tokenizing (a 1 MB prompt
+        costs 1-3 s to tokenize)."""
         least = self.tokenizer.min_tokens(text)
         if least >= self.max_model_len:
             raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. "
@@ -45,4 +72,4 @@ class ServerContext:
                               f"token is at most {self.tokenizer.token_bytes.most} bytes of "
                               f"text). Please reduce the length of the input.", param=param,
                               code="context_length_exceeded")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)

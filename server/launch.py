@@ -54,11 +54,12 @@ def serve_sections() -> list[tuple[str, type]]:
     neither numba nor CuPy; the engine process does)."""
     from ringserve.engine.config import EngineConfig, SchedulerConfig
     from ringserve.gpu.settings import CacheConfig, DeviceConfig
-    from ringserve.server.config import ParallelConfig, ServerConfig
+    from ringserve.server.config import ParallelConfig, ServerConfig, StructuredOutputsConfig
     from ringserve.server.protocol import RequestLimits
     return [("model", EngineConfig), ("device", DeviceConfig), ("KV cache", CacheConfig),
             ("scheduler", SchedulerConfig), ("processes", ParallelConfig), ("server", ServerConfig),
-            ("per-request limits (400 above them)", RequestLimits)]
+            ("per-request limits (400 above them)", RequestLimits),
+            ("structured outputs and tools (400 above the limits)", StructuredOutputsConfig)]
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,13 +110,19 @@ class Launcher:
         flag fails (ValueError) before anything starts."""
         from ringserve.engine.config import EngineConfig
         from ringserve.gpu.devices import cpu_threads_per_engine, cuda_stack_problem, plan_engines
-        from ringserve.server.config import ParallelConfig, ServerConfig, from_args
+        from ringserve.server.config import (
+            ParallelConfig,
+            ServerConfig,
+            StructuredOutputsConfig,
+            from_args,
+        )
         from ringserve.server.protocol import RequestLimits
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.server: ServerConfig = from_args(ServerConfig, args)
         self.parallel: ParallelConfig = from_args(ParallelConfig, args)
         self.request_limits: RequestLimits = from_args(RequestLimits, args)
+        self.structured: StructuredOutputsConfig = from_args(StructuredOutputsConfig, args)
         # Counted without initializing CUDA here (gpu/devices.py); one engine per GPU by default.
         self.device, self.engine_gpus = plan_engines(args.device, self.parallel.engines)
         if self.device == "cuda" and (problem := cuda_stack_problem()) is not None:
@@ -198,6 +205,7 @@ class Launcher:
             "api_key": a.api_key,
             "max_body_bytes": a.max_body_bytes,
             "request_limits": vars(self.request_limits),
+            "structured_outputs": vars(self.structured),
             "vocab_size": _model_vocab_size(self.model_dir),
             "max_stream_backlog": a.max_stream_backlog,
             "tool_call_parser": a.tool_call_parser,

@@ -10,7 +10,6 @@ than its size. Every failure is an `APIError(400)`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import time
 import uuid
@@ -28,6 +27,7 @@ from ringserve.ipc.messages import MAX_LOGPROB_ENTRY_BYTES
 from ringserve.ipc.ring import DEFAULT_MAX_MESSAGE
 from ringserve.ipc.sampling_params import SamplingParams, SamplingParamsError
 from ringserve.ipc.structured import StructuredOutputsParams
+from ringserve.server import json_text
 from ringserve.server.errors import APIError, bad_request, from_validation_error
 from ringserve.server.structured_outputs import ResponseFormat
 
@@ -172,15 +172,16 @@ class ChatMessage(Struct, forbid_unknown_fields=False):
     tool_calls: list[ToolCall] | None = None   # an assistant's earlier calls
     tool_call_id: str | None = None            # a tool result (role "tool"): the call it answers
 
-    def to_template_dict(self) -> dict[str, Any]:
-        """The message as a chat template expects it: text parts joined into one string."""
+    def to_template_dict(self, index: int, max_json_depth: int) -> dict[str, Any]:
+        """The message (messages[index]) as a chat template expects it: text parts joined into
+        one string, earlier calls' JSON arguments parsed (at most max_json_depth deep)."""
         content = self.content
         if isinstance(content, list):
             texts = []
             for i, part in enumerate(content):
                 if part.type != "text" or part.text is None:
                     raise bad_request(f"content part of type {part.type!r} is not supported",
-                                      param=f"messages.content[{i}]")
+                                      param=f"messages[{index}].content[{i}]")
                 texts.append(part.text)
             content = "\n".join(texts)
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
@@ -191,18 +192,21 @@ class ChatMessage(Struct, forbid_unknown_fields=False):
         if self.tool_calls:
             # Templates index the arguments as a mapping (Hermes/Qwen, Llama 3 tojson them):
             # JSON text becomes a dict, as vLLM hands them over.
-            d["tool_calls"] = [{"id": c.id, "type": c.type,
-                                "function": {"name": c.function.name,
-                                             "arguments": _json_or_text(c.function.arguments)}}
-                               for c in self.tool_calls]
+            d["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _json_or_text(
+                    c.function.arguments, max_json_depth,
+                    f"messages[{index}].tool_calls[{j}].function.arguments")}}
+                for j, c in enumerate(self.tool_calls)]
         return d
 
 
-def _json_or_text(text: str) -> Any:
+def _json_or_text(text: str, max_depth: int, param: str) -> Any:
     try:
-        return json.loads(text)
-    except ValueError:
+        return json_text.loads(text, max_depth, param)
+    except json_text.NotJSON:
         return text
+    except json_text.TooDeep as e:
+        raise bad_request(str(e), param=param) from None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

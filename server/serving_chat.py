@@ -14,7 +14,8 @@ from ringserve.server.structured_outputs import compile_request
 
 def render_prompt(ctx: ServerContext, messages: list[P.ChatMessage],
                   add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
-    dicts = [m.to_template_dict() for m in messages]
+    depth = ctx.structured.max_json_depth
+    dicts = [m.to_template_dict(i, depth) for i, m in enumerate(messages)]
     extra = {} if tools is None else {"tools": tools}  # as transformers passes them
     try:
         return ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
@@ -23,7 +24,7 @@ def render_prompt(ctx: ServerContext, messages: list[P.ChatMessage],
         raise P.bad_request(f"cannot apply the chat template: {exc}", param="messages") from None
 
 
-def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -> Generation:
+async def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -> Generation:
     P.check_model(req.model, ctx.served_model_names)
     P.check_common(req, ctx.limits, ctx.vocab_size)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -31,18 +32,19 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
     params = P.sampling_params(req, max_tokens=asked, logprobs=logprobs)  # before any tokenizing
     P.check_logprobs(req.top_logprobs, ctx.limits, param="top_logprobs")
     P.check_choices(1, req.n, ctx.limits)
-    tp = T.plan(req, ctx.tool_call_parser)
+    tp = T.plan(req, ctx.tool_call_parser, ctx.structured.max_json_depth)
     if req.top_logprobs is not None and not req.logprobs:
         raise P.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     text = render_prompt(ctx, req.messages, req.add_generation_prompt, tp.template_tools)
     # The template already holds the special tokens (as vLLM's chat default).
-    ids = ctx.encode_prompt(text, False, param="messages")
+    ids = await ctx.encode_prompt(text, False, param="messages")
     if not ids:
         raise P.bad_request("the rendered prompt is empty", param="messages")
     max_tokens = P.check_length(len(ids), asked, ctx.max_model_len, param="messages")
     P.check_response_logprobs(req.n * max_tokens, logprobs, ctx.limits, param="top_logprobs")
-    params = P.for_engine(req, params, max_tokens=max_tokens,
-                          structured_outputs=compile_request(req, ctx.tokenizer, tp.constraint))
+    tools = None if tp.constraint is None else (tp.constraint, tp.constraint_param)
+    grammar = await compile_request(req, ctx, tools)  # off the loop (server/grammar_compiler.py)
+    params = P.for_engine(req, params, max_tokens=max_tokens, structured_outputs=grammar)
     # A parser reads the markers a model family may write as special tokens (vLLM keeps them too).
     skip_special = req.skip_special_tokens and tp.mode != "auto"
     gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, [ids], params, req.n,

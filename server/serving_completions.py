@@ -13,7 +13,7 @@ from ringserve.server.sse import DONE, event
 from ringserve.server.structured_outputs import compile_request
 
 
-def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Generation:
+async def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Generation:
     """Validate and tokenize; every problem is a 400 before anything reaches the engine."""
     P.check_model(req.model, ctx.served_model_names)
     echo_only = echo_without_generation(req)
@@ -35,7 +35,7 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
     prompts = []
     for item in inputs:
         if isinstance(item, str):
-            ids = ctx.encode_prompt(item, req.add_special_tokens, param="prompt")
+            ids = await ctx.encode_prompt(item, req.add_special_tokens, param="prompt")
             if not ids:
                 raise P.bad_request("prompt must not be empty", param="prompt")
         else:
@@ -47,8 +47,8 @@ def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str) -> Ge
     # Every choice answers with its own copy of its (echoed) prompt's logprobs.
     positions = req.n * sum(max_tokens + (len(ids) if req.echo else 0) for ids in prompts)
     P.check_response_logprobs(positions, req.logprobs, ctx.limits, param="logprobs")
-    params = P.for_engine(req, params, max_tokens=max_tokens,
-                          structured_outputs=compile_request(req, ctx.tokenizer))
+    grammar = await compile_request(req, ctx)  # off the loop (server/grammar_compiler.py)
+    params = P.for_engine(req, params, max_tokens=max_tokens, structured_outputs=grammar)
     return Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, prompts, params, req.n,
                       skip_special_tokens=req.skip_special_tokens, discard_output=echo_only)
 

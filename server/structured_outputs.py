@@ -4,18 +4,22 @@ The names a client may use (OpenAI's and vLLM's, completions and chat alike):
 `response_format` `{"type": "json_object"}` / `{"type": "json_schema", "json_schema": {"name",
 "schema", "strict"}}`; vLLM's `structured_outputs` object (json, regex, choice, grammar) and its
 older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At most one of them.
-The constraint becomes one llguidance grammar (ipc/structured.py `to_grammar`), compiled here
-against the model's tokenizer so that an invalid schema, regex or grammar is a 400 naming the
-field before anything reaches an engine; the engine enforces it token by token
-(engine/structured_outputs.py).
+The constraint's size is bounded here (--max-grammar-bytes, --max-choices, --max-choice-bytes:
+len() checks, nothing that walks it), then the worker's grammar compiler
+(server/grammar_compiler.py) bounds the rest, makes it one llguidance grammar (ipc/structured.py
+`to_grammar`) and compiles it against the model's tokenizer in a process of its own, so that an
+invalid or hostile schema, regex or grammar is a 400 naming the field before anything reaches an
+engine; the engine enforces it token by token (engine/structured_outputs.py).
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import msgspec
 from msgspec import Struct
 
-from ringserve.ipc.structured import GrammarError, StructuredOutputsParams, check_grammar, to_grammar
+from ringserve.ipc.structured import StructuredOutputsParams
+from ringserve.server.config import StructuredOutputsConfig
 from ringserve.server.errors import bad_request
 
 
@@ -67,25 +71,38 @@ def requested(req: Any) -> tuple[StructuredOutputsParams, str] | None:
     return found[0] if found else None
 
 
-def compile_request(req: Any, tokenizer: Any,
-                    tools: StructuredOutputsParams | None = None) -> str | None:
+async def compile_request(req: Any, ctx: Any,
+                          tools: tuple[StructuredOutputsParams, str] | None = None) -> str | None:
     """The llguidance grammar the engine is to enforce for `req` (None: unconstrained); `tools`:
-    the constraint of a required or named tool choice (server/tool_calls.py). Every failure is
-    a 400 whose `param` names the field."""
+    the constraint of a required or named tool choice and the field it comes from
+    (server/tool_calls.py). ctx: the ServerContext (its limits and grammar compiler). Every
+    failure is a 400 whose `param` names the field."""
     asked = requested(req)
     if tools is not None:
         if asked is not None:
             raise bad_request(f"{asked[1]} cannot be combined with a required or named "
                               "tool_choice (it constrains the output itself)", param=asked[1])
-        asked = tools, "tools"
+        asked = tools
     if asked is None:
         return None
     spec, param = asked
-    try:
-        grammar = to_grammar(spec)
-        check_grammar(grammar, tokenizer.ll_tokenizer, param)  # made on first use
-    except GrammarError as e:
-        raise bad_request(str(e), param=param) from None
-    except (ValueError, TypeError) as e:  # llguidance's own refusal of a malformed input
-        raise bad_request(f"invalid {param}: {e}", param=param) from None
-    return grammar
+    check_size(spec, param, ctx.structured)
+    return await ctx.grammars.compile(spec, param)
+
+
+def check_size(spec: StructuredOutputsParams, param: str, cfg: StructuredOutputsConfig) -> None:
+    """The bounds that cost a len(): the constraint's bytes, a choice list's length and bytes."""
+    if spec.choice is not None:
+        if len(spec.choice) > cfg.max_choices:
+            raise bad_request(f"{param} has {len(spec.choice)} choices, more than the limit "
+                              f"{cfg.max_choices} (--max-choices)", param=param)
+        size = sum(len(c.encode()) for c in spec.choice)
+        if size > cfg.max_choice_bytes:
+            raise bad_request(f"{param} has {size} bytes of choices, more than the limit "
+                              f"{cfg.max_choice_bytes} (--max-choice-bytes)", param=param)
+        return
+    text = spec.json if spec.json is not None else spec.regex or spec.grammar or ""
+    size = len(text.encode() if isinstance(text, str) else msgspec.json.encode(text))
+    if size > cfg.max_grammar_bytes:
+        raise bad_request(f"{param} has {size} bytes, more than the limit "
+                          f"{cfg.max_grammar_bytes} (--max-grammar-bytes)", param=param)

@@ -116,12 +116,10 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
 
-    @cached_property
-    def ll_tokenizer(self) -> Any:
-        """llguidance's view of this tokenizer, to compile structured-output grammars in the
-        frontend (ipc/structured.py check_grammar). Made on first use (~0.2 s)."""
-        from ringserve.ipc.structured import make_ll_tokenizer
-        return make_ll_tokenizer(self._tokenizer.to_str(), None, self.eos_token_id)
+    def to_json(self) -> str:
+        """The tokenizer.json text: what the grammar compiler's processes build llguidance's
+        view of the tokenizer from (server/grammar_compiler.py)."""
+        return self._tokenizer.to_str()
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tokenizer.token_to_id(token)

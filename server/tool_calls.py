@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.ipc.structured import StructuredOutputsParams
+from ringserve.server import json_text
 from ringserve.server import protocol as P
 
 
@@ -38,11 +39,12 @@ class ToolPlan:
     mode: str                                   # "none", "auto", "required" or "named"
     template_tools: list[dict] | None = None    # for the chat template (OpenAI's shape)
     constraint: StructuredOutputsParams | None = None  # required / named
+    constraint_param: str = "tools"             # the field a 400 about the constraint names
     name: str | None = None                     # named: the function
     parser: str | None = None                   # auto: the --tool-call-parser
 
 
-def plan(req: P.ChatCompletionRequest, parser: str | None) -> ToolPlan:
+def plan(req: P.ChatCompletionRequest, parser: str | None, max_json_depth: int) -> ToolPlan:
     """The request's tool mode, or a 400 naming the field."""
     choice = req.tool_choice
     if not req.tools:
@@ -52,19 +54,15 @@ def plan(req: P.ChatCompletionRequest, parser: str | None) -> ToolPlan:
     names = [t.function.name for t in req.tools]
     if len(set(names)) != len(names):
         raise P.bad_request("tools must have different function names", param="tools")
-    template_tools = [{"type": "function",
-                       "function": {k: v for k, v in (("name", t.function.name),
-                                                      ("description", t.function.description),
-                                                      ("parameters", t.function.parameters))
-                                    if v is not None}} for t in req.tools]
+    tools = template_tools(req.tools, max_json_depth)
     if choice == "none":
-        return ToolPlan("none", template_tools)
+        return ToolPlan("none", tools)
     if choice is None or choice == "auto":
         if parser is None:
             raise P.bad_request('"auto" tool choice (the default with tools) needs the server '
                                 "started with --tool-call-parser; or ask for tool_choice "
                                 '"required", a named function or "none"', param="tool_choice")
-        return ToolPlan("auto", template_tools, parser=parser)
+        return ToolPlan("auto", tools, parser=parser)
     if choice == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": t.function.name},
@@ -73,14 +71,34 @@ def plan(req: P.ChatCompletionRequest, parser: str | None) -> ToolPlan:
             for t in req.tools]}}
         if req.parallel_tool_calls is False:
             calls["maxItems"] = 1
-        return ToolPlan("required", template_tools, StructuredOutputsParams(json=calls))
+        return ToolPlan("required", tools, StructuredOutputsParams(json=calls))
     assert isinstance(choice, P.NamedToolChoice)
-    tool = next((t for t in req.tools if t.function.name == choice.function.name), None)
-    if tool is None:
+    at = next((i for i, t in enumerate(req.tools) if t.function.name == choice.function.name), None)
+    if at is None:
         raise P.bad_request(f"tool_choice names the function {choice.function.name!r}, which "
                             "is not in tools", param="tool_choice.function.name")
-    return ToolPlan("named", template_tools, StructuredOutputsParams(json=_schema(tool.function)),
-                    name=tool.function.name)
+    tool = req.tools[at]
+    return ToolPlan("named", tools, StructuredOutputsParams(json=_schema(tool.function)),
+                    f"tools[{at}].function.parameters", name=tool.function.name)
+
+
+def template_tools(tools: list[P.ChatTool], max_json_depth: int) -> list[dict]:
+    """The tools as the chat template gets them (OpenAI's shape), each one's parameters schema
+    at most max_json_depth deep (templates `tojson` it; a constraint compiles it)."""
+    out = []
+    for i, t in enumerate(tools):
+        if t.function.parameters is not None:
+            try:
+                json_text.check_depth(t.function.parameters, max_json_depth,
+                                      f"tools[{i}].function.parameters")
+            except json_text.TooDeep as e:
+                raise P.bad_request(str(e), param=e.param) from None
+        out.append({"type": "function",
+                    "function": {k: v for k, v in (("name", t.function.name),
+                                                   ("description", t.function.description),
+                                                   ("parameters", t.function.parameters))
+                                 if v is not None}})
+    return out
 
 
 def _schema(f: P.FunctionDefinition) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from ringserve.ipc.stats import (
     PREFIX_CACHE_QUERIES,
 )
 from ringserve.server.app import AppOptions, create_app
-from ringserve.server.config import WORKER_CONFIG_ENV
+from ringserve.server.config import WORKER_CONFIG_ENV, StructuredOutputsConfig
 from ringserve.server.context import ServerContext
 from ringserve.server.debug import engine_views
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
@@ -61,7 +61,12 @@ def worker_app():
     ctx = ServerContext(Tokenizer.from_dir(cfg["model_dir"]), client, names, cfg["max_model_len"],
                         RequestMetrics(names[0], cfg["max_model_len"], cfg["metrics_prefix"]),
                         RequestLimits(**cfg["request_limits"]), cfg["vocab_size"],
-                        tool_call_parser=cfg.get("tool_call_parser"))
+                        tool_call_parser=cfg.get("tool_call_parser"),
+                        structured=StructuredOutputsConfig(**cfg["structured_outputs"]))
+
+    async def stop() -> None:
+        await ctx.grammars.close()
+        await client.close()
 
     async def start() -> None:
         await client.start()
@@ -76,7 +81,7 @@ def worker_app():
         engine_alive=lambda: client.num_ready > 0,
         engine_snapshots=lambda: snapshots(client),
         cache_config=lambda: cache_config(client),
-        on_startup=[start], on_shutdown=[client.close],
+        on_startup=[start], on_shutdown=[stop],
         server_info=cfg["server_info"],
         kv_event_sources=cfg["kv_event_sources"],
         debug_engines=((lambda: engine_views(client, cfg["debug_paths"]))

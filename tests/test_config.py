@@ -21,13 +21,13 @@ from ringserve.engine.config import (
     SchedulerConfig,
 )
 from ringserve.gpu.settings import DTYPES, CacheConfig, DeviceConfig, StepLimits
-from ringserve.server.config import ParallelConfig, ServerConfig, setting_fields
+from ringserve.server.config import ParallelConfig, ServerConfig, StructuredOutputsConfig, setting_fields
 from ringserve.server.protocol import RequestLimits
 
 # Every settings class of `serve`, written out here (not taken from the launcher): a class the
 # launcher forgot, or a flag it adds by hand, makes the comparison below fail.
 SETTINGS = (EngineConfig, DeviceConfig, CacheConfig, SchedulerConfig, ParallelConfig, ServerConfig,
-            RequestLimits)
+            RequestLimits, StructuredOutputsConfig)
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -175,6 +175,8 @@ def test_the_flag_table_in_docs_lists_every_flag():
     ("--gpu-memory-utilization", "2", "gpu_memory_utilization must be in (0, 1]"),
     ("--workers", "0", "--workers must be at least 1"),                   # ParallelConfig
     ("--engine-hang-timeout", "0", "--engine-hang-timeout must be positive"),  # ServerConfig
+    ("--max-json-depth", "-3", "--max-json-depth must be in [1, 500], got -3"),  # StructuredOutputsConfig
+    ("--grammar-compile-processes", "100000", "--grammar-compile-processes must be in [1, 64]"),
 ])
 def test_serve_refuses_a_bad_setting_before_starting(tiny_model_dir, flag, value, message):
     r = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
