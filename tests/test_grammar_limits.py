@@ -433,7 +433,10 @@ def test_a_slow_compile_never_stalls_the_other_streams(server):
         before += [g for at, g in gaps if sent - 3 < at <= sent]
         during += [g for at, g in gaps if sent < at <= answered + 0.3]
     assert before and during
-    assert max(during) < 2 * max(before), (max(during), max(before))
+    # NOTE: twice the baseline, but never under 0.1 s: here a step is ~12 ms, and on 2 shared
+    # cores the compiler process's start and the 240 KB body's parse and bounds walk move a gap
+    # by tens of ms; the stall this guards against was 8-10 s.
+    assert max(during) < max(2 * max(before), 0.1), (max(during), max(before))
 
 
 def test_a_compiler_crash_is_a_400_and_the_worker_goes_on(server):
