@@ -19,7 +19,7 @@ one finished output.
 
 Fault isolation: nothing one request carries may stop the others. A sampling row that raises
 ends its request (every sample) with finish_reason "error" and the others are sampled as usual
-(gpu/sampler.py); a step that raises anywhere else is examined request by request (_recover):
+(gpu/sampling/sampler.py); a step that raises anywhere else is examined request by request (_recover):
 the requests found at fault end with "error" and the rest run the step again, as if it had
 never happened; when no request is at fault (the batched forward failed) the step's requests
 end with "error". The engine goes on either way, unless whole steps keep failing (a broken
@@ -58,7 +58,7 @@ from ringserve.engine.stop import check_stop
 from ringserve.engine.structured_outputs import StructuredOutputs, advance
 from ringserve.engine.trace import EngineTracer
 from ringserve.gpu.runner import StepHandle
-from ringserve.gpu.sampler import GREEDY_EPS, SamplerOutput
+from ringserve.gpu.sampling.sampler import GREEDY_EPS, SamplerOutput
 from ringserve.ipc.limits import generator_seed
 from ringserve.ipc.messages import EngineOutput, FinishReason
 from ringserve.ipc.sampling_params import SamplingParams
@@ -271,7 +271,7 @@ class EngineCore:
         max_model_len = self.max_model_len
         rows: Iterable[tuple[int, tuple[Request, int]]] = enumerate(
             zip(reqs, result.token_ids.tolist(), strict=True))
-        if result.failed:  # rare: rows whose sampling raised end their request (gpu/sampler.py)
+        if result.failed:  # rare: rows whose sampling raised end their request (gpu/sampling/sampler.py)
             for j, why in result.failed.items():
                 self.abort_request(reqs[j].request_id, error=f"sampling failed: {why}")
             rows = [row for row in rows if row[0] not in result.failed]
@@ -347,7 +347,7 @@ class EngineCore:
 
 
 def _make_runner(config: EngineConfig):
-    from ringserve.gpu.model_store import resolve_model
+    from ringserve.gpu.loader.model_store import resolve_model
     from ringserve.gpu.runner import ModelRunner
 
     model_dir: Path = resolve_model(config.model)

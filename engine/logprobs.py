@@ -1,4 +1,4 @@
-"""Logprob plumbing between the runner's arrays and the requests (gpu/sampler.py `Logprobs`
+"""Logprob plumbing between the runner's arrays and the requests (gpu/sampling/sampler.py `Logprobs`
 -> ipc/messages.py `PositionLogprobs`, the form the outputs carry).
 
 prompt_logprobs: the runner scores the prompt tokens of the rows each prefill chunk computes
@@ -11,8 +11,8 @@ import numpy as np
 from ringserve.engine.request import Request
 from ringserve.engine.scheduler import SchedulerOutput
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
-from ringserve.gpu.sampler import Logprobs
+from ringserve.gpu.sampling.prompt_logprobs import PromptLogprobsSpec
+from ringserve.gpu.sampling.sampler import Logprobs
 from ringserve.ipc.messages import PositionLogprobs
 
 # (request, how many of the step's prompt-logprob rows are its own), in spec order

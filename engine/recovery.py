@@ -11,7 +11,7 @@ from ringserve.engine.logprobs import position_logprobs
 from ringserve.engine.request import Request
 from ringserve.engine.sampling_metadata import build_sampling_metadata
 from ringserve.engine.scheduler import ScheduledRequest
-from ringserve.gpu.sampler import sample
+from ringserve.gpu.sampling.sampler import sample
 
 # Whole steps failing in a row with no request at fault: the device is broken (the engine
 # raises, and its process is restarted).

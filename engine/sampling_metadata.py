@@ -1,4 +1,4 @@
-"""One step's SamplingMetadata (gpu/sampler.py) from the requests it samples, in row order."""
+"""One step's SamplingMetadata (gpu/sampling/sampler.py) from the requests it samples, in row order."""
 from __future__ import annotations
 
 from functools import partial
@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 
 from ringserve.engine.request import Request
-from ringserve.gpu.sampler import SamplingMetadata
+from ringserve.gpu.sampling.sampler import SamplingMetadata
 
 
 def build_sampling_metadata(reqs: list[Request],

@@ -6,7 +6,7 @@ bitmask per step (as vLLM V1's StructuredOutputManager with its guidance backend
   grammar). A grammar that does not compile refuses the request ("error").
 - execute: `bitmask` fills, for the step's sampled rows, one int32 word per 32 tokens: the
   allowed next tokens given the matcher's state (all ones for an unconstrained row). The
-  sampler applies it to the logits before anything else (gpu/sampler.py).
+  sampler applies it to the logits before anything else (gpu/sampling/sampler.py).
 - update: `advance` feeds the sampled token to the matcher; the sequence ends with "stop" once
   the grammar is complete (the matcher has stopped: it consumed EOS, or nothing may follow).
 

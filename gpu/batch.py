@@ -31,5 +31,5 @@ class Batch:
     @property
     def logits_indices(self) -> np.ndarray:
         """The last scheduled token of each request: the rows sampled from. (Requests that ask
-        for prompt_logprobs add their prompt rows; see gpu/prompt_logprobs.py.)"""
+        for prompt_logprobs add their prompt rows; see gpu/sampling/prompt_logprobs.py.)"""
         return self.query_start_loc[1:] - 1

@@ -1,5 +1,5 @@
 """The Llama model, written once: the HF -> fused weight mapping and the layer sequence, over a
-backend's ops. The CPU backend runs it over gpu/cpu_ops.py CpuOps (numpy + Numba, float32
+backend's ops. The CPU backend runs it over gpu/cpu/ops.py CpuOps (numpy + Numba, float32
 activations); the CUDA backend over gpu/cuda/runner.py CudaOps (cuBLAS, CUDA C, Numba CUDA;
 fp16 or bf16 activations), and CI over tests/test_cuda_forward_host.py HostOps (the same CUDA C
 compiled for the host). Nothing here imports numpy's or CuPy's arrays: a weight, a buffer or a
@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, Sequence
 
-from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.weights import check_weights
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.weights import check_weights
 
 
 class WeightStore(Protocol):
@@ -52,7 +52,7 @@ class LlamaWeights:
 
     @classmethod
     def fuse(cls, c: ModelConfig, w: dict, store: WeightStore) -> LlamaWeights:
-        """From HF tensor names (checked first: gpu/weights.py check_weights)."""
+        """From HF tensor names (checked first: gpu/loader/weights.py check_weights)."""
         check_weights(w, c)
 
         def linear(*names: str) -> Any:

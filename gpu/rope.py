@@ -1,5 +1,5 @@
 """Rotary position embeddings, HF Llama convention: the angle tables. The rotation itself
-(rotate_half over two halves of a head) is fused with the K/V cache write in gpu/cpu_kernels.py.
+(rotate_half over two halves of a head) is fused with the K/V cache write in gpu/cpu/kernels.py.
 
 The frequencies are computed in float32 exactly as transformers does, so that our logits
 match its logits to float32 rounding.
@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.loader.config import ModelConfig
 
 
 def inv_freq(config: ModelConfig) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 A runner owns the weights and the paged KV cache (allocated once, never resized) and turns a
 Batch into sampled tokens. Two runners, one face (`Runner`), one model (gpu/model.py):
-gpu/cpu_runner.py CpuModelRunner (numpy + Numba) and gpu/cuda/runner.py CudaModelRunner (CuPy),
+gpu/cpu/runner.py CpuModelRunner (numpy + Numba) and gpu/cuda/runner.py CudaModelRunner (CuPy),
 built by `ModelRunner(model_dir, device, cache, limits)` from the settings objects
 (gpu/settings.py). This module holds what both share and imports
 neither backend until it is asked for one (the CUDA one imports CuPy); the backends import
@@ -17,10 +17,10 @@ from typing import Protocol
 import numpy as np
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.config import ModelConfig
+from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.model import LlamaWeights
-from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
-from ringserve.gpu.sampler import SamplerOutput, SamplingMetadata
+from ringserve.gpu.sampling.prompt_logprobs import PromptLogprobsSpec
+from ringserve.gpu.sampling.sampler import SamplerOutput, SamplingMetadata
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 
@@ -77,7 +77,7 @@ def ModelRunner(model_dir: str | Path, device: DeviceConfig | None = None,  # no
     DeviceConfig.check_backend refuses what the backend cannot serve. cache: CacheConfig()
     unless given. limits: the largest step (the CUDA backend's graph ladder, profiling forward
     and block tables); the CPU backend needs none. widen_packed: the CPU backend's float path
-    for comparisons (gpu/cpu_runner.py)."""
+    for comparisons (gpu/cpu/runner.py)."""
     device = DeviceConfig(device="cpu") if device is None else device
     cache = CacheConfig() if cache is None else cache
     if device.check_backend(cache) == "cuda":
@@ -85,5 +85,5 @@ def ModelRunner(model_dir: str | Path, device: DeviceConfig | None = None,  # no
             raise ValueError("the CUDA runner needs its StepLimits (max_num_seqs, max_num_batched_tokens)")
         from ringserve.gpu.cuda.runner import CudaModelRunner
         return CudaModelRunner.from_dir(model_dir, device, cache, limits)
-    from ringserve.gpu.cpu_runner import CpuModelRunner
+    from ringserve.gpu.cpu.runner import CpuModelRunner
     return CpuModelRunner(model_dir, device, cache, widen_packed=widen_packed)

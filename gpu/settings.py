@@ -25,7 +25,7 @@ CPU_ACTIVATION_DTYPES = ("auto", "int8", "float32")
 # dtype -> how the CPU backend stores float32 weights; it always computes in float32. "bfloat16"
 # is an option that halves the bytes a decode step streams (its logits differ from float32's by
 # bf16 rounding of the weights); float32 is the default and matches transformers. Weights stored
-# in another type (GGUF blocks, F16, BF16) stay in it whatever the dtype (gpu/cpu_packed.py).
+# in another type (GGUF blocks, F16, BF16) stay in it whatever the dtype (gpu/cpu/packed.py).
 CPU_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16"}
 CPU_KV_CACHE_DTYPES = {"auto": "float32", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 

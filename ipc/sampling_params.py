@@ -13,7 +13,7 @@ ring record that fails it (it trusts none) with an "error" output for that reque
 Stop strings (stop, include_stop_str_in_output) are text: the frontends apply them while they
 detokenize (server/output_processor.py, for the HTTP server and the offline LLM alike) and abort
 the engine request when one appears; the engine core sees token ids only. Whether a request is
-greedy is the sampler's rule (gpu/sampler.py GREEDY_EPS), not a parameter.
+greedy is the sampler's rule (gpu/sampling/sampler.py GREEDY_EPS), not a parameter.
 """
 from __future__ import annotations
 

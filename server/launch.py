@@ -367,7 +367,7 @@ class Launcher:
 
 
 def _model_vocab_size(model_dir: Path) -> int:
-    from ringserve.gpu.config import ModelConfig
+    from ringserve.gpu.loader.config import ModelConfig
     return ModelConfig.from_dir(model_dir).vocab_size
 
 
@@ -389,9 +389,9 @@ def _address_in_use(host: str, port: int) -> str | None:
 def serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from ringserve.gpu.config import ModelConfig
     from ringserve.gpu.errors import ModelError
-    from ringserve.gpu.model_store import resolve_model
+    from ringserve.gpu.loader.config import ModelConfig
+    from ringserve.gpu.loader.model_store import resolve_model
     try:
         model_dir = Path(resolve_model(args.model))
         model_len = ModelConfig.from_dir(model_dir).max_position_embeddings

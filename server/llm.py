@@ -21,7 +21,7 @@ from typing import Sequence, Union, cast
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.gpu.model_store import resolve_model
+from ringserve.gpu.loader.model_store import resolve_model
 from ringserve.ipc.messages import FinishReason
 from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.output_processor import SampleParams, SampleState, TokenLogprob

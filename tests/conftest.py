@@ -51,7 +51,7 @@ def tiny_cuda_model_dir(request, tiny_cuda_models) -> Path:
 def default_model_dir() -> Path:
     """The real default model (SmolLM2-135M-Instruct), converted once into the cache folder
     (`make test` fetches it before pytest runs)."""
-    from ringserve.gpu.model_store import resolve_model
+    from ringserve.gpu.loader.model_store import resolve_model
     return resolve_model(None)
 
 

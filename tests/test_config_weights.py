@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ringserve.gpu.config import ModelConfig, RopeScaling
-from ringserve.gpu.cpu_linear import widen_bfloat16
-from ringserve.gpu.cpu_ops import CpuWeightStore
+from ringserve.gpu.cpu.linear import widen_bfloat16
+from ringserve.gpu.cpu.ops import CpuWeightStore
 from ringserve.gpu.cuda.buffers import DenseStore
 from ringserve.gpu.cuda.dtypes import to_bfloat16
 from ringserve.gpu.errors import ModelError
+from ringserve.gpu.loader.config import ModelConfig, RopeScaling
+from ringserve.gpu.loader.weights import load_weights
 from ringserve.gpu.model import LlamaWeights
 from ringserve.gpu.rope import inv_freq
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
-from ringserve.gpu.weights import load_weights
 from ringserve.tools.tiny_llama import save_bf16
 
 

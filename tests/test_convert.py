@@ -1,4 +1,4 @@
-"""GGUF -> HF conversion (gpu/gguf_convert.py) and the model cache (gpu/model_store.py)."""
+"""GGUF -> HF conversion (gpu/loader/gguf_convert.py) and the model cache (gpu/loader/model_store.py)."""
 from __future__ import annotations
 
 import json
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from ringserve.gpu import model_store
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.gguf_convert import convert_gguf, unpermute_qk
-from ringserve.gpu.model_store import default_gguf_path, gguf_cache_key, resolve_model
-from ringserve.gpu.weights import load_weights
+from ringserve.gpu.loader import model_store
+from ringserve.gpu.loader.gguf_convert import convert_gguf, unpermute_qk
+from ringserve.gpu.loader.model_store import default_gguf_path, gguf_cache_key, resolve_model
+from ringserve.gpu.loader.weights import load_weights
 from ringserve.tools.tiny_gguf import LAYER_TENSORS, make_tiny_gguf, permute_qk
 
 FIVE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -257,7 +257,7 @@ def test_resolve_model_inputs(tiny, cache, tmp_path):
 
 
 def test_cache_dir_environment(monkeypatch, tmp_path):
-    from ringserve.gpu.model_store import cache_dir
+    from ringserve.gpu.loader.model_store import cache_dir
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "a"))
     assert cache_dir() == tmp_path / "a"
     monkeypatch.delenv("RINGSERVE_CACHE")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cpu_linear import SMALL_ROWS, STREAM_ROWS, linear, to_bfloat16, widen_bfloat16
+from ringserve.gpu.cpu.linear import SMALL_ROWS, STREAM_ROWS, linear, to_bfloat16, widen_bfloat16
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
 
@@ -63,7 +63,7 @@ def test_runner_options_agree(tiny_model_dir):
 
 
 def test_fast_exp_and_silu_mul():
-    from ringserve.gpu.cpu_kernels import silu_mul
+    from ringserve.gpu.cpu.kernels import silu_mul
     gate_up = (np.random.default_rng(1).standard_normal((5, 64)) * 40).astype(np.float32)
     gate_up[0, :4] = [-200.0, 200.0, 0.0, -87.5]  # beyond the exp's clamp on both sides
     out = np.empty((5, 32), np.float32)

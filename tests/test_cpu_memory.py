@@ -1,4 +1,4 @@
-"""gpu/cpu_memory.py: weights and the KV pool moved onto huge-page mappings keep every value,
+"""gpu/cpu/memory.py: weights and the KV pool moved onto huge-page mappings keep every value,
 dtype and shape, sit 64-byte aligned, never overlap, and the mappings carry the huge-page advice."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ringserve.gpu.cpu_int8_kernels import has_vnni
-from ringserve.gpu.cpu_memory import CHUNK, HugePageArena
-from ringserve.gpu.cpu_packed import fuse_packed, packed_linear
-from ringserve.gpu.quant import random_raw
-from ringserve.gpu.weights import GGMLTensor
+from ringserve.gpu.cpu.int8_kernels import has_vnni
+from ringserve.gpu.cpu.memory import CHUNK, HugePageArena
+from ringserve.gpu.cpu.packed import fuse_packed, packed_linear
+from ringserve.gpu.loader.quant import random_raw
+from ringserve.gpu.loader.weights import GGMLTensor
 
 
 def test_arrays_and_packed_weights_keep_their_values_in_the_arena():

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda.buffers import DenseStore
 from ringserve.gpu.cuda.dtypes import (
     check_fp16_range,
@@ -17,8 +16,9 @@ from ringserve.gpu.cuda.dtypes import (
     widen_bfloat16,
 )
 from ringserve.gpu.errors import ModelError
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.weights import load_safetensors, load_weights
 from ringserve.gpu.model import LlamaWeights
-from ringserve.gpu.weights import load_safetensors, load_weights
 from ringserve.tools.tiny_llama import make_tiny_llama, save_bf16
 
 # (requested, checkpoint) -> served; None: refused

@@ -18,17 +18,17 @@ from conftest import TINY_CUDA_MODELS
 from cuda_host_kernels import paged_attention
 from fp16_checks import decode_against_cpu, fp16_tolerance, narrow, next_batch, widen
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda import launch, plan
 from ringserve.gpu.cuda import reference as ref
 from ringserve.gpu.cuda.buffers import AttentionLaunch, StepBuffers
 from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, serving_dtype
 from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, QuantLinear, QuantStore, keeps_blocks
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.weights import load_weights
 from ringserve.gpu.model import LlamaWeights, llama_forward
 from ringserve.gpu.rope import cos_sin, inv_freq
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
-from ringserve.gpu.weights import load_weights
 from test_cuda_quant_host import FORMS, form
 
 pytestmark = pytest.mark.sim
@@ -201,7 +201,7 @@ def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, de
 
 def tiny_gguf(folder, layout: str, monkeypatch):
     """A tiny random GGUF in `layout` (tools/random_gguf.py), converted as served; its folder."""
-    from ringserve.gpu.model_store import resolve_model
+    from ringserve.gpu.loader.model_store import resolve_model
     from ringserve.tools.random_gguf import Shape, write_random_gguf
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(folder / "cache"))

@@ -196,7 +196,7 @@ def test_the_quantized_weights_plan_as_the_runner_keeps_them(fmt):
     bytes a step reads are those planes (not the untied embedding table)."""
     import numpy as np
 
-    from ringserve.gpu.cpu_packed import SplitWeight
+    from ringserve.gpu.cpu.packed import SplitWeight
     from ringserve.gpu.cuda.quant_linear import QuantStore
     from ringserve.gpu.model import LlamaWeights
     from ringserve.tools.gpu_check import random_quant_weights, streamed_bytes

@@ -1,7 +1,7 @@
 """gpu/cuda/quant.cu on the host (tests/cuda_host/, as tests/test_cuda_host.py runs fused.cu and
 attention.cu), launched through the launcher's own plan (gpu/cuda/quant_linear.py QuantLinear,
 geometry from gpu/cuda/launch.py), against gguf-py's ``dequantize`` and a float64 matmul on
-random blocks of every GGUF type (gpu/quant.py random_raw; BF16: the bf16 plane, which gguf-py
+random blocks of every GGUF type (gpu/loader/quant.py random_raw; BF16: the bf16 plane, which gguf-py
 widens as bits << 16), and against a numpy reference of AWQ/GPTQ unpacking. Each weight goes
 through QuantStore as a model's does, so the kernels read the compact scale planes it uploads
 (FORMS: K-quants int8 factors of float32 super planes, exact halves fp16, else float32).
@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 
 from fp16_checks import narrow, spacing, widen
-from ringserve.gpu.cpu_packed import SplitWeight
+from ringserve.gpu.cpu.packed import SplitWeight
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.quant_linear import LARGE_BATCH_POLICIES, QuantLinear, QuantStore
-from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
-from ringserve.gpu.weights import GGMLTensor
+from ringserve.gpu.loader.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
+from ringserve.gpu.loader.weights import GGMLTensor
 from test_quant_kernels import magnitude
 
 pytestmark = pytest.mark.sim
@@ -152,7 +152,7 @@ def test_quant_linear_with_bf16_activations(quant_kernels, qtype, rows):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
 def test_four_bit_types_as_int8_planes(quant_kernels, qtype):
-    """A 4-bit row that is not whole 64-weight nibble groups is held as int8 (gpu/quant.py)."""
+    """A 4-bit row that is not whole 64-weight nibble groups is held as int8 (gpu/loader/quant.py)."""
     rng = np.random.default_rng(7)
     raw = random_raw(qtype, (N, K), rng)
     w = repack(raw, qtype, (N, K), nibbles=False, factored=True)
@@ -165,8 +165,8 @@ def test_four_bit_types_as_int8_planes(quant_kernels, qtype):
 @pytest.mark.parametrize("qtype", GGUF_TYPES)
 def test_embedding_rows_dequantized_exactly(quant_kernels, qtype):
     """dequant_*_f32 at ids, from the compact planes QuantStore uploads (FORMS): bit for bit
-    gpu/quant.py's dequantize of the float32 planes, which is gguf-py's (the host compiles
-    scale * q + offset without an FMA, as gpu/quant.py and gguf-py round it; a device may fuse
+    gpu/loader/quant.py's dequantize of the float32 planes, which is gguf-py's (the host compiles
+    scale * q + offset without an FMA, as gpu/loader/quant.py and gguf-py round it; a device may fuse
     it: one rounding less). K = 2304: 9 super-blocks a row, so a super plane read at the wrong
     index is a wrong value."""
     rng = np.random.default_rng(3)
@@ -190,7 +190,7 @@ def test_the_store_uploads_each_type_in_its_compact_form(qtype):
     rng = np.random.default_rng(8)
     n, k = 24, 1024
     if qtype in ("AWQ", "GPTQ"):
-        from ringserve.gpu.hf_quant import unpack_awq, unpack_gptq
+        from ringserve.gpu.loader.hf_quant import unpack_awq, unpack_gptq
         from test_hf_quant import random_int4
         tensors, _ = random_int4(n, k, rng, qtype.lower())
         plain = (unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"]) if qtype == "AWQ"
@@ -268,7 +268,7 @@ def test_a_fused_weight_of_mixed_types_writes_each_part_into_its_columns(quant_k
 
 
 def test_bf16_weights_stay_their_bits_on_the_device():
-    """A BF16 matrix (gpu/weights.py's GGMLTensor, as a bfloat16 checkpoint loads) packed (a part
+    """A BF16 matrix (gpu/loader/weights.py's GGMLTensor, as a bfloat16 checkpoint loads) packed (a part
     of a quantized linear: a dense bf16 checkpoint's go to cuBLAS) is the bf16 plane, its bits
     unchanged and 16-byte aligned even when the file maps it at an odd address;
     a row that is not whole 16-byte loads (8 weights) goes the fp16 path."""
@@ -299,7 +299,7 @@ def test_launch_plan_picks_the_smallest_variant():
 def test_int4_checkpoint_weights_match_their_format(quant_kernels, method, rows):
     """AWQ/GPTQ linears (u4 planes, one scale and offset per 128-weight group) through the same
     kernels, against the format's (q - z) * s (tests/test_hf_quant.py's packers) in float64."""
-    from ringserve.gpu.hf_quant import unpack_awq, unpack_gptq
+    from ringserve.gpu.loader.hf_quant import unpack_awq, unpack_gptq
     from test_hf_quant import random_int4
     rng = np.random.default_rng(rows)
     tensors, values = random_int4(24, K, rng, method)  # AWQ packs 8 output rows a word
@@ -327,7 +327,7 @@ def gemm_weight(qtype: str, N: int, K: int, rng) -> tuple[QuantWeight, np.ndarra
     (gguf-py's dequantize, or the GPTQ format's (q - 8) s, rounded to fp16; AWQ packs 8
     output features a word: no tail of 13)."""
     if qtype == "GPTQ":
-        from ringserve.gpu.hf_quant import unpack_gptq
+        from ringserve.gpu.loader.hf_quant import unpack_gptq
         from test_hf_quant import random_int4
         tensors, values = random_int4(N, K, rng, "gptq")
         w = unpack_gptq(tensors["qweight"], tensors["scales"], tensors["g_idx"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringserve.gpu.cpu_attention import paged_attention as cpu_paged_attention
+from ringserve.gpu.cpu.attention import paged_attention as cpu_paged_attention
 from ringserve.gpu.cuda import reference as ref
 
 

@@ -1,7 +1,7 @@
 """Sampling on the GPU without a GPU (docs/design.md §8): the host side (uniform draws, penalty
-packing) and the reference distribution against gpu/sampler.py on the CPU; the kernels and the
+packing) and the reference distribution against gpu/sampling/sampler.py on the CPU; the kernels and the
 CudaSampler in Numba's CUDA simulator (its own process, like tests/test_cuda_sim.py) against
-gpu/sampler.py and the references. The compile checks are in tests/test_cuda_compile.py."""
+gpu/sampling/sampler.py and the references. The compile checks are in tests/test_cuda_compile.py."""
 from __future__ import annotations
 
 import os
@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from ringserve.gpu import sampler as cpu_sampler
 from ringserve.gpu.cuda import reference as ref
-from ringserve.gpu.sampler import SamplingMetadata
+from ringserve.gpu.sampling import sampler as cpu_sampler
+from ringserve.gpu.sampling.sampler import SamplingMetadata
 
 IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 THREADS = 4  # the simulator runs a thread per CUDA thread: few threads, few barriers
@@ -80,7 +80,7 @@ if not IN_SIMULATOR:
     @pytest.mark.parametrize("params", [(0.8, 0, 1.0, 0.0), (1.0, 4, 1.0, 0.0), (1.2, 0, 0.7, 0.0),
                                         (0.9, 0, 1.0, 0.2), (1.0, 6, 0.8, 0.05)])
     def test_reference_distribution_is_the_numpy_samplers(params):
-        """sampling_probs (what the kernel draws from) vs gpu/sampler.sample_row, by drawing."""
+        """sampling_probs (what the kernel draws from) vs gpu/sampling/sampler.sample_row, by drawing."""
         rng = np.random.default_rng(2)
         logits = (rng.standard_normal(12) * 2).astype(np.float32)
         probs = ref.sampling_probs(logits, *params)
@@ -143,7 +143,7 @@ else:
         assert len(set(got.tolist())) > 2
 
     def test_cuda_sampler_matches_the_numpy_sampler():
-        """The whole host + device path: the same seeds give the same tokens as gpu/sampler.py
+        """The whole host + device path: the same seeds give the same tokens as gpu/sampling/sampler.py
         where its draw is unambiguous (greedy, top_k 1, or one dominant token), and logprobs agree."""
         rng = np.random.default_rng(6)
         B, V = 4, 30
@@ -167,7 +167,7 @@ else:
         assert again.logprobs is None
 
     def test_token_bitmask_matches_the_numpy_sampler():
-        """Structured outputs: the kernel sets -inf exactly where gpu/sampler.py's
+        """Structured outputs: the kernel sets -inf exactly where gpu/sampling/sampler.py's
         apply_token_bitmask does, on the constrained rows only; sampled through CudaSampler, a
         row only ever gets an allowed token."""
         rng = np.random.default_rng(8)

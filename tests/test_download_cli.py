@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ringserve.gpu.model_store import CONVERTER_VERSION
+from ringserve.gpu.loader.model_store import CONVERTER_VERSION
 from ringserve.tools.tiny_gguf import make_tiny_gguf
 
 FIVE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

@@ -189,8 +189,8 @@ def prompt_reference(tiny_model_dir):
     import numpy as np
 
     from reference_llama import reference_logits
-    from ringserve.gpu.sampler import log_softmax
-    from ringserve.gpu.weights import load_weights
+    from ringserve.gpu.loader.weights import load_weights
+    from ringserve.gpu.sampling.sampler import log_softmax
     rng = random.Random(5)
     prompts = {"p": [rng.randrange(3, 384) for _ in range(45)],
                "q": [rng.randrange(3, 384) for _ in range(21)]}

@@ -1,6 +1,6 @@
 """Fault isolation in the parts, without processes: a corrupt ring, messages larger than a
 record or over the message limit, a sampling row that raises, a step that raises
-(engine/core.py, gpu/sampler.py, ipc/ring.py, ipc/messages.py). The same through real engine
+(engine/core.py, gpu/sampling/sampler.py, ipc/ring.py, ipc/messages.py). The same through real engine
 processes and a real server: tests/test_fault_isolation_engine.py."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.gpu.sampler import SamplingMetadata, sample
+from ringserve.gpu.sampling.sampler import SamplingMetadata, sample
 from ringserve.ipc.messages import EngineOutput, decode_outputs, encode_output_messages, encode_outputs
 from ringserve.ipc.ring import END, MORE, TAIL, CorruptRing, MessageTooLarge, Ring
 from ringserve.ipc.sampling_params import SamplingParams

@@ -11,9 +11,9 @@ import pytest
 from reference_llama import reference_logits  # pytest puts tests/ on sys.path
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.devices import cupy_installed
+from ringserve.gpu.loader.weights import load_weights
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
-from ringserve.gpu.weights import load_weights
 
 BLOCK = 4  # small blocks so that short sequences span several, with boundaries inside chunks
 
@@ -201,8 +201,8 @@ def test_untied_lm_head(tmp_path):
 def test_logits_at_every_row_and_prompt_logprobs_spec(tiny_model_dir, weights, make_runner, seqs):
     """execute(batch, logits_indices) gives logits at any rows of the super-sequence, and
     submit(..., PromptLogprobsSpec) scores given tokens at given rows: both as the dense reference."""
-    from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
-    from ringserve.gpu.sampler import SamplingMetadata, log_softmax
+    from ringserve.gpu.sampling.prompt_logprobs import PromptLogprobsSpec
+    from ringserve.gpu.sampling.sampler import SamplingMetadata, log_softmax
     A, B = seqs["A"], seqs["B"]
     pool = list(range(64))
     ta, tb = blocks_for(len(A), pool), blocks_for(len(B), pool)
@@ -231,8 +231,8 @@ def test_logits_at_every_row_and_prompt_logprobs_spec(tiny_model_dir, weights, m
 
 def test_prompt_logprobs_in_slices_equal_one_piece(monkeypatch):
     """host_prompt_logprobs over more rows than SLICE_ROWS: the same as one gather."""
-    from ringserve.gpu import prompt_logprobs as pl
-    from ringserve.gpu.sampler import gather_logprobs
+    from ringserve.gpu.sampling import prompt_logprobs as pl
+    from ringserve.gpu.sampling.sampler import gather_logprobs
     logits = np.random.default_rng(0).normal(size=(23, 50)).astype(np.float32)
     spec = pl.PromptLogprobsSpec(np.arange(23)[::-1].copy(), np.arange(23, dtype=np.int32), 4)
     monkeypatch.setattr(pl, "SLICE_ROWS", 5)

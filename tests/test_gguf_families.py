@@ -1,4 +1,4 @@
-"""GGUFs of the Llama 3.x and Qwen2 / Qwen2.5 families (gpu/gguf_convert.py): llama3 rope
+"""GGUFs of the Llama 3.x and Qwen2 / Qwen2.5 families (gpu/loader/gguf_convert.py): llama3 rope
 scaling from the rope_freqs tensor, qwen2's q/k/v biases and unpermuted q/k, their
 pre-tokenizers, and what the converter still refuses. The files are tools/random_gguf.py's
 (random weights, a trained byte-level BPE vocabulary); tests/data/gguf_peer_tokens.json holds
@@ -14,11 +14,11 @@ import httpx
 import numpy as np
 import pytest
 
-from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.gguf_convert import convert_gguf, llama3_rope_scaling
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.gguf_convert import convert_gguf, llama3_rope_scaling
+from ringserve.gpu.loader.weights import load_weights
 from ringserve.gpu.rope import inv_freq
-from ringserve.gpu.weights import load_weights
 from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.llm import LLM
 from ringserve.server.tokenizer import Tokenizer

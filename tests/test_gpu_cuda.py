@@ -207,7 +207,7 @@ def test_sampler_on_device_matches_references():
     from numba import cuda
 
     from ringserve.gpu.cuda.sampler import CudaSampler, draw_uniforms
-    from ringserve.gpu.sampler import SamplingMetadata, sample
+    from ringserve.gpu.sampling.sampler import SamplingMetadata, sample
     rng = np.random.default_rng(7)
     B, V = 6, 128256
     x = (rng.standard_normal((B, V)) * 3).astype(np.float32)
@@ -234,7 +234,7 @@ def test_submit_samples_on_device(tiny_cuda_model_dir):
     """ModelRunner(device="cuda").submit: greedy tokens sampled on the GPU = argmax of execute."""
     from ringserve.gpu.batch import Batch
     from ringserve.gpu.runner import ModelRunner
-    from ringserve.gpu.sampler import SamplingMetadata
+    from ringserve.gpu.sampling.sampler import SamplingMetadata
     r = ModelRunner(tiny_cuda_model_dir, DeviceConfig(device="cuda"),
                     CacheConfig(num_gpu_blocks_override=64),
                     LIMITS)
@@ -254,9 +254,9 @@ def test_prompt_logprobs_and_logits_at_any_row_match_the_cpu_backend(tiny_cuda_m
     in a graph-shaped batch) = the CPU backend's, to fp16 tolerance."""
     from fp16_checks import fp16_tolerance
     from ringserve.gpu.batch import Batch
-    from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec
     from ringserve.gpu.runner import ModelRunner
-    from ringserve.gpu.sampler import SamplingMetadata
+    from ringserve.gpu.sampling.prompt_logprobs import PromptLogprobsSpec
+    from ringserve.gpu.sampling.sampler import SamplingMetadata
     tables = np.arange(3 * 8, dtype=np.int32).reshape(3, 8)
     prefill = Batch(np.array([1, 5, 9, 1, 200, 3], np.int32), np.array([0, 1, 2, 0, 1, 0], np.int32),
                     np.array([0, 1, 2, 128, 129, 256], np.int32), np.array([0, 3, 5, 6], np.int32),
@@ -357,8 +357,8 @@ def test_quant_kernels_match_gguf_dequantize(qtype, rows):
     from ringserve.gpu.cuda.gemm import CublasGemm
     from ringserve.gpu.cuda.quant import QuantKernels
     from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
-    from ringserve.gpu.quant import random_raw
-    from ringserve.gpu.weights import GGMLTensor
+    from ringserve.gpu.loader.quant import random_raw
+    from ringserve.gpu.loader.weights import GGMLTensor
     from test_cuda_quant_host import FORMS, form
     rng = np.random.default_rng(rows)
     N, K = 40, 2304
@@ -396,8 +396,8 @@ def test_quant_tiled_gemm_on_tensor_cores(qtype, K):
     from ringserve.gpu.cuda.gemm import CublasGemm
     from ringserve.gpu.cuda.quant import QuantKernels
     from ringserve.gpu.cuda.quant_linear import QuantLinear, QuantStore
-    from ringserve.gpu.quant import random_raw
-    from ringserve.gpu.weights import GGMLTensor
+    from ringserve.gpu.loader.quant import random_raw
+    from ringserve.gpu.loader.weights import GGMLTensor
     from test_cuda_quant_host import FORMS, form
     rng = np.random.default_rng(K)
     N = 77

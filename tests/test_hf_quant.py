@@ -1,4 +1,4 @@
-"""AWQ and GPTQ int4 checkpoints (gpu/hf_quant.py): unpacked at load into u4 planes that
+"""AWQ and GPTQ int4 checkpoints (gpu/loader/hf_quant.py): unpacked at load into u4 planes that
 dequantize exactly as the formats define, against packers written here from AutoAWQ's and
 AutoGPTQ's packing loops (numpy, element by element, independent of the unpacker); config
 refusals; a tiny AWQ/GPTQ checkpoint loaded by load_weights. The kernels that read the planes
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.hf_quant import GROUP_SIZE, int4_scheme, unpack_awq, unpack_gptq
-from ringserve.gpu.quant import QuantWeight, dequantize
-from ringserve.gpu.weights import load_weights
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.hf_quant import GROUP_SIZE, int4_scheme, unpack_awq, unpack_gptq
+from ringserve.gpu.loader.quant import QuantWeight, dequantize
+from ringserve.gpu.loader.weights import load_weights
 from ringserve.tools.tiny_llama import make_tiny_llama
 
 AWQ_CONFIG = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}

@@ -1,4 +1,4 @@
-"""int8 activations x packed weights through AVX-512 VNNI (gpu/cpu_int8_kernels.py), against numpy.
+"""int8 activations x packed weights through AVX-512 VNNI (gpu/cpu/int8_kernels.py), against numpy.
 
 Two exact references: the activation quantizer against numpy's own blockwise int8 rounding
 (bit-identical), and every kernel against gguf-py's ``dequantize`` of the weight times the
@@ -15,13 +15,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ringserve.gpu import cpu_int8_kernels
-from ringserve.gpu.cpu_int8_kernels import Int8Weight, has_vnni, int8_linear, quantize_rows, supports, tiles
-from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed, packed_linear
-from ringserve.gpu.cpu_runner import int8_activations
+from ringserve.gpu.cpu import int8_kernels as cpu_int8_kernels
+from ringserve.gpu.cpu.int8_kernels import Int8Weight, has_vnni, int8_linear, quantize_rows, supports, tiles
+from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed, packed_linear
+from ringserve.gpu.cpu.runner import int8_activations
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
-from ringserve.gpu.weights import GGMLTensor
+from ringserve.gpu.loader.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
+from ringserve.gpu.loader.weights import GGMLTensor
 
 pytestmark = pytest.mark.skipif(not has_vnni(), reason="this CPU has no AVX-512 VNNI: the int8 "
                                 "kernels do not exist here and the float32 kernels run instead")
@@ -127,7 +127,7 @@ def test_a_mixed_fused_linear_quantizes_once_and_runs_each_part_on_its_path():
 def test_the_setting_resolves_and_int8_without_vnni_is_refused(monkeypatch):
     assert int8_activations("auto") and int8_activations("int8") and not int8_activations("float32")
     monkeypatch.setattr(cpu_int8_kernels, "has_vnni", lambda: False)
-    monkeypatch.setattr("ringserve.gpu.cpu_runner.has_vnni", lambda: False)
+    monkeypatch.setattr("ringserve.gpu.cpu.runner.has_vnni", lambda: False)
     assert not int8_activations("auto")
     with pytest.raises(ModelError, match="AVX-512 VNNI"):  # the engine prints its one line and exits
         int8_activations("int8")

@@ -14,8 +14,8 @@ import pytest
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
-from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.weights import load_weights
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.weights import load_weights
 from ringserve.ipc import control
 from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.ipc.stats import (

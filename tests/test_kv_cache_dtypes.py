@@ -1,4 +1,4 @@
-"""--kv-cache-dtype on the CPU (gpu/cpu_kv_dtypes.py): 16-bit K/V stored as bits, rounded to
+"""--kv-cache-dtype on the CPU (gpu/cpu/kv_dtypes.py): 16-bit K/V stored as bits, rounded to
 nearest even as numpy and torch round, read back exactly; attention over them is attention over
 their float32 values; a model runs on them with logits near float32's."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from numba import njit
 
-from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.cpu_attention import paged_attention
-from ringserve.gpu.cpu_kv_dtypes import kv_load, kv_store
-from ringserve.gpu.cpu_linear import to_bfloat16, widen_bfloat16
+from ringserve.gpu.cpu.attention import paged_attention
+from ringserve.gpu.cpu.kv_dtypes import kv_load, kv_store
+from ringserve.gpu.cpu.linear import to_bfloat16, widen_bfloat16
+from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
 

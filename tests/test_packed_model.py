@@ -1,4 +1,4 @@
-"""The model served from its GGUF types (gpu/cpu_packed.py): the default model's Q4_1 and Q8_0
+"""The model served from its GGUF types (gpu/cpu/packed.py): the default model's Q4_1 and Q8_0
 kept packed give the float32 path's logits and greedy text, and take a fifth of the memory;
 a fused linear of mixed types (Q4_K_M's Q4_K and Q6_K) runs part by part."""
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ringserve.gpu.cpu_int8_kernels import has_vnni
-from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed, packed_linear
-from ringserve.gpu.quant import dequantize, random_raw
+from ringserve.gpu.cpu.int8_kernels import has_vnni
+from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed, packed_linear
+from ringserve.gpu.loader.quant import dequantize, random_raw
+from ringserve.gpu.loader.weights import GGMLTensor
 from ringserve.gpu.runner import MemoryReport, ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
-from ringserve.gpu.weights import GGMLTensor
 from test_cpu_kernels import step
 
 
@@ -39,7 +39,7 @@ def test_the_default_model_packed_gives_the_float32_logits(default_model_dir, nu
 @pytest.mark.slow
 @pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU: no int8 activations")
 def test_int8_activations_keep_the_default_models_greedy_choices(default_model_dir):
-    """llama.cpp's numerics (gpu/cpu_int8_kernels.py): the activations' int8 rounding moves the
+    """llama.cpp's numerics (gpu/cpu/int8_kernels.py): the activations' int8 rounding moves the
     logits by a few percent of their range, and the greedy token stays the float path's."""
     cache = CacheConfig(num_gpu_blocks_override=16)
     int8 = ModelRunner(default_model_dir,

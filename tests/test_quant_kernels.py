@@ -1,4 +1,4 @@
-"""GGUF weights kept packed (gpu/quant.py) and their CPU kernels (gpu/cpu_quant_kernels.py), against
+"""GGUF weights kept packed (gpu/loader/quant.py) and their CPU kernels (gpu/cpu/quant_kernels.py), against
 gguf-py's own ``dequantize``: every type, on random blocks (any bytes are a valid block once its f16
 scale fields are finite), every kernel path (fused streaming, dequantized tiles in float32, BLAS),
 one thread and several.
@@ -21,9 +21,9 @@ import gguf.quants
 import numpy as np
 import pytest
 
-from ringserve.gpu import cpu_quant_kernels
-from ringserve.gpu.cpu_quant_kernels import SMALL_ROWS, STREAM_ROWS, quant_linear
-from ringserve.gpu.quant import (
+from ringserve.gpu.cpu import quant_kernels as cpu_quant_kernels
+from ringserve.gpu.cpu.quant_kernels import SMALL_ROWS, STREAM_ROWS, quant_linear
+from ringserve.gpu.loader.quant import (
     BLOCK_SIZES,
     QuantWeight,
     as_halves,
@@ -126,9 +126,9 @@ def test_compact_scale_planes(qtype):
 def test_rows_of_compact_weights():
     """take_rows and concat_rows carry the super planes and the fp16 planes; a factored weight
     never stacks with a plain one (concat_rows refuses, fuse_packed keeps them apart)."""
-    from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed
-    from ringserve.gpu.quant import concat_rows, take_rows
-    from ringserve.gpu.weights import GGMLTensor
+    from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed
+    from ringserve.gpu.loader.quant import concat_rows, take_rows
+    from ringserve.gpu.loader.weights import GGMLTensor
     rng = np.random.default_rng(9)
     for qtype in ("Q4_K", "Q6_K", "Q4_1"):
         raws = [random_raw(qtype, (n, 512), rng) for n in (5, 3)]
@@ -244,7 +244,7 @@ def test_bench_quant_tool(tmp_path, capsys):
     kinds = {r["type"]: (r["kind"], r["bytes_per_weight"]) for r in rows}
     assert kinds == {"numpy f32": ("f32", 4), "Q4_0": ("u4", 0.75), "Q4_0 i8": ("i8", 1.125)}
     assert all(r["gweights_s"] > 0 for r in rows)
-    from ringserve.gpu.cpu_int8_kernels import has_vnni
+    from ringserve.gpu.cpu.int8_kernels import has_vnni
     if has_vnni():  # 16 rows: one tile of the int8-activation kernels (8 rows are not one)
         bench_quant.main(["--types", "Q4_0", "--shape", "16x64", "--batch", "1", "--activations", "int8",
                           "--threads", "1", "--repeats", "1", "--rounds", "1", "--json", str(path)])
@@ -256,9 +256,9 @@ def test_default_model_gguf_packed(default_model_dir):
     """Every matrix of the real default model's GGUF (Q4_1, its embedding Q8_0) packed from the
     memory map: bit-identical to gguf-py's dequantize; a row permutation is the permuted rows; and
     one decode row and one 8-token batch through the layer-0 matrices and the embedding."""
-    from ringserve.gpu.gguf_convert import open_gguf
-    from ringserve.gpu.model_store import default_gguf_path
-    from ringserve.gpu.quant import from_gguf, take_rows
+    from ringserve.gpu.loader.gguf_convert import open_gguf
+    from ringserve.gpu.loader.model_store import default_gguf_path
+    from ringserve.gpu.loader.quant import from_gguf, take_rows
 
     reader = open_gguf(default_gguf_path())
     rng = np.random.default_rng(4)

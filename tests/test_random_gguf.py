@@ -6,8 +6,8 @@ import gguf
 import numpy as np
 import pytest
 
-from ringserve.gpu.model_store import resolve_model
-from ringserve.gpu.weights import load_weights
+from ringserve.gpu.loader.model_store import resolve_model
+from ringserve.gpu.loader.weights import load_weights
 from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.llm import LLM
 from ringserve.tools.random_gguf import (

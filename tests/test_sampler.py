@@ -1,8 +1,14 @@
-"""Sampling in numpy (gpu/sampler.py) and SamplingParams validation."""
+"""Sampling in numpy (gpu/sampling/sampler.py) and SamplingParams validation."""
 import numpy as np
 import pytest
 
-from ringserve.gpu.sampler import GREEDY_EPS, SamplingMetadata, apply_penalties, gather_logprobs, sample
+from ringserve.gpu.sampling.sampler import (
+    GREEDY_EPS,
+    SamplingMetadata,
+    apply_penalties,
+    gather_logprobs,
+    sample,
+)
 from ringserve.ipc.limits import generator_seed
 from ringserve.ipc.sampling_params import SamplingParams
 

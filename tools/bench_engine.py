@@ -25,7 +25,7 @@ import numpy as np
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.gpu.sampler import sample_on_host
+from ringserve.gpu.sampling.sampler import sample_on_host
 from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, table
 

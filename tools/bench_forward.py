@@ -11,7 +11,7 @@ development machine `pip install torch==2.13.0` takes a local CPU wheel):
     /tmp/refvenv/bin/pip install -e /work/main        # ringserve and its dependencies
     /tmp/refvenv/bin/python -m ringserve.tools.bench_forward --json bench_forward.json
 
-Both sides run the default model folder (ringserve.gpu.model_store.resolve_model(None), the
+Both sides run the default model folder (ringserve.gpu.loader.model_store.resolve_model(None), the
 converted SmolLM2-135M-Instruct) in float32 with the same number of threads (ours: Numba and
 BLAS via the runner's num_threads; transformers: torch.set_num_threads). Decode: each of the B
 requests has a --context-token prompt in its KV cache (one prompt prefilled, its K/V copied to
@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cpu_runner import CpuModelRunner, default_num_threads
-from ringserve.gpu.model_store import resolve_model
+from ringserve.gpu.cpu.runner import CpuModelRunner, default_num_threads
+from ringserve.gpu.loader.model_store import resolve_model
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, read_bandwidth, table

@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     args.log_level = "warning"
     run = BenchRun.start("bench_http", args)
 
-    from ringserve.gpu.config import ModelConfig
-    from ringserve.gpu.model_store import resolve_model
+    from ringserve.gpu.loader.config import ModelConfig
+    from ringserve.gpu.loader.model_store import resolve_model
     model_dir = Path(resolve_model(args.model))
     config = ModelConfig.from_dir(model_dir)
     max_len = args.max_model_len or config.max_position_embeddings

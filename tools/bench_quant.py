@@ -1,11 +1,11 @@
-"""Quantized linear kernels' speed: ``y = x @ W.T`` per GGUF type (gpu/cpu_quant_kernels.py, and
-gpu/cpu_int8_kernels.py with int8 activations) in G
+"""Quantized linear kernels' speed: ``y = x @ W.T`` per GGUF type (gpu/cpu/quant_kernels.py, and
+gpu/cpu/int8_kernels.py with int8 activations) in G
 weights/s and GB/s of the bytes the packed weight holds, beside float32 through numpy (OpenBLAS
 sgemv / sgemm) in the same run, for several batch sizes, shapes and thread counts.
 
     .venv/bin/python -m ringserve.tools.bench_quant [--threads 1 2] [--batch 1 4 16 64] [--json FILE]
 
-Weights are random valid blocks (gpu/quant.py random_raw), repacked as at load. Each cell is the
+Weights are random valid blocks (gpu/loader/quant.py random_raw), repacked as at load. Each cell is the
 best of --repeats timed calls (after one warm-up call), and the whole grid is run --rounds times
 keeping each cell's best: the development VM is shared with other busy processes, and the best
 time is the one least disturbed by them. Threads: Numba's (parallel=True when more than one) and
@@ -22,9 +22,9 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ringserve.gpu.cpu_int8_kernels import Int8Weight, has_vnni, int8_linear, supports, tiles
-from ringserve.gpu.cpu_quant_kernels import quant_linear
-from ringserve.gpu.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, random_raw, repack
+from ringserve.gpu.cpu.int8_kernels import Int8Weight, has_vnni, int8_linear, supports, tiles
+from ringserve.gpu.cpu.quant_kernels import quant_linear
+from ringserve.gpu.loader.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, random_raw, repack
 from ringserve.tools.bench_report import BenchRun, add_json_argument, markdown_table, read_bandwidth
 
 NUMPY_F32 = "numpy f32"  # the baseline row: float32 weights through np.matmul (sgemv / sgemm)
@@ -42,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also each 4-bit type repacked as int8 planes (row '<type> i8'), beside its nibbles")
     ap.add_argument("--activations", nargs="+", choices=["float32", "int8"],
                     default=["float32", "int8"] if has_vnni() else ["float32"],
-                    help="what the integer types multiply: float32 (gpu/cpu_quant_kernels.py) and/or "
-                         "int8 blocks through VNNI (gpu/cpu_int8_kernels.py: rows '<type> x int8', the "
+                    help="what the integer types multiply: float32 (gpu/cpu/quant_kernels.py) and/or "
+                         "int8 blocks through VNNI (gpu/cpu/int8_kernels.py: rows '<type> x int8', the "
                          "activations' quantization included in the time)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per cell and round (best kept)")

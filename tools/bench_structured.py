@@ -9,7 +9,7 @@ array of at least 1000 objects), so both runs make exactly the same number of to
 
 Per constrained row and token: `mask us` is llguidance's bitmask (engine/structured_outputs.py
 StructuredOutputs.bitmask, the whole step's call divided by its constrained rows), `advance
-us` the matcher's consume_token; the sampler's -inf fill (gpu/sampler.py
+us` the matcher's consume_token; the sampler's -inf fill (gpu/sampling/sampler.py
 apply_token_bitmask) is inside the throughput. Each figure is the median of --rounds rounds.
 """
 from __future__ import annotations

@@ -94,7 +94,7 @@ def llama_tokenize(url: str, text: str) -> list[int]:
 
 
 def check_family(arch: str, merges: list[str], args: argparse.Namespace, work: Path) -> dict:
-    from ringserve.gpu.model_store import resolve_model
+    from ringserve.gpu.loader.model_store import resolve_model
     from ringserve.server.tokenizer import Tokenizer
 
     shape = SHAPES[arch]

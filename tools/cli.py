@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "download":
-        from ringserve.gpu.model_store import download_command
+        from ringserve.gpu.loader.model_store import download_command
         return download_command(args)
     if args.command == "serve":
         from ringserve.server.launch import serve_command

@@ -91,7 +91,7 @@ def software_versions() -> dict[str, str]:
 
 
 def config_for(shape: dict):
-    from ringserve.gpu.config import ModelConfig
+    from ringserve.gpu.loader.config import ModelConfig
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     return ModelConfig.from_dict(dict(shape, architectures=["LlamaForCausalLM"], head_dim=head_dim,
                                       rms_norm_eps=1e-5, rope_theta=5e5, max_position_embeddings=4096,
@@ -127,7 +127,7 @@ FOUR_BIT = ("Q4_K_M", "AWQ")
 # point and the 1B says it (the 8B's 16 GB runner would not fit the 6 minutes).
 FORMAT_MODELS = {"BF16": ("1B",)}
 # (kind, weights per scale, has an offset, quant range, scale form) of each type's planes as
-# the CUDA store uploads them (gpu/quant.py; QuantStore): "super", int8 factors of float32
+# the CUDA store uploads them (gpu/loader/quant.py; QuantStore): "super", int8 factors of float32
 # super planes (K-quants); "f16", exact halves (legacy types); "f32" (AWQ: its offsets are no
 # halves); and the scale that gives weights of about 0.02 from random quants of that range
 _PLANES = {"Q4_K": ("u4", 32, True, 16, "super"), "Q6_K": ("i8", 16, False, 64, "super"),
@@ -137,7 +137,7 @@ _PLANES = {"Q4_K": ("u4", 32, True, 16, "super"), "Q6_K": ("i8", 16, False, 64, 
 def random_planes(xp, rng, qtype: str, rows: int, cols: int):
     """A QuantWeight of random planes of `qtype` made by xp's Generator rng (cupy: on the
     device), in the form QuantStore uploads (so nbytes is what a step reads)."""
-    from ringserve.gpu.quant import QK_K, QuantWeight
+    from ringserve.gpu.loader.quant import QK_K, QuantWeight
     if qtype == "BF16":  # bfloat16 bits of N(0, 0.02) (truncated: random is random)
         bits = (rng.standard_normal((rows, cols), dtype=xp.float32) * 0.02).view(xp.uint32) >> 16
         return QuantWeight(qtype, (rows, cols), "bf16", bits.astype(xp.uint16))
@@ -428,7 +428,7 @@ def _attention_kernels(attn, args, scale, out, stream, nb_stream, **raw_kwargs) 
 def greedy_metadata(B: int):
     import numpy as np
 
-    from ringserve.gpu.sampler import SamplingMetadata
+    from ringserve.gpu.sampling.sampler import SamplingMetadata
     return SamplingMetadata(np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32),
                             np.zeros(B, np.float32), [None] * B)
 

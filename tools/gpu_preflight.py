@@ -83,7 +83,7 @@ def tiny_eager_step() -> str:
     import numpy as np
 
     from ringserve.gpu.batch import Batch
-    from ringserve.gpu.cpu_runner import CpuModelRunner
+    from ringserve.gpu.cpu.runner import CpuModelRunner
     from ringserve.gpu.cuda.runner import CudaModelRunner
     from ringserve.tools.tiny_llama import make_tiny_llama
     with tempfile.TemporaryDirectory() as tmp:

@@ -89,8 +89,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ringserve.gpu.gguf_convert import convert_gguf
-    from ringserve.gpu.model_store import default_gguf_path
+    from ringserve.gpu.loader.gguf_convert import convert_gguf
+    from ringserve.gpu.loader.model_store import default_gguf_path
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -13,9 +13,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, to_bfloat16
-from ringserve.gpu.weights import GGMLTensor
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.weights import GGMLTensor
 
 
 class DenseStore:
@@ -37,7 +37,7 @@ class DenseStore:
 
     def _fp16(self, a: Any) -> Any:
         """One tensor as fp16 on the device. NOTE: a host tensor is made fp16 by numpy first: a
-        GGMLTensor (gpu/weights.py) is numpy's through __array__, which CuPy's asarray reaches
+        GGMLTensor (gpu/loader/weights.py) is numpy's through __array__, which CuPy's asarray reaches
         only through numpy.array(copy=False) (cupy/_core/core.pyx _array_default)."""
         if isinstance(a, self.xp.ndarray):
             return a.astype(self.xp.float16, copy=False)

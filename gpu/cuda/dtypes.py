@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.quant import QuantWeight
-from ringserve.gpu.weights import GGMLTensor
+from ringserve.gpu.loader.quant import QuantWeight
+from ringserve.gpu.loader.weights import GGMLTensor
 
 CUDA_DTYPES = ("auto", "float16", "bfloat16")   # --dtype on cuda (float32: no)
 SERVING_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}  # -> device storage

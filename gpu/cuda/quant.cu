@@ -1,5 +1,5 @@
 // Linears over weights kept packed on the device (launchers: gpu/cuda/quant.py, plans:
-// gpu/cuda/quant_linear.py). The planes are gpu/quant.py's, uploaded as they are:
+// gpu/cuda/quant_linear.py). The planes are gpu/loader/quant.py's, uploaded as they are:
 //   u4: unsigned char [N, K/2], 4-bit quants in 64-weight groups (byte j of group g: weight
 //       64g + j in its low nibble, 64g + 32 + j in its high one): Q4_0, Q4_1, Q4_K, AWQ, GPTQ;
 //   i8: signed char [N, K], one quant a byte: Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K;
@@ -7,7 +7,7 @@
 //       one of three forms, scale_bytes says which (both planes share it): 4, float32; 2, fp16
 //       (legacy types, GPTQ: exact halves); 1, int8 factors of the float32 super planes
 //       scale_super, offset_super [N, K/256] (the K-quants: sc * d and m * -dmin, the float32
-//       products gpu/quant.py computes, so bit-identical), all read by plane_at,
+//       products gpu/loader/quant.py computes, so bit-identical), all read by plane_at,
 // so one kernel per plane kind serves every type. Why the compact forms: a batch-1 step streams
 // the planes with the quants, and float32 ones are a quarter of Q4_K's 0.75 B/weight (0.594
 // factored). Why a runtime scale_bytes and not a template parameter: one uniform branch per 16
@@ -75,7 +75,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // w[i] = scale * q[i] + offset for the 16 quants of one chunk: u4 low (half 0) / high (half 1)
-// nibbles, or i8 bytes (the same float32 operations, in the same order, as gpu/quant.py
+// nibbles, or i8 bytes (the same float32 operations, in the same order, as gpu/loader/quant.py
 // dequantize).
 __device__ __forceinline__ void dequant16_u4(const Chunk16& c, int half, float s, float o, float* w) {
 #pragma unroll

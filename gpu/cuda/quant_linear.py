@@ -1,10 +1,10 @@
 """Packed weights on the CUDA backend, the part CI runs without CuPy: the weight store that
-uploads gpu/quant.py's planes as they are, and the linear that reads them through quant.cu's
+uploads gpu/loader/quant.py's planes as they are, and the linear that reads them through quant.cu's
 kernels (launched by gpu/cuda/quant.py on a GPU, by tests/cuda_host_kernels.py on the host).
 
-Device layout: gpu/quant.py's planes (u4 nibbles in 64-weight groups, or int8; a scale and
+Device layout: gpu/loader/quant.py's planes (u4 nibbles in 64-weight groups, or int8; a scale and
 offset per block of 16/32/128 weights; bf16 bits as they are), not the raw GGUF blocks. The
-scale planes in their compact exact form (gpu/quant.py's module doc; quant.cu's plane_at
+scale planes in their compact exact form (gpu/loader/quant.py's module doc; quant.cu's plane_at
 reads all three): K-quants as int8 factors of float32 super planes (repack factored=True:
 d and -dmin per 256 weights), float32 planes of exact halves as fp16 (as_halves: every legacy
 type, GPTQ), anything else float32 (AWQ, whose offsets -(z s) are no halves).
@@ -57,11 +57,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ringserve.gpu.cpu_packed import SplitWeight, fuse_packed
+from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.buffers import DenseStore
-from ringserve.gpu.quant import QuantWeight, as_halves, dequantize
-from ringserve.gpu.weights import GGMLTensor
+from ringserve.gpu.loader.quant import QuantWeight, as_halves, dequantize
+from ringserve.gpu.loader.weights import GGMLTensor
 
 PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; dense F16, F32, BF16 are DenseStore's (cuBLAS)
 WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
@@ -90,7 +90,7 @@ def _on_planes(kind: str, cols: int) -> bool:
 
 def keeps_blocks(tensor: Any) -> bool:
     """A tensor the CUDA backend keeps packed: GGUF integer blocks (a GGMLTensor) or a
-    QuantWeight already made (AWQ/GPTQ from gpu/hf_quant.py; gpu_check's, made on the device).
+    QuantWeight already made (AWQ/GPTQ from gpu/loader/hf_quant.py; gpu_check's, made on the device).
     Float tensors (BF16, F16, F32) are dense: cuBLAS in the serving dtype."""
     if isinstance(tensor, QuantWeight):
         return _on_planes(tensor.kind, tensor.shape[1])
@@ -98,7 +98,7 @@ def keeps_blocks(tensor: Any) -> bool:
 
 
 class QuantStore:
-    """model.WeightStore for the CUDA backend: a linear with a packed part is gpu/cpu_packed.py's
+    """model.WeightStore for the CUDA backend: a linear with a packed part is gpu/cpu/packed.py's
     QuantWeight (or SplitWeight of several types) with its planes moved to the device (arrays of
     xp: cupy on a GPU, numpy in CI); every other weight is DenseStore's, in `dtype` (the serving
     dtype: float16 whenever a weight is packed, gpu/cuda/dtypes.py).
@@ -125,7 +125,7 @@ class QuantStore:
         return self._upload(packed)
 
     def _upload(self, w: Any) -> Any:
-        assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/quant.py's planes
+        assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/loader/quant.py's planes
         if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
             return self.dense.linear([dequantize(w)])
         w = as_halves(w)  # float32 planes of exact halves as fp16: half their bytes

@@ -96,7 +96,7 @@ def argmax_rows(logits: np.ndarray) -> np.ndarray:
 def sampling_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
                    min_p: float) -> np.ndarray:
     """float64 [V]: the distribution sampling_kernels.sample_kernel draws one row's token from
-    (gpu/sampler.sample_row's, with every token tied with a top_k/top_p cutoff kept)."""
+    (gpu/sampling/sampler.sample_row's, with every token tied with a top_k/top_p cutoff kept)."""
     x = logits.astype(np.float64)
     p = np.exp((x - x.max()) / temperature)
     keep = np.ones(len(x), bool)

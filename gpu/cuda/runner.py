@@ -25,7 +25,6 @@ import numpy as np
 from numba import cuda as nb_cuda
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cuda import capture, launch, plan
 from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import sampling_kernels as sk
@@ -36,11 +35,12 @@ from ringserve.gpu.cuda.fused import FusedKernels
 from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
 from ringserve.gpu.cuda.quant_linear import WORKSPACE_ELEMENTS, QuantLinear, QuantStore, keeps_blocks
 from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample, warmup_metadata
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.quant import QuantWeight
 from ringserve.gpu.model import LlamaWeights, llama_forward
-from ringserve.gpu.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
-from ringserve.gpu.quant import QuantWeight
 from ringserve.gpu.rope import cos_sin, inv_freq
-from ringserve.gpu.sampler import Logprobs, SamplingMetadata
+from ringserve.gpu.sampling.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
+from ringserve.gpu.sampling.sampler import Logprobs, SamplingMetadata
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ class CudaModelRunner:
     @classmethod
     def from_dir(cls, model_dir: str | Path, device: DeviceConfig, cache: CacheConfig,
                  limits: StepLimits) -> CudaModelRunner:
-        from ringserve.gpu.weights import load_weights
+        from ringserve.gpu.loader.weights import load_weights
         runner = cls(ModelConfig.from_dir(model_dir), load_weights(model_dir), device, cache, limits)
         runner.model_dir = Path(model_dir)  # its tokenizer.json: the engine's structured outputs
         return runner

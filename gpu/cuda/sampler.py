@@ -1,4 +1,4 @@
-"""Sampling on the GPU: gpu/sampler.py's semantics over device-resident logits, so that a step
+"""Sampling on the GPU: gpu/sampling/sampler.py's semantics over device-resident logits, so that a step
 copies B token ids to the host instead of B x V logits (the kernels: sampling_kernels.py).
 
 The host does what needs the requests' state and is cheap: it draws each sampled row's one
@@ -14,7 +14,7 @@ allocation (no cudaFree and its implicit device sync) per step.
     sampler = CudaSampler(stream=nb_stream)
     pending = sampler.sample_async(logits_dev, metadata)   # enqueued: kernels, then D2H + event
     ...                                                    # the host is free meanwhile
-    out = pending.result()                                 # SamplerOutput, as gpu/sampler.sample
+    out = pending.result()                                 # SamplerOutput, as gpu/sampling/sampler.sample
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda
 
 from ringserve.gpu.cuda import sampling_kernels as sk
-from ringserve.gpu.sampler import GREEDY_EPS, Logprobs, SamplerOutput, SamplingMetadata
+from ringserve.gpu.sampling.sampler import GREEDY_EPS, Logprobs, SamplerOutput, SamplingMetadata
 
 
 @dataclass
@@ -93,7 +93,7 @@ def pack_penalties(meta: SamplingMetadata, num_rows: int) -> PackedPenalties | N
 
 def draw_uniforms(meta: SamplingMetadata) -> np.ndarray:
     """float32 [B]: one generator.random() per sampled (non-greedy) row, in row order, as
-    gpu/sampler.sample draws them; 0 for greedy rows (unused)."""
+    gpu/sampling/sampler.sample draws them; 0 for greedy rows (unused)."""
     u = np.zeros(len(meta.temperature), np.float32)
     for i in np.flatnonzero(np.asarray(meta.temperature) >= GREEDY_EPS).tolist():
         u[i] = cast(np.random.Generator, meta.generators[i]).random()  # not greedy: it has one

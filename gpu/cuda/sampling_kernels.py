@@ -1,4 +1,4 @@
-"""Sampling on the GPU in Numba CUDA (the semantics of gpu/sampler.py; references in
+"""Sampling on the GPU in Numba CUDA (the semantics of gpu/sampling/sampler.py; references in
 gpu/cuda/reference.py; the host side in gpu/cuda/sampler.py). One block per row, nothing
 reduced across rows, so a row's token never depends on the rest of the batch.
 
@@ -27,7 +27,7 @@ import math
 from numba import config, cuda, float32, int32, int64
 
 from ringserve.gpu.cuda.block_reduce import block_argmax, block_sum
-from ringserve.gpu.sampler import GREEDY_EPS  # temperature below this is greedy
+from ringserve.gpu.sampling.sampler import GREEDY_EPS  # temperature below this is greedy
 
 SAMPLE_MAX_THREADS = 1024
 
@@ -67,7 +67,7 @@ def bitmask_kernel(x, mask, rows):  # pragma: no cover - device code
 @_kernel(SAMPLE_MAX_THREADS)
 def penalties_kernel(x, seen_ids, seen_offsets, count_ids, counts, count_offsets, banned_ids,
                      banned_offsets, presence, frequency, repetition):  # pragma: no cover
-    """In place on x [B, V] float32, row by row (grid (B,)), in gpu/sampler.py's order:
+    """In place on x [B, V] float32, row by row (grid (B,)), in gpu/sampling/sampler.py's order:
     repetition over the ids seen (prompt and output, each once), then frequency·count +
     presence over the output ids (each once, with its count), then banned ids -> -inf."""
     row = cuda.blockIdx.x

@@ -123,7 +123,7 @@ def _token_pool(args: argparse.Namespace, server_model: str | None):
     from ringserve.tools.loadgen.workload import ordinary_token_ids
     folder = server_model if args.tokenizer is None and server_model else None
     if folder is None:
-        from ringserve.gpu.model_store import resolve_model
+        from ringserve.gpu.loader.model_store import resolve_model
         folder = str(resolve_model(args.tokenizer))
     return folder, ordinary_token_ids(folder)
 

@@ -1,5 +1,5 @@
 """Weights the CPU backend keeps in their stored type: GGUF blocks and 16-bit floats, packed by
-gpu/quant.py and multiplied by gpu/cpu_quant_kernels.py. This module decides how one fused
+gpu/loader/quant.py and multiplied by gpu/cpu/quant_kernels.py. This module decides how one fused
 linear (the model's QKV or gate-up: several HF tensors stacked along rows) is held, and runs it.
 
 A fused linear whose parts share a type is one QuantWeight (the parts' planes stacked: rows are
@@ -14,10 +14,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ringserve.gpu.cpu_int8_kernels import Int8Weight, int8_linear, supports, tiles
-from ringserve.gpu.cpu_quant_kernels import quant_linear
-from ringserve.gpu.quant import BLOCK_SIZES, QuantWeight, concat_rows, dequantize, layout, repack, take_rows
-from ringserve.gpu.weights import GGMLTensor
+from ringserve.gpu.cpu.int8_kernels import Int8Weight, int8_linear, supports, tiles
+from ringserve.gpu.cpu.quant_kernels import quant_linear
+from ringserve.gpu.loader.quant import (
+    BLOCK_SIZES,
+    QuantWeight,
+    concat_rows,
+    dequantize,
+    layout,
+    repack,
+    take_rows,
+)
+from ringserve.gpu.loader.weights import GGMLTensor
 
 
 def is_packed(tensor: Any) -> bool:
@@ -27,8 +35,8 @@ def is_packed(tensor: Any) -> bool:
 
 def pack(tensor: Any, factored: bool = False) -> QuantWeight:
     """One HF matrix as a QuantWeight of its own type (float32 stays float32; a QuantWeight,
-    e.g. an AWQ/GPTQ weight unpacked by gpu/hf_quant.py, as it is). factored: K-quant scales as
-    int8 factors of super planes (gpu/quant.py repack; the CUDA store's, never the CPU's)."""
+    e.g. an AWQ/GPTQ weight unpacked by gpu/loader/hf_quant.py, as it is). factored: K-quant scales as
+    int8 factors of super planes (gpu/loader/quant.py repack; the CUDA store's, never the CPU's)."""
     if isinstance(tensor, QuantWeight):
         return tensor
     if isinstance(tensor, GGMLTensor):
@@ -56,7 +64,7 @@ PackedWeight = QuantWeight | Int8Weight | SplitWeight
 
 def fuse_packed(tensors: Sequence[Any], int8: bool = False, factored: bool = False) -> PackedWeight:
     """Stack HF matrices along rows, each kept in its own type. int8: the integer kinds in the
-    int8-activation kernels' 16-row tiles (gpu/cpu_int8_kernels.py), the others as they are;
+    int8-activation kernels' 16-row tiles (gpu/cpu/int8_kernels.py), the others as they are;
     factored: as pack's."""
     parts = [pack(t, factored) for t in tensors]
     groups: list[list[QuantWeight]] = []
@@ -103,7 +111,7 @@ def packed_rows(w: PackedWeight, ids: np.ndarray, out: np.ndarray) -> None:
     out[...] = dequantize(w.rows(ids) if isinstance(w, Int8Weight) else take_rows(w, ids))
 
 
-# Bytes a weight takes once packed, by type (gpu/quant.py's layouts; 4-bit rows that are not
+# Bytes a weight takes once packed, by type (gpu/loader/quant.py's layouts; 4-bit rows that are not
 # whole 64-weight groups become int8, 1.125-1.25): the start-up fit check's estimate.
 _PACKED_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 1.125, "Q4_0": 0.75, "Q4_1": 0.75,
                  "Q5_0": 1.125, "Q5_1": 1.25, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, "Q3_K": 1.25,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringserve.gpu.cpu_kv_dtypes import kv_store
+from ringserve.gpu.cpu.kv_dtypes import kv_store
 
 # No 'nnan'/'ninf': the kernels rely on inf and -inf behaving as IEEE says.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -78,7 +78,7 @@ def silu_mul(gate_up, out):  # pragma: no cover - compiled
 def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_out):  # pragma: no cover
     """Split qkv [T, (H + 2 KVH) * D] into q, k, v; rotate q and k by each token's position
     (cos, sin: [max_pos, D/2] tables) into q_out [T, H, D] and into the cache at the token's
-    slot, with v, in the cache's storage type (gpu/cpu_kv_dtypes.py). A slot of -1 stores
+    slot, with v, in the cache's storage type (gpu/cpu/kv_dtypes.py). A slot of -1 stores
     nothing (padding)."""
     num_heads, head_dim = q_out.shape[1], q_out.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

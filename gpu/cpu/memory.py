@@ -67,7 +67,7 @@ class HugePageArena:
 
     def place(self, value: Any) -> Any:
         """value with every numpy array in it (an array, or a frozen dataclass of arrays and
-        of such dataclasses, as gpu/cpu_packed.py's weights are) copied into the arena; what
+        of such dataclasses, as gpu/cpu/packed.py's weights are) copied into the arena; what
         holds no array is returned as it is."""
         if isinstance(value, np.ndarray):
             return self.copy(value)

@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from ringserve.gpu.sampler import Logprobs, SamplerOutput, gather_logprobs
+from ringserve.gpu.sampling.sampler import Logprobs, SamplerOutput, gather_logprobs
 
 SLICE_ROWS = 256
 
@@ -32,7 +32,8 @@ class PromptLogprobsSpec:
 
 def host_prompt_logprobs(logits_of: Callable[[np.ndarray], np.ndarray],
                          spec: PromptLogprobsSpec) -> Logprobs:
-    """logits_of(rows) -> float32 logits [len(rows), V]; gpu/sampler.py's gather_logprobs per slice."""
+    """logits_of(rows) -> float32 logits [len(rows), V]; gpu/sampling/sampler.py's gather_logprobs per
+    slice."""
     parts = [gather_logprobs(logits_of(spec.rows[s:s + SLICE_ROWS]),
                              spec.token_ids[s:s + SLICE_ROWS], spec.num_top)
              for s in range(0, len(spec), SLICE_ROWS)]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringserve.gpu.cpu_kernels import fast_exp
-from ringserve.gpu.cpu_kv_dtypes import kv_load
+from ringserve.gpu.cpu.kernels import fast_exp
+from ringserve.gpu.cpu.kv_dtypes import kv_load
 
 # Reassociation lets LLVM vectorize the dot products; no 'nnan'/'ninf', so -inf stays -inf.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -22,7 +22,7 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,  # noqa: C901
                     scale, out):  # pragma: no cover - compiled
     """q [T, H, D], k/v_cache [num_blocks, block_size, KVH, D] in their storage type
-    (gpu/cpu_kv_dtypes.py) -> out [T, H, D] (written)."""
+    (gpu/cpu/kv_dtypes.py) -> out [T, H, D] (written)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads  # query heads per KV head (GQA)

@@ -2,14 +2,14 @@
 numpy and Numba, over the batch contract of gpu/batch.py.
 
 One step is one padding-free super-sequence of T tokens from B requests. The projections and the
-MLP run as matmuls over all T tokens at once. Attention (gpu/cpu_attention.py) runs after this
+MLP run as matmuls over all T tokens at once. Attention (gpu/cpu/attention.py) runs after this
 step's K/V have been written into the paged cache at ``slot_mapping`` and reads keys and values
 only through each request's block table — so a request sees its own past (from earlier steps
 or earlier in this chunk) and nothing of anyone else's.
 
 Where the time goes (docs/bench_forward.md): a decode step streams every weight once, so the
-linears (gpu/cpu_linear.py) are bandwidth kernels; norms, RoPE and SiLU are fused Numba passes
-(gpu/cpu_kernels.py) over buffers allocated once per step. Activations, K/V and sums are float32.
+linears (gpu/cpu/linear.py) are bandwidth kernels; norms, RoPE and SiLU are fused Numba passes
+(gpu/cpu/kernels.py) over buffers allocated once per step. Activations, K/V and sums are float32.
 """
 from __future__ import annotations
 
@@ -18,13 +18,12 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.cpu_attention import paged_attention
-from ringserve.gpu.cpu_kernels import add_rms_norm, rms_norm, rope_store_kv, silu_mul
-from ringserve.gpu.cpu_kv_dtypes import KV_CACHE_DTYPES
-from ringserve.gpu.cpu_linear import linear, to_bfloat16, widen_bfloat16
-from ringserve.gpu.cpu_memory import HugePageArena
-from ringserve.gpu.cpu_packed import (
+from ringserve.gpu.cpu.attention import paged_attention
+from ringserve.gpu.cpu.kernels import add_rms_norm, rms_norm, rope_store_kv, silu_mul
+from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
+from ringserve.gpu.cpu.linear import linear, to_bfloat16, widen_bfloat16
+from ringserve.gpu.cpu.memory import HugePageArena
+from ringserve.gpu.cpu.packed import (
     PackedWeight,
     fuse_packed,
     is_packed,
@@ -32,6 +31,7 @@ from ringserve.gpu.cpu_packed import (
     packed_nbytes,
     packed_rows,
 )
+from ringserve.gpu.loader.config import ModelConfig
 
 F32 = np.float32
 # Multiply-adds below which a linear runs on one thread even when the step has several: ~100 us
@@ -42,15 +42,15 @@ WEIGHT_DTYPES = ("float32", "bfloat16")
 
 class CpuWeightStore:
     """model.WeightStore. A linear weight (and the embedding) stored packed (GGUF blocks, F16,
-    BF16) stays in its type (gpu/cpu_packed.py: 4-9x fewer bytes than float32 for a decode step
+    BF16) stays in its type (gpu/cpu/packed.py: 4-9x fewer bytes than float32 for a decode step
     to stream); one stored as float32 is kept float32, or as bfloat16 bits in uint16 with
     --dtype bfloat16 (cpu_linear widens them on the fly). Norms and biases are float32. Packed
-    weights and vectors live on huge pages (gpu/cpu_memory.py: 5-10 % off a decode step here)."""
+    weights and vectors live on huge pages (gpu/cpu/memory.py: 5-10 % off a decode step here)."""
 
     def __init__(self, weight_dtype: str = "float32", widen_packed: bool = False, int8: bool = False):
         """widen_packed: widen packed weights to weight_dtype too (the float path, for
         comparisons: tests, bench_forward). int8: integer GGUF kinds in the tiles of
-        gpu/cpu_int8_kernels.py, multiplied by int8 activations (llama.cpp's numerics)."""
+        gpu/cpu/int8_kernels.py, multiplied by int8 activations (llama.cpp's numerics)."""
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight dtype {weight_dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
         self.bfloat16 = weight_dtype == "bfloat16"
@@ -87,7 +87,7 @@ class KVCache(NamedTuple):
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, config: ModelConfig,
                  dtype: str = "float32", arena: HugePageArena | None = None) -> KVCache:
-        """dtype: a KV_CACHE_DTYPES name (gpu/cpu_kv_dtypes.py: 16-bit types are kept as bits).
+        """dtype: a KV_CACHE_DTYPES name (gpu/cpu/kv_dtypes.py: 16-bit types are kept as bits).
         arena: where the pool lives (huge pages: attention reads it every step), else numpy's."""
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         storage = KV_CACHE_DTYPES[dtype]
@@ -118,7 +118,7 @@ class CpuStepBuffers:
 
 class CpuOps:
     """model.ModelOps in numpy and Numba. parallel: split the decode-size linears over Numba's
-    threads (the caller sets their number; gpu/cpu_linear.py)."""
+    threads (the caller sets their number; gpu/cpu/linear.py)."""
 
     def __init__(self, c: ModelConfig, parallel: bool = False):
         self.parallel = parallel

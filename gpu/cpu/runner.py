@@ -1,7 +1,7 @@
-"""The CPU model runner: gpu/model.py's Llama over gpu/cpu_ops.py CpuOps, numpy + Numba.
+"""The CPU model runner: gpu/model.py's Llama over gpu/cpu/ops.py CpuOps, numpy + Numba.
 
 It owns the weights and the paged KV cache (allocated once, never resized), computes a step in
-submit() before it returns, and samples on the host (gpu/sampler.py).
+submit() before it returns, and samples on the host (gpu/sampling/sampler.py).
 """
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.config import ModelConfig
-from ringserve.gpu.cpu_int8_kernels import has_vnni
-from ringserve.gpu.cpu_kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
-from ringserve.gpu.cpu_ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
+from ringserve.gpu.cpu.int8_kernels import has_vnni
+from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
+from ringserve.gpu.cpu.ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
 from ringserve.gpu.devices import cpu_threads_per_engine, host_memory_available
 from ringserve.gpu.errors import ModelError
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.weights import load_weights
 from ringserve.gpu.model import LlamaWeights, compute_logits, hidden_states
-from ringserve.gpu.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
 from ringserve.gpu.rope import cos_sin, inv_freq
-from ringserve.gpu.sampler import CompletedStep, SamplingMetadata, sample_on_host
+from ringserve.gpu.sampling.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
+from ringserve.gpu.sampling.sampler import CompletedStep, SamplingMetadata, sample_on_host
 from ringserve.gpu.settings import (
     CPU_ACTIVATION_DTYPES,
     CPU_DTYPES,
@@ -30,7 +31,6 @@ from ringserve.gpu.settings import (
     CacheConfig,
     DeviceConfig,
 )
-from ringserve.gpu.weights import load_weights
 
 _BLAS = ThreadpoolController()
 
@@ -44,9 +44,9 @@ class CpuModelRunner:
         """The settings it reads, checked by DeviceConfig.check_backend (gpu/runner.py
         ModelRunner): device.dtype (CPU_DTYPES), device.cpu_threads (Numba's and BLAS's threads
         for a step; default_num_threads() by default), device.cpu_activation_dtype ("int8"
-        multiplies quantized weights by int8 activation blocks, gpu/cpu_int8_kernels.py, needs
+        multiplies quantized weights by int8 activation blocks, gpu/cpu/int8_kernels.py, needs
         AVX-512 VNNI; "float32" exactly; "auto": int8 where the CPU can); cache.block_size,
-        cache.kv_cache_dtype (gpu/cpu_kv_dtypes.py) and the pool: cache.num_gpu_blocks_override
+        cache.kv_cache_dtype (gpu/cpu/kv_dtypes.py) and the pool: cache.num_gpu_blocks_override
         blocks, else as many as cache.kv_cache_memory_bytes holds. widen_packed: GGUF blocks and
         16-bit weights widened to dtype as well (the float path, for comparisons), not kept
         packed."""
@@ -173,7 +173,7 @@ def default_num_threads(engines: int = 1) -> int:
     """The cores this process may run on, shared by `engines` CPU engines (at least 1, at most
     Numba's thread pool), as llama.cpp's -t defaults to the cores.
 
-    Only a linear worth ~100 us of one thread's work is split (gpu/cpu_ops.py
+    Only a linear worth ~100 us of one thread's work is split (gpu/cpu/ops.py
     PARALLEL_MIN_MACS): a parallel region waits for its slowest thread, and the HTTP workers
     share the cores. Measured serving over HTTP with the workers and the client on the same 2
     cores (docs/bench_quant.md): 2 threads give the default model the same tok/s as 1 at

@@ -3,7 +3,7 @@
 Llama forward needs is there with the right shape.
 
 numpy has no bfloat16, and a folder converted from a GGUF keeps block-quantized tensors as
-their raw blocks (gpu/gguf_convert.py): both load as GGMLTensor (memory-mapped raw bytes and
+their raw blocks (gpu/loader/gguf_convert.py): both load as GGMLTensor (memory-mapped raw bytes and
 their GGML type), which numpy reads as its float32 values (np.asarray widens or dequantizes,
 exactly), so a weight store that wants floats needs nothing special and one that keeps them
 packed can take them as they are.
@@ -19,10 +19,10 @@ from typing import Union
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.errors import ModelError
+from ringserve.gpu.loader.config import ModelConfig
 
-BLOCK_TYPES_KEY = "ringserve.block_types"  # gpu/gguf_convert.py writes it; not imported: gguf_convert
+BLOCK_TYPES_KEY = "ringserve.block_types"  # gpu/loader/gguf_convert.py writes it; not imported: gguf_convert
 #                                           imports tqdm and the tokenizer builder, not needed here
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,8 +57,8 @@ Tensor = Union[np.ndarray, GGMLTensor]
 
 def load_weights(model_dir: str | Path) -> dict[str, Tensor]:
     """Every tensor of the checkpoint in ``model_dir``, by its HF name (an AWQ/GPTQ linear's
-    packed tensors as one ``.weight`` QuantWeight: gpu/hf_quant.py)."""
-    from ringserve.gpu.hf_quant import fold_int4
+    packed tensors as one ``.weight`` QuantWeight: gpu/loader/hf_quant.py)."""
+    from ringserve.gpu.loader.hf_quant import fold_int4
 
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE

@@ -3,7 +3,7 @@
 The folder holds config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
 generation_config.json. Every tensor keeps its GGUF type: F32, F16 and BF16 as safetensors
 floats, the block-quantized types as their raw blocks (U8 [rows, bytes per row], the type named
-in the header's metadata: gpu/weights.py reads them back as GGMLTensor), so nothing is widened
+in the header's metadata: gpu/loader/weights.py reads them back as GGMLTensor), so nothing is widened
 on disk and the conversion is exact. The architectures in ARCHITECTURES (llama, with llama3 rope
 scaling through its rope_freqs tensor; qwen2, with q/k/v biases), the byte-level BPE
 pre-tokenizers in PRE_TOKENIZERS and the tensor types in SUPPORTED_TYPES are accepted; anything
@@ -294,7 +294,7 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int, pat
     fix only orig / (high - low) and low / (high - low), so low_freq_factor is taken as 1 (what
     Llama 3.x uses) and the rest fitted; Llama 3's own (8192, 1, 4) is tried when too few
     entries lie between to fit."""
-    from ringserve.gpu.config import ModelConfig
+    from ringserve.gpu.loader.config import ModelConfig
     from ringserve.gpu.rope import inv_freq
 
     rf = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)

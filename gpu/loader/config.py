@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.hf_quant import int4_scheme
+from ringserve.gpu.loader.hf_quant import int4_scheme
 
 # Architectures whose forward is exactly the Llama one (Qwen2 adds a bias on q/k/v).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -46,7 +46,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False
     rope_scaling: RopeScaling | None = None
-    quantization: str | None = None  # "awq" | "gptq": int4 linears (gpu/hf_quant.py)
+    quantization: str | None = None  # "awq" | "gptq": int4 linears (gpu/loader/hf_quant.py)
 
     @property
     def q_size(self) -> int:

@@ -1,13 +1,13 @@
 """``y = x @ W.T`` with int8 activations and AVX-512 VNNI integer dot products (llama.cpp's CPU path).
 
-gpu/cpu_quant_kernels.py dequantizes each weight to float32 and multiplies in float32: 16
+gpu/cpu/quant_kernels.py dequantizes each weight to float32 and multiplies in float32: 16
 multiply-adds an instruction, so its kernels are bound by arithmetic (12-21 G weights/s a thread
 at batch 1, ~50-65 G multiply-adds/s at batch 16-64), not by memory. Here each token row is
 quantized to int8 in blocks of 32 (one float32 scale a block, as llama.cpp's q8 activations),
 and ``vpdpbusd`` multiplies 64 unsigned weight bytes by 64 signed activation bytes into 16 int32
 sums in one instruction.
 
-The weights are gpu/quant.py's planes, moved once at load into tiles of 16 rows (Int8Weight):
+The weights are gpu/loader/quant.py's planes, moved once at load into tiles of 16 rows (Int8Weight):
 one 512-bit vector holds 4 weights of each of 16 rows, so one ``vpdpbusd`` against 4 activation
 bytes broadcast to every lane advances all 16 rows, and a sub-block's vectors sum in int32 with
 no float work in between. The float work (one convert, a scale multiply, two multiply-adds) is
@@ -44,8 +44,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ringserve.gpu.cpu_linear import TASKS_PER_THREAD, per_thread
-from ringserve.gpu.quant import QuantWeight
+from ringserve.gpu.cpu.linear import TASKS_PER_THREAD, per_thread
+from ringserve.gpu.loader.quant import QuantWeight
 
 TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit register
 ACT_BLOCK = 32           # activation weights per int8 scale (llama.cpp's q8_0 / q8_1)
@@ -155,7 +155,7 @@ class Int8Weight:
         return np.dtype(np.float32)
 
     def rows(self, index: np.ndarray) -> QuantWeight:
-        """W[index] back in gpu/quant.py's layout (an embedding lookup of a tied table)."""
+        """W[index] back in gpu/loader/quant.py's layout (an embedding lookup of a tied table)."""
         tile, lane = np.divmod(np.asarray(index), TILE_ROWS)
         q = self.q.reshape(len(self.q), -1, TILE_ROWS, 4)[tile, :, lane]   # [len, in / 4, 4]
         q = q.reshape(len(tile), -1)

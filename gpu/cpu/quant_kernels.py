@@ -1,6 +1,6 @@
-"""``y = x @ W.T`` on the CPU for a weight kept in its GGUF type (a QuantWeight, gpu/quant.py).
+"""``y = x @ W.T`` on the CPU for a weight kept in its GGUF type (a QuantWeight, gpu/loader/quant.py).
 
-Three paths by the number of token rows T, as gpu/cpu_linear.py has for float weights, measured on
+Three paths by the number of token rows T, as gpu/cpu/linear.py has for float weights, measured on
 the 2-core Zen 5 VM (tools/bench_quant.py, docs/bench_quant.md):
 
 - T <= STREAM_ROWS (decode): one pass over each weight row, dequantizing each sub-block in
@@ -28,8 +28,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ringserve.gpu.cpu_linear import TASKS_PER_THREAD, linear, per_thread
-from ringserve.gpu.quant import QuantWeight
+from ringserve.gpu.cpu.linear import TASKS_PER_THREAD, linear, per_thread
+from ringserve.gpu.loader.quant import QuantWeight
 
 STREAM_ROWS = 1          # up to this many token rows: dequantize in registers, one pass per weight row
 SMALL_ROWS = 64          # up to this many: dequantized tiles (65 G MAC/s vs sgemm's 49 at 64; even at 128)
@@ -236,7 +236,7 @@ def _dequant_overload(q, s, m, lo, w):
 def _tiles(x, w, out, rows):  # noqa: C901 - one fused loop nest on purpose  # pragma: no cover
     """out[:, :rows] = x @ w[:rows].T for a dequantized float32 tile w (L2-resident), in register
     tiles of 4 weight rows x 4 tokens (16 accumulators: 2 FMAs a load), then 4 x 2 and 4 x 1 for
-    the tokens left over. (gpu/cpu_linear.py's 4 x 2 tiles: 4.5 against 6.1 G w/s at 8 tokens.)"""
+    the tokens left over. (gpu/cpu/linear.py's 4 x 2 tiles: 4.5 against 6.1 G w/s at 8 tokens.)"""
     num_tokens, k_dim = x.shape
     n = 0
     while n + 4 <= rows:

@@ -1,5 +1,5 @@
 """GGUF weight types kept packed in memory: each tensor's raw GGUF blocks repacked once, at load,
-into planes the CPU kernels (gpu/cpu_quant_kernels.py) stream with vector instructions.
+into planes the CPU kernels (gpu/cpu/quant_kernels.py) stream with vector instructions.
 
 GGUF interleaves each block's f16 scale(s) with its quants (Q4_0: 2 scale bytes, then 16 bytes of
 nibbles; 18-byte blocks), and the K-quants pack 6-bit sub-block scales into 12 bytes: a kernel that
@@ -23,7 +23,7 @@ order as gguf-py's ``dequantize``: ``dequantize(repack(raw))`` is bit-identical 
 ``d * q``, ``-8 * d`` and their sum ``d * (q - 8)`` all fit float32's 24 bits; only a zero weight
 with a negative d comes out +0.0 where gguf-py has -0.0.) Signed types
 without a minimum (Q8_0, Q5_0, Q6_K, Q3_K, and Q4_0 as int8) store ``q`` already centred.
-F32 and BF16 stay the arrays gpu/cpu_linear.py takes (float32;
+F32 and BF16 stay the arrays gpu/cpu/linear.py takes (float32;
 bfloat16 bits as uint16), kinds ``"f32"`` and ``"bf16"``.
 
 Compact scale planes (what the CUDA backend uploads: a batch-1 decode step is bound by the
@@ -111,7 +111,7 @@ def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
 
 
 def layout(w: QuantWeight) -> tuple:
-    """What weights must share to be stacked into one (concat_rows; gpu/cpu_packed.py)."""
+    """What weights must share to be stacked into one (concat_rows; gpu/cpu/packed.py)."""
     return (w.qtype, w.kind, w.block, w.shape[1], *(None if a is None else str(a.dtype) for a in w.planes()))
 
 

@@ -3,8 +3,8 @@ attention reads per step at long contexts.
 
 Numba has no float16, so the 16-bit types are kept as their bits, each in its own integer dtype
 so that the kernels compile apart for each: bfloat16 as the upper half of a float32 in uint16,
-float16 as IEEE half bits in int16. The kernels (gpu/cpu_kernels.py rope_store_kv,
-gpu/cpu_attention.py) read an element with `kv_load` and write one with `kv_store`; for float32
+float16 as IEEE half bits in int16. The kernels (gpu/cpu/kernels.py rope_store_kv,
+gpu/cpu/attention.py) read an element with `kv_load` and write one with `kv_store`; for float32
 both are the identity and compile to the same code as before. Rounding is to nearest, ties to
 even, as numpy's astype(float16) and torch's bfloat16 round; reads are exact.
 """

@@ -92,7 +92,8 @@ class Logprobs:
 class SamplerOutput:
     token_ids: np.ndarray              # int32 [B]
     logprobs: Logprobs | None = None
-    prompt_logprobs: Logprobs | None = None  # at the rows of a PromptLogprobsSpec (gpu/prompt_logprobs.py)
+    prompt_logprobs: Logprobs | None = None  # at the rows of a PromptLogprobsSpec
+                                             # (gpu/sampling/prompt_logprobs.py)
     failed: dict[int, str] | None = None     # row -> why sampling it raised (its token is not one)
 
 

