@@ -119,7 +119,8 @@ def constrained_calls(tp: ToolPlan, text: str) -> list[P.ToolCall]:
         return [P.ToolCall(id=new_call_id(), function=P.FunctionCall(
                     str(c["name"]), json.dumps(c["parameters"], ensure_ascii=False)))
                 for c in value]
-    except (ValueError, KeyError, TypeError):  # cut (or a stop string inside a string)
+    # RecursionError: a model's output nested past the decoder's recursion limit is no call
+    except (ValueError, KeyError, TypeError, RecursionError):  # cut (or a stop string inside a string)
         return []
 
 
@@ -136,7 +137,7 @@ def parse_auto(parser: str, text: str) -> tuple[str | None, list[P.ToolCall]]:
             return text, []
         try:
             calls = [_call(json.loads(m), "arguments") for m in _HERMES.findall(text[start:])]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return text, []
         return text[:start] or None, calls
     # llama3_json: the answer is {"name": ..., "parameters": {...}} (after an optional
@@ -153,7 +154,7 @@ def parse_auto(parser: str, text: str) -> tuple[str | None, list[P.ToolCall]]:
             at = end
             while at < len(body) and body[at] in " \t\r\n;":
                 at += 1
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return text, []
     return None, calls
 

@@ -325,3 +325,15 @@ def test_auto_call_cut_inside_tool_call_is_content(hermes):
     # a stop string inside the call: the same, finishing with "stop"
     streamed, finish, content, _ = _streamed(hermes, **dict(body, max_tokens=100, stop=["arguments"]))
     assert streamed == [] and finish == "stop" and content.startswith("Let me check.<tool_call>")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_model_output_nested_past_the_recursion_limit_is_content(parser):
+    """A model may write any text: a call nested 5,000 deep (past Python's decoder's recursion
+    limit) is no call, and the text stays content, instead of a RecursionError (a 500)."""
+    from ringserve.server import tool_calls as T
+    deep = "[" * 5000 + "]" * 5000
+    text = (f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>' if parser == "hermes"
+            else f'{{"name": "f", "parameters": {deep}}}')
+    assert T.parse_auto(parser, text) == (text, [])
+    assert T.constrained_calls(T.ToolPlan(mode="required"), f'[{{"name": "f", "parameters": {deep}}}]') == []
