@@ -61,7 +61,8 @@ def worker_app():
     ctx = ServerContext(Tokenizer.from_dir(cfg["model_dir"]), client, names, cfg["max_model_len"],
                         RequestMetrics(names[0], cfg["max_model_len"], cfg["metrics_prefix"]),
                         RequestLimits(**cfg["request_limits"]), cfg["vocab_size"],
-                        tool_call_parser=cfg.get("tool_call_parser"))
+                        tool_call_parser=cfg.get("tool_call_parser"),
+                        reasoning_parser=cfg.get("reasoning_parser"))
 
     async def start() -> None:
         await client.start()
