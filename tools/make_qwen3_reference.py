@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +31,20 @@ PROMPTS = ["The capital of France is",
            "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n<think>\n"]
 
 
+def _import_checkout() -> None:
+    """``import ringserve.tools...`` from this checkout (tools/make_reference_logits.py's way)."""
+    package = types.ModuleType("ringserve")
+    package.__path__ = [str(REPO)]
+    sys.modules["ringserve"] = package
+
+
 def main(tokenizer_dir: str) -> None:
     import torch
     from tokenizers import Tokenizer
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    sys.path.insert(0, str(REPO / "tools"))
-    from tiny_qwen3 import make_tiny_qwen3
+    _import_checkout()
+    from ringserve.tools.tiny_qwen3 import make_tiny_qwen3
 
     config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
