@@ -8,6 +8,7 @@ tools/make_qwen3_reference.py: its greedy tokens and its logits at every positio
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,32 @@ def test_a_qwen3_folder_without_its_qk_norms_is_refused(qwen3_dir, tmp_path):
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ModelError, match="tensor 'model.layers.1.self_attn.k_norm.weight' is missing"):
         runner(folder)
+
+
+def test_a_served_qwen3_decodes_as_transformers_and_hits_the_prefix_cache(serve, qwen3_dir, ref,
+                                                                          no_segment_left_behind):
+    """`ringserve serve` on the folder (CPU, float32: the checkpoint's dtype): the engine's
+    scheduler, paged cache and sampler give transformers' greedy tokens; asked again, the
+    prompt's whole blocks come from the prefix cache and the answer is the same."""
+    import httpx
+
+    from ringserve.server.tokenizer import Tokenizer
+
+    seq, prompt_len, _, _ = sequences(ref)[1]  # 22 prompt tokens: one whole block of 16
+    want = Tokenizer.from_dir(qwen3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
+    url = serve(qwen3_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
+                "--served-model-name", "q", "--drain-timeout", "2", timeout=300).url
+    body = dict(model="q", prompt=seq[:prompt_len], max_tokens=len(seq) - prompt_len, temperature=0,
+                ignore_eos=True)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for _ in range(2):
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+        for _ in range(50):  # the engine publishes its counters with its next stats
+            hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
+                    if "prefix_cache_hits" in line and not line.startswith("#")]
+            if hits and hits[0] >= BLOCK:
+                break
+            time.sleep(0.1)
+    assert hits and hits[0] >= BLOCK, hits
