@@ -8,11 +8,15 @@ the content, which a tool-call parser then reads (server/tool_calls.py).
   into the prompt); a leading ``<think>`` is dropped; everything before ``</think>`` is
   reasoning, and an output without ``</think>`` is all reasoning.
 An output cut short inside its reasoning (``max_tokens``) has reasoning and no content.
+A grammar (structured outputs) constrains the whole output from its first token, not only
+after ``</think>`` as vLLM's does: so a constrained output is split only where it spells an
+opening ``<think>`` (qwen3's rule for both), else a JSON answer under deepseek_r1 would all be
+taken for reasoning.
 Streamed and whole outputs split the same way: a whole text is one push of a ReasoningStream.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,14 @@ REASONING_PARSERS = {
     "qwen3": ReasoningFormat("<think>", "</think>", starts_in_reasoning=False),
     "deepseek_r1": ReasoningFormat("<think>", "</think>", starts_in_reasoning=True),
 }
+
+
+def reasoning_format(parser: str | None, constrained: bool) -> ReasoningFormat | None:
+    """The format a request's output is split by (None: no --reasoning-parser)."""
+    fmt = REASONING_PARSERS.get(parser or "")
+    if fmt is not None and constrained:
+        return replace(fmt, starts_in_reasoning=False)
+    return fmt
 
 
 def _partial(text: str, marker: str) -> int:

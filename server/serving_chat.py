@@ -8,7 +8,7 @@ from ringserve.server import tool_calls as T
 from ringserve.server.context import ServerContext
 from ringserve.server.generate import Generation
 from ringserve.server.output_processor import TokenLogprob
-from ringserve.server.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningStream, split_reasoning
+from ringserve.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format, split_reasoning
 from ringserve.server.sse import DONE, event
 from ringserve.server.structured_outputs import compile_request
 
@@ -52,9 +52,8 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
     max_tokens = P.check_length(len(ids), asked, ctx.max_model_len, param="messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     P.check_response_logprobs(req.n * max_tokens, logprobs, ctx.limits, param="top_logprobs")
-    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs,
-                               structured_outputs=compile_request(req, ctx.tokenizer,
-                                                                  tp.constraint))
+    grammar = compile_request(req, ctx.tokenizer, tp.constraint)
+    params = P.sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=grammar)
     # A parser reads the markers a model family may write as special tokens (vLLM keeps them too).
     skip_special = req.skip_special_tokens and tp.mode != "auto"
     gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, [ids], params, req.n,
@@ -62,7 +61,8 @@ def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: str) -
                      skip_special_tokens=skip_special)
     gen.tools = tp
     # A constrained tool call is the whole output: no reasoning to split off it.
-    gen.reasoning = REASONING_PARSERS.get(ctx.reasoning_parser or "") if tp.mode in ("none", "auto") else None
+    gen.reasoning = (reasoning_format(ctx.reasoning_parser, constrained=grammar is not None)
+                     if tp.mode in ("none", "auto") else None)
     return gen
 
 

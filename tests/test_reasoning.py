@@ -96,7 +96,8 @@ ASK = [{"role": "user", "content": "Is the sky blue? Think first."}]
 
 
 @pytest.fixture(scope="module")
-def server(serve, default_model_dir, tmp_path_factory, no_segment_left_behind) -> str:
+def model_dir(default_model_dir, tmp_path_factory) -> Path:
+    """The default model with a Qwen3-style template (weights linked, not copied)."""
     d = tmp_path_factory.mktemp("smol-qwen3-template") / "smol"
     d.mkdir()
     for f in default_model_dir.iterdir():
@@ -105,7 +106,12 @@ def server(serve, default_model_dir, tmp_path_factory, no_segment_left_behind) -
     config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
     config["chat_template"] = QWEN3_STYLE_TEMPLATE
     (d / "tokenizer_config.json").write_text(json.dumps(config))
-    return serve(Path(d), "--workers", "1", "--max-model-len", "512", "--served-model-name", "x",
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(serve, model_dir, no_segment_left_behind) -> str:
+    return serve(model_dir, "--workers", "1", "--max-model-len", "512", "--served-model-name", "x",
                  "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", timeout=300).url
 
 
@@ -169,3 +175,18 @@ def test_chat_template_kwargs_reach_the_template(server):
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "chat_template_kwargs"
     assert "add_generation_prompt" in bad.json()["error"]["message"]
+
+
+def test_deepseek_r1_takes_an_unclosed_output_for_reasoning_unless_constrained(serve, model_dir):
+    """Unconstrained, the model never writes </think>: all of it is reasoning (vLLM's
+    deepseek_r1). A grammar that does not spell <think> is the answer, not reasoning."""
+    url = serve(model_dir, "--workers", "1", "--max-model-len", "512", "--served-model-name", "x",
+                "--reasoning-parser", "deepseek_r1", timeout=300).url
+    free = _post(url, max_tokens=8).json()["choices"][0]["message"]
+    assert free["content"] is None and free["reasoning_content"]
+    assert _streamed(url, max_tokens=8)[:2] == (free["reasoning_content"], "")
+    json_answer = _post(url, max_tokens=20, response_format={"type": "json_object"}).json()
+    message = json_answer["choices"][0]["message"]
+    assert "reasoning_content" not in message and message["content"].lstrip().startswith("{")
+    forced = _post(url, max_tokens=60, structured_outputs={"regex": THINK + ANSWER}).json()
+    assert forced["choices"][0]["message"]["reasoning_content"].strip()
