@@ -46,6 +46,13 @@ def qwen3_gguf_dir(qwen3_dir, tmp_path_factory) -> Path:
     return convert_gguf(path, folder / "converted", progress=False)
 
 
+@pytest.fixture(scope="module")
+def qwen3_q8_0_dir(qwen3_dir, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("qwen3-q8")
+    path = write_qwen3_gguf(qwen3_dir, folder / "tiny-qwen3-q8_0.gguf", default_gguf_path(), "Q8_0")
+    return convert_gguf(path, folder / "converted", progress=False)
+
+
 def runner(model_dir: Path) -> ModelRunner:
     return ModelRunner(model_dir, device="cpu", dtype="float32", block_size=BLOCK, num_blocks=8,
                        cpu_activation_dtype="float32")
@@ -114,6 +121,21 @@ def test_the_gguf_gives_the_folders_logits_exactly(qwen3_dir, qwen3_gguf_dir, re
     np.testing.assert_array_equal(hf, gguf)
     config = ModelConfig.from_dir(qwen3_gguf_dir)
     assert config.architecture == "Qwen3ForCausalLM" and config.head_dim == 32
+
+
+@pytest.mark.parametrize("activations, rtol", [("float32", 0.02), ("int8", 0.05)])
+def test_a_q8_0_gguf_stays_packed_and_close(qwen3_q8_0_dir, ref, activations, rtol):
+    """Its matrices Q8_0 (kept packed on the CPU; int8 activations take llama.cpp's integer
+    path), its q/k norms F32: the logits stay within Q8_0's error of transformers' and the
+    prompt's next token is the same."""
+    model = ModelRunner(qwen3_q8_0_dir, device="cpu", block_size=BLOCK, num_blocks=8,
+                        cpu_activation_dtype=activations)
+    assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
+    stride = int(ref["column_stride"])
+    for seq, prompt_len, argmax, columns in sequences(ref):
+        logits = model.execute(step(seq[:prompt_len], 0, [0, 1]))[0]
+        assert relative_error(logits[::stride], columns[prompt_len - 1]) <= rtol
+        assert int(logits.argmax()) == argmax[prompt_len - 1]
 
 
 def test_a_qwen3_folder_without_its_qk_norms_is_refused(qwen3_dir, tmp_path):

@@ -65,11 +65,13 @@ def make_tiny_qwen3(path: str | Path, *, config: str | Path, tokenizer_dir: str 
     return path
 
 
-def write_qwen3_gguf(folder: str | Path, path: str | Path, tokenizer_gguf: str | Path) -> Path:
+def write_qwen3_gguf(folder: str | Path, path: str | Path, tokenizer_gguf: str | Path,
+                     matrix_type: str = "F32") -> Path:
     """The folder's checkpoint as llama.cpp's convert_hf_to_gguf.py writes a Qwen3 (architecture
-    ``qwen3``: q/k rows as they are, NEOX RoPE; ``blk.N.attn_q_norm`` / ``attn_k_norm``), every
-    tensor F32 (so the file holds exactly the folder's numbers), with the tokenizer.* keys of
-    ``tokenizer_gguf`` (the default model's GGUF: the same vocabulary the folder has)."""
+    ``qwen3``: q/k rows as they are, NEOX RoPE; ``blk.N.attn_q_norm`` / ``attn_k_norm``), with
+    the tokenizer.* keys of ``tokenizer_gguf`` (the default model's GGUF: the same vocabulary
+    the folder has). Vectors are F32; matrices ``matrix_type`` (F32: the file holds exactly the
+    folder's numbers; a block type such as Q8_0: quantized by gguf-py, as llama-quantize)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -88,7 +90,6 @@ def write_qwen3_gguf(folder: str | Path, path: str | Path, tokenizer_gguf: str |
     w.add_value_length(c["head_dim"])
     w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     reader = gguf.GGUFReader(str(tokenizer_gguf))
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
@@ -100,8 +101,13 @@ def write_qwen3_gguf(folder: str | Path, path: str | Path, tokenizer_gguf: str |
     for i in range(c["num_hidden_layers"]):
         names |= {f"model.layers.{i}.{hf}": f"blk.{i}.{g}"
                   for g, hf in ARCHITECTURES["qwen3"].layer_tensors().items()}
+    qtype = gguf.GGMLQuantizationType[matrix_type]
     for hf_name, tensor in weights.items():
-        w.add_tensor(names[hf_name], np.ascontiguousarray(tensor, np.float32))
+        data = np.ascontiguousarray(tensor, np.float32)
+        if tensor.ndim == 2 and matrix_type != "F32":
+            w.add_tensor(names[hf_name], gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(names[hf_name], data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
