@@ -298,7 +298,8 @@ class Tokenize:
             tools = None if request.tools is None else [
                 msgspec.to_builtins(t) for t in request.tools]
             text = serving_chat.render_prompt(self._ctx, request.messages,
-                                              request.add_generation_prompt, tools)
+                                              request.add_generation_prompt, tools,
+                                              request.chat_template_kwargs)
         else:
             text = request.prompt
         return self._ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)

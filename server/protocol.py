@@ -227,6 +227,7 @@ class TokenizeChatRequest(Struct, kw_only=True):
     model: str | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Struct, kw_only=True):

@@ -171,6 +171,10 @@ def test_chat_template_kwargs_reach_the_template(server):
     thinking = prompt_tokens()
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > thinking
     assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == thinking
+    with httpx.Client(base_url=server, timeout=60) as c:  # /tokenize renders the same prompt
+        counts = [c.post("/tokenize", json=dict(messages=ASK, **extra)).json()["count"]
+                  for extra in ({}, {"chat_template_kwargs": {"enable_thinking": False}})]
+    assert counts == [thinking, prompt_tokens(chat_template_kwargs={"enable_thinking": False})]
     bad = _post(server, max_tokens=1, chat_template_kwargs={"add_generation_prompt": False})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "chat_template_kwargs"
