@@ -74,7 +74,7 @@ class ModelConfig:
         r = _Reader(raw)
         archs = raw.get("architectures")
         if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-            raise ModelError(f"config.json: architectures {archs!r} is not supported (Llama family only: "
+            raise ModelError(f"config.json: architectures {archs!r} is not supported (supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")
         arch = archs[0]
         hidden_act = raw.get("hidden_act", "silu")
