@@ -37,6 +37,7 @@ class Layer:
     input_norm: Any
     qkv: Any             # [q + 2 kv, hidden]: q_proj, k_proj, v_proj stacked (one linear)
     qkv_bias: Any | None  # [q + 2 kv] (Qwen2)
+    qk_norm: Any | None   # [2 head_dim]: q_norm then k_norm, each over every head (Qwen3)
     o: Any               # [hidden, q]
     post_norm: Any
     gate_up: Any         # [2 I, hidden]: gate_proj then up_proj (one linear, silu_mul splits it)
@@ -70,6 +71,7 @@ class LlamaWeights:
                 qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                 qkv_bias=vector(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
                 if c.attention_bias else None,
+                qk_norm=vector(a + "q_norm.weight", a + "k_norm.weight") if c.qk_norm else None,
                 o=linear(a + "o_proj.weight"),
                 post_norm=vector(p + "post_attention_layernorm.weight"),
                 gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
@@ -122,6 +124,10 @@ class ModelOps(Protocol):
         """h += delta (None: nothing to add); out = RMSNorm(h) * weight (the ops hold the
         config's rms_norm_eps, as they hold the attention scale)."""
 
+    def qk_norm(self, qkv, weight) -> None:
+        """In place in qkv [T, q + 2 kv]: each q head = RMSNorm(head) * weight[:head_dim], each
+        k head the same with weight[head_dim:] (the config's rms_norm_eps); v untouched."""
+
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache) -> None:
         """Rotate q and k of buf.qkv by buf.positions (cos, sin: [positions, head_dim / 2]
         tables) and write k and v into the caches at buf.slot_mapping (-1: no write). Where
@@ -150,6 +156,8 @@ def hidden_states(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, s
         ops.linear(buf.x, layer.qkv, buf.qkv)
         if layer.qkv_bias is not None:
             ops.add_bias(buf.qkv, layer.qkv_bias)
+        if layer.qk_norm is not None:
+            ops.qk_norm(buf.qkv, layer.qk_norm)
         ops.rope_store_kv(buf, cos, sin, k_cache, v_cache)
         ops.attention(buf, k_cache, v_cache, attention)
         ops.linear(buf.attn, layer.o, buf.delta)

@@ -285,7 +285,8 @@ class Tokenize:
             tools = None if request.tools is None else template_tools(
                 request.tools, self._ctx.structured.max_json_depth)
             text = serving_chat.render_prompt(self._ctx, request.messages,
-                                              request.add_generation_prompt, tools)
+                                              request.add_generation_prompt, tools,
+                                              request.chat_template_kwargs)
         else:
             text = request.prompt
         return self._ctx.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)

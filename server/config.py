@@ -80,6 +80,10 @@ class ServerConfig:
         "choices": ("hermes", "llama3_json"),
         "help": "how the model writes tool calls (Hermes/Qwen <tool_call> JSON, or Llama 3 "
                 "JSON): enables tool_choice \"auto\" (default: none, \"auto\" is a 400)"})
+    reasoning_parser: str | None = field(default=None, metadata={
+        "choices": ("qwen3", "deepseek_r1"),
+        "help": "move the model's <think>...</think> into message.reasoning_content (streamed "
+                "as delta.reasoning_content), as vLLM's flag (default: none, all is content)"})
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "max_body_bytes", "timeout_keep_alive", "h11_max_incomplete_event_size",

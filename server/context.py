@@ -37,6 +37,7 @@ class ServerContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     model_vocab_size: int | None = None  # the model's (config.json); None: the tokenizer's
     tool_call_parser: str | None = None  # --tool-call-parser: "auto" tool choice (tool_calls.py)
+    reasoning_parser: str | None = None  # --reasoning-parser (reasoning.py)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Compiles constraints in processes of this worker's own; made from the tokenizer (its
     # processes start on the first constrained request).

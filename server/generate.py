@@ -86,6 +86,7 @@ class Generation:
         self.close_connection: Callable[[], None] | None = None
         self.trace: FrontendTrace | None = None  # when the request asked to be traced
         self.tools: Any = None  # chat: its tool plan (server/tool_calls.py ToolPlan)
+        self.reasoning: Any = None  # chat: its ReasoningFormat (server/reasoning.py), or None
 
     async def start(self) -> None:
         """Submit every choice to the engines (raises EngineUnavailable when none is up)."""

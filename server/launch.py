@@ -209,6 +209,7 @@ class Launcher:
             "vocab_size": _model_vocab_size(self.model_dir),
             "max_stream_backlog": a.max_stream_backlog,
             "tool_call_parser": a.tool_call_parser,
+            "reasoning_parser": a.reasoning_parser,
             "control_paths": [e.control_path for e in self.engines],
             "debug_paths": ([self._debug_path(e.index) for e in self.engines]
                             if a.enable_debug_endpoints else None),

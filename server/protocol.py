@@ -220,6 +220,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None   # None: true, as OpenAI
+    chat_template_kwargs: dict[str, Any] | None = None  # to the template, e.g. enable_thinking
 
 
 class TokenizeCompletionRequest(Struct, kw_only=True):
@@ -234,6 +235,7 @@ class TokenizeChatRequest(Struct, kw_only=True):
     model: str | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(Struct, kw_only=True):
@@ -549,6 +551,7 @@ class ResponseMessage(Struct, omit_defaults=True):
     role: str
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # --reasoning-parser (server/reasoning.py)
 
 
 class ChatChoice(Struct):
@@ -587,6 +590,7 @@ class DeltaMessage(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(Struct):

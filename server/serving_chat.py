@@ -8,15 +8,25 @@ from ringserve.server import tool_calls as T
 from ringserve.server.context import ServerContext
 from ringserve.server.generate import Generation
 from ringserve.server.output_processor import TokenLogprob
+from ringserve.server.reasoning import ReasoningFormat, ReasoningStream, reasoning_format, split_reasoning
 from ringserve.server.sse import DONE, event
 from ringserve.server.structured_outputs import compile_request
 
+# What the template is always given, so chat_template_kwargs may not set it.
+_TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "unk_token",
+                       "pad_token")
 
-def render_prompt(ctx: ServerContext, messages: list[P.ChatMessage],
-                  add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+def render_prompt(ctx: ServerContext, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                  tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
     depth = ctx.structured.max_json_depth
     dicts = [m.to_template_dict(i, depth) for i, m in enumerate(messages)]
-    extra = {} if tools is None else {"tools": tools}  # as transformers passes them
+    extra = dict(template_kwargs or {})  # chat_template_kwargs, e.g. Qwen3's enable_thinking
+    taken = sorted(k for k in extra if k in _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise P.bad_request(f"chat_template_kwargs may not set {', '.join(taken)}",
+                            param="chat_template_kwargs")
+    if tools is not None:
+        extra["tools"] = tools  # as transformers passes them
     try:
         return ctx.tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt,
                                                  **extra)
@@ -35,7 +45,8 @@ async def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: 
     tp = T.plan(req, ctx.tool_call_parser, ctx.structured.max_json_depth)
     if req.top_logprobs is not None and not req.logprobs:
         raise P.bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
-    text = render_prompt(ctx, req.messages, req.add_generation_prompt, tp.template_tools)
+    text = render_prompt(ctx, req.messages, req.add_generation_prompt, tp.template_tools,
+                         req.chat_template_kwargs)
     # The template already holds the special tokens (as vLLM's chat default).
     ids = await ctx.encode_prompt(text, False, param="messages")
     if not ids:
@@ -50,6 +61,9 @@ async def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: 
     gen = Generation(ctx.engine, ctx.tokenizer, ctx.metrics, request_id, [ids], params, req.n,
                      skip_special_tokens=skip_special)
     gen.tools = tp
+    # A constrained tool call is the whole output: no reasoning to split off it.
+    gen.reasoning = (reasoning_format(ctx.reasoning_parser, constrained=grammar is not None)
+                     if tp.mode in ("none", "auto") else None)
     return gen
 
 
@@ -72,23 +86,26 @@ async def complete(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Genera
     tp: T.ToolPlan = gen.tools
     for c in gen.choices:
         lp = _logprobs(ctx, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-        message, finish = _message(tp, c.text.text, c.finish_reason)
+        message, finish = _message(tp, gen.reasoning, c.text.text, c.finish_reason)
         choices.append(P.ChatChoice(c.index, message, lp, finish, c.stop_reason))
     return P.ChatCompletionResponse(request_id, P.now(), model, choices, gen.usage())
 
 
-def _message(tp: T.ToolPlan, text: str, finish: str | None) -> tuple[P.ResponseMessage, str | None]:
-    """The assistant message of a finished choice, with its tool calls, and its finish reason
-    ("tool_calls" when it made some; a named choice keeps "stop", as OpenAI)."""
-    if tp.mode == "none" or finish not in ("stop",):  # cut short: no call to parse
-        return P.ResponseMessage("assistant", text), finish
+def _message(tp: T.ToolPlan, fmt: ReasoningFormat | None, text: str,
+             finish: str | None) -> tuple[P.ResponseMessage, str | None]:
+    """The assistant message of a finished choice, with its reasoning and tool calls, and its
+    finish reason ("tool_calls" when it made some; a named choice keeps "stop", as OpenAI).
+    Tool calls are parsed from the content after the reasoning only."""
+    reasoning, answer = split_reasoning(fmt, text) if fmt is not None else (None, text)
+    if tp.mode == "none" or finish not in ("stop",) or answer is None:  # cut short: no call to parse
+        return P.ResponseMessage("assistant", answer, reasoning_content=reasoning), finish
     if tp.mode == "auto":
-        content, calls = T.parse_auto(tp.parser or "", text)
+        content, calls = T.parse_auto(tp.parser or "", answer)
     else:
-        content, calls = None, T.constrained_calls(tp, text)
+        content, calls = None, T.constrained_calls(tp, answer)
     if not calls:
-        return P.ResponseMessage("assistant", text), finish
-    return (P.ResponseMessage("assistant", content, calls),
+        return P.ResponseMessage("assistant", answer, reasoning_content=reasoning), finish
+    return (P.ResponseMessage("assistant", content, calls, reasoning),
             "stop" if tp.mode == "named" else "tool_calls")
 
 
@@ -99,13 +116,19 @@ async def stream(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generati
         first = P.ChatChunkChoice(c.index, P.DeltaMessage(role="assistant", content=""))
         yield event(P.ChatCompletionChunk(request_id, created, model, [first]))
     tp: T.ToolPlan = gen.tools
+    reasoning = {c.index: ReasoningStream(gen.reasoning) for c in gen.choices} if gen.reasoning else None
     if tp.mode != "none":
-        async for chunk in _stream_tools(ctx, req, gen, request_id, model, created, tp):
+        async for chunk in _stream_tools(ctx, req, gen, request_id, model, created, tp, reasoning):
             yield chunk
     async for d in gen.deltas():  # (nothing left after _stream_tools)
         c = d.choice
         lp = _logprobs(ctx, d.logprobs, req.top_logprobs or 0) if req.logprobs else None
-        choice = P.ChatChunkChoice(c.index, P.DeltaMessage(content=d.text), lp,
+        if reasoning is None:
+            delta = P.DeltaMessage(content=d.text)
+        else:
+            thought, content = _split(reasoning, d)
+            delta = P.DeltaMessage(content=content or None, reasoning_content=thought or None)
+        choice = P.ChatChunkChoice(c.index, delta, lp,
                                    c.finish_reason if d.finished else None,
                                    c.stop_reason if d.finished else None)
         yield event(P.ChatCompletionChunk(request_id, created, model, [choice]))
@@ -114,11 +137,19 @@ async def stream(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generati
     yield DONE
 
 
+def _split(reasoning: dict[int, ReasoningStream] | None, d) -> tuple[str, str]:
+    """A delta's (reasoning, content) text: all content without a reasoning parser."""
+    if reasoning is None:
+        return "", d.text
+    return reasoning[d.choice.index].push(d.text, final=d.finished)
+
+
 async def _stream_tools(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generation,
-                        request_id: str, model: str, created: int,
-                        tp: T.ToolPlan) -> AsyncIterator[bytes]:
-    """The choices' deltas through a ToolStream each (server/tool_calls.py): content, then the
-    calls as OpenAI streams them, then the finish reason on a delta of its own."""
+                        request_id: str, model: str, created: int, tp: T.ToolPlan,
+                        reasoning: dict[int, ReasoningStream] | None) -> AsyncIterator[bytes]:
+    """The choices' deltas through a ToolStream each (server/tool_calls.py): reasoning (when
+    parsed: the tool stream reads the content after it), content, then the calls as OpenAI
+    streams them, then the finish reason on a delta of its own."""
     streams = {c.index: T.ToolStream(tp) for c in gen.choices}
 
     def chunk(index: int, delta: P.DeltaMessage, lp=None, finish=None, stop=None) -> bytes:
@@ -128,7 +159,8 @@ async def _stream_tools(ctx: ServerContext, req: P.ChatCompletionRequest, gen: G
     async for d in gen.deltas():
         c, ts = d.choice, streams[d.choice.index]
         lp = _logprobs(ctx, d.logprobs, req.top_logprobs or 0) if req.logprobs else None
-        deltas = ts.push(d.text)
+        thought, text = _split(reasoning, d)
+        deltas = ([P.DeltaMessage(reasoning_content=thought)] if thought else []) + ts.push(text)
         if lp is not None and not deltas:
             deltas = [P.DeltaMessage()]  # the logprobs still go out with their tokens
         for k, delta in enumerate(deltas):

@@ -62,7 +62,8 @@ def worker_app():
                         RequestMetrics(names[0], cfg["max_model_len"], cfg["metrics_prefix"]),
                         RequestLimits(**cfg["request_limits"]), cfg["vocab_size"],
                         tool_call_parser=cfg.get("tool_call_parser"),
-                        structured=StructuredOutputsConfig(**cfg["structured_outputs"]))
+                        structured=StructuredOutputsConfig(**cfg["structured_outputs"]),
+                        reasoning_parser=cfg.get("reasoning_parser"))
 
     async def stop() -> None:
         await ctx.grammars.close()

@@ -60,7 +60,7 @@ def test_tiny_config(tiny_model_dir):
 
 @pytest.mark.parametrize("changes, match", [
     ({"architectures": ["GPT2LMHeadModel"]},
-     r"config.json: architectures \['GPT2LMHeadModel'\] is not supported \(Llama family only"),
+     r"config.json: architectures \['GPT2LMHeadModel'\] is not supported \(supported: LlamaForCausalLM"),
     ({"architectures": _DELETE}, r"config.json: architectures None is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
      r"config.json: rope_scaling type 'yarn' is not supported"),

@@ -11,6 +11,8 @@ capture.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,11 @@ class HostOps:
         T, n = h.shape
         self.fused.call("add_rms_norm" + _suffix(out), launch.norm_launch(T, n), h, delta, weight, out,
                         np.int32(n), np.float32(self.eps))
+
+    def qk_norm(self, qkv, weight):
+        self.fused.call("qk_norm" + _suffix(qkv), launch.qk_norm_launch(qkv.shape[0], self.num_rot_heads),
+                        qkv, weight, np.int32(self.num_heads), np.int32(self.head_dim),
+                        np.int32(qkv.shape[1]), np.float32(self.eps))
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache):
         qkv, heads, D = buf.qkv, self.num_rot_heads, self.head_dim
@@ -320,3 +327,25 @@ def test_a_bf16_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host, 
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
                       CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, prompts, tables, BLOCK_SIZE, 2, graph=True)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_a_qwen3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir, dtype):
+    """A tiny random Qwen3 (tools/tiny_qwen3.py; head_dim 64 where hidden / heads is 32): fused.cu's
+    qk_norm (one warp per q or k head) before RoPE, in fp16 and bf16, prefill then graph-shaped
+    decode against the CPU backend's logits."""
+    import json
+
+    from ringserve.tools.tiny_qwen3 import make_tiny_qwen3
+
+    config = json.loads((Path(__file__).parent / "data" / "qwen3_tiny" / "config.json").read_text())
+    config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # NOTE: one layer, as the GGUF models above: the host runs every CUDA thread as a fiber
+    model_dir = make_tiny_qwen3(tmp_path / "qwen3", config=tmp_path / "config.json",
+                                tokenizer_dir=default_model_dir)
+    host = HostRunner(model_dir, cuda_host, dtype=dtype)
+    assert host.weights.layers[0].qk_norm.shape == (128,)
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)

@@ -180,6 +180,34 @@ def test_qwen2_gguf_keeps_biases_and_qk_rows_as_stored(family):
     assert np.array_equal(q.raw, stored["blk.0.attn_q.weight"].data)
 
 
+# ----------------------------------------------------------------------------- qwen3
+
+
+def test_a_random_qwen3_gguf_converts_and_generates(tmp_path, monkeypatch):
+    """tools/random_gguf.py --arch qwen3 (as speed runs write it: Q4_K_M, head_dim 128 where
+    hidden / heads is 64): the converter keeps q/k rows and the F32 q/k norms as stored, and
+    the whole engine generates from the file."""
+    path = tmp_path / "qwen3.gguf"
+    shape = _shape("qwen2", head_dim=128)
+    types = write_random_gguf(path, shape, "q4_k_m", seed=3, progress=False, arch="qwen3",
+                              merges=PEER["merges"])
+    assert types["blk.0.attn_q_norm.weight"] == "F32" and types["blk.0.attn_q.weight"] == "Q4_K"
+    folder = convert_gguf(path, tmp_path / "m", progress=False)
+    config = ModelConfig.from_dir(folder)
+    assert (config.architecture, config.head_dim, config.qk_norm) == ("Qwen3ForCausalLM", 128, True)
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    weights = load_weights(folder)
+    for part in "qk":
+        np.testing.assert_array_equal(weights[f"model.layers.1.self_attn.{part}_norm.weight"],
+                                      stored[f"blk.1.attn_{part}_norm.weight"].data)
+    assert np.array_equal(weights["model.layers.0.self_attn.k_proj.weight"].raw,
+                          stored["blk.0.attn_k.weight"].data)
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "cache"))
+    out = LLM(model=str(path), max_model_len=64).generate(
+        ["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
 # ----------------------------------------------------------------------------- generating
 
 

@@ -19,6 +19,8 @@ than its largest tensor. The text it gives is meaningless, the shapes and bytes 
   stores it: the rope_freqs tensor (factor 32, low/high frequency factors 1 and 4, original
   context 8192: Llama 3.2's);
 - qwen2: arch "qwen2", q/k/v biases, Qwen2's tokenizer (pre-tokenizer "qwen2", ChatML).
+- qwen3: arch "qwen3", per-head q/k norms (attn_q_norm, attn_k_norm), the shape's head_dim
+  (Qwen3's is not hidden / heads), Qwen2's tokenizer.
 The llama3 and qwen2 vocabularies are a byte-level BPE trained here (`train_merges`, the
 `tokenizers` library) on `sample_texts`, so real merges apply to varied text (digits, CJK,
 emoji, code, whitespace runs), then padded with reserved CONTROL tokens to the shape's size.
@@ -50,6 +52,12 @@ class Shape:
     tied: bool = True
     rope_theta: float = 500000.0
     context: int = 8192
+    head_dim: int | None = None  # None: hidden / heads
+
+    @property
+    def dim(self) -> int:
+        """The attention head size."""
+        return self.head_dim or self.hidden // self.heads
 
 
 SHAPES = {
@@ -60,8 +68,10 @@ SHAPES = {
                           rope_theta=100000.0),
     "qwen2.5-0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936,
                           rope_theta=1000000.0, context=32768),
+    "qwen3-0.6b": Shape(hidden=1024, layers=28, heads=16, kv_heads=8, ffn=3072, vocab=151936,
+                        rope_theta=1000000.0, context=40960, head_dim=128),
 }
-ARCHS = ("llama", "llama3", "qwen2")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3")
 
 # Byte offsets of each block's float16 scale fields (ggml-common.h), and a scale that gives
 # weights of about 0.02: the value is scale x (quant) with quants of the size in the comment.
@@ -149,6 +159,7 @@ TOKENIZERS = {
     "qwen2": Tokenizer("qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
                        bos="<|endoftext|>", eos="<|im_end|>", add_bos=False, chat_template=CHATML_TEMPLATE),
 }
+TOKENIZERS["qwen3"] = TOKENIZERS["qwen2"]  # Qwen3 ships Qwen2's tokenizer
 LLAMA3_ROPE: dict[str, Any] = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8192}
 
@@ -271,7 +282,7 @@ def _add_tokenizer(w, arch: str, vocab: int, merges: list[str] | None, seed: int
         w.add_token_merges(merges)
         w.add_bos_token_id(tokens.index(t.bos))
         w.add_eos_token_id(tokens.index(t.eos))
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen3"):
             w.add_pad_token_id(tokens.index(t.bos))
         w.add_add_bos_token(t.add_bos)
         w.add_chat_template(t.chat_template)
@@ -292,7 +303,7 @@ def _edit_metadata(w, metadata: dict[str, Any]) -> None:
 
 def _tensor_data(full: str, kind: str, dims: tuple[int, ...], shape: Shape, rng: np.random.Generator):
     if full == "rope_freqs.weight":
-        return llama3_rope_freqs(shape.hidden // shape.heads, shape.rope_theta, **LLAMA3_ROPE)
+        return llama3_rope_freqs(shape.dim, shape.rope_theta, **LLAMA3_ROPE)
     if full.endswith(".bias"):
         return (0.1 * rng.standard_normal(dims)).astype(np.float32)
     if kind == "F32":
@@ -302,7 +313,7 @@ def _tensor_data(full: str, kind: str, dims: tuple[int, ...], shape: Shape, rng:
 
 def _plan(s: Shape, arch: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """(GGUF name, name after "blk.N." or "", dimensions) of every tensor, in file order."""
-    head_dim = s.hidden // s.heads
+    head_dim = s.dim
     plan: list[tuple[str, str, tuple[int, ...]]] = [("token_embd.weight", "", (s.vocab, s.hidden))]
     if arch == "llama3":
         plan.append(("rope_freqs.weight", "", (head_dim // 2,)))
@@ -315,6 +326,8 @@ def _plan(s: Shape, arch: str) -> list[tuple[str, str, tuple[int, ...]]]:
     if arch == "qwen2":
         per_layer.update({"attn_q.bias": (s.heads * head_dim,), "attn_k.bias": (s.kv_heads * head_dim,),
                           "attn_v.bias": (s.kv_heads * head_dim,)})
+    if arch == "qwen3":
+        per_layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
     for i in range(s.layers):
         plan += [(f"blk.{i}.{name}", name, dims) for name, dims in per_layer.items()]
     plan.append(("output_norm.weight", "", (s.hidden,)))
@@ -336,8 +349,8 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
         raise ValueError(f"arch {arch!r}: one of {', '.join(ARCHS)}")
     rng = np.random.default_rng(seed)
     s = shape
-    head_dim = s.hidden // s.heads
-    w = gguf.GGUFWriter(str(path), "qwen2" if arch == "qwen2" else "llama")
+    head_dim = s.dim
+    w = gguf.GGUFWriter(str(path), arch if arch in ("qwen2", "qwen3") else "llama")
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -346,6 +359,9 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
     w.add_head_count_kv(s.kv_heads)
     w.add_rope_freq_base(s.rope_theta)
     w.add_rope_dimension_count(head_dim)
+    if s.head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(s.vocab)
     _add_tokenizer(w, arch, s.vocab, merges, seed)

@@ -1,5 +1,5 @@
-"""The Llama layer's small CPU kernels in Numba: RMSNorm (with the residual add fused), RoPE with
-the K/V cache write fused, and SiLU·mul.
+"""The Llama layer's small CPU kernels in Numba: RMSNorm (with the residual add fused), the
+per-head q/k RMSNorm (Qwen3), RoPE with the K/V cache write fused, and SiLU·mul.
 
 Each is one compiled pass over its rows instead of several numpy temporaries: at decode sizes a
 numpy call costs more in dispatch than in arithmetic, and the layer has 30 of each. The math is
@@ -62,6 +62,22 @@ def add_rms_norm(h, delta, weight, eps, out):  # pragma: no cover - compiled
         for i in range(h.shape[1]):
             h[t, i] += delta[t, i]
         _norm_row(h, t, weight, eps, out)
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+def qk_norm(qkv, num_heads, num_kv_heads, weight, eps):  # pragma: no cover - compiled
+    """In place in qkv [T, (H + 2 KVH) * D]: each of the H q heads and KVH k heads that follow
+    them = RMSNorm(head) * weight (weight [2D]: q's then k's), as HF Qwen3's q_norm / k_norm."""
+    head_dim = weight.shape[0] // 2
+    for t in range(qkv.shape[0]):
+        for h in range(num_heads + num_kv_heads):
+            base, w = h * head_dim, (0 if h < num_heads else head_dim)
+            s = np.float32(0.0)
+            for i in range(head_dim):
+                s += qkv[t, base + i] * qkv[t, base + i]
+            r = np.float32(1.0) / np.sqrt(s / np.float32(head_dim) + eps)
+            for i in range(head_dim):
+                qkv[t, base + i] = weight[w + i] * (qkv[t, base + i] * r)
 
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")

@@ -18,8 +18,9 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from ringserve.gpu.batch import Batch
+from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu.attention import paged_attention
-from ringserve.gpu.cpu.kernels import add_rms_norm, rms_norm, rope_store_kv, silu_mul
+from ringserve.gpu.cpu.kernels import add_rms_norm, qk_norm, rms_norm, rope_store_kv, silu_mul
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.linear import linear, to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.memory import HugePageArena
@@ -125,6 +126,7 @@ class CpuOps:
         # NOTE: float32 scalars, else Numba compiles float64 variants (other rounding, slower)
         self.scale = F32(c.head_dim ** -0.5)
         self.eps = F32(c.rms_norm_eps)
+        self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
 
     def embedding(self, ids, table, out) -> None:
         if not isinstance(table, np.ndarray):
@@ -152,6 +154,9 @@ class CpuOps:
             rms_norm(h, weight, self.eps, out)
         else:
             add_rms_norm(h, delta, weight, self.eps, out)
+
+    def qk_norm(self, qkv, weight) -> None:
+        qk_norm(qkv, self.num_heads, self.num_kv_heads, weight, self.eps)
 
     def rope_store_kv(self, buf: CpuStepBuffers, cos, sin, k_cache, v_cache) -> None:
         # PERF: one pass: q rotated into buf.q, k rotated and v copied straight into the cache

@@ -43,6 +43,26 @@ __device__ __forceinline__ void add_rms_norm_t(float* __restrict__ h, const T* _
         out[row + i] = Elem<T>::from(h[row + i] * r * to_float(weight[i]));
 }
 
+// Qwen3's q/k norm, in place on qkv [T, row_stride]: each of the num_q_heads q heads and the
+// num_kv_heads k heads after them = RMSNorm(head) * weight (weight [2 head_dim]: q's, then k's).
+// grid (T, q + kv heads), one warp per head: a head is at most 256 values, 8 a lane.
+template <class T>
+__device__ __forceinline__ void qk_norm_t(T* __restrict__ qkv, const T* __restrict__ weight, int num_q_heads,
+                                          int head_dim, int row_stride, float eps) {
+    const int head = blockIdx.y;
+    T* x = qkv + (size_t)blockIdx.x * row_stride + (size_t)head * head_dim;
+    const T* w = weight + (head < num_q_heads ? 0 : head_dim);
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < head_dim; i += 32) {
+        const float v = to_float(x[i]);
+        ss += v * v;
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    const float r = rsqrtf(ss / (float)head_dim + eps);
+    for (int i = threadIdx.x; i < head_dim; i += 32)
+        x[i] = Elem<T>::from(to_float(x[i]) * r * to_float(w[i]));
+}
+
 // RoPE in place on the q and k heads of qkv [T, row_stride] (HF rotate_half: element i pairs
 // with i + head_dim/2). cos/sin tables float32 [max_pos, head_dim/2], indexed by position.
 // grid (T), one thread per (head, pair).
@@ -101,6 +121,10 @@ __device__ __forceinline__ void to_float32_t(const T* __restrict__ src, float* _
             float* __restrict__ h, const T* __restrict__ delta, const T* __restrict__ weight,            \
             T* __restrict__ out, int hidden, float eps) {                                                \
         add_rms_norm_t<T>(h, delta, weight, out, hidden, eps);                                           \
+    }                                                                                                    \
+    extern "C" __global__ void qk_norm##SUFFIX(T* __restrict__ qkv, const T* __restrict__ weight,         \
+                                               int num_q_heads, int head_dim, int row_stride, float eps) { \
+        qk_norm_t<T>(qkv, weight, num_q_heads, head_dim, row_stride, eps);                               \
     }                                                                                                    \
     extern "C" __global__ void rope##SUFFIX(T* __restrict__ qkv, const int* __restrict__ positions,       \
                                             const float* __restrict__ cos_table,                          \

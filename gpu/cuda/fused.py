@@ -1,4 +1,4 @@
-"""Launchers for fused.cu (CuPy RawKernels): residual-add + RMSNorm, RoPE, SiLU·mul, bias add,
+"""Launchers for fused.cu (CuPy RawKernels): residual-add + RMSNorm, q/k norm, RoPE, SiLU·mul, bias add,
 widening to float32. Activations fp16 or bf16 (uint16 bits): each call takes the kernel of the
 arrays' element type (fused.cu's plain and _bf16 instantiations); float32 residual stream and
 math (reference: gpu/cuda/reference.py)."""
@@ -27,6 +27,14 @@ class FusedKernels:
         T, n = h.shape
         self._kernel("add_rms_norm", out)(*launch.norm_launch(T, n), (
             h, _NULL if delta is None else delta, weight, out, np.int32(n), np.float32(eps)), stream=stream)
+
+    def qk_norm(self, qkv, weight, num_q_heads: int, num_qk_heads: int, head_dim: int, eps: float,
+                stream) -> None:
+        """Each q and k head of qkv [T, q + 2 kv] RMSNormed in place (weight [2 head_dim])."""
+        T = qkv.shape[0]
+        self._kernel("qk_norm", qkv)(*launch.qk_norm_launch(T, num_qk_heads), (
+            qkv, weight, np.int32(num_q_heads), np.int32(head_dim), np.int32(qkv.shape[1]), np.float32(eps)),
+            stream=stream)
 
     def rope(self, qkv, positions, cos, sin, num_rot_heads: int, head_dim: int, stream) -> None:
         T = qkv.shape[0]

@@ -10,7 +10,7 @@ Dims = tuple[int, ...]
 # names, bf16 (its bits in uint16 arrays, gpu/cuda/dtypes.py) with this suffix; by the
 # activations' dtype name (str(array.dtype), numpy's or CuPy's)
 SUFFIXES = {"float16": "", "uint16": "_bf16"}
-FUSED_KERNELS = ("add_rms_norm", "rope", "silu_mul", "add_bias", "to_float32")  # fused.cu's
+FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope", "silu_mul", "add_bias", "to_float32")  # fused.cu's
 
 ATTENTION_THREADS = 128  # attention.cu: WARPS (4) * 32, one block per (token, KV head, split)
 ATTENTION_HEAD_DIMS = (64, 128, 192, 256)  # attention.cu: 32 lanes x an even number of dims each
@@ -36,6 +36,11 @@ def norm_launch(num_tokens: int, hidden: int) -> tuple[Dims, Dims]:
     shuffles over full warps), at most 1024 threads (its __launch_bounds__)."""
     threads = min(1024, max(32, -(-hidden // 4 // 32) * 32))
     return (num_tokens,), (threads,)
+
+
+def qk_norm_launch(num_tokens: int, num_qk_heads: int) -> tuple[Dims, Dims]:
+    """qk_norm: one warp per (token, q or k head)."""
+    return (num_tokens, num_qk_heads), (32,)
 
 
 def rope_launch(num_tokens: int, num_rot_heads: int, head_dim: int) -> tuple[Dims, Dims]:

@@ -127,6 +127,10 @@ class CudaOps:
     def add_rms_norm(self, h, delta, weight, out) -> None:
         self.fused.add_rms_norm(h, delta, weight, out, self.eps, self.stream)
 
+    def qk_norm(self, qkv, weight) -> None:
+        self.fused.qk_norm(qkv, weight, self.num_heads, self.num_rot_heads, self.head_dim, self.eps,
+                           self.stream)
+
     def rope_store_kv(self, buf: StepBuffers, cos, sin, k_cache, v_cache) -> None:
         """q and k rotated in place in buf.qkv (attention reads q there), then k, v scattered."""
         self.fused.rope(buf.qkv, buf.positions, cos, sin, self.num_rot_heads, self.head_dim,

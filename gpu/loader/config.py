@@ -1,4 +1,4 @@
-"""The model configuration, read from an HF ``config.json`` (Llama family only).
+"""The model configuration, read from an HF ``config.json`` (Llama, Mistral, Qwen2, Qwen3).
 
 Anything we do not implement is refused here, by name, so that a model we would compute
 wrongly never loads: an unknown architecture, sliding-window attention, a rope scaling type
@@ -14,8 +14,12 @@ from typing import Any
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.hf_quant import int4_scheme
 
-# Architectures whose forward is exactly the Llama one (Qwen2 adds a bias on q/k/v).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Architectures whose forward is the Llama one (Qwen2 adds a bias on q/k/v; Qwen3 an RMSNorm over
+# each head's q and k before RoPE, and often a head_dim other than hidden / heads).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+# Architectures whose sliding_window applies only with use_sliding_window set.
+_OPTIONAL_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None
     quantization: str | None = None  # "awq" | "gptq": int4 linears (gpu/loader/hf_quant.py)
 
@@ -69,7 +74,7 @@ class ModelConfig:
         r = _Reader(raw)
         archs = raw.get("architectures")
         if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-            raise ModelError(f"config.json: architectures {archs!r} is not supported (Llama family only: "
+            raise ModelError(f"config.json: architectures {archs!r} is not supported (supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")
         arch = archs[0]
         hidden_act = raw.get("hidden_act", "silu")
@@ -77,9 +82,10 @@ class ModelConfig:
             raise ModelError(f"config.json: hidden_act {hidden_act!r} is not supported (silu only)")
         if raw.get("mlp_bias"):
             raise ModelError("config.json: mlp_bias true is not supported")
-        # Mistral uses sliding_window directly; Qwen2 only when use_sliding_window is set.
+        # Mistral uses sliding_window directly; Qwen2 and Qwen3 only when use_sliding_window is set.
         window = raw.get("sliding_window")
-        if window is not None and (arch != "Qwen2ForCausalLM" or raw.get("use_sliding_window")):
+        optional = arch in _OPTIONAL_WINDOW_ARCHITECTURES
+        if window is not None and (not optional or raw.get("use_sliding_window")):
             raise ModelError(f"config.json: sliding_window {window!r} is not supported (full attention only)")
 
         hidden = r.positive_int("hidden_size")
@@ -110,6 +116,7 @@ class ModelConfig:
             bos_token_id=r.optional_int("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             attention_bias=(arch == "Qwen2ForCausalLM") or r.bool("attention_bias", False),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             rope_scaling=rope_scaling,
             quantization=None if scheme is None else scheme.method,
         )

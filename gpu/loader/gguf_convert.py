@@ -5,7 +5,7 @@ generation_config.json. Every tensor keeps its GGUF type: F32, F16 and BF16 as s
 floats, the block-quantized types as their raw blocks (U8 [rows, bytes per row], the type named
 in the header's metadata: gpu/loader/weights.py reads them back as GGMLTensor), so nothing is widened
 on disk and the conversion is exact. The architectures in ARCHITECTURES (llama, with llama3 rope
-scaling through its rope_freqs tensor; qwen2, with q/k/v biases), the byte-level BPE
+scaling through its rope_freqs tensor; qwen2, with q/k/v biases; qwen3, with q/k norms), the byte-level BPE
 pre-tokenizers in PRE_TOKENIZERS and the tensor types in SUPPORTED_TYPES are accepted; anything
 else is a ModelError that names what was refused.
 
@@ -44,13 +44,20 @@ class _Arch:
     model_type: str
     permuted_qk: bool     # llama.cpp permutes q/k rows for its interleaved ("normal") RoPE
     qkv_bias: bool
+    qk_norm: bool = False  # attn_q_norm / attn_k_norm per layer (Qwen3)
+
+    def layer_tensors(self) -> dict[str, str]:
+        """GGUF tensor (after "blk.N.") -> HF name (after "model.layers.N.") for this architecture."""
+        return {**_LAYER_TENSORS, **(_BIAS_TENSORS if self.qkv_bias else {}),
+                **(_QK_NORM_TENSORS if self.qk_norm else {})}
 
 
-# GGUF general.architecture -> what it is in HF terms. Qwen2 uses llama.cpp's NEOX RoPE, the HF
-# rotate_half layout, so its q/k rows are stored as they are.
+# GGUF general.architecture -> what it is in HF terms. Qwen2 and Qwen3 use llama.cpp's NEOX RoPE,
+# the HF rotate_half layout, so their q/k rows are stored as they are.
 ARCHITECTURES = {
     "llama": _Arch("LlamaForCausalLM", "llama", permuted_qk=True, qkv_bias=False),
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", permuted_qk=False, qkv_bias=True),
+    "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", permuted_qk=False, qkv_bias=False, qk_norm=True),
 }
 
 # tokenizer.ggml.pre -> how llama.cpp splits text before BPE (src/llama-vocab.cpp
@@ -96,6 +103,10 @@ _BIAS_TENSORS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+}
+_QK_NORM_TENSORS = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"   # llama3 rope scaling: llama.cpp divides each frequency by it
 _GLOBAL_TENSORS = {
@@ -334,7 +345,7 @@ def llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int, pat
 def _hf_name(gguf_name: str, arch: str, path: Path) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
-    layer_tensors = {**_LAYER_TENSORS, **(_BIAS_TENSORS if ARCHITECTURES[arch].qkv_bias else {})}
+    layer_tensors = ARCHITECTURES[arch].layer_tensors()
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
         return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}"
@@ -394,7 +405,7 @@ def _plan_tensors(reader, arch: str, config: dict[str, Any], path: Path) -> list
         planned.append(_Tensor(t, hf_name, shape, heads))
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"])
-        for name in [*_LAYER_TENSORS.values(), *(_BIAS_TENSORS.values() if config["attention_bias"] else [])]}
+        for name in ARCHITECTURES[arch].layer_tensors().values()}
     missing = sorted(expected - {t.hf_name for t in planned})
     if missing:
         raise ModelError(f"{path}: missing tensor for {missing[0]}"

@@ -168,6 +168,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
             shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
         shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)

@@ -11,6 +11,12 @@ using cuda_host::launch;
         /* 1024: its __launch_bounds__ */                                                                 \
         return launch(dims, 1024, [=] { add_rms_norm##SUFFIX(h, delta, weight, out, hidden, eps); });    \
     }                                                                                                     \
+    extern "C" int launch_qk_norm##SUFFIX(const unsigned* dims, T* qkv, const T* weight, int num_q_heads,  \
+                                          int head_dim, int row_stride, float eps) {                      \
+        return launch(dims, 1024, [=] {                                                                   \
+            qk_norm##SUFFIX(qkv, weight, num_q_heads, head_dim, row_stride, eps);                         \
+        });                                                                                               \
+    }                                                                                                     \
     extern "C" int launch_rope##SUFFIX(const unsigned* dims, T* qkv, const int* positions,                \
                                        const float* cos_table, const float* sin_table, int num_rot_heads, \
                                        int head_dim, int row_stride) {                                    \
