@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.gguf_convert import convert_gguf
-from ringserve.gpu.model_store import default_gguf_path
+from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.gguf_convert import convert_gguf
+from ringserve.gpu.loader.model_store import default_gguf_path
 from ringserve.gpu.runner import ModelRunner
 from ringserve.tools.tiny_qwen3 import make_tiny_qwen3, write_qwen3_gguf
 

@@ -75,7 +75,7 @@ def write_qwen3_gguf(folder: str | Path, path: str | Path, tokenizer_gguf: str |
     import gguf
     from safetensors.numpy import load_file
 
-    from ringserve.gpu.gguf_convert import ARCHITECTURES
+    from ringserve.gpu.loader.gguf_convert import ARCHITECTURES
 
     c = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     weights = load_file(str(Path(folder) / "model.safetensors"))

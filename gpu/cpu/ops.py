@@ -18,7 +18,6 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.config import ModelConfig
 from ringserve.gpu.cpu.attention import paged_attention
 from ringserve.gpu.cpu.kernels import add_rms_norm, qk_norm, rms_norm, rope_store_kv, silu_mul
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
