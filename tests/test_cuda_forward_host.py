@@ -347,5 +347,6 @@ def test_a_qwen3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_mo
     host = HostRunner(model_dir, cuda_host, dtype=dtype)
     assert host.weights.layers[0].qk_norm.shape == (128,)
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
-    cpu = ModelRunner(model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)

@@ -20,6 +20,7 @@ from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.gguf_convert import convert_gguf
 from ringserve.gpu.loader.model_store import default_gguf_path
 from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from ringserve.tools.tiny_qwen3 import make_tiny_qwen3, write_qwen3_gguf
 
 DATA = Path(__file__).parent / "data" / "qwen3_tiny"
@@ -54,8 +55,8 @@ def qwen3_q8_0_dir(qwen3_dir, tmp_path_factory) -> Path:
 
 
 def runner(model_dir: Path) -> ModelRunner:
-    return ModelRunner(model_dir, device="cpu", dtype="float32", block_size=BLOCK, num_blocks=8,
-                       cpu_activation_dtype="float32")
+    return ModelRunner(model_dir, DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype="float32"),
+                       CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
 
 
 def step(tokens: list[int], cached: int, blocks: list[int]) -> Batch:
@@ -128,8 +129,8 @@ def test_a_q8_0_gguf_stays_packed_and_close(qwen3_q8_0_dir, ref, activations, rt
     """Its matrices Q8_0 (kept packed on the CPU; int8 activations take llama.cpp's integer
     path), its q/k norms F32: the logits stay within Q8_0's error of transformers' and the
     prompt's next token is the same."""
-    model = ModelRunner(qwen3_q8_0_dir, device="cpu", block_size=BLOCK, num_blocks=8,
-                        cpu_activation_dtype=activations)
+    model = ModelRunner(qwen3_q8_0_dir, DeviceConfig(device="cpu", cpu_activation_dtype=activations),
+                        CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
     assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
     stride = int(ref["column_stride"])
     for seq, prompt_len, argmax, columns in sequences(ref):
