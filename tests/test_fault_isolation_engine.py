@@ -451,7 +451,9 @@ def test_a_long_echo_with_logprobs_is_larger_than_the_ring_and_completes(serve, 
     prompt token and per generated token. A request of ~1.5 MB (its grammar) crosses the other
     way in fragments. A request beside them is unharmed."""
     server = serve(default_model_dir, "--workers", "1", "--device", "cpu",
-                   "--max-num-batched-tokens", "512", "--max-body-bytes", str(4 << 20), timeout=300)
+                   "--max-num-batched-tokens", "512", "--max-body-bytes", str(4 << 20),
+                   # the 1.5 MB choice below is over the constraint limits' defaults on purpose
+                   "--max-choice-bytes", str(2 << 20), "--max-grammar-bytes", str(2 << 20), timeout=300)
     url = server.url
     rng = random.Random(0)
     prompt = " ".join(rng.choice(WORDS) for _ in range(4000))
