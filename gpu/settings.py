@@ -79,20 +79,17 @@ class DeviceConfig:
         the checks that depend on it: its dtypes (the weights' and `cache`'s) and, on CUDA, that
         CuPy and a working CUDA stack are installed. ValueError, one line, otherwise."""
         device = resolve_device(self.device)
+        name, dtypes, kv_dtypes, kv_note = (
+            ("CPU", CPU_DTYPES, CPU_KV_CACHE_DTYPES, "") if device == "cpu" else
+            ("CUDA", CUDA_DTYPES, CUDA_DTYPES, ": its KV cache is in the serving dtype"))
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype {self.dtype!r} is not supported by the {name} backend "
+                             f"({', '.join(dtypes)})")
+        if cache.kv_cache_dtype not in kv_dtypes:
+            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype!r} is not supported by the {name} "
+                             f"backend ({', '.join(kv_dtypes)}{kv_note})")
         if device == "cpu":
-            if self.dtype not in CPU_DTYPES:
-                raise ValueError(f"dtype {self.dtype!r} is not supported by the CPU backend "
-                                 f"({', '.join(CPU_DTYPES)})")
-            if cache.kv_cache_dtype not in CPU_KV_CACHE_DTYPES:
-                raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype!r} is not supported by the CPU "
-                                 f"backend ({', '.join(CPU_KV_CACHE_DTYPES)})")
             return device
-        if self.dtype not in CUDA_DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported by the CUDA backend "
-                             f"({', '.join(CUDA_DTYPES)})")
-        if cache.kv_cache_dtype not in CUDA_DTYPES:
-            raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype!r} is not supported by the CUDA backend "
-                             f"({', '.join(CUDA_DTYPES)}: its KV cache is in the serving dtype)")
         if not cupy_installed():
             raise ValueError("device 'cuda' needs CuPy: pip install -e '.[cuda]' (docs/deploy.md)")
         if (problem := cuda_stack_problem()) is not None:  # LLM and the tools too, not only serve
