@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Sequence, Union, cast
+from typing import Any, Sequence, Union, cast
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
@@ -119,14 +119,19 @@ class LLM:
     def chat(self, messages: list[dict] | Sequence[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[GenerationOutput]:
+             tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[GenerationOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the
         model's chat template. The template writes the special tokens itself. tools: OpenAI's
         tool definitions, for the template (as vLLM's LLM.chat: the output is not parsed; a
-        call can be constrained with SamplingParams(structured_outputs=...))."""
+        call can be constrained with SamplingParams(structured_outputs=...)).
+        chat_template_kwargs: more variables for the template (Qwen3's enable_thinking), as the
+        HTTP server's field of that name and vLLM's LLM.chat take them."""
         conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict)
                              else list(messages))
-        extra = {} if tools is None else {"tools": tools}
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools  # as transformers passes them
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, **extra)
                  for c in conversations]
         outs = self.generate([self.tokenizer.encode(t, add_special_tokens=False) for t in texts],

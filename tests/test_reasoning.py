@@ -194,3 +194,15 @@ def test_deepseek_r1_takes_an_unclosed_output_for_reasoning_unless_constrained(s
     assert "reasoning_content" not in message and message["content"].lstrip().startswith("{")
     forced = _post(url, max_tokens=60, structured_outputs={"regex": THINK + ANSWER}).json()
     assert forced["choices"][0]["message"]["reasoning_content"].strip()
+
+
+def test_offline_chat_passes_chat_template_kwargs(model_dir):
+    """LLM.chat takes chat_template_kwargs as the HTTP field does: the Qwen3-style template's
+    empty think block appears only with enable_thinking false."""
+    from ringserve.server.llm import LLM, SamplingParams
+    llm = LLM(model=str(model_dir), max_model_len=256)
+    messages = [{"role": "user", "content": "Hi"}]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    thinking = llm.chat(messages, params)[0].prompt
+    plain = llm.chat(messages, params, chat_template_kwargs={"enable_thinking": False})[0].prompt
+    assert "<think>" not in thinking and "<think>" in plain and "</think>" in plain
