@@ -186,8 +186,9 @@ class Ring:
         # The writer publishes whole records, so a record ends at or before the tail; a header
         # or tail that says otherwise (2**40, or a tail behind the head) is corrupt. One
         # comparison: without it a bad header makes the reader copy garbage and loop for ever.
-        # A fragment's header (its flag bits set) fails it too, and is told apart only then.
-        if n > self._tail_seen - head - RECORD_HEADER:
+        # A fragment's header (its flag bits set) fails it too, and is told apart only then;
+        # so does any record while a message's first fragments wait (a whole one there is corrupt).
+        if n > self._tail_seen - head - RECORD_HEADER or self._parts:
             return self._read_fragments(n, head)
         pos = (pos + RECORD_HEADER) % cap  # NOTE: _take's copy, inlined on the common path
         first = cap - pos

@@ -103,9 +103,13 @@ def test_a_fragment_header_that_cannot_be_true_is_corrupt(header):
         reader.read()
 
 
-def test_a_whole_record_between_fragments_is_corrupt():
+@pytest.mark.parametrize("read_between", [False, True])
+def test_a_whole_record_between_fragments_is_corrupt(read_between):
+    """Also when the reader took the first fragment in an earlier read (it waits for the rest)."""
     writer, reader = _ring()
     writer.write(b"a" * 16, MORE)
+    if read_between:
+        assert reader.read() is None
     writer.write(b"b" * 16)  # the writer broke off its message
     with pytest.raises(CorruptRing):
         reader.read()
