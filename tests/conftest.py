@@ -1,6 +1,7 @@
 """Shared fixtures. Other test files may add fixtures here."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -53,6 +54,19 @@ def default_model_dir() -> Path:
     (`make test` fetches it before pytest runs)."""
     from ringserve.gpu.loader.model_store import resolve_model
     return resolve_model(None)
+
+
+def with_chat_template(model_dir: Path, folder: Path, template: str) -> Path:
+    """`model_dir` in `folder` with another chat template in its tokenizer_config.json, every
+    other file linked, not copied."""
+    folder.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "tokenizer_config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
 
 
 def free_port() -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import with_chat_template
 from ringserve.server.output_text import OutputText
 from ringserve.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from ringserve.server.tokenizer import Tokenizer
@@ -98,15 +99,8 @@ ASK = [{"role": "user", "content": "Is the sky blue? Think first."}]
 @pytest.fixture(scope="module")
 def model_dir(default_model_dir, tmp_path_factory) -> Path:
     """The default model with a Qwen3-style template (weights linked, not copied)."""
-    d = tmp_path_factory.mktemp("smol-qwen3-template") / "smol"
-    d.mkdir()
-    for f in default_model_dir.iterdir():
-        if f.name != "tokenizer_config.json":
-            (d / f.name).symlink_to(f)
-    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = QWEN3_STYLE_TEMPLATE
-    (d / "tokenizer_config.json").write_text(json.dumps(config))
-    return d
+    return with_chat_template(default_model_dir, tmp_path_factory.mktemp("smol-qwen3-template") / "smol",
+                              QWEN3_STYLE_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import jsonschema
 import openai
 import pytest
 
+from conftest import with_chat_template
+
 pytestmark = pytest.mark.slow
 
 HERMES_TEMPLATE = """\
@@ -60,15 +62,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def model_dir(default_model_dir, tmp_path_factory) -> Path:
     """The default model with a chat template that renders tools (weights linked, not copied)."""
-    d = tmp_path_factory.mktemp("smol-tools") / "smol-tools"
-    d.mkdir()
-    for f in default_model_dir.iterdir():
-        if f.name != "tokenizer_config.json":
-            (d / f.name).symlink_to(f)
-    config = json.loads((default_model_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = HERMES_TEMPLATE
-    (d / "tokenizer_config.json").write_text(json.dumps(config))
-    return d
+    return with_chat_template(default_model_dir, tmp_path_factory.mktemp("smol-tools") / "smol-tools",
+                              HERMES_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
