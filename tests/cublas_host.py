@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ringserve.gpu.cuda.dtypes import to_bfloat16, widen_bfloat16
+from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 
 CUDA_R_16F = 2  # library_types.h
 CUDA_R_16BF = 14

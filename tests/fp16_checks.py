@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, to_bfloat16, widen_bfloat16
+from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
+from ringserve.gpu.cuda.dtypes import SERVING_DTYPES
 
 CLEAR = 0.02  # a lead (over the largest |logit|, or in logprob) beyond fp16 noise
 ELEMENT_TYPES = tuple(SERVING_DTYPES)  # "float16", "bfloat16"

@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from ringserve.gpu.cpu.linear import widen_bfloat16
+from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.ops import CpuWeightStore
 from ringserve.gpu.cuda.buffers import DenseStore
-from ringserve.gpu.cuda.dtypes import to_bfloat16
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig, RopeScaling
 from ringserve.gpu.loader.weights import load_weights
@@ -197,7 +196,7 @@ def test_untied_lm_head_is_required(model_copy):
 
 
 def as_float32(a: np.ndarray) -> np.ndarray:
-    return widen_bfloat16(a) if a.dtype == np.uint16 else a.astype(np.float32)
+    return widen_bfloat16(np, a) if a.dtype == np.uint16 else a.astype(np.float32)
 
 
 @pytest.mark.parametrize("store", [CpuWeightStore("float32"), CpuWeightStore("bfloat16"),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cpu.linear import SMALL_ROWS, STREAM_ROWS, linear, to_bfloat16, widen_bfloat16
+from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
+from ringserve.gpu.cpu.linear import SMALL_ROWS, STREAM_ROWS, linear
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
 
@@ -19,8 +20,8 @@ def test_linear_matches_numpy(rows, parallel):
     w = rng.standard_normal((38, 20)).astype(np.float32)  # 38 rows: a remainder after 4-row tiles
     x = rng.standard_normal((rows, 20)).astype(np.float32)
     np.testing.assert_allclose(linear(x, w, parallel=parallel), x @ w.T, rtol=1e-5, atol=1e-5)
-    wb = to_bfloat16(w)
-    np.testing.assert_allclose(linear(x, wb, parallel=parallel), x @ widen_bfloat16(wb).T,
+    wb = to_bfloat16(np, w)
+    np.testing.assert_allclose(linear(x, wb, parallel=parallel), x @ widen_bfloat16(np, wb).T,
                                rtol=1e-5, atol=1e-5)
 
 
@@ -30,7 +31,7 @@ def test_bfloat16_rounds_to_nearest_even():
     # is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (1 + 2^-6); 1 + 1.25 * 2^-8 is
     # nearer to 1 + 2^-7 (truncation would give 1.0).
     expected = np.array([1.0, 1.0, 1.015625, 1.0078125, -2.5], dtype=np.float32)
-    np.testing.assert_array_equal(widen_bfloat16(to_bfloat16(f)), expected)
+    np.testing.assert_array_equal(widen_bfloat16(np, to_bfloat16(np, f)), expected)
 
 
 def step(tokens: list[int], start: int) -> Batch:

@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cuda.buffers import DenseStore
 from ringserve.gpu.cuda.dtypes import (
     check_fp16_range,
     checkpoint_dtype,
     resolve_dtype,
-    to_bfloat16,
-    widen_bfloat16,
 )
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig

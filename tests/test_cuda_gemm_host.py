@@ -26,8 +26,8 @@ import pytest
 import test_cuda_forward_host as fwd
 from cublas_host import CUDA_R_16BF, CUDA_R_16F, ComputeType, HostCublas, Operation
 from fp16_checks import decode_against_cpu, widen
+from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cuda import gemm
-from ringserve.gpu.cuda.dtypes import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cuda.gemm import CublasGemm, linear_args
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig

@@ -32,9 +32,9 @@ else:
     from numba import cuda
 
     from paged_cases import paged_layout
+    from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
     from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda import reference as ref
-    from ringserve.gpu.cuda.dtypes import to_bfloat16, widen_bfloat16
 
     assert numba_config.ENABLE_CUDASIM  # the kernels below run in the simulator, not on a device
 

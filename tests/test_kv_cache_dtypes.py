@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from numba import njit
 
+from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.attention import paged_attention
 from ringserve.gpu.cpu.kv_dtypes import kv_load, kv_store
-from ringserve.gpu.cpu.linear import to_bfloat16, widen_bfloat16
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
@@ -61,10 +61,10 @@ def test_bfloat16_store_rounds_as_torch_and_reads_back_exactly():
     values = _edge_values()[np.isfinite(_edge_values())]
     stored = np.empty(len(values), np.uint16)
     _store_all(values, stored)
-    assert np.array_equal(stored, to_bfloat16(values))
+    assert np.array_equal(stored, to_bfloat16(np, values))
     back = np.empty(len(values), np.float32)
     _load_all(stored, back)
-    assert np.array_equal(back, widen_bfloat16(stored))
+    assert np.array_equal(back, widen_bfloat16(np, stored))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -22,6 +22,8 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ringserve.gpu.bfloat16 import widen_bfloat16
+
 STREAM_ROWS = 4       # up to this many token rows: one pass per weight row
 SMALL_ROWS = 64       # up to this many: 4-row x 2-token tiles (faster than sgemm here); beyond: BLAS
 TASKS_PER_THREAD = 4  # weight-row ranges per thread: evens out a thread that starts late
@@ -43,18 +45,6 @@ def per_thread(key: Hashable, make: Callable[[], _T]) -> _T:
 
 # Reassociation lets LLVM vectorize the dot products with several accumulators.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-
-
-def to_bfloat16(w: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16), rounded to nearest even, as torch rounds."""
-    bits = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
-    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
-def widen_bfloat16(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bits (uint16) -> float32, exactly."""
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _load(w, n, k):
@@ -142,5 +132,5 @@ def linear(x: np.ndarray, w: np.ndarray, out: np.ndarray | None = None, *,
     else:
         for lo in range(0, w.shape[0], WIDEN_ROWS):
             hi = min(w.shape[0], lo + WIDEN_ROWS)
-            out[:, lo:hi] = x @ widen_bfloat16(w[lo:hi]).T
+            out[:, lo:hi] = x @ widen_bfloat16(np, w[lo:hi]).T
     return out

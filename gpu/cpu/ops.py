@@ -18,10 +18,11 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from ringserve.gpu.batch import Batch
+from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.attention import paged_attention
 from ringserve.gpu.cpu.kernels import add_rms_norm, qk_norm, rms_norm, rope_store_kv, silu_mul
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
-from ringserve.gpu.cpu.linear import linear, to_bfloat16, widen_bfloat16
+from ringserve.gpu.cpu.linear import linear
 from ringserve.gpu.cpu.memory import HugePageArena
 from ringserve.gpu.cpu.packed import (
     PackedWeight,
@@ -65,7 +66,7 @@ class CpuWeightStore:
         # these, and a view into the loaded file's buffer may sit at any alignment. numpy
         # advises huge pages itself for arrays of 4 MiB and up, as a float matrix is
         w = np.concatenate([np.asarray(a, dtype=F32) for a in arrays])
-        return to_bfloat16(w) if self.bfloat16 else w
+        return to_bfloat16(np, w) if self.bfloat16 else w
 
     def nbytes(self, tensor) -> int:
         """What memory will hold for one HF tensor once stored (the start-up fit check): a
@@ -131,7 +132,7 @@ class CpuOps:
         if not isinstance(table, np.ndarray):
             packed_rows(table, ids, out)
         elif table.dtype == np.uint16:  # bfloat16 bits
-            out[...] = widen_bfloat16(table[ids])
+            out[...] = widen_bfloat16(np, table[ids])
         else:
             np.take(table, ids, axis=0, out=out)
 

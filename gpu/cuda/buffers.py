@@ -13,7 +13,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, to_bfloat16
+from ringserve.gpu.bfloat16 import to_bfloat16
+from ringserve.gpu.cuda.dtypes import SERVING_DTYPES
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import GGMLTensor
 

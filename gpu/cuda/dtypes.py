@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ringserve.gpu.bfloat16 import widen_bfloat16
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.quant import QuantWeight
 from ringserve.gpu.loader.weights import GGMLTensor
@@ -98,15 +99,3 @@ def _chunks(a: np.ndarray, size: int = 1 << 24):
 def _refuse(name: str, worst: float) -> None:
     raise ModelError(f"weights: tensor {name!r} holds values up to {worst:.6g} in magnitude, beyond "
                      f"float16's {FP16_MAX:.0f}: serve it in bfloat16 (--dtype bfloat16)")
-
-
-def to_bfloat16(xp, a: Any) -> Any:
-    """Float values -> bfloat16 bits (uint16 of xp), rounded to nearest even (as torch)."""
-    bits = xp.ascontiguousarray(a, dtype=xp.float32).view(xp.uint32)
-    rounded = bits + xp.uint32(0x7FFF) + ((bits >> xp.uint32(16)) & xp.uint32(1))
-    return (rounded >> xp.uint32(16)).astype(xp.uint16)
-
-
-def widen_bfloat16(xp, bits: Any) -> Any:
-    """bfloat16 bits (uint16) -> float32, exactly."""
-    return (bits.astype(xp.uint32) << xp.uint32(16)).view(xp.float32)
