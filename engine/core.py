@@ -96,7 +96,8 @@ class EngineCore:
                              f"max_position_embeddings {model.max_position_embeddings}")
         self.block_size = runner.block_size
         self.kv = KVCacheManager(runner.num_blocks, self.block_size,
-                                 config.cache_config.enable_prefix_caching)
+                                 config.cache_config.enable_prefix_caching,
+                                 sliding_window=model.uniform_window)
         self.scheduler = Scheduler(self.kv, config.scheduler_config)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences

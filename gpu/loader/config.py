@@ -69,9 +69,11 @@ class ModelConfig:
         return tuple(self.sliding_window if t == SLIDING_ATTENTION else 0 for t in self.layer_types)
 
     @property
-    def all_layers_sliding(self) -> bool:
-        """Every layer windowed: KV blocks before every window can be freed (engine/kv_cache.py)."""
-        return self.sliding_window is not None and all(w > 0 for w in self.layer_windows)
+    def uniform_window(self) -> int:
+        """The sliding window when every layer has it, else 0: only then can KV blocks before
+        the window be freed while a request runs (engine/kv_cache.py)."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else 0
 
     @property
     def q_size(self) -> int:
