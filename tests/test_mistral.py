@@ -109,10 +109,12 @@ def test_greedy_decode_matches_transformers(family, folders):
 
 def test_the_engine_frees_blocks_outside_the_window_and_matches_transformers(folders):
     """The real engine (scheduler, KV manager, CPU runner) on Mistral: 8-token chunks, prefix
-    caching on, both reference prompts at once, then the long one again. Each request holds at
-    most ceil(24 / 16) + 1 blocks, + 1 for a chunk, at every step while generating past three
-    windows; the greedy tokens are transformers'; the repeat hits the prefix cache (blocks still
-    cached inside the window) and gives the same tokens; every block comes back."""
+    caching on, both reference prompts at once, then the long one again, then as n = 2 samples
+    (sharing their prompt's blocks). Each request holds at most ceil(24 / 16) + 1 blocks, + 1
+    for a chunk, at every step while generating past three windows (measured: 3); the pool's
+    usage is the held blocks; the greedy tokens are transformers'; a repeat hits the prefix
+    cache (blocks still cached inside the window) and gives the same tokens; every block comes
+    back."""
     ref = load_reference("mistral")
     engine = EngineCore(EngineConfig.create(
         model=str(folders["mistral"]), device="cpu", dtype="float32", cpu_activation_dtype="float32",
@@ -121,20 +123,21 @@ def test_the_engine_frees_blocks_outside_the_window_and_matches_transformers(fol
     bound = -(-WINDOW // BLOCK) + 1 + 1
     expect = {f"p{n}": seq[prompt_len:] for n, (seq, prompt_len, _, _) in enumerate(sequences(ref))}
     prompts = {f"p{n}": seq[:prompt_len] for n, (seq, prompt_len, _, _) in enumerate(sequences(ref))}
-    for wave in (["p0", "p1"], ["p1"]):
+    for wave, samples in ((["p0", "p1"], 1), (["p1"], 1), (["p1"], 2)):
         for rid in wave:
-            engine.add_request(rid, prompts[rid], SamplingParams(temperature=0.0, max_tokens=len(expect[rid]),
-                                                                 ignore_eos=True))
-        got: dict[str, list[int]] = {rid: [] for rid in wave}
+            engine.add_request(rid, prompts[rid], SamplingParams(
+                temperature=0.0, max_tokens=len(expect[rid]), ignore_eos=True, n=samples))
+        got: dict[tuple[str, int], list[int]] = {}
         most = cached = 0
         while engine.has_unfinished_requests():
             for out in engine.step():
-                got[out.request_id].extend(out.new_token_ids)
+                got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
                 cached = max(cached, out.num_cached_tokens)
             held = [engine.kv.num_held_blocks(r) for r in engine.scheduler.running]
             most = max([most, *held])
-            assert sum(held) == engine.kv.num_blocks - engine.kv.num_free_blocks
-        assert got == {rid: expect[rid] for rid in wave}
+            assert len({b for r in engine.scheduler.running for b in engine.kv.block_ids(r)} - {-1}) \
+                == engine.kv.num_blocks - engine.kv.num_free_blocks
+        assert got == {(rid, i): expect[rid] for rid in wave for i in range(samples)}
         assert most <= bound
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
     # the repeat's 51-token prompt: 3 whole blocks hit (block 0 before the window of token 48,
