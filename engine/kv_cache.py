@@ -235,6 +235,15 @@ class KVCacheManager:
             return 0
         return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of num_tokens ever holds at once, computed max_chunk tokens
+        at most per step: all of them, or with a window those of one window and one chunk
+        (ceil((window - 1 + chunk) / block_size) + 1 at the worst alignment)."""
+        full = self.blocks_needed(num_tokens)
+        if not self.sliding_window:
+            return full
+        return min(full, cdiv(self.sliding_window - 1 + max_chunk, self.block_size) + 1)
+
     def num_held_blocks(self, req: Request) -> int:
         """Pool blocks a request holds now (its table, less the blocks freed before its window)."""
         return len(self.req_blocks.get(req.key, ())) - self._num_skipped.get(req.key, 0)

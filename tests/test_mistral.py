@@ -110,15 +110,17 @@ def test_greedy_decode_matches_transformers(family, folders):
 def test_the_engine_frees_blocks_outside_the_window_and_matches_transformers(folders):
     """The real engine (scheduler, KV manager, CPU runner) on Mistral: 8-token chunks, prefix
     caching on, both reference prompts at once, then the long one again, then as n = 2 samples
-    (sharing their prompt's blocks). Each request holds at most ceil(24 / 16) + 1 blocks, + 1
-    for a chunk, at every step while generating past three windows (measured: 3); the pool's
-    usage is the held blocks; the greedy tokens are transformers'; a repeat hits the prefix
-    cache (blocks still cached inside the window) and gives the same tokens; every block comes
-    back."""
+    (sharing their prompt's blocks), all from a pool of 5 blocks (80 tokens: the 91-token
+    request runs because its blocks before the window are freed). Each request holds at most
+    ceil(24 / 16) + 1 blocks, + 1 for a chunk, at every step while generating past three
+    windows (measured: 3); the pool's usage is the held blocks; the greedy tokens are
+    transformers'; a repeat hits the prefix cache (blocks still cached inside the window) and
+    gives the same tokens; every block comes back."""
     ref = load_reference("mistral")
     engine = EngineCore(EngineConfig.create(
         model=str(folders["mistral"]), device="cpu", dtype="float32", cpu_activation_dtype="float32",
-        max_model_len=256, max_num_batched_tokens=8, block_size=BLOCK, enable_prefix_caching=True))
+        max_model_len=256, max_num_batched_tokens=8, block_size=BLOCK, enable_prefix_caching=True,
+        num_gpu_blocks_override=5))
     assert engine.kv.sliding_window == WINDOW
     bound = -(-WINDOW // BLOCK) + 1 + 1
     expect = {f"p{n}": seq[prompt_len:] for n, (seq, prompt_len, _, _) in enumerate(sequences(ref))}

@@ -157,7 +157,9 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
     for i, (plen, max_tokens, arrival, abort_at) in enumerate(w["requests"]):
         # Few distinct tokens, so that prompts share prefixes and the cache gets hits.
         req = Request(f"r{i}", [rng.randrange(3) for _ in range(plen)], SamplingParams(max_tokens=max_tokens))
-        if kv.blocks_needed(plen + max_tokens - 1) <= kv.num_blocks:   # the engine refuses others
+        # the engine refuses others (engine/request_checks.py): with a window, a request longer
+        # than the pool runs, its blocks freed behind the window
+        if kv.max_blocks_held(plen + max_tokens - 1, w["max_num_batched_tokens"]) <= kv.num_blocks:
             pending.append((arrival, abort_at, req))
     live: list[Request] = []
     for step in range(2000):
@@ -209,6 +211,7 @@ def check_windows(out, kv) -> None:
         first = max(0, s.num_computed_tokens - kv.sliding_window + 1) // bs
         assert all(b >= 0 for b in ids[first:]) and all(b == -1 for b in ids[:first]), (ids, first)
         assert kv.num_held_blocks(s.request) == len(ids) - first
+        assert len(ids) - first <= kv.max_blocks_held(s.request.num_tokens, s.num_new_tokens)
 
 
 def req_abort(w, req: Request) -> int:
