@@ -66,15 +66,20 @@ class LlamaWeights:
         layers = []
         for i in range(c.num_hidden_layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            # Phi-3 stores both fused in our layouts: one tensor each, taken as it is
+            qkv = (a + "qkv_proj.weight",) if c.fused_projections else (
+                a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+            gate_up = (p + "mlp.gate_up_proj.weight",) if c.fused_projections else (
+                p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
             layers.append(Layer(
                 input_norm=vector(p + "input_layernorm.weight"),
-                qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv=linear(*qkv),
                 qkv_bias=vector(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
                 if c.attention_bias else None,
                 qk_norm=vector(a + "q_norm.weight", a + "k_norm.weight") if c.qk_norm else None,
                 o=linear(a + "o_proj.weight"),
                 post_norm=vector(p + "post_attention_layernorm.weight"),
-                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                gate_up=linear(*gate_up),
                 down=linear(p + "mlp.down_proj.weight")))
         return cls(embed, embed if c.tie_word_embeddings else linear("lm_head.weight"),
                    vector("model.norm.weight"), layers)

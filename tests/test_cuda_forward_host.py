@@ -28,7 +28,7 @@ from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, QuantLinear, QuantStore
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import load_weights
 from ringserve.gpu.model import LlamaWeights, llama_forward
-from ringserve.gpu.rope import cos_sin, inv_freq
+from ringserve.gpu.rope import rope_tables
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from test_cuda_quant_host import FORMS, form
@@ -90,9 +90,10 @@ class HostOps:
                         np.int32(qkv.shape[1]), np.float32(self.eps))
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache):
-        qkv, heads, D = buf.qkv, self.num_rot_heads, self.head_dim
-        self.fused.call("rope" + _suffix(qkv), launch.rope_launch(qkv.shape[0], heads, D), qkv,
-                        buf.positions, cos, sin, np.int32(heads), np.int32(D), np.int32(qkv.shape[1]))
+        qkv, heads, D, half = buf.qkv, self.num_rot_heads, self.head_dim, cos.shape[1]
+        self.fused.call("rope" + _suffix(qkv), launch.rope_launch(qkv.shape[0], heads, 2 * half), qkv,
+                        buf.positions, cos, sin, np.int32(heads), np.int32(D), np.int32(half),
+                        np.int32(qkv.shape[1]))
         ref.store_kv(qkv, buf.slot_mapping, k_cache, v_cache, self.num_heads)
 
     def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch):
@@ -146,7 +147,7 @@ class HostRunner:
         self.weights = LlamaWeights.fuse(c, weights, QuantStore(np, self.dtype))
         shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
         self.caches = [(np.zeros(shape, act), np.zeros(shape, act)) for _ in range(c.num_hidden_layers)]
-        self.cos, self.sin = cos_sin(np.arange(MAX_MODEL_LEN), inv_freq(c))
+        self.cos, self.sin = rope_tables(c, MAX_MODEL_LEN, MAX_MODEL_LEN)
         self.num_sms = num_sms  # few "SMs": split-K kicks in at these tiny batches
         self.ladder = plan.graph_batch_sizes(8)
         self.max_blocks = MAX_MODEL_LEN // BLOCK_SIZE
