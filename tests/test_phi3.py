@@ -195,3 +195,67 @@ def test_a_phi3_folder_with_unfused_projections_is_refused(phi3_dir, tmp_path):
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ModelError, match="tensor 'model.layers.1.mlp.gate_up_proj.weight' is missing"):
         runner(folder, 64)
+
+
+def _random_phi3_gguf(path: Path, layout: str, **metadata) -> dict[str, str]:
+    from ringserve.tools.check_gguf_peer import SHAPES
+    from ringserve.tools.random_gguf import Shape, write_random_gguf
+
+    shape = Shape(**{**SHAPES["qwen2"].__dict__, "rotary_dim": 48, "original_context": 512})
+    merges = json.loads((Path(__file__).parent / "data" / "gguf_peer_tokens.json").read_text())["merges"]
+    return write_random_gguf(path, shape, layout, seed=5, progress=False, arch="phi3",
+                             merges=merges[:1700], metadata=metadata)  # room for Phi's 7 specials
+
+
+def test_a_phi3_gguf_ends_turns_at_end_as_well(tmp_path):
+    """Phi-4-mini's GGUF names <|endoftext|> its eos; <|end|> ends each turn (llama.cpp stops at
+    both): config.json lists both."""
+    _random_phi3_gguf(tmp_path / "phi3.gguf", "q8_0")
+    folder = convert_gguf(tmp_path / "phi3.gguf", tmp_path / "m", progress=False)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in tokenizer["added_tokens"] if t["special"]}
+    assert ModelConfig.from_dir(folder).eos_token_ids == (added["<|endoftext|>"], added["<|end|>"])
+
+
+def test_a_random_phi4_mini_shaped_gguf_converts_chats_and_stops_at_end(tmp_path, monkeypatch):
+    """tools/random_gguf.py --arch phi3 (as speed runs write it: Q4_K_M, attn_qkv Q5_K as
+    llama.cpp, 48 of 64 dims rotated, LongRoPE tensors; Phi's turn tokens in a small BPE), here
+    without an eos key: the converter keeps the fused rows as stored, reads the rope factors into
+    config.json and finds Phi's <|end|> by its text; LLM.chat renders the GGUF's Phi template
+    (each turn marker one token) and an answer held to nothing (regex "") ends at <|end|>."""
+    import gguf
+
+    from ringserve.gpu.loader.weights import load_weights
+    from ringserve.ipc.sampling_params import SamplingParams
+    from ringserve.ipc.structured import StructuredOutputsParams
+    from ringserve.server.llm import LLM
+
+    path = tmp_path / "phi3.gguf"
+    types = _random_phi3_gguf(path, "q4_k_m", **{"tokenizer.ggml.eos_token_id": None})
+    assert types["blk.0.attn_qkv.weight"] == "Q5_K" and types["blk.0.ffn_up.weight"] == "Q4_K"
+    folder = convert_gguf(path, tmp_path / "m", progress=False)
+    c = ModelConfig.from_dir(folder)
+    assert (c.architecture, c.head_dim, c.rotary_dim) == ("Phi3ForCausalLM", 64, 48) and c.fused_projections
+    assert c.rope_scaling is not None and c.rope_scaling.original_max_position_embeddings == 512
+    reader = gguf.GGUFReader(path)
+    stored = {t.name: t for t in reader.tensors}
+    np.testing.assert_array_equal(np.float32(c.rope_scaling.long_factor),
+                                  stored["rope_factors_long.weight"].data)
+    weights = load_weights(folder)
+    assert np.array_equal(weights["model.layers.1.self_attn.qkv_proj.weight"].raw,
+                          stored["blk.1.attn_qkv.weight"].data)
+    assert np.array_equal(weights["model.layers.0.mlp.gate_up_proj.weight"].raw,
+                          stored["blk.0.ffn_up.weight"].data)
+    vocab = reader.fields["tokenizer.ggml.tokens"].contents()
+    end = vocab.index("<|end|>")
+    assert c.eos_token_ids == (end,)
+
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "cache"))
+    llm = LLM(model=str(path), max_model_len=256)
+    nothing = StructuredOutputsParams(regex="")
+    out = llm.chat([{"role": "user", "content": "Hi there"}],
+                   SamplingParams(temperature=0, max_tokens=8, structured_outputs=nothing))[0]
+    prompt = list(out.prompt_token_ids)
+    assert prompt[0] == vocab.index("<|user|>") and prompt[-1] == vocab.index("<|assistant|>")
+    assert prompt.count(end) == 1
+    assert list(out.outputs[0].token_ids) == [end] and out.outputs[0].finish_reason == "stop"

@@ -20,6 +20,15 @@ from safetensors.numpy import save_file
 
 from ringserve.tools.tiny_qwen3 import TOKENIZER_FILES, draw
 
+# Phi-3.5 / Phi-4-mini's turn format (each message "<|role|>" + content + "<|end|>", then
+# "<|assistant|>"; their templates add newlines (3.5) or tools in the system turn (4-mini)) and
+# the special tokens it uses: <|end|> ends a turn, which generation_config.json lists as an eos.
+PHI_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + "
+                "'<|end|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}"
+                "{{ eos_token }}{% endif %}")
+PHI_SPECIAL_TOKENS = ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>",
+                      "<|/tool|>")
+
 # HF name (after "model.layers.N.") -> llama.cpp's (after "blk.N."), as convert_hf_to_gguf.py maps
 # a phi3: the fused tensors keep their layout (ffn_up holds gate then up).
 GGUF_LAYER_NAMES = {

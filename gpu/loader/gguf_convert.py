@@ -120,6 +120,7 @@ _QK_NORM_TENSORS = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+_END_OF_TURN = {"phi3": "<|end|>"}  # a family's turn-end token, by text
 ROPE_FREQS = "rope_freqs.weight"   # llama3 rope scaling: llama.cpp divides each frequency by it
 # LongRoPE (phi3): each frequency divided by the long or the short factor (gpu/rope.py picks one)
 ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
@@ -251,6 +252,12 @@ def hf_config(meta: _Metadata, tensor_names: set[str], rope_freqs: np.ndarray | 
     tokens = _tokens(meta)
     eos = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens))
     pad = _token_id(meta, "tokenizer.ggml.padding_token_id", len(tokens), strict=False)
+    # NOTE: a turn's end is an eos too (llama.cpp stops at either): the file's eot token, and
+    # Phi's <|end|> (Phi-4-mini's GGUF says eos <|endoftext|>; its generation_config lists both)
+    turn_end = _END_OF_TURN.get(arch)
+    ends = list(dict.fromkeys(i for i in (
+        eos, _token_id(meta, "tokenizer.ggml.eot_token_id", len(tokens), strict=False),
+        tokens.index(turn_end) if turn_end in tokens else None) if i is not None))
     return {
         "architectures": [kind.hf_architecture],
         "model_type": kind.model_type,
@@ -271,7 +278,7 @@ def hf_config(meta: _Metadata, tensor_names: set[str], rope_freqs: np.ndarray | 
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
-        "eos_token_id": eos,
+        "eos_token_id": ends[0] if len(ends) == 1 else (ends or None),
         "pad_token_id": eos if pad is None else pad,
         "torch_dtype": "float32",   # the activations' type: the weights keep their own
     } | ({"sliding_window": meta.get(key("attention.sliding_window")) or None}  # 0: none (Phi-4-mini)
