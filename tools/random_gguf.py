@@ -81,6 +81,10 @@ SHAPES = {
                         rope_theta=1000000.0, context=40960, head_dim=128),
     "phi-4-mini": Shape(hidden=3072, layers=32, heads=24, kv_heads=8, ffn=8192, vocab=200064,
                         rope_theta=10000.0, context=131072, rotary_dim=96),
+    # Llama-3.2-1B's dims as a phi3 (fused, 3/4 rotary, LongRoPE): bench_forward's 1B-class
+    # Phi beside it, the same bytes and FLOPs per token
+    "phi3-1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, rope_theta=10000.0,
+                     context=131072, rotary_dim=48),
 }
 ARCHS = ("llama", "llama3", "qwen2", "qwen3", "phi3")
 
