@@ -90,12 +90,13 @@ def test_fused_kernels_match_reference(dtype):
     qkv = narrow(rng.standard_normal((4, 12 * 64)), dtype)  # H=8, KVH=2, D=64
     pos = np.array([0, 5, 77, 1000], np.int32)
     from ringserve.gpu.rope import cos_sin
-    cos, sin = cos_sin(np.arange(1024), (1e4 ** -(np.arange(0, 64, 2) / 64)).astype(np.float32))
-    qd = cp.asarray(qkv)
-    f.rope(qd, cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), 10, 64, s)
-    s.synchronize()
-    np.testing.assert_allclose(widen(qd.get()), ref.rope(widen(qkv), pos, cos, sin, 8, 2, 64),
-                               rtol=tol, atol=tol)
+    for rotary in (64, 48):  # whole heads, and Phi-4-mini's 3/4 (the rest of each head untouched)
+        cos, sin = cos_sin(np.arange(1024), (1e4 ** -(np.arange(0, rotary, 2) / rotary)).astype(np.float32))
+        qd = cp.asarray(qkv)
+        f.rope(qd, cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), 10, 64, s)
+        s.synchronize()
+        np.testing.assert_allclose(widen(qd.get()), ref.rope(widen(qkv), pos, cos, sin, 8, 2, 64),
+                                   rtol=tol, atol=tol)
     gu = narrow(rng.standard_normal((3, 2 * 1536)), dtype)
     act = cp.empty((3, 1536), gu.dtype)
     f.silu_mul(cp.asarray(gu), act, s)
