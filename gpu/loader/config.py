@@ -248,14 +248,7 @@ def _longrope(raw: dict[str, Any], scaling: dict[str, Any], rotary_dim: int) -> 
     r = _Reader(scaling)
     original = _Reader(scaling if "original_max_position_embeddings" in scaling else raw).positive_int(
         "original_max_position_embeddings")
-    factors = {}
-    for name in ("short_factor", "long_factor"):
-        value = scaling.get(name)
-        if (not isinstance(value, list) or len(value) != rotary_dim // 2
-                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value)):
-            raise ModelError(f"config.json: rope_scaling {name} must be {rotary_dim // 2} positive numbers "
-                             f"(rotary_dim / 2)")
-        factors[name] = tuple(float(x) for x in value)
+    short, long = (_factors(scaling, name, rotary_dim) for name in ("short_factor", "long_factor"))
     s = r.float("factor") if scaling.get("factor") is not None else (
         _Reader(raw).positive_int("max_position_embeddings") / original)
     if scaling.get("attention_factor") is not None:
@@ -263,7 +256,16 @@ def _longrope(raw: dict[str, Any], scaling: dict[str, Any], rotary_dim: int) -> 
     else:
         attention = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(original))
     return RopeScaling("longrope", factor=s, original_max_position_embeddings=original,
-                       attention_factor=attention, **factors)
+                       short_factor=short, long_factor=long, attention_factor=attention)
+
+
+def _factors(scaling: dict[str, Any], name: str, rotary_dim: int) -> tuple[float, ...]:
+    value = scaling.get(name)
+    if (not isinstance(value, list) or len(value) != rotary_dim // 2
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value)):
+        raise ModelError(f"config.json: rope_scaling {name} must be {rotary_dim // 2} positive numbers "
+                         f"(rotary_dim / 2)")
+    return tuple(float(x) for x in value)
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:
