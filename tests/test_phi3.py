@@ -294,3 +294,27 @@ def test_a_served_phi3_decodes_as_transformers_and_hits_the_prefix_cache(serve, 
                 break
             time.sleep(0.1)
     assert hits and hits[0] >= BLOCK, hits
+
+
+def test_the_gpt4o_split_is_the_tokenizer_json_regex():
+    """Phi-4-mini's GGUF pre-tokenizer "gpt-4o": our regex spells the contractions case by case
+    (as llama.cpp does); on varied text (words, CamelCase, capitals, contractions, digits, CJK,
+    emoji, code, whitespace runs) it splits exactly as the o200k regex of Phi-4-mini's
+    tokenizer.json, (?i:...) and all."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from ringserve.gpu.loader.gguf_convert import PRE_TOKENIZERS
+    from ringserve.tools.random_gguf import sample_texts
+
+    o200k = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+             r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+             r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    regex = PRE_TOKENIZERS["gpt-4o"].regex
+    assert regex is not None
+    ours, theirs = (pre_tokenizers.Split(Regex(r), behavior="isolated") for r in (regex, o200k))
+    texts = sample_texts(300, seed=7) + ["HelloWorld IT'S don'T x/\n/y CAFÉ café ÉcoleNormale 1234567"]
+    for text in texts:
+        assert ours.pre_tokenize_str(text) == theirs.pre_tokenize_str(text), text
+    assert [p for p, _ in ours.pre_tokenize_str("HelloWorld IT'S 1234567")] == [
+        "Hello", "World", " IT'S", " ", "123", "456", "7"]

@@ -25,8 +25,8 @@ than its largest tensor. The text it gives is meaningless, the shapes and bytes 
 - phi3: arch "phi3" as Phi-4-mini: fused attn_qkv and ffn_up (gate, then up; Q4_K_M gives
   attn_qkv Q5_K, as llama.cpp), the shape's rotary dims (rope.dimension_count), LongRoPE
   (rope_factors_long/short, the original context, the attention factor), Phi's turn tokens
-  (<|user|>, <|assistant|>, <|end|> ...) in Qwen2's pre-tokenizer and merges (Phi-4-mini's own
-  is "gpt-4o", which the converter does not read yet).
+  (<|user|>, <|assistant|>, <|end|> ...) with Phi-4-mini's pre-tokenizer "gpt-4o" over the
+  trained merges.
 The llama3 and qwen2 vocabularies are a byte-level BPE trained here (`train_merges`, the
 `tokenizers` library) on `sample_texts`, so real merges apply to varied text (digits, CJK,
 emoji, code, whitespace runs), then padded with reserved CONTROL tokens to the shape's size.
@@ -178,7 +178,7 @@ TOKENIZERS = {
 }
 TOKENIZERS["qwen3"] = TOKENIZERS["qwen2"]  # Qwen3 ships Qwen2's tokenizer
 # eos <|endoftext|> as Phi-4-mini's GGUF says (the converter adds <|end|>, the turn's end)
-TOKENIZERS["phi3"] = Tokenizer("qwen2", PHI_SPECIAL_TOKENS, bos="<|endoftext|>", eos="<|endoftext|>",
+TOKENIZERS["phi3"] = Tokenizer("gpt-4o", PHI_SPECIAL_TOKENS, bos="<|endoftext|>", eos="<|endoftext|>",
                                add_bos=False, chat_template=PHI_TEMPLATE)
 LLAMA3_ROPE: dict[str, Any] = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8192}

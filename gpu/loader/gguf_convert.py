@@ -72,6 +72,13 @@ LLAMA3_REGEX = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_REGEX = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GPT-4o's o200k split (Phi-4-mini): a word is an optional capitalised run then lower-case letters
+# (or an upper-case run then lower-case ones), its contraction a suffix; digits in threes; a
+# punctuation run takes trailing newlines and "/". The tokenizer.json regex llama.cpp quotes.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?" + _UPPER + "*" + _LOWER + "+" + _CONTRACTIONS + "?"
+               + r"|[^\r\n\p{L}\p{N}]?" + _UPPER + "+" + _LOWER + "*" + _CONTRACTIONS + "?"
+               + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ PRE_TOKENIZERS = {
     "smollm": _PreTokenizer(None, digits_alone=True),
     "llama-bpe": _PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
     "qwen2": _PreTokenizer(QWEN2_REGEX),
+    "gpt-4o": _PreTokenizer(GPT4O_REGEX),
 }
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
