@@ -134,9 +134,10 @@ class ModelOps(Protocol):
         k head the same with weight[head_dim:] (the config's rms_norm_eps); v untouched."""
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache) -> None:
-        """Rotate q and k of buf.qkv by buf.positions (cos, sin: [positions, head_dim / 2]
-        tables) and write k and v into the caches at buf.slot_mapping (-1: no write). Where
-        the rotated q goes is the backend's, for its attention to read."""
+        """Rotate q and k of buf.qkv by buf.positions (cos, sin: [positions, rotary_dim / 2]
+        tables: the first 2 * cos.shape[1] dims of each head rotate, the rest pass through) and
+        write k and v into the caches at buf.slot_mapping (-1: no write). Where the rotated q
+        goes is the backend's, for its attention to read."""
 
     def attention(self, buf, k_cache, v_cache, launch) -> None:
         """buf.attn = paged attention of the rotated q over the caches (launch: the backend's
