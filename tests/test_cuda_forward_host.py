@@ -353,26 +353,36 @@ def test_a_qwen3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_mo
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
 
 
+def tiny_phi3(folder: Path, tokenizer_dir: Path, heads: int = 2, max_positions: int = MAX_MODEL_LEN) -> Path:
+    """The tiny Phi-3 of tests/data/phi3_tiny with 2 heads of 64 (attention.cu's smallest; 48 dims
+    rotated, 24 LongRoPE factors each) or 4 of 32 (no attention.cu size, as Phi-3.5's 96: the
+    Numba attention on CUDA), one layer, max_position_embeddings `max_positions` (over the
+    original 16: the long factors)."""
+    import json
+
+    from ringserve.tools.tiny_phi3 import make_tiny_phi3
+
+    config = json.loads((Path(__file__).parent / "data" / "phi3_tiny" / "config.json").read_text())
+    rotary_half = int(config["hidden_size"] // heads * 0.75) // 2
+    steps = np.linspace(0, 1, rotary_half)
+    config |= dict(num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=1,
+                   max_position_embeddings=max_positions, sliding_window=None)
+    config["rope_parameters"] |= dict(short_factor=(1 + 0.5 * steps).tolist(),
+                                      long_factor=(1 + 15 * steps * steps).tolist())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return make_tiny_phi3(folder / "phi3", config=folder / "config.json", tokenizer_dir=tokenizer_dir)
+
+
 @pytest.mark.parametrize("dtype", ["auto", "float16"])
 def test_a_phi3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir, dtype):
     """A tiny random Phi-3 (tools/tiny_phi3.py: fused qkv_proj and gate_up_proj, 48 of 64 dims
     rotated, LongRoPE's long factors and attention factor in the table): fused.cu's rope over
     the rotary part only, in bf16 and fp16, prefill then graph-shaped decode against the CPU
     backend's logits."""
-    import json
-
     from ringserve.gpu.settings import StepLimits
-    from ringserve.tools.tiny_phi3 import make_tiny_phi3
 
-    config = json.loads((Path(__file__).parent / "data" / "phi3_tiny" / "config.json").read_text())
-    steps = np.linspace(0, 1, 24)  # head_dim 64 (attention.cu's smallest), 48 rotary dims
-    config |= dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                   max_position_embeddings=MAX_MODEL_LEN, sliding_window=None)
-    config["rope_parameters"] |= dict(short_factor=(1 + 0.5 * steps).tolist(),
-                                      long_factor=(1 + 15 * steps * steps).tolist())
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    model_dir = make_tiny_phi3(tmp_path / "phi3", config=tmp_path / "config.json",
-                               tokenizer_dir=default_model_dir)
+    model_dir = tiny_phi3(tmp_path, default_model_dir)
     host = HostRunner(model_dir, cuda_host, dtype=dtype)
     assert host.cos.shape[1] == 24 and host.config.rotary_dim == 48 < host.config.head_dim
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
