@@ -65,10 +65,13 @@ def test_add_rms_norm(host_kernels, hidden, with_delta, dtype):
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 2)])
-def test_rope_rotates_q_and_k_only(host_kernels, head_dim, num_heads, num_kv_heads, dtype):
-    rng = np.random.default_rng(head_dim)
-    T, max_pos, half = 5, 100, head_dim // 2
+@pytest.mark.parametrize("head_dim,rotary_dim,num_heads,num_kv_heads", [(64, 64, 9, 3), (128, 128, 4, 2),
+                                                                        (128, 96, 4, 2)])
+def test_rope_rotates_q_and_k_only(host_kernels, head_dim, rotary_dim, num_heads, num_kv_heads, dtype):
+    """The first rotary_dim dims of each q and k head (2 * the table's width: Phi-4-mini rotates
+    96 of 128), the rest of the head and v untouched."""
+    rng = np.random.default_rng(head_dim + rotary_dim)
+    T, max_pos, half = 5, 100, rotary_dim // 2
     inv_freq = 1.0 / 10000.0 ** (np.arange(half) / half)
     angles = np.arange(max_pos)[:, None] * inv_freq[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -77,10 +80,14 @@ def test_rope_rotates_q_and_k_only(host_kernels, head_dim, num_heads, num_kv_hea
     expect = ref.rope(widen(qkv), positions, cos, sin, num_heads, num_kv_heads, head_dim)
     x = qkv.copy()
     rot = num_heads + num_kv_heads
-    host_kernels["fused"].call("rope" + SUFFIX[dtype], launch.rope_launch(T, rot, head_dim), x, positions,
-                               cos, sin, np.int32(rot), np.int32(head_dim), np.int32(qkv.shape[1]))
+    host_kernels["fused"].call("rope" + SUFFIX[dtype], launch.rope_launch(T, rot, rotary_dim), x, positions,
+                               cos, sin, np.int32(rot), np.int32(head_dim), np.int32(half),
+                               np.int32(qkv.shape[1]))
     assert_fp16_close(x[:, :rot * head_dim], expect[:, :rot * head_dim])
     np.testing.assert_array_equal(x[:, rot * head_dim:], qkv[:, rot * head_dim:])  # v untouched
+    heads = x[:, :rot * head_dim].reshape(T, rot, head_dim)
+    np.testing.assert_array_equal(heads[..., rotary_dim:],  # the unrotated rest of each head, as it was
+                                  qkv[:, :rot * head_dim].reshape(T, rot, head_dim)[..., rotary_dim:])
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)

@@ -38,7 +38,7 @@ from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample, warmup_metada
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.quant import QuantWeight
 from ringserve.gpu.model import LlamaWeights, llama_forward
-from ringserve.gpu.rope import cos_sin, inv_freq
+from ringserve.gpu.rope import rope_tables
 from ringserve.gpu.sampling.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
 from ringserve.gpu.sampling.sampler import Logprobs, SamplingMetadata
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
@@ -199,7 +199,7 @@ class CudaModelRunner:
         cp.cuda.Device().synchronize()
         with self.stream:
             self.weights = LlamaWeights.fuse(c, weights, QuantStore(cp, self.dtype))
-            cos, sin = cos_sin(np.arange(self.max_model_len), inv_freq(c))
+            cos, sin = rope_tables(c, self.max_model_len, self.max_model_len)
             self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
         cp.cuda.Device().synchronize()
         log.info("weights, activations and KV cache in %s", self.dtype)
