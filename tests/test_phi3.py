@@ -178,7 +178,7 @@ def test_a_real_phi3_window_slides_every_layer():
     as transformers' Phi3Attention does (the kernels and the KV manager: tests/test_mistral.py)."""
     raw = json.loads((DATA / "config.json").read_text()) | {"sliding_window": 32}
     config = ModelConfig.from_dict(raw)
-    assert config.layer_windows == (32,) * config.num_hidden_layers and config.all_layers_sliding
+    assert config.layer_windows == (32,) * config.num_hidden_layers and config.uniform_window == 32
 
 
 def test_the_pre_5_config_layout_reads_the_same(phi3_dir):
