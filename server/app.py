@@ -20,7 +20,8 @@ from falcon.routing import CompiledRouter
 
 from ringserve.ipc.ring import MessageTooLarge
 from ringserve.server import protocol as P
-from ringserve.server import serving_chat, serving_completions
+from ringserve.server import protocol_responses as R
+from ringserve.server import serving_chat, serving_completions, serving_responses
 from ringserve.server.config import ServerConfig
 from ringserve.server.context import ServerContext, off_loop
 from ringserve.server.engine_client import EngineUnavailable
@@ -190,9 +191,11 @@ class _Generate:
         request: Any = P.decode_request(body, self.request_type)
         if not self._options.engine_alive():
             raise APIError(503, "no engine is available", code="engine_unavailable")
-        # Public id (response, X-Request-Id, logs, trace) and the engine requests' own ids.
-        request_id = P.public_request_id(self.prefix, req.get_header(P.REQUEST_ID_HEADER))
-        resp.set_header(P.REQUEST_ID_HEADER, request_id)
+        # Public id (response, logs, trace) and the engine requests' own ids. The client's
+        # X-Request-Id comes back unchanged (vLLM's middleware); without one, the public id.
+        header = req.get_header(P.REQUEST_ID_HEADER)
+        request_id = P.public_request_id(self.prefix, header)
+        resp.set_header(P.REQUEST_ID_HEADER, header or request_id)
         req.context.request_id = request_id
         model = request.model or self._ctx.model_name
         gen = await self.serving.prepare(self._ctx, request, P.new_id(self.prefix))
@@ -266,6 +269,14 @@ class ChatCompletions(_Generate):
     prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
     serving = serving_chat
+
+
+class Responses(_Generate):
+    """POST /v1/responses: a translation over chat (server/serving_responses.py)."""
+    request_type = R.ResponsesRequest
+    prefix = "resp"
+    chunk_object = "response"
+    serving = serving_responses
 
 
 class Tokenize:
@@ -439,6 +450,7 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
     app.add_error_handler(APIError, _api_error)
     app.add_route("/v1/completions", Completions(ctx, options))
     app.add_route("/v1/chat/completions", ChatCompletions(ctx, options))
+    app.add_route("/v1/responses", Responses(ctx, options))
     models = Models(ctx, options)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")  # ids may hold a "/"
