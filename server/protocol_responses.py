@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from msgspec import Struct, field
+from msgspec import UNSET, Struct, UnsetType, field
 
 
 class InputPart(Struct, kw_only=True, forbid_unknown_fields=False):
@@ -127,7 +127,8 @@ OutputItem = MessageItem | ReasoningItem | FunctionCallItem
 
 
 class InputTokensDetails(Struct):
-    cached_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens found in the prefix cache
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(Struct):
@@ -152,7 +153,7 @@ class Response(Struct, kw_only=True):
     model: str
     status: str                       # in_progress, completed, incomplete
     output: list[OutputItem]
-    usage: ResponseUsage | None
+    usage: ResponseUsage | UnsetType  # UNSET while in progress (the schema has no null)
     incomplete_details: IncompleteDetails | None = None
     error: None = None
     instructions: str | None = None
@@ -170,5 +171,5 @@ class Response(Struct, kw_only=True):
     background: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     truncation: str = "disabled"
-    user: str | None = None
+    user: str | UnsetType = UNSET     # only when the request gave one (the schema has no null)
     object: str = "response"

@@ -160,7 +160,7 @@ async def prepare(ctx: ServerContext, req: R.ResponsesRequest, request_id: str) 
 # --- response: chat -> Responses ------------------------------------------------------------------
 
 def _response(req: R.ResponsesRequest, request_id: str, model: str, status: str,
-              output: list[R.OutputItem], usage: R.ResponseUsage | None) -> R.Response:
+              output: list[R.OutputItem], usage: R.ResponseUsage | msgspec.UnsetType) -> R.Response:
     return R.Response(
         id=request_id, created_at=P.now(), model=model, status=status, output=output, usage=usage,
         incomplete_details=R.IncompleteDetails("max_output_tokens") if status == "incomplete" else None,
@@ -172,7 +172,7 @@ def _response(req: R.ResponsesRequest, request_id: str, model: str, status: str,
         text={"format": msgspec.to_builtins(req.text.format)} if req.text and req.text.format
         else {"format": {"type": "text"}},
         reasoning=msgspec.to_builtins(req.reasoning) if req.reasoning is not None else None,
-        metadata=req.metadata or {}, user=req.user)
+        metadata=req.metadata or {}, user=req.user if req.user is not None else msgspec.UNSET)
 
 
 def _usage(gen: Generation) -> R.ResponseUsage:
@@ -207,7 +207,7 @@ async def stream(ctx: ServerContext, req: R.ResponsesRequest, gen: Generation, r
     chat's typed chunks: created, in_progress, per output item added / its deltas / done, then
     completed (or incomplete, cut by max_output_tokens)."""
     events = _EventWriter()
-    started = _response(req, request_id, model, "in_progress", [], None)
+    started = _response(req, request_id, model, "in_progress", [], msgspec.UNSET)
     yield events.send("response.created", response=started)
     yield events.send("response.in_progress", response=started)
     finish: str | None = None
