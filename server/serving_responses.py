@@ -193,7 +193,7 @@ async def complete(ctx: ServerContext, req: R.ResponsesRequest, gen: Generation,
     output: list[R.OutputItem] = []
     if message.reasoning_content:
         output.append(R.ReasoningItem(_item_id("rs"), status, [R.ReasoningText(message.reasoning_content)]))
-    if message.content or not message.tool_calls:
+    if message.content or not (message.tool_calls or message.reasoning_content):  # an empty answer: one item
         output.append(R.MessageItem(_item_id("msg"), status, [R.OutputText(message.content or "")]))
     for call in message.tool_calls or []:
         output.append(R.FunctionCallItem(_item_id("fc"), call.id, call.function.name,

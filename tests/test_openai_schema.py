@@ -19,7 +19,8 @@ SCHEMAS = SPEC["components"]["schemas"]
 EVENT_SCHEMAS = {s["properties"]["type"]["enum"][0]: name for name, s in SCHEMAS.items()
                  if name.endswith("Event") and "enum" in s.get("properties", {}).get("type", {})}
 TOOL = {"type": "function", "function": {"name": "pick", "parameters": {
-    "type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"]}}}
+    "type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"],
+    "additionalProperties": False}}}
 
 
 def check(obj: dict, schema: str) -> None:
