@@ -33,9 +33,11 @@ from ringserve.server.tool_calls import template_tools
 from ringserve.server.trace import TRACE_FIELD, TRACE_HEADER, start_trace, stream_with_trace, wants_trace
 
 log = logging.getLogger("ringserve.server")
+access_log = logging.getLogger("ringserve.access")
 
 MAX_BODY_BYTES = ServerConfig.max_body_bytes
 RECEIVE_KEY = "ringserve.receive"  # the ASGI receive callable, for the disconnect watcher
+REQUEST_ID_KEY = "ringserve.request_id"  # a generation's public id, for its access line
 _encode = msgspec.json.Encoder().encode
 
 
@@ -56,6 +58,7 @@ class AppOptions:
     server_info: dict[str, Any] = field(default_factory=dict)
     # GET /kv_event_sources: each engine's KV-event publisher by rank ({}: events off)
     kv_event_sources: dict[str, dict] = field(default_factory=dict)
+    log_requests: bool = True  # an access line per request (--disable-log-requests: none)
 
 
 # --- plumbing --------------------------------------------------------------------------------
@@ -197,6 +200,7 @@ class _Generate:
         request_id = P.public_request_id(self.prefix, header)
         resp.set_header(P.REQUEST_ID_HEADER, header or request_id)
         req.context.request_id = request_id
+        req.scope[REQUEST_ID_KEY] = request_id
         model = request.model or self._ctx.model_name
         gen = await self.serving.prepare(self._ctx, request, P.new_id(self.prefix))
         extensions = req.scope.get("extensions") or {}  # from our protocol (http_worker.py)
@@ -474,6 +478,8 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
 
     async def asgi(scope, receive, send):
         if scope["type"] == "http":
+            if options.log_requests:
+                send = _AccessLine(scope, send)
             if auth is not None and not auth.allows(scope):
                 await auth.refuse(scope, send)
                 return
@@ -483,3 +489,26 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
         await app(scope, receive, send)
 
     return asgi
+
+
+class _AccessLine:
+    """The ASGI `send` of one request, logging its access line once the response's last byte
+    is sent (a stream's whole duration): client, method, path, status, seconds, request id
+    (a generation's public id, else the client's X-Request-Id, else -)."""
+
+    def __init__(self, scope: dict, send: Callable[[dict], Awaitable[None]]):
+        self._scope, self._send = scope, send
+        self._start = time.monotonic()
+        self._status = 0
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self._status = message["status"]
+        await self._send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            scope = self._scope
+            client = scope.get("client") or ("-", 0)
+            rid = scope.get(REQUEST_ID_KEY) or next(
+                (v.decode(errors="replace") for k, v in scope["headers"] if k == b"x-request-id"), "-")
+            access_log.info('%s "%s %s" %d %.3f s %s', client[0], scope["method"], scope["path"],
+                            self._status, time.monotonic() - self._start, rid)
