@@ -187,6 +187,7 @@ def _status(finish: str | None) -> str:
 
 async def complete(ctx: ServerContext, req: R.ResponsesRequest, gen: Generation, request_id: str,
                    model: str) -> R.Response:
+    # NOTE: to_chat again (pure, microseconds) rather than a chat request carried on the Generation
     chat = await serving_chat.complete(ctx, to_chat(req), gen, request_id, model)
     choice = chat.choices[0]
     status, message = _status(choice.finish_reason), choice.message
