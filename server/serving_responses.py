@@ -139,14 +139,18 @@ def _text(content: str | list[R.InputPart] | None, param: str) -> str:
 
 def responses_error(exc: APIError) -> APIError:
     """A 400 of chat's path, naming the Responses field it came from."""
+    if exc.param is None:
+        return exc
+    old = exc.param
     for chat, ours in _PARAMS:
-        if exc.param is not None and (exc.param == chat or exc.param.startswith((chat + ".", chat + "["))):
-            exc.message = exc.message.replace(chat, ours, 1) if exc.message.startswith(chat) else exc.message
-            exc.param = ours + exc.param[len(chat):]
+        if old == chat or old.startswith((chat + ".", chat + "[")):
+            exc.param = ours + old[len(chat):]
+            exc.message = exc.message.replace(chat, ours)
             break
     else:
-        if exc.param is not None and exc.param.startswith("tools[") and ".function." in exc.param:
-            exc.param = exc.param.replace(".function.", ".", 1)  # the Responses tool is flat
+        if old.startswith("tools[") and ".function." in old:
+            exc.param = old.replace(".function.", ".", 1)  # the Responses tool is flat
+            exc.message = exc.message.replace(old, exc.param)
     return exc
 
 

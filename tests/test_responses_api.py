@@ -5,6 +5,7 @@ naming it, the server still up; X-Request-Id as on chat."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -134,7 +135,7 @@ BAD = [  # (body, the param the 400 names)
     ({"input": "x", "top_p": 0}, "top_p"),
     ({"input": []}, "input"),
     ({"input": 5}, "input"),
-    ({}, None),
+    ({}, "input"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user"}]}, "input[0].content"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
@@ -162,6 +163,9 @@ def test_bad_fields_are_400s_naming_them_and_the_server_stays_up(url):
             assert r.status_code == 400, (body, r.text)
             error = r.json()["error"]
             assert error["param"] == param and error["type"] == "invalid_request_error", (body, error)
+            # in the Responses API's words, not chat's it was translated into
+            assert not re.search(r"messages|max_completion_tokens|response_format|\.function\.",
+                                 error["message"]), error
         nan = c.post("/v1/responses", content=b'{"input": "x", "temperature": NaN}')
         assert nan.status_code == 400 and nan.json()["error"]["param"] == "temperature", nan.text
         assert c.post("/v1/responses", json={"input": "x", "model": "nope"}).status_code == 404
