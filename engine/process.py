@@ -412,9 +412,10 @@ class EngineProcess:
         slot.bell.close()
         slot.channel.close()
         self.slots[slot.index] = None
-        if broken is None:
-            log.info("worker in slot %d (generation %d) left; %d requests aborted",
-                     slot.index, slot.generation, len(slot.open))
+        if broken is None:  # news only when it cost requests (the launcher's probe at start leaves too)
+            log.log(logging.INFO if slot.open else logging.DEBUG,
+                    "worker in slot %d (generation %d) left; %d requests aborted",
+                    slot.index, slot.generation, len(slot.open))
         else:
             log.warning("slot %d (generation %d) detached: it %s; %d requests aborted",
                         slot.index, slot.generation, broken, len(slot.open))

@@ -168,3 +168,37 @@ def hang_reason(stats: EngineStats, limit_s: float) -> str | None:
     if step > limit_s:
         return f"one step running for {step:.0f} s"
     return None
+
+
+class ThroughputLog:
+    """vLLM's periodic line for one engine, computed from its counters over an interval: prompt
+    and generation tokens per second, requests running and waiting, KV-cache usage and the
+    prefix cache's hit rate over the interval. The launcher calls `line` every
+    RINGSERVE_LOG_STATS_INTERVAL seconds and logs what it returns (server/launch.py)."""
+
+    def __init__(self, index: int, stats: EngineStats, kv_label: str = "KV cache"):
+        self._index, self.stats, self._kv_label = index, stats, kv_label
+        self._at, self._counts = time.monotonic(), self._read()
+
+    def _read(self) -> tuple[int, int, int, int]:
+        s = self.stats
+        return (s[PROMPT_TOKENS_COMPUTED], s[GENERATION_TOKENS], s[PREFIX_CACHE_QUERIES],
+                s[PREFIX_CACHE_HITS])
+
+    def line(self) -> str | None:
+        """The interval since the last call as one line; None when the engine was idle all of
+        it and holds no request (silent when idle, as vLLM)."""
+        now, counts = time.monotonic(), self._read()
+        (prompt, generated, queries, hits) = (a - b for a, b in zip(counts, self._counts, strict=True))
+        seconds = max(now - self._at, 1e-9)
+        self._at, self._counts = now, counts
+        s = self.stats
+        if not (prompt or generated or s.running or s.waiting):
+            return None
+        blocks = s[NUM_BLOCKS]
+        usage = 100.0 * (1 - s[NUM_FREE_BLOCKS] / blocks) if blocks else 0.0
+        return (f"engine {self._index}: Avg prompt throughput: {prompt / seconds:.1f} tokens/s, "
+                f"Avg generation throughput: {generated / seconds:.1f} tokens/s, "
+                f"Running: {s.running} reqs, Waiting: {s.waiting} reqs, "
+                f"{self._kv_label} usage: {usage:.1f}%, "
+                f"Prefix cache hit rate: {100.0 * hits / queries if queries else 0.0:.1f}%")

@@ -20,7 +20,8 @@ from falcon.routing import CompiledRouter
 
 from ringserve.ipc.ring import MessageTooLarge
 from ringserve.server import protocol as P
-from ringserve.server import serving_chat, serving_completions
+from ringserve.server import protocol_responses as R
+from ringserve.server import serving_chat, serving_completions, serving_responses
 from ringserve.server.config import ServerConfig
 from ringserve.server.context import ServerContext, off_loop
 from ringserve.server.engine_client import EngineUnavailable
@@ -32,9 +33,11 @@ from ringserve.server.tool_calls import template_tools
 from ringserve.server.trace import TRACE_FIELD, TRACE_HEADER, start_trace, stream_with_trace, wants_trace
 
 log = logging.getLogger("ringserve.server")
+access_log = logging.getLogger("ringserve.access")
 
 MAX_BODY_BYTES = ServerConfig.max_body_bytes
 RECEIVE_KEY = "ringserve.receive"  # the ASGI receive callable, for the disconnect watcher
+REQUEST_ID_KEY = "ringserve.request_id"  # a generation's public id, for its access line
 _encode = msgspec.json.Encoder().encode
 
 
@@ -55,6 +58,7 @@ class AppOptions:
     server_info: dict[str, Any] = field(default_factory=dict)
     # GET /kv_event_sources: each engine's KV-event publisher by rank ({}: events off)
     kv_event_sources: dict[str, dict] = field(default_factory=dict)
+    log_requests: bool = True  # an access line per request (--disable-log-requests: none)
 
 
 # --- plumbing --------------------------------------------------------------------------------
@@ -190,10 +194,13 @@ class _Generate:
         request: Any = P.decode_request(body, self.request_type)
         if not self._options.engine_alive():
             raise APIError(503, "no engine is available", code="engine_unavailable")
-        # Public id (response, X-Request-Id, logs, trace) and the engine requests' own ids.
-        request_id = P.public_request_id(self.prefix, req.get_header(P.REQUEST_ID_HEADER))
-        resp.set_header(P.REQUEST_ID_HEADER, request_id)
+        # Public id (response, logs, trace) and the engine requests' own ids. The client's
+        # X-Request-Id comes back unchanged (vLLM's middleware); without one, the public id.
+        header = req.get_header(P.REQUEST_ID_HEADER)
+        request_id = P.public_request_id(self.prefix, header)
+        resp.set_header(P.REQUEST_ID_HEADER, header or request_id)
         req.context.request_id = request_id
+        req.scope[REQUEST_ID_KEY] = request_id
         model = request.model or self._ctx.model_name
         gen = await self.serving.prepare(self._ctx, request, P.new_id(self.prefix))
         extensions = req.scope.get("extensions") or {}  # from our protocol (http_worker.py)
@@ -266,6 +273,14 @@ class ChatCompletions(_Generate):
     prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
     serving = serving_chat
+
+
+class Responses(_Generate):
+    """POST /v1/responses: a translation over chat (server/serving_responses.py)."""
+    request_type = R.ResponsesRequest
+    prefix = "resp"
+    chunk_object = "response"
+    serving = serving_responses
 
 
 class Tokenize:
@@ -439,6 +454,7 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
     app.add_error_handler(APIError, _api_error)
     app.add_route("/v1/completions", Completions(ctx, options))
     app.add_route("/v1/chat/completions", ChatCompletions(ctx, options))
+    app.add_route("/v1/responses", Responses(ctx, options))
     models = Models(ctx, options)
     app.add_route("/v1/models", models)
     app.add_route("/v1/models/{model_id:path}", models, suffix="one")  # ids may hold a "/"
@@ -462,6 +478,8 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
 
     async def asgi(scope, receive, send):
         if scope["type"] == "http":
+            if options.log_requests:
+                send = _AccessLine(scope, send)
             if auth is not None and not auth.allows(scope):
                 await auth.refuse(scope, send)
                 return
@@ -471,3 +489,26 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
         await app(scope, receive, send)
 
     return asgi
+
+
+class _AccessLine:
+    """The ASGI `send` of one request, logging its access line once the response's last byte
+    is sent (a stream's whole duration): client, method, path, status, seconds, request id
+    (a generation's public id, else the client's X-Request-Id, else -)."""
+
+    def __init__(self, scope: dict, send: Callable[[dict], Awaitable[None]]):
+        self._scope, self._send = scope, send
+        self._start = time.monotonic()
+        self._status = 0
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self._status = message["status"]
+        await self._send(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            scope = self._scope
+            client = scope.get("client") or ("-", 0)
+            rid = scope.get(REQUEST_ID_KEY) or next(
+                (v.decode(errors="replace") for k, v in scope["headers"] if k == b"x-request-id"), "-")
+            access_log.info('%s "%s %s" %d %.3f s %s', client[0], scope["method"], scope["path"],
+                            self._status, time.monotonic() - self._start, rid)

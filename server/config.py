@@ -70,6 +70,9 @@ class ServerConfig:
                 "killed and restarted; its open requests fail"})
     log_level: str = field(default="info", metadata={
         "choices": ("critical", "error", "warning", "info", "debug"), "help": "log level"})
+    disable_log_requests: bool = field(default=False, metadata={
+        "help": "no access line per request (method, path, status, duration, request id), as "
+                "vLLM's flag"})
     metrics_prefix: str = field(default="ringserve", metadata={
         "choices": METRICS_PREFIXES,
         "help": "the prefix of every /metrics name: \"vllm\" serves vLLM's names (vllm:...), for "

@@ -178,7 +178,7 @@ class EngineClient:
             self._watch.cancel()
         for e in self.engines:
             if e is not None:
-                self._lose(e, "the engine client closed")
+                self._lose(e, "the engine client closed", logging.DEBUG)  # our own close: no news
 
     @property
     def num_ready(self) -> int:
@@ -349,8 +349,9 @@ class EngineClient:
             f"engine {engine.index} died (crashed, or killed by the launcher as hung); the "
             "request was lost, retry it"))
 
-    def _lose(self, engine: _Engine, reason: str) -> None:
-        """Fail every open request on the engine and forget it until it reconnects."""
+    def _lose(self, engine: _Engine, reason: str, level: int = logging.WARNING) -> None:
+        """Fail every open request on the engine and forget it until it reconnects; `reason`
+        is logged at `level`."""
         if not engine.alive:
             return
         self._on_outputs(engine)  # what it sent before dying still counts
@@ -367,7 +368,7 @@ class EngineClient:
         engine.outbox.clear()
         self.engines[engine.index] = None
         engine.close()
-        log.warning("%s", reason)
+        log.log(level, "%s", reason)
 
     async def _watchdog(self) -> None:
         """Reconnect engines that are gone (a hung one is the launcher's to kill, see above)."""

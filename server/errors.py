@@ -54,11 +54,16 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 # msgspec says where a field failed as "- at `$.a.b[0]`"; OpenAI's `param` is that path.
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `([^`]+)`")
 
 
 def from_validation_error(exc: Exception) -> APIError:
-    """A 400 for a msgspec decode/validation failure, with `param` naming the field."""
+    """A 400 for a msgspec decode/validation failure, with `param` naming the field (a missing
+    one too: msgspec names it in the message, and where it is missing in the path)."""
     text = str(exc)
     m = _AT.search(text)
     param = m.group(1) or None if m else None
+    missing = _MISSING.match(text)
+    if missing is not None:
+        param = f"{param}.{missing.group(1)}" if param else missing.group(1)
     return bad_request(text, param=param)

@@ -3,6 +3,7 @@
 The launcher passes everything through RINGSERVE_* environment variables, so this file is the
 one place the Gunicorn side of the deployment is written down.
 """
+import logging
 import os
 
 from ringserve.server.config import ServerConfig
@@ -47,8 +48,32 @@ def on_starting(server):
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     if launcher:
         die_with_parent(int(launcher))
+    server.log.error_log.addFilter(_ListenAddress(server.cfg.bind))
 
 
 def post_fork(server, worker):
     if os.environ.get(LAUNCHER_PID_ENV):
         die_with_parent(server.pid)  # the master forks from its only thread
+    # The app's loggers (ringserve.*: access lines, engine-client warnings) write where and as
+    # Gunicorn's own do, at --log-level; without this only warnings reached stderr, bare.
+    ours = logging.getLogger("ringserve")
+    ours.handlers = list(server.log.error_log.handlers)
+    ours.setLevel(server.log.error_log.level)
+    ours.propagate = False
+
+
+class _ListenAddress(logging.Filter):
+    """Gunicorn's "Listening at: %s (%s)" with the address in it. With reuse_port each worker
+    binds a socket of its own (gunicorn 27's arbiter, when SO_REUSEPORT exists, creates none
+    and its LISTENERS stay empty), so the master prints an empty address: put back what the
+    workers bind."""
+
+    def __init__(self, bind: list[str]):
+        super().__init__()
+        self._address = ",".join(f"http://{b}" for b in bind)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.msg == "Listening at: %s (%s)" and isinstance(record.args, tuple)
+                and record.args[:1] == ("",)):
+            record.args = (self._address, *record.args[1:])
+        return True

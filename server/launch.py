@@ -33,7 +33,14 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from ringserve.ipc.shm import Segment, remove_stale_segments
-from ringserve.ipc.stats import BLOCK_SIZE, KV_CACHE_BYTES, NUM_BLOCKS, EngineStats, hang_reason
+from ringserve.ipc.stats import (
+    BLOCK_SIZE,
+    KV_CACHE_BYTES,
+    NUM_BLOCKS,
+    EngineStats,
+    ThroughputLog,
+    hang_reason,
+)
 from ringserve.server.config import WORKER_CONFIG_ENV
 from ringserve.server.supervision import (
     LAUNCHER_PID_ENV,
@@ -45,6 +52,8 @@ from ringserve.server.supervision import (
 log = logging.getLogger("ringserve.launch")
 
 ENGINE_START_TIMEOUT_S = 600.0
+# Seconds between two throughput lines while there is traffic (vLLM's VLLM_LOG_STATS_INTERVAL).
+LOG_STATS_INTERVAL_ENV = "RINGSERVE_LOG_STATS_INTERVAL"
 
 
 def serve_sections() -> list[tuple[str, type]]:
@@ -86,10 +95,13 @@ class _Engine:
         self.stats = self.segment = None
 
 
-def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, **kwargs) -> None:
+def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, log_level: str,
+                 **kwargs) -> None:
     """An engine process's entry: in a session of its own (group signals are the launcher's to
     handle), killed with the launcher; its GPU is CUDA_VISIBLE_DEVICES (it then sees one
-    device, 0), set before anything in it initializes CUDA."""
+    device, 0), set before anything in it initializes CUDA. It logs as the launcher does (a
+    spawned process starts with logging unconfigured: its info lines were lost)."""
+    _configure_logging(log_level)
     os.setsid()
     die_with_parent(launcher_pid)
     if gpu is not None:
@@ -157,7 +169,7 @@ class Launcher:
         path = str(self.runtime / f"engine-{index}.sock")
         proc = self._mp.Process(target=_engine_main,
                                 args=(self.engine_gpus[index], self.engine_config, path,
-                                      os.getpid()),
+                                      os.getpid(), self.server.log_level),
                                 kwargs={"max_slots": max(64, 2 * self.parallel.workers),
                                         "debug_path": self._debug_path(index),
                                         "data_parallel_rank": index},
@@ -210,6 +222,7 @@ class Launcher:
             "max_stream_backlog": a.max_stream_backlog,
             "tool_call_parser": a.tool_call_parser,
             "reasoning_parser": a.reasoning_parser,
+            "disable_log_requests": a.disable_log_requests,
             "control_paths": [e.control_path for e in self.engines],
             "debug_paths": ([self._debug_path(e.index) for e in self.engines]
                             if a.enable_debug_endpoints else None),
@@ -297,6 +310,9 @@ class Launcher:
                  self.model_dir.name, self.model_dir,
                  ", ".join(self.server.served_model_name or [self.model_dir.name]),
                  self.server.host, self.server.port, self.parallel.workers, self.max_model_len)
+        if self.server.enable_debug_endpoints:
+            log.info("dashboard: http://%s:%d/dashboard (engines: /debug/engines)",
+                     self.server.host, self.server.port)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -307,8 +323,26 @@ class Launcher:
         finally:
             self.shutdown()
 
+    def _log_stats(self, logs: dict[int, ThroughputLog]) -> None:
+        """Each engine's throughput line since the last call (none while it is idle)."""
+        label = "GPU KV cache" if self.device == "cuda" else "KV cache"
+        for e in self.engines:
+            if e.stats is None:
+                continue
+            tl = logs.get(e.index)
+            if tl is None or tl.stats is not e.stats:  # new, or restarted: count from now
+                logs[e.index] = ThroughputLog(e.index, e.stats, label)
+            elif (line := tl.line()) is not None:
+                log.info("%s", line)
+
     def _supervise(self, gunicorn: subprocess.Popen) -> int:
+        interval = float(os.environ.get(LOG_STATS_INTERVAL_ENV, "10"))
+        logs: dict[int, ThroughputLog] = {}
+        next_stats = time.monotonic()
         while not self._stopping:
+            if time.monotonic() >= next_stats:
+                self._log_stats(logs)
+                next_stats = time.monotonic() + interval
             code = gunicorn.poll()
             if code is not None:
                 log.error("gunicorn exited with code %s", code)
@@ -387,9 +421,14 @@ def _address_in_use(host: str, port: int) -> str | None:
     return None
 
 
-def serve_command(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+def _configure_logging(level: str) -> None:
+    """The launcher's and the engines' log lines: time, logger, level, message, on stderr."""
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    _configure_logging(args.log_level)
     from ringserve.gpu.errors import ModelError
     from ringserve.gpu.loader.config import ModelConfig
     from ringserve.gpu.loader.model_store import resolve_model

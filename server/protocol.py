@@ -545,11 +545,13 @@ class ChatTokenLogprob(Struct):
 
 class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None  # OpenAI's schema requires the key (null)
 
 
 class ResponseMessage(Struct, omit_defaults=True):
     role: str
     content: str | None
+    refusal: str | None  # no default: always sent, null (OpenAI's schema requires the key)
     tool_calls: list[ToolCall] | None = None
     reasoning_content: str | None = None  # --reasoning-parser (server/reasoning.py)
 
@@ -616,7 +618,8 @@ class CompletionChunk(Struct):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+    # Only the last chunk, and only with stream_options.include_usage: no key otherwise (OpenAI's schema)
+    usage: UsageInfo | msgspec.UnsetType = msgspec.UNSET
     object: str = "text_completion"
     system_fingerprint: str = SYSTEM_FINGERPRINT
 

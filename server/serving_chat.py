@@ -98,23 +98,32 @@ def _message(tp: T.ToolPlan, fmt: ReasoningFormat | None, text: str,
     Tool calls are parsed from the content after the reasoning only."""
     reasoning, answer = split_reasoning(fmt, text) if fmt is not None else (None, text)
     if tp.mode == "none" or finish not in ("stop",) or answer is None:  # cut short: no call to parse
-        return P.ResponseMessage("assistant", answer, reasoning_content=reasoning), finish
+        return P.ResponseMessage("assistant", answer, None, reasoning_content=reasoning), finish
     if tp.mode == "auto":
         content, calls = T.parse_auto(tp.parser or "", answer)
     else:
         content, calls = None, T.constrained_calls(tp, answer)
     if not calls:
-        return P.ResponseMessage("assistant", answer, reasoning_content=reasoning), finish
-    return (P.ResponseMessage("assistant", content, calls, reasoning),
+        return P.ResponseMessage("assistant", answer, None, reasoning_content=reasoning), finish
+    return (P.ResponseMessage("assistant", content, None, calls, reasoning),
             "stop" if tp.mode == "named" else "tool_calls")
 
 
 async def stream(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generation,
                  request_id: str, model: str) -> AsyncIterator[bytes]:
+    async for chunk in chunks(ctx, req, gen, request_id, model):
+        yield event(chunk)
+    yield DONE
+
+
+async def chunks(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generation,
+                 request_id: str, model: str) -> AsyncIterator[P.ChatCompletionChunk]:
+    """The stream's chunks, typed: chat's SSE events, and what the Responses API translates
+    (server/serving_responses.py)."""
     created = P.now()
     for c in gen.choices:
         first = P.ChatChunkChoice(c.index, P.DeltaMessage(role="assistant", content=""))
-        yield event(P.ChatCompletionChunk(request_id, created, model, [first]))
+        yield P.ChatCompletionChunk(request_id, created, model, [first])
     tp: T.ToolPlan = gen.tools
     reasoning = {c.index: ReasoningStream(gen.reasoning) for c in gen.choices} if gen.reasoning else None
     if tp.mode != "none":
@@ -131,10 +140,9 @@ async def stream(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generati
         choice = P.ChatChunkChoice(c.index, delta, lp,
                                    c.finish_reason if d.finished else None,
                                    c.stop_reason if d.finished else None)
-        yield event(P.ChatCompletionChunk(request_id, created, model, [choice]))
+        yield P.ChatCompletionChunk(request_id, created, model, [choice])
     if req.include_usage:
-        yield event(P.ChatCompletionChunk(request_id, created, model, [], gen.usage()))
-    yield DONE
+        yield P.ChatCompletionChunk(request_id, created, model, [], gen.usage())
 
 
 def _split(reasoning: dict[int, ReasoningStream] | None, d) -> tuple[str, str]:
@@ -146,15 +154,16 @@ def _split(reasoning: dict[int, ReasoningStream] | None, d) -> tuple[str, str]:
 
 async def _stream_tools(ctx: ServerContext, req: P.ChatCompletionRequest, gen: Generation,
                         request_id: str, model: str, created: int, tp: T.ToolPlan,
-                        reasoning: dict[int, ReasoningStream] | None) -> AsyncIterator[bytes]:
+                        reasoning: dict[int, ReasoningStream] | None
+                        ) -> AsyncIterator[P.ChatCompletionChunk]:
     """The choices' deltas through a ToolStream each (server/tool_calls.py): reasoning (when
     parsed: the tool stream reads the content after it), content, then the calls as OpenAI
     streams them, then the finish reason on a delta of its own."""
     streams = {c.index: T.ToolStream(tp) for c in gen.choices}
 
-    def chunk(index: int, delta: P.DeltaMessage, lp=None, finish=None, stop=None) -> bytes:
-        return event(P.ChatCompletionChunk(request_id, created, model,
-                                           [P.ChatChunkChoice(index, delta, lp, finish, stop)]))
+    def chunk(index: int, delta: P.DeltaMessage, lp=None, finish=None, stop=None) -> P.ChatCompletionChunk:
+        return P.ChatCompletionChunk(request_id, created, model,
+                                     [P.ChatChunkChoice(index, delta, lp, finish, stop)])
 
     async for d in gen.deltas():
         c, ts = d.choice, streams[d.choice.index]

@@ -87,10 +87,17 @@ def start_trace(request_id: str, arrival: float, arrival_unix: float) -> Fronten
 
 async def stream_with_trace(chunks: AsyncIterator[bytes], gen, trace: FrontendTrace,
                             obj: str, model: str) -> AsyncIterator[bytes]:
-    """The SSE stream with one more chunk, carrying the journey, just before [DONE]."""
+    """The SSE stream with one more chunk, carrying the journey, just before [DONE] (last, in a
+    stream without one: the Responses API's)."""
+    def journey() -> bytes:
+        return event({"id": trace.request_id, "object": obj, "created": int(trace.arrival_unix),
+                      "model": model, "choices": [], "system_fingerprint": SYSTEM_FINGERPRINT,
+                      TRACE_FIELD: trace.journey(gen)})
+    done = False
     async for chunk in chunks:
         if chunk == DONE:
-            yield event({"id": trace.request_id, "object": obj, "created": int(trace.arrival_unix),
-                         "model": model, "choices": [], "system_fingerprint": SYSTEM_FINGERPRINT,
-                         TRACE_FIELD: trace.journey(gen)})
+            done = True
+            yield journey()
         yield chunk
+    if not done:
+        yield journey()

@@ -16,7 +16,8 @@ STATIONS = ("Frontend", "Engine client", "Engine core", "KV-cache manager", "Mod
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt (with --chat: the user message)")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--base-url", "--url", dest="url", default="http://127.0.0.1:8000",
+                   help="the server's base URL (--url: the same, as loadgen takes it too)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--api-key", default=os.environ.get("RINGSERVE_API_KEY"))
@@ -149,8 +150,10 @@ def command(args: argparse.Namespace) -> int:
     except (httpx.HTTPError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(journey, indent=2))
-    else:
-        print(format_journey(journey, text))
+    out = json.dumps(journey, indent=2) if args.json else format_journey(journey, text)
+    try:
+        print(out, flush=True)
+    except BrokenPipeError:  # `ringserve trace --json ... | head`: the reader has had enough
+        # stdout's buffer is dropped rather than flushed again at exit (which would raise again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

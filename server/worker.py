@@ -85,6 +85,7 @@ def worker_app():
         on_startup=[start], on_shutdown=[stop],
         server_info=cfg["server_info"],
         kv_event_sources=cfg["kv_event_sources"],
+        log_requests=not cfg.get("disable_log_requests", False),
         debug_engines=((lambda: engine_views(client, cfg["debug_paths"]))
                        if cfg.get("debug_paths") else None))
     return create_app(ctx, options)

@@ -84,3 +84,16 @@ def test_dashboard_draws_engines_pool_and_steps(tiny_server, tmp_path):
     assert len(prefill) == len(decode) == len(steps) > 0
     assert sum(prefill) == sum(t["num_prefill_tokens"] for t in steps) > 0
     assert sum(decode) == sum(t["num_decode_tokens"] for t in steps) > 0
+
+
+def test_dashboard_says_when_a_queue_table_is_cut(tiny_server, tmp_path):
+    """16 requests running on one engine, 12 rows a table: the table says it shows 12 of them."""
+    url = tiny_server("--enable-debug-endpoints", "--max-num-seqs", "64")
+    load = Load(url, threads=16)
+    try:
+        dom = chromium(url + "/dashboard", tmp_path / "profile-cut", "--dump-dom")
+    finally:
+        load.stop()
+    assert dom.returncode == 0, dom.stderr
+    shown = re.search(r"showing 12 of (\d+) running", dom.stdout)
+    assert shown and int(shown.group(1)) > 12, dom.stdout[:3000]

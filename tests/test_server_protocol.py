@@ -67,7 +67,7 @@ BAD_COMPLETIONS = [
     ({"prompt": ["a", 1]}, "prompt"),
     ({"prompt": [1, -3]}, "prompt[1]"),
     ({"prompt": [10**9]}, "prompt"),
-    ({}, None),
+    ({}, "prompt"),  # the missing field is named
     ({"prompt": "hi " * 80}, "prompt"),
     ({"prompt": "hi", "max_tokens": MAX_LEN}, "max_tokens"),
     ({"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),

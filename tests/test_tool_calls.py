@@ -263,7 +263,7 @@ BAD_TOOLS = [  # (body fields, param)
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]},
-     "messages[0].tool_calls[0].function"),
+     "messages[0].tool_calls[0].function.arguments"),  # the missing field itself
 ]
 
 

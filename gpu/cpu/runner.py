@@ -5,6 +5,9 @@ submit() before it returns, and samples on the host (gpu/sampling/sampler.py).
 """
 from __future__ import annotations
 
+import logging
+import os
+import time
 from pathlib import Path
 
 import numba
@@ -12,6 +15,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from ringserve.gpu.batch import Batch
+from ringserve.gpu.cpu.attention import paged_attention
 from ringserve.gpu.cpu.int8_kernels import has_vnni
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
 from ringserve.gpu.cpu.ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
@@ -34,6 +38,10 @@ from ringserve.gpu.settings import (
 )
 
 _BLAS = ThreadpoolController()
+log = logging.getLogger(__name__)
+# A fresh compile of the CPU kernels (an empty Numba cache): the default model's warm-up took
+# 6.3 s on the 2-core dev machine (shared, 2026-12), and the first request 10.7 s in issue 31.
+COMPILE_ESTIMATE_S = 10
 
 
 class CpuModelRunner:
@@ -82,6 +90,24 @@ class CpuModelRunner:
                           for _ in range(c.num_hidden_layers)]
         self.max_model_len = (limits and limits.max_model_len) or c.max_position_embeddings
         self._cos = self._sin = np.empty((0, c.rotary_dim // 2), dtype=np.float32)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Every kernel of a step compiled (or loaded from Numba's cache) now, not on the first
+        request: forwards whose slots are -1 (they write nothing). The first start on a
+        machine compiles them, which takes a while: say so before, so that nobody waits on a
+        silent engine."""
+        first = not kernels_cached()
+        if first:
+            log.info("compiling kernels (first start only, ~%d s; later starts load them from "
+                     "Numba's cache)", COMPILE_ESTIMATE_S)
+        t0 = time.perf_counter()
+        for tokens in (1, 16):  # a decode and a prefill: linears pick their kernels by size
+            ids = np.zeros(tokens, np.int32)
+            self.execute(Batch(ids, np.arange(tokens, dtype=np.int32), np.full(tokens, -1, np.int32),
+                               np.array([0, tokens], np.int32), np.array([tokens], np.int32),
+                               np.zeros((1, 1), np.int32)))
+        log.info("kernels %s in %.2f s", "compiled" if first else "loaded", time.perf_counter() - t0)
 
     @property
     def bytes_per_block(self) -> int:
@@ -137,6 +163,15 @@ class CpuModelRunner:
             step.output.prompt_logprobs = host_prompt_logprobs(lambda r: self._logits(x, r),
                                                                prompt_logprobs)
         return step
+
+
+def kernels_cached() -> bool:
+    """Whether Numba's on-disk cache holds the CPU kernels (the attention kernel's index file
+    stands for them all): false on a machine's first start, or after the kernels changed."""
+    # NOTE: Numba has no public way to ask; its FunctionCache's index path is read where it exists.
+    cache_file = getattr(getattr(paged_attention, "_cache", None), "_cache_file", None)
+    index = getattr(cache_file, "_index_path", None)
+    return index is not None and os.path.exists(index)
 
 
 def numba_max_threads() -> int:

@@ -307,6 +307,8 @@ class CudaModelRunner:
         """Every kernel compiled (NVRTC modules are at construction; Numba JITs at first launch)
         and run once now, not on the first request: a one-token eager forward (slot -1: writes
         nothing) sampled with every sampling path and scored for prompt logprobs."""
+        # Said first: Numba CUDA keeps no on-disk cache here, so every start compiles (seconds)
+        log.info("compiling kernels (Numba CUDA, every start) and warming them")
         t0 = time.perf_counter()
         batch = Batch(np.zeros(1, np.int32), np.zeros(1, np.int32), np.full(1, -1, np.int32),
                       np.array([0, 1], np.int32), np.array([1], np.int32), np.zeros((1, 1), np.int32))

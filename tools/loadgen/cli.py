@@ -47,8 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mode", choices=("ring", "http"), default="http",
                    help="ring: attach to a local ringserve's engines as a worker does (no HTTP); "
                         "http: any OpenAI-compatible server (default)")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="the server (ring mode: finds the ringserve serving it on this machine)")
+    g.add_argument("--base-url", "--url", dest="base_url", default="http://127.0.0.1:8000",
+                   help="the server (ring mode: finds the ringserve serving it on this machine); "
+                        "--url: the same, as trace takes it too")
     g.add_argument("--server-dir", default=None,
                    help="ring mode: the server's runtime folder (holds server.json), instead of --base-url")
     g.add_argument("--endpoint", default="/v1/completions",
