@@ -54,6 +54,25 @@ class SchedulerConfig:
         return self.max_num_batched_tokens
 
 
+def fit_max_model_len(requested: int | None, model_len: int, pool_tokens: int) -> tuple[int, str | None]:
+    """The max_model_len an engine serves with, and a warning when it is less than asked for.
+    requested: --max-model-len (None: not given, the model's max_position_embeddings);
+    pool_tokens: what the KV pool holds (its blocks x block size). A pool that cannot hold one
+    request of an explicit max_model_len is refused (ValueError, as vLLM refuses); without an
+    explicit one the length is clamped to the pool, so that the default KV budget (the CPU's 1 GiB
+    against a long-context model) still starts, and a longer request is a 400 at the frontend."""
+    if requested is not None and requested > pool_tokens:
+        raise ValueError(
+            f"the KV pool holds {pool_tokens} tokens, less than one request of --max-model-len "
+            f"{requested}: give a smaller --max-model-len, or a larger pool (--kv-cache-memory-bytes "
+            f"on cpu, --gpu-memory-utilization on cuda, --num-gpu-blocks-override, --kv-cache-dtype)")
+    if requested is None and model_len > pool_tokens:
+        return pool_tokens, (f"max_model_len clamped from the model's {model_len} to {pool_tokens} "
+                             f"tokens, what the KV pool holds (give a larger pool: "
+                             f"--kv-cache-memory-bytes on cpu, --gpu-memory-utilization on cuda)")
+    return (model_len if requested is None else requested), None
+
+
 PARTS = {"device_config": DeviceConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}
 
 

@@ -125,7 +125,7 @@ class EngineProcess:
         self.stats = EngineStats(self.stats_segment.buf)
         memory = MemoryReport.of(core.runner)
         self.stats.init(os.getpid(), max_slots, core.kv.num_blocks, core.block_size,
-                        memory.kv_cache_bytes, memory.weight_bytes)
+                        memory.kv_cache_bytes, memory.weight_bytes, core.max_model_len)
         self.stats.publish(0, 0, core.kv.num_free_blocks)
         self.heartbeat = Heartbeat(self.stats)
         self.heartbeat.start()

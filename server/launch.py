@@ -33,7 +33,14 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from ringserve.ipc.shm import Segment, remove_stale_segments
-from ringserve.ipc.stats import BLOCK_SIZE, KV_CACHE_BYTES, NUM_BLOCKS, EngineStats, hang_reason
+from ringserve.ipc.stats import (
+    BLOCK_SIZE,
+    KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
+    NUM_BLOCKS,
+    EngineStats,
+    hang_reason,
+)
 from ringserve.server.config import WORKER_CONFIG_ENV
 from ringserve.server.supervision import (
     LAUNCHER_PID_ENV,
@@ -45,6 +52,11 @@ from ringserve.server.supervision import (
 log = logging.getLogger("ringserve.launch")
 
 ENGINE_START_TIMEOUT_S = 600.0
+EXIT_REFUSED = 3  # an engine that cannot serve with these settings, having printed why in one line
+
+
+class EngineRefused(RuntimeError):
+    """An engine refused to start and printed why (its one line): `serve` adds no other."""
 
 
 def serve_sections() -> list[tuple[str, type]]:
@@ -99,9 +111,9 @@ def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, 
     from ringserve.gpu.errors import ModelError
     try:
         run_engine(config, control_path, **kwargs)
-    except (ModelError, KVEventsError) as e:  # cannot serve here: its one line, no traceback
+    except (ModelError, KVEventsError, ValueError) as e:  # cannot serve: its one line, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(EXIT_REFUSED)
 
 
 class Launcher:
@@ -130,7 +142,7 @@ class Launcher:
         # With the device resolved, EngineConfig resolves its by-device defaults without CUDA.
         resolved = argparse.Namespace(**{**vars(args), "device": self.device})
         self.engine_config: EngineConfig = from_args(
-            EngineConfig, resolved, model=str(model_dir), max_model_len=max_model_len)
+            EngineConfig, resolved, model=str(model_dir))  # max_model_len: the flag's (None: not given)
         device_config = self.engine_config.device_config
         if self.device == "cpu" and device_config.cpu_threads is None and len(self.engine_gpus) > 1:
             # several CPU engines share the cores (each alone would take them all)
@@ -172,6 +184,8 @@ class Launcher:
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
             if not engine.process.is_alive():
+                if engine.process.exitcode == EXIT_REFUSED:  # it said why, in one line
+                    raise EngineRefused(f"engine {engine.index} refused to start (its error above)")
                 raise RuntimeError(f"engine {engine.index} exited with code "
                                    f"{engine.process.exitcode} while starting")
             if time.monotonic() > deadline:
@@ -283,6 +297,8 @@ class Launcher:
         ready = [self._wait_ready(e) for e in self.engines]
         if self._stopping:
             return
+        # An engine whose KV pool holds fewer tokens clamped it (engine/config.py fit_max_model_len).
+        self.max_model_len = min([self.max_model_len, *(s[MAX_MODEL_LEN] for s in ready if s[MAX_MODEL_LEN])])
         self.gunicorn = self._start_gunicorn()
         for e, stats in zip(self.engines, ready, strict=True):
             gpu = self.engine_gpus[e.index]
@@ -409,6 +425,8 @@ def serve_command(args: argparse.Namespace) -> int:
         return 1
     try:
         return Launcher(args, model_dir, max_model_len).run()
+    except EngineRefused:
+        return 1
     except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
