@@ -79,8 +79,14 @@ PARTS = {"device_config": DeviceConfig, "cache_config": CacheConfig, "scheduler_
 @dataclass(kw_only=True)
 class EngineConfig:
     model: str | None = field(default=None, metadata={
-        "help": "a known model name, an HF folder or a .gguf file (default: the default model, "
-                "SmolLM2-135M-Instruct)"})
+        "help": "a Hugging Face model id (ORG/NAME; ORG/NAME:QUANT for one GGUF of a repository), "
+                "a model folder, a .gguf file or a known name (default: SmolLM2-135M-Instruct); "
+                "also the positional argument, as `vllm serve MODEL`"})
+    revision: str | None = field(default=None, metadata={
+        "help": "a Hugging Face model id's branch, tag or commit (default: main)"})
+    download_dir: str | None = field(default=None, metadata={
+        "help": "the Hugging Face cache to look for and download a model id in (default: "
+                "$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + output in tokens (default: the model's "
                 "max_position_embeddings)"})

@@ -122,6 +122,7 @@ class Launcher:
         flag fails (ValueError) before anything starts."""
         from ringserve.engine.config import EngineConfig
         from ringserve.gpu.devices import cpu_threads_per_engine, cuda_stack_problem, plan_engines
+        from ringserve.gpu.loader.model_store import served_model_name
         from ringserve.server.config import (
             ParallelConfig,
             ServerConfig,
@@ -130,6 +131,7 @@ class Launcher:
         )
         from ringserve.server.protocol import RequestLimits
         self.model_dir = model_dir
+        self.model_name = served_model_name(args.model, model_dir)  # when --served-model-name is not given
         self.max_model_len = max_model_len
         self.server: ServerConfig = from_args(ServerConfig, args)
         self.parallel: ParallelConfig = from_args(ParallelConfig, args)
@@ -211,7 +213,7 @@ class Launcher:
         a = self.server
         prom = self.runtime / "prometheus"
         prom.mkdir()
-        names = a.served_model_name or [self.model_dir.name]
+        names = a.served_model_name or [self.model_name]
         worker_config = {
             "model_dir": str(self.model_dir),
             "served_model_names": names,
@@ -311,7 +313,7 @@ class Launcher:
                      blocks, bs, blocks * bs, _size(stats[KV_CACHE_BYTES]))
         log.info("serving %s (%s) as %s on http://%s:%d with %d workers, max_model_len %d",
                  self.model_dir.name, self.model_dir,
-                 ", ".join(self.server.served_model_name or [self.model_dir.name]),
+                 ", ".join(self.server.served_model_name or [self.model_name]),
                  self.server.host, self.server.port, self.parallel.workers, self.max_model_len)
 
     def run(self) -> int:
@@ -410,7 +412,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from ringserve.gpu.loader.config import ModelConfig
     from ringserve.gpu.loader.model_store import resolve_model
     try:
-        model_dir = Path(resolve_model(args.model))
+        model_dir = Path(resolve_model(args.model, revision=args.revision, download_dir=args.download_dir))
         model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
     except ModelError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -74,10 +74,13 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
-        """model: a known name (None: the default model), an HF folder or a .gguf file;
-        engine_args: the setting names of EngineConfig and its parts, flat (the `ringserve serve`
-        flags in snake_case, as vLLM's EngineArgs): EngineConfig.create sorts them."""
-        model_dir = resolve_model(model)
+        """model: a known name (None: the default model), a Hugging Face id (ORG/NAME,
+        ORG/NAME:QUANT), an HF folder or a .gguf file; engine_args: the setting names of
+        EngineConfig and its parts, flat (the `ringserve serve` flags in snake_case, as vLLM's
+        EngineArgs; revision and download_dir pick a Hugging Face id's files): EngineConfig.create
+        sorts them."""
+        model_dir = resolve_model(model, revision=engine_args.get("revision"),
+                                  download_dir=engine_args.get("download_dir"))
         self.config = EngineConfig.create(model=str(model_dir), **engine_args)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.engine = EngineCore(self.config)
