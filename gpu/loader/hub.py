@@ -131,6 +131,8 @@ def _download(model: HubModel, revision: str | None, cache_dir: str | None) -> P
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from huggingface_hub.utils import logging as hub_logging
+    hub_logging.set_verbosity_error()  # its retry warnings: the error, if any, is our one line
     repo, where = model.repo_id, constants.ENDPOINT
     try:
         choice = model.choose(HfApi().list_repo_files(repo, revision=revision))
