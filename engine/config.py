@@ -90,6 +90,12 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + output in tokens (default: the model's "
                 "max_position_embeddings)"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "the checkpoint's quantization method (awq, gptq, gguf), as vLLM's flag; weights are "
+                "served as stored, so another method is refused (default: the checkpoint's)"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "accepted for vLLM's command lines, with no effect: ringserve never runs code from "
+                "a model repository (its architectures are built in)"})
     seed: int = field(default=0, metadata={
         "help": "seeds the sampling of requests that carry no seed of their own"})
     kv_events_config: str | None = field(default=None, metadata={

@@ -224,7 +224,12 @@ class Launcher:
             "structured_outputs": vars(self.structured),
             "vocab_size": _model_vocab_size(self.model_dir),
             "max_stream_backlog": a.max_stream_backlog,
-            "tool_call_parser": a.tool_call_parser,
+            # "auto" tool choice is served only with --enable-auto-tool-choice (vLLM's rule)
+            "tool_call_parser": a.tool_call_parser if a.enable_auto_tool_choice else None,
+            "chat_template": a.chat_template,
+            "disable_log_requests": a.disable_log_requests,
+            "allowed_origins": a.allowed_origins,
+            "root_path": a.root_path,
             "reasoning_parser": a.reasoning_parser,
             "control_paths": [e.control_path for e in self.engines],
             "debug_paths": ([self._debug_path(e.index) for e in self.engines]
@@ -239,6 +244,9 @@ class Launcher:
                    RINGSERVE_WORKERS=str(self.parallel.workers),
                    RINGSERVE_DRAIN_TIMEOUT=str(a.drain_timeout),
                    RINGSERVE_LOG_LEVEL=a.log_level,
+                   RINGSERVE_UVICORN_LOG_LEVEL=a.uvicorn_log_level,
+                   RINGSERVE_SSL_KEYFILE=a.ssl_keyfile or "",
+                   RINGSERVE_SSL_CERTFILE=a.ssl_certfile or "",
                    RINGSERVE_TIMEOUT_KEEP_ALIVE=str(a.timeout_keep_alive),
                    RINGSERVE_TIMEOUT_HEADER_READ=str(a.timeout_header_read),
                    RINGSERVE_TIMEOUT_BODY_READ=str(a.timeout_body_read),
@@ -246,7 +254,7 @@ class Launcher:
                    **{WORKER_CONFIG_ENV: json.dumps(worker_config)})
         # What an outside engine client (`ringserve loadgen` in ring mode) needs to attach to
         # the engines as a worker does; the runtime folder is 0700, the key stays out anyway.
-        server_info = dict(worker_config, url=f"http://{a.host}:{a.port}", pid=os.getpid())
+        server_info = dict(worker_config, url=self.url, pid=os.getpid())
         del server_info["api_key"]
         (self.runtime / "server.json").write_text(json.dumps(server_info))
         env[LAUNCHER_PID_ENV] = str(os.getpid())
@@ -255,6 +263,11 @@ class Launcher:
         # Its own session: a signal to our process group must not reach Gunicorn, which takes
         # SIGINT as a quick (stream-cutting) stop; we drain it with SIGTERM (shutdown).
         return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        a = self.server
+        return f"{'https' if a.ssl_certfile else 'http'}://{a.host}:{a.port}{a.root_path or ''}"
 
     def _server_info(self) -> dict:
         """The static facts /get_server_info shows (server/app.py ServerInfo): one instance id
@@ -311,10 +324,10 @@ class Launcher:
                      _size(sum(weights.values())),
                      ", ".join(f"{k} {_size(v)}" for k, v in sorted(weights.items(), key=lambda kv: -kv[1])),
                      blocks, bs, blocks * bs, _size(stats[KV_CACHE_BYTES]))
-        log.info("serving %s (%s) as %s on http://%s:%d with %d workers, max_model_len %d",
+        log.info("serving %s (%s) as %s on %s with %d workers, max_model_len %d",
                  self.model_dir.name, self.model_dir,
                  ", ".join(self.server.served_model_name or [self.model_name]),
-                 self.server.host, self.server.port, self.parallel.workers, self.max_model_len)
+                 self.url, self.parallel.workers, self.max_model_len)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -411,9 +424,11 @@ def serve_command(args: argparse.Namespace) -> int:
     from ringserve.gpu.errors import ModelError
     from ringserve.gpu.loader.config import ModelConfig
     from ringserve.gpu.loader.model_store import resolve_model
+    from ringserve.gpu.loader.weights import check_quantization
     try:
         model_dir = Path(resolve_model(args.model, revision=args.revision, download_dir=args.download_dir))
         model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
+        check_quantization(args.quantization, model_dir)
     except ModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ from typing import Any, Sequence, Union, cast
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
 from ringserve.gpu.loader.model_store import resolve_model
+from ringserve.gpu.loader.weights import check_quantization
 from ringserve.ipc.messages import FinishReason
 from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.output_processor import SampleParams, SampleState, TokenLogprob
@@ -82,6 +83,7 @@ class LLM:
         model_dir = resolve_model(model, revision=engine_args.get("revision"),
                                   download_dir=engine_args.get("download_dir"))
         self.config = EngineConfig.create(model=str(model_dir), **engine_args)
+        check_quantization(self.config.quantization, model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()

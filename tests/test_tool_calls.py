@@ -69,7 +69,7 @@ def model_dir(default_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hermes(serve, model_dir, no_segment_left_behind) -> str:
     return serve(model_dir, "--workers", "1", "--max-model-len", "1024",
-                 "--tool-call-parser", "hermes", "--served-model-name", "x", timeout=300).url
+                 "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--served-model-name", "x", timeout=300).url
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -208,7 +208,7 @@ def test_auto_parses_hermes_calls(hermes):
 
 def test_auto_parses_llama3_json_calls(serve, model_dir):
     url = serve(model_dir, "--workers", "1", "--max-model-len", "1024",
-                "--tool-call-parser", "llama3_json", "--served-model-name", "x",
+                "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice", "--served-model-name", "x",
                 timeout=300).url
     regex = r'\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}'
     body = dict(messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
