@@ -443,10 +443,12 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
     router = CompiledRouter()
     # CORS: Falcon's middleware adds Access-Control-Allow-Origin for an allowed Origin and
     # answers a preflight OPTIONS (the methods the route allows, the headers asked for).
-    cors = ([falcon.CORSMiddleware(allow_origins="*" if "*" in options.allowed_origins
-                                   else options.allowed_origins)]
-            if options.allowed_origins else [])
-    app = falcon.asgi.App(middleware=[_Lifespan(options), *cors], router=router)
+    middleware: list[Any] = [_Lifespan(options)]
+    cors = bool(options.allowed_origins)
+    if options.allowed_origins:
+        origins = options.allowed_origins
+        middleware.append(falcon.CORSMiddleware(allow_origins="*" if "*" in origins else origins))
+    app = falcon.asgi.App(middleware=middleware, router=router)
     app.req_options.strip_url_path_trailing_slash = True
     app.add_error_handler(Exception, _unexpected)
     app.add_error_handler(falcon.HTTPError, _http_error)
