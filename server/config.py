@@ -116,6 +116,11 @@ class ServerConfig:
         "help": "serve tool_choice \"auto\" (the default when a request has tools): the model "
                 "writes text and --tool-call-parser turns its calls into tool_calls, as vLLM's "
                 "flag; without it \"auto\" is a 400 (\"required\", named and \"none\" work)"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty) "
+                "for requests that leave them out, as vLLM's flag: auto takes the model's "
+                "generation_config.json, vllm none (SamplingParams' own), a folder its "
+                "generation_config.json"})
     chat_template: str | None = field(default=None, metadata={
         "help": "a Jinja chat template, a file or the template itself (vLLM's rule: text with "
                 "none of \"{\", \"}\" or a newline is a file name), in place of the model's"})

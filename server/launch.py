@@ -122,6 +122,7 @@ class Launcher:
         flag fails (ValueError) before anything starts."""
         from ringserve.engine.config import EngineConfig
         from ringserve.gpu.devices import cpu_threads_per_engine, cuda_stack_problem, plan_engines
+        from ringserve.gpu.loader.config import generation_defaults
         from ringserve.gpu.loader.model_store import served_model_name
         from ringserve.server.config import (
             ParallelConfig,
@@ -136,6 +137,12 @@ class Launcher:
         self.server: ServerConfig = from_args(ServerConfig, args)
         self.parallel: ParallelConfig = from_args(ParallelConfig, args)
         self.request_limits: RequestLimits = from_args(RequestLimits, args)
+        choice = self.server.generation_config  # vLLM's --generation-config: auto | vllm | a folder
+        self.default_sampling = ({} if choice == "vllm" else
+                                 generation_defaults(model_dir if choice == "auto" else choice))
+        if self.default_sampling:
+            log.info("default sampling parameters from %s's generation_config.json: %s",
+                     "the model" if choice == "auto" else choice, self.default_sampling)
         self.structured: StructuredOutputsConfig = from_args(StructuredOutputsConfig, args)
         # Counted without initializing CUDA here (gpu/devices.py); one engine per GPU by default.
         self.device, self.engine_gpus = plan_engines(args.device, self.parallel.engines)
@@ -227,6 +234,7 @@ class Launcher:
             # "auto" tool choice is served only with --enable-auto-tool-choice (vLLM's rule)
             "tool_call_parser": a.tool_call_parser if a.enable_auto_tool_choice else None,
             "chat_template": a.chat_template,
+            "default_sampling": self.default_sampling,
             "disable_log_requests": a.disable_log_requests,
             "allowed_origins": a.allowed_origins,
             "root_path": a.root_path,
@@ -444,7 +452,7 @@ def serve_command(args: argparse.Namespace) -> int:
         return Launcher(args, model_dir, max_model_len).run()
     except EngineRefused:
         return 1
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -64,7 +64,8 @@ def worker_app():
                         RequestLimits(**cfg["request_limits"]), cfg["vocab_size"],
                         tool_call_parser=cfg.get("tool_call_parser"),
                         structured=StructuredOutputsConfig(**cfg["structured_outputs"]),
-                        reasoning_parser=cfg.get("reasoning_parser"))
+                        reasoning_parser=cfg.get("reasoning_parser"),
+                        default_sampling=cfg.get("default_sampling") or {})
 
     async def stop() -> None:
         await ctx.grammars.close()

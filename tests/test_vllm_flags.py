@@ -82,6 +82,9 @@ def tls(tmp_path_factory) -> tuple[Path, Path]:
 def test_one_server_with_vllm_flags(default_model_dir, tls, tmp_path):
     key, cert = tls
     port = free_port()
+    generation = tmp_path / "generation"
+    generation.mkdir()
+    (generation / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 5, "eos_token_id": 2}')
     log = tmp_path / "serve.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(
@@ -91,7 +94,8 @@ def test_one_server_with_vllm_flags(default_model_dir, tls, tmp_path):
              "--served-model-name", "smol", "--api-key", "k", "--ssl-keyfile", str(key),
              "--ssl-certfile", str(cert), "--allowed-origins", '["https://a.example"]', "--root-path",
              "/api", "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser",
-             "hermes", "-tp", "1", "--trust-remote-code", "--uvicorn-log-level", "warning"],
+             "hermes", "-tp", "1", "--trust-remote-code", "--uvicorn-log-level", "warning",
+             "--generation-config", str(generation), "--disable-log-requests"],
             stdout=f, stderr=subprocess.STDOUT)
     url = f"https://127.0.0.1:{port}"
     http = httpx.Client(verify=ssl.create_default_context(cafile=str(cert)), timeout=60)
@@ -134,9 +138,16 @@ def test_one_server_with_vllm_flags(default_model_dir, tls, tmp_path):
                                            max_tokens=40, temperature=0)
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
         assert r.usage.prompt_tokens == shown["count"]
+
+        # --generation-config: a request without temperature takes the folder's 0 (greedy)
+        texts = [client.completions.create(model="smol", prompt="Once upon a time", max_tokens=12,
+                                           **extra).choices[0].text
+                 for extra in ({}, {}, {"temperature": 0})]
+        assert texts[0] == texts[1] == texts[2], texts
     finally:
         http.close()
         proc.terminate()
         assert proc.wait(60) == 0, log.read_text()
     text = log.read_text()
     assert "Traceback" not in text and f"on https://127.0.0.1:{port}/api" in text, text
+    assert "default sampling parameters from " in text and "{'temperature': 0.0, 'top_k': 5}" in text
