@@ -82,6 +82,9 @@ class EngineConfig:
         "help": "a Hugging Face model id (ORG/NAME; ORG/NAME:QUANT for one GGUF of a repository), "
                 "a model folder, a .gguf file or a known name (default: SmolLM2-135M-Instruct); "
                 "also the positional argument, as `vllm serve MODEL`"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "a tokenizer other than the model's: a folder with a tokenizer.json, or a Hugging "
+                "Face repository's (ORG/NAME); its vocabulary must be the model's"})
     revision: str | None = field(default=None, metadata={
         "help": "a Hugging Face model id's branch, tag or commit (default: main)"})
     download_dir: str | None = field(default=None, metadata={

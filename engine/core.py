@@ -111,8 +111,8 @@ class EngineCore:
         self.stats = SchedulerStats()
         self.num_steps = 0
         self.tracer = EngineTracer(self)                      # records only traced requests
-        self.structured = StructuredOutputs(getattr(runner, "model_dir", None), self.vocab_size,
-                                            self.eos_token_ids)
+        tokenizer_dir = Path(config.tokenizer) if config.tokenizer else getattr(runner, "model_dir", None)
+        self.structured = StructuredOutputs(tokenizer_dir, self.vocab_size, self.eos_token_ids)
 
     # -- requests in -------------------------------------------------------------------------
 

@@ -117,7 +117,8 @@ def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, 
 
 
 class Launcher:
-    def __init__(self, args: argparse.Namespace, model_dir: Path, max_model_len: int):
+    def __init__(self, args: argparse.Namespace, model_dir: Path, max_model_len: int,
+                 tokenizer_dir: Path | None = None):
         """args: the parsed `serve` flags. Each settings class is built from them here, so a bad
         flag fails (ValueError) before anything starts."""
         from ringserve.engine.config import EngineConfig
@@ -132,6 +133,7 @@ class Launcher:
         )
         from ringserve.server.protocol import RequestLimits
         self.model_dir = model_dir
+        self.tokenizer_dir = tokenizer_dir  # --tokenizer, resolved (None: the model's)
         self.model_name = served_model_name(args.model, model_dir)  # when --served-model-name is not given
         self.max_model_len = max_model_len
         self.server: ServerConfig = from_args(ServerConfig, args)
@@ -151,7 +153,8 @@ class Launcher:
         # With the device resolved, EngineConfig resolves its by-device defaults without CUDA.
         resolved = argparse.Namespace(**{**vars(args), "device": self.device})
         self.engine_config: EngineConfig = from_args(
-            EngineConfig, resolved, model=str(model_dir))  # max_model_len: the flag's (None: not given)
+            EngineConfig, resolved, model=str(model_dir),  # max_model_len: the flag's (None: not given)
+            tokenizer=None if tokenizer_dir is None else str(tokenizer_dir))
         device_config = self.engine_config.device_config
         if self.device == "cpu" and device_config.cpu_threads is None and len(self.engine_gpus) > 1:
             # several CPU engines share the cores (each alone would take them all)
@@ -233,6 +236,7 @@ class Launcher:
             "max_stream_backlog": a.max_stream_backlog,
             # "auto" tool choice is served only with --enable-auto-tool-choice (vLLM's rule)
             "tool_call_parser": a.tool_call_parser if a.enable_auto_tool_choice else None,
+            "tokenizer_dir": str(self.tokenizer_dir or self.model_dir),
             "chat_template": a.chat_template,
             "default_sampling": self.default_sampling,
             "disable_log_requests": a.disable_log_requests,
@@ -431,12 +435,14 @@ def serve_command(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from ringserve.gpu.errors import ModelError
     from ringserve.gpu.loader.config import ModelConfig
-    from ringserve.gpu.loader.model_store import resolve_model
+    from ringserve.gpu.loader.model_store import resolve_model, resolve_tokenizer
     from ringserve.gpu.loader.weights import check_quantization
     try:
         model_dir = Path(resolve_model(args.model, revision=args.revision, download_dir=args.download_dir))
         model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
         check_quantization(args.quantization, model_dir)
+        tokenizer_dir = (None if args.tokenizer is None
+                         else resolve_tokenizer(args.tokenizer, args.download_dir))
     except ModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -449,7 +455,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr)
         return 1
     try:
-        return Launcher(args, model_dir, max_model_len).run()
+        return Launcher(args, model_dir, max_model_len, tokenizer_dir).run()
     except EngineRefused:
         return 1
     except (RuntimeError, ValueError, ModelError) as exc:

@@ -21,7 +21,7 @@ from typing import Any, Sequence, Union, cast
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.gpu.loader.model_store import resolve_model
+from ringserve.gpu.loader.model_store import resolve_model, resolve_tokenizer
 from ringserve.gpu.loader.weights import check_quantization
 from ringserve.ipc.messages import FinishReason
 from ringserve.ipc.sampling_params import SamplingParams
@@ -82,9 +82,12 @@ class LLM:
         sorts them."""
         model_dir = resolve_model(model, revision=engine_args.get("revision"),
                                   download_dir=engine_args.get("download_dir"))
+        if engine_args.get("tokenizer") is not None:
+            engine_args["tokenizer"] = str(resolve_tokenizer(engine_args["tokenizer"],
+                                                             engine_args.get("download_dir")))
         self.config = EngineConfig.create(model=str(model_dir), **engine_args)
         check_quantization(self.config.quantization, model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.config.tokenizer or model_dir)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
 

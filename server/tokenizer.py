@@ -62,6 +62,9 @@ class Tokenizer:
         tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        template_file = model_dir / "chat_template.jinja"  # where newer checkpoints keep it
+        if chat_template is None and "chat_template" not in config and template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
         if chat_template is not None:
             config["chat_template"] = chat_template
         return cls(tokenizer, config)

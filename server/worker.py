@@ -58,7 +58,7 @@ def worker_app():
     cfg = json.loads(os.environ[WORKER_CONFIG_ENV])
     names = cfg["served_model_names"]
     client = EngineClient(cfg["control_paths"], max_stream_backlog=cfg["max_stream_backlog"])
-    tokenizer = Tokenizer.from_dir(cfg["model_dir"], cfg.get("chat_template"))
+    tokenizer = Tokenizer.from_dir(cfg.get("tokenizer_dir") or cfg["model_dir"], cfg.get("chat_template"))
     ctx = ServerContext(tokenizer, client, names, cfg["max_model_len"],
                         RequestMetrics(names[0], cfg["max_model_len"], cfg["metrics_prefix"]),
                         RequestLimits(**cfg["request_limits"]), cfg["vocab_size"],

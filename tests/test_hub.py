@@ -106,9 +106,9 @@ def test_download_a_checkpoint_then_serve_it_from_the_cache_offline(hub, tmp_pat
     assert moved.is_relative_to(elsewhere) and moved.name == folder.name
     one_error_line(download(env, REPO, "--revision", "v9"), REPO, "no revision 'v9'")
 
-    # LLM(model=ORG/NAME), offline from that cache
+    # LLM(model=ORG/NAME, tokenizer=ORG/NAME), offline from that cache
     script = (f"from ringserve.server.llm import LLM; from ringserve.ipc.sampling_params import "
-              f"SamplingParams; llm = LLM(model={REPO!r}, device='cpu'); "
+              f"SamplingParams; llm = LLM(model={REPO!r}, tokenizer={REPO!r}, device='cpu'); "
               f"print(len(llm.generate('Hello', SamplingParams(max_tokens=3))[0].outputs[0].token_ids))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=offline,
                           timeout=120)

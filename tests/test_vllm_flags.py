@@ -44,6 +44,8 @@ def errors(done: subprocess.CompletedProcess) -> list[str]:
     (("--enable-auto-tool-choice",), "--enable-auto-tool-choice needs --tool-call-parser"),
     (("--chat-template", "no-such.jinja"), "--chat-template no-such.jinja: No such file or directory"),
     (("--ssl-certfile", str(TEMPLATE)), "--ssl-keyfile and --ssl-certfile go together"),
+    (("--tokenizer", "./no-such-folder"), "--tokenizer ./no-such-folder: not found"),
+    (("--generation-config", "no-such-folder"), "--generation-config no-such-folder: no such folder"),
     (("--kv-cache-memory-bytes", "1000"), "the KV cache holds no block: 0 blocks of 737280 bytes; give "
                                           "--kv-cache-memory-bytes at least 737280"),
     (("--kv-cache-memory-bytes", "2000000", "--max-model-len", "2000"),
@@ -95,7 +97,8 @@ def test_one_server_with_vllm_flags(default_model_dir, tls, tmp_path):
              "--ssl-certfile", str(cert), "--allowed-origins", '["https://a.example"]', "--root-path",
              "/api", "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser",
              "hermes", "-tp", "1", "--trust-remote-code", "--uvicorn-log-level", "warning",
-             "--generation-config", str(generation), "--disable-log-requests"],
+             "--generation-config", str(generation), "--disable-log-requests",
+             "--tokenizer", str(default_model_dir)],
             stdout=f, stderr=subprocess.STDOUT)
     url = f"https://127.0.0.1:{port}"
     http = httpx.Client(verify=ssl.create_default_context(cafile=str(cert)), timeout=60)

@@ -15,7 +15,9 @@ id is resolved: huggingface_hub is not loaded for a local model.
 """
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -28,6 +30,8 @@ PREFERRED_QUANTS = ("Q4_K_M", "Q8_0")  # llama.cpp's -hf without a tag, in this 
 CHECKPOINT_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                     "special_tokens_map.json", "chat_template.jinja", "*.safetensors",
                     "model.safetensors.index.json"]
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja"]
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$", re.IGNORECASE)  # llama.cpp's split files
 
 
@@ -122,7 +126,37 @@ def _complete(folder: Path) -> bool:
 
 
 def _download(model: HubModel, revision: str | None, cache_dir: str | None) -> Path:
-    from huggingface_hub import HfApi, constants, hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    repo = model.repo_id
+    with _hub_errors(repo, revision, cache_dir):
+        choice = model.choose(HfApi().list_repo_files(repo, revision=revision))
+        if choice is None:
+            return Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir,
+                                          allow_patterns=CHECKPOINT_FILES))
+        return Path(hf_hub_download(repo, choice, revision=revision, cache_dir=cache_dir))
+
+
+def fetch_tokenizer(repo_id: str, cache_dir: str | None = None) -> Path:
+    """The snapshot folder of a repository's tokenizer files (--tokenizer): from the cache, else
+    downloaded (those files only)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    with contextlib.suppress(LocalEntryNotFoundError):
+        folder = Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=TOKENIZER_FILES,
+                                        local_files_only=True))
+        if (folder / "tokenizer.json").is_file():
+            return folder
+    with _hub_errors(repo_id, None, cache_dir):
+        folder = Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=TOKENIZER_FILES))
+    if not (folder / "tokenizer.json").is_file():
+        raise ModelError(f"{repo_id}: no tokenizer.json in the repository (the tokenizer format served here)")
+    return folder
+
+
+@contextlib.contextmanager
+def _hub_errors(repo: str, revision: str | None, cache_dir: str | None) -> Iterator[None]:
+    """huggingface_hub's failures as one ModelError line naming the repository and the reason."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -133,13 +167,9 @@ def _download(model: HubModel, revision: str | None, cache_dir: str | None) -> P
     )
     from huggingface_hub.utils import logging as hub_logging
     hub_logging.set_verbosity_error()  # its retry warnings: the error, if any, is our one line
-    repo, where = model.repo_id, constants.ENDPOINT
+    where = constants.ENDPOINT
     try:
-        choice = model.choose(HfApi().list_repo_files(repo, revision=revision))
-        if choice is None:
-            return Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir,
-                                          allow_patterns=CHECKPOINT_FILES))
-        return Path(hf_hub_download(repo, choice, revision=revision, cache_dir=cache_dir))
+        yield
     except GatedRepoError:  # before its base class
         raise ModelError(f"{repo}: a gated repository: accept its terms on {where}/{repo} and set "
                          f"HF_TOKEN to a token of that account") from None

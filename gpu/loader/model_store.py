@@ -87,6 +87,21 @@ def resolve_model(spec: str | None, *, revision: str | None = None,
                      f"ORG/NAME:QUANT), a .gguf file or a model folder")
 
 
+def resolve_tokenizer(spec: str, download_dir: str | None = None) -> Path:
+    """--tokenizer: a folder with a tokenizer.json, or a Hugging Face repository's tokenizer
+    files (gpu/loader/hub.py fetch_tokenizer). Raises ModelError."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ModelError(f"--tokenizer {path}: no tokenizer.json in the folder")
+        return path
+    hub = None if path.exists() else _hub_model(spec)
+    if hub is None or hub.quant is not None:
+        raise ModelError(f"--tokenizer {spec}: not found (a folder with a tokenizer.json, or ORG/NAME)")
+    from ringserve.gpu.loader.hub import fetch_tokenizer
+    return fetch_tokenizer(hub.repo_id, download_dir)
+
+
 def _hub_model(spec: str):
     """The Hugging Face id ``spec`` is (a HubModel), or None: not shaped like one, or a path."""
     if spec.startswith(("/", "~", ".")) or spec.lower().endswith(".gguf"):
