@@ -1,6 +1,6 @@
 """`ringserve serve`: resolve the model once, start the engine process(es), then Gunicorn.
 
-Process tree:  launcher ─┬─ engine 0..E-1   (multiprocessing spawn: run_engine on a control socket)
+Process tree:  launcher ─┬─ engine 0..E-1   (multiprocessing spawn: an engine on a control socket)
                          └─ gunicorn master ── W Uvicorn workers (the Falcon app, one engine client each)
 
 The launcher is the only process that resolves (downloads/converts) the model; workers get the
@@ -107,13 +107,14 @@ def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, 
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from ringserve.engine.kv_events import KVEventsError
-    from ringserve.engine.process import run_engine
+    from ringserve.engine.process import serve_engine, start_engine
     from ringserve.gpu.errors import ModelError
     try:
-        run_engine(config, control_path, **kwargs)
+        engine = start_engine(config, control_path, **kwargs)
     except (ModelError, KVEventsError, ValueError) as e:  # cannot serve: its one line, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
+    serve_engine(engine)
 
 
 class Launcher:
