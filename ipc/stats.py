@@ -30,6 +30,7 @@ WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
 WEIGHT_BYTES = 16  # WEIGHT_BYTES + i: the bytes of the weights of type WEIGHT_TYPES[i]
 BEAT_INTERVAL_S = 0.5  # the heartbeat thread's period
 HEADER_WORDS = 32  # then one word per slot: AddRequest records the engine has taken from that slot
+assert WEIGHT_BYTES + len(WEIGHT_TYPES) <= MAX_MODEL_LEN < HEADER_WORDS  # the header's words do not overlap
 
 
 def stats_size(max_slots: int) -> int:
