@@ -438,6 +438,13 @@ def serve_command(args: argparse.Namespace) -> int:
     from ringserve.gpu.loader.config import ModelConfig
     from ringserve.gpu.loader.model_store import resolve_model, resolve_tokenizer
     from ringserve.gpu.loader.weights import check_quantization
+    from ringserve.server.config import ParallelConfig, ServerConfig, from_args
+    try:  # the frontend's settings first: a refused flag must not wait for a model's download
+        from_args(ServerConfig, args)
+        from_args(ParallelConfig, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         model_dir = Path(resolve_model(args.model, revision=args.revision, download_dir=args.download_dir))
         model_len = ModelConfig.from_dir(model_dir).max_position_embeddings

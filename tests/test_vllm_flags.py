@@ -3,6 +3,7 @@ a root path, an API key, --chat-template and "auto" tool choice through the open
 every flag or KV pool that cannot be served refused at start in one line (exit 1; 2 for usage)."""
 from __future__ import annotations
 
+import os
 import shutil
 import ssl
 import subprocess
@@ -67,6 +68,10 @@ def test_usage_errors_exit_2_and_version():
     done = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "--version"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("ringserve "), done
+    # a refused flag is told before the model is looked for (no download first)
+    done = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "nobody/nothing", "-tp", "2"],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 1 and done.stderr.startswith("error: --tensor-parallel-size 2:"), done.stderr
 
 
 @pytest.fixture(scope="module")
