@@ -69,8 +69,9 @@ def test_usage_errors_exit_2_and_version():
                           text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("ringserve "), done
     # a refused flag is told before the model is looked for (no download first)
-    done = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "nobody/nothing", "-tp", "2"],
-                          capture_output=True, text=True, timeout=60, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    done = subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "serve", "nobody/nothing",
+                           "-tp", "2"], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert done.returncode == 1 and done.stderr.startswith("error: --tensor-parallel-size 2:"), done.stderr
 
 
