@@ -54,18 +54,52 @@ class SchedulerConfig:
         return self.max_num_batched_tokens
 
 
+def fit_max_model_len(requested: int | None, model_len: int, pool_tokens: int) -> tuple[int, str | None]:
+    """The max_model_len an engine serves with, and a warning when it is less than asked for.
+    requested: --max-model-len (None: not given, the model's max_position_embeddings);
+    pool_tokens: what the KV pool holds (its blocks x block size). A pool that cannot hold one
+    request of an explicit max_model_len is refused (ValueError, as vLLM refuses); without an
+    explicit one the length is clamped to the pool, so that the default KV budget (the CPU's 1 GiB
+    against a long-context model) still starts, and a longer request is a 400 at the frontend."""
+    if requested is not None and requested > pool_tokens:
+        raise ValueError(
+            f"the KV pool holds {pool_tokens} tokens, less than one request of --max-model-len "
+            f"{requested}: give a smaller --max-model-len, or a larger pool (--kv-cache-memory-bytes "
+            f"on cpu, --gpu-memory-utilization on cuda, --num-gpu-blocks-override, --kv-cache-dtype)")
+    if requested is None and model_len > pool_tokens:
+        return pool_tokens, (f"max_model_len clamped from the model's {model_len} to {pool_tokens} "
+                             f"tokens, what the KV pool holds (give a larger pool: "
+                             f"--kv-cache-memory-bytes on cpu, --gpu-memory-utilization on cuda)")
+    return (model_len if requested is None else requested), None
+
+
 PARTS = {"device_config": DeviceConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig}
 
 
 @dataclass(kw_only=True)
 class EngineConfig:
     model: str | None = field(default=None, metadata={
-        "help": "a known model name, an HF folder or a .gguf file (default: the default model, "
-                "SmolLM2-135M-Instruct)"})
+        "help": "a Hugging Face model id (ORG/NAME; ORG/NAME:QUANT for one GGUF of a repository), "
+                "a model folder, a .gguf file or a known name (default: SmolLM2-135M-Instruct); "
+                "also the positional argument, as `vllm serve MODEL`"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "a tokenizer other than the model's: a folder with a tokenizer.json, or a Hugging "
+                "Face repository's (ORG/NAME); its vocabulary must be the model's"})
+    revision: str | None = field(default=None, metadata={
+        "help": "a Hugging Face model id's branch, tag or commit (default: main)"})
+    download_dir: str | None = field(default=None, metadata={
+        "help": "the Hugging Face cache to look for and download a model id in (default: "
+                "$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + output in tokens (default: the model's "
                 "max_position_embeddings); picks a LongRoPE model's factors (long past its "
                 "original context)"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "the checkpoint's quantization method (awq, gptq, gguf), as vLLM's flag; weights are "
+                "served as stored, so another method is refused (default: the checkpoint's)"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "accepted for vLLM's command lines, with no effect: ringserve never runs code from "
+                "a model repository (its architectures are built in)"})
     seed: int = field(default=0, metadata={
         "help": "seeds the sampling of requests that carry no seed of their own"})
     kv_events_config: str | None = field(default=None, metadata={

@@ -39,7 +39,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ringserve.engine.config import EngineConfig
+from ringserve.engine.config import EngineConfig, fit_max_model_len
 from ringserve.engine.inputs import build_batch
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.logprobs import (
@@ -90,11 +90,14 @@ class EngineCore:
         model = runner.config
         self.vocab_size = model.vocab_size
         self.eos_token_ids = tuple(model.eos_token_ids)
-        self.max_model_len = config.max_model_len or model.max_position_embeddings
-        if self.max_model_len > model.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} is longer than the model's "
+        if (config.max_model_len or 0) > model.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} is longer than the model's "
                              f"max_position_embeddings {model.max_position_embeddings}")
         self.block_size = runner.block_size
+        self.max_model_len, clamped = fit_max_model_len(
+            config.max_model_len, model.max_position_embeddings, runner.num_blocks * self.block_size)
+        if clamped is not None:
+            log.warning("%s", clamped)
         self.kv = KVCacheManager(runner.num_blocks, self.block_size,
                                  config.cache_config.enable_prefix_caching,
                                  sliding_window=model.uniform_window)
@@ -109,8 +112,8 @@ class EngineCore:
         self.stats = SchedulerStats()
         self.num_steps = 0
         self.tracer = EngineTracer(self)                      # records only traced requests
-        self.structured = StructuredOutputs(getattr(runner, "model_dir", None), self.vocab_size,
-                                            self.eos_token_ids)
+        tokenizer_dir = Path(config.tokenizer) if config.tokenizer else getattr(runner, "model_dir", None)
+        self.structured = StructuredOutputs(tokenizer_dir, self.vocab_size, self.eos_token_ids)
 
     # -- requests in -------------------------------------------------------------------------
 

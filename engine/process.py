@@ -125,7 +125,7 @@ class EngineProcess:
         self.stats = EngineStats(self.stats_segment.buf)
         memory = MemoryReport.of(core.runner)
         self.stats.init(os.getpid(), max_slots, core.kv.num_blocks, core.block_size,
-                        memory.kv_cache_bytes, memory.weight_bytes)
+                        memory.kv_cache_bytes, memory.weight_bytes, core.max_model_len)
         self.stats.publish(0, 0, core.kv.num_free_blocks)
         self.heartbeat = Heartbeat(self.stats)
         self.heartbeat.start()
@@ -443,11 +443,17 @@ class EngineProcess:
         self.stats_segment.close()
 
 
-def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
-               ring_capacity: int = DEFAULT_RING_CAPACITY, max_message: int = DEFAULT_MAX_MESSAGE,
-               debug_path: str | None = None, overlap: bool | None = None,
-               data_parallel_rank: int = 0) -> None:
+def run_engine(config: EngineConfig, control_path: str, **kwargs) -> None:
     """Build the core, serve until SIGTERM/SIGINT, clean up (the target of an engine process)."""
+    serve_engine(start_engine(config, control_path, **kwargs))
+
+
+def start_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
+                 ring_capacity: int = DEFAULT_RING_CAPACITY, max_message: int = DEFAULT_MAX_MESSAGE,
+                 debug_path: str | None = None, overlap: bool | None = None,
+                 data_parallel_rank: int = 0) -> EngineProcess:
+    """The engine, built and listening on control_path (its settings' errors raise here, before
+    it serves: the launcher prints them as one line)."""
     engine = EngineProcess(EngineCore(config), control_path, max_slots=max_slots,
                            ring_capacity=ring_capacity, max_message=max_message,
                            debug_path=debug_path, overlap=overlap,
@@ -456,7 +462,11 @@ def run_engine(config: EngineConfig, control_path: str, *, max_slots: int = 64,
     # out of the cyclic collector, whose full passes otherwise walk it (25-31 ms at 1024 running).
     gc.collect()
     gc.freeze()
+    return engine
 
+
+def serve_engine(engine: EngineProcess) -> None:
+    """Serve until SIGTERM/SIGINT, then clean up."""
     def _stop(*_):
         engine.stop()
         engine.bell.ring()

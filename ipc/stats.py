@@ -24,11 +24,13 @@ from typing import Sequence
 (PID, HEARTBEAT_NS, STEPS, WAITING, RUNNING, NUM_BLOCKS, NUM_FREE_BLOCKS, BLOCK_SIZE, MAX_SLOTS,
  NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PROMPT_TOKENS_COMPUTED,
  GENERATION_TOKENS, STEP_STARTED_NS, KV_CACHE_BYTES) = range(16)
+MAX_MODEL_LEN = 30  # written once at start: the engine's max_model_len (the KV pool may clamp it)
 WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
                 "Q4_K", "Q5_K", "Q6_K", "other")
 WEIGHT_BYTES = 16  # WEIGHT_BYTES + i: the bytes of the weights of type WEIGHT_TYPES[i]
 BEAT_INTERVAL_S = 0.5  # the heartbeat thread's period
 HEADER_WORDS = 32  # then one word per slot: AddRequest records the engine has taken from that slot
+assert WEIGHT_BYTES + len(WEIGHT_TYPES) <= MAX_MODEL_LEN < HEADER_WORDS  # the header's words do not overlap
 
 
 def stats_size(max_slots: int) -> int:
@@ -58,12 +60,13 @@ class EngineStats:
 
     # -- engine side -----------------------------------------------------------------
     def init(self, pid: int, max_slots: int, num_blocks: int = 0, block_size: int = 0,
-             kv_cache_bytes: int = 0, weight_bytes: dict[str, int] | None = None) -> None:
+             kv_cache_bytes: int = 0, weight_bytes: dict[str, int] | None = None,
+             max_model_len: int = 0) -> None:
         w = self._words
         for i in range(HEADER_WORDS + max_slots):
             w[i] = 0
         w[PID], w[MAX_SLOTS], w[NUM_BLOCKS], w[BLOCK_SIZE] = pid, max_slots, num_blocks, block_size
-        w[KV_CACHE_BYTES] = kv_cache_bytes
+        w[KV_CACHE_BYTES], w[MAX_MODEL_LEN] = kv_cache_bytes, max_model_len
         for kind, nbytes in (weight_bytes or {}).items():
             i = WEIGHT_TYPES.index(kind) if kind in WEIGHT_TYPES else len(WEIGHT_TYPES) - 1
             w[WEIGHT_BYTES + i] += nbytes

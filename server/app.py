@@ -59,6 +59,8 @@ class AppOptions:
     # GET /kv_event_sources: each engine's KV-event publisher by rank ({}: events off)
     kv_event_sources: dict[str, dict] = field(default_factory=dict)
     log_requests: bool = True  # an access line per request (--disable-log-requests: none)
+    allowed_origins: list[str] | None = None  # --allowed-origins: CORS (None: no CORS headers)
+    root_path: str | None = None  # --root-path: a proxy's path prefix, stripped when present
 
 
 # --- plumbing --------------------------------------------------------------------------------
@@ -148,6 +150,13 @@ class _Auth:
             headers.append((b"connection", b"close"))  # its body is not read
         await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _preflight(scope: dict) -> bool:
+    """A CORS preflight: a browser's OPTIONS that never carries credentials (the Fetch standard),
+    so the API key cannot be asked of it; CORSMiddleware answers it, and no route runs."""
+    return scope["method"] == "OPTIONS" and any(name == b"access-control-request-method"
+                                                for name, _ in scope["headers"])
 
 
 class _Lifespan:
@@ -447,7 +456,14 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
     """The ASGI callable: the Falcon app, wrapped so that handlers can watch for disconnects."""
     options = options or AppOptions()
     router = CompiledRouter()
-    app = falcon.asgi.App(middleware=[_Lifespan(options)], router=router)
+    # CORS: Falcon's middleware adds Access-Control-Allow-Origin for an allowed Origin and
+    # answers a preflight OPTIONS (the methods the route allows, the headers asked for).
+    middleware: list[Any] = [_Lifespan(options)]
+    cors = bool(options.allowed_origins)
+    if options.allowed_origins:
+        origins = options.allowed_origins
+        middleware.append(falcon.CORSMiddleware(allow_origins="*" if "*" in origins else origins))
+    app = falcon.asgi.App(middleware=middleware, router=router)
     app.req_options.strip_url_path_trailing_slash = True
     app.add_error_handler(Exception, _unexpected)
     app.add_error_handler(falcon.HTTPError, _http_error)
@@ -476,11 +492,17 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
 
     auth = _Auth(options.api_key, router) if options.api_key else None
 
+    root = options.root_path
+
     async def asgi(scope, receive, send):
         if scope["type"] == "http":
             if options.log_requests:
                 send = _AccessLine(scope, send)
-            if auth is not None and not auth.allows(scope):
+            path = scope["path"]
+            if root and (path == root or path.startswith(root + "/")):
+                # NOTE: before the key check, which must see the path Falcon routes.
+                scope = {**scope, "path": path[len(root):] or "/", "root_path": root}
+            if auth is not None and not (cors and _preflight(scope)) and not auth.allows(scope):
                 await auth.refuse(scope, send)
                 return
             if scope["method"] == "HEAD":  # answered as GET; the server sends no body for HEAD

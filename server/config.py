@@ -12,6 +12,7 @@ worker may import it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
@@ -25,13 +26,27 @@ METRICS_PREFIXES = ("ringserve", "vllm")  # --metrics-prefix: every metric is "<
 class ParallelConfig:
     """How many processes serve."""
     engines: int | None = field(default=None, metadata={
-        "help": "engine processes (default: one per visible GPU on cuda, 1 on cpu)"})
+        "aliases": ("--data-parallel-size", "-dp"),
+        "help": "engine processes, each a whole model on one device (vLLM's data parallelism; "
+                "default: one per visible GPU on cuda, 1 on cpu)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "aliases": ("-tp",),
+        "help": "vLLM's flag, 1 only: an engine runs on one device here (scale out with "
+                "--engines / --data-parallel-size, or servers behind a router: docs/scale-out.md)"})
+    pipeline_parallel_size: int = field(default=1, metadata={
+        "aliases": ("-pp",), "help": "vLLM's flag, 1 only, as --tensor-parallel-size"})
     workers: int = field(default_factory=lambda: os.cpu_count() or 1, metadata={
         "help": "Gunicorn workers: HTTP, tokenization and detokenization (default: the core "
                 "count)"})
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "engines", "workers")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{_flag(name)} {getattr(self, name)}: this build runs each engine on "
+                                 f"one device, a whole model per GPU; scale out with --engines N "
+                                 f"(vLLM's --data-parallel-size: one engine per GPU) or several servers "
+                                 f"behind a router (docs/scale-out.md)")
 
 
 @dataclass(kw_only=True)
@@ -70,9 +85,24 @@ class ServerConfig:
                 "killed and restarted; its open requests fail"})
     log_level: str = field(default="info", metadata={
         "choices": ("critical", "error", "warning", "info", "debug"), "help": "log level"})
+    uvicorn_log_level: str = field(default="info", metadata={
+        "choices": ("critical", "error", "warning", "info", "debug", "trace"),
+        "help": "the log level of Uvicorn's own loggers in the workers (vLLM's flag)"})
     disable_log_requests: bool = field(default=False, metadata={
         "help": "no access line per request (method, path, status, duration, request id), as "
                 "vLLM's flag"})
+    root_path: str | None = field(default=None, metadata={
+        "help": "the path prefix a reverse proxy serves this server under (ASGI root_path, as "
+                "vLLM's): requests arrive with it stripped, or not, and route the same"})
+    ssl_keyfile: str | None = field(default=None, metadata={
+        "help": "serve HTTPS with this private key (PEM), and --ssl-certfile"})
+    ssl_certfile: str | None = field(default=None, metadata={
+        "help": "serve HTTPS with this certificate chain (PEM), and --ssl-keyfile"})
+    allowed_origins: list[str] | None = field(default=None, metadata={
+        "help": "CORS: browser origins allowed to call the API (\"*\" for any; vLLM's JSON list "
+                "form '[\"https://a.example\"]' is taken too): Access-Control-Allow-Origin on "
+                "their responses and preflight OPTIONS answered without the API key (default: none, "
+                "no CORS headers; vLLM's default is \"*\")"})
     metrics_prefix: str = field(default="ringserve", metadata={
         "choices": METRICS_PREFIXES,
         "help": "the prefix of every /metrics name: \"vllm\" serves vLLM's names (vllm:...), for "
@@ -81,9 +111,20 @@ class ServerConfig:
         "help": "serve GET /debug/engines and /dashboard (engines publish a snapshot)"})
     tool_call_parser: str | None = field(default=None, metadata={
         "choices": ("hermes", "llama3_json", "phi4_mini_json"),
-        "help": "how the model writes tool calls (Hermes/Qwen <tool_call> JSON, Llama 3 JSON, or "
-                "Phi-4-mini's functools[...]): enables tool_choice \"auto\" (default: none, "
-                "\"auto\" is a 400)"})
+        "help": "how the model writes tool calls (Hermes/Qwen <tool_call> JSON, Llama 3 "
+                "JSON, or Phi-4-mini's functools[...]), for tool_choice \"auto\" with --enable-auto-tool-choice"})
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": "serve tool_choice \"auto\" (the default when a request has tools): the model "
+                "writes text and --tool-call-parser turns its calls into tool_calls, as vLLM's "
+                "flag; without it \"auto\" is a 400 (\"required\", named and \"none\" work)"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty) "
+                "for requests that leave them out, as vLLM's flag: auto takes the model's "
+                "generation_config.json, vllm none (SamplingParams' own), a folder its "
+                "generation_config.json"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template, a file or the template itself (vLLM's rule: text with "
+                "none of \"{\", \"}\" or a newline is a file name), in place of the model's"})
     reasoning_parser: str | None = field(default=None, metadata={
         "choices": ("qwen3", "deepseek_r1"),
         "help": "move the model's <think>...</think> into message.reasoning_content (streamed "
@@ -99,6 +140,26 @@ class ServerConfig:
             raise ValueError(f"--drain-timeout must be at least 0, got {self.drain_timeout}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        self._check_frontend_flags()
+
+    def _check_frontend_flags(self) -> None:
+        """vLLM's frontend flags: tools, TLS, CORS, the root path, the chat template (read here:
+        after this, chat_template holds the template's text)."""
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            if getattr(self, name) is not None and not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"{_flag(name)} {getattr(self, name)}: file not found")
+        if self.allowed_origins is not None:
+            self.allowed_origins = _origins(self.allowed_origins)
+        if self.root_path is not None and not (self.root_path.startswith("/") and self.root_path != "/"):
+            raise ValueError(f"--root-path must start with \"/\", got {self.root_path!r}")
+        if self.root_path is not None:
+            self.root_path = self.root_path.rstrip("/")
+        if self.chat_template is not None:
+            self.chat_template = _chat_template_text(self.chat_template)
 
 
 @dataclass(kw_only=True)
@@ -154,6 +215,34 @@ class StructuredOutputsConfig:
                              f"{self.grammar_compile_timeout}")
 
 
+def _chat_template_text(value: str) -> str:
+    """--chat-template's text: the file it names, or itself when it holds "{", "}" or a newline
+    (vLLM's rule, so that a mistyped path is an error rather than a template saying the path)."""
+    if any(c in value for c in "{}\n"):
+        return value
+    try:
+        with open(os.path.expanduser(value), encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template {value}: {e.strerror or e} (give a file, or the template "
+                         f"itself)") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--chat-template {value}: not UTF-8 text") from None
+
+
+def _origins(values: list[str]) -> list[str]:
+    """--allowed-origins values: origins, or one JSON list of them (vLLM's form)."""
+    if len(values) == 1 and values[0].lstrip().startswith("["):
+        try:
+            parsed = json.loads(values[0])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--allowed-origins: not a JSON list of origins: {e}") from None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError("--allowed-origins: the JSON form is a list of strings")
+        return parsed
+    return values
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -204,7 +293,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, title: str) -> Non
                 kwargs["choices"] = f.metadata["choices"]
         if f.default is not MISSING and f.default is not None:
             help_text += " (default: %(default)s)"
-        group.add_argument(_flag(f.name), help=help_text, **kwargs)
+        group.add_argument(_flag(f.name), *f.metadata.get("aliases", ()), help=help_text, **kwargs)
 
 
 def from_args(cls: type, args: argparse.Namespace, **overrides):

@@ -38,6 +38,8 @@ class ServerContext:
     model_vocab_size: int | None = None  # the model's (config.json); None: the tokenizer's
     tool_call_parser: str | None = None  # --tool-call-parser: "auto" tool choice (tool_calls.py)
     reasoning_parser: str | None = None  # --reasoning-parser (reasoning.py)
+    # --generation-config: sampling fields a request inherits when it leaves them out
+    default_sampling: dict[str, Any] = field(default_factory=dict)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # Compiles constraints in processes of this worker's own; made from the tokenizer (its
     # processes start on the first constrained request).

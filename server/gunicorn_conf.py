@@ -34,6 +34,9 @@ keepalive = int(os.environ.get("RINGSERVE_TIMEOUT_KEEP_ALIVE", ServerConfig.time
 control_socket_disable = True
 accesslog = os.environ.get("RINGSERVE_ACCESS_LOG") or None
 loglevel = os.environ.get("RINGSERVE_LOG_LEVEL", ServerConfig.log_level)
+# --ssl-keyfile/--ssl-certfile: Gunicorn's TLS, which the Uvicorn worker serves.
+keyfile = os.environ.get("RINGSERVE_SSL_KEYFILE") or None
+certfile = os.environ.get("RINGSERVE_SSL_CERTFILE") or None
 
 
 def child_exit(server, worker):
@@ -54,6 +57,12 @@ def on_starting(server):
 def post_fork(server, worker):
     if os.environ.get(LAUNCHER_PID_ENV):
         die_with_parent(server.pid)  # the master forks from its only thread
+    # --uvicorn-log-level: Uvicorn's own loggers (its "trace" is below debug, level 5)
+    level = os.environ.get("RINGSERVE_UVICORN_LOG_LEVEL")
+    if level:
+        numeric = 5 if level == "trace" else getattr(logging, level.upper())
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+            logging.getLogger(name).setLevel(numeric)
     # The app's loggers (ringserve.*: access lines, engine-client warnings) write where and as
     # Gunicorn's own do, at --log-level; without this only warnings reached stderr, bare.
     ours = logging.getLogger("ringserve")

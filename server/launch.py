@@ -1,6 +1,6 @@
 """`ringserve serve`: resolve the model once, start the engine process(es), then Gunicorn.
 
-Process tree:  launcher ─┬─ engine 0..E-1   (multiprocessing spawn: run_engine on a control socket)
+Process tree:  launcher ─┬─ engine 0..E-1   (multiprocessing spawn: an engine on a control socket)
                          └─ gunicorn master ── W Uvicorn workers (the Falcon app, one engine client each)
 
 The launcher is the only process that resolves (downloads/converts) the model; workers get the
@@ -36,6 +36,7 @@ from ringserve.ipc.shm import Segment, remove_stale_segments
 from ringserve.ipc.stats import (
     BLOCK_SIZE,
     KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
     NUM_BLOCKS,
     EngineStats,
     ThroughputLog,
@@ -54,6 +55,12 @@ log = logging.getLogger("ringserve.launch")
 ENGINE_START_TIMEOUT_S = 600.0
 # Seconds between two throughput lines while there is traffic (vLLM's VLLM_LOG_STATS_INTERVAL).
 LOG_STATS_INTERVAL_ENV = "RINGSERVE_LOG_STATS_INTERVAL"
+
+EXIT_REFUSED = 3  # an engine that cannot serve with these settings, having printed why in one line
+
+
+class EngineRefused(RuntimeError):
+    """An engine refused to start and printed why (its one line): `serve` adds no other."""
 
 
 def serve_sections() -> list[tuple[str, type]]:
@@ -107,21 +114,25 @@ def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, 
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from ringserve.engine.kv_events import KVEventsError
-    from ringserve.engine.process import run_engine
+    from ringserve.engine.process import serve_engine, start_engine
     from ringserve.gpu.errors import ModelError
     try:
-        run_engine(config, control_path, **kwargs)
-    except (ModelError, KVEventsError) as e:  # cannot serve here: its one line, no traceback
+        engine = start_engine(config, control_path, **kwargs)
+    except (ModelError, KVEventsError, ValueError) as e:  # cannot serve: its one line, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        sys.exit(EXIT_REFUSED)
+    serve_engine(engine)
 
 
 class Launcher:
-    def __init__(self, args: argparse.Namespace, model_dir: Path, max_model_len: int):
+    def __init__(self, args: argparse.Namespace, model_dir: Path, max_model_len: int,
+                 tokenizer_dir: Path | None = None):
         """args: the parsed `serve` flags. Each settings class is built from them here, so a bad
         flag fails (ValueError) before anything starts."""
         from ringserve.engine.config import EngineConfig
         from ringserve.gpu.devices import cpu_threads_per_engine, cuda_stack_problem, plan_engines
+        from ringserve.gpu.loader.config import generation_defaults
+        from ringserve.gpu.loader.model_store import served_model_name
         from ringserve.server.config import (
             ParallelConfig,
             ServerConfig,
@@ -130,10 +141,18 @@ class Launcher:
         )
         from ringserve.server.protocol import RequestLimits
         self.model_dir = model_dir
+        self.tokenizer_dir = tokenizer_dir  # --tokenizer, resolved (None: the model's)
+        self.model_name = served_model_name(args.model, model_dir)  # when --served-model-name is not given
         self.max_model_len = max_model_len
         self.server: ServerConfig = from_args(ServerConfig, args)
         self.parallel: ParallelConfig = from_args(ParallelConfig, args)
         self.request_limits: RequestLimits = from_args(RequestLimits, args)
+        choice = self.server.generation_config  # vLLM's --generation-config: auto | vllm | a folder
+        self.default_sampling = ({} if choice == "vllm" else
+                                 generation_defaults(model_dir if choice == "auto" else choice))
+        if self.default_sampling:
+            log.info("default sampling parameters from %s's generation_config.json: %s",
+                     "the model" if choice == "auto" else choice, self.default_sampling)
         self.structured: StructuredOutputsConfig = from_args(StructuredOutputsConfig, args)
         # Counted without initializing CUDA here (gpu/devices.py); one engine per GPU by default.
         self.device, self.engine_gpus = plan_engines(args.device, self.parallel.engines)
@@ -142,7 +161,8 @@ class Launcher:
         # With the device resolved, EngineConfig resolves its by-device defaults without CUDA.
         resolved = argparse.Namespace(**{**vars(args), "device": self.device})
         self.engine_config: EngineConfig = from_args(
-            EngineConfig, resolved, model=str(model_dir), max_model_len=max_model_len)
+            EngineConfig, resolved, model=str(model_dir),  # max_model_len: the flag's (None: not given)
+            tokenizer=None if tokenizer_dir is None else str(tokenizer_dir))
         device_config = self.engine_config.device_config
         if self.device == "cpu" and device_config.cpu_threads is None and len(self.engine_gpus) > 1:
             # several CPU engines share the cores (each alone would take them all)
@@ -184,6 +204,8 @@ class Launcher:
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
             if not engine.process.is_alive():
+                if engine.process.exitcode == EXIT_REFUSED:  # it said why, in one line
+                    raise EngineRefused(f"engine {engine.index} refused to start (its error above)")
                 raise RuntimeError(f"engine {engine.index} exited with code "
                                    f"{engine.process.exitcode} while starting")
             if time.monotonic() > deadline:
@@ -209,7 +231,7 @@ class Launcher:
         a = self.server
         prom = self.runtime / "prometheus"
         prom.mkdir()
-        names = a.served_model_name or [self.model_dir.name]
+        names = a.served_model_name or [self.model_name]
         worker_config = {
             "model_dir": str(self.model_dir),
             "served_model_names": names,
@@ -220,7 +242,14 @@ class Launcher:
             "structured_outputs": vars(self.structured),
             "vocab_size": _model_vocab_size(self.model_dir),
             "max_stream_backlog": a.max_stream_backlog,
-            "tool_call_parser": a.tool_call_parser,
+            # "auto" tool choice is served only with --enable-auto-tool-choice (vLLM's rule)
+            "tool_call_parser": a.tool_call_parser if a.enable_auto_tool_choice else None,
+            "tokenizer_dir": str(self.tokenizer_dir or self.model_dir),
+            "chat_template": a.chat_template,
+            "default_sampling": self.default_sampling,
+            "disable_log_requests": a.disable_log_requests,
+            "allowed_origins": a.allowed_origins,
+            "root_path": a.root_path,
             "reasoning_parser": a.reasoning_parser,
             "disable_log_requests": a.disable_log_requests,
             "control_paths": [e.control_path for e in self.engines],
@@ -236,6 +265,9 @@ class Launcher:
                    RINGSERVE_WORKERS=str(self.parallel.workers),
                    RINGSERVE_DRAIN_TIMEOUT=str(a.drain_timeout),
                    RINGSERVE_LOG_LEVEL=a.log_level,
+                   RINGSERVE_UVICORN_LOG_LEVEL=a.uvicorn_log_level,
+                   RINGSERVE_SSL_KEYFILE=a.ssl_keyfile or "",
+                   RINGSERVE_SSL_CERTFILE=a.ssl_certfile or "",
                    RINGSERVE_TIMEOUT_KEEP_ALIVE=str(a.timeout_keep_alive),
                    RINGSERVE_TIMEOUT_HEADER_READ=str(a.timeout_header_read),
                    RINGSERVE_TIMEOUT_BODY_READ=str(a.timeout_body_read),
@@ -243,7 +275,7 @@ class Launcher:
                    **{WORKER_CONFIG_ENV: json.dumps(worker_config)})
         # What an outside engine client (`ringserve loadgen` in ring mode) needs to attach to
         # the engines as a worker does; the runtime folder is 0700, the key stays out anyway.
-        server_info = dict(worker_config, url=f"http://{a.host}:{a.port}", pid=os.getpid())
+        server_info = dict(worker_config, url=self.url, pid=os.getpid())
         del server_info["api_key"]
         (self.runtime / "server.json").write_text(json.dumps(server_info))
         env[LAUNCHER_PID_ENV] = str(os.getpid())
@@ -252,6 +284,11 @@ class Launcher:
         # Its own session: a signal to our process group must not reach Gunicorn, which takes
         # SIGINT as a quick (stream-cutting) stop; we drain it with SIGTERM (shutdown).
         return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        a = self.server
+        return f"{'https' if a.ssl_certfile else 'http'}://{a.host}:{a.port}{a.root_path or ''}"
 
     def _server_info(self) -> dict:
         """The static facts /get_server_info shows (server/app.py ServerInfo): one instance id
@@ -296,6 +333,8 @@ class Launcher:
         ready = [self._wait_ready(e) for e in self.engines]
         if self._stopping:
             return
+        # An engine whose KV pool holds fewer tokens clamped it (engine/config.py fit_max_model_len).
+        self.max_model_len = min([self.max_model_len, *(s[MAX_MODEL_LEN] for s in ready if s[MAX_MODEL_LEN])])
         self.gunicorn = self._start_gunicorn()
         for e, stats in zip(self.engines, ready, strict=True):
             gpu = self.engine_gpus[e.index]
@@ -306,13 +345,12 @@ class Launcher:
                      _size(sum(weights.values())),
                      ", ".join(f"{k} {_size(v)}" for k, v in sorted(weights.items(), key=lambda kv: -kv[1])),
                      blocks, bs, blocks * bs, _size(stats[KV_CACHE_BYTES]))
-        log.info("serving %s (%s) as %s on http://%s:%d with %d workers, max_model_len %d",
+        log.info("serving %s (%s) as %s on %s with %d workers, max_model_len %d",
                  self.model_dir.name, self.model_dir,
-                 ", ".join(self.server.served_model_name or [self.model_dir.name]),
-                 self.server.host, self.server.port, self.parallel.workers, self.max_model_len)
+                 ", ".join(self.server.served_model_name or [self.model_name]),
+                 self.url, self.parallel.workers, self.max_model_len)
         if self.server.enable_debug_endpoints:
-            log.info("dashboard: http://%s:%d/dashboard (engines: /debug/engines)",
-                     self.server.host, self.server.port)
+            log.info("dashboard: %s/dashboard (engines: /debug/engines)", self.url)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -431,10 +469,21 @@ def serve_command(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     from ringserve.gpu.errors import ModelError
     from ringserve.gpu.loader.config import ModelConfig
-    from ringserve.gpu.loader.model_store import resolve_model
+    from ringserve.gpu.loader.model_store import resolve_model, resolve_tokenizer
+    from ringserve.gpu.loader.weights import check_quantization
+    from ringserve.server.config import ParallelConfig, ServerConfig, from_args
+    try:  # the frontend's settings first: a refused flag must not wait for a model's download
+        from_args(ServerConfig, args)
+        from_args(ParallelConfig, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
-        model_dir = Path(resolve_model(args.model))
+        model_dir = Path(resolve_model(args.model, revision=args.revision, download_dir=args.download_dir))
         model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
+        check_quantization(args.quantization, model_dir)
+        tokenizer_dir = (None if args.tokenizer is None
+                         else resolve_tokenizer(args.tokenizer, args.download_dir))
     except ModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -447,8 +496,10 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {busy}", file=sys.stderr)
         return 1
     try:
-        return Launcher(args, model_dir, max_model_len).run()
-    except (RuntimeError, ValueError) as exc:
+        return Launcher(args, model_dir, max_model_len, tokenizer_dir).run()
+    except EngineRefused:
+        return 1
+    except (RuntimeError, ValueError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -21,7 +21,8 @@ from typing import Any, Sequence, Union, cast
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.gpu.loader.model_store import resolve_model
+from ringserve.gpu.loader.model_store import resolve_model, resolve_tokenizer
+from ringserve.gpu.loader.weights import check_quantization
 from ringserve.ipc.messages import FinishReason
 from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.output_processor import SampleParams, SampleState, TokenLogprob
@@ -74,12 +75,19 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
-        """model: a known name (None: the default model), an HF folder or a .gguf file;
-        engine_args: the setting names of EngineConfig and its parts, flat (the `ringserve serve`
-        flags in snake_case, as vLLM's EngineArgs): EngineConfig.create sorts them."""
-        model_dir = resolve_model(model)
+        """model: a known name (None: the default model), a Hugging Face id (ORG/NAME,
+        ORG/NAME:QUANT), an HF folder or a .gguf file; engine_args: the setting names of
+        EngineConfig and its parts, flat (the `ringserve serve` flags in snake_case, as vLLM's
+        EngineArgs; revision and download_dir pick a Hugging Face id's files): EngineConfig.create
+        sorts them."""
+        model_dir = resolve_model(model, revision=engine_args.get("revision"),
+                                  download_dir=engine_args.get("download_dir"))
+        if engine_args.get("tokenizer") is not None:
+            engine_args["tokenizer"] = str(resolve_tokenizer(engine_args["tokenizer"],
+                                                             engine_args.get("download_dir")))
         self.config = EngineConfig.create(model=str(model_dir), **engine_args)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        check_quantization(self.config.quantization, model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.config.tokenizer or model_dir)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
 

@@ -418,11 +418,13 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_token
 
 
 def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
     """The request's SamplingParams, checked (SamplingParams.validate: a 400 naming the
-    request's field). Its fields left out (None) take SamplingParams' defaults; n is 1: the
-    frontend fans `n` out into n engine requests, so that a stop string ends one."""
-    given = {name: value for name in _SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+    request's field). Its fields left out (None) take `defaults` (--generation-config), else
+    SamplingParams' defaults; n is 1: the frontend fans `n` out into n engine requests, so that
+    a stop string ends one."""
+    given = {**(defaults or {}),
+             **{name: value for name in _SAMPLING_FIELDS if (value := getattr(req, name)) is not None}}
     with _refused_as_400(req):
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs, **given)

@@ -39,7 +39,8 @@ async def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: 
     P.check_common(req, ctx.limits, ctx.vocab_size)
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = P.sampling_params(req, max_tokens=asked, logprobs=logprobs)  # before any tokenizing
+    params = P.sampling_params(req, max_tokens=asked, logprobs=logprobs,  # before any tokenizing
+                               defaults=ctx.default_sampling)
     P.check_logprobs(req.top_logprobs, ctx.limits, param="top_logprobs")
     P.check_choices(1, req.n, ctx.limits)
     tp = T.plan(req, ctx.tool_call_parser, ctx.structured.max_json_depth)

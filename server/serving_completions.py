@@ -24,7 +24,8 @@ async def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str)
     P.check_common(req, ctx.limits, ctx.vocab_size)
     # The echoed prompt's logprobs, as vLLM gives them; the values checked before any tokenizing.
     params = P.sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                               prompt_logprobs=req.logprobs if req.echo else None)
+                               prompt_logprobs=req.logprobs if req.echo else None,
+                               defaults=ctx.default_sampling)
     P.check_logprobs(req.logprobs, ctx.limits, param="logprobs")
     if req.suffix:
         raise P.bad_request("suffix is not supported", param="suffix")

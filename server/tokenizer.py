@@ -56,11 +56,17 @@ class Tokenizer:
         self.token_bytes: TokenBytes | None = _token_bytes(tokenizer)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+    def from_dir(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """chat_template: the template to use in place of the folder's (--chat-template)."""
         model_dir = Path(model_dir)
         tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        template_file = model_dir / "chat_template.jinja"  # where newer checkpoints keep it
+        if chat_template is None and "chat_template" not in config and template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+        if chat_template is not None:
+            config["chat_template"] = chat_template
         return cls(tokenizer, config)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -60,8 +60,9 @@ def plan(req: P.ChatCompletionRequest, parser: str | None, max_json_depth: int) 
     if choice is None or choice == "auto":
         if parser is None:
             raise P.bad_request('"auto" tool choice (the default with tools) needs the server '
-                                "started with --tool-call-parser; or ask for tool_choice "
-                                '"required", a named function or "none"', param="tool_choice")
+                                "started with --enable-auto-tool-choice and --tool-call-parser; or "
+                                'ask for tool_choice "required", a named function or "none"',
+                                param="tool_choice")
         return ToolPlan("auto", tools, parser=parser)
     if choice == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [

@@ -58,12 +58,14 @@ def worker_app():
     cfg = json.loads(os.environ[WORKER_CONFIG_ENV])
     names = cfg["served_model_names"]
     client = EngineClient(cfg["control_paths"], max_stream_backlog=cfg["max_stream_backlog"])
-    ctx = ServerContext(Tokenizer.from_dir(cfg["model_dir"]), client, names, cfg["max_model_len"],
+    tokenizer = Tokenizer.from_dir(cfg.get("tokenizer_dir") or cfg["model_dir"], cfg.get("chat_template"))
+    ctx = ServerContext(tokenizer, client, names, cfg["max_model_len"],
                         RequestMetrics(names[0], cfg["max_model_len"], cfg["metrics_prefix"]),
                         RequestLimits(**cfg["request_limits"]), cfg["vocab_size"],
                         tool_call_parser=cfg.get("tool_call_parser"),
                         structured=StructuredOutputsConfig(**cfg["structured_outputs"]),
-                        reasoning_parser=cfg.get("reasoning_parser"))
+                        reasoning_parser=cfg.get("reasoning_parser"),
+                        default_sampling=cfg.get("default_sampling") or {})
 
     async def stop() -> None:
         await ctx.grammars.close()
@@ -86,6 +88,7 @@ def worker_app():
         server_info=cfg["server_info"],
         kv_event_sources=cfg["kv_event_sources"],
         log_requests=not cfg.get("disable_log_requests", False),
+        allowed_origins=cfg.get("allowed_origins"), root_path=cfg.get("root_path"),
         debug_engines=((lambda: engine_views(client, cfg["debug_paths"]))
                        if cfg.get("debug_paths") else None))
     return create_app(ctx, options)

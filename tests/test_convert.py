@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from safetensors.numpy import load_file
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader import model_store
 from ringserve.gpu.loader.gguf_convert import convert_gguf, unpermute_qk
-from ringserve.gpu.loader.model_store import default_gguf_path, gguf_cache_key, resolve_model
+from ringserve.gpu.loader.model_store import default_gguf_path, gguf_identity, resolve_model
 from ringserve.gpu.loader.weights import load_weights
 from ringserve.tools.tiny_gguf import LAYER_TENSORS, make_tiny_gguf, permute_qk
 
@@ -203,20 +204,28 @@ def test_truncated_and_corrupt_files(tiny, tmp_path):
 # ----------------------------------------------------------------------------- the cache
 
 
-def test_gguf_is_converted_once_and_cached_by_name_size_mtime(tiny, cache, tmp_path):
+def test_gguf_is_converted_once_and_cached_by_content(tiny, cache, tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(tiny[0].read_bytes())
     first = resolve_model(str(path))
-    assert first.parent == cache / "models" / f"v{model_store.CONVERTER_VERSION}"
-    assert first.name == gguf_cache_key(path)
+    root = cache / "models" / f"v{model_store.CONVERTER_VERSION}" / "gguf"
+    assert first == root / gguf_identity(path) / "model"  # named by its stem: the served name
     assert all((first / f).is_file() for f in FIVE_FILES)
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert resolve_model(str(path)) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
-    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no work folder left
+    assert sorted(p.name for p in first.parent.iterdir()) == ["model", "source"]  # no work folder left
 
-    os.utime(path, ns=(stamp, stamp + 10**9))  # a changed file is a new cache entry
-    assert resolve_model(str(path)) != first
+    os.utime(path, ns=(stamp, stamp + 10**9))  # `touch`: the same content, the same conversion
+    assert resolve_model(str(path)) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+
+    data = bytearray(path.read_bytes())  # changed content: converted again, the old one removed
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    second = resolve_model(str(path))
+    assert second != first and second.name == "model" and not first.parent.exists()
+    assert [p.name for p in root.iterdir()] == [second.parent.name]
 
 
 def test_failed_conversion_leaves_nothing_behind(tmp_path, cache):
@@ -237,19 +246,20 @@ def test_a_new_converter_version_converts_again_and_frees_the_old(tiny, cache, m
 def test_abandoned_work_folders_are_removed(tiny, cache):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    key = gguf_cache_key(tiny[0])
-    abandoned = model_store.models_dir() / f".{key}.{dead}.x1"
-    alive = model_store.models_dir() / f".{key}.{os.getpid()}.x2"
-    for folder in (abandoned, alive):
-        (folder / "model").mkdir(parents=True)
+    folder = model_store.models_dir() / "gguf" / gguf_identity(tiny[0])
+    abandoned = folder / f".{tiny[0].stem}.{dead}.x1"
+    alive = folder / f".{tiny[0].stem}.{os.getpid()}.x2"
+    for work in (abandoned, alive):
+        (work / "model").mkdir(parents=True)
     resolve_model(str(tiny[0]))
     assert not abandoned.exists() and alive.exists()
 
 
 def test_resolve_model_inputs(tiny, cache, tmp_path):
     assert resolve_model(str(tiny[2])) == tiny[2]  # an HF folder is itself
-    with pytest.raises(ModelError, match="file not found"):
-        resolve_model(str(tmp_path / "missing.gguf"))
+    for missing in (tmp_path / "missing.gguf", tmp_path / "no-such-folder", "./nothing"):
+        with pytest.raises(ModelError, match=f"^{re.escape(str(missing))}: not found$"):
+            resolve_model(str(missing))
     with pytest.raises(ModelError, match="unknown model 'no-such-model'"):
         resolve_model("no-such-model")
     with pytest.raises(ModelError, match="no config.json"):

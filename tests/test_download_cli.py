@@ -43,7 +43,8 @@ def test_gguf_file_is_converted_once(tmp_path):
     make_tiny_gguf(tmp_path / "tiny.gguf", num_layers=1)
     first = download(str(tmp_path / "tiny.gguf"), cache=tmp_path / "cache")
     path = folder_printed(first)
-    assert path.parent == tmp_path / "cache" / "models" / f"v{CONVERTER_VERSION}"
+    assert path.parents[1] == tmp_path / "cache" / "models" / f"v{CONVERTER_VERSION}" / "gguf"
+    assert path.name == "tiny"  # the file's stem: the model's served name
     assert "converting tiny.gguf" in first.stderr
     stamp = (path / "model.safetensors").stat().st_mtime_ns
 
@@ -63,7 +64,8 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[str, str]]:
     (tmp / "corrupt.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(range(256)) * 4)
     (tmp / "empty-folder").mkdir()
     return {
-        "missing file": (str(tmp / "missing.gguf"), "file not found"),
+        "missing file": (str(tmp / "missing.gguf"), f"{tmp / 'missing.gguf'}: not found"),
+        "missing folder": (str(tmp / "no-such-folder"), f"{tmp / 'no-such-folder'}: not found"),
         "unknown name": ("llama-9000", "unknown model 'llama-9000'"),
         "unsupported architecture": (str(tmp / "gpt2.gguf"), "architecture 'gpt2' is not supported"),
         "unsupported tensor type": (str(tmp / "f64.gguf"), "blk.0.ffn_up.weight has type F64"),

@@ -25,7 +25,8 @@ def by_token(position) -> dict[int, Candidate]:
 
 
 def make_engine(model_dir, **kw) -> EngineCore:
-    kw.setdefault("max_model_len", 256)
+    if "num_gpu_blocks_override" not in kw:  # a small pool clamps max_model_len to what it holds
+        kw.setdefault("max_model_len", 256)
     return EngineCore(EngineConfig.create(model=str(model_dir), **kw))
 
 
@@ -110,7 +111,11 @@ def test_blocks_are_freed_in_the_step_where_a_request_ends(tiny_model_dir):
 
 
 def test_requests_that_can_never_fit_are_refused(tiny_model_dir):
-    engine = make_engine(tiny_model_dir, max_model_len=64, num_gpu_blocks_override=3)
+    with pytest.raises(ValueError, match="the KV pool holds 48 tokens, less than one request of "
+                                         "--max-model-len 64"):
+        make_engine(tiny_model_dir, max_model_len=64, num_gpu_blocks_override=3)
+    engine = make_engine(tiny_model_dir, num_gpu_blocks_override=3)  # 3 blocks of 16: clamped to 48
+    assert engine.max_model_len == 48
     engine.add_request("long", list(range(3, 60)), SamplingParams(max_tokens=10))
     engine.add_request("pool", list(range(3, 40)), SamplingParams(max_tokens=20))
     engine.add_request("empty", [], SamplingParams())
@@ -119,8 +124,9 @@ def test_requests_that_can_never_fit_are_refused(tiny_model_dir):
     outs = engine.step()
     errors = {o.request_id: o.error for o in outs if o.finish_reason == "error"}
     assert set(errors) == {"long", "pool", "empty", "vocab"}
-    assert "maximum context length is 64" in errors["long"] and "67 tokens" in errors["long"]
-    assert "blocks" in errors["pool"] and "empty" in errors["empty"] and "100000" in errors["vocab"]
+    assert "maximum context length is 48" in errors["long"] and "57 input tokens" in errors["long"]
+    assert "maximum context length is 48" in errors["pool"] and "57 tokens" in errors["pool"]
+    assert "empty" in errors["empty"] and "100000" in errors["vocab"]
     assert engine.num_waiting + engine.num_running == 1
     first = [t for o in outs if o.request_id == "ok" for t in o.new_token_ids]
     got, _ = run(engine, {})

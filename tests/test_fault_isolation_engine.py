@@ -419,26 +419,22 @@ def test_http_requests_that_used_to_kill_the_engine(serve, tiny_model_dir):
 
 
 
-def test_an_engine_refusal_has_one_error_body_streamed_or_not(serve, tiny_model_dir):
-    """A request the frontend cannot refuse but the engine must (it needs more KV blocks than
-    the whole pool): a 500 with OpenAI's error JSON, or, once a stream has begun, the same error
-    object as its last event before [DONE] (server/errors.py builds both). The server goes on."""
-    server = serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
-                   "--num-gpu-blocks-override", "4")
+def test_a_request_the_pool_can_never_hold_is_a_400_streamed_or_not(serve, tiny_model_dir):
+    """A pool of 4 blocks (64 tokens) clamps max_model_len to 64 (none was given: engine/config.py
+    fit_max_model_len), so a request that could never fit is the frontend's 400 naming the limit,
+    streamed or not, never an engine's 500. The server goes on."""
+    server = serve(tiny_model_dir, "--workers", "1", "--device", "cpu", "--num-gpu-blocks-override", "4")
     body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
     with httpx.Client(base_url=server.url, timeout=60) as client:
-        plain = client.post("/v1/completions", json=body)
-        assert plain.status_code == 500, plain.text
-        error = plain.json()["error"]
-        assert error["code"] == "engine_error" and error["type"] == "server_error"
-        assert "blocks" in error["message"] and error["param"] is None
-        with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
-            assert r.status_code == 200
-            events = [line for line in r.iter_lines() if line]
-        assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2].removeprefix("data: ")) == {"error": error}
+        for stream in (False, True):
+            r = client.post("/v1/completions", json=dict(body, stream=stream))
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+            assert "maximum context length is 64 tokens" in error["message"]
         ok = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which "
          "this be or has had not but all when there one their been who they more new some "

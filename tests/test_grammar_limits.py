@@ -236,7 +236,8 @@ def server(serve, default_model_dir, no_segment_left_behind):
     # engine keeps to one core and leaves the other to the compile: on the 2-core CI machine
     # the streams' gaps then show the event loop, not two processes sharing the cores.
     return serve(default_model_dir, "--workers", "1", "--max-model-len", "1024",
-                 "--tool-call-parser", "hermes", "--grammar-compile-timeout", "2",
+                 "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                 "--grammar-compile-timeout", "2",
                  "--max-grammar-items", "20000", "--max-grammar-bytes", "1000000",
                  "--cpu-threads", "1", timeout=300)
 

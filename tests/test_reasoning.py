@@ -106,7 +106,8 @@ def model_dir(default_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(serve, model_dir, no_segment_left_behind) -> str:
     return serve(model_dir, "--workers", "1", "--max-model-len", "512", "--served-model-name", "x",
-                 "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", timeout=300).url
+                 "--reasoning-parser", "qwen3", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
+                 timeout=300).url
 
 
 def _post(url: str, **body) -> httpx.Response:

@@ -284,7 +284,7 @@ def test_engine_matchers_survive_preemption_chunked_prefill_and_n(default_model_
     greedy = SamplingParams(max_tokens=120, temperature=0, structured_outputs=S(json=schema))
     base_config = EngineConfig.create(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN)
     base, _, _ = _engine_outputs(EngineCore(base_config), prompts, greedy)
-    tight = EngineCore(EngineConfig.create(model=str(default_model_dir), max_model_len=MAX_MODEL_LEN,
+    tight = EngineCore(EngineConfig.create(model=str(default_model_dir), max_model_len=12 * 16,  # the pool
                                            num_gpu_blocks_override=12, max_num_batched_tokens=32,
                                            enable_prefix_caching=False))
     again, preemptions, chunks = _engine_outputs(tight, prompts, greedy)

@@ -18,32 +18,9 @@ from conftest import with_chat_template
 
 pytestmark = pytest.mark.slow
 
-HERMES_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-You can call functions. <tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{%- for tc in message.tool_calls %}
-<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+# vLLM's way: the default model's template ignores tools, so `--chat-template` gives it one that
+# renders them (ringserve serve --chat-template examples/tool_chat_template_smollm2.jinja).
+HERMES_TEMPLATE = (Path(__file__).parent.parent / "examples" / "tool_chat_template_smollm2.jinja").read_text()
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -70,7 +47,8 @@ def model_dir(default_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hermes(serve, model_dir, no_segment_left_behind) -> str:
     return serve(model_dir, "--workers", "1", "--max-model-len", "1024",
-                 "--tool-call-parser", "hermes", "--served-model-name", "x", timeout=300).url
+                 "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--served-model-name", "x",
+                 timeout=300).url
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -209,7 +187,7 @@ def test_auto_parses_hermes_calls(hermes):
 
 def test_auto_parses_llama3_json_calls(serve, model_dir):
     url = serve(model_dir, "--workers", "1", "--max-model-len", "1024",
-                "--tool-call-parser", "llama3_json", "--served-model-name", "x",
+                "--tool-call-parser", "llama3_json", "--enable-auto-tool-choice", "--served-model-name", "x",
                 timeout=300).url
     regex = r'\{"name": "get_time", "parameters": \{"zone": "(UTC|CET)"\}\}'
     body = dict(messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,

@@ -125,7 +125,8 @@ def test_trace_flag_and_blob_cross_the_wire():
 @pytest.fixture(scope="module")
 def debug_server(tiny_server):
     return tiny_server("--engines", "2", "--enable-debug-endpoints",
-                       "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(NUM_BLOCKS))
+                       "--max-model-len", str(NUM_BLOCKS * BLOCK_SIZE), "--block-size", str(BLOCK_SIZE),
+                       "--num-gpu-blocks-override", str(NUM_BLOCKS))
 
 
 def _metric(text: str, name: str) -> list[tuple[str, float]]:

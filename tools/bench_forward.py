@@ -44,7 +44,7 @@ from ringserve.tools.bench_report import BenchRun, Column, add_json_argument, re
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model folder or name (default: the default model)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens already cached per request")

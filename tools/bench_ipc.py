@@ -364,7 +364,7 @@ CODEC_COLUMNS = [Column("codec", "codec", align="<"), Column("message", "message
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer messages (a smoke run)")
     ap.add_argument("--repeats", type=int, default=3, help="throughput runs per transport (median)")
     add_json_argument(ap)

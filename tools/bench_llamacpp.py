@@ -160,7 +160,7 @@ def table(ours: dict, theirs: dict | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, required=True)
     p.add_argument("--llama-server", default="llama-server", help="the llama-server binary")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t (ringserve: its default)")

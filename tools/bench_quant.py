@@ -32,7 +32,7 @@ FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--types", nargs="+", default=list(SUPPORTED_TYPES), choices=SUPPORTED_TYPES)
     ap.add_argument("--shape", nargs="+", default=["8192x4096", "576x1536"],
                     help="out x in of the weight (default: a Llama-8B-sized one; SmolLM2-135M's down "

@@ -113,7 +113,7 @@ def measure(engine: EngineCore, concurrency: int, max_tokens: int, rounds: int) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model folder (default: the default model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -69,7 +69,7 @@ COLUMNS = ([Column("running", "running", "d")] + [Column(_key(m), f"{m} ms", ".3
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--running", type=int, nargs="+", default=[8, 64, 256])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)

@@ -168,7 +168,7 @@ def check_family(arch: str, merges: list[str], args: argparse.Namespace, work: P
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-server", required=True, help="the llama-server binary")
     p.add_argument("--arch", default="llama3,qwen2")
     p.add_argument("--layout", choices=LAYOUTS, default="q4_k_m", help="tools/random_gguf.py --layout")

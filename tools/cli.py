@@ -4,27 +4,38 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import version
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ringserve", description=__doc__)
+    # allow_abbrev=False everywhere: a prefix must never stand for another flag (--metrics is
+    # not --metrics-prefix), and a flag added later must not change what an old command means.
+    parser = argparse.ArgumentParser(prog="ringserve", description=__doc__, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"ringserve {version('ringserve')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("download", help="fetch and convert a model; prints its folder last")
+    p = sub.add_parser("download", help="fetch and convert a model; prints its folder last",
+                       allow_abbrev=False)
     p.add_argument("model", nargs="?", default=None,
-                   help="a known model name (default: the default model) or a .gguf file")
+                   help="a Hugging Face model id (ORG/NAME, ORG/NAME:QUANT), a .gguf file or a "
+                        "known name (default: the default model)")
+    p.add_argument("--revision", default=None, help="a model id's branch, tag or commit (default: main)")
+    p.add_argument("--download-dir", default=None,
+                   help="the Hugging Face cache to use (default: $HF_HUB_CACHE or $HF_HOME/hub)")
 
-    p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", allow_abbrev=False)
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model (vLLM's `vllm serve MODEL`)")
     from ringserve.server.launch import add_serve_arguments  # argparse only; nothing heavy
-    add_serve_arguments(p)
+    add_serve_arguments(serve)
 
     p = sub.add_parser("loadgen", help="load-test a server: ring mode (its engines, no HTTP) or "
-                                       "HTTP mode (any OpenAI-compatible server)")
+                                       "HTTP mode (any OpenAI-compatible server)", allow_abbrev=False)
     from ringserve.tools.loadgen.cli import add_arguments as add_loadgen_arguments  # argparse only
     add_loadgen_arguments(p)
 
     p = sub.add_parser("trace", help="send one traced request to a running server and print "
-                                     "its journey, station by station")
+                                     "its journey, station by station", allow_abbrev=False)
     from ringserve.server.trace_cli import add_arguments as add_trace_arguments  # argparse + httpx
     add_trace_arguments(p)
 
@@ -33,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         from ringserve.gpu.loader.model_store import download_command
         return download_command(args)
     if args.command == "serve":
+        if args.model_tag is not None:
+            if args.model is not None and args.model != args.model_tag:
+                serve.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+            args.model = args.model_tag
         from ringserve.server.launch import serve_command
         return serve_command(args)
     if args.command == "loadgen":

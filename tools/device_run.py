@@ -161,7 +161,7 @@ def seconds_for(chosen: list[Phase], i: int, left: float) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="the result folder ($OUT)")
     ap.add_argument("--budget-s", type=float, default=530.0, help="the whole run, setup included")
     ap.add_argument("--phases", type=lambda s: s.split(","), default=[p.name for p in PHASES],

@@ -865,7 +865,7 @@ def main(argv=None) -> int:
     for stream in (sys.stdout, sys.stderr):  # unbuffered in effect, whoever started us
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True)
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True,
                     help="folder for gpu_check.json and gpu_check.txt, rewritten after every phase")
     ap.add_argument("--skip-tests", action="store_true")

@@ -442,7 +442,7 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="the .gguf file to write")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     p.add_argument("--layout", choices=LAYOUTS, default="q4_k_m")

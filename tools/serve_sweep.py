@@ -257,7 +257,7 @@ def sweep_one(args: argparse.Namespace, sweep: Sweep, dtype: str, until: float, 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for serve_sweep.json and .txt")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1B")

