@@ -251,7 +251,6 @@ class Launcher:
             "allowed_origins": a.allowed_origins,
             "root_path": a.root_path,
             "reasoning_parser": a.reasoning_parser,
-            "disable_log_requests": a.disable_log_requests,
             "control_paths": [e.control_path for e in self.engines],
             "debug_paths": ([self._debug_path(e.index) for e in self.engines]
                             if a.enable_debug_endpoints else None),
