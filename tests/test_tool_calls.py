@@ -208,7 +208,8 @@ def test_auto_parses_phi4_mini_json_calls(serve, model_dir):
     """Phi-4-mini writes functools[{"name", "arguments"}, ...] (vLLM's phi4_mini_json): two calls
     in one array, an argument holding "]" whole, the text before it content, streamed the same."""
     url = serve(model_dir, "--workers", "1", "--max-model-len", "1024",
-                "--tool-call-parser", "phi4_mini_json", "--served-model-name", "x", timeout=300).url
+                "--tool-call-parser", "phi4_mini_json", "--enable-auto-tool-choice",
+                "--served-model-name", "x", timeout=300).url
     regex = (r'Checking\. functools\[\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)\]"\}\}, '
              r'\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "celsius"\}\}\]')
     body = dict(messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, structured_outputs={"regex": regex})
