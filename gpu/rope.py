@@ -10,14 +10,28 @@ import math
 
 import numpy as np
 
-from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+
+
+def inv_freqs(config: ModelConfig) -> dict[str, np.ndarray]:
+    """inv_freq per layer type the model has (ModelConfig.layer_type): a Llama one table
+    (FULL_ATTENTION), Gemma 3 two (its sliding layers on local_rope_theta, unscaled)."""
+    freqs = {FULL_ATTENTION: inv_freq(config)}
+    if SLIDING_ATTENTION in config.layer_types:
+        assert config.local_rope_theta is not None
+        freqs[SLIDING_ATTENTION] = _plain(config.head_dim, config.local_rope_theta)
+    return freqs
+
+
+def _plain(d: int, theta: float) -> np.ndarray:
+    exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    return (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
 
 
 def inv_freq(config: ModelConfig) -> np.ndarray:
-    """float32 [head_dim // 2]: the angle per position of each rotary pair."""
-    d = config.head_dim
-    exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
+    """float32 [head_dim // 2]: the angle per position of each rotary pair (full-attention
+    layers: rope_theta, rope_scaling)."""
+    freq = _plain(config.head_dim, config.rope_theta)
     s = config.rope_scaling
     if s is None:
         return freq

@@ -1,4 +1,4 @@
-"""The CUDA backend's whole forward without a GPU: gpu/model.py's llama_forward, the model
+"""The CUDA backend's whole forward without a GPU: gpu/models' forward, the model
 CudaModelRunner runs, over HostOps (model.ModelOps): the real CUDA C kernels (fused.cu,
 attention.cu) compiled for the host (tests/cuda_host_kernels.py), numpy in place of cuBLAS
 (16-bit in and out, float32 accumulation) and the numpy references of the Numba kernels (which
@@ -27,8 +27,8 @@ from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, serving_dtype
 from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, QuantLinear, QuantStore, keeps_blocks
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import load_weights
-from ringserve.gpu.model import LlamaWeights, llama_forward
-from ringserve.gpu.rope import cos_sin, inv_freq
+from ringserve.gpu.models import model_definition
+from ringserve.gpu.rope import cos_sin, inv_freqs
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from test_cuda_quant_host import FORMS, form
@@ -52,7 +52,7 @@ class HostOps:
                                  large_batch) if packed else None
         self.paged = cuda_host.get("attention.cu", dict(
             HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
-        self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
+        self.scale, self.eps = c.attention_scale, c.rms_norm_eps
         self.head_dim, self.num_heads = c.head_dim, c.num_attention_heads
         self.num_rot_heads = c.num_attention_heads + c.num_key_value_heads
 
@@ -84,6 +84,14 @@ class HostOps:
         self.fused.call("add_rms_norm" + _suffix(out), launch.norm_launch(T, n), h, delta, weight, out,
                         np.int32(n), np.float32(self.eps))
 
+    def rms_norm(self, x, weight):
+        T, n = x.shape
+        self.fused.call("rms_norm" + _suffix(x), launch.norm_launch(T, n), x, weight, np.int32(n),
+                        np.float32(self.eps))
+
+    def scale_embedding(self, h, factor):
+        h *= np.float32(factor)  # CudaOps: one CuPy elementwise multiply of the float32 stream
+
     def qk_norm(self, qkv, weight):
         self.fused.call("qk_norm" + _suffix(qkv), launch.qk_norm_launch(qkv.shape[0], self.num_rot_heads),
                         qkv, weight, np.int32(self.num_heads), np.int32(self.head_dim),
@@ -104,6 +112,11 @@ class HostOps:
         T, inter = out.shape
         self.fused.call("silu_mul" + _suffix(out), launch.silu_launch(T, inter), gate_up, out, np.int32(T),
                         np.int32(inter // 2))
+
+    def gelu_tanh_mul(self, gate_up, out):
+        T, inter = out.shape
+        self.fused.call("gelu_tanh_mul" + _suffix(out), launch.silu_launch(T, inter), gate_up, out,
+                        np.int32(T), np.int32(inter // 2))
 
     def gather_rows(self, x, indices, out):
         out[...] = x[indices]
@@ -143,10 +156,11 @@ class HostRunner:
         act = self.act_dtype = SERVING_DTYPES[self.dtype]
         self.ops = HostOps(c, cuda_host, packed=any(keeps_blocks(t) for t in weights.values()),
                            large_batch=large_batch, act_dtype=act)
-        self.weights = LlamaWeights.fuse(c, weights, QuantStore(np, self.dtype))
+        self.model = model_definition(c)
+        self.weights = self.model.fuse(c, weights, QuantStore(np, self.dtype))
         shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
         self.caches = [(np.zeros(shape, act), np.zeros(shape, act)) for _ in range(c.num_hidden_layers)]
-        self.cos, self.sin = cos_sin(np.arange(MAX_MODEL_LEN), inv_freq(c))
+        self.ropes = {kind: cos_sin(np.arange(MAX_MODEL_LEN), freq) for kind, freq in inv_freqs(c).items()}
         self.num_sms = num_sms  # few "SMs": split-K kicks in at these tiny batches
         self.ladder = plan.graph_batch_sizes(8)
         self.max_blocks = MAX_MODEL_LEN // BLOCK_SIZE
@@ -166,10 +180,10 @@ class HostRunner:
         buf.load(batch, self.ops)
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
-        llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, max_len,
-                                      workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
-                      self.cos, self.sin)
+        self.model.forward(self.ops, self.weights, buf, self.caches,
+                           AttentionLaunch(s, max_len,
+                                           workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
+                           self.ropes)
         return buf.logits.copy()
 
     def graph_shaped(self, batch: Batch) -> np.ndarray:
@@ -180,10 +194,10 @@ class HostRunner:
         buf = self.shared.leading(size, size)
         buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
         s = self.splits(size, MAX_MODEL_LEN)
-        llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, MAX_MODEL_LEN,
-                                      workspace(size, c.num_attention_heads, c.head_dim, s)),
-                      self.cos, self.sin)
+        self.model.forward(self.ops, self.weights, buf, self.caches,
+                           AttentionLaunch(s, MAX_MODEL_LEN,
+                                           workspace(size, c.num_attention_heads, c.head_dim, s)),
+                           self.ropes)
         return buf.logits[:batch.num_reqs].copy()
 
 

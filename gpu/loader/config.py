@@ -1,4 +1,4 @@
-"""The model configuration, read from an HF ``config.json`` (Llama, Mistral, Qwen2, Qwen3).
+"""The model configuration, read from an HF ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
 
 Anything we do not implement is refused here, by name, so that a model we would compute
 wrongly never loads: an unknown architecture, sliding-window attention, a rope scaling type
@@ -16,8 +16,12 @@ from ringserve.gpu.loader.hf_quant import int4_scheme
 
 # Architectures whose forward is the Llama one (Qwen2 adds a bias on q/k/v; Qwen3 an RMSNorm over
 # each head's q and k before RoPE, and often a head_dim other than hidden / heads).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+# Gemma 3 has its own sequence (gpu/models/gemma3.py).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
+GEMMA3 = "Gemma3ForCausalLM"
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # HF's layer_types
 # Architectures whose sliding_window applies only with use_sliding_window set.
 _OPTIONAL_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -52,6 +56,13 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     rope_scaling: RopeScaling | None = None
     quantization: str | None = None  # "awq" | "gptq": int4 linears (gpu/loader/hf_quant.py)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu", or "gelu_tanh" (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5 (Gemma 3)
+    # Per layer: FULL_ATTENTION or SLIDING_ATTENTION (the window sliding_window, RoPE base
+    # local_rope_theta, no scaling); empty: every layer full (rope_theta, rope_scaling).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    local_rope_theta: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -60,6 +71,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """What q·k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -77,16 +96,9 @@ class ModelConfig:
             raise ModelError(f"config.json: architectures {archs!r} is not supported (supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")
         arch = archs[0]
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ModelError(f"config.json: hidden_act {hidden_act!r} is not supported (silu only)")
         if raw.get("mlp_bias"):
             raise ModelError("config.json: mlp_bias true is not supported")
-        # Mistral uses sliding_window directly; Qwen2 and Qwen3 only when use_sliding_window is set.
-        window = raw.get("sliding_window")
-        optional = arch in _OPTIONAL_WINDOW_ARCHITECTURES
-        if window is not None and (not optional or raw.get("use_sliding_window")):
-            raise ModelError(f"config.json: sliding_window {window!r} is not supported (full attention only)")
+        gemma = _gemma3_fields(raw) if arch == GEMMA3 else _check_llama_fields(raw, arch)
 
         hidden = r.positive_int("hidden_size")
         heads = r.positive_int("num_attention_heads")
@@ -98,7 +110,7 @@ class ModelConfig:
         if head_dim % 2:
             raise ModelError(f"config.json: head_dim {head_dim} must be even for rotary embeddings")
 
-        rope_theta, rope_scaling = _rope(raw)
+        rope_theta, rope_scaling = _rope(raw, gemma.get("rope_parameters"))
         scheme = int4_scheme(raw.get("quantization_config"))  # anything else refused by name
         return cls(
             architecture=arch,
@@ -112,13 +124,14 @@ class ModelConfig:
             rms_norm_eps=r.float("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=r.positive_int("max_position_embeddings", 2048),
-            tie_word_embeddings=r.bool("tie_word_embeddings", False),
+            tie_word_embeddings=r.bool("tie_word_embeddings", arch == GEMMA3),  # Gemma's default
             bos_token_id=r.optional_int("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             attention_bias=(arch == "Qwen2ForCausalLM") or r.bool("attention_bias", False),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             rope_scaling=rope_scaling,
             quantization=None if scheme is None else scheme.method,
+            **{k: v for k, v in gemma.items() if k != "rope_parameters"},
         )
 
 
@@ -178,9 +191,10 @@ class _Reader:
         return value
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope(raw: dict[str, Any], params: Any = None) -> tuple[float, RopeScaling | None]:
+    """rope_theta and rope_scaling (params: Gemma 3's full_attention entry of rope_parameters)."""
     # transformers >= 5 writes both into "rope_parameters"; older configs use the two fields.
-    params = raw.get("rope_parameters")
+    params = raw.get("rope_parameters") if params is None else params
     scaling = dict(params) if isinstance(params, dict) else raw.get("rope_scaling")
     theta_source = params if isinstance(params, dict) and "rope_theta" in params else raw
     theta = _Reader(theta_source).float("rope_theta", 10000.0)
@@ -201,6 +215,59 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             original_max_position_embeddings=r.positive_int("original_max_position_embeddings"))
     raise ModelError(f"config.json: rope_scaling type {rope_type!r} is not supported "
                      f"(default, linear and llama3 only)")
+
+
+def _check_llama_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The Llama sequence's refusals; nothing to add to the config (an empty dict)."""
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ModelError(f"config.json: hidden_act {hidden_act!r} is not supported (silu only)")
+    # Mistral uses sliding_window directly; Qwen2 and Qwen3 only when use_sliding_window is set.
+    window = raw.get("sliding_window")
+    optional = arch in _OPTIONAL_WINDOW_ARCHITECTURES
+    if window is not None and (not optional or raw.get("use_sliding_window")):
+        raise ModelError(f"config.json: sliding_window {window!r} is not supported (full attention only)")
+    return {}
+
+
+def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 3 adds to a Llama config (transformers' Gemma3TextConfig), each checked:
+    layer_types (or the older sliding_window_pattern: every n-th layer full), the window, the
+    two RoPE bases (transformers >= 5: rope_parameters per layer type; older: rope_theta +
+    rope_scaling for full layers, rope_local_base_freq for sliding ones), GELU-tanh, and the
+    softcaps Gemma 3 leaves null (Gemma 2's; refused)."""
+    r = _Reader(raw)
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelError(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh only)")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(name) is not None:
+            raise ModelError(f"config.json: {name} {raw[name]!r} is not supported (null only, as Gemma 3)")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelError("config.json: use_bidirectional_attention true is not supported (causal only)")
+    layers = r.positive_int("num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = r.positive_int("sliding_window_pattern", 6)
+        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in (FULL_ATTENTION, SLIDING_ATTENTION) for t in types)):
+        raise ModelError(f"config.json: layer_types must list {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} "
+                         f"for each of the {layers} layers")
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and FULL_ATTENTION in params:
+        full, local = params.get(FULL_ATTENTION) or {}, params.get(SLIDING_ATTENTION) or {}
+        local_theta = _Reader(local).float("rope_theta", 10000.0)
+        if local.get("rope_type", "default") != "default":
+            raise ModelError(f"config.json: rope_parameters.{SLIDING_ATTENTION} rope_type "
+                             f"{local['rope_type']!r} is not supported (default only)")
+        full = {"rope_theta": 1_000_000.0, **full}
+    else:
+        local_theta = r.float("rope_local_base_freq", 10000.0)
+        full = None
+    return {"hidden_act": "gelu_tanh", "layer_types": tuple(types),
+            "sliding_window": r.positive_int("sliding_window", 4096), "local_rope_theta": local_theta,
+            "query_pre_attn_scalar": r.float("query_pre_attn_scalar", 256), "rope_parameters": full}
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

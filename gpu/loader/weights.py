@@ -1,6 +1,6 @@
 """Safetensors loading without torch: one ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``, into numpy arrays; then a check that every tensor the
-Llama forward needs is there with the right shape.
+model's forward needs is there with the right shape.
 
 numpy has no bfloat16, and a folder converted from a GGUF keeps block-quantized tensors as
 their raw blocks (gpu/loader/gguf_convert.py): both load as GGMLTensor (memory-mapped raw bytes and
@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.config import GEMMA3, ModelConfig
 
 BLOCK_TYPES_KEY = "ringserve.block_types"  # gpu/loader/gguf_convert.py writes it; not imported: gguf_convert
 #                                           imports tqdm and the tokenizer builder, not needed here
@@ -148,7 +148,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The tensors the Llama forward reads, with their shapes ([out, in] for projections)."""
+    """The tensors the forward reads, with their shapes ([out, in] for projections)."""
     c = config
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
@@ -174,6 +174,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+        if c.architecture == GEMMA3:  # the norms around the MLP (post_attention_layernorm: attention's)
+            shapes[p + "pre_feedforward_layernorm.weight"] = (c.hidden_size,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (c.hidden_size,)
     return shapes
 
 
