@@ -4,8 +4,10 @@ The folder holds config.json, model.safetensors, tokenizer.json, tokenizer_confi
 generation_config.json. Every tensor keeps its GGUF type: F32, F16 and BF16 as safetensors
 floats, the block-quantized types as their raw blocks (U8 [rows, bytes per row], the type named
 in the header's metadata: gpu/loader/weights.py reads them back as GGMLTensor), so nothing is widened
-on disk and the conversion is exact. The architectures in ARCHITECTURES (llama, with llama3 rope
-scaling through its rope_freqs tensor; qwen2, with q/k/v biases; qwen3, with q/k norms), the byte-level BPE
+on disk and the conversion is exact (but for Gemma 3's norms, stored by llama.cpp as 1 + w and
+written back as w in float32). The architectures in ARCHITECTURES (llama, with llama3 rope
+scaling through its rope_freqs tensor; qwen2, with q/k/v biases; qwen3, with q/k norms; gemma3,
+with its four norms a layer and what llama.cpp assumes of it), the byte-level BPE
 pre-tokenizers in PRE_TOKENIZERS and the tensor types in SUPPORTED_TYPES are accepted; anything
 else is a ModelError that names what was refused.
 
@@ -45,11 +47,12 @@ class _Arch:
     permuted_qk: bool     # llama.cpp permutes q/k rows for its interleaved ("normal") RoPE
     qkv_bias: bool
     qk_norm: bool = False  # attn_q_norm / attn_k_norm per layer (Qwen3)
+    gemma: bool = False    # Gemma 3's four norms a layer, each stored as 1 + w (norm_shift)
 
     def layer_tensors(self) -> dict[str, str]:
         """GGUF tensor (after "blk.N.") -> HF name (after "model.layers.N.") for this architecture."""
         return {**_LAYER_TENSORS, **(_BIAS_TENSORS if self.qkv_bias else {}),
-                **(_QK_NORM_TENSORS if self.qk_norm else {})}
+                **(_QK_NORM_TENSORS if self.qk_norm else {}), **(_GEMMA3_NORMS if self.gemma else {})}
 
 
 # GGUF general.architecture -> what it is in HF terms. Qwen2 and Qwen3 use llama.cpp's NEOX RoPE,
@@ -58,7 +61,15 @@ ARCHITECTURES = {
     "llama": _Arch("LlamaForCausalLM", "llama", permuted_qk=True, qkv_bias=False),
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", permuted_qk=False, qkv_bias=True),
     "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", permuted_qk=False, qkv_bias=False, qk_norm=True),
+    "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", permuted_qk=False, qkv_bias=False, qk_norm=True,
+                    gemma=True),
 }
+# What llama.cpp fixes for gemma3 rather than storing (src/llama-model.cpp): with a sliding
+# window, every 6th layer full and the others on RoPE base 10000, unscaled; the attention scale
+# 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 62-layer 27B.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_27B_LAYERS = 62
 
 # tokenizer.ggml.pre -> how llama.cpp splits text before BPE (src/llama-vocab.cpp
 # llm_tokenizer_bpe): GPT-2's regex (built into the byte-level step), after every digit alone
@@ -107,6 +118,12 @@ _BIAS_TENSORS = {
 _QK_NORM_TENSORS = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma 3: ffn_norm is the MLP's pre-norm (post_attention_layernorm is the attention output's norm)
+_GEMMA3_NORMS = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"   # llama3 rope scaling: llama.cpp divides each frequency by it
 _GLOBAL_TENSORS = {
@@ -232,17 +249,20 @@ def hf_config(meta: _Metadata, tensor_names: set[str],
     tokens = _tokens(meta)
     eos = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens))
     pad = _token_id(meta, "tokenizer.ggml.padding_token_id", len(tokens), strict=False)
+    layers = _int(meta, key("block_count"))
+    gemma = _gemma3_config(meta, arch, layers, hidden, heads, head_dim) if kind.gemma else {}
     return {
         "architectures": [kind.hf_architecture],
         "model_type": kind.model_type,
         "vocab_size": _int(meta, key("vocab_size"), len(tokens)),
         "hidden_size": hidden,
         "intermediate_size": _int(meta, key("feed_forward_length")),
-        "num_hidden_layers": _int(meta, key("block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
+        **gemma,
         "max_position_embeddings": _int(meta, key("context_length")),
         "rms_norm_eps": _f32(_number(meta, key("attention.layer_norm_rms_epsilon"))),
         "rope_theta": rope_theta,
@@ -254,6 +274,23 @@ def hf_config(meta: _Metadata, tensor_names: set[str],
         "eos_token_id": eos,
         "pad_token_id": eos if pad is None else pad,
         "torch_dtype": "float32",   # the activations' type: the weights keep their own
+    }
+
+
+def _gemma3_config(meta: _Metadata, arch: str, layers: int, hidden: int, heads: int,
+                   head_dim: int) -> dict[str, Any]:
+    """config.json's Gemma 3 fields, as llama.cpp reads a gemma3 GGUF (GEMMA3_* above); a final
+    logit softcap is passed on (and refused by gpu/loader/config.py, as transformers' field)."""
+    window = meta.get(f"{arch}.attention.sliding_window")
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": _int(meta, f"{arch}.attention.sliding_window") if window else 4096,
+        "sliding_window_pattern": GEMMA3_SLIDING_PATTERN if window else 1,  # 1: every layer full
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
+        "query_pre_attn_scalar": hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim,
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+        "attn_logit_softcapping": None,
     }
 
 
@@ -355,16 +392,19 @@ def _hf_name(gguf_name: str, arch: str, path: Path) -> str:
 class _Tensor:
     """One GGUF tensor on its way to the safetensors file."""
 
-    def __init__(self, tensor, hf_name: str, shape: tuple[int, ...], unpermute_heads: int | None):
+    def __init__(self, tensor, hf_name: str, shape: tuple[int, ...], unpermute_heads: int | None,
+                 norm_shift: bool = False):
+        """norm_shift: a Gemma norm, stored as 1 + w: written back as HF's w, in float32."""
         self.tensor, self.hf_name, self.shape, self.unpermute_heads = tensor, hf_name, shape, unpermute_heads
+        self.norm_shift = norm_shift
 
     @property
     def type_name(self) -> str:
-        return self.tensor.tensor_type.name
+        return "F32" if self.norm_shift else self.tensor.tensor_type.name
 
     @property
     def nbytes(self) -> int:
-        return int(self.tensor.n_bytes)
+        return 4 * int(np.prod(self.shape)) if self.norm_shift else int(self.tensor.n_bytes)
 
     @property
     def stored(self) -> tuple[str, list[int]]:
@@ -375,6 +415,8 @@ class _Tensor:
 
     def data(self) -> bytes:
         """The tensor's bytes, its q/k rows unpermuted (a row is whole blocks: rows move as bytes)."""
+        if self.norm_shift:  # NOTE: (1 + w) - 1 in float32: w to its rounding, as stored
+            return (np.asarray(self.tensor.data, np.float32) - np.float32(1)).astype("<f4").tobytes()
         rows = np.ascontiguousarray(self.tensor.data).view(np.uint8).reshape(self.shape[0], -1)
         if self.unpermute_heads:
             rows = np.ascontiguousarray(unpermute_qk(rows, self.unpermute_heads))
@@ -402,7 +444,11 @@ def _plan_tensors(reader, arch: str, config: dict[str, Any], path: Path) -> list
             heads = config["num_attention_heads"]
         elif ARCHITECTURES[arch].permuted_qk and t.name.endswith(".attn_k.weight"):
             heads = config["num_key_value_heads"]
-        planned.append(_Tensor(t, hf_name, shape, heads))
+        shift = ARCHITECTURES[arch].gemma and t.name.endswith("norm.weight")
+        if shift and type_name not in ("F32", "F16"):
+            raise ModelError(f"{path}: tensor {t.name} has type {type_name}; a gemma3 norm must be F32 "
+                             "or F16")
+        planned.append(_Tensor(t, hf_name, shape, heads, shift))
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"])
         for name in ARCHITECTURES[arch].layer_tensors().values()}
