@@ -92,6 +92,9 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         r = _Reader(raw)
         archs = raw.get("architectures")
+        if archs == ["Gemma3ForConditionalGeneration"]:
+            raise ModelError("config.json: Gemma3ForConditionalGeneration (multimodal: a vision tower "
+                             "beside the text model) is not supported; Gemma3ForCausalLM (text) is")
         if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise ModelError(f"config.json: architectures {archs!r} is not supported (supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")

@@ -1,0 +1,241 @@
+"""Gemma 3 (text) against transformers: a tiny random checkpoint (tools/tiny_gemma3.py: the
+config.json transformers' Gemma3TextConfig wrote: 7 layers, every 6th full, a sliding window of
+24, two RoPE bases, query_pre_attn_scalar 48 where head_dim is 32, a tied lm_head; random
+weights, the default model's tokenizer) on the CPU backend with float32 activations, from its
+HF folder and from the same checkpoint written as a llama.cpp ``gemma3`` GGUF. The reference
+(tests/data/gemma3_tiny/reference.npz) is transformers' Gemma3ForCausalLM (eager attention),
+made once offline by tools/make_gemma3_reference.py: its greedy tokens and its logits at every
+position (every 256th vocabulary id, and the argmax over all of them); the second prompt and its
+continuation run past the window.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.errors import ModelError
+from ringserve.gpu.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from ringserve.gpu.loader.gguf_convert import convert_gguf
+from ringserve.gpu.loader.model_store import default_gguf_path
+from ringserve.gpu.rope import inv_freqs
+from ringserve.gpu.runner import ModelRunner
+from ringserve.gpu.settings import CacheConfig, DeviceConfig
+from ringserve.tools.tiny_gemma3 import make_tiny_gemma3, write_gemma3_gguf
+
+DATA = Path(__file__).parent / "data" / "gemma3_tiny"
+BLOCK = 16
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ref():
+    with np.load(DATA / "reference.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory, default_model_dir) -> Path:
+    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "hf", config=DATA / "config.json",
+                            tokenizer_dir=default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_scale_dir(gemma3_dir, tmp_path_factory) -> Path:
+    """The same checkpoint with the attention scale llama.cpp gives a gemma3 GGUF (1 / sqrt(head_dim):
+    a GGUF does not store query_pre_attn_scalar): what its GGUF must compute."""
+    folder = tmp_path_factory.mktemp("gemma3-hd")
+    for f in gemma3_dir.iterdir():
+        (folder / f.name).symlink_to(f)
+    config = json.loads((gemma3_dir / "config.json").read_text())
+    (folder / "config.json").unlink()
+    (folder / "config.json").write_text(json.dumps(config | {"query_pre_attn_scalar": config["head_dim"]}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def q8_0_dir(llama_cpp_scale_dir, tmp_path_factory) -> Path:
+    return gguf_dir(llama_cpp_scale_dir, tmp_path_factory, "Q8_0")
+
+
+def gguf_dir(folder: Path, tmp_path_factory, matrix_type: str) -> Path:
+    out = tmp_path_factory.mktemp(f"gemma3-{matrix_type}")
+    path = write_gemma3_gguf(folder, out / f"tiny-gemma3-{matrix_type}.gguf", default_gguf_path(),
+                             matrix_type)
+    return convert_gguf(path, out / "converted", progress=False)
+
+
+def runner(model_dir: Path, activations: str = "float32") -> ModelRunner:
+    return ModelRunner(model_dir,
+                       DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype=activations),
+                       CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
+
+
+def step(tokens: list[int], cached: int, blocks: list[int]) -> Batch:
+    """One request's tokens cached.. scheduled (the rest already in the cache)."""
+    i32 = lambda x: np.array(x, dtype=np.int32)  # noqa: E731
+    positions = list(range(cached, len(tokens)))
+    return Batch(input_ids=i32(tokens[cached:]), positions=i32(positions),
+                 slot_mapping=i32([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in positions]),
+                 query_start_loc=i32([0, len(positions)]), seq_lens=i32([len(tokens)]),
+                 block_tables=i32([blocks]))
+
+
+def sequences(ref) -> list[tuple[list[int], int, np.ndarray, np.ndarray]]:
+    """(prompt + greedy tokens, prompt length, argmax [len], logit columns [len, vocab / 256])."""
+    cut = np.cumsum(ref["sequence_lens"])[:-1]
+    return list(zip([s.tolist() for s in np.split(ref["sequence_ids"], cut)], ref["prompt_lens"].tolist(),
+                    np.split(ref["argmax"], cut), np.split(ref["logits_columns"], cut), strict=True))
+
+
+def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
+    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
+def test_the_config_is_gemma3_with_its_layer_types_window_and_rope_bases(gemma3_dir, ref):
+    c = ModelConfig.from_dir(gemma3_dir)
+    assert c.architecture == "Gemma3ForCausalLM" and c.qk_norm and c.hidden_act == "gelu_tanh"
+    assert c.layer_types == (SLIDING_ATTENTION,) * 5 + (FULL_ATTENTION, SLIDING_ATTENTION)
+    assert c.sliding_window == 24 and c.attention_scale == 48 ** -0.5 and c.tie_word_embeddings
+    assert c.rope_theta == 1e6 and c.rope_scaling is not None and c.rope_scaling.factor == 2.0
+    freqs = inv_freqs(c)  # full: 1e6 scaled by 1/2; sliding: 1e4 unscaled
+    assert freqs[FULL_ATTENTION][0] == np.float32(0.5) and freqs[SLIDING_ATTENTION][0] == 1
+    assert freqs[SLIDING_ATTENTION][1] > 2 * freqs[FULL_ATTENTION][1]
+    assert max(ref["sequence_lens"]) > c.sliding_window  # the reference runs past the window
+
+
+def test_greedy_decode_matches_transformers(gemma3_dir, ref):
+    """Prefill in two chunks, then decode one token at a time, greedily from our own logits:
+    the tokens transformers generated, and its logits at every position (prefill and decode),
+    past the window too."""
+    model = runner(gemma3_dir)
+    stride = int(ref["column_stride"])
+    for n, (seq, prompt_len, argmax, columns) in enumerate(sequences(ref)):
+        blocks = [5 - n, 7, 2, 0 + n]  # not in order, not shared between the two requests
+        tokens, cached = seq[:3], 0
+        rows = {}
+        while len(tokens) <= len(seq):
+            if cached == 0 and prompt_len > 3:  # the prompt's first chunk: no logits kept
+                model.execute(step(tokens, 0, blocks))
+                tokens, cached = seq[:prompt_len], 3
+            logits = model.execute(step(tokens, cached, blocks))[0]
+            rows[len(tokens) - 1] = logits
+            cached = len(tokens)
+            if len(tokens) == len(seq):
+                break
+            tokens = tokens + [int(logits.argmax())]
+        assert tokens == seq, f"prompt {n}: greedy tokens {tokens[prompt_len:]} != {seq[prompt_len:]}"
+        for position, logits in rows.items():
+            assert int(logits.argmax()) == argmax[position]
+            assert relative_error(logits[::stride], columns[position]) <= RTOL, f"position {position}"
+
+
+def test_every_position_of_one_prefill_matches_transformers(gemma3_dir, ref):
+    """A whole sequence in one prefill (keys inside and beyond the window): every position's logits."""
+    model = runner(gemma3_dir)
+    stride = int(ref["column_stride"])
+    for seq, _, argmax, columns in sequences(ref):
+        logits = model.execute(step(seq, 0, [0, 1, 2, 3]), np.arange(len(seq)))
+        np.testing.assert_array_equal(logits.argmax(axis=1), argmax)
+        assert relative_error(logits[:, ::stride], columns) <= RTOL
+
+
+def test_the_gguf_gives_the_folders_logits_exactly(llama_cpp_scale_dir, tmp_path_factory, ref):
+    """An F32 gemma3 GGUF (norms stored as 1 + w, llama.cpp's layer pattern, window and RoPE
+    bases from its metadata) converts to the folder: the same logits at every position."""
+    converted = gguf_dir(llama_cpp_scale_dir, tmp_path_factory, "F32")
+    c = ModelConfig.from_dir(converted)
+    assert c == ModelConfig.from_dir(llama_cpp_scale_dir)
+    seq = sequences(ref)[1][0]
+    batch = step(seq, 0, [0, 1, 2, 3])
+    rows = np.arange(len(seq))
+    hf, gguf = (runner(d).execute(batch, rows) for d in (llama_cpp_scale_dir, converted))
+    np.testing.assert_array_equal(hf, gguf)
+
+
+@pytest.mark.parametrize("activations, rtol", [("float32", 0.08), ("int8", 0.1)])
+def test_a_q8_0_gguf_stays_packed_and_close(llama_cpp_scale_dir, q8_0_dir, ref, activations, rtol):
+    """Its matrices Q8_0 (kept packed on the CPU; int8 activations take llama.cpp's integer
+    path), its norms F32: every position's logits within Q8_0's error of the float folder's
+    (7 layers of random weights: a few percent) and the prompts' next tokens the same."""
+    model = runner(q8_0_dir, activations)
+    assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
+    exact = runner(llama_cpp_scale_dir)
+    for seq, prompt_len, _, _ in sequences(ref):
+        rows = np.arange(len(seq))
+        want = exact.execute(step(seq, 0, [0, 1, 2, 3]), rows)
+        got = model.execute(step(seq, 0, [0, 1, 2, 3]), rows)
+        assert relative_error(got, want) <= rtol
+        assert int(got[prompt_len - 1].argmax()) == int(want[prompt_len - 1].argmax())
+
+
+def test_a_gemma3_folder_without_its_feedforward_norm_is_refused(gemma3_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = make_tiny_gemma3(tmp_path, config=DATA / "config.json", tokenizer_dir=gemma3_dir)
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["model.layers.3.pre_feedforward_layernorm.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ModelError,
+                       match="tensor 'model.layers.3.pre_feedforward_layernorm.weight' is missing"):
+        runner(folder)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
+    ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
+    ({"layer_types": ["full_attention"] * 3}, "layer_types must list"),
+    ({"rope_parameters": {"full_attention": {"rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention rope_type 'linear' is not supported"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "multimodal"),
+])
+def test_what_gemma3_serves_not_is_refused_in_one_line(change, message):
+    raw = json.loads((DATA / "config.json").read_text()) | change
+    with pytest.raises(ModelError, match=message) as e:
+        ModelConfig.from_dict(raw)
+    assert "\n" not in str(e.value)
+
+
+def test_older_gemma3_configs_read_the_same(ref):
+    """transformers < 5 wrote rope_theta + rope_scaling (full layers), rope_local_base_freq and
+    sliding_window_pattern, no layer_types: the same model."""
+    raw = json.loads((DATA / "config.json").read_text())
+    old = {k: v for k, v in raw.items() if k not in ("rope_parameters", "layer_types")}
+    old |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert ModelConfig.from_dict(old) == ModelConfig.from_dict(raw)
+
+
+def test_a_served_gemma3_decodes_as_transformers_and_hits_the_prefix_cache(serve, gemma3_dir, ref,
+                                                                           no_segment_left_behind):
+    """`ringserve serve` on the folder (CPU, float32: the checkpoint's dtype): the engine's
+    scheduler, paged cache and sampler give transformers' greedy tokens past the window; asked
+    again, the prompt's whole blocks come from the prefix cache and the answer is the same."""
+    import httpx
+
+    from ringserve.server.tokenizer import Tokenizer
+
+    seq, prompt_len, _, _ = sequences(ref)[1]  # 41 prompt tokens: two whole blocks of 16
+    want = Tokenizer.from_dir(gemma3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
+    url = serve(gemma3_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
+                "--served-model-name", "g", "--drain-timeout", "2", timeout=300).url
+    body = dict(model="g", prompt=seq[:prompt_len], max_tokens=len(seq) - prompt_len, temperature=0,
+                ignore_eos=True)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for _ in range(2):
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+        for _ in range(50):  # the engine publishes its counters with its next stats
+            hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
+                    if "prefix_cache_hits" in line and not line.startswith("#")]
+            if hits and hits[0] >= 2 * BLOCK:
+                break
+            time.sleep(0.1)
+    assert hits and hits[0] >= 2 * BLOCK, hits
