@@ -42,6 +42,7 @@ class Layer:
     post_norm: Any
     gate_up: Any         # [2 I, hidden]: gate_proj then up_proj (one linear, silu_mul splits it)
     down: Any            # [hidden, I]
+    sliding_window: int = 0  # attention window (ModelOps.attention), 0: full attention
 
 
 @dataclass
@@ -64,7 +65,7 @@ class LlamaWeights:
 
         embed = linear("model.embed_tokens.weight")
         layers = []
-        for i in range(c.num_hidden_layers):
+        for i, window in enumerate(c.layer_windows):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             layers.append(Layer(
                 input_norm=vector(p + "input_layernorm.weight"),
@@ -75,7 +76,8 @@ class LlamaWeights:
                 o=linear(a + "o_proj.weight"),
                 post_norm=vector(p + "post_attention_layernorm.weight"),
                 gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=linear(p + "mlp.down_proj.weight")))
+                down=linear(p + "mlp.down_proj.weight"),
+                sliding_window=window))
         return cls(embed, embed if c.tie_word_embeddings else linear("lm_head.weight"),
                    vector("model.norm.weight"), layers)
 
@@ -84,7 +86,7 @@ class LlamaWeights:
         packed weight, F32 / F16 / BF16 (bits in uint16) for an array; a tied lm_head once."""
         unique = {id(w): w for w in (self.embed, self.lm_head, self.final_norm,
                                      *(getattr(layer, f.name) for layer in self.layers
-                                       for f in fields(Layer)))
+                                       for f in fields(Layer) if f.name != "sliding_window"))
                   if w is not None}
         out: dict[str, int] = {}
         for w in unique.values():
@@ -140,9 +142,12 @@ class ModelOps(Protocol):
         tables) and write k and v into the caches at buf.slot_mapping (-1: no write). Where
         the rotated q goes is the backend's, for its attention to read."""
 
-    def attention(self, buf, k_cache, v_cache, launch) -> None:
+    def attention(self, buf, k_cache, v_cache, launch, window: int) -> None:
         """buf.attn = paged attention of the rotated q over the caches (launch: the backend's
-        per-step plan, CUDA's AttentionLaunch; None on the CPU)."""
+        per-step plan, CUDA's AttentionLaunch; None on the CPU). window 0: a query at position
+        p reads keys 0..p; else only keys k with p - window < k <= p (transformers' sliding
+        mask), and the kernels read no block wholly before that (engine/kv_cache.py may have
+        freed it). The window is a launch argument: one CUDA graph serves every layer."""
 
     def silu_mul(self, gate_up, out) -> None:
         """out = silu(gate) * up, gate_up [T, 2 I] -> out [T, I]."""
@@ -169,7 +174,7 @@ def hidden_states(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, s
         if layer.qk_norm is not None:
             ops.qk_norm(buf.qkv, layer.qk_norm)
         ops.rope_store_kv(buf, cos, sin, k_cache, v_cache)
-        ops.attention(buf, k_cache, v_cache, attention)
+        ops.attention(buf, k_cache, v_cache, attention, layer.sliding_window)
         ops.linear(buf.attn, layer.o, buf.delta)
         ops.add_rms_norm(buf.h, buf.delta, layer.post_norm, buf.x)
         ops.linear(buf.x, layer.gate_up, buf.gate_up)

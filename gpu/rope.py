@@ -14,11 +14,10 @@ from ringserve.gpu.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, Model
 
 
 def inv_freqs(config: ModelConfig) -> dict[str, np.ndarray]:
-    """inv_freq per layer type the model has (ModelConfig.layer_type): a Llama one table
-    (FULL_ATTENTION), Gemma 3 two (its sliding layers on local_rope_theta, unscaled)."""
+    """inv_freq by layer type (ModelConfig.layer_type): a Llama one table (FULL_ATTENTION),
+    Gemma 3 two (its sliding layers on local_rope_theta, unscaled)."""
     freqs = {FULL_ATTENTION: inv_freq(config)}
-    if SLIDING_ATTENTION in config.layer_types:
-        assert config.local_rope_theta is not None
+    if config.local_rope_theta is not None:  # else sliding layers (Mistral's) rotate as full ones
         freqs[SLIDING_ATTENTION] = _plain(config.head_dim, config.local_rope_theta)
     return freqs
 

@@ -37,9 +37,9 @@ NUMBA_SIGNATURES = {
                            (u16_2d, i32_1d, f32_2d, flag)],
     "argmax_kernel": [(f32_2d, i32_1d), (f16_2d, i32_1d)],
     "paged_attention_kernel": [(f16_2d, f16_4d, f16_4d, i32_1d, i32_1d, i32_1d, i32_2d,
-                                types.float32, f16_2d, flag),
+                                types.float32, types.int32, f16_2d, flag),
                                (u16_2d, u16_4d, u16_4d, i32_1d, i32_1d, i32_1d, i32_2d,
-                                types.float32, u16_2d, flag)],
+                                types.float32, types.int32, u16_2d, flag)],
     # sampling_kernels: float32 logits (the runner's fp32 logits buffer), 1024 threads per row
     "penalties_kernel": [(f32_2d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d,
                           f32_1d, f32_1d, f32_1d)],

@@ -103,10 +103,10 @@ class HostOps:
                         buf.positions, cos, sin, np.int32(heads), np.int32(D), np.int32(qkv.shape[1]))
         ref.store_kv(qkv, buf.slot_mapping, k_cache, v_cache, self.num_heads)
 
-    def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch):
+    def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch, window: int):
         paged_attention(self.paged, buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc,
                         buf.seq_lens, buf.block_tables, self.scale, buf.attn, attn.splits,
-                        attn.max_seq_len, attn.workspace)
+                        attn.max_seq_len, attn.workspace, window)
 
     def silu_mul(self, gate_up, out):
         T, inter = out.shape
@@ -353,7 +353,8 @@ def test_a_qwen3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_mo
     from ringserve.tools.tiny_qwen3 import make_tiny_qwen3
 
     config = json.loads((Path(__file__).parent / "data" / "qwen3_tiny" / "config.json").read_text())
-    config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                   layer_types=["full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
     # NOTE: one layer, as the GGUF models above: the host runs every CUDA thread as a fiber
     model_dir = make_tiny_qwen3(tmp_path / "qwen3", config=tmp_path / "config.json",

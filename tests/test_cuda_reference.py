@@ -25,7 +25,7 @@ def test_paged_attention_matches_cpu_backend():
     out = ref.paged_attention(qkv, k, v, positions, qsl, seq_lens, tables, H, 0.3)
     expect = np.empty((9, H, D), np.float32)
     cpu_paged_attention(np.ascontiguousarray(qkv[:, :H * D].reshape(9, H, D)), k, v, positions,
-                        qsl, seq_lens, tables, np.float32(0.3), expect)
+                        qsl, seq_lens, tables, np.float32(0.3), 0, expect)
     np.testing.assert_allclose(out, expect.reshape(9, -1), rtol=1e-5, atol=1e-5)
 
 

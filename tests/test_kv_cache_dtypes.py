@@ -82,7 +82,7 @@ def test_attention_over_16_bit_caches_is_attention_over_their_values(dtype):
     assert not np.array_equal(wide_k, k)                       # really rounded to 16 bits
     q = rng.standard_normal((3, heads, d)).astype(np.float32)
     args = (np.array([9, 10, 4], np.int32), np.array([0, 2, 3], np.int32), np.array([11, 5], np.int32),
-            np.array([[0, 2, 4], [5, 1, 3]], np.int32), np.float32(0.25))
+            np.array([[0, 2, 4], [5, 1, 3]], np.int32), np.float32(0.25), 0)
     got, want = np.empty_like(q), np.empty_like(q)
     paged_attention(q, stored_k, stored_v, *args, got)
     paged_attention(q, wide_k, wide_v, *args, want)

@@ -168,9 +168,9 @@ class CpuOps:
         # PERF: one pass: q rotated into buf.q, k rotated and v copied straight into the cache
         rope_store_kv(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
 
-    def attention(self, buf: CpuStepBuffers, k_cache, v_cache, launch: None) -> None:
+    def attention(self, buf: CpuStepBuffers, k_cache, v_cache, launch: None, window: int) -> None:
         paged_attention(buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
-                        buf.block_tables, self.scale, buf.attn_heads)
+                        buf.block_tables, self.scale, window, buf.attn_heads)
 
     def silu_mul(self, gate_up, out) -> None:
         silu_mul(gate_up, out)

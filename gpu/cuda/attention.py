@@ -27,20 +27,23 @@ class PagedAttention:
 
     def __call__(self, qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
                  scale: float, out, stream, splits: int = 1, max_seq_len: int = 0,
-                 workspace=(None, None)) -> None:
-        """splits > 1: split s takes keys [s * P, (s + 1) * P) with P = ceil(max_seq_len / splits),
-        so max_seq_len must bound every request's length (max_model_len in a graph)."""
+                 workspace=(None, None), window: int = 0) -> None:
+        """splits > 1: split s takes keys [s * P, (s + 1) * P) from the query's first key, with P
+        = ceil(min(max_seq_len, window or max_seq_len) / splits), so max_seq_len must bound every
+        request's length (max_model_len in a graph). window 0: full attention, else a sliding
+        window (a launch argument: one graph node per layer, the same kernel)."""
         T = qkv.shape[0]
         num_blocks, block_size, kvh, d = k_cache.shape
         part_acc, part_ml = workspace
-        partition = launch.attention_partition(max_seq_len, splits)
+        partition = launch.attention_partition(max_seq_len, splits, window)
         null = np.uint64(0)
         dtype = str(qkv.dtype)  # NOTE: the cache and out must be the same type (the runner's)
         self._attn[dtype](*launch.attention_launch(T, kvh, splits), (
             qkv, np.int32(qkv.shape[1]), k_cache, v_cache, positions, query_start_loc, seq_lens,
             block_tables, np.int32(block_tables.shape[1]), np.int32(seq_lens.shape[0]),
             np.int32(kvh), np.int32(block_size), np.float32(scale), np.int32(partition),
-            out, null if part_acc is None else part_acc, null if part_ml is None else part_ml),
+            np.int32(window), out, null if part_acc is None else part_acc,
+            null if part_ml is None else part_ml),
             stream=stream)
         if splits > 1:
             self._reduce[dtype](*launch.reduce_launch(T, kvh * self.group, d),

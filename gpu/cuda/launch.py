@@ -60,9 +60,11 @@ def elementwise_launch(count: int) -> tuple[Dims, Dims]:
     return (max(1, min(65535, -(-count // 256))),), (256,)
 
 
-def attention_partition(max_seq_len: int, splits: int) -> int:
-    """Keys per split (0 for one split): split s takes keys [s * P, (s + 1) * P)."""
-    return -(-max_seq_len // splits) if splits > 1 else 0
+def attention_partition(max_seq_len: int, splits: int, window: int = 0) -> int:
+    """Keys per split (0 for one split): split s takes keys [first + s * P, first + (s + 1) * P)
+    from a query's first key (0, or the start of its sliding window: at most `window` keys)."""
+    keys = min(max_seq_len, window) if window > 0 else max_seq_len
+    return -(-keys // splits) if splits > 1 else 0
 
 
 def attention_launch(num_tokens: int, num_kv_heads: int, splits: int) -> tuple[Dims, Dims]:

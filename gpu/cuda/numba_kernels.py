@@ -158,12 +158,12 @@ def load(a, bf16):  # pragma: no cover - device code
 
 @cuda.jit
 def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens,  # noqa: C901
-                           block_tables, scale, out, bf16):  # pragma: no cover - device code
+                           block_tables, scale, window, out, bf16):  # pragma: no cover - device code
     """out [T, H*D]: token t, head h attends causally to its request's keys through the block
-    table. grid (T, H). Tiles of ATTN_TILE keys: each thread scores one key of the tile into
-    shared memory, then every thread folds the tile into its dims' accumulators (online
-    softmax). Two barriers per tile, none per key. bf16: qkv, the caches and out hold bf16
-    bits (uint16)."""
+    table (window > 0: only keys p - window < k <= p, no table entry before them read).
+    grid (T, H). Tiles of ATTN_TILE keys: each thread scores one key of the tile into shared
+    memory, then every thread folds the tile into its dims' accumulators (online softmax). Two
+    barriers per tile, none per key. bf16: qkv, the caches and out hold bf16 bits (uint16)."""
     q_sh = cuda.shared.array(MAX_HEAD_DIM, float32)
     s_sh = cuda.shared.array(ATTN_TILE, float32)
     t = cuda.blockIdx.x
@@ -175,6 +175,7 @@ def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, se
     kv = h // (num_heads // kvh)
     r = request_of(query_start_loc, t)
     n = min(positions[t] + 1, seq_lens[r])
+    first = max(0, positions[t] + 1 - window) if window > 0 else 0  # the window's first key
     for i in range(tid, d, nt):
         q_sh[i] = load(qkv[t, h * d + i], bf16) * scale
     acc = cuda.local.array(MAX_DIMS_PER_THREAD, float32)
@@ -183,7 +184,7 @@ def paged_attention_kernel(qkv, k_cache, v_cache, positions, query_start_loc, se
     m = float32(-math.inf)
     total = float32(0.0)
     cuda.syncthreads()
-    for start in range(0, n, ATTN_TILE):
+    for start in range(first, n, ATTN_TILE):
         tile = min(ATTN_TILE, n - start)
         for jj in range(tid, tile, nt):
             j = start + jj
@@ -256,7 +257,7 @@ def argmax(logits, out, *, threads=128, stream=0):
 
 
 def paged_attention(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-                    scale, out, *, threads=128, stream=0):
+                    scale, out, *, window=0, threads=128, stream=0):
     head_dim = k_cache.shape[3]
     if head_dim > MAX_HEAD_DIM or head_dim > MAX_DIMS_PER_THREAD * threads:
         raise ValueError(f"paged_attention: head_dim {head_dim} needs at most {MAX_HEAD_DIM} "
@@ -265,4 +266,4 @@ def paged_attention(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens,
     if qkv.shape[0]:
         paged_attention_kernel[(qkv.shape[0], num_heads), threads, stream](
             qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-            float32(scale), out, _is_bf16(out))
+            float32(scale), int32(window), out, _is_bf16(out))

@@ -67,18 +67,20 @@ def store_kv(qkv: np.ndarray, slot_mapping: np.ndarray, k_cache: np.ndarray, v_c
 
 def paged_attention(qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                     positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-                    block_tables: np.ndarray, num_heads: int, scale: float) -> np.ndarray:
+                    block_tables: np.ndarray, num_heads: int, scale: float, window: int = 0) -> np.ndarray:
     """[T, H * D] float32: token t of request r at position p attends to r's keys 0..p (also
-    capped at seq_lens[r]), read through r's block table. A request with no keys gets zeros."""
+    capped at seq_lens[r]; window > 0: only keys p - window < k <= p), read through r's block
+    table. A request with no keys gets zeros."""
     _, block_size, kvh, d = k_cache.shape
     group = num_heads // kvh
     out = np.zeros((qkv.shape[0], num_heads, d), np.float32)
     for r in range(len(seq_lens)):
         for t in range(query_start_loc[r], query_start_loc[r + 1]):
             n = min(int(positions[t]) + 1, int(seq_lens[r]))
-            if n <= 0:
+            first = max(0, int(positions[t]) + 1 - window) if window > 0 else 0
+            if n <= first:
                 continue
-            j = np.arange(n)
+            j = np.arange(first, n)
             blocks = block_tables[r, j // block_size]
             k = k_cache[blocks, j % block_size].astype(np.float32)  # [n, KVH, D]
             v = v_cache[blocks, j % block_size].astype(np.float32)

@@ -144,16 +144,16 @@ class CudaOps:
         nk.store_kv(_nb(buf.qkv), _nb(buf.slot_mapping), _nb(k_cache), _nb(v_cache),
                     self.num_heads, threads=NUMBA_THREADS, stream=self.nb_stream)
 
-    def attention(self, buf: StepBuffers, k_cache, v_cache, launch: AttentionLaunch) -> None:
+    def attention(self, buf: StepBuffers, k_cache, v_cache, launch: AttentionLaunch, window: int) -> None:
         args = (buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
                 buf.block_tables)
         if self.attention_backend == "rawkernel":
             self.paged(*args, self.scale, buf.attn, self.stream, splits=launch.splits,
-                       max_seq_len=launch.max_seq_len, workspace=launch.workspace)
+                       max_seq_len=launch.max_seq_len, workspace=launch.workspace, window=window)
         else:
             q, k, v, positions, qsl, seq_lens, tables = (_nb(a) for a in args)
             nk.paged_attention(q, k, v, positions, qsl, seq_lens, tables, self.scale, _nb(buf.attn),
-                               threads=NUMBA_THREADS, stream=self.nb_stream)
+                               window=window, threads=NUMBA_THREADS, stream=self.nb_stream)
 
     def silu_mul(self, gate_up, out) -> None:
         self.fused.silu_mul(gate_up, out, self.stream)

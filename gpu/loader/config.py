@@ -1,8 +1,9 @@
-"""The model configuration, read from an HF ``config.json`` (Llama, Mistral, Qwen2, Qwen3, Gemma 3).
+"""The model configuration, read from an HF ``config.json`` (Llama, Mistral, Ministral, Qwen2, Qwen3,
+Gemma 3).
 
 Anything we do not implement is refused here, by name, so that a model we would compute
-wrongly never loads: an unknown architecture, sliding-window attention, a rope scaling type
-we lack, an activation other than SiLU.
+wrongly never loads: an unknown architecture or layer type, a rope scaling type we lack, an
+activation other than SiLU.
 """
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ from ringserve.gpu.loader.hf_quant import int4_scheme
 
 # Architectures whose forward is the Llama one (Qwen2 adds a bias on q/k/v; Qwen3 an RMSNorm over
 # each head's q and k before RoPE, and often a head_dim other than hidden / heads).
-# Gemma 3 has its own sequence (gpu/models/gemma3.py).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM",
+                           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
-GEMMA3 = "Gemma3ForCausalLM"
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # HF's layer_types
-# Architectures whose sliding_window applies only with use_sliding_window set.
+GEMMA3 = "Gemma3ForCausalLM"  # its own sequence: gpu/models/gemma3.py
+# Architectures that read sliding_window (Llama's transformers class ignores it); Qwen2 and Qwen3
+# only with use_sliding_window set, and then only for layers >= max_window_layers.
+_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MinistralForCausalLM")
 _OPTIONAL_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,24 @@ class ModelConfig:
     quantization: str | None = None  # "awq" | "gptq": int4 linears (gpu/loader/hf_quant.py)
     hidden_act: str = "silu"  # the gated MLP's activation: "silu", or "gelu_tanh" (Gemma 3)
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5 (Gemma 3)
-    # Per layer: FULL_ATTENTION or SLIDING_ATTENTION (the window sliding_window, RoPE base
-    # local_rope_theta, no scaling); empty: every layer full (rope_theta, rope_scaling).
+    # A query at position p reads keys k with p - sliding_window < k <= p in the layers whose
+    # layer_types entry is "sliding_attention" (None: no window anywhere; () means all full).
+    # Gemma 3's sliding layers also rotate by their own RoPE base, local_rope_theta, unscaled.
+    sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
-    sliding_window: int = 0
     local_rope_theta: float | None = None
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window, 0 for full attention (gpu/model.py Layer.sliding_window)."""
+        if self.sliding_window is None or not self.layer_types:
+            return (0,) * self.num_hidden_layers
+        return tuple(self.sliding_window if t == SLIDING_ATTENTION else 0 for t in self.layer_types)
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        """Every layer windowed: KV blocks before every window can be freed (engine/kv_cache.py)."""
+        return self.sliding_window is not None and all(w > 0 for w in self.layer_windows)
 
     @property
     def q_size(self) -> int:
@@ -101,8 +116,6 @@ class ModelConfig:
         arch = archs[0]
         if raw.get("mlp_bias"):
             raise ModelError("config.json: mlp_bias true is not supported")
-        gemma = _gemma3_fields(raw) if arch == GEMMA3 else _check_llama_fields(raw, arch)
-
         hidden = r.positive_int("hidden_size")
         heads = r.positive_int("num_attention_heads")
         kv_heads = r.positive_int("num_key_value_heads", heads)
@@ -113,20 +126,24 @@ class ModelConfig:
         if head_dim % 2:
             raise ModelError(f"config.json: head_dim {head_dim} must be even for rotary embeddings")
 
-        rope_theta, rope_scaling = _rope(raw, gemma.get("rope_parameters"))
+        num_layers = r.positive_int("num_hidden_layers")
+        max_positions = r.positive_int("max_position_embeddings", 2048)
+        extra = (_gemma3_fields(raw, num_layers) if arch == GEMMA3
+                 else _llama_fields(raw, arch, num_layers, max_positions))
+        rope_theta, rope_scaling = _rope(raw, extra.pop("rope_parameters", None))
         scheme = int4_scheme(raw.get("quantization_config"))  # anything else refused by name
         return cls(
             architecture=arch,
             vocab_size=r.positive_int("vocab_size"),
             hidden_size=hidden,
             intermediate_size=r.positive_int("intermediate_size"),
-            num_hidden_layers=r.positive_int("num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=r.float("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            max_position_embeddings=r.positive_int("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=r.bool("tie_word_embeddings", arch == GEMMA3),  # Gemma's default
             bos_token_id=r.optional_int("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
@@ -134,7 +151,7 @@ class ModelConfig:
             qk_norm=arch in QK_NORM_ARCHITECTURES,
             rope_scaling=rope_scaling,
             quantization=None if scheme is None else scheme.method,
-            **{k: v for k, v in gemma.items() if k != "rope_parameters"},
+            **extra,
         )
 
 
@@ -171,6 +188,12 @@ class _Reader:
         value = self._get(name, default)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ModelError(f"config.json: {name} {value!r} must be a positive integer")
+        return value
+
+    def count(self, name: str, default: Any = _MISSING) -> int:
+        value = self._get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ModelError(f"config.json: {name} {value!r} must be a non-negative integer")
         return value
 
     def optional_int(self, name: str) -> int | None:
@@ -220,20 +243,16 @@ def _rope(raw: dict[str, Any], params: Any = None) -> tuple[float, RopeScaling |
                      f"(default, linear and llama3 only)")
 
 
-def _check_llama_fields(raw: dict[str, Any], arch: str) -> dict[str, Any]:
-    """The Llama sequence's refusals; nothing to add to the config (an empty dict)."""
+def _llama_fields(raw: dict[str, Any], arch: str, num_layers: int, max_positions: int) -> dict[str, Any]:
+    """The Llama sequence's config fields: its activation checked (SiLU), its windows."""
     hidden_act = raw.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ModelError(f"config.json: hidden_act {hidden_act!r} is not supported (silu only)")
-    # Mistral uses sliding_window directly; Qwen2 and Qwen3 only when use_sliding_window is set.
-    window = raw.get("sliding_window")
-    optional = arch in _OPTIONAL_WINDOW_ARCHITECTURES
-    if window is not None and (not optional or raw.get("use_sliding_window")):
-        raise ModelError(f"config.json: sliding_window {window!r} is not supported (full attention only)")
-    return {}
+    window, layer_types = _windows(raw, arch, num_layers, max_positions)
+    return {"sliding_window": window, "layer_types": layer_types}
 
 
-def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+def _gemma3_fields(raw: dict[str, Any], layers: int) -> dict[str, Any]:
     """What Gemma 3 adds to a Llama config (transformers' Gemma3TextConfig), each checked:
     layer_types (or the older sliding_window_pattern: every n-th layer full), the window, the
     two RoPE bases (transformers >= 5: rope_parameters per layer type; older: rope_theta +
@@ -248,7 +267,6 @@ def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
             raise ModelError(f"config.json: {name} {raw[name]!r} is not supported (null only, as Gemma 3)")
     if raw.get("use_bidirectional_attention"):
         raise ModelError("config.json: use_bidirectional_attention true is not supported (causal only)")
-    layers = r.positive_int("num_hidden_layers")
     types = raw.get("layer_types")
     if types is None:
         pattern = r.positive_int("sliding_window_pattern", 6)
@@ -271,6 +289,38 @@ def _gemma3_fields(raw: dict[str, Any]) -> dict[str, Any]:
     return {"hidden_act": "gelu_tanh", "layer_types": tuple(types),
             "sliding_window": r.positive_int("sliding_window", 4096), "local_rope_theta": local_theta,
             "query_pre_attn_scalar": r.float("query_pre_attn_scalar", 256), "rope_parameters": full}
+
+
+def _windows(raw: dict[str, Any], arch: str, num_layers: int,
+             max_positions: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as transformers derives them: Mistral slides every layer
+    (an explicit layer_types interleaves, as Ministral-8B's config and vLLM read it); Ministral
+    follows layer_types; Qwen2/Qwen3 slide layers >= max_window_layers, and only with
+    use_sliding_window. A window >= max_position_embeddings is no window."""
+    r = _Reader(raw)
+    window: int | None = None
+    if arch in _WINDOW_ARCHITECTURES or (arch in _OPTIONAL_WINDOW_ARCHITECTURES
+                                         and r.bool("use_sliding_window", False)):
+        window = r.positive_int("sliding_window") if raw.get("sliding_window") is not None else None
+    if window is not None and window >= max_positions:
+        window = None
+    types = raw.get("layer_types")
+    if types is None:
+        if arch in _OPTIONAL_WINDOW_ARCHITECTURES:
+            first = r.count("max_window_layers", 28) if window is not None else num_layers
+            types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+        else:
+            types = [SLIDING_ATTENTION if window is not None else FULL_ATTENTION] * num_layers
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ModelError(f"config.json: layer_types must be a list of num_hidden_layers ({num_layers}) "
+                         f"entries, not {str(types)[:60]}")
+    for i, t in enumerate(types):
+        if t not in (FULL_ATTENTION, SLIDING_ATTENTION):
+            raise ModelError(f"config.json: layer_types[{i}] {t!r} is not supported "
+                             f"({FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} only)")
+    if window is None:  # no window: every layer attends fully, whatever layer_types says
+        types = [FULL_ATTENTION] * num_layers
+    return window, tuple(types)
 
 
 def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ringserve.gpu.loader.config import SLIDING_ATTENTION, ModelConfig
+from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import check_weights
 from ringserve.gpu.model import ModelOps, WeightStore, storage
 
@@ -59,9 +59,8 @@ class Gemma3Weights:
 
         embed = linear("model.embed_tokens.weight")
         layers = []
-        for i in range(c.num_hidden_layers):
+        for i, window in enumerate(c.layer_windows):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            kind = c.layer_type(i)
             layers.append(Gemma3Layer(
                 input_norm=norm(p + "input_layernorm.weight"),
                 qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
@@ -72,7 +71,7 @@ class Gemma3Weights:
                 gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                 down=linear(p + "mlp.down_proj.weight"),
                 post_feedforward_norm=norm(p + "post_feedforward_layernorm.weight"),
-                layer_type=kind, sliding_window=c.sliding_window if kind == SLIDING_ATTENTION else 0))
+                layer_type=c.layer_type(i), sliding_window=window))
         return cls(embed, embed if c.tie_word_embeddings else linear("lm_head.weight"),
                    norm("model.norm.weight"), layers, c.hidden_size ** 0.5)
 
@@ -100,7 +99,7 @@ def gemma3_hidden_states(ops: ModelOps, w: Gemma3Weights, buf, caches, attention
         ops.qk_norm(buf.qkv, layer.qk_norm)
         cos, sin = ropes[layer.layer_type]
         ops.rope_store_kv(buf, cos, sin, k_cache, v_cache)
-        ops.attention(buf, k_cache, v_cache, attention)
+        ops.attention(buf, k_cache, v_cache, attention, layer.sliding_window)
         ops.linear(buf.attn, layer.o, buf.delta)
         ops.rms_norm(buf.delta, layer.post_attention_norm)
         ops.add_rms_norm(buf.h, buf.delta, layer.pre_feedforward_norm, buf.x)
