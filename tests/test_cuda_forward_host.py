@@ -365,3 +365,28 @@ def test_a_qwen3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_mo
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
                       CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_a_gemma3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir, dtype):
+    """A tiny random Gemma 3 (tools/tiny_gemma3.py; head_dim 64, two layers: one sliding with a
+    window of 16, the 61-token prompt runs past it, one full on the other RoPE base):
+    fused.cu's rms_norm (the attention and MLP outputs' norms) and gelu_tanh_mul, the
+    embedding scale, attention.cu's window, in fp16 and bf16, prefill then graph-shaped decode
+    against the CPU backend's logits."""
+    import json
+
+    from ringserve.tools.tiny_gemma3 import make_tiny_gemma3
+
+    config = json.loads((Path(__file__).parent / "data" / "gemma3_tiny" / "config.json").read_text())
+    config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                   sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_dir = make_tiny_gemma3(tmp_path / "gemma3", config=tmp_path / "config.json",
+                                 tokenizer_dir=default_model_dir)
+    host = HostRunner(model_dir, cuda_host, dtype=dtype)
+    assert [layer.sliding_window for layer in host.weights.layers] == [16, 0]
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
