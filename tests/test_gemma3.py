@@ -239,3 +239,30 @@ def test_a_served_gemma3_decodes_as_transformers_and_hits_the_prefix_cache(serve
                 break
             time.sleep(0.1)
     assert hits and hits[0] >= 2 * BLOCK, hits
+
+
+def test_a_random_gemma3_gguf_converts_with_gemmas_turns(tmp_path):
+    """tools/random_gguf.py --arch gemma3 (a small shape): converted, every norm shifted back,
+    <end_of_turn> stops generation beside <eos> (as llama.cpp stops on it), the chat template
+    renders Gemma's turns with <start_of_turn> one token, and a Q8_0 step runs packed."""
+    from ringserve.server.tokenizer import Tokenizer
+    from ringserve.tools.random_gguf import Shape, write_random_gguf
+
+    shape = Shape(hidden=128, layers=7, heads=2, kv_heads=1, ffn=256, vocab=1024, rope_theta=1e6,
+                  context=256, head_dim=64, sliding_window=16)
+    write_random_gguf(tmp_path / "g.gguf", shape, "q8_0", arch="gemma3", progress=False)
+    folder = convert_gguf(tmp_path / "g.gguf", tmp_path / "converted", progress=False)
+    c = ModelConfig.from_dir(folder)
+    assert c.architecture == "Gemma3ForCausalLM" and c.sliding_window == 16 and c.head_dim == 64
+    assert c.layer_windows == (16,) * 5 + (0, 16) and c.attention_scale == 64 ** -0.5
+    tok = Tokenizer.from_dir(folder)
+    turn_end = tok.encode("<end_of_turn>", add_special_tokens=False)
+    assert len(turn_end) == 1 and c.eos_token_ids == (tok.eos_token_id, turn_end[0])
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Hi"}])
+    assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids[:2] == tok.encode("<bos><start_of_turn>", add_special_tokens=False) and len(ids) < len(text)
+    model = runner(folder)
+    assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
+    assert np.isfinite(model.execute(step(ids, 0, [0, 1]))).all()

@@ -3,6 +3,7 @@
     python -m ringserve.tools.random_gguf --shape llama-3.2-1b --layout q4_k_m out.gguf
     python -m ringserve.tools.random_gguf --shape llama-3.2-1b --arch llama3 out.gguf
     python -m ringserve.tools.random_gguf --shape qwen2.5-0.5b --arch qwen2 out.gguf
+    python -m ringserve.tools.random_gguf --shape gemma-3-1b --arch gemma3 out.gguf
 
 Any bytes are a valid block of a GGML type once its float16 scale fields are finite, so the
 blocks are random bytes with their scales set to small random values (weights of about the size
@@ -21,6 +22,11 @@ than its largest tensor. The text it gives is meaningless, the shapes and bytes 
 - qwen2: arch "qwen2", q/k/v biases, Qwen2's tokenizer (pre-tokenizer "qwen2", ChatML).
 - qwen3: arch "qwen3", per-head q/k norms (attn_q_norm, attn_k_norm), the shape's head_dim
   (Qwen3's is not hidden / heads), Qwen2's tokenizer.
+- gemma3: arch "gemma3", q/k norms and the four norms a layer (post_attention_norm, ffn_norm
+  as the MLP's pre-norm, post_ffw_norm), the shape's head_dim and sliding window; Gemma's
+  special tokens (<bos> added, <start_of_turn>, <end_of_turn>) and chat template on a
+  byte-level BPE vocabulary (Gemma's own is SentencePiece, which gpu/loader/gguf_convert.py
+  does not read).
 The llama3 and qwen2 vocabularies are a byte-level BPE trained here (`train_merges`, the
 `tokenizers` library) on `sample_texts`, so real merges apply to varied text (digits, CJK,
 emoji, code, whitespace runs), then padded with reserved CONTROL tokens to the shape's size.
@@ -53,6 +59,7 @@ class Shape:
     rope_theta: float = 500000.0
     context: int = 8192
     head_dim: int | None = None  # None: hidden / heads
+    sliding_window: int | None = None  # gemma3: the sliding layers' window
 
     @property
     def dim(self) -> int:
@@ -70,8 +77,10 @@ SHAPES = {
                           rope_theta=1000000.0, context=32768),
     "qwen3-0.6b": Shape(hidden=1024, layers=28, heads=16, kv_heads=8, ffn=3072, vocab=151936,
                         rope_theta=1000000.0, context=40960, head_dim=128),
+    "gemma-3-1b": Shape(hidden=1152, layers=26, heads=4, kv_heads=1, ffn=6912, vocab=262144,
+                        rope_theta=1000000.0, context=32768, head_dim=256, sliding_window=512),
 }
-ARCHS = ("llama", "llama3", "qwen2", "qwen3")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "gemma3")
 
 # Byte offsets of each block's float16 scale fields (ggml-common.h), and a scale that gives
 # weights of about 0.02: the value is scale x (quant) with quants of the size in the comment.
@@ -160,6 +169,20 @@ TOKENIZERS = {
                        bos="<|endoftext|>", eos="<|im_end|>", add_bos=False, chat_template=CHATML_TEMPLATE),
 }
 TOKENIZERS["qwen3"] = TOKENIZERS["qwen2"]  # Qwen3 ships Qwen2's tokenizer
+# Gemma 3's turns (its instruction models' template, reduced to text: the system message is
+# prefixed to the first user turn, roles must alternate, the assistant is "model")
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = "
+    "messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}{% else %}"
+    "{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+TOKENIZERS["gemma3"] = Tokenizer("default", ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+                                 bos="<bos>", eos="<eos>", add_bos=True, chat_template=GEMMA3_TEMPLATE)
 LLAMA3_ROPE: dict[str, Any] = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8192}
 
@@ -326,8 +349,10 @@ def _plan(s: Shape, arch: str) -> list[tuple[str, str, tuple[int, ...]]]:
     if arch == "qwen2":
         per_layer.update({"attn_q.bias": (s.heads * head_dim,), "attn_k.bias": (s.kv_heads * head_dim,),
                           "attn_v.bias": (s.kv_heads * head_dim,)})
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         per_layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
+    if arch == "gemma3":
+        per_layer.update({"post_attention_norm.weight": (s.hidden,), "post_ffw_norm.weight": (s.hidden,)})
     for i in range(s.layers):
         plan += [(f"blk.{i}.{name}", name, dims) for name, dims in per_layer.items()]
     plan.append(("output_norm.weight", "", (s.hidden,)))
@@ -350,7 +375,7 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
     rng = np.random.default_rng(seed)
     s = shape
     head_dim = s.dim
-    w = gguf.GGUFWriter(str(path), arch if arch in ("qwen2", "qwen3") else "llama")
+    w = gguf.GGUFWriter(str(path), arch if arch in ("qwen2", "qwen3", "gemma3") else "llama")
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -362,6 +387,8 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
     if s.head_dim is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if s.sliding_window is not None:
+        w.add_sliding_window(s.sliding_window)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(s.vocab)
     _add_tokenizer(w, arch, s.vocab, merges, seed)

@@ -251,6 +251,9 @@ def hf_config(meta: _Metadata, tensor_names: set[str],
     pad = _token_id(meta, "tokenizer.ggml.padding_token_id", len(tokens), strict=False)
     layers = _int(meta, key("block_count"))
     gemma = _gemma3_config(meta, arch, layers, hidden, heads, head_dim) if kind.gemma else {}
+    # NOTE: Gemma's turn ends with <end_of_turn>, which llama.cpp stops on by its text (an
+    # end-of-generation token beside the file's eos): so do we
+    end_of_turn = tokens.index("<end_of_turn>") if kind.gemma and "<end_of_turn>" in tokens else None
     return {
         "architectures": [kind.hf_architecture],
         "model_type": kind.model_type,
@@ -271,7 +274,7 @@ def hf_config(meta: _Metadata, tensor_names: set[str],
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
-        "eos_token_id": eos,
+        "eos_token_id": eos if end_of_turn in (None, eos) else [eos, end_of_turn],
         "pad_token_id": eos if pad is None else pad,
         "torch_dtype": "float32",   # the activations' type: the weights keep their own
     }
