@@ -10,6 +10,7 @@ continuation run past the window.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -193,13 +194,46 @@ def test_a_gemma3_folder_without_its_feedforward_norm_is_refused(gemma3_dir, tmp
     ({"rope_parameters": {"full_attention": {"rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
      "rope_parameters.sliding_attention rope_type 'linear' is not supported"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "multimodal"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "needs a text_config object"),
 ])
 def test_what_gemma3_serves_not_is_refused_in_one_line(change, message):
     raw = json.loads((DATA / "config.json").read_text()) | change
     with pytest.raises(ModelError, match=message) as e:
         ModelConfig.from_dict(raw)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_a_multimodal_folder_serves_its_text_model(gemma3_dir, tmp_path, ref, prefix):
+    """A Gemma3ForConditionalGeneration folder (4B-27B), as transformers 4.x and 5.x save it: its
+    text_config (only what differs from Gemma3TextConfig's defaults) and the text model's
+    tensors under their prefix, beside a vision tower: served text-only, the same logits as
+    the text model's own folder; the vision tower's tensors are left out."""
+    from safetensors.numpy import load_file, save_file
+
+    raw = json.loads((gemma3_dir / "config.json").read_text())
+    text = {k: v for k, v in raw.items() if k not in ("architectures", "eos_token_id", "bos_token_id",
+                                                      "pad_token_id", "tie_word_embeddings")}
+    text = {k: v for k, v in text.items() if k != "rms_norm_eps"}  # Gemma3TextConfig's default
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "text_config": text, "vision_config": {"hidden_size": 16, "model_type": "siglip_vision_model"},
+              "eos_token_id": [2, 7], "bos_token_id": 1, "image_token_index": 9}
+    for f in gemma3_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = {prefix + k[len("model."):]: v
+               for k, v in load_file(str(gemma3_dir / "model.safetensors")).items()}
+    weights["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.ones((16, 3), np.float32)
+    weights["multi_modal_projector.mm_soft_emb_norm.weight"] = np.ones(16, np.float32)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    c = ModelConfig.from_dir(tmp_path)
+    assert c.architecture == "Gemma3ForCausalLM" and c.eos_token_ids == (2, 7)
+    assert c == dataclasses.replace(ModelConfig.from_dir(gemma3_dir), eos_token_ids=(2, 7))
+    seq = sequences(ref)[1][0]
+    rows = np.arange(len(seq))
+    want, got = (runner(d).execute(step(seq, 0, [0, 1, 2, 3]), rows) for d in (gemma3_dir, tmp_path))
+    np.testing.assert_array_equal(got, want)
 
 
 def test_older_gemma3_configs_read_the_same(ref):

@@ -21,6 +21,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MinistralF
                            "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
 GEMMA3 = "Gemma3ForCausalLM"  # its own sequence: gpu/models/gemma3.py
+# Gemma 3 4B-27B: a vision tower beside the text model; served text-only (gemma3_text_tower)
+GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"
+# transformers' Gemma3TextConfig defaults (a multimodal config's text_config lists only what
+# differs from them)
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+    "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
 # Architectures that read sliding_window (Llama's transformers class ignores it); Qwen2 and Qwen3
 # only with use_sliding_window set, and then only for layers >= max_window_layers.
 _WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MinistralForCausalLM")
@@ -105,11 +115,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-        r = _Reader(raw)
         archs = raw.get("architectures")
-        if archs == ["Gemma3ForConditionalGeneration"]:
-            raise ModelError("config.json: Gemma3ForConditionalGeneration (multimodal: a vision tower "
-                             "beside the text model) is not supported; Gemma3ForCausalLM (text) is")
+        if archs == [GEMMA3_MULTIMODAL]:
+            raw, archs = gemma3_text_tower(raw), [GEMMA3]
+        if archs == [GEMMA3]:
+            raw = {**GEMMA3_TEXT_DEFAULTS, **raw}  # what Gemma3TextConfig fills in
+        r = _Reader(raw)
         if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise ModelError(f"config.json: architectures {archs!r} is not supported (supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -241,6 +252,19 @@ def _rope(raw: dict[str, Any], params: Any = None) -> tuple[float, RopeScaling |
             original_max_position_embeddings=r.positive_int("original_max_position_embeddings"))
     raise ModelError(f"config.json: rope_scaling type {rope_type!r} is not supported "
                      f"(default, linear and llama3 only)")
+
+
+def gemma3_text_tower(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config.json as its text model's: text_config, with the
+    top level's token ids (its eos list has <end_of_turn>). Text-only requests run the text
+    model exactly as the multimodal class runs them (no image token, causal masks);
+    gpu/loader/weights.py load_weights takes the text model's tensors and leaves the vision
+    tower's."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelError(f"config.json: {GEMMA3_MULTIMODAL} needs a text_config object (the text model's)")
+    ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
+    return {**text, **ids, "architectures": [GEMMA3]}
 
 
 def _llama_fields(raw: dict[str, Any], arch: str, num_layers: int, max_positions: int) -> dict[str, Any]:

@@ -63,11 +63,34 @@ def load_weights(model_dir: str | Path) -> dict[str, Tensor]:
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
     if index.is_file():
-        return fold_int4(_load_sharded(model_dir, index), model_dir)
+        return text_tower(fold_int4(_load_sharded(model_dir, index), model_dir))
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        return fold_int4(load_safetensors(single), model_dir)
+        return text_tower(fold_int4(load_safetensors(single), model_dir))
     raise ModelError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+# A multimodal checkpoint's text model (Gemma3ForConditionalGeneration), by the prefixes
+# transformers 4.x ("language_model.model.") and 5.x ("model.language_model.") save it under
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+
+
+def text_tower(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The text model's tensors under the causal-LM names (model.layers..., lm_head); the vision
+    tower's and projector's left out. Weights of a text-only checkpoint as they are."""
+    if not any(name.startswith(p) for name in weights for p in _TEXT_PREFIXES):
+        return weights
+    out: dict[str, Tensor] = {}
+    for name, tensor in weights.items():
+        for prefix, to in _TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                out[to + name[len(prefix):]] = tensor
+                break
+        else:
+            if name == "lm_head.weight":
+                out[name] = tensor
+    return out
 
 
 def _load_sharded(model_dir: Path, index: Path) -> dict[str, Tensor]:
