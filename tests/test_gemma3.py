@@ -300,3 +300,25 @@ def test_a_random_gemma3_gguf_converts_with_gemmas_turns(tmp_path):
     model = runner(folder)
     assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
     assert np.isfinite(model.execute(step(ids, 0, [0, 1]))).all()
+
+
+@pytest.mark.parametrize("saved_as", ["chat_template.jinja", "chat_template.json"])
+def test_a_chat_template_saved_beside_the_tokenizer_renders_gemmas_turns(gemma3_dir, tmp_path, saved_as):
+    """transformers >= 4.43 saves the template as chat_template.jinja, Gemma 3 4B-27B's processor
+    as chat_template.json: either serves when tokenizer_config.json has none."""
+    from ringserve.server.tokenizer import Tokenizer
+    from ringserve.tools.random_gguf import GEMMA3_TEMPLATE
+
+    for f in gemma3_dir.iterdir():
+        if f.name != "tokenizer_config.json":
+            (tmp_path / f.name).symlink_to(f)
+    config = json.loads((gemma3_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / saved_as).write_text(GEMMA3_TEMPLATE if saved_as.endswith(".jinja")
+                                     else json.dumps({"chat_template": GEMMA3_TEMPLATE}))
+    tok = Tokenizer.from_dir(tmp_path)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"},
+                                    {"role": "user", "content": "Bye"}])
+    assert text.endswith("<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nYo<end_of_turn>\n"
+                         "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
