@@ -12,9 +12,11 @@ embedding by a quarter of that.
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -89,6 +91,21 @@ def make_tiny_gemma3(path: str | Path, *, config: str | Path, tokenizer_dir: str
     return path
 
 
+@functools.lru_cache(maxsize=2)
+def tokenizer_fields(path: str) -> tuple[tuple[str, Any, Any, Any], ...]:
+    """The tokenizer.* keys of a GGUF: (key, value, type, array item type), read once (a 49k-token
+    vocabulary takes gguf-py's reader seconds)."""
+    import gguf
+
+    out = []
+    for key, field in gguf.GGUFReader(path).fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            out.append((key, field.contents(), kind, sub))
+    return tuple(out)
+
+
 def write_gemma3_gguf(folder: str | Path, path: str | Path, tokenizer_gguf: str | Path,
                       matrix_type: str = "F32") -> Path:
     """The folder's checkpoint as llama.cpp's convert_hf_to_gguf.py writes a Gemma 3 (architecture
@@ -118,12 +135,8 @@ def write_gemma3_gguf(folder: str | Path, path: str | Path, tokenizer_gguf: str 
         w.add_rope_scaling_factor(full["factor"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_sliding_window(c["sliding_window"])
-    reader = gguf.GGUFReader(str(tokenizer_gguf))
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), kind, sub_type=sub)
+    for key, value, kind, sub in tokenizer_fields(str(tokenizer_gguf)):
+        w.add_key_value(key, value, kind, sub_type=sub)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     for i in range(c["num_hidden_layers"]):
