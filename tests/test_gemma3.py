@@ -334,3 +334,46 @@ def test_a_chat_template_saved_beside_the_tokenizer_renders_gemmas_turns(gemma3_
                                     {"role": "user", "content": "Bye"}])
     assert text.endswith("<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nYo<end_of_turn>\n"
                          "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+# config.json of google/gemma-3-1b-it and the top of google/gemma-3-4b-it's, as published
+# (transformers 4.50: rope_theta / rope_local_base_freq / sliding_window_pattern, no layer_types)
+GEMMA3_1B_IT = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+    "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+    "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True,
+    "vocab_size": 262144}
+GEMMA3_4B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+    "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
+def test_the_published_gemma3_configs_read_as_transformers_reads_them():
+    one = ModelConfig.from_dict(GEMMA3_1B_IT)
+    assert (one.hidden_size, one.num_hidden_layers, one.num_attention_heads, one.num_key_value_heads,
+            one.head_dim, one.vocab_size) == (1152, 26, 4, 1, 256, 262144)
+    assert one.layer_windows == ((512,) * 5 + (0,)) * 4 + (512, 512)  # layers 5, 11, 17, 23 full
+    assert one.eos_token_ids == (1, 106) and one.tie_word_embeddings and one.rope_scaling is None
+    assert one.attention_scale == 256 ** -0.5 and one.local_rope_theta == 1e4 and one.rope_theta == 1e6
+    four = ModelConfig.from_dict(GEMMA3_4B_IT)  # the rest from Gemma3TextConfig's defaults
+    assert four.architecture == "Gemma3ForCausalLM"
+    assert (four.hidden_size, four.num_hidden_layers, four.num_attention_heads, four.num_key_value_heads,
+            four.head_dim, four.vocab_size) == (2560, 34, 8, 4, 256, 262208)
+    assert four.rope_scaling is not None and four.rope_scaling.rope_type == "linear"
+    assert four.rope_scaling.factor == 8.0 and four.sliding_window == 1024 and four.eos_token_ids == (1, 106)
+    freqs = inv_freqs(four)  # linear scaling on the full layers only
+    assert freqs[FULL_ATTENTION][0] == np.float32(1 / 8) and freqs[SLIDING_ATTENTION][0] == 1
