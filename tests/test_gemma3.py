@@ -377,3 +377,35 @@ def test_the_published_gemma3_configs_read_as_transformers_reads_them():
     assert four.rope_scaling.factor == 8.0 and four.sliding_window == 1024 and four.eos_token_ids == (1, 106)
     freqs = inv_freqs(four)  # linear scaling on the full layers only
     assert freqs[FULL_ATTENTION][0] == np.float32(1 / 8) and freqs[SLIDING_ATTENTION][0] == 1
+
+
+def test_a_sentencepiece_gguf_vocabulary_tokenizes_as_sentencepiece(tmp_path):
+    """A GGUF `tokenizer.ggml.model` "llama" vocabulary (Gemma's, Llama 2's: SentencePiece BPE
+    pieces, scores and token types, as llama.cpp's converter writes them; here a small model
+    of Gemma's settings trained by tools/make_spm_reference.py): SentencePiece's own ids for
+    204 varied strings (whitespace runs, digits, CJK, emoji, byte fallback, Gemma's turn
+    markers), and back to the same text."""
+    import gguf
+
+    from ringserve.gpu.loader.gguf_convert import _Metadata, build_tokenizer
+
+    data = json.loads((Path(__file__).parent / "data" / "spm_tokens.json").read_text(encoding="utf-8"))
+    w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "gemma3")
+    w.add_tokenizer_model("llama")
+    w.add_token_list([p[0] for p in data["pieces"]])
+    w.add_token_scores([p[1] for p in data["pieces"]])
+    w.add_token_types([p[2] for p in data["pieces"]])
+    w.add_bos_token_id(data["bos_token_id"])
+    w.add_eos_token_id(data["eos_token_id"])
+    w.add_unk_token_id(data["unk_token_id"])
+    w.add_add_space_prefix(False)  # Gemma's
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    path = tmp_path / "vocab.gguf"
+    tok, config = build_tokenizer(_Metadata(gguf.GGUFReader(path), path))
+    for text, ids in data["cases"]:
+        assert tok.encode(text, add_special_tokens=False).ids == ids, text
+        assert tok.decode(ids, skip_special_tokens=False) == text
+    assert config["add_bos_token"] and tok.encode("Hi").ids[0] == data["bos_token_id"]

@@ -502,13 +502,18 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _vocabulary(meta: _Metadata) -> tuple[list[str], list[int], list[tuple[str, str]]]:
-    """tokens, their types and the merges, each checked: an odd file is a ModelError, not a crash."""
-    tokens = _tokens(meta)
+def _token_types(meta: _Metadata, tokens: list[str]) -> list[int]:
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
         raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.token_type must be one integer "
                          f"per token ({len(tokens)})")
+    return types
+
+
+def _vocabulary(meta: _Metadata) -> tuple[list[str], list[int], list[tuple[str, str]]]:
+    """tokens, their types and the merges, each checked: an odd file is a ModelError, not a crash."""
+    tokens = _tokens(meta)
+    types = _token_types(meta, tokens)
     merges = meta.require("tokenizer.ggml.merges")
     if not isinstance(merges, list):
         merges = [merges]
@@ -519,13 +524,65 @@ def _vocabulary(meta: _Metadata) -> tuple[list[str], list[int], list[tuple[str, 
 
 
 def build_tokenizer(meta: _Metadata):
-    """(tokenizers.Tokenizer, tokenizer_config dict) for a GGUF 'gpt2' (byte-level BPE) vocabulary."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    """(tokenizers.Tokenizer, tokenizer_config dict) for a GGUF vocabulary: 'gpt2' (byte-level
+    BPE) or 'llama' (SentencePiece BPE: Gemma, Llama 2)."""
+    from tokenizers import processors
 
     model = meta.require("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model == "gpt2":
+        tok, tokens, add_bos_default = _byte_level_bpe(meta)
+        post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
+    elif model == "llama":
+        tok, tokens, add_bos_default = _sentencepiece_bpe(meta)
+        post = []
+    else:
         raise ModelError(f"{meta.path}: tokenizer.ggml.model {model!r} is not supported "
-                         "(gpt2 byte-level BPE only)")
+                         "(gpt2 byte-level BPE, llama SentencePiece BPE)")
+    vocab = {t: i for i, t in enumerate(tokens)}
+
+    def token_at(key: str, strict: bool = True) -> str | None:
+        i = _token_id(meta, key, len(tokens), strict)
+        return None if i is None else tokens[i]
+
+    bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if (add_bos and bos) or (add_eos and eos):
+        specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
+        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
+        post.append(processors.TemplateProcessing(single=single, special_tokens=specials))
+    tok.post_processor = processors.Sequence(post)
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": token_at("tokenizer.ggml.padding_token_id", strict=False) or eos,
+        "unk_token": token_at("tokenizer.ggml.unknown_token_id", strict=False),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    return tok, {k: v for k, v in config.items() if v is not None}
+
+
+def _add_marked_tokens(tok, tokens: list[str], types: list[int]) -> None:
+    """CONTROL tokens as special added tokens, USER_DEFINED ones as plain added tokens: both
+    matched whole in the raw text, as llama.cpp matches them."""
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types, strict=True) if kind == TOKEN_TYPE_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types, strict=True) if kind == TOKEN_TYPE_USER_DEFINED])
+
+
+def _byte_level_bpe(meta: _Metadata):
+    """(tokenizer, tokens, add-BOS default) of a 'gpt2' vocabulary with its pre-tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     pre_name = meta.get("tokenizer.ggml.pre", "default")
     if pre_name not in PRE_TOKENIZERS:
         raise ModelError(f"{meta.path}: tokenizer.ggml.pre {pre_name!r} is not supported "
@@ -556,38 +613,55 @@ def build_tokenizer(meta: _Metadata):
     splitters.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.regex is None))
     tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i in sorted(added) if types[i] == TOKEN_TYPE_CONTROL])
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i in sorted(added) if types[i] == TOKEN_TYPE_USER_DEFINED])
+    _add_marked_tokens(tok, tokens, types)
+    return tok, tokens, pre.add_bos
 
-    def token_at(key: str, strict: bool = True) -> str | None:
-        i = _token_id(meta, key, len(tokens), strict)
-        return None if i is None else tokens[i]
 
-    bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
-    if (add_bos and bos) or (add_eos and eos):
-        specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
-        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
-        post.append(processors.TemplateProcessing(single=single, special_tokens=specials))
-    tok.post_processor = processors.Sequence(post)
+SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
+TOKEN_TYPE_NORMAL = 1
 
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "pad_token": token_at("tokenizer.ggml.padding_token_id", strict=False) or eos,
-        "unk_token": token_at("tokenizer.ggml.unknown_token_id", strict=False),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
-        "chat_template": meta.get("tokenizer.chat_template"),
-    }
-    return tok, {k: v for k, v in config.items() if v is not None}
+
+def _sentencepiece_bpe(meta: _Metadata):
+    """(tokenizer, tokens, add-BOS default) of a 'llama' vocabulary: SentencePiece BPE as
+    llama.cpp's llm_tokenizer_spm runs it: spaces spelled U+2581 (one prepended with
+    tokenizer.ggml.add_space_prefix, llama.cpp's default; Gemma's files say false), no
+    pre-splitting, then adjacent pieces merged while their join is a token, the highest-scoring
+    join first; a character no token spells falls back to its <0xXX> byte tokens. The same as
+    a `tokenizers` BPE whose merges are every split of every normal token into two tokens,
+    ranked by the whole token's score (transformers builds Llama's and Gemma's tokenizer.json
+    from their SentencePiece models this way)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    tokens = _tokens(meta)
+    types = _token_types(meta, tokens)
+    scores = meta.require("tokenizer.ggml.scores")
+    if (not isinstance(scores, list) or len(scores) != len(tokens)
+            or not all(isinstance(x, (int, float)) for x in scores)):
+        raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.scores must be one number per token "
+                         f"({len(tokens)})")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ModelError(f"{meta.path}: tokenizer.ggml.tokens has duplicate tokens")
+    ranked = []
+    for i, (piece, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind != TOKEN_TYPE_NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], vocab[left], vocab[right], left, right))
+    ranked.sort()  # the highest score first; a tie by the halves' ids, as transformers orders them
+    unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens), strict=False)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], byte_fallback=True,
+                               fuse_unk=True, unk_token=None if unk is None else tokens[unk]))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend(SPM_SPACE)] if prefix else []) + [normalizers.Replace(" ", SPM_SPACE)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    _add_marked_tokens(tok, tokens, types)
+    return tok, tokens, True
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
