@@ -202,6 +202,8 @@ def test_a_gemma3_folder_without_its_feedforward_norm_is_refused(gemma3_dir, tmp
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not supported"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
     ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
+    ({"attention_bias": True}, "attention_bias true is not supported for Gemma 3"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention true is not supported"),
     ({"layer_types": ["full_attention"] * 3}, "layer_types must list"),
     ({"rope_parameters": {"full_attention": {"rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},

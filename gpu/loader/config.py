@@ -291,6 +291,8 @@ def _gemma3_fields(raw: dict[str, Any], layers: int) -> dict[str, Any]:
             raise ModelError(f"config.json: {name} {raw[name]!r} is not supported (null only, as Gemma 3)")
     if raw.get("use_bidirectional_attention"):
         raise ModelError("config.json: use_bidirectional_attention true is not supported (causal only)")
+    if raw.get("attention_bias"):
+        raise ModelError("config.json: attention_bias true is not supported for Gemma 3 (false only)")
     types = raw.get("layer_types")
     if types is None:
         pattern = r.positive_int("sliding_window_pattern", 6)
