@@ -64,7 +64,8 @@ class EngineConfig:
                 "SmolLM2-135M-Instruct)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + output in tokens (default: the model's "
-                "max_position_embeddings)"})
+                "max_position_embeddings); picks a LongRoPE model's factors (long past its "
+                "original context)"})
     seed: int = field(default=0, metadata={
         "help": "seeds the sampling of requests that carry no seed of their own"})
     kv_events_config: str | None = field(default=None, metadata={

@@ -96,7 +96,8 @@ class EngineCore:
                              f"max_position_embeddings {model.max_position_embeddings}")
         self.block_size = runner.block_size
         self.kv = KVCacheManager(runner.num_blocks, self.block_size,
-                                 config.cache_config.enable_prefix_caching)
+                                 config.cache_config.enable_prefix_caching,
+                                 sliding_window=model.uniform_window)
         self.scheduler = Scheduler(self.kv, config.scheduler_config)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
@@ -122,7 +123,9 @@ class EngineCore:
         prompt = np.asarray(prompt_token_ids)
         error, params = check_request(prompt, params, vocab_size=self.vocab_size,
                                       max_model_len=self.max_model_len,
-                                      max_num_seqs=self.scheduler.max_num_seqs, kv=self.kv)
+                                      max_num_seqs=self.scheduler.max_num_seqs,
+                                      max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+                                      kv=self.kv)
         matchers: list | None = None  # structured outputs: one matcher per sample
         if error is None and isinstance(params.structured_outputs, str):  # made one in __post_init__
             try:

@@ -15,6 +15,14 @@ tails that hang off it. The last prompt token is always recomputed: its logits a
 With prefix caching off, no block is hashed, except for the n samples of one request, which
 share their prompt's blocks through hashes salted with their request id (Request.cache_salt).
 
+With a sliding window on every layer (Mistral v0.1 style; vLLM's SlidingWindowManager), no
+token from position p on reads a key before p - window + 1: a running request's blocks wholly
+before its next token's window go back to the pool at once (keeping their hashes, as any freed
+block), and its list and table entries become NULL_BLOCK (-1), which the attention kernels never
+read. A prefix hit then needs only the blocks inside the window of the first token it leaves to
+compute (found from the right), so a hit survives the eviction of the blocks before it. A model
+with any full-attention layer frees nothing early (KVCacheManager.sliding_window is 0).
+
 With KV-cache events on (engine/kv_events.py), the manager records what its prefix cache gains
 and loses, in order: BlockStored for each run of blocks a request registers, BlockRemoved for
 a cached block evicted (taken for reuse) or uncached. The engine takes them once per step
@@ -56,6 +64,10 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: bytes | None = None  # set while the block holds a full, registered block of tokens
     block_key: bytes | None = None   # what was hashed (parent hash + token bytes): checked on a hit
+
+
+# The placeholder for a block freed before a sliding window: never in the pool, never hashed.
+NULL_BLOCK = KVBlock(-1)
 
 
 class BlockPool:
@@ -158,6 +170,10 @@ class BlockTables:
         self.ids[row, start:end] = block_ids
         self.lens[row] = end
 
+    def clear(self, row: int, start: int, end: int) -> None:
+        """Blocks start..end-1 of a row freed (a sliding window passed them): -1, never read."""
+        self.ids[row, start:end] = NULL_BLOCK.block_id
+
     def free_row(self, row: int) -> None:
         self.ids[row, :self.lens[row]] = -1
         self.lens[row] = 0
@@ -170,15 +186,20 @@ class BlockTables:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int = 0):
+        """sliding_window: the window of a model whose every layer slides (0: none, or a model
+        with any full-attention layer): blocks before it are freed while a request runs."""
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self._pack_block = struct.Struct(f"{block_size}i").pack  # a block's ids as int32 bytes
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.tables = BlockTables()
         self.req_rows: dict[str, int] = {}          # per request: its row in self.tables
         self._num_registered: dict[str, int] = {}   # per request: leading blocks already hashed
+        self._num_skipped: dict[str, int] = {}      # per request: leading blocks freed (NULL_BLOCK)
         # Prefix-cache counters in tokens (vLLM's queries/hits), reset by take_stats().
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -207,6 +228,26 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def skipped_blocks(self, num_computed: int) -> int:
+        """Leading blocks that no token from position num_computed on reads: those wholly before
+        its sliding window (keys >= num_computed - window + 1); 0 without a window."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of num_tokens ever holds at once, computed max_chunk tokens
+        at most per step: all of them, or with a window those of one window and one chunk
+        (ceil((window - 1 + chunk) / block_size) + 1 at the worst alignment)."""
+        full = self.blocks_needed(num_tokens)
+        if not self.sliding_window:
+            return full
+        return min(full, cdiv(self.sliding_window - 1 + max_chunk, self.block_size) + 1)
+
+    def num_held_blocks(self, req: Request) -> int:
+        """Pool blocks a request holds now (its table, less the blocks freed before its window)."""
+        return len(self.req_blocks.get(req.key, ())) - self._num_skipped.get(req.key, 0)
+
     def _hashing(self, req: Request) -> bool:
         return self.enable_caching or req.cache_salt is not None
 
@@ -234,29 +275,56 @@ class KVCacheManager:
         if not self._hashing(req) or req.needs_prompt_logprobs:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = self._update_hashes(req, max_blocks)
+        if self.sliding_window:
+            return self._window_hits(req, hashes[:max_blocks])
         hits: list[KVBlock] = []
-        for i, h in enumerate(self._update_hashes(req, max_blocks)[:max_blocks]):
+        for i, h in enumerate(hashes[:max_blocks]):
             block = self.pool.lookup(h, self._block_key(req, i))
             if block is None:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def _window_hits(self, req: Request, hashes: list[bytes]) -> tuple[list[KVBlock], int]:
+        """The longest k cached-block prefix whose window blocks (skipped_blocks(k tokens) ..
+        k - 1) are all cached; NULL_BLOCK before them (a chain hash names the whole prefix, so a
+        block is valid whatever happened to its parents). From the right: a miss at block j rules
+        out every k > j, so each block is looked up at most once."""
+        k = len(hashes)
+        while k > 0:
+            first, j = self.skipped_blocks(k * self.block_size), k - 1
+            found: list[KVBlock] = []
+            while j >= first:
+                block = self.pool.lookup(hashes[j], self._block_key(req, j))
+                if block is None:
+                    break
+                found.append(block)
+                j -= 1
+            if j < first:
+                return [NULL_BLOCK] * first + found[::-1], k * self.block_size
+            k = j
+        return [], 0
+
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
         """Give a request room for num_new_tokens more tokens in the cache; False if the pool is short.
 
         computed_blocks (from get_computed_blocks) are passed when a waiting request is admitted;
-        they become the head of its block table. Nothing changes when False is returned.
+        they become the head of its block table. Nothing changes when False is returned, except
+        that a running request's blocks before its sliding window are freed (nothing reads them).
         """
         blocks = self.req_blocks.get(req.key)
         bs = self.block_size
+        skip = self.skipped_blocks(req.num_computed_tokens + len(computed_blocks or ()) * bs)
         if blocks is not None and not computed_blocks:
-            # The common decode step: room in the last block, and no block filled up.
+            # The common decode step: room in the last block, no block filled up or passed.
             total = req.num_computed_tokens + num_new_tokens
             if total <= len(blocks) * bs and (total // bs <= self._num_registered[req.key]
-                                               or not self._hashing(req)):
+                                               or not self._hashing(req)) \
+                    and skip <= self._num_skipped[req.key]:
                 return True
+            self._free_skipped(req, blocks, skip)
         computed_blocks = computed_blocks or []
         admitting = blocks is None
         if blocks is None:
@@ -264,17 +332,20 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
-        reviving = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # these leave the free queue
+        # Hits before the window (NULL_BLOCK from _window_hits) are neither touched nor held.
+        held_hits = computed_blocks[skip:] if admitting else computed_blocks
+        reviving = sum(1 for b in held_hits if b.ref_cnt == 0)  # these leave the free queue
         if num_new_blocks > self.pool.num_free - reviving:
             return False
         if admitting:
             self.req_blocks[req.key] = blocks
             self.req_rows[req.key] = self.tables.add_row()
-            self._num_registered[req.key] = 0
+            self._num_registered[req.key] = self._num_skipped[req.key] = min(skip, len(computed_blocks))
             if self._hashing(req) and not req.needs_prompt_logprobs:
                 self.prefix_queries += req.num_tokens
                 self.prefix_hits += len(computed_blocks) * self.block_size
-        self.pool.touch(computed_blocks)
+            computed_blocks = [NULL_BLOCK] * (len(computed_blocks) - len(held_hits)) + held_hits
+        self.pool.touch(held_hits)
         new_blocks = computed_blocks + self.pool.take_new(max(num_new_blocks, 0))
         if new_blocks:
             blocks.extend(new_blocks)
@@ -283,8 +354,21 @@ class KVCacheManager:
             self._register_full_blocks(req, blocks, total // self.block_size)
         return True
 
+    def _free_skipped(self, req: Request, blocks: list[KVBlock], skip: int) -> None:
+        """Free a running request's blocks before block `skip` (its next token's window);
+        NOTE: its table keeps their places (NULL_BLOCK): positions index the table."""
+        done = self._num_skipped[req.key]
+        if skip <= done:
+            return
+        skip = min(skip, len(blocks))
+        dropped = blocks[done:skip]
+        blocks[done:skip] = [NULL_BLOCK] * len(dropped)
+        self.tables.clear(self.req_rows[req.key], done, skip)
+        self._num_skipped[req.key] = skip
+        self.pool.release(reversed(dropped))
+
     def _register_full_blocks(self, req: Request, blocks: list[KVBlock], num_full: int) -> None:
-        start = self._num_registered[req.key]
+        start = max(self._num_registered[req.key], self._num_skipped[req.key])
         if num_full <= start:
             return
         hashes = self._update_hashes(req, num_full)
@@ -321,11 +405,12 @@ class KVCacheManager:
         """Return a request's blocks to the pool (tail first: a prefix is evicted last)."""
         blocks = self.req_blocks.pop(req.key, None)
         self._num_registered.pop(req.key, None)
+        skipped = self._num_skipped.pop(req.key, 0)
         row = self.req_rows.pop(req.key, None)
         if row is not None:
             self.tables.free_row(row)
         if blocks:
-            self.pool.release(reversed(blocks))
+            self.pool.release(reversed(blocks[skipped:]))
 
     def uncache(self, req: Request) -> None:
         """Make a request's blocks unfindable by the prefix cache (a failed step may have left

@@ -17,7 +17,7 @@ from ringserve.ipc.sampling_params import SamplingParams
 
 
 def check_request(prompt: np.ndarray, params: SamplingParams, *, vocab_size: int,
-                  max_model_len: int, max_num_seqs: int,
+                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                   kv: KVCacheManager) -> tuple[str | None, SamplingParams]:
     """(why the request can never run, or None; its params with max_tokens resolved against
     max_model_len: None becomes the room the prompt leaves, in a copy)."""
@@ -30,8 +30,8 @@ def check_request(prompt: np.ndarray, params: SamplingParams, *, vocab_size: int
     max_tokens, error, _ = fit_context(n, params.max_tokens, max_model_len)
     if error is not None:
         return error, params
-    # The last sampled token is never written to the cache.
-    blocks = kv.blocks_needed(n + max_tokens - 1)
+    # The last sampled token is never written to the cache; a sliding window bounds what is held.
+    blocks = kv.max_blocks_held(n + max_tokens - 1, max_num_batched_tokens)
     if blocks > kv.num_blocks:
         return (f"the request needs {blocks} KV-cache blocks ({n} prompt + {max_tokens} "
                 f"completion tokens) but the whole pool has {kv.num_blocks}"), params

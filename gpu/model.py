@@ -67,15 +67,20 @@ class LlamaWeights:
         layers = []
         for i, window in enumerate(c.layer_windows):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            # Phi-3 stores both fused in our layouts: one tensor each, taken as it is
+            qkv = (a + "qkv_proj.weight",) if c.fused_projections else (
+                a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+            gate_up = (p + "mlp.gate_up_proj.weight",) if c.fused_projections else (
+                p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
             layers.append(Layer(
                 input_norm=vector(p + "input_layernorm.weight"),
-                qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv=linear(*qkv),
                 qkv_bias=vector(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
                 if c.attention_bias else None,
                 qk_norm=vector(a + "q_norm.weight", a + "k_norm.weight") if c.qk_norm else None,
                 o=linear(a + "o_proj.weight"),
                 post_norm=vector(p + "post_attention_layernorm.weight"),
-                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                gate_up=linear(*gate_up),
                 down=linear(p + "mlp.down_proj.weight"),
                 sliding_window=window))
         return cls(embed, embed if c.tie_word_embeddings else linear("lm_head.weight"),
@@ -138,9 +143,10 @@ class ModelOps(Protocol):
         k head the same with weight[head_dim:] (the config's rms_norm_eps); v untouched."""
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache) -> None:
-        """Rotate q and k of buf.qkv by buf.positions (cos, sin: [positions, head_dim / 2]
-        tables) and write k and v into the caches at buf.slot_mapping (-1: no write). Where
-        the rotated q goes is the backend's, for its attention to read."""
+        """Rotate q and k of buf.qkv by buf.positions (cos, sin: [positions, rotary_dim / 2]
+        tables: the first 2 * cos.shape[1] dims of each head rotate, the rest pass through) and
+        write k and v into the caches at buf.slot_mapping (-1: no write). Where the rotated q
+        goes is the backend's, for its attention to read."""
 
     def attention(self, buf, k_cache, v_cache, launch, window: int) -> None:
         """buf.attn = paged attention of the rotated q over the caches (launch: the backend's

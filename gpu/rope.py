@@ -1,8 +1,23 @@
 """Rotary position embeddings, HF Llama convention: the angle tables. The rotation itself
-(rotate_half over two halves of a head) is fused with the K/V cache write in gpu/cpu/kernels.py.
+(rotate_half over two halves of the rotated part of a head) is fused with the K/V cache write
+in gpu/cpu/kernels.py and is fused.cu's rope on CUDA.
 
+A table is (cos, sin), float32 [positions, rotary_dim / 2]: the kernels rotate the first
+rotary_dim = 2 * cos.shape[1] dims of each head and leave the rest (Phi-4-mini rotates 96 of 128).
 The frequencies are computed in float32 exactly as transformers does, so that our logits
 match its logits to float32 rounding.
+
+LongRoPE (Phi-3.5, Phi-4-mini) divides each frequency by a short or a long factor and scales
+cos/sin by an attention factor. Which factors: transformers switches on the sequence's length
+(longer than original_max_position_embeddings: long, for every position, recomputed as it
+grows), vLLM per batch (any position past it: long for the whole batch). Both make a token's
+rotation depend on something other than its position, and a paged, prefix-cached K/V cache
+stores keys already rotated: a block computed under short factors would be read beside keys
+under long ones, or reused by a request that needs the other set. So, as llama.cpp (per context
+size) and ExLlamaV2 (per max_seq_len): one set for the server, chosen by max_model_len, the
+longest sequence it admits: long when max_model_len > original_max_position_embeddings. That is
+transformers' answer for every sequence when max_model_len stays under the original context, and
+for every sequence longer than it otherwise (docs/design.md §6).
 """
 from __future__ import annotations
 
@@ -13,25 +28,18 @@ import numpy as np
 from ringserve.gpu.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
 
-def inv_freqs(config: ModelConfig) -> dict[str, np.ndarray]:
-    """inv_freq by layer type (ModelConfig.layer_type): a Llama one table (FULL_ATTENTION),
-    Gemma 3 two (its sliding layers on local_rope_theta, unscaled)."""
-    freqs = {FULL_ATTENTION: inv_freq(config)}
-    if config.local_rope_theta is not None:  # else sliding layers (Mistral's) rotate as full ones
-        freqs[SLIDING_ATTENTION] = _plain(config.head_dim, config.local_rope_theta)
-    return freqs
-
-
-def _plain(d: int, theta: float) -> np.ndarray:
+def inv_freq(config: ModelConfig, max_model_len: int | None = None) -> np.ndarray:
+    """float32 [rotary_dim // 2]: the angle per position of each rotary pair. max_model_len (None:
+    max_position_embeddings) picks LongRoPE's factors."""
+    d = config.rotary_dim
     exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    return (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
-
-
-def inv_freq(config: ModelConfig) -> np.ndarray:
-    """float32 [head_dim // 2]: the angle per position of each rotary pair (full-attention
-    layers: rope_theta, rope_scaling)."""
-    freq = _plain(config.head_dim, config.rope_theta)
     s = config.rope_scaling
+    if s is not None and s.rope_type == "longrope":
+        long = (max_model_len or config.max_position_embeddings) > s.original_max_position_embeddings
+        ext = np.array(s.long_factor if long else s.short_factor, dtype=np.float32)
+        # NOTE: as transformers: 1 / (factor * base ** e), one float32 rounding of the product
+        return (np.float32(1.0) / (ext * (np.float32(config.rope_theta) ** exponent))).astype(np.float32)
+    freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponent)).astype(np.float32)
     if s is None:
         return freq
     if s.rope_type == "linear":
@@ -48,8 +56,37 @@ def inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def cos_sin(positions: np.ndarray, freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, float32 [T, head_dim // 2], for each token's position (with positions
+def attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by (LongRoPE's attention factor; 1 otherwise)."""
+    s = config.rope_scaling
+    return s.attention_factor if s is not None and s.rope_type == "longrope" else 1.0
+
+
+def rope_tables(config: ModelConfig, num_positions: int,
+                max_model_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The model's (cos, sin) for positions 0..num_positions-1: what the runners index by position."""
+    return cos_sin(np.arange(num_positions), inv_freq(config, max_model_len), attention_factor(config))
+
+
+def rope_tables_by_type(config: ModelConfig, num_positions: int,
+                        max_model_len: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """rope_tables by layer type (ModelConfig.layer_type): a Llama one (FULL_ATTENTION), Gemma 3
+    two (its sliding layers on local_rope_theta, unscaled)."""
+    tables = {FULL_ATTENTION: rope_tables(config, num_positions, max_model_len)}
+    if config.local_rope_theta is not None:  # else sliding layers (Mistral's) rotate as full ones
+        d = config.rotary_dim
+        exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+        local = (np.float32(1.0) / (np.float32(config.local_rope_theta) ** exponent)).astype(np.float32)
+        tables[SLIDING_ATTENTION] = cos_sin(np.arange(num_positions), local)
+    return tables
+
+
+def cos_sin(positions: np.ndarray, freq: np.ndarray, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin times scale, float32 [T, len(freq)], for each token's position (with positions
     0..n-1: the table the forward computes once and indexes by position)."""
     angles = positions.astype(np.float32)[:, None] * freq[None, :]
-    return np.cos(angles), np.sin(angles)
+    if scale == 1.0:
+        return np.cos(angles), np.sin(angles)
+    # NOTE: transformers scales the float32 cos by a Python float: one float32 product
+    return ((np.cos(angles) * np.float32(scale)).astype(np.float32),
+            (np.sin(angles) * np.float32(scale)).astype(np.float32))

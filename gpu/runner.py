@@ -76,8 +76,8 @@ def ModelRunner(model_dir: str | Path, device: DeviceConfig | None = None,  # no
     compare against CPU references); "auto" is cuda when CuPy sees a GPU, else cpu, and
     DeviceConfig.check_backend refuses what the backend cannot serve. cache: CacheConfig()
     unless given. limits: the largest step (the CUDA backend's graph ladder, profiling forward
-    and block tables); the CPU backend needs none. widen_packed: the CPU backend's float path
-    for comparisons (gpu/cpu/runner.py)."""
+    and block tables); the CPU backend reads only its max_model_len (LongRoPE's factors).
+    widen_packed: the CPU backend's float path for comparisons (gpu/cpu/runner.py)."""
     device = DeviceConfig(device="cpu") if device is None else device
     cache = CacheConfig() if cache is None else cache
     if device.check_backend(cache) == "cuda":
@@ -86,4 +86,4 @@ def ModelRunner(model_dir: str | Path, device: DeviceConfig | None = None,  # no
         from ringserve.gpu.cuda.runner import CudaModelRunner
         return CudaModelRunner.from_dir(model_dir, device, cache, limits)
     from ringserve.gpu.cpu.runner import CpuModelRunner
-    return CpuModelRunner(model_dir, device, cache, widen_packed=widen_packed)
+    return CpuModelRunner(model_dir, device, cache, limits, widen_packed=widen_packed)

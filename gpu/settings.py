@@ -131,7 +131,7 @@ class StepLimits:
     SchedulerConfig, EngineConfig.step_limits): the CUDA runner captures its graph ladder up to
     max_num_seqs, sizes its KV pool after a profiling forward of max_num_batched_tokens, and its
     block tables for max_model_len (None: the model's max_position_embeddings). The CPU runner
-    needs none of them."""
+    reads only max_model_len (which LongRoPE factors, gpu/rope.py)."""
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int | None = None

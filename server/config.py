@@ -77,10 +77,10 @@ class ServerConfig:
     enable_debug_endpoints: bool = field(default=False, metadata={
         "help": "serve GET /debug/engines and /dashboard (engines publish a snapshot)"})
     tool_call_parser: str | None = field(default=None, metadata={
-        "choices": ("hermes", "llama3_json", "pythonic"),
-        "help": "how the model writes tool calls (Hermes/Qwen <tool_call> JSON, Llama 3 JSON, or "
-                "a Python list of calls: Gemma 3, Llama 3.2): enables tool_choice \"auto\" "
-                "(default: none, \"auto\" is a 400)"})
+        "choices": ("hermes", "llama3_json", "phi4_mini_json", "pythonic"),
+        "help": "how the model writes tool calls (Hermes/Qwen <tool_call> JSON, Llama 3 JSON, "
+                "Phi-4-mini's functools[...], or a Python list of calls: Gemma 3, Llama 3.2): "
+                "enables tool_choice \"auto\" (default: none, \"auto\" is a 400)"})
     reasoning_parser: str | None = field(default=None, metadata={
         "choices": ("qwen3", "deepseek_r1"),
         "help": "move the model's <think>...</think> into message.reasoning_content (streamed "

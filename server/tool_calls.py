@@ -127,39 +127,50 @@ def constrained_calls(tp: ToolPlan, text: str) -> list[P.ToolCall]:
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# Where a call begins, for the parsers whose calls follow a marker (content may come before it)
+MARKERS = {"hermes": "<tool_call>", "phi4_mini_json": "functools["}
+_PARSE_ERRORS = (ValueError, KeyError, TypeError, AttributeError, RecursionError)
 
 
 def parse_auto(parser: str, text: str) -> tuple[str | None, list[P.ToolCall]]:
     """(content, calls) of a model's text in its family's format; text that does not parse is
-    content, as vLLM's parsers leave it."""
+    content, as vLLM's parsers leave it. RecursionError: a model's output nested past the
+    decoder's recursion limit is no call."""
     if parser == "pythonic":
         return _parse_pythonic(text)
-    if parser == "hermes":
-        # Qwen / Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one per call
-        start = text.find("<tool_call>")
-        if start < 0:
-            return text, []
-        try:
-            calls = [_call(json.loads(m), "arguments") for m in _HERMES.findall(text[start:])]
-        except (ValueError, KeyError, TypeError, RecursionError):
-            return text, []
-        return text[:start] or None, calls
-    # llama3_json: the answer is {"name": ..., "parameters": {...}} (after an optional
-    # <|python_tag|>), several separated by ";"
+    start = text.find(MARKERS[parser]) if parser in MARKERS else 0
+    if start < 0:
+        return text, []
+    try:
+        if parser == "hermes":
+            # Qwen / Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one per call
+            return text[:start] or None, [_call(json.loads(m)) for m in _HERMES.findall(text[start:])]
+        if parser == "phi4_mini_json":
+            # Phi-4-mini: functools[{"name": ..., "arguments": {...}}, ...] (vLLM's phi4_mini_json;
+            # decoded as JSON from the "[", so an argument holding "]" is whole)
+            calls, _ = json.JSONDecoder().raw_decode(text, start + len("functools"))
+            if not isinstance(calls, list):
+                return text, []
+            return text[:start] or None, [_call(c) for c in calls]
+        return _llama3_json(text)
+    except _PARSE_ERRORS:
+        return text, []
+
+
+def _llama3_json(text: str) -> tuple[str | None, list[P.ToolCall]]:
+    """llama3_json: the answer is {"name": ..., "parameters": {...}} (after an optional
+    <|python_tag|>), several separated by ";"."""
     body = text.strip()
     body = body.removeprefix("<|python_tag|>").lstrip()
     if not body.startswith("{"):
         return text, []
     calls, decoder, at = [], json.JSONDecoder(), 0
-    try:
-        while at < len(body):
-            obj, end = decoder.raw_decode(body, at)
-            calls.append(_call(obj, "parameters" if "parameters" in obj else "arguments"))
-            at = end
-            while at < len(body) and body[at] in " \t\r\n;":
-                at += 1
-    except (ValueError, KeyError, TypeError, RecursionError):
-        return text, []
+    while at < len(body):
+        obj, end = decoder.raw_decode(body, at)
+        calls.append(_call(obj))
+        at = end
+        while at < len(body) and body[at] in " \t\r\n;":
+            at += 1
     return None, calls
 
 
@@ -187,8 +198,9 @@ def _parse_pythonic(text: str) -> tuple[str | None, list[P.ToolCall]]:
     return None, calls
 
 
-def _call(obj: Any, key: str) -> P.ToolCall:
-    args = obj[key]
+def _call(obj: Any) -> P.ToolCall:
+    """One call object: its arguments under "arguments" (or "parameters", as Llama 3 writes them)."""
+    args = obj["arguments"] if "arguments" in obj else obj["parameters"]
     return P.ToolCall(id=new_call_id(), function=P.FunctionCall(
         str(obj["name"]), args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
 
@@ -227,8 +239,8 @@ class ToolStream:
 
     def _safe_end(self) -> int:
         """How much of text is surely content (no call can begin before it)."""
-        if self.tp.parser == "hermes":
-            marker = "<tool_call>"
+        marker = MARKERS.get(self.tp.parser or "")
+        if marker is not None:
             at = self.text.find(marker)
             if at >= 0:
                 self.held = True

@@ -30,3 +30,15 @@ def paged_layout(rng, requests: list[tuple[int, int]], *, block_size: int,
     return dict(seq_lens=seq_lens, block_tables=tables, positions=positions,
                 query_start_loc=np.concatenate([[0], np.cumsum(new)]).astype(np.int32),
                 slots=slots, num_blocks=num_blocks)
+
+
+def free_before_windows(block_tables, requests: list[tuple[int, int]], *, block_size: int,
+                        window: int, null: int = -1):
+    """A copy of block_tables with each request's blocks wholly before its first new token's
+    sliding window set to `null`, as engine/kv_cache.py frees them: a kernel must never read
+    them (the tests make a read show: -1 reads a NaN guard, or null names a NaN block)."""
+    tables = block_tables.copy()
+    for r, (cached, _) in enumerate(requests):
+        first_key = max(0, cached + 1 - window)
+        tables[r, :first_key // block_size] = null
+    return tables

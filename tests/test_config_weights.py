@@ -86,6 +86,38 @@ def test_config_errors_name_the_field(model_copy, changes, match):
     one_line_error(match, ModelConfig.from_dir, model_copy)
 
 
+_SHAPE = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
+              max_position_embeddings=4096)
+S, F = "sliding_attention", "full_attention"
+
+
+def arch(family: str, **raw) -> dict:
+    return dict(architectures=[f"{family}ForCausalLM"], **raw)
+
+
+@pytest.mark.parametrize("raw, windows", [
+    # Mistral: every layer slides (transformers' MistralForCausalLM); a layer_types list
+    # interleaves, as Ministral-8B's config and vLLM read it
+    (arch("Mistral", sliding_window=24), (24, 24, 24, 24)),
+    (arch("Mistral", sliding_window=None), (0, 0, 0, 0)),
+    (arch("Mistral", sliding_window=4096), (0, 0, 0, 0)),  # >= max positions
+    (arch("Mistral", sliding_window=24, layer_types=[S, F, S, F]), (24, 0, 24, 0)),
+    (arch("Ministral", sliding_window=24, layer_types=[F, S, S, S]), (0, 24, 24, 24)),
+    # Qwen2/Qwen3: only with use_sliding_window, and then layers >= max_window_layers (default 28)
+    (arch("Qwen3", sliding_window=24), (0, 0, 0, 0)),
+    (arch("Qwen3", sliding_window=24, use_sliding_window=True), (0, 0, 0, 0)),
+    (arch("Qwen2", sliding_window=24, use_sliding_window=True, max_window_layers=1),
+     (0, 24, 24, 24)),
+    (arch("Qwen3", sliding_window=24, use_sliding_window=True, max_window_layers=0),
+     (24, 24, 24, 24)),
+    (arch("Llama", sliding_window=24), (0, 0, 0, 0)),  # transformers ignores it
+])
+def test_layer_windows_as_transformers_derives_them(raw, windows):
+    c = ModelConfig.from_dict(_SHAPE | raw)
+    assert c.layer_windows == windows
+    assert c.uniform_window == (windows[0] if len(set(windows)) == 1 else 0)
+
+
 def test_config_file_errors(model_copy):
     (model_copy / "config.json").write_text("{not json")
     one_line_error(r"config.json: cannot read JSON", ModelConfig.from_dir, model_copy)

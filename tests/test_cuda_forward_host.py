@@ -18,7 +18,7 @@ import pytest
 
 from conftest import TINY_CUDA_MODELS
 from cuda_host_kernels import paged_attention
-from fp16_checks import decode_against_cpu, fp16_tolerance, narrow, next_batch, widen
+from fp16_checks import assert_logits_close, decode_against_cpu, fp16_tolerance, narrow, next_batch, widen
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.cuda import launch, plan
 from ringserve.gpu.cuda import reference as ref
@@ -28,7 +28,7 @@ from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, QuantLinear, QuantStore
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import load_weights
 from ringserve.gpu.models import model_definition
-from ringserve.gpu.rope import cos_sin, inv_freqs
+from ringserve.gpu.rope import rope_tables_by_type
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from test_cuda_quant_host import FORMS, form
@@ -98,9 +98,10 @@ class HostOps:
                         np.int32(qkv.shape[1]), np.float32(self.eps))
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache):
-        qkv, heads, D = buf.qkv, self.num_rot_heads, self.head_dim
-        self.fused.call("rope" + _suffix(qkv), launch.rope_launch(qkv.shape[0], heads, D), qkv,
-                        buf.positions, cos, sin, np.int32(heads), np.int32(D), np.int32(qkv.shape[1]))
+        qkv, heads, D, half = buf.qkv, self.num_rot_heads, self.head_dim, cos.shape[1]
+        self.fused.call("rope" + _suffix(qkv), launch.rope_launch(qkv.shape[0], heads, 2 * half), qkv,
+                        buf.positions, cos, sin, np.int32(heads), np.int32(D), np.int32(half),
+                        np.int32(qkv.shape[1]))
         ref.store_kv(qkv, buf.slot_mapping, k_cache, v_cache, self.num_heads)
 
     def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch, window: int):
@@ -160,7 +161,7 @@ class HostRunner:
         self.weights = self.model.fuse(c, weights, QuantStore(np, self.dtype))
         shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
         self.caches = [(np.zeros(shape, act), np.zeros(shape, act)) for _ in range(c.num_hidden_layers)]
-        self.ropes = {kind: cos_sin(np.arange(MAX_MODEL_LEN), freq) for kind, freq in inv_freqs(c).items()}
+        self.ropes = rope_tables_by_type(c, MAX_MODEL_LEN, MAX_MODEL_LEN)
         self.num_sms = num_sms  # few "SMs": split-K kicks in at these tiny batches
         self.ladder = plan.graph_batch_sizes(8)
         self.max_blocks = MAX_MODEL_LEN // BLOCK_SIZE
@@ -364,6 +365,83 @@ def test_a_qwen3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_mo
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
                       CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_a_sliding_window_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir, dtype):
+    """A tiny random Mistral (tools/tiny_mistral.py) with a window of 7 on its one layer: a
+    61-token prefill (a window of 7 inside blocks of 16), then graph-shaped decodes whose block
+    tables hold -1 for the blocks before each request's window (freed, as engine/kv_cache.py
+    leaves them; the graph's split-K partitions from the window), against the CPU backend."""
+    import json
+
+    from ringserve.tools.tiny_mistral import make_tiny_mistral
+
+    window = 7
+    config = json.loads((Path(__file__).parent / "data" / "mistral_tiny" / "config.json").read_text())
+    config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                   sliding_window=window)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_dir = make_tiny_mistral(tmp_path / "mistral", config=tmp_path / "config.json",
+                                  tokenizer_dir=default_model_dir)
+    host = HostRunner(model_dir, cuda_host, dtype=dtype)
+    assert [layer.sliding_window for layer in host.weights.layers] == [window]
+    tables = np.random.default_rng(5).permutation(NUM_BLOCKS)[:3 * 5].reshape(3, 5).astype(np.int32)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    seqs, new = [list(p) for p in PACKED_PROMPTS], [list(p) for p in PACKED_PROMPTS]
+    for step in range(3):
+        batch = next_batch(seqs, new, tables, BLOCK_SIZE)
+        if step:  # each decode's blocks wholly before its window: freed
+            batch.block_tables = tables.copy()
+            for r, seq in enumerate(seqs):
+                batch.block_tables[r, :max(0, len(seq) - window) // BLOCK_SIZE] = -1
+            assert (batch.block_tables == -1).any()
+        want = cpu.execute(batch)
+        assert_logits_close(host.graph_shaped(batch) if step else host.eager(batch), want)
+        for r, seq in enumerate(seqs):
+            seq.append(int(want[r].argmax()))
+            new[r] = [seq[-1]]
+
+
+def tiny_phi3(folder: Path, tokenizer_dir: Path, heads: int = 2, max_positions: int = MAX_MODEL_LEN) -> Path:
+    """The tiny Phi-3 of tests/data/phi3_tiny with 2 heads of 64 (attention.cu's smallest; 48 dims
+    rotated, 24 LongRoPE factors each) or 4 of 32 (no attention.cu size, as Phi-3.5's 96: the
+    Numba attention on CUDA), one layer, max_position_embeddings `max_positions` (over the
+    original 16: the long factors)."""
+    import json
+
+    from ringserve.tools.tiny_phi3 import make_tiny_phi3
+
+    config = json.loads((Path(__file__).parent / "data" / "phi3_tiny" / "config.json").read_text())
+    rotary_half = int(config["hidden_size"] // heads * 0.75) // 2
+    steps = np.linspace(0, 1, rotary_half)
+    config |= dict(num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=1,
+                   max_position_embeddings=max_positions, sliding_window=None)
+    config["rope_parameters"] |= dict(short_factor=(1 + 0.5 * steps).tolist(),
+                                      long_factor=(1 + 15 * steps * steps).tolist())
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return make_tiny_phi3(folder / "phi3", config=folder / "config.json", tokenizer_dir=tokenizer_dir)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float16"])
+def test_a_phi3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir, dtype):
+    """A tiny random Phi-3 (tools/tiny_phi3.py: fused qkv_proj and gate_up_proj, 48 of 64 dims
+    rotated, LongRoPE's long factors and attention factor in the table): fused.cu's rope over
+    the rotary part only, in bf16 and fp16, prefill then graph-shaped decode against the CPU
+    backend's logits."""
+    from ringserve.gpu.settings import StepLimits
+
+    model_dir = tiny_phi3(tmp_path, default_model_dir)
+    host = HostRunner(model_dir, cuda_host, dtype=dtype)
+    assert host.ropes["full_attention"][0].shape[1] == 24
+    assert host.config.rotary_dim == 48 < host.config.head_dim
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE),
+                      StepLimits(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from cuda_host_kernels import paged_attention, paged_attention_args
 from fp16_checks import ELEMENT_TYPES, SUFFIX, assert_rounded_from, narrow, widen
-from paged_cases import paged_layout
+from paged_cases import free_before_windows, paged_layout
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda import reference as ref
 
@@ -65,10 +65,13 @@ def test_add_rms_norm(host_kernels, hidden, with_delta, dtype):
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 2)])
-def test_rope_rotates_q_and_k_only(host_kernels, head_dim, num_heads, num_kv_heads, dtype):
-    rng = np.random.default_rng(head_dim)
-    T, max_pos, half = 5, 100, head_dim // 2
+@pytest.mark.parametrize("head_dim,rotary_dim,num_heads,num_kv_heads", [(64, 64, 9, 3), (128, 128, 4, 2),
+                                                                        (128, 96, 4, 2)])
+def test_rope_rotates_q_and_k_only(host_kernels, head_dim, rotary_dim, num_heads, num_kv_heads, dtype):
+    """The first rotary_dim dims of each q and k head (2 * the table's width: Phi-4-mini rotates
+    96 of 128), the rest of the head and v untouched."""
+    rng = np.random.default_rng(head_dim + rotary_dim)
+    T, max_pos, half = 5, 100, rotary_dim // 2
     inv_freq = 1.0 / 10000.0 ** (np.arange(half) / half)
     angles = np.arange(max_pos)[:, None] * inv_freq[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -77,10 +80,14 @@ def test_rope_rotates_q_and_k_only(host_kernels, head_dim, num_heads, num_kv_hea
     expect = ref.rope(widen(qkv), positions, cos, sin, num_heads, num_kv_heads, head_dim)
     x = qkv.copy()
     rot = num_heads + num_kv_heads
-    host_kernels["fused"].call("rope" + SUFFIX[dtype], launch.rope_launch(T, rot, head_dim), x, positions,
-                               cos, sin, np.int32(rot), np.int32(head_dim), np.int32(qkv.shape[1]))
+    host_kernels["fused"].call("rope" + SUFFIX[dtype], launch.rope_launch(T, rot, rotary_dim), x, positions,
+                               cos, sin, np.int32(rot), np.int32(head_dim), np.int32(half),
+                               np.int32(qkv.shape[1]))
     assert_fp16_close(x[:, :rot * head_dim], expect[:, :rot * head_dim])
     np.testing.assert_array_equal(x[:, rot * head_dim:], qkv[:, rot * head_dim:])  # v untouched
+    heads = x[:, :rot * head_dim].reshape(T, rot, head_dim)
+    np.testing.assert_array_equal(heads[..., rotary_dim:],  # the unrotated rest of each head, as it was
+                                  qkv[:, :rot * head_dim].reshape(T, rot, head_dim)[..., rotary_dim:])
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
@@ -140,18 +147,19 @@ def test_add_bias_and_to_float32(host_kernels, dtype):
 
 # ---- attention.cu
 
-def guarded(a: np.ndarray) -> np.ndarray:
+def guarded(a: np.ndarray, guard: float = 7.0) -> np.ndarray:
     """a inside a buffer one block larger at each end, filled with 7: a kernel that reads block
     -1 (a padding row's table entry) or past the pool gets keys and values of 7, not memory that
-    happens to be there (not NaN: fmaxf drops a NaN score and the row would still come out 0)."""
-    seven = narrow(np.float32(7.0)[None], "bfloat16" if a.dtype == np.uint16 else "float16")[0]
-    buf = np.full((a.shape[0] + 2, *a.shape[1:]), seven, a.dtype)
+    happens to be there (not NaN: fmaxf drops a NaN score and the row would still come out 0).
+    NaN where a read is an error whatever its weight (a block freed before a sliding window)."""
+    fill = narrow(np.float32(guard)[None], "bfloat16" if a.dtype == np.uint16 else "float16")[0]
+    buf = np.full((a.shape[0] + 2, *a.shape[1:]), fill, a.dtype)
     buf[1:-1] = a
     return buf[1:-1]
 
 
 def paged_case(rng, *, head_dim: int, group: int, kvh: int, requests: list[tuple[int, int]],
-               pad: int = 0, block_size: int = 16, dtype: str = "float16") -> dict:
+               pad: int = 0, block_size: int = 16, dtype: str = "float16", guard: float = 7.0) -> dict:
     """requests: (tokens already cached, new tokens) each, blocks shuffled over a pool with
     spare blocks; pad: graph padding rows after them (one token, seq_len 0, slot -1, table -1).
     The new tokens' K/V are stored first, as the runner does before attention. dtype: q and the
@@ -160,8 +168,8 @@ def paged_case(rng, *, head_dim: int, group: int, kvh: int, requests: list[tuple
     positions, slots, num_blocks = layout["positions"], layout["slots"], layout["num_blocks"]
     num_heads = kvh * group
     qkv = narrow(rng.standard_normal((len(positions), (num_heads + 2 * kvh) * head_dim)), dtype)
-    k_cache = guarded(narrow(rng.standard_normal((num_blocks, block_size, kvh, head_dim)), dtype))
-    v_cache = guarded(narrow(rng.standard_normal((num_blocks, block_size, kvh, head_dim)), dtype))
+    k_cache = guarded(narrow(rng.standard_normal((num_blocks, block_size, kvh, head_dim)), dtype), guard)
+    v_cache = guarded(narrow(rng.standard_normal((num_blocks, block_size, kvh, head_dim)), dtype), guard)
     ref.store_kv(qkv, slots, k_cache, v_cache, num_heads)
     return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions,
                 query_start_loc=layout["query_start_loc"], seq_lens=layout["seq_lens"],
@@ -174,20 +182,20 @@ def case_args(c: dict) -> tuple:
             c["seq_lens"], c["block_tables"], c["k_cache"].shape[-1] ** -0.5)
 
 
-def run_attention(kernels, c: dict, splits: int, max_seq_len: int) -> np.ndarray:
+def run_attention(kernels, c: dict, splits: int, max_seq_len: int, window: int = 0) -> np.ndarray:
     """What PagedAttention.__call__ launches, with NaN-filled outputs and workspace."""
     T, d, H = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"]
     out = unwritten((T, H * d), "bfloat16" if c["qkv"].dtype == np.uint16 else "float16")
     workspace = (np.full((T, H, splits, d), np.nan, np.float32),
                  np.full((T, H, splits, 2), np.nan, np.float32)) if splits > 1 else (None, None)
-    paged_attention(kernels, *case_args(c), out, splits, max_seq_len, workspace)
+    paged_attention(kernels, *case_args(c), out, splits, max_seq_len, workspace, window)
     return out
 
 
-def expected_attention(c: dict) -> np.ndarray:
+def expected_attention(c: dict, window: int = 0) -> np.ndarray:
     return ref.paged_attention(widen(c["qkv"]), widen(c["k_cache"]), widen(c["v_cache"]), c["positions"],
                                c["query_start_loc"], c["seq_lens"], c["block_tables"], c["num_heads"],
-                               c["k_cache"].shape[-1] ** -0.5)
+                               c["k_cache"].shape[-1] ** -0.5, window)
 
 
 @pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS), ids=VARIANT_IDS)
@@ -218,6 +226,27 @@ def test_paged_attention_padded_graph_decode(host_kernels, variant, splits, dtyp
     expect = expected_attention(c)
     assert_fp16_close(out, expect)
     assert np.all(out[-2:] == 0)
+
+
+WINDOW_REQUESTS = [(0, 5), (21, 4), (40, 1), (3, 1), (30, 15)]  # the longest: 45 keys
+
+
+@pytest.mark.parametrize("window", [1, 7, 24, 45, 300])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_attention_sliding_window(host_kernels, window, splits):
+    """Windows of 1 (a token sees itself), smaller than the context (7, 24: not block
+    multiples), equal to the longest request's 45 keys and larger than any; prefill chunks and
+    decodes, eager split-K. Each request's blocks wholly before its first new token's window
+    are -1 in its table (freed, engine/kv_cache.py) and the guard around the pool is NaN, so
+    reading one, even at weight 0, shows; the reference reads the whole table."""
+    variant = (64, 4)
+    c = paged_case(np.random.default_rng(window), head_dim=64, group=4, kvh=ATTENTION_VARIANTS[variant],
+                   requests=WINDOW_REQUESTS, guard=np.nan)
+    expect = expected_attention(c, window)
+    assert np.allclose(expect, expected_attention(c)) == (window >= 45)  # the window matters
+    c["block_tables"] = free_before_windows(c["block_tables"], WINDOW_REQUESTS, block_size=16, window=window)
+    out = run_attention(host_kernels[variant], c, splits, int(c["seq_lens"].max()), window)
+    assert_fp16_close(out, expect)
 
 
 def test_launch_outside_the_kernels_bounds_is_refused(host_kernels):

@@ -3,29 +3,36 @@ the CPU backend's paged attention and against the plain definitions."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from paged_cases import free_before_windows, paged_layout
 from ringserve.gpu.cpu.attention import paged_attention as cpu_paged_attention
 from ringserve.gpu.cuda import reference as ref
 
 
-def test_paged_attention_matches_cpu_backend():
+@pytest.mark.parametrize("window", [0, 1, 4, 7, 9])
+def test_paged_attention_matches_cpu_backend(window):
+    """Full attention and sliding windows (1, smaller than, equal to and larger than the longest
+    request's 7 keys): the CPU kernel never reads a block wholly before a request's window (its
+    table entry names a NaN block: a read shows), the reference reads the whole table."""
     rng = np.random.default_rng(0)
-    H, KVH, D, BS, NB = 4, 2, 8, 4, 12
+    H, KVH, D, BS, NB = 4, 2, 8, 2, 20
     cached_new = [(0, 6), (5, 1), (3, 2)]
-    seq_lens = np.array([c + n for c, n in cached_new], np.int32)
-    tables = rng.permutation(NB)[:9].reshape(3, 3).astype(np.int32)
-    positions = np.concatenate([np.arange(c, c + n) for c, n in cached_new]).astype(np.int32)
-    qsl = np.array([0, 6, 7, 9], np.int32)
+    layout = paged_layout(rng, cached_new, block_size=BS, num_blocks=NB)
+    positions, qsl, seq_lens, tables = (layout[k] for k in ("positions", "query_start_loc", "seq_lens",
+                                                           "block_tables"))
     qkv = rng.standard_normal((9, (H + 2 * KVH) * D)).astype(np.float32)
     k = rng.standard_normal((NB, BS, KVH, D)).astype(np.float32)
     v = rng.standard_normal((NB, BS, KVH, D)).astype(np.float32)
-    req = np.repeat(np.arange(3), [n for _, n in cached_new])
-    slots = tables[req, positions // BS] * BS + positions % BS
-    ref.store_kv(qkv, slots, k, v, H)
-    out = ref.paged_attention(qkv, k, v, positions, qsl, seq_lens, tables, H, 0.3)
+    ref.store_kv(qkv, layout["slots"], k, v, H)
+    out = ref.paged_attention(qkv, k, v, positions, qsl, seq_lens, tables, H, 0.3, window)
+    spare = np.setdiff1d(np.arange(NB), tables)[0]
+    k[spare] = v[spare] = np.nan
+    if window:
+        tables = free_before_windows(tables, cached_new, block_size=BS, window=window, null=spare)
     expect = np.empty((9, H, D), np.float32)
     cpu_paged_attention(np.ascontiguousarray(qkv[:, :H * D].reshape(9, H, D)), k, v, positions,
-                        qsl, seq_lens, tables, np.float32(0.3), 0, expect)
+                        qsl, seq_lens, tables, np.float32(0.3), window, expect)
     np.testing.assert_allclose(out, expect.reshape(9, -1), rtol=1e-5, atol=1e-5)
 
 

@@ -31,7 +31,7 @@ else:
     from numba import config as numba_config
     from numba import cuda
 
-    from paged_cases import paged_layout
+    from paged_cases import free_before_windows, paged_layout
     from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
     from ringserve.gpu.cuda import numba_kernels as nk
     from ringserve.gpu.cuda import reference as ref
@@ -141,6 +141,25 @@ else:
                 c["seq_lens"], c["block_tables"])
         nk.paged_attention(*args, 0.25, out, threads=threads)
         expect = ref.paged_attention(*args, c["num_heads"], 0.25)
+        np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-4)
+
+    @pytest.mark.parametrize("window", [1, 6])
+    def test_paged_attention_sliding_window(window):
+        """Keys p - window < k <= p only, and no block wholly before a request's window read:
+        those table entries name a spare block of NaN (a read, even at weight 0, shows)."""
+        c = paged_case(np.random.default_rng(5))
+        ref.store_kv(c["qkv"], c["slots"], c["k_cache"], c["v_cache"], c["num_heads"])
+        args = (c["qkv"], c["k_cache"], c["v_cache"], c["positions"], c["query_start_loc"],
+                c["seq_lens"], c["block_tables"])
+        expect = ref.paged_attention(*args, c["num_heads"], 0.25, window)
+        assert not np.allclose(expect, ref.paged_attention(*args, c["num_heads"], 0.25))
+        spare = np.setdiff1d(np.arange(len(c["k_cache"])), c["block_tables"])[0]
+        c["k_cache"][spare] = c["v_cache"][spare] = np.nan
+        tables = free_before_windows(c["block_tables"], [(0, 5), (6, 3), (9, 1), (2, 1)], block_size=4,
+                                     window=window, null=spare)
+        assert (tables == spare).any()
+        out = np.zeros((len(c["positions"]), c["num_heads"] * 16), np.float32)
+        nk.paged_attention(*args[:6], tables, 0.25, out, window=window, threads=THREADS)
         np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-4)
 
     def test_paged_attention_in_bf16():

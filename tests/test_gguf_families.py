@@ -249,7 +249,7 @@ def test_family_is_served(family, arch, serve, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("arch, metadata, message", [
-    ("qwen2", {"general.architecture": "phi3"}, "GGUF architecture 'phi3' is not supported"),
+    ("qwen2", {"general.architecture": "phimoe"}, "GGUF architecture 'phimoe' is not supported"),
     ("llama3", {"tokenizer.ggml.pre": "tekken"}, "tokenizer.ggml.pre 'tekken' is not supported"),
     ("qwen2", {"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model 'bert' is not supported"),
     ("qwen2", {"tokenizer.ggml.model": "llama"}, "missing GGUF metadata tokenizer.ggml.scores"),

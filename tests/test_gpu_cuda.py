@@ -90,12 +90,13 @@ def test_fused_kernels_match_reference(dtype):
     qkv = narrow(rng.standard_normal((4, 12 * 64)), dtype)  # H=8, KVH=2, D=64
     pos = np.array([0, 5, 77, 1000], np.int32)
     from ringserve.gpu.rope import cos_sin
-    cos, sin = cos_sin(np.arange(1024), (1e4 ** -(np.arange(0, 64, 2) / 64)).astype(np.float32))
-    qd = cp.asarray(qkv)
-    f.rope(qd, cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), 10, 64, s)
-    s.synchronize()
-    np.testing.assert_allclose(widen(qd.get()), ref.rope(widen(qkv), pos, cos, sin, 8, 2, 64),
-                               rtol=tol, atol=tol)
+    for rotary in (64, 48):  # whole heads, and Phi-4-mini's 3/4 (the rest of each head untouched)
+        cos, sin = cos_sin(np.arange(1024), (1e4 ** -(np.arange(0, rotary, 2) / rotary)).astype(np.float32))
+        qd = cp.asarray(qkv)
+        f.rope(qd, cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), 10, 64, s)
+        s.synchronize()
+        np.testing.assert_allclose(widen(qd.get()), ref.rope(widen(qkv), pos, cos, sin, 8, 2, 64),
+                                   rtol=tol, atol=tol)
     gu = narrow(rng.standard_normal((3, 2 * 1536)), dtype)
     act = cp.empty((3, 1536), gu.dtype)
     f.silu_mul(cp.asarray(gu), act, s)
@@ -196,6 +197,38 @@ def test_forward_matches_cpu_backend_and_graphs_match_eager(tiny_cuda_model_dir,
         assert_logits_close(got_eager, want)
         assert_logits_close(got_graphs, want)
         np.testing.assert_allclose(got_graphs, got_eager, atol=1e-2 * np.abs(got_eager).max())
+        for r, seq in enumerate(seqs):
+            seq.append(int(want[r].argmax()))
+            new[r] = [seq[-1]]
+
+
+@pytest.mark.parametrize("heads", [2, 4])  # head_dim 64 (attention.cu), 32 (Numba's, as Phi-3.5's 96)
+def test_a_phi3_forward_matches_cpu_backend_and_graphs_match_eager(tmp_path, default_model_dir, heads):
+    """A tiny random Phi-3 (fused qkv_proj / gate_up_proj, 3/4 of each head rotated, LongRoPE's
+    long factors at max_model_len 256): prefill then decodes, eager and graph-replayed logits as
+    the CPU backend's with the same max_model_len (the same factors)."""
+    from fp16_checks import assert_logits_close, next_batch
+    from ringserve.gpu.cuda.runner import CudaModelRunner
+    from ringserve.gpu.runner import ModelRunner
+    from test_cuda_forward_host import tiny_phi3
+    model_dir = tiny_phi3(tmp_path, default_model_dir, heads=heads)
+    limits = StepLimits(max_num_seqs=8, max_num_batched_tokens=CUDA_MAX_NUM_BATCHED_TOKENS, max_model_len=256)
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 100))]
+    tables = np.random.default_rng(0).permutation(64)[:3 * 8].reshape(3, 8).astype(np.int32)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"), CacheConfig(num_gpu_blocks_override=64), limits)
+    eager = CudaModelRunner.from_dir(model_dir, DeviceConfig(device="cuda", enforce_eager=True),
+                                     CacheConfig(num_gpu_blocks_override=64), limits)
+    graphs = CudaModelRunner.from_dir(model_dir, DeviceConfig(device="cuda"),
+                                      CacheConfig(num_gpu_blocks_override=64), limits)
+    c = eager.config
+    assert c.rotary_dim == 3 * c.head_dim // 4 == 2 * eager.cos.shape[1] and c.head_dim == 128 // heads
+    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
+    for _ in range(6):
+        batch = next_batch(seqs, new, tables, 16)
+        want = cpu.execute(batch)
+        got_eager, got_graphs = eager.execute(batch), graphs.execute(batch)
+        assert_logits_close(got_eager, want)
+        assert_logits_close(got_graphs, want)
         for r, seq in enumerate(seqs):
             seq.append(int(want[r].argmax()))
             new[r] = [seq[-1]]

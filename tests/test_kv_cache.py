@@ -136,3 +136,81 @@ def test_a_forced_hash_collision_never_reuses_a_wrong_block(monkeypatch):
     d = make_req("d", list(range(12)))            # the same prompt still hits where it can:
     assert admit(kv, d) == 4                      # one block per key, the first registered
     assert kv.block_ids(d)[0] == kv.block_ids(a)[0]
+
+
+# -- a sliding window on every layer: blocks before it go back to the pool ----------------------
+
+def decode(kv: KVCacheManager, req: Request, n: int) -> list[int]:
+    """n decode steps as the scheduler runs them; the blocks the request holds after each."""
+    held = []
+    for _ in range(n):
+        req.append_output_token(req.num_tokens % 7)
+        assert kv.allocate_slots(req, 1)
+        held.append(kv.num_held_blocks(req))
+        req.num_computed_tokens += 1
+    return held
+
+
+def test_a_sliding_window_frees_the_blocks_before_it():
+    """Window 6, blocks of 4: a token at position p reads keys p-5..p, so a request holds at
+    most ceil(6 / 4) + 1 = 3 blocks however long it runs; freed entries are -1 in its table (a
+    prefix of it) and count as free in the pool (usage)."""
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False, sliding_window=6)
+    req = make_req("a", list(range(9)))           # 9 tokens: the 10th (position 9) reads 4..9
+    admit(kv, req)
+    assert kv.num_held_blocks(req) == 3
+    held = decode(kv, req, 40)                    # 49 tokens: 13 blocks' worth from a pool of 8
+    assert max(held) == 3 and kv.num_free_blocks == 8 - held[-1]
+    ids = kv.block_ids(req)
+    first_read = (48 - 6 + 1) // 4                # the last step computed position 48
+    assert len(ids) == 13 and ids[:first_read] == [-1] * first_read and -1 not in ids[first_read:]
+    table = kv.block_tables_of([req])[0]
+    assert table.tolist() == ids
+    assert kv.usage == held[-1] / 8
+    kv.free(req)
+    assert kv.num_free_blocks == 8 and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_a_window_hit_needs_only_the_blocks_inside_the_window():
+    """A freed block keeps its hash: a later request with the same tokens hits. Once the
+    blocks before the window are evicted it still hits, from the right: the hit's first token
+    (position k) reads keys k-5.., blocks before those come back as -1, never held."""
+    kv = KVCacheManager(num_blocks=7, block_size=4, enable_caching=True, sliding_window=6)
+    prompt = list(range(20))
+    a = make_req("a", prompt)
+    admit(kv, a)                                  # the prefill's first token reads block 0
+    assert kv.num_held_blocks(a) == 5
+    decode(kv, a, 1)                              # position 20 reads 15..20: blocks 3, 4, 5
+    assert kv.block_ids(a)[:3] == [-1] * 3 and kv.num_held_blocks(a) == 3
+    kv.free(a)
+    b = make_req("b", prompt)
+    assert admit(kv, b) == 16                     # 4 full blocks; 16 on are recomputed, reading 11..
+    assert kv.block_ids(b)[:2] == [-1] * 2 and kv.num_held_blocks(b) == 3
+    kv.free(b)
+    evict = make_req("x", [90 + i for i in range(12)])   # 3 blocks: the LRU ones, a's 0, 1 among them
+    admit(kv, evict)
+    assert all(kv.pool.lookup(h, kv._block_key(a, i)) is None for i, h in enumerate(a.block_hashes[:2]))
+    c = make_req("c", prompt)
+    assert admit(kv, c) == 16
+    kv.free(c), kv.free(evict)
+    d = make_req("d", prompt[:12] + [77] * 8)     # blocks 0-2 equal, but k = 3 needs 1, 2: no hit
+
+    assert admit(kv, d) == 0
+
+
+def test_window_samples_sharing_blocks_free_them_by_reference():
+    """Two samples of one request share their prompt's blocks (a salted hash): each sample's
+    window releases its own reference; a block goes back to the pool when both have."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=False, sliding_window=5)
+    s0, s1 = (make_req(f"g#{i}", list(range(10)), salt="g") for i in range(2))
+    admit(kv, s0)
+    assert admit(kv, s1) == 8
+    assert kv.num_free_blocks == 16 - 3 - 1       # block 1 shared; s1 never holds block 0 (-1)
+    assert kv.block_ids(s1)[0] == -1
+    decode(kv, s0, 8)                             # s0 passes the shared blocks, s1 does not
+    shared = kv.block_ids(s1)[1]
+    assert shared not in kv.block_ids(s0) and kv.pool.blocks[shared].ref_cnt == 1
+    decode(kv, s1, 8)
+    assert kv.pool.blocks[shared].ref_cnt == 0
+    kv.free(s0), kv.free(s1)
+    assert kv.num_free_blocks == 16 and all(b.ref_cnt == 0 for b in kv.pool.blocks)

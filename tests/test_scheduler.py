@@ -17,8 +17,9 @@ from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.ipc.sampling_params import SamplingParams
 
 
-def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, caching=False):
-    kv = KVCacheManager(num_blocks, block_size, caching)
+def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, caching=False,
+               window=0):
+    kv = KVCacheManager(num_blocks, block_size, caching, sliding_window=window)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return Scheduler(kv, config)
 
@@ -138,6 +139,7 @@ workloads = st.fixed_dictionaries({
     "max_num_seqs": st.integers(1, 6),
     "max_num_batched_tokens": st.integers(1, 48),
     "caching": st.booleans(),
+    "window": st.sampled_from([0, 0, 1, 3, 6, 17]),   # a sliding window on every layer, or none
     "requests": st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12),   # prompt, max_tokens
                                    st.integers(0, 15), st.integers(-1, 40)),  # arrival, abort step
                          min_size=1, max_size=14),
@@ -149,13 +151,15 @@ workloads = st.fixed_dictionaries({
 @given(workloads)
 def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
     sched = make_sched(w["num_blocks"], w["block_size"], w["max_num_seqs"],
-                       w["max_num_batched_tokens"], w["caching"])
+                       w["max_num_batched_tokens"], w["caching"], w["window"])
     kv, rng = sched.kv, random.Random(w["seed"])
     pending = []
     for i, (plen, max_tokens, arrival, abort_at) in enumerate(w["requests"]):
         # Few distinct tokens, so that prompts share prefixes and the cache gets hits.
         req = Request(f"r{i}", [rng.randrange(3) for _ in range(plen)], SamplingParams(max_tokens=max_tokens))
-        if kv.blocks_needed(plen + max_tokens - 1) <= kv.num_blocks:   # the engine refuses others
+        # the engine refuses others (engine/request_checks.py): with a window, a request longer
+        # than the pool runs, its blocks freed behind the window
+        if kv.max_blocks_held(plen + max_tokens - 1, w["max_num_batched_tokens"]) <= kv.num_blocks:
             pending.append((arrival, abort_at, req))
     live: list[Request] = []
     for step in range(2000):
@@ -173,6 +177,7 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
         check_ownership(sched)
         if out.scheduled:
             check_slots(out, kv)
+            check_windows(out, kv)
         sched.update_after_step(out)
         sample(sched, out, lambda: rng.randrange(3))
         if not pending and not sched.has_unfinished():
@@ -194,6 +199,21 @@ def check_slots(out, kv) -> None:
         assert {slot // kv.block_size for slot in slots[lo:hi]} <= own
 
 
+def check_windows(out, kv) -> None:
+    """With a window, each scheduled request holds every block its first new token reads (keys
+    from num_computed - window + 1), and no more than those and its new tokens' blocks: freed
+    ones are a -1 prefix of its table."""
+    if not kv.sliding_window:
+        return
+    bs = kv.block_size
+    for s in out.scheduled:
+        ids = kv.block_ids(s.request)
+        first = max(0, s.num_computed_tokens - kv.sliding_window + 1) // bs
+        assert all(b >= 0 for b in ids[first:]) and all(b == -1 for b in ids[:first]), (ids, first)
+        assert kv.num_held_blocks(s.request) == len(ids) - first
+        assert len(ids) - first <= kv.max_blocks_held(s.request.num_tokens, s.num_new_tokens)
+
+
 def req_abort(w, req: Request) -> int:
     return w["requests"][int(req.request_id[1:])][3]
 
@@ -204,9 +224,9 @@ def check_ownership(sched: Scheduler) -> None:
     kv = sched.kv
     holders: dict[int, int] = {}
     for req in sched.running:
-        ids = kv.block_ids(req)
+        ids = [b for b in kv.block_ids(req) if b >= 0]   # -1: freed before a sliding window
         assert len(ids) == len(set(ids))
-        assert len(ids) * kv.block_size >= req.num_computed_tokens
+        assert len(kv.block_ids(req)) * kv.block_size >= req.num_computed_tokens
         for b in ids:
             holders[b] = holders.get(b, 0) + 1
     for req in sched.waiting:

@@ -2,8 +2,8 @@
 Hermes-style chat template that shows the tools (the default model's own template ignores
 them): tools and tool results reach the template; "required" and named choices are
 constrained to valid calls; "auto" parses the model's text (`--tool-call-parser hermes`,
-`llama3_json` and `pythonic`, the last under a Gemma 3 style template); streamed and
-non-streamed answers carry the same calls, in OpenAI's shapes."""
+`llama3_json`, `phi4_mini_json` and `pythonic`, the last under a Gemma 3 style template);
+streamed and non-streamed answers carry the same calls, in OpenAI's shapes."""
 from __future__ import annotations
 
 import json
@@ -226,6 +226,25 @@ def test_auto_parses_llama3_json_calls(serve, model_dir):
     assert (finish, content) == ("tool_calls", "")
 
 
+def test_auto_parses_phi4_mini_json_calls(serve, model_dir):
+    """Phi-4-mini writes functools[{"name", "arguments"}, ...] (vLLM's phi4_mini_json): two calls
+    in one array, an argument holding "]" whole, the text before it content, streamed the same."""
+    url = serve(model_dir, "--workers", "1", "--max-model-len", "1024",
+                "--tool-call-parser", "phi4_mini_json", "--served-model-name", "x", timeout=300).url
+    regex = (r'Checking\. functools\[\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)\]"\}\}, '
+             r'\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "celsius"\}\}\]')
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, structured_outputs={"regex": regex})
+    r = _client(url).chat.completions.create(model="x", messages=ASK, tools=TOOLS, max_tokens=80,
+                                             temperature=0,
+                                             extra_body={"structured_outputs": {"regex": regex}})
+    calls = _calls(r.choices[0].message)
+    assert [c["name"] for c in calls] == ["get_time", "get_weather"]
+    assert json.loads(calls[0]["arguments"])["zone"] in ("UTC]", "CET]")
+    assert json.loads(calls[1]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
+    assert r.choices[0].message.content == "Checking. " and r.choices[0].finish_reason == "tool_calls"
+    streamed, finish, content, _ = _streamed(url, **body)
+    assert [{k: c[k] for k in ("name", "arguments")} for c in streamed] == calls
+    assert (finish, content) == ("tool_calls", "Checking. ")
 # Gemma 3's turns, with tools shown and calls written as a Python list (the shape of vLLM's
 # examples/tool_chat_template_gemma3_pythonic.jinja, which `--tool-call-parser pythonic` reads)
 GEMMA3_PYTHONIC_TEMPLATE = """\
@@ -405,13 +424,14 @@ def test_auto_call_cut_inside_tool_call_is_content(hermes):
     assert streamed == [] and finish == "stop" and content.startswith("Let me check.<tool_call>")
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "phi4_mini_json"])
 def test_model_output_nested_past_the_recursion_limit_is_content(parser):
     """A model may write any text: a call nested 5,000 deep (past Python's decoder's recursion
     limit) is no call, and the text stays content, instead of a RecursionError (a 500)."""
     from ringserve.server import tool_calls as T
     deep = "[" * 5000 + "]" * 5000
-    text = (f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>' if parser == "hermes"
-            else f'{{"name": "f", "parameters": {deep}}}')
+    text = {"hermes": f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>',
+            "llama3_json": f'{{"name": "f", "parameters": {deep}}}',
+            "phi4_mini_json": f'functools[{{"name": "f", "arguments": {deep}}}]'}[parser]
     assert T.parse_auto(parser, text) == (text, [])
     assert T.constrained_calls(T.ToolPlan(mode="required"), f'[{{"name": "f", "parameters": {deep}}}]') == []

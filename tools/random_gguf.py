@@ -3,6 +3,7 @@
     python -m ringserve.tools.random_gguf --shape llama-3.2-1b --layout q4_k_m out.gguf
     python -m ringserve.tools.random_gguf --shape llama-3.2-1b --arch llama3 out.gguf
     python -m ringserve.tools.random_gguf --shape qwen2.5-0.5b --arch qwen2 out.gguf
+    python -m ringserve.tools.random_gguf --shape phi-4-mini --arch phi3 out.gguf
     python -m ringserve.tools.random_gguf --shape gemma-3-1b --arch gemma3 out.gguf
 
 Any bytes are a valid block of a GGML type once its float16 scale fields are finite, so the
@@ -22,11 +23,16 @@ than its largest tensor. The text it gives is meaningless, the shapes and bytes 
 - qwen2: arch "qwen2", q/k/v biases, Qwen2's tokenizer (pre-tokenizer "qwen2", ChatML).
 - qwen3: arch "qwen3", per-head q/k norms (attn_q_norm, attn_k_norm), the shape's head_dim
   (Qwen3's is not hidden / heads), Qwen2's tokenizer.
+- phi3: arch "phi3" as Phi-4-mini: fused attn_qkv and ffn_up (gate, then up; Q4_K_M gives
+  attn_qkv Q5_K, as llama.cpp), the shape's rotary dims (rope.dimension_count), LongRoPE
+  (rope_factors_long/short, the original context, the attention factor), Phi's turn tokens
+  (<|user|>, <|assistant|>, <|end|> ...) with Phi-4-mini's pre-tokenizer "gpt-4o" over the
+  trained merges.
 - gemma3: arch "gemma3", q/k norms and the four norms a layer (post_attention_norm, ffn_norm
   as the MLP's pre-norm, post_ffw_norm), the shape's head_dim and sliding window; Gemma's
   special tokens (<bos> added, <start_of_turn>, <end_of_turn>) and chat template on a
-  byte-level BPE vocabulary (Gemma's own is SentencePiece, which gpu/loader/gguf_convert.py
-  does not read).
+  byte-level BPE vocabulary (Gemma's own is SentencePiece: gpu/loader/gguf_convert.py reads
+  that too, tests/test_gemma3.py checks it).
 The llama3 and qwen2 vocabularies are a byte-level BPE trained here (`train_merges`, the
 `tokenizers` library) on `sample_texts`, so real merges apply to varied text (digits, CJK,
 emoji, code, whitespace runs), then padded with reserved CONTROL tokens to the shape's size.
@@ -45,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from ringserve.tools.tiny_gguf import CHATML_TEMPLATE, MERGES, SPECIAL_TOKENS, byte_level_alphabet
+from ringserve.tools.tiny_phi3 import PHI_SPECIAL_TOKENS, PHI_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ class Shape:
     rope_theta: float = 500000.0
     context: int = 8192
     head_dim: int | None = None  # None: hidden / heads
+    rotary_dim: int | None = None  # None: head_dim (phi3: partial rotary)
+    original_context: int = 4096   # phi3: LongRoPE's original_max_position_embeddings
     sliding_window: int | None = None  # gemma3: the sliding layers' window
 
     @property
@@ -77,10 +86,16 @@ SHAPES = {
                           rope_theta=1000000.0, context=32768),
     "qwen3-0.6b": Shape(hidden=1024, layers=28, heads=16, kv_heads=8, ffn=3072, vocab=151936,
                         rope_theta=1000000.0, context=40960, head_dim=128),
+    "phi-4-mini": Shape(hidden=3072, layers=32, heads=24, kv_heads=8, ffn=8192, vocab=200064,
+                        rope_theta=10000.0, context=131072, rotary_dim=96),
+    # Llama-3.2-1B's dims as a phi3 (fused, 3/4 rotary, LongRoPE): bench_forward's 1B-class
+    # Phi beside it, the same bytes and FLOPs per token
+    "phi3-1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, rope_theta=10000.0,
+                     context=131072, rotary_dim=48),
     "gemma-3-1b": Shape(hidden=1152, layers=26, heads=4, kv_heads=1, ffn=6912, vocab=262144,
                         rope_theta=1000000.0, context=32768, head_dim=256, sliding_window=512),
 }
-ARCHS = ("llama", "llama3", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "phi3", "gemma3")
 
 # Byte offsets of each block's float16 scale fields (ggml-common.h), and a scale that gives
 # weights of about 0.02: the value is scale x (quant) with quants of the size in the comment.
@@ -129,6 +144,8 @@ def tensor_type(layout: str, name: str, layer: int | None, num_layers: int, tied
         kind = "Q4_K"
         if name == "output.weight" or (tied and name == "token_embd.weight"):  # the lm_head
             kind = "Q6_K"
+        elif name == "attn_qkv.weight":
+            kind = "Q5_K"
         elif (name in ("attn_v.weight", "ffn_down.weight") and layer is not None
               and _more_bits(layer, num_layers)):
             kind = "Q6_K"
@@ -169,6 +186,9 @@ TOKENIZERS = {
                        bos="<|endoftext|>", eos="<|im_end|>", add_bos=False, chat_template=CHATML_TEMPLATE),
 }
 TOKENIZERS["qwen3"] = TOKENIZERS["qwen2"]  # Qwen3 ships Qwen2's tokenizer
+# eos <|endoftext|> as Phi-4-mini's GGUF says (the converter adds <|end|>, the turn's end)
+TOKENIZERS["phi3"] = Tokenizer("gpt-4o", PHI_SPECIAL_TOKENS, bos="<|endoftext|>", eos="<|endoftext|>",
+                               add_bos=False, chat_template=PHI_TEMPLATE)
 # Gemma 3's turns (its instruction models' template, reduced to text: the system message is
 # prefixed to the first user turn, roles must alternate, the assistant is "model")
 GEMMA3_TEMPLATE = (
@@ -305,7 +325,7 @@ def _add_tokenizer(w, arch: str, vocab: int, merges: list[str] | None, seed: int
         w.add_token_merges(merges)
         w.add_bos_token_id(tokens.index(t.bos))
         w.add_eos_token_id(tokens.index(t.eos))
-        if arch in ("qwen2", "qwen3"):
+        if arch in ("qwen2", "qwen3", "phi3"):
             w.add_pad_token_id(tokens.index(t.bos))
         w.add_add_bos_token(t.add_bos)
         w.add_chat_template(t.chat_template)
@@ -324,9 +344,19 @@ def _edit_metadata(w, metadata: dict[str, Any]) -> None:
             w.kv_data[0][key] = gguf.GGUFValue(value=value, type=kinds[type(value)])
 
 
+def longrope_factors(rotary_dim: int) -> dict[str, np.ndarray]:
+    """Smooth LongRoPE factors of Phi's form (short near 1, long growing to ~40 for the slowest
+    dims), rotary_dim / 2 each: the tensors' shapes and magnitudes, not Phi-4-mini's values."""
+    s = np.linspace(0.0, 1.0, rotary_dim // 2, dtype=np.float32)
+    return {"rope_factors_short.weight": (1.0 + 0.1 * s).astype(np.float32),
+            "rope_factors_long.weight": (1.0 + 39.0 * s * s).astype(np.float32)}
+
+
 def _tensor_data(full: str, kind: str, dims: tuple[int, ...], shape: Shape, rng: np.random.Generator):
     if full == "rope_freqs.weight":
         return llama3_rope_freqs(shape.dim, shape.rope_theta, **LLAMA3_ROPE)
+    if full.startswith("rope_factors_"):
+        return longrope_factors(shape.rotary_dim or shape.dim)[full]
     if full.endswith(".bias"):
         return (0.1 * rng.standard_normal(dims)).astype(np.float32)
     if kind == "F32":
@@ -340,6 +370,9 @@ def _plan(s: Shape, arch: str) -> list[tuple[str, str, tuple[int, ...]]]:
     plan: list[tuple[str, str, tuple[int, ...]]] = [("token_embd.weight", "", (s.vocab, s.hidden))]
     if arch == "llama3":
         plan.append(("rope_freqs.weight", "", (head_dim // 2,)))
+    if arch == "phi3":
+        plan += [(name, "", ((s.rotary_dim or head_dim) // 2,)) for name in
+                 ("rope_factors_long.weight", "rope_factors_short.weight")]
     per_layer = {"attn_norm.weight": (s.hidden,), "attn_q.weight": (s.heads * head_dim, s.hidden),
                  "attn_k.weight": (s.kv_heads * head_dim, s.hidden),
                  "attn_v.weight": (s.kv_heads * head_dim, s.hidden),
@@ -353,6 +386,12 @@ def _plan(s: Shape, arch: str) -> list[tuple[str, str, tuple[int, ...]]]:
         per_layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
     if arch == "gemma3":
         per_layer.update({"post_attention_norm.weight": (s.hidden,), "post_ffw_norm.weight": (s.hidden,)})
+    if arch == "phi3":  # HF's fused qkv_proj and gate_up_proj, as llama.cpp's converter keeps them
+        for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight"):
+            del per_layer[name]
+        per_layer = {"attn_norm.weight": (s.hidden,),
+                     "attn_qkv.weight": ((s.heads + 2 * s.kv_heads) * head_dim, s.hidden),
+                     **per_layer, "ffn_up.weight": (2 * s.ffn, s.hidden)}
     for i in range(s.layers):
         plan += [(f"blk.{i}.{name}", name, dims) for name, dims in per_layer.items()]
     plan.append(("output_norm.weight", "", (s.hidden,)))
@@ -375,7 +414,7 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
     rng = np.random.default_rng(seed)
     s = shape
     head_dim = s.dim
-    w = gguf.GGUFWriter(str(path), arch if arch in ("qwen2", "qwen3", "gemma3") else "llama")
+    w = gguf.GGUFWriter(str(path), arch if arch in ("qwen2", "qwen3", "phi3", "gemma3") else "llama")
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -383,7 +422,12 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
     w.add_rope_freq_base(s.rope_theta)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(s.rotary_dim or head_dim)
+    if arch == "phi3":  # LongRoPE as convert_hf_to_gguf.py writes Phi-4-mini's
+        w.add_rope_scaling_orig_ctx_len(s.original_context)
+        scale = s.context / s.original_context
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(s.original_context)))
+        w.add_sliding_window(0)
     if s.head_dim is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -398,7 +442,7 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
     types: dict[str, str] = {}
     for full, short, dims in plan:
         layer = int(full.split(".")[1]) if full.startswith("blk.") else None
-        kind = "F32" if full == "rope_freqs.weight" else tensor_type(layout, short or full, layer, s.layers,
+        kind = "F32" if full.startswith("rope_") else tensor_type(layout, short or full, layer, s.layers,
                                                                       s.tied, dims[-1])
         types[full] = kind
         if kind == "F32":

@@ -41,9 +41,14 @@ def qwen3_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 
 def random_weights(c: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    return draw(qwen3_shapes(c), seed)
+
+
+def draw(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
+    """Random tensors of these shapes: vectors 1 + noise, matrices scaled by 1 / sqrt(fan-in)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for name, shape in qwen3_shapes(c).items():  # NOTE: dict order is the draw order: keep it fixed
+    for name, shape in shapes.items():  # NOTE: dict order is the draw order: keep it fixed
         if len(shape) == 1:
             out[name] = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
         else:

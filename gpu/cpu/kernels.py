@@ -108,12 +108,13 @@ def gelu_tanh_mul(gate_up, out):  # pragma: no cover - compiled
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
 def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_out):  # pragma: no cover
     """Split qkv [T, (H + 2 KVH) * D] into q, k, v; rotate q and k by each token's position
-    (cos, sin: [max_pos, D/2] tables) into q_out [T, H, D] and into the cache at the token's
-    slot, with v, in the cache's storage type (gpu/cpu/kv_dtypes.py). A slot of -1 stores
-    nothing (padding)."""
+    (cos, sin: [max_pos, R/2] tables: the first R = rotary_dim dims of a head rotate as HF's
+    rotate_half over them, the rest pass through) into q_out [T, H, D] and into the cache at the
+    token's slot, with v, in the cache's storage type (gpu/cpu/kv_dtypes.py). A slot of -1
+    stores nothing (padding)."""
     num_heads, head_dim = q_out.shape[1], q_out.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    half = head_dim // 2
+    half = cos.shape[1]
     k_off = num_heads * head_dim
     v_off = k_off + num_kv_heads * head_dim
     for t in range(qkv.shape[0]):
@@ -124,6 +125,8 @@ def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_ou
                 x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
                 q_out[t, h, i] = x1 * cos[p, i] - x2 * sin[p, i]
                 q_out[t, h, half + i] = x2 * cos[p, i] + x1 * sin[p, i]
+            for i in range(2 * half, head_dim):
+                q_out[t, h, i] = qkv[t, base + i]
         slot = slot_mapping[t]
         if slot < 0:
             continue
@@ -134,5 +137,7 @@ def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_ou
                 x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
                 k_cache[block, row, h, i] = kv_store(x1 * cos[p, i] - x2 * sin[p, i], k_cache)
                 k_cache[block, row, h, half + i] = kv_store(x2 * cos[p, i] + x1 * sin[p, i], k_cache)
+            for i in range(2 * half, head_dim):
+                k_cache[block, row, h, i] = kv_store(qkv[t, base + i], k_cache)
             for i in range(head_dim):
                 v_cache[block, row, h, i] = kv_store(qkv[t, v_off + h * head_dim + i], v_cache)

@@ -22,7 +22,7 @@ from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import load_weights
 from ringserve.gpu.model import compute_logits
 from ringserve.gpu.models import model_definition
-from ringserve.gpu.rope import cos_sin, inv_freqs
+from ringserve.gpu.rope import rope_tables_by_type
 from ringserve.gpu.sampling.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
 from ringserve.gpu.sampling.sampler import CompletedStep, SamplingMetadata, sample_on_host
 from ringserve.gpu.settings import (
@@ -32,6 +32,7 @@ from ringserve.gpu.settings import (
     CPU_KV_CACHE_MEMORY_BYTES,
     CacheConfig,
     DeviceConfig,
+    StepLimits,
 )
 
 _BLAS = ThreadpoolController()
@@ -41,15 +42,16 @@ class CpuModelRunner:
     device = "cpu"
     asynchronous = False  # submit() computes the step before it returns
 
-    def __init__(self, model_dir: str | Path, device: DeviceConfig, cache: CacheConfig, *,
-                 widen_packed: bool = False):
+    def __init__(self, model_dir: str | Path, device: DeviceConfig, cache: CacheConfig,
+                 limits: StepLimits | None = None, *, widen_packed: bool = False):
         """The settings it reads, checked by DeviceConfig.check_backend (gpu/runner.py
         ModelRunner): device.dtype (CPU_DTYPES), device.cpu_threads (Numba's and BLAS's threads
         for a step; default_num_threads() by default), device.cpu_activation_dtype ("int8"
         multiplies quantized weights by int8 activation blocks, gpu/cpu/int8_kernels.py, needs
         AVX-512 VNNI; "float32" exactly; "auto": int8 where the CPU can); cache.block_size,
         cache.kv_cache_dtype (gpu/cpu/kv_dtypes.py) and the pool: cache.num_gpu_blocks_override
-        blocks, else as many as cache.kv_cache_memory_bytes holds. widen_packed: GGUF blocks and
+        blocks, else as many as cache.kv_cache_memory_bytes holds; limits.max_model_len (None:
+        max_position_embeddings) only picks LongRoPE's factors (gpu/rope.py). widen_packed: GGUF blocks and
         16-bit weights widened to dtype as well (the float path, for comparisons), not kept
         packed."""
         self.kv_cache_dtype = CPU_KV_CACHE_DTYPES[cache.kv_cache_dtype]
@@ -81,8 +83,8 @@ class CpuModelRunner:
         self.ops = CpuOps(c, parallel=self.num_threads > 1)
         self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype, store.arena)
                           for _ in range(c.num_hidden_layers)]
-        self.inv_freqs = inv_freqs(c)
-        self._ropes = {kind: cos_sin(np.arange(0), freq) for kind, freq in self.inv_freqs.items()}
+        self.max_model_len = (limits and limits.max_model_len) or c.max_position_embeddings
+        self._ropes = rope_tables_by_type(c, 0, self.max_model_len)
 
     @property
     def bytes_per_block(self) -> int:
@@ -92,12 +94,12 @@ class CpuModelRunner:
                 * np.dtype(CPU_KV_STORAGE[self.kv_cache_dtype]).itemsize)
 
     def rope_tables(self, max_position: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """cos and sin by layer type for positions 0..max_position at least, computed once
-        (grown by doubling)."""
+        """cos and sin by layer type (gpu/rope.py rope_tables_by_type) for positions
+        0..max_position at least, computed once (grown by doubling)."""
         have = len(next(iter(self._ropes.values()))[0])
         if max_position >= have:
             n = max(max_position + 1, 2 * have, self.config.max_position_embeddings)
-            self._ropes = {kind: cos_sin(np.arange(n), freq) for kind, freq in self.inv_freqs.items()}
+            self._ropes = rope_tables_by_type(self.config, n, self.max_model_len)
         return self._ropes
 
     def _hidden_states(self, batch: Batch) -> np.ndarray:

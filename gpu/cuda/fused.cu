@@ -63,23 +63,24 @@ __device__ __forceinline__ void qk_norm_t(T* __restrict__ qkv, const T* __restri
         x[i] = Elem<T>::from(to_float(x[i]) * r * to_float(w[i]));
 }
 
-// RoPE in place on the q and k heads of qkv [T, row_stride] (HF rotate_half: element i pairs
-// with i + head_dim/2). cos/sin tables float32 [max_pos, head_dim/2], indexed by position.
+// RoPE in place on the q and k heads of qkv [T, row_stride] (HF rotate_half over the first
+// 2 * rot_half dims of a head: element i pairs with i + rot_half; the rest of the head, Phi-4-mini's
+// last quarter, is left as it is). cos/sin tables float32 [max_pos, rot_half], indexed by position.
 // grid (T), one thread per (head, pair).
 template <class T>
 __device__ __forceinline__ void rope_t(T* __restrict__ qkv, const int* __restrict__ positions,
                                        const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-                                       int num_rot_heads, int head_dim, int row_stride) {
-    const int t = blockIdx.x, half_dim = head_dim >> 1;
+                                       int num_rot_heads, int head_dim, int rot_half, int row_stride) {
+    const int t = blockIdx.x;
     const int p = positions[t];
     T* row = qkv + (size_t)t * row_stride;
-    for (int i = threadIdx.x; i < num_rot_heads * half_dim; i += blockDim.x) {
-        const int head = i / half_dim, j = i - head * half_dim;
-        const float c = cos_table[(size_t)p * half_dim + j], s = sin_table[(size_t)p * half_dim + j];
+    for (int i = threadIdx.x; i < num_rot_heads * rot_half; i += blockDim.x) {
+        const int head = i / rot_half, j = i - head * rot_half;
+        const float c = cos_table[(size_t)p * rot_half + j], s = sin_table[(size_t)p * rot_half + j];
         T* x = row + head * head_dim;
-        const float x1 = to_float(x[j]), x2 = to_float(x[j + half_dim]);
+        const float x1 = to_float(x[j]), x2 = to_float(x[j + rot_half]);
         x[j] = Elem<T>::from(x1 * c - x2 * s);
-        x[j + half_dim] = Elem<T>::from(x2 * c + x1 * s);
+        x[j + rot_half] = Elem<T>::from(x2 * c + x1 * s);
     }
 }
 
@@ -165,8 +166,8 @@ __device__ __forceinline__ void to_float32_t(const T* __restrict__ src, float* _
     extern "C" __global__ void rope##SUFFIX(T* __restrict__ qkv, const int* __restrict__ positions,       \
                                             const float* __restrict__ cos_table,                          \
                                             const float* __restrict__ sin_table, int num_rot_heads,       \
-                                            int head_dim, int row_stride) {                               \
-        rope_t<T>(qkv, positions, cos_table, sin_table, num_rot_heads, head_dim, row_stride);            \
+                                            int head_dim, int rot_half, int row_stride) {                 \
+        rope_t<T>(qkv, positions, cos_table, sin_table, num_rot_heads, head_dim, rot_half, row_stride);  \
     }                                                                                                    \
     extern "C" __global__ void silu_mul##SUFFIX(const Elem<T>::Pair* __restrict__ gate_up,                \
                                                 Elem<T>::Pair* __restrict__ out, int num_tokens,          \

@@ -37,10 +37,12 @@ class FusedKernels:
             stream=stream)
 
     def rope(self, qkv, positions, cos, sin, num_rot_heads: int, head_dim: int, stream) -> None:
-        T = qkv.shape[0]
-        self._kernel("rope", qkv)(*launch.rope_launch(T, num_rot_heads, head_dim),
+        """q and k heads of qkv rotated in place: their first 2 * cos.shape[1] dims (the table's
+        rotary_dim, gpu/rope.py), the rest of each head untouched."""
+        T, rot_half = qkv.shape[0], cos.shape[1]
+        self._kernel("rope", qkv)(*launch.rope_launch(T, num_rot_heads, 2 * rot_half),
                                   (qkv, positions, cos, sin, np.int32(num_rot_heads), np.int32(head_dim),
-                                   np.int32(qkv.shape[1])), stream=stream)
+                                   np.int32(rot_half), np.int32(qkv.shape[1])), stream=stream)
 
     def silu_mul(self, gate_up, out, stream) -> None:
         T, inter = out.shape

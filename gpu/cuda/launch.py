@@ -44,9 +44,9 @@ def qk_norm_launch(num_tokens: int, num_qk_heads: int) -> tuple[Dims, Dims]:
     return (num_tokens, num_qk_heads), (32,)
 
 
-def rope_launch(num_tokens: int, num_rot_heads: int, head_dim: int) -> tuple[Dims, Dims]:
-    """rope: one block per token, one thread per (head, pair) up to 256."""
-    return (num_tokens,), (min(256, max(32, num_rot_heads * head_dim // 2)),)
+def rope_launch(num_tokens: int, num_rot_heads: int, rotary_dim: int) -> tuple[Dims, Dims]:
+    """rope: one block per token, one thread per (head, rotary pair) up to 256."""
+    return (num_tokens,), (min(256, max(32, num_rot_heads * rotary_dim // 2)),)
 
 
 def silu_launch(num_tokens: int, inter: int) -> tuple[Dims, Dims]:

@@ -27,15 +27,16 @@ def add_rms_norm(h: np.ndarray, delta: np.ndarray | None, weight: np.ndarray,
 
 def rope(qkv: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
          num_heads: int, num_kv_heads: int, head_dim: int) -> np.ndarray:
-    """qkv with its q and k heads rotated (HF rotate_half: two halves of a head) by each
-    token's position; cos/sin tables [max_pos, D/2]. v is unchanged."""
+    """qkv with its q and k heads rotated (HF rotate_half: two halves of a head's first
+    2 * cos.shape[1] dims, the rest passed through) by each token's position; cos/sin tables
+    [max_pos, rotary_dim / 2]. v is unchanged."""
     out = qkv.astype(np.float32).copy()
-    T, half = qkv.shape[0], head_dim // 2
+    T, half = qkv.shape[0], cos.shape[1]
     heads = out[:, :(num_heads + num_kv_heads) * head_dim].reshape(T, -1, head_dim)
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    x1, x2 = heads[..., :half].copy(), heads[..., half:].copy()
+    x1, x2 = heads[..., :half].copy(), heads[..., half:2 * half].copy()
     heads[..., :half] = x1 * c - x2 * s
-    heads[..., half:] = x2 * c + x1 * s
+    heads[..., half:2 * half] = x2 * c + x1 * s
     return out
 
 

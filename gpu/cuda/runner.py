@@ -37,7 +37,7 @@ from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample, warmup_metada
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.quant import QuantWeight
 from ringserve.gpu.models import model_definition
-from ringserve.gpu.rope import cos_sin, inv_freqs
+from ringserve.gpu.rope import rope_tables_by_type
 from ringserve.gpu.sampling.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
 from ringserve.gpu.sampling.sampler import Logprobs, SamplingMetadata
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
@@ -210,8 +210,8 @@ class CudaModelRunner:
             self.model = model_definition(c)
             self.weights = self.model.fuse(c, weights, QuantStore(cp, self.dtype))
             # one (cos, sin) per layer type, held for the graphs' life
-            self.ropes = {kind: tuple(cp.asarray(t) for t in cos_sin(np.arange(self.max_model_len), freq))
-                          for kind, freq in inv_freqs(c).items()}
+            self.ropes = {kind: (cp.asarray(cos), cp.asarray(sin)) for kind, (cos, sin)
+                          in rope_tables_by_type(c, self.max_model_len, self.max_model_len).items()}
         cp.cuda.Device().synchronize()
         log.info("weights, activations and KV cache in %s", self.dtype)
 

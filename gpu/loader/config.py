@@ -1,5 +1,5 @@
 """The model configuration, read from an HF ``config.json`` (Llama, Mistral, Ministral, Qwen2, Qwen3,
-Gemma 3).
+Phi-3, Gemma 3).
 
 Anything we do not implement is refused here, by name, so that a model we would compute
 wrongly never loads: an unknown architecture or layer type, a rope scaling type we lack, an
@@ -8,6 +8,7 @@ activation other than SiLU.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,12 @@ from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.hf_quant import int4_scheme
 
 # Architectures whose forward is the Llama one (Qwen2 adds a bias on q/k/v; Qwen3 an RMSNorm over
-# each head's q and k before RoPE, and often a head_dim other than hidden / heads).
+# each head's q and k before RoPE, and often a head_dim other than hidden / heads; Phi-3 stores
+# qkv_proj and gate_up_proj fused, rotates part of each head and scales RoPE by LongRoPE).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM",
-                           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+                           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # qkv_proj and gate_up_proj as one tensor each
 GEMMA3 = "Gemma3ForCausalLM"  # its own sequence: gpu/models/gemma3.py
 # Gemma 3 4B-27B: a vision tower beside the text model; served text-only (gemma3_text_tower)
 GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"
@@ -31,21 +34,27 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 131072, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
     "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
     "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
-# Architectures that read sliding_window (Llama's transformers class ignores it); Qwen2 and Qwen3
-# only with use_sliding_window set, and then only for layers >= max_window_layers.
-_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MinistralForCausalLM")
+# Architectures that read sliding_window on every layer (Llama's transformers class ignores it;
+# Phi-3.5 and Phi-4-mini write one >= max_position_embeddings, which is no window); Qwen2 and
+# Qwen3 only with use_sliding_window set, and then only for layers >= max_window_layers.
+_WINDOW_ARCHITECTURES = ("MistralForCausalLM", "MinistralForCausalLM", "Phi3ForCausalLM")
 _OPTIONAL_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """``rope_scaling`` of config.json: "linear" (positions / factor) or "llama3"."""
+    """``rope_scaling`` of config.json: "linear" (positions / factor), "llama3" or "longrope"
+    (Phi-3: each frequency divided by its short or long factor, cos/sin times attention_factor;
+    which factors a server uses: gpu/rope.py)."""
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
+    fused_projections: bool = False  # qkv_proj and gate_up_proj stored fused (Phi-3)
+    rotary_dim: int = 0    # the leading dims of each head RoPE rotates (Phi-4-mini: 3/4); 0: head_dim
     rope_scaling: RopeScaling | None = None
     quantization: str | None = None  # "awq" | "gptq": int4 linears (gpu/loader/hf_quant.py)
     hidden_act: str = "silu"  # the gated MLP's activation: "silu", or "gelu_tanh" (Gemma 3)
@@ -85,9 +96,15 @@ class ModelConfig:
         return tuple(self.sliding_window if t == SLIDING_ATTENTION else 0 for t in self.layer_types)
 
     @property
-    def all_layers_sliding(self) -> bool:
-        """Every layer windowed: KV blocks before every window can be freed (engine/kv_cache.py)."""
-        return self.sliding_window is not None and all(w > 0 for w in self.layer_windows)
+    def uniform_window(self) -> int:
+        """The sliding window when every layer has it, else 0: only then can KV blocks before
+        the window be freed while a request runs (engine/kv_cache.py)."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else 0
+
+    def __post_init__(self) -> None:
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
 
     @property
     def q_size(self) -> int:
@@ -141,7 +158,7 @@ class ModelConfig:
         max_positions = r.positive_int("max_position_embeddings", 2048)
         extra = (_gemma3_fields(raw, num_layers) if arch == GEMMA3
                  else _llama_fields(raw, arch, num_layers, max_positions))
-        rope_theta, rope_scaling = _rope(raw, extra.pop("rope_parameters", None))
+        rope_theta, rope_scaling, rotary_dim = _rope(raw, head_dim, extra.pop("rope_parameters", None))
         scheme = int4_scheme(raw.get("quantization_config"))  # anything else refused by name
         return cls(
             architecture=arch,
@@ -160,6 +177,8 @@ class ModelConfig:
             eos_token_ids=_eos_ids(raw, generation or {}),
             attention_bias=(arch == "Qwen2ForCausalLM") or r.bool("attention_bias", False),
             qk_norm=arch in QK_NORM_ARCHITECTURES,
+            fused_projections=arch in FUSED_ARCHITECTURES,
+            rotary_dim=rotary_dim,
             rope_scaling=rope_scaling,
             quantization=None if scheme is None else scheme.method,
             **extra,
@@ -228,30 +247,70 @@ class _Reader:
         return value
 
 
-def _rope(raw: dict[str, Any], params: Any = None) -> tuple[float, RopeScaling | None]:
-    """rope_theta and rope_scaling (params: Gemma 3's full_attention entry of rope_parameters)."""
-    # transformers >= 5 writes both into "rope_parameters"; older configs use the two fields.
+def _rope(raw: dict[str, Any], head_dim: int, params: Any = None) -> tuple[float, RopeScaling | None, int]:
+    """(rope_theta, rope_scaling, rotary_dim). transformers >= 5 writes theta, the scaling and
+    partial_rotary_factor into "rope_parameters"; older configs use top-level fields. params:
+    Gemma 3's full_attention entry of rope_parameters."""
     params = raw.get("rope_parameters") if params is None else params
     scaling = dict(params) if isinstance(params, dict) else raw.get("rope_scaling")
     theta_source = params if isinstance(params, dict) and "rope_theta" in params else raw
     theta = _Reader(theta_source).float("rope_theta", 10000.0)
+    rotary_dim = _rotary_dim(raw, params, head_dim)
     if scaling is None:
-        return theta, None
+        return theta, None, rotary_dim
     if not isinstance(scaling, dict):
         raise ModelError(f"config.json: rope_scaling {scaling!r} must be an object or null")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return theta, None
+        return theta, None, rotary_dim
     r = _Reader(scaling)
     if rope_type == "linear":
-        return theta, RopeScaling("linear", factor=r.float("factor"))
+        return theta, RopeScaling("linear", factor=r.float("factor")), rotary_dim
     if rope_type == "llama3":
         return theta, RopeScaling(
             "llama3", factor=r.float("factor"), low_freq_factor=r.float("low_freq_factor"),
             high_freq_factor=r.float("high_freq_factor"),
-            original_max_position_embeddings=r.positive_int("original_max_position_embeddings"))
+            original_max_position_embeddings=r.positive_int("original_max_position_embeddings")), rotary_dim
+    if rope_type in ("longrope", "su"):  # "su": Phi-3's first name for it (transformers maps it)
+        return theta, _longrope(raw, scaling, rotary_dim), rotary_dim
     raise ModelError(f"config.json: rope_scaling type {rope_type!r} is not supported "
-                     f"(default, linear and llama3 only)")
+                     f"(default, linear, llama3 and longrope only)")
+
+
+def _rotary_dim(raw: dict[str, Any], params: Any, head_dim: int) -> int:
+    source = params if isinstance(params, dict) and "partial_rotary_factor" in params else raw
+    fraction = _Reader(source).float("partial_rotary_factor", 1.0)
+    rotary_dim = int(head_dim * fraction)  # as transformers rounds it
+    if fraction > 1.0 or rotary_dim < 2 or rotary_dim % 2:
+        raise ModelError(f"config.json: partial_rotary_factor {fraction!r} gives {rotary_dim} rotary dims "
+                         f"of head_dim {head_dim} (must be even, 2 to head_dim)")
+    return rotary_dim
+
+
+def _longrope(raw: dict[str, Any], scaling: dict[str, Any], rotary_dim: int) -> RopeScaling:
+    """LongRoPE as transformers computes it: the attention factor is the config's, else
+    sqrt(1 + ln(s) / ln(original)) with s = factor, else max_position_embeddings / original."""
+    r = _Reader(scaling)
+    original = _Reader(scaling if "original_max_position_embeddings" in scaling else raw).positive_int(
+        "original_max_position_embeddings")
+    short, long = (_factors(scaling, name, rotary_dim) for name in ("short_factor", "long_factor"))
+    s = r.float("factor") if scaling.get("factor") is not None else (
+        _Reader(raw).positive_int("max_position_embeddings") / original)
+    if scaling.get("attention_factor") is not None:
+        attention = r.float("attention_factor")
+    else:
+        attention = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(original))
+    return RopeScaling("longrope", factor=s, original_max_position_embeddings=original,
+                       short_factor=short, long_factor=long, attention_factor=attention)
+
+
+def _factors(scaling: dict[str, Any], name: str, rotary_dim: int) -> tuple[float, ...]:
+    value = scaling.get(name)
+    if (not isinstance(value, list) or len(value) != rotary_dim // 2
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in value)):
+        raise ModelError(f"config.json: rope_scaling {name} must be {rotary_dim // 2} positive numbers "
+                         f"(rotary_dim / 2)")
+    return tuple(float(x) for x in value)
 
 
 def gemma3_text_tower(raw: dict[str, Any]) -> dict[str, Any]:

@@ -6,8 +6,9 @@ floats, the block-quantized types as their raw blocks (U8 [rows, bytes per row],
 in the header's metadata: gpu/loader/weights.py reads them back as GGMLTensor), so nothing is widened
 on disk and the conversion is exact (but for Gemma 3's norms, stored by llama.cpp as 1 + w and
 written back as w in float32). The architectures in ARCHITECTURES (llama, with llama3 rope
-scaling through its rope_freqs tensor; qwen2, with q/k/v biases; qwen3, with q/k norms; gemma3,
-with its four norms a layer and what llama.cpp assumes of it), the byte-level BPE
+scaling through its rope_freqs tensor; qwen2, with q/k/v biases; qwen3, with q/k norms; phi3, with fused
+attn_qkv and ffn_up, partial rotary dims and LongRoPE's factor tensors; gemma3, with its four
+norms a layer and what llama.cpp assumes of it), the byte-level BPE
 pre-tokenizers in PRE_TOKENIZERS and the tensor types in SUPPORTED_TYPES are accepted; anything
 else is a ModelError that names what was refused.
 
@@ -47,12 +48,14 @@ class _Arch:
     permuted_qk: bool     # llama.cpp permutes q/k rows for its interleaved ("normal") RoPE
     qkv_bias: bool
     qk_norm: bool = False  # attn_q_norm / attn_k_norm per layer (Qwen3)
+    fused: bool = False    # attn_qkv, and ffn_up holding gate then up (Phi-3): HF's fused names
     gemma: bool = False    # Gemma 3's four norms a layer, each stored as 1 + w (norm_shift)
 
     def layer_tensors(self) -> dict[str, str]:
         """GGUF tensor (after "blk.N.") -> HF name (after "model.layers.N.") for this architecture."""
-        return {**_LAYER_TENSORS, **(_BIAS_TENSORS if self.qkv_bias else {}),
-                **(_QK_NORM_TENSORS if self.qk_norm else {}), **(_GEMMA3_NORMS if self.gemma else {})}
+        return {**(_FUSED_LAYER_TENSORS if self.fused else _LAYER_TENSORS),
+                **(_BIAS_TENSORS if self.qkv_bias else {}), **(_QK_NORM_TENSORS if self.qk_norm else {}),
+                **(_GEMMA3_NORMS if self.gemma else {})}
 
 
 # GGUF general.architecture -> what it is in HF terms. Qwen2 and Qwen3 use llama.cpp's NEOX RoPE,
@@ -61,6 +64,7 @@ ARCHITECTURES = {
     "llama": _Arch("LlamaForCausalLM", "llama", permuted_qk=True, qkv_bias=False),
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", permuted_qk=False, qkv_bias=True),
     "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", permuted_qk=False, qkv_bias=False, qk_norm=True),
+    "phi3": _Arch("Phi3ForCausalLM", "phi3", permuted_qk=False, qkv_bias=False, fused=True),
     "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", permuted_qk=False, qkv_bias=False, qk_norm=True,
                     gemma=True),
 }
@@ -80,6 +84,13 @@ LLAMA3_REGEX = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_REGEX = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GPT-4o's o200k split (Phi-4-mini): a word is an optional capitalised run then lower-case letters
+# (or an upper-case run then lower-case ones), its contraction a suffix; digits in threes; a
+# punctuation run takes trailing newlines and "/". The tokenizer.json regex llama.cpp quotes.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?" + _UPPER + "*" + _LOWER + "+" + _CONTRACTIONS + "?"
+               + r"|[^\r\n\p{L}\p{N}]?" + _UPPER + "+" + _LOWER + "*" + _CONTRACTIONS + "?"
+               + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,7 @@ PRE_TOKENIZERS = {
     "smollm": _PreTokenizer(None, digits_alone=True),
     "llama-bpe": _PreTokenizer(LLAMA3_REGEX, ignore_merges=True, add_bos=True),
     "qwen2": _PreTokenizer(QWEN2_REGEX),
+    "gpt-4o": _PreTokenizer(GPT4O_REGEX),
 }
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
@@ -108,6 +120,15 @@ _LAYER_TENSORS = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Phi-3's converter keeps HF's fused tensors whole: qkv_proj -> attn_qkv, gate_up_proj -> ffn_up.
+_FUSED_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BIAS_TENSORS = {
@@ -125,7 +146,10 @@ _GEMMA3_NORMS = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+_END_OF_TURN = {"phi3": "<|end|>", "gemma3": "<end_of_turn>"}  # a family's turn-end token, by text
 ROPE_FREQS = "rope_freqs.weight"   # llama3 rope scaling: llama.cpp divides each frequency by it
+# LongRoPE (phi3): each frequency divided by the long or the short factor (gpu/rope.py picks one)
+ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -140,7 +164,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     meta = _Metadata(reader, gguf_path)
     names = {t.name: t for t in reader.tensors}
     config = hf_config(meta, tensor_names=set(names),
-                       rope_freqs=_rope_freqs(names[ROPE_FREQS], gguf_path) if ROPE_FREQS in names else None)
+                       rope_freqs=_rope_freqs(names[ROPE_FREQS], gguf_path) if ROPE_FREQS in names else None,
+                       rope_factors={k: _rope_freqs(names[t], gguf_path) for k, t in ROPE_FACTORS.items()
+                                     if t in names})
     arch = meta.require("general.architecture")
     tensors = _plan_tensors(reader, arch, config, gguf_path)  # validates every tensor before writing
     tokenizer, tokenizer_config = build_tokenizer(meta)
@@ -157,7 +183,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
 
 def _rope_freqs(tensor, path: Path) -> np.ndarray:
     if tensor.tensor_type.name != "F32" or tensor.data.nbytes != tensor.n_bytes:
-        raise ModelError(f"{path}: tensor {ROPE_FREQS} must be whole F32 (is {tensor.tensor_type.name})")
+        raise ModelError(f"{path}: tensor {tensor.name} must be whole F32 (is {tensor.tensor_type.name})")
     return np.asarray(tensor.data, dtype=np.float32)
 
 
@@ -210,9 +236,10 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def hf_config(meta: _Metadata, tensor_names: set[str],
-              rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
-    """config.json for the GGUF's metadata; ``rope_freqs``: its rope_freqs tensor, if it has one."""
+def hf_config(meta: _Metadata, tensor_names: set[str], rope_freqs: np.ndarray | None = None,
+              rope_factors: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """config.json for the GGUF's metadata; ``rope_freqs``: its rope_freqs tensor, if it has one;
+    ``rope_factors``: its LongRoPE factor tensors (ROPE_FACTORS' keys), if it has them."""
     arch = meta.require("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelError(f"{meta.path}: GGUF architecture {arch!r} is not supported "
@@ -229,12 +256,14 @@ def hf_config(meta: _Metadata, tensor_names: set[str],
     kv_heads = _int(meta, key("attention.head_count_kv"), heads)
     head_dim = _int(meta, key("attention.key_length"), hidden // heads)
     rotary_dim = _int(meta, key("rope.dimension_count"), head_dim)
-    if rotary_dim != head_dim:
+    if rotary_dim != head_dim and not (kind.fused and rotary_dim < head_dim):
         raise ModelError(f"{meta.path}: {key('rope.dimension_count')} {rotary_dim} != head_dim {head_dim} "
-                         f"(partial rotary embeddings are not supported)")
+                         f"(partial rotary embeddings: phi3 only)")
     rope_theta = _f32(_number(meta, key("rope.freq_base"), 10000.0))
     scaling_type = meta.get(key("rope.scaling.type"), "none")
-    if scaling_type == "none":
+    if rope_factors:
+        rope_scaling = longrope_scaling(meta, key, rope_factors, rotary_dim)
+    elif scaling_type == "none":
         rope_scaling = None
     elif scaling_type == "linear":
         rope_scaling = {"rope_type": "linear", "factor": _f32(_number(meta, key("rope.scaling.factor")))}
@@ -251,9 +280,13 @@ def hf_config(meta: _Metadata, tensor_names: set[str],
     pad = _token_id(meta, "tokenizer.ggml.padding_token_id", len(tokens), strict=False)
     layers = _int(meta, key("block_count"))
     gemma = _gemma3_config(meta, arch, layers, hidden, heads, head_dim) if kind.gemma else {}
-    # NOTE: Gemma's turn ends with <end_of_turn>, which llama.cpp stops on by its text (an
-    # end-of-generation token beside the file's eos): so do we
-    end_of_turn = tokens.index("<end_of_turn>") if kind.gemma and "<end_of_turn>" in tokens else None
+    # NOTE: a turn's end is an eos too (llama.cpp stops at either): the file's eot token, and
+    # Phi's <|end|> (Phi-4-mini's GGUF says eos <|endoftext|>; its generation_config lists both),
+    # Gemma's <end_of_turn>
+    turn_end = _END_OF_TURN.get(arch)
+    ends = list(dict.fromkeys(i for i in (
+        eos, _token_id(meta, "tokenizer.ggml.eot_token_id", len(tokens), strict=False),
+        tokens.index(turn_end) if turn_end in tokens else None) if i is not None))
     return {
         "architectures": [kind.hf_architecture],
         "model_type": kind.model_type,
@@ -270,14 +303,34 @@ def hf_config(meta: _Metadata, tensor_names: set[str],
         "rms_norm_eps": _f32(_number(meta, key("attention.layer_norm_rms_epsilon"))),
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
+        "partial_rotary_factor": rotary_dim / head_dim,
         "attention_bias": kind.qkv_bias,
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
-        "eos_token_id": eos if end_of_turn in (None, eos) else [eos, end_of_turn],
+        "eos_token_id": ends[0] if len(ends) == 1 else (ends or None),
         "pad_token_id": eos if pad is None else pad,
         "torch_dtype": "float32",   # the activations' type: the weights keep their own
-    }
+    } | ({"sliding_window": meta.get(key("attention.sliding_window")) or None}  # 0: none (Phi-4-mini)
+         if kind.fused else {})
+
+
+def longrope_scaling(meta: _Metadata, key, factors: dict[str, np.ndarray], rotary_dim: int) -> dict[str, Any]:
+    """transformers' longrope ``rope_scaling`` from llama.cpp's phi3 form: the factor tensors,
+    rope.scaling.original_context_length, and the attention factor its converter wrote (as it
+    is: llama.cpp's, float32) when there is one."""
+    if set(factors) != set(ROPE_FACTORS):
+        raise ModelError(f"{meta.path}: LongRoPE needs both tensors {' and '.join(ROPE_FACTORS.values())}")
+    original = _int(meta, key("rope.scaling.original_context_length"))
+    scaling: dict[str, Any] = {"rope_type": "longrope", "original_max_position_embeddings": original}
+    for name, values in factors.items():
+        if values.size != rotary_dim // 2 or not np.isfinite(values).all() or (values <= 0).any():
+            raise ModelError(f"{meta.path}: tensor {ROPE_FACTORS[name]} must be {rotary_dim // 2} positive "
+                             f"factors (rotary dims / 2), has {values.size}")
+        scaling[name] = [_f32(v) for v in values.reshape(-1)]
+    if meta.get(key("rope.scaling.attn_factor")) is not None:
+        scaling["attention_factor"] = _f32(_number(meta, key("rope.scaling.attn_factor")))
+    return scaling
 
 
 def _gemma3_config(meta: _Metadata, arch: str, layers: int, hidden: int, heads: int,
@@ -429,7 +482,7 @@ class _Tensor:
 def _plan_tensors(reader, arch: str, config: dict[str, Any], path: Path) -> list[_Tensor]:
     planned = []
     for t in reader.tensors:
-        if t.name == ROPE_FREQS:   # already in config.json as its rope_scaling
+        if t.name == ROPE_FREQS or t.name in ROPE_FACTORS.values():  # in config.json's rope_scaling
             continue
         hf_name = _hf_name(t.name, arch, path)
         type_name = t.tensor_type.name

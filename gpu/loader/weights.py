@@ -183,9 +183,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
         shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
-        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, c.hidden_size)
-        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, c.hidden_size)
-        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, c.hidden_size)
+        if c.fused_projections:  # Phi-3: already our fused layouts
+            shapes[p + "self_attn.qkv_proj.weight"] = (c.q_size + 2 * c.kv_size, c.hidden_size)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (c.q_size, c.hidden_size)
+            shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, c.hidden_size)
+            shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, c.hidden_size)
         shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
         if c.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
@@ -194,8 +197,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        if c.fused_projections:
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * c.intermediate_size, c.hidden_size)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+            shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
         if c.architecture == GEMMA3:  # the norms around the MLP (post_attention_layernorm: attention's)
             shapes[p + "pre_feedforward_layernorm.weight"] = (c.hidden_size,)

@@ -19,9 +19,10 @@ using cuda_host::launch;
     }                                                                                                     \
     extern "C" int launch_rope##SUFFIX(const unsigned* dims, T* qkv, const int* positions,                \
                                        const float* cos_table, const float* sin_table, int num_rot_heads, \
-                                       int head_dim, int row_stride) {                                    \
+                                       int head_dim, int rot_half, int row_stride) {                      \
         return launch(dims, 1024, [=] {                                                                   \
-            rope##SUFFIX(qkv, positions, cos_table, sin_table, num_rot_heads, head_dim, row_stride);      \
+            rope##SUFFIX(qkv, positions, cos_table, sin_table, num_rot_heads, head_dim, rot_half,         \
+                         row_stride);                                                                     \
         });                                                                                               \
     }                                                                                                     \
     extern "C" int launch_silu_mul##SUFFIX(const unsigned* dims, const Elem<T>::Pair* gate_up,            \
