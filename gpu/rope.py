@@ -68,17 +68,24 @@ def rope_tables(config: ModelConfig, num_positions: int,
     return cos_sin(np.arange(num_positions), inv_freq(config, max_model_len), attention_factor(config))
 
 
-def rope_tables_by_type(config: ModelConfig, num_positions: int,
-                        max_model_len: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """rope_tables by layer type (ModelConfig.layer_type): a Llama one (FULL_ATTENTION), Gemma 3
+def inv_freqs(config: ModelConfig, max_model_len: int | None = None) -> dict[str, np.ndarray]:
+    """inv_freq by layer type (ModelConfig.layer_type): a Llama one (FULL_ATTENTION), Gemma 3
     two (its sliding layers on local_rope_theta, unscaled)."""
-    tables = {FULL_ATTENTION: rope_tables(config, num_positions, max_model_len)}
+    freqs = {FULL_ATTENTION: inv_freq(config, max_model_len)}
     if config.local_rope_theta is not None:  # else sliding layers (Mistral's) rotate as full ones
         d = config.rotary_dim
         exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-        local = (np.float32(1.0) / (np.float32(config.local_rope_theta) ** exponent)).astype(np.float32)
-        tables[SLIDING_ATTENTION] = cos_sin(np.arange(num_positions), local)
-    return tables
+        freqs[SLIDING_ATTENTION] = (np.float32(1.0) / (np.float32(config.local_rope_theta) ** exponent)
+                                    ).astype(np.float32)
+    return freqs
+
+
+def rope_tables_by_type(config: ModelConfig, num_positions: int,
+                        max_model_len: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """rope_tables by layer type (inv_freqs): what the runners index by layer, then position."""
+    return {kind: cos_sin(np.arange(num_positions), freq, attention_factor(config) if kind == FULL_ATTENTION
+                          else 1.0)
+            for kind, freq in inv_freqs(config, max_model_len).items()}
 
 
 def cos_sin(positions: np.ndarray, freq: np.ndarray, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
