@@ -25,8 +25,8 @@ than its largest tensor. The text it gives is meaningless, the shapes and bytes 
 - gemma3: arch "gemma3", q/k norms and the four norms a layer (post_attention_norm, ffn_norm
   as the MLP's pre-norm, post_ffw_norm), the shape's head_dim and sliding window; Gemma's
   special tokens (<bos> added, <start_of_turn>, <end_of_turn>) and chat template on a
-  byte-level BPE vocabulary (Gemma's own is SentencePiece, which gpu/loader/gguf_convert.py
-  does not read).
+  byte-level BPE vocabulary (Gemma's own is SentencePiece: gpu/loader/gguf_convert.py reads
+  that too, tests/test_gemma3.py checks it).
 The llama3 and qwen2 vocabularies are a byte-level BPE trained here (`train_merges`, the
 `tokenizers` library) on `sample_texts`, so real merges apply to varied text (digits, CJK,
 emoji, code, whitespace runs), then padded with reserved CONTROL tokens to the shape's size.
