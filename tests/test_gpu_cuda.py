@@ -517,7 +517,8 @@ def test_a_gemma3_forward_matches_cpu_backend_and_graphs_match_eager(tmp_path, d
     """A tiny random Gemma 3 (tools/tiny_gemma3.py, head_dim 64; two layers: one sliding over a
     window of 8, which the 20-token prompt outruns, one full on the other RoPE base): the
     embedding scale (a CuPy multiply inside the graphs), fused.cu's rms_norm and gelu_tanh_mul,
-    the window, eager and graph-replayed logits as the CPU backend's over 8 decode steps."""
+    the window, in bf16 (auto for Gemma 3), eager and graph-replayed logits as the CPU backend's
+    over 8 decode steps."""
     import json
     from pathlib import Path
 

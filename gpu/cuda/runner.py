@@ -185,7 +185,7 @@ class CudaModelRunner:
         limits.max_num_seqs, block tables for limits.max_model_len."""
         block_size, num_blocks = cache.block_size, cache.num_gpu_blocks_override
         attention_backend = launch.attention_backend_for(device.attention_backend, config.head_dim)
-        self.dtype = serving_dtype(device.dtype, weights)
+        self.dtype = serving_dtype(device.dtype, weights, config.architecture)
         if cache.kv_cache_dtype not in ("auto", self.dtype):
             raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype!r}: the CUDA backend's KV cache is in "
                              f"the serving dtype, here {self.dtype} (--kv-cache-dtype auto)")
