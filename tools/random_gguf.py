@@ -30,9 +30,9 @@ than its largest tensor. The text it gives is meaningless, the shapes and bytes 
   trained merges.
 - gemma3: arch "gemma3", q/k norms and the four norms a layer (post_attention_norm, ffn_norm
   as the MLP's pre-norm, post_ffw_norm), the shape's head_dim and sliding window; Gemma's
-  special tokens (<bos> added, <start_of_turn>, <end_of_turn>) and chat template on a
-  byte-level BPE vocabulary (Gemma's own is SentencePiece: gpu/loader/gguf_convert.py reads
-  that too, tests/test_gemma3.py checks it).
+  special tokens (<bos> added, <start_of_turn>, <end_of_turn>), chat template and a
+  SentencePiece vocabulary (tokenizer.ggml.model "llama", as Gemma's GGUFs: pieces, scores
+  and types from the trained merges, byte fallback, no space prefix).
 The llama3 and qwen2 vocabularies are a byte-level BPE trained here (`train_merges`, the
 `tokenizers` library) on `sample_texts`, so real merges apply to varied text (digits, CJK,
 emoji, code, whitespace runs), then padded with reserved CONTROL tokens to the shape's size.
@@ -302,8 +302,59 @@ def llama3_rope_freqs(head_dim: int, theta: float, factor: float, low_freq_facto
     return np.array(out, dtype=np.float32)
 
 
+SPM_SPACE = "\u2581"
+# llama.cpp's token types (gguf-py TokenType)
+_NORMAL, _UNKNOWN, _CONTROL, _UNUSED, _BYTE = 1, 2, 3, 5, 6
+
+
+def sentencepiece_vocabulary(size: int, merges: list[str], specials: tuple[str, ...]
+                             ) -> tuple[list[str], list[float], list[int]]:
+    """(pieces, scores, types) of a SentencePiece BPE vocabulary as llama.cpp's converter writes
+    Gemma's: the specials (CONTROL; <unk> UNKNOWN), the 256 byte-fallback pieces <0xXX>, every
+    character of sample_texts, then the byte-level merges' results that are whole UTF-8 text
+    (spaces as U+2581), each scored by its merge's rank, padded with <unusedN> (UNUSED)."""
+    from ringserve.server.tokenizer import byte_level_alphabet
+
+    byte_of = {c: b for b, c in enumerate(byte_level_alphabet())}
+    pieces = [*specials, "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [_CONTROL] * len(specials) + [_UNKNOWN] + [_BYTE] * 256
+    scores = [0.0] * len(pieces)
+    chars = sorted({c for text in sample_texts(4000) for c in text.replace(" ", SPM_SPACE)})
+    seen = set(pieces)
+    for rank, text in enumerate([c for c in chars] + ["".join(m.split(" ")) for m in merges]):
+        try:
+            piece = bytes(byte_of[c] for c in text).decode("utf-8") if rank >= len(chars) else text
+        except (KeyError, UnicodeDecodeError):  # a merge inside one character's bytes
+            continue
+        piece = piece.replace(" ", SPM_SPACE)
+        if piece not in seen and len(pieces) < size:
+            seen.add(piece)
+            pieces.append(piece)
+            types.append(_NORMAL)
+            scores.append(0.0 if rank < len(chars) else -float(rank))
+    unused = size - len(pieces)
+    return (pieces + [f"<unused{i}>" for i in range(unused)], scores + [0.0] * unused,
+            types + [_UNUSED] * unused)
+
+
 def _add_tokenizer(w, arch: str, vocab: int, merges: list[str] | None, seed: int) -> None:
     """The tokenizer.* keys of the family's vocabulary (module docstring)."""
+    if arch == "gemma3":  # SentencePiece, as Gemma's GGUFs are
+        t = TOKENIZERS[arch]
+        pieces, scores, types = sentencepiece_vocabulary(
+            vocab, merges_for(vocab, seed) if merges is None else merges, t.specials)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(pieces)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(pieces.index(t.bos))
+        w.add_eos_token_id(pieces.index(t.eos))
+        w.add_unk_token_id(pieces.index("<unk>"))
+        w.add_pad_token_id(pieces.index("<pad>"))
+        w.add_add_space_prefix(False)
+        w.add_add_bos_token(t.add_bos)
+        w.add_chat_template(t.chat_template)
+        return
     w.add_tokenizer_model("gpt2")
     if arch == "llama":
         tokens = _vocabulary(vocab)
