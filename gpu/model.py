@@ -131,6 +131,13 @@ class ModelOps(Protocol):
         """h += delta (None: nothing to add); out = RMSNorm(h) * weight (the ops hold the
         config's rms_norm_eps, as they hold the attention scale)."""
 
+    def rms_norm(self, x, weight) -> None:
+        """In place in x [T, n] (an activation buffer, such as buf.delta): x = RMSNorm(x) *
+        weight (Gemma 3's norms of a layer's outputs before the residual add)."""
+
+    def scale_embedding(self, h, factor: float) -> None:
+        """h *= factor in float32 (Gemma 3's sqrt(hidden) on the embedded rows)."""
+
     def qk_norm(self, qkv, weight) -> None:
         """In place in qkv [T, q + 2 kv]: each q head = RMSNorm(head) * weight[:head_dim], each
         k head the same with weight[head_dim:] (the config's rms_norm_eps); v untouched."""
@@ -150,6 +157,9 @@ class ModelOps(Protocol):
 
     def silu_mul(self, gate_up, out) -> None:
         """out = silu(gate) * up, gate_up [T, 2 I] -> out [T, I]."""
+
+    def gelu_tanh_mul(self, gate_up, out) -> None:
+        """out = gelu_tanh(gate) * up (transformers' gelu_pytorch_tanh), as silu_mul."""
 
     def gather_rows(self, x, rows, out) -> None:
         """out = x[rows]."""
@@ -188,10 +198,3 @@ def compute_logits(ops: ModelOps, w: LlamaWeights, x, rows, last, raw, out) -> N
     ops.gather_rows(x, rows, last)
     ops.linear(last, w.lm_head, raw)
     ops.to_float32(raw, out)
-
-
-def llama_forward(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, sin) -> None:
-    """One step as a CUDA graph captures it: the hidden states, then buf.logits at each
-    request's last token (buf.logits_indices)."""
-    hidden_states(ops, w, buf, caches, attention, cos, sin)
-    compute_logits(ops, w, buf.x, buf.logits_indices, buf.last, buf.logits16, buf.logits)

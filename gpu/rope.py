@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
 
 def inv_freq(config: ModelConfig, max_model_len: int | None = None) -> np.ndarray:
@@ -66,6 +66,26 @@ def rope_tables(config: ModelConfig, num_positions: int,
                 max_model_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The model's (cos, sin) for positions 0..num_positions-1: what the runners index by position."""
     return cos_sin(np.arange(num_positions), inv_freq(config, max_model_len), attention_factor(config))
+
+
+def inv_freqs(config: ModelConfig, max_model_len: int | None = None) -> dict[str, np.ndarray]:
+    """inv_freq by layer type (ModelConfig.layer_type): a Llama one (FULL_ATTENTION), Gemma 3
+    two (its sliding layers on local_rope_theta, unscaled)."""
+    freqs = {FULL_ATTENTION: inv_freq(config, max_model_len)}
+    if config.local_rope_theta is not None:  # else sliding layers (Mistral's) rotate as full ones
+        d = config.rotary_dim
+        exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+        freqs[SLIDING_ATTENTION] = (np.float32(1.0) / (np.float32(config.local_rope_theta) ** exponent)
+                                    ).astype(np.float32)
+    return freqs
+
+
+def rope_tables_by_type(config: ModelConfig, num_positions: int,
+                        max_model_len: int | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """rope_tables by layer type (inv_freqs): what the runners index by layer, then position."""
+    return {kind: cos_sin(np.arange(num_positions), freq, attention_factor(config) if kind == FULL_ATTENTION
+                          else 1.0)
+            for kind, freq in inv_freqs(config, max_model_len).items()}
 
 
 def cos_sin(positions: np.ndarray, freq: np.ndarray, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:

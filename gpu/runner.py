@@ -18,7 +18,7 @@ import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.loader.config import ModelConfig
-from ringserve.gpu.model import LlamaWeights
+from ringserve.gpu.models import Weights
 from ringserve.gpu.sampling.prompt_logprobs import PromptLogprobsSpec
 from ringserve.gpu.sampling.sampler import SamplerOutput, SamplingMetadata
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
@@ -35,7 +35,7 @@ class Runner(Protocol):
     config: ModelConfig
     block_size: int
     num_blocks: int
-    weights: LlamaWeights
+    weights: Weights
     kv_caches: list          # per layer (k, v), as the backend allocated them
 
     def execute(self, batch: Batch, logits_indices: np.ndarray | None = None) -> np.ndarray:

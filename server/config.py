@@ -110,10 +110,10 @@ class ServerConfig:
     enable_debug_endpoints: bool = field(default=False, metadata={
         "help": "serve GET /debug/engines and /dashboard (engines publish a snapshot)"})
     tool_call_parser: str | None = field(default=None, metadata={
-        "choices": ("hermes", "llama3_json", "phi4_mini_json"),
-        "help": "how the model writes tool calls (Hermes/Qwen <tool_call> JSON, Llama 3 "
-                "JSON, or Phi-4-mini's functools[...]), for tool_choice \"auto\" with "
-                "--enable-auto-tool-choice"})
+        "choices": ("hermes", "llama3_json", "phi4_mini_json", "pythonic"),
+        "help": "how the model writes tool calls (Hermes/Qwen <tool_call> JSON, Llama 3 JSON, "
+                "Phi-4-mini's functools[...], or a Python list of calls: Gemma 3, Llama 3.2), "
+                "for tool_choice \"auto\" with --enable-auto-tool-choice"})
     enable_auto_tool_choice: bool = field(default=False, metadata={
         "help": "serve tool_choice \"auto\" (the default when a request has tools): the model "
                 "writes text and --tool-call-parser turns its calls into tool_calls, as vLLM's "

@@ -62,11 +62,10 @@ class Tokenizer:
         tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-        template_file = model_dir / "chat_template.jinja"  # where newer checkpoints keep it
-        if chat_template is None and "chat_template" not in config and template_file.is_file():
-            chat_template = template_file.read_text(encoding="utf-8")
         if chat_template is not None:
             config["chat_template"] = chat_template
+        if config.get("chat_template") is None:
+            config["chat_template"] = _template_file(model_dir)
         return cls(tokenizer, config)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -199,6 +198,18 @@ def _token_text(token: Any) -> str | None:
     if isinstance(token, dict):
         return token.get("content")
     return token if isinstance(token, str) else None
+
+
+def _template_file(model_dir: Path) -> Any:
+    """The chat template saved beside tokenizer_config.json, as transformers >= 4.43 saves it
+    (chat_template.jinja; a processor's chat_template.json, as Gemma 3 4B-27B ship), or None."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    processor = model_dir / "chat_template.json"
+    if processor.is_file():
+        return json.loads(processor.read_text(encoding="utf-8")).get("chat_template")
+    return None
 
 
 def _chat_template(template: Any) -> str | None:

@@ -8,8 +8,9 @@ serves them.
   (each valid against its function's schema; one item only without parallel_tool_calls), for
   a named function its arguments object. The output is the call, never text.
 - "auto" (the default when tools are given, as OpenAI): the model writes text in its family's
-  tool-call format, which a parser (`--tool-call-parser`, as vLLM's flag) turns into
-  `message.tool_calls`; without a parser, "auto" is a 400 (vLLM answers the same).
+  tool-call format (hermes, llama3_json, pythonic), which a parser (`--tool-call-parser`, as
+  vLLM's flag) turns into `message.tool_calls`; without a parser, "auto" is a 400 (vLLM
+  answers the same).
 - "none": tools are shown to the template, no call is parsed.
 A response with calls has `finish_reason` "tool_calls" (a named choice keeps "stop", as OpenAI).
 A constrained answer cut before its call is whole (a `stop` string, `max_tokens`) has no calls:
@@ -18,6 +19,7 @@ streamed named call has sent its arguments as they came, so it ends with them as
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -135,6 +137,8 @@ def parse_auto(parser: str, text: str) -> tuple[str | None, list[P.ToolCall]]:
     """(content, calls) of a model's text in its family's format; text that does not parse is
     content, as vLLM's parsers leave it. RecursionError: a model's output nested past the
     decoder's recursion limit is no call."""
+    if parser == "pythonic":
+        return _parse_pythonic(text)
     start = text.find(MARKERS[parser]) if parser in MARKERS else 0
     if start < 0:
         return text, []
@@ -168,6 +172,30 @@ def _llama3_json(text: str) -> tuple[str | None, list[P.ToolCall]]:
         at = end
         while at < len(body) and body[at] in " \t\r\n;":
             at += 1
+    return None, calls
+
+
+def _parse_pythonic(text: str) -> tuple[str | None, list[P.ToolCall]]:
+    """vLLM's pythonic parser (Gemma 3 with examples/tool_chat_template_gemma3_pythonic.jinja,
+    Llama 3.2/4): the whole answer is a Python list of calls with keyword arguments of literal
+    values, ``[get_weather(city="Paris", days=3), now()]``; read with ast, never evaluated."""
+    body = text.strip()
+    if not (body.startswith("[") and body.endswith("]")):
+        return text, []
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                    and all(k.arg is not None for k in node.keywords)):
+                return text, []
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append(P.ToolCall(id=new_call_id(), function=P.FunctionCall(
+                node.func.id, json.dumps(args, ensure_ascii=False))))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return text, []
     return None, calls
 
 
@@ -222,10 +250,13 @@ class ToolStream:
                 if marker.startswith(self.text[-k:]):
                     return len(self.text) - k
             return len(self.text)
-        # llama3_json: a call is the whole answer, so only its first characters decide
+        # llama3_json, pythonic: a call is the whole answer, so only its first characters decide
         head = self.text.lstrip()
         if not head:
             return 0
+        if self.tp.parser == "pythonic":
+            self.held = head.startswith("[")
+            return 0 if self.held else len(self.text)
         if head.startswith("{") or head.startswith("<|python_tag|>"):
             self.held = True
             return 0

@@ -128,7 +128,7 @@ def test_fused_cu_defines_every_kernel_in_both_element_types():
     names = {k + s for k in FUSED_KERNELS for s in SUFFIXES.values()}
     assert set(toolchain.ptxas_report(ptx, "sm_80")) == names
     bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
-    for name in ("add_rms_norm", "rope", "silu_mul", "add_bias"):
+    for name in ("add_rms_norm", "rope", "silu_mul", "add_bias", "gelu_tanh_mul", "rms_norm"):
         assert ".bf16" in bodies[name + "_bf16"] and ".bf16" not in bodies[name], name
 
 

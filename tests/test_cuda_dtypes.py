@@ -1,6 +1,6 @@
 """The CUDA backend's serving dtype without a GPU (gpu/cuda/dtypes.py, issue 25 item 2): what
-`--dtype` resolves to for each checkpoint dtype, the refusal of weights fp16 cannot hold, and
-the dense store's bf16 bits (a BF16 checkpoint's own, exactly)."""
+`--dtype` resolves to for each checkpoint dtype, the refusal of weights fp16 cannot hold (and
+of fp16 for Gemma 3), and the dense store's bf16 bits (a BF16 checkpoint's own, exactly)."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,10 +13,11 @@ from ringserve.gpu.cuda.dtypes import (
     check_fp16_range,
     checkpoint_dtype,
     resolve_dtype,
+    serving_dtype,
 )
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
-from ringserve.gpu.loader.weights import load_safetensors, load_weights
+from ringserve.gpu.loader.weights import GGMLTensor, load_safetensors, load_weights
 from ringserve.gpu.model import LlamaWeights
 from ringserve.tools.tiny_llama import make_tiny_llama, save_bf16
 
@@ -109,3 +110,19 @@ def test_narrowing_to_fp16_refuses_what_fp16_cannot_hold(folders, tmp_path, dtyp
         assert "\n" not in str(e.value) and f"{abs(value):.6g}" in str(e.value)
     else:
         check_fp16_range(loaded)
+
+
+@pytest.mark.parametrize("weights", [
+    {"w": np.zeros((2, 32), np.float32)},                                     # a float32 checkpoint
+    {"w": GGMLTensor("Q8_0", (2, 32), np.zeros((2, 34), np.uint8))},           # a GGUF's blocks
+])
+def test_gemma3_is_served_in_bf16_and_refused_in_fp16(weights):
+    """Gemma 3's activations outgrow fp16 (vLLM refuses float16 for it): auto serves it in bf16
+    whatever the checkpoint would get otherwise, float16 is refused in one line; a Llama keeps
+    the table's choice."""
+    assert serving_dtype("auto", weights, "LlamaForCausalLM") == "float16"
+    assert serving_dtype("auto", weights, "Gemma3ForCausalLM") == "bfloat16"
+    assert serving_dtype("bfloat16", weights, "Gemma3ForCausalLM") == "bfloat16"
+    with pytest.raises(ModelError, match="--dtype float16: Gemma 3's activations overflow float16") as e:
+        serving_dtype("float16", weights, "Gemma3ForCausalLM")
+    assert "\n" not in str(e.value)

@@ -1,4 +1,4 @@
-"""The CUDA backend's whole forward without a GPU: gpu/model.py's llama_forward, the model
+"""The CUDA backend's whole forward without a GPU: gpu/models' forward, the model
 CudaModelRunner runs, over HostOps (model.ModelOps): the real CUDA C kernels (fused.cu,
 attention.cu) compiled for the host (tests/cuda_host_kernels.py), numpy in place of cuBLAS
 (16-bit in and out, float32 accumulation) and the numpy references of the Numba kernels (which
@@ -27,8 +27,8 @@ from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, serving_dtype
 from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, QuantLinear, QuantStore, keeps_blocks
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import load_weights
-from ringserve.gpu.model import LlamaWeights, llama_forward
-from ringserve.gpu.rope import rope_tables
+from ringserve.gpu.models import model_definition
+from ringserve.gpu.rope import rope_tables_by_type
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from test_cuda_quant_host import FORMS, form
@@ -52,7 +52,7 @@ class HostOps:
                                  large_batch) if packed else None
         self.paged = cuda_host.get("attention.cu", dict(
             HEAD_DIM=c.head_dim, GQA_GROUP=c.num_attention_heads // c.num_key_value_heads))
-        self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
+        self.scale, self.eps = c.attention_scale, c.rms_norm_eps
         self.head_dim, self.num_heads = c.head_dim, c.num_attention_heads
         self.num_rot_heads = c.num_attention_heads + c.num_key_value_heads
 
@@ -84,6 +84,14 @@ class HostOps:
         self.fused.call("add_rms_norm" + _suffix(out), launch.norm_launch(T, n), h, delta, weight, out,
                         np.int32(n), np.float32(self.eps))
 
+    def rms_norm(self, x, weight):
+        T, n = x.shape
+        self.fused.call("rms_norm" + _suffix(x), launch.norm_launch(T, n), x, weight, np.int32(n),
+                        np.float32(self.eps))
+
+    def scale_embedding(self, h, factor):
+        h *= np.float32(factor)  # CudaOps: one CuPy elementwise multiply of the float32 stream
+
     def qk_norm(self, qkv, weight):
         self.fused.call("qk_norm" + _suffix(qkv), launch.qk_norm_launch(qkv.shape[0], self.num_rot_heads),
                         qkv, weight, np.int32(self.num_heads), np.int32(self.head_dim),
@@ -105,6 +113,11 @@ class HostOps:
         T, inter = out.shape
         self.fused.call("silu_mul" + _suffix(out), launch.silu_launch(T, inter), gate_up, out, np.int32(T),
                         np.int32(inter // 2))
+
+    def gelu_tanh_mul(self, gate_up, out):
+        T, inter = out.shape
+        self.fused.call("gelu_tanh_mul" + _suffix(out), launch.silu_launch(T, inter), gate_up, out,
+                        np.int32(T), np.int32(inter // 2))
 
     def gather_rows(self, x, indices, out):
         out[...] = x[indices]
@@ -140,14 +153,15 @@ class HostRunner:
                  dtype: str = "auto"):
         c = self.config = ModelConfig.from_dir(model_dir)
         weights = load_weights(model_dir)
-        self.dtype = serving_dtype(dtype, weights)  # as CudaModelRunner
+        self.dtype = serving_dtype(dtype, weights, c.architecture)  # as CudaModelRunner
         act = self.act_dtype = SERVING_DTYPES[self.dtype]
         self.ops = HostOps(c, cuda_host, packed=any(keeps_blocks(t) for t in weights.values()),
                            large_batch=large_batch, act_dtype=act)
-        self.weights = LlamaWeights.fuse(c, weights, QuantStore(np, self.dtype))
+        self.model = model_definition(c)
+        self.weights = self.model.fuse(c, weights, QuantStore(np, self.dtype))
         shape = (NUM_BLOCKS, BLOCK_SIZE, c.num_key_value_heads, c.head_dim)
         self.caches = [(np.zeros(shape, act), np.zeros(shape, act)) for _ in range(c.num_hidden_layers)]
-        self.cos, self.sin = rope_tables(c, MAX_MODEL_LEN, MAX_MODEL_LEN)
+        self.ropes = rope_tables_by_type(c, MAX_MODEL_LEN, MAX_MODEL_LEN)
         self.num_sms = num_sms  # few "SMs": split-K kicks in at these tiny batches
         self.ladder = plan.graph_batch_sizes(8)
         self.max_blocks = MAX_MODEL_LEN // BLOCK_SIZE
@@ -167,10 +181,10 @@ class HostRunner:
         buf.load(batch, self.ops)
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
-        llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, max_len,
-                                      workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
-                      self.cos, self.sin)
+        self.model.forward(self.ops, self.weights, buf, self.caches,
+                           AttentionLaunch(s, max_len,
+                                           workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
+                           self.ropes)
         return buf.logits.copy()
 
     def graph_shaped(self, batch: Batch) -> np.ndarray:
@@ -181,10 +195,10 @@ class HostRunner:
         buf = self.shared.leading(size, size)
         buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
         s = self.splits(size, MAX_MODEL_LEN)
-        llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, MAX_MODEL_LEN,
-                                      workspace(size, c.num_attention_heads, c.head_dim, s)),
-                      self.cos, self.sin)
+        self.model.forward(self.ops, self.weights, buf, self.caches,
+                           AttentionLaunch(s, MAX_MODEL_LEN,
+                                           workspace(size, c.num_attention_heads, c.head_dim, s)),
+                           self.ropes)
         return buf.logits[:batch.num_reqs].copy()
 
 
@@ -422,9 +436,35 @@ def test_a_phi3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_mod
 
     model_dir = tiny_phi3(tmp_path, default_model_dir)
     host = HostRunner(model_dir, cuda_host, dtype=dtype)
-    assert host.cos.shape[1] == 24 and host.config.rotary_dim == 48 < host.config.head_dim
+    assert host.ropes["full_attention"][0].shape[1] == 24
+    assert host.config.rotary_dim == 48 < host.config.head_dim
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
                       CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE),
                       StepLimits(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN))
+    decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
+
+
+def test_a_gemma3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir):
+    """A tiny random Gemma 3 (tools/tiny_gemma3.py; head_dim 64, two layers: one sliding with a
+    window of 16, the 61-token prompt runs past it, one full on the other RoPE base):
+    fused.cu's rms_norm (the attention and MLP outputs' norms) and gelu_tanh_mul, the
+    embedding scale, attention.cu's window, in bf16 (what auto serves a float32 Gemma in; fp16
+    is refused: dtypes.FP16_UNSTABLE), prefill then graph-shaped decode against the CPU
+    backend's logits."""
+    import json
+
+    from ringserve.tools.tiny_gemma3 import make_tiny_gemma3
+
+    config = json.loads((Path(__file__).parent / "data" / "gemma3_tiny" / "config.json").read_text())
+    config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                   sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_dir = make_tiny_gemma3(tmp_path / "gemma3", config=tmp_path / "config.json",
+                                 tokenizer_dir=default_model_dir)
+    host = HostRunner(model_dir, cuda_host)
+    assert host.dtype == "bfloat16" and [layer.sliding_window for layer in host.weights.layers] == [16, 0]
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
+                      CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)

@@ -3,7 +3,7 @@ host stand-in of nvmath's cuBLAS binding (tests/cublas_host.py: records every ca
 column-major GEMM in numpy on the memory the pointers name).
 
 - the (transa, transb, m, n, k, lda, ldb, ldc) of each call reproduce x @ w.T, for every linear
-  of the model: the whole forward (gpu/model.py llama_forward, eager and graph-shaped, in fp16
+  of the model: the whole forward (gpu/models ModelDefinition.forward, eager and graph-shaped, in fp16
   and in bf16) runs through the runner's own CudaOps.linear over the stand-in, the other ops
   as tests/test_cuda_forward_host.py runs them, against the CPU backend's logits;
 - the forward calls no CuPy cuBLAS entry point: CudaOps is imported over a `cupy` that has no

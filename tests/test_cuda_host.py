@@ -102,6 +102,33 @@ def test_silu_mul_odd_token_count(host_kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_gelu_tanh_mul_odd_token_count(host_kernels, dtype):
+    """Gemma 3's MLP activation: transformers' gelu_pytorch_tanh of the gate times up."""
+    rng = np.random.default_rng(7)
+    T, inter = 7, 96
+    gate_up = narrow(rng.standard_normal((T, 2 * inter)) * 3, dtype)
+    out = unwritten((T, inter), dtype)
+    host_kernels["fused"].call("gelu_tanh_mul" + SUFFIX[dtype], launch.silu_launch(T, inter), gate_up, out,
+                               np.int32(T), np.int32(inter // 2))
+    assert_fp16_close(out, ref.gelu_tanh_mul(widen(gate_up)))
+
+
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+@pytest.mark.parametrize("hidden", [1152, 64])
+def test_rms_norm_in_place(host_kernels, hidden, dtype):
+    """Gemma 3's norm of a layer's output before the residual add: in the activations' dtype."""
+    rng = np.random.default_rng(hidden + 1)
+    T, eps = 3, 1e-6
+    x = narrow(rng.standard_normal((T, hidden)) * 5, dtype)
+    weight = narrow(1 + 0.3 * rng.standard_normal(hidden), dtype)
+    _, expect = ref.add_rms_norm(widen(x), None, widen(weight), eps)
+    got = x.copy()
+    host_kernels["fused"].call("rms_norm" + SUFFIX[dtype], launch.norm_launch(T, hidden), got, weight,
+                               np.int32(hidden), np.float32(eps))
+    assert_fp16_close(got, expect)
+
+
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 def test_add_bias_and_to_float32(host_kernels, dtype):
     """x += bias (one rounding of the float32 sum); the logits widened to float32 exactly."""
     rng = np.random.default_rng(6)

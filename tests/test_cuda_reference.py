@@ -68,3 +68,5 @@ def test_add_rms_norm_and_silu_mul():
     np.testing.assert_allclose(np.sqrt(np.mean((out / w) ** 2, axis=-1)), 1.0, rtol=1e-4)
     g = np.array([[0.0, 2.0, 3.0, -1.0]], np.float32)  # gate (0, 2), up (3, -1)
     np.testing.assert_allclose(ref.silu_mul(g), [[0.0, -2.0 / (1 + np.exp(-2.0))]], rtol=1e-6)
+    # gelu_tanh(2) = 2 * Phi(2) to ~1e-3 (the tanh approximation of the normal CDF)
+    np.testing.assert_allclose(ref.gelu_tanh_mul(g), [[0.0, -2.0 * 0.97725]], rtol=1e-3)

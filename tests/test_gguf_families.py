@@ -251,7 +251,8 @@ def test_family_is_served(family, arch, serve, tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch, metadata, message", [
     ("qwen2", {"general.architecture": "phimoe"}, "GGUF architecture 'phimoe' is not supported"),
     ("llama3", {"tokenizer.ggml.pre": "tekken"}, "tokenizer.ggml.pre 'tekken' is not supported"),
-    ("qwen2", {"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.model 'llama' is not supported"),
+    ("qwen2", {"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model 'bert' is not supported"),
+    ("qwen2", {"tokenizer.ggml.model": "llama"}, "missing GGUF metadata tokenizer.ggml.scores"),
     ("qwen2", {"qwen2.block_count": None}, "missing GGUF metadata qwen2.block_count"),
     ("qwen2", {"qwen2.block_count": "two"}, "qwen2.block_count 'two' must be a positive integer"),
     ("qwen2", {"qwen2.embedding_length": 0}, "qwen2.embedding_length 0 must be a positive integer"),

@@ -510,3 +510,46 @@ def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, mon
         for r, seq in enumerate(seqs):
             seq.append(int(want[r].argmax()))
             new[r] = [seq[-1]]
+
+
+@pytest.mark.parametrize("backend", ["rawkernel", "numba"])
+def test_a_gemma3_forward_matches_cpu_backend_and_graphs_match_eager(tmp_path, default_model_dir, backend):
+    """A tiny random Gemma 3 (tools/tiny_gemma3.py, head_dim 64; two layers: one sliding over a
+    window of 8, which the 20-token prompt outruns, one full on the other RoPE base): the
+    embedding scale (a CuPy multiply inside the graphs), fused.cu's rms_norm and gelu_tanh_mul,
+    the window, in bf16 (auto for Gemma 3), eager and graph-replayed logits as the CPU backend's
+    over 8 decode steps."""
+    import json
+    from pathlib import Path
+
+    from fp16_checks import assert_logits_close, next_batch
+    from ringserve.gpu.cuda.runner import CudaModelRunner
+    from ringserve.gpu.runner import ModelRunner
+    from ringserve.tools.tiny_gemma3 import make_tiny_gemma3
+
+    config = json.loads((Path(__file__).parent / "data" / "gemma3_tiny" / "config.json").read_text())
+    config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                   sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_dir = make_tiny_gemma3(tmp_path / "gemma3", config=tmp_path / "config.json",
+                                 tokenizer_dir=default_model_dir)
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 59))]
+    tables = np.random.default_rng(0).permutation(64)[:3 * 8].reshape(3, 8).astype(np.int32)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"), CacheConfig(num_gpu_blocks_override=64))
+    eager = CudaModelRunner.from_dir(model_dir, DeviceConfig(device="cuda", enforce_eager=True,
+                                                             attention_backend=backend),
+                                     CacheConfig(num_gpu_blocks_override=64), LIMITS)
+    graphs = CudaModelRunner.from_dir(model_dir, DeviceConfig(device="cuda", attention_backend=backend),
+                                      CacheConfig(num_gpu_blocks_override=64), LIMITS)
+    assert sorted(graphs.graphs.graphs) == graphs.graphs.sizes, graphs.capture_failures
+    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
+    for _ in range(9):
+        batch = next_batch(seqs, new, tables, 16)
+        want = cpu.execute(batch)
+        got_eager, got_graphs = eager.execute(batch), graphs.execute(batch)
+        assert_logits_close(got_eager, want)
+        assert_logits_close(got_graphs, want)
+        np.testing.assert_allclose(got_graphs, got_eager, atol=1e-2 * np.abs(got_eager).max())
+        for r, seq in enumerate(seqs):
+            seq.append(int(want[r].argmax()))
+            new[r] = [seq[-1]]

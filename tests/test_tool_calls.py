@@ -2,8 +2,8 @@
 Hermes-style chat template that shows the tools (the default model's own template ignores
 them): tools and tool results reach the template; "required" and named choices are
 constrained to valid calls; "auto" parses the model's text (`--tool-call-parser hermes`,
-`llama3_json` and `phi4_mini_json`); streamed and non-streamed answers carry the same calls,
-in OpenAI's shapes."""
+`llama3_json`, `phi4_mini_json` and `pythonic`, the last under a Gemma 3 style template);
+streamed and non-streamed answers carry the same calls, in OpenAI's shapes."""
 from __future__ import annotations
 
 import json
@@ -224,6 +224,87 @@ def test_auto_parses_phi4_mini_json_calls(serve, model_dir):
     streamed, finish, content, _ = _streamed(url, **body)
     assert [{k: c[k] for k in ("name", "arguments")} for c in streamed] == calls
     assert (finish, content) == ("tool_calls", "Checking. ")
+# Gemma 3's turns, with tools shown and calls written as a Python list (the shape of vLLM's
+# examples/tool_chat_template_gemma3_pythonic.jinja, which `--tool-call-parser pythonic` reads)
+GEMMA3_PYTHONIC_TEMPLATE = """\
+{{ bos_token or '' }}
+{%- for message in messages %}
+{%- set role = {'assistant': 'model', 'tool': 'user'}.get(message.role, message.role) %}
+{{- '<start_of_turn>' + role + '\n' }}
+{%- if loop.first and tools %}Tools are available. To call them, answer only with a python list of \
+calls: [name(arg=value), ...]
+{{ tools | tojson }}
+
+{% endif %}
+{%- if message.tool_calls %}[
+{%- for tc in message.tool_calls %}{{ tc.function.name }}(
+{%- for k, v in tc.function.arguments.items() %}{{ k }}={{ v | tojson }}{{ ', ' if not loop.last }}\
+{% endfor %})\
+{{ ', ' if not loop.last }}{% endfor %}]
+{%- endif %}
+{%- if message.role == 'tool' %}<tool_response>
+{{ message.content }}</tool_response>{% else %}{{ (message.content or '') | trim }}{% endif %}<end_of_turn>
+{% endfor %}
+{%- if add_generation_prompt %}<start_of_turn>model
+{% endif %}"""
+
+
+def test_auto_parses_pythonic_calls(serve, default_model_dir, tmp_path_factory):
+    """`--tool-call-parser pythonic` (vLLM's, for Gemma 3): the answer `[get_time(zone="UTC")]`
+    is one call with JSON arguments, streamed the same; an answer that is no list of calls
+    stays content."""
+    folder = with_chat_template(default_model_dir, tmp_path_factory.mktemp("gemma-tools") / "m",
+                                GEMMA3_PYTHONIC_TEMPLATE)
+    url = serve(folder, "--workers", "1", "--max-model-len", "1024", "--tool-call-parser", "pythonic",
+                "--enable-auto-tool-choice",
+                "--served-model-name", "x", timeout=300).url
+    with httpx.Client(base_url=url, timeout=60) as c:
+        prompt = c.post("/tokenize", json=dict(model="x", messages=ASK, tools=TOOLS)).json()
+    assert prompt["count"] > 0
+    regex = r'\[get_time\(zone="(UTC|CET)"\), get_weather\(city="Paris", unit="celsius"\)\]'
+    body = dict(messages=ASK, tools=TOOLS, max_tokens=60, temperature=0, structured_outputs={"regex": regex})
+    r = _client(url).chat.completions.create(model="x", messages=ASK, tools=TOOLS, max_tokens=60,
+                                             temperature=0,
+                                             extra_body={"structured_outputs": {"regex": regex}})
+    calls = _calls(r.choices[0].message)
+    assert [c["name"] for c in calls] == ["get_time", "get_weather"] and r.choices[0].message.content is None
+    assert json.loads(calls[1]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    _valid(calls)
+    assert r.choices[0].finish_reason == "tool_calls"
+    streamed, finish, content, _ = _streamed(url, **body)
+    assert [{k: c[k] for k in ("name", "arguments")} for c in streamed] == calls
+    assert (finish, content) == ("tool_calls", "")
+    plain = dict(body, structured_outputs={"regex": r"\[1, 2\] is a list\."})
+    streamed, finish, content, _ = _streamed(url, **plain)
+    assert (streamed, finish, content) == ([], "stop", "[1, 2] is a list.")
+    # the call written back into the conversation renders as the model wrote it
+    history = ASK + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r2 = c.post("/v1/chat/completions", json=dict(model="x", messages=history, tools=TOOLS,
+                                                      max_tokens=1, temperature=0))
+    assert r2.status_code == 200, r2.text
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('[f(a=1, b="x\\n\\"y"), g()]', [("f", {"a": 1, "b": "x\n\"y"}), ("g", {})]),
+    ('  [f(xs=[1, 2.5, None, True], d={"k": -3})]\n', [("f", {"xs": [1, 2.5, None, True], "d": {"k": -3}})]),
+    ("[f(1)]", None),                 # positional arguments: not a call vLLM reads
+    ("[f(a=b)]", None),               # a variable, not a literal
+    ("[f(a=1), 3]", None),            # not every item a call
+    ("[a.b(c=1)]", None),             # not a plain name
+    ("[]", None), ("Sure: [f(a=1)]", None), ("[f(a=1)", None), ("[f(**{'a': 1})]", None),
+    ("[" * 300 + "]" * 300, None),    # nested past the parser's limit
+])
+def test_pythonic_parser_reads_calls_and_leaves_the_rest_content(text, calls):
+    from ringserve.server import tool_calls as T
+    content, got = T.parse_auto("pythonic", text)
+    if calls is None:
+        assert (content, got) == (text, [])
+    else:
+        assert content is None
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == calls
 
 
 BAD_TOOLS = [  # (body fields, param)

@@ -44,6 +44,10 @@ SHAPES = {
                     rope_theta=500000.0),
     "qwen2": Shape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=2048, context=2048,
                    rope_theta=1000000.0, tied=True),
+    # --arch gemma3 (not yet run: no llama-server build here): 7 layers, so layer 5 is full and
+    # the others slide over a window of 32, shorter than the longer prompts
+    "gemma3": Shape(hidden=256, layers=7, heads=4, kv_heads=1, ffn=512, vocab=2048, context=2048,
+                    rope_theta=1000000.0, head_dim=64, sliding_window=32),
 }
 EDGE_CASES = [
     "", " ", "  ", "\n", " \n", "\n\n\n", "\t", "\r\n", "a\r\nb", "   leading", "trailing   ",

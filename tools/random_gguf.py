@@ -4,6 +4,7 @@
     python -m ringserve.tools.random_gguf --shape llama-3.2-1b --arch llama3 out.gguf
     python -m ringserve.tools.random_gguf --shape qwen2.5-0.5b --arch qwen2 out.gguf
     python -m ringserve.tools.random_gguf --shape phi-4-mini --arch phi3 out.gguf
+    python -m ringserve.tools.random_gguf --shape gemma-3-1b --arch gemma3 out.gguf
 
 Any bytes are a valid block of a GGML type once its float16 scale fields are finite, so the
 blocks are random bytes with their scales set to small random values (weights of about the size
@@ -27,6 +28,11 @@ than its largest tensor. The text it gives is meaningless, the shapes and bytes 
   (rope_factors_long/short, the original context, the attention factor), Phi's turn tokens
   (<|user|>, <|assistant|>, <|end|> ...) with Phi-4-mini's pre-tokenizer "gpt-4o" over the
   trained merges.
+- gemma3: arch "gemma3", q/k norms and the four norms a layer (post_attention_norm, ffn_norm
+  as the MLP's pre-norm, post_ffw_norm), the shape's head_dim and sliding window; Gemma's
+  special tokens (<bos> added, <start_of_turn>, <end_of_turn>), chat template and a
+  SentencePiece vocabulary (tokenizer.ggml.model "llama", as Gemma's GGUFs: pieces, scores
+  and types from the trained merges, byte fallback, no space prefix).
 The llama3 and qwen2 vocabularies are a byte-level BPE trained here (`train_merges`, the
 `tokenizers` library) on `sample_texts`, so real merges apply to varied text (digits, CJK,
 emoji, code, whitespace runs), then padded with reserved CONTROL tokens to the shape's size.
@@ -62,6 +68,7 @@ class Shape:
     head_dim: int | None = None  # None: hidden / heads
     rotary_dim: int | None = None  # None: head_dim (phi3: partial rotary)
     original_context: int = 4096   # phi3: LongRoPE's original_max_position_embeddings
+    sliding_window: int | None = None  # gemma3: the sliding layers' window
 
     @property
     def dim(self) -> int:
@@ -85,8 +92,10 @@ SHAPES = {
     # Phi beside it, the same bytes and FLOPs per token
     "phi3-1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, rope_theta=10000.0,
                      context=131072, rotary_dim=48),
+    "gemma-3-1b": Shape(hidden=1152, layers=26, heads=4, kv_heads=1, ffn=6912, vocab=262144,
+                        rope_theta=1000000.0, context=32768, head_dim=256, sliding_window=512),
 }
-ARCHS = ("llama", "llama3", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "phi3", "gemma3")
 
 # Byte offsets of each block's float16 scale fields (ggml-common.h), and a scale that gives
 # weights of about 0.02: the value is scale x (quant) with quants of the size in the comment.
@@ -180,6 +189,20 @@ TOKENIZERS["qwen3"] = TOKENIZERS["qwen2"]  # Qwen3 ships Qwen2's tokenizer
 # eos <|endoftext|> as Phi-4-mini's GGUF says (the converter adds <|end|>, the turn's end)
 TOKENIZERS["phi3"] = Tokenizer("gpt-4o", PHI_SPECIAL_TOKENS, bos="<|endoftext|>", eos="<|endoftext|>",
                                add_bos=False, chat_template=PHI_TEMPLATE)
+# Gemma 3's turns (its instruction models' template, reduced to text: the system message is
+# prefixed to the first user turn, roles must alternate, the assistant is "model")
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first_user_prefix = "
+    "messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}{% else %}"
+    "{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}")
+TOKENIZERS["gemma3"] = Tokenizer("default", ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+                                 bos="<bos>", eos="<eos>", add_bos=True, chat_template=GEMMA3_TEMPLATE)
 LLAMA3_ROPE: dict[str, Any] = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8192}
 
@@ -279,8 +302,59 @@ def llama3_rope_freqs(head_dim: int, theta: float, factor: float, low_freq_facto
     return np.array(out, dtype=np.float32)
 
 
+SPM_SPACE = "\u2581"
+# llama.cpp's token types (gguf-py TokenType)
+_NORMAL, _UNKNOWN, _CONTROL, _UNUSED, _BYTE = 1, 2, 3, 5, 6
+
+
+def sentencepiece_vocabulary(size: int, merges: list[str], specials: tuple[str, ...]
+                             ) -> tuple[list[str], list[float], list[int]]:
+    """(pieces, scores, types) of a SentencePiece BPE vocabulary as llama.cpp's converter writes
+    Gemma's: the specials (CONTROL; <unk> UNKNOWN), the 256 byte-fallback pieces <0xXX>, every
+    character of sample_texts, then the byte-level merges' results that are whole UTF-8 text
+    (spaces as U+2581), each scored by its merge's rank, padded with <unusedN> (UNUSED)."""
+    from ringserve.server.tokenizer import byte_level_alphabet
+
+    byte_of = {c: b for b, c in enumerate(byte_level_alphabet())}
+    pieces = [*specials, "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [_CONTROL] * len(specials) + [_UNKNOWN] + [_BYTE] * 256
+    scores = [0.0] * len(pieces)
+    chars = sorted({c for text in sample_texts(4000) for c in text.replace(" ", SPM_SPACE)})
+    seen = set(pieces)
+    for rank, text in enumerate([c for c in chars] + ["".join(m.split(" ")) for m in merges]):
+        try:
+            piece = bytes(byte_of[c] for c in text).decode("utf-8") if rank >= len(chars) else text
+        except (KeyError, UnicodeDecodeError):  # a merge inside one character's bytes
+            continue
+        piece = piece.replace(" ", SPM_SPACE)
+        if piece not in seen and len(pieces) < size:
+            seen.add(piece)
+            pieces.append(piece)
+            types.append(_NORMAL)
+            scores.append(0.0 if rank < len(chars) else -float(rank))
+    unused = size - len(pieces)
+    return (pieces + [f"<unused{i}>" for i in range(unused)], scores + [0.0] * unused,
+            types + [_UNUSED] * unused)
+
+
 def _add_tokenizer(w, arch: str, vocab: int, merges: list[str] | None, seed: int) -> None:
     """The tokenizer.* keys of the family's vocabulary (module docstring)."""
+    if arch == "gemma3":  # SentencePiece, as Gemma's GGUFs are
+        t = TOKENIZERS[arch]
+        pieces, scores, types = sentencepiece_vocabulary(
+            vocab, merges_for(vocab, seed) if merges is None else merges, t.specials)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(pieces)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(pieces.index(t.bos))
+        w.add_eos_token_id(pieces.index(t.eos))
+        w.add_unk_token_id(pieces.index("<unk>"))
+        w.add_pad_token_id(pieces.index("<pad>"))
+        w.add_add_space_prefix(False)
+        w.add_add_bos_token(t.add_bos)
+        w.add_chat_template(t.chat_template)
+        return
     w.add_tokenizer_model("gpt2")
     if arch == "llama":
         tokens = _vocabulary(vocab)
@@ -359,8 +433,10 @@ def _plan(s: Shape, arch: str) -> list[tuple[str, str, tuple[int, ...]]]:
     if arch == "qwen2":
         per_layer.update({"attn_q.bias": (s.heads * head_dim,), "attn_k.bias": (s.kv_heads * head_dim,),
                           "attn_v.bias": (s.kv_heads * head_dim,)})
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         per_layer.update({"attn_q_norm.weight": (head_dim,), "attn_k_norm.weight": (head_dim,)})
+    if arch == "gemma3":
+        per_layer.update({"post_attention_norm.weight": (s.hidden,), "post_ffw_norm.weight": (s.hidden,)})
     if arch == "phi3":  # HF's fused qkv_proj and gate_up_proj, as llama.cpp's converter keeps them
         for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight"):
             del per_layer[name]
@@ -389,7 +465,7 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
     rng = np.random.default_rng(seed)
     s = shape
     head_dim = s.dim
-    w = gguf.GGUFWriter(str(path), arch if arch in ("qwen2", "qwen3", "phi3") else "llama")
+    w = gguf.GGUFWriter(str(path), arch if arch in ("qwen2", "qwen3", "phi3", "gemma3") else "llama")
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -406,6 +482,8 @@ def write_random_gguf(path: str | Path, shape: Shape, layout: str = "q4_k_m", se
     if s.head_dim is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if s.sliding_window is not None:
+        w.add_sliding_window(s.sliding_window)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(s.vocab)
     _add_tokenizer(w, arch, s.vocab, merges, seed)

@@ -1,5 +1,6 @@
 """The Llama layer's small CPU kernels in Numba: RMSNorm (with the residual add fused), the
-per-head q/k RMSNorm (Qwen3), RoPE with the K/V cache write fused, and SiLU·mul.
+per-head q/k RMSNorm (Qwen3, Gemma 3), RoPE with the K/V cache write fused, SiLU·mul and
+GELU-tanh·mul (Gemma 3).
 
 Each is one compiled pass over its rows instead of several numpy temporaries: at decode sizes a
 numpy call costs more in dispatch than in arithmetic, and the layer has 30 of each. The math is
@@ -88,6 +89,20 @@ def silu_mul(gate_up, out):  # pragma: no cover - compiled
         for i in range(inter):
             g = gate_up[t, i]
             out[t, i] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, inter + i]
+
+
+@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+def gelu_tanh_mul(gate_up, out):  # pragma: no cover - compiled
+    """gate_up [T, 2I] (gate then up) -> out [T, I] = gelu_tanh(gate) * up (Gemma 3's MLP:
+    transformers' gelu_pytorch_tanh). 0.5 x (1 + tanh(u)) is x / (1 + e^(-2u)): SiLU's form,
+    so fast_exp serves it (libm's tanh is a call per value)."""
+    inter = out.shape[1]
+    c = np.float32(2.0 * 0.7978845608028654)  # 2 sqrt(2 / pi)
+    for t in range(out.shape[0]):
+        for i in range(inter):
+            g = gate_up[t, i]
+            u = c * (g + np.float32(0.044715) * g * g * g)
+            out[t, i] = g / (np.float32(1.0) + fast_exp(-u)) * gate_up[t, inter + i]
 
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")

@@ -20,7 +20,7 @@ import numpy as np
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.attention import paged_attention
-from ringserve.gpu.cpu.kernels import add_rms_norm, qk_norm, rms_norm, rope_store_kv, silu_mul
+from ringserve.gpu.cpu.kernels import add_rms_norm, gelu_tanh_mul, qk_norm, rms_norm, rope_store_kv, silu_mul
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.linear import linear
 from ringserve.gpu.cpu.memory import HugePageArena
@@ -124,7 +124,7 @@ class CpuOps:
     def __init__(self, c: ModelConfig, parallel: bool = False):
         self.parallel = parallel
         # NOTE: float32 scalars, else Numba compiles float64 variants (other rounding, slower)
-        self.scale = F32(c.head_dim ** -0.5)
+        self.scale = F32(c.attention_scale)
         self.eps = F32(c.rms_norm_eps)
         self.num_heads, self.num_kv_heads = c.num_attention_heads, c.num_key_value_heads
 
@@ -155,6 +155,12 @@ class CpuOps:
         else:
             add_rms_norm(h, delta, weight, self.eps, out)
 
+    def rms_norm(self, x, weight) -> None:
+        rms_norm(x, weight, self.eps, x)  # NOTE: in place: each value is read before it is written
+
+    def scale_embedding(self, h, factor: float) -> None:
+        h *= F32(factor)
+
     def qk_norm(self, qkv, weight) -> None:
         qk_norm(qkv, self.num_heads, self.num_kv_heads, weight, self.eps)
 
@@ -168,6 +174,9 @@ class CpuOps:
 
     def silu_mul(self, gate_up, out) -> None:
         silu_mul(gate_up, out)
+
+    def gelu_tanh_mul(self, gate_up, out) -> None:
+        gelu_tanh_mul(gate_up, out)
 
     def gather_rows(self, x, rows, out) -> None:
         np.take(x, rows, axis=0, out=out)

@@ -1,4 +1,5 @@
-"""The CPU model runner: gpu/model.py's Llama over gpu/cpu/ops.py CpuOps, numpy + Numba.
+"""The CPU model runner: the checkpoint's model (gpu/models: Llama or Gemma 3) over
+gpu/cpu/ops.py CpuOps, numpy + Numba.
 
 It owns the weights and the paged KV cache (allocated once, never resized), computes a step in
 submit() before it returns, and samples on the host (gpu/sampling/sampler.py).
@@ -23,8 +24,9 @@ from ringserve.gpu.devices import cpu_threads_per_engine, host_memory_available
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import load_weights
-from ringserve.gpu.model import LlamaWeights, compute_logits, hidden_states
-from ringserve.gpu.rope import rope_tables
+from ringserve.gpu.model import compute_logits
+from ringserve.gpu.models import model_definition
+from ringserve.gpu.rope import rope_tables_by_type
 from ringserve.gpu.sampling.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
 from ringserve.gpu.sampling.sampler import CompletedStep, SamplingMetadata, sample_on_host
 from ringserve.gpu.settings import (
@@ -84,13 +86,14 @@ class CpuModelRunner:
         store = CpuWeightStore(CPU_DTYPES[device.dtype], widen_packed, self.int8_activations)
         check_fits(sum(store.nbytes(t) for t in hf.values()), self.num_blocks * self.bytes_per_block,
                    self.num_blocks)
-        self.weights = LlamaWeights.fuse(c, hf, store)
+        self.model = model_definition(c)
+        self.weights = self.model.fuse(c, hf, store)
         del hf
         self.ops = CpuOps(c, parallel=self.num_threads > 1)
         self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype, store.arena)
                           for _ in range(c.num_hidden_layers)]
         self.max_model_len = (limits and limits.max_model_len) or c.max_position_embeddings
-        self._cos = self._sin = np.empty((0, c.rotary_dim // 2), dtype=np.float32)
+        self._ropes = rope_tables_by_type(c, 0, self.max_model_len)
         self.warm_up()
 
     def warm_up(self) -> None:
@@ -117,20 +120,22 @@ class CpuModelRunner:
         return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
                 * np.dtype(CPU_KV_STORAGE[self.kv_cache_dtype]).itemsize)
 
-    def rope_tables(self, max_position: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos and sin for positions 0..max_position at least, computed once (grown by doubling)."""
-        if max_position >= len(self._cos):
-            n = max(max_position + 1, 2 * len(self._cos), self.config.max_position_embeddings)
-            self._cos, self._sin = rope_tables(self.config, n, self.max_model_len)
-        return self._cos, self._sin
+    def rope_tables(self, max_position: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """cos and sin by layer type (gpu/rope.py rope_tables_by_type) for positions
+        0..max_position at least, computed once (grown by doubling)."""
+        have = len(next(iter(self._ropes.values()))[0])
+        if max_position >= have:
+            n = max(max_position + 1, 2 * have, self.config.max_position_embeddings)
+            self._ropes = rope_tables_by_type(self.config, n, self.max_model_len)
+        return self._ropes
 
     def _hidden_states(self, batch: Batch) -> np.ndarray:
         """Every token's final-normed hidden state [T, hidden]; writes the step's K/V."""
         if self.num_threads > 1:
             numba.set_num_threads(self.num_threads)  # per calling thread in Numba
-        cos, sin = self.rope_tables(int(batch.positions.max()))
+        ropes = self.rope_tables(int(batch.positions.max()))
         buf = CpuStepBuffers(self.config, batch)
-        hidden_states(self.ops, self.weights, buf, self.kv_caches, None, cos, sin)
+        self.model.hidden_states(self.ops, self.weights, buf, self.kv_caches, None, ropes)
         return buf.x
 
     def _logits(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:

@@ -3,7 +3,8 @@
 
 `--dtype auto` serves a checkpoint in its own type where the GPU has it: bfloat16 as bfloat16,
 float16 as float16, float32 narrowed to float16 (vLLM's rule), and a quantized checkpoint (GGUF
-integer blocks, AWQ/GPTQ) with float16 activations (quant.cu's kernels take either).
+integer blocks, AWQ/GPTQ) with float16 activations (quant.cu's kernels take either); but
+Gemma 3 always in bfloat16 (FP16_UNSTABLE).
 `--dtype float16|bfloat16` overrides; narrowing a weight to float16 refuses
 one whose values fp16 cannot hold (|w| >= 65520 rounds to inf), naming it.
 
@@ -29,6 +30,9 @@ CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32", "quantized")
 # auto: the serving dtype for each checkpoint dtype
 AUTO = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float16", "quantized": "float16"}
 FP16_MAX = 65504.0
+# Architectures whose activations outgrow fp16 (vLLM's _FLOAT16_NOT_SUPPORTED_MODELS): served in
+# bf16 whatever the checkpoint (a GGUF's blocks or a float32 file would be fp16 under auto)
+FP16_UNSTABLE = {"Gemma3ForCausalLM": "Gemma 3's activations overflow float16 (numerical instability)"}
 # bf16 bits (sign cleared) from which a finite value rounds to fp16's inf: 2^16 (every bf16 below
 # it is at most 65280, within fp16's range); 0x7F80 and up are bf16's inf and NaN
 _BF16_FP16_OVERFLOW, _BF16_INF = 0x4780, 0x7F80
@@ -60,9 +64,15 @@ def resolve_dtype(requested: str, checkpoint: str) -> str:
     return AUTO[checkpoint] if requested == "auto" else requested
 
 
-def serving_dtype(requested: str, weights: dict[str, Any]) -> str:
+def serving_dtype(requested: str, weights: dict[str, Any], architecture: str | None = None) -> str:
     """What CudaModelRunner serves `weights` in for --dtype `requested` (resolve_dtype of their
-    checkpoint dtype), after refusing a weight fp16 cannot hold when that is float16."""
+    checkpoint dtype), after refusing a weight fp16 cannot hold when that is float16.
+    architecture: one in FP16_UNSTABLE is served in bfloat16 under auto, and refused in float16."""
+    if architecture in FP16_UNSTABLE:
+        if requested == "float16":
+            raise ModelError(f"--dtype float16: {FP16_UNSTABLE[architecture]} (vLLM refuses it too); "
+                             f"use bfloat16 or auto")
+        requested = "bfloat16" if requested == "auto" else requested
     dtype = resolve_dtype(requested, checkpoint_dtype(weights))
     if dtype == "float16":
         check_fp16_range(weights)

@@ -1,4 +1,4 @@
-// The Llama layer's fused elementwise kernels (launchers: gpu/cuda/fused.py).
+// The layers' fused elementwise kernels (Llama's; Gemma 3's rms_norm and gelu_tanh_mul) (launchers: gpu/cuda/fused.py).
 // 16-bit activations in and out, float32 math. Each kernel is one template over the element
 // type T, instantiated as extern "C" kernels for fp16 (__half: the plain names) and bf16
 // (__nv_bfloat16: the _bf16 names), so a launcher picks one by the arrays' dtype (float16, or
@@ -99,6 +99,42 @@ __device__ __forceinline__ void silu_mul_t(const typename Elem<T>::Pair* __restr
     }
 }
 
+// out [T, I] = gelu_tanh(gate) * up from gate_up [T, 2I] (Gemma 3's MLP: transformers'
+// gelu_pytorch_tanh, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))). As silu_mul_t.
+__device__ __forceinline__ float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+template <class T>
+__device__ __forceinline__ void gelu_tanh_mul_t(const typename Elem<T>::Pair* __restrict__ gate_up,
+                                                typename Elem<T>::Pair* __restrict__ out, int num_tokens,
+                                                int inter2) {  // inter2 = I / 2
+    const size_t n = (size_t)num_tokens * inter2;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = i / inter2, j = i - t * inter2;
+        const float2 g = to_float2(gate_up[t * 2 * inter2 + j]);
+        const float2 u = to_float2(gate_up[t * 2 * inter2 + inter2 + j]);
+        out[i] = Elem<T>::pair(gelu_tanh(g.x) * u.x, gelu_tanh(g.y) * u.y);
+    }
+}
+
+// In place, one block per token: x [T, hidden] = RMSNorm(x) * weight (Gemma 3's norms of the
+// attention and MLP outputs, before the residual add). Same launch as add_rms_norm_t.
+template <class T>
+__device__ __forceinline__ void rms_norm_t(T* __restrict__ x, const T* __restrict__ weight, int hidden,
+                                           float eps) {
+    __shared__ float scratch[32];
+    const size_t row = (size_t)blockIdx.x * hidden;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = to_float(x[row + i]);
+        ss += v * v;
+    }
+    const float r = rsqrtf(block_sum(ss, scratch) / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        x[row + i] = Elem<T>::from(to_float(x[row + i]) * r * to_float(weight[i]));
+}
+
 // x [rows, n] += bias [n] (Qwen2's QKV bias), in float32, rounded once. Grid-stride.
 template <class T>
 __device__ __forceinline__ void add_bias_t(T* __restrict__ x, const T* __restrict__ bias, int rows, int n) {
@@ -137,6 +173,16 @@ __device__ __forceinline__ void to_float32_t(const T* __restrict__ src, float* _
                                                 Elem<T>::Pair* __restrict__ out, int num_tokens,          \
                                                 int inter2) {                                             \
         silu_mul_t<T>(gate_up, out, num_tokens, inter2);                                                  \
+    }                                                                                                    \
+    extern "C" __global__ void gelu_tanh_mul##SUFFIX(const Elem<T>::Pair* __restrict__ gate_up,           \
+                                                     Elem<T>::Pair* __restrict__ out, int num_tokens,     \
+                                                     int inter2) {                                        \
+        gelu_tanh_mul_t<T>(gate_up, out, num_tokens, inter2);                                             \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(1024) rms_norm##SUFFIX(T* __restrict__ x,               \
+                                                                        const T* __restrict__ weight,    \
+                                                                        int hidden, float eps) {         \
+        rms_norm_t<T>(x, weight, hidden, eps);                                                            \
     }                                                                                                    \
     extern "C" __global__ void add_bias##SUFFIX(T* __restrict__ x, const T* __restrict__ bias, int rows,  \
                                                 int n) {                                                  \

@@ -1,7 +1,7 @@
 """Launchers for fused.cu (CuPy RawKernels): residual-add + RMSNorm, q/k norm, RoPE, SiLU·mul, bias add,
-widening to float32. Activations fp16 or bf16 (uint16 bits): each call takes the kernel of the
-arrays' element type (fused.cu's plain and _bf16 instantiations); float32 residual stream and
-math (reference: gpu/cuda/reference.py)."""
+widening to float32; Gemma 3's in-place RMSNorm and GELU-tanh·mul. Activations fp16 or bf16 (uint16
+bits): each call takes the kernel of the arrays' element type (fused.cu's plain and _bf16
+instantiations); float32 residual stream and math (reference: gpu/cuda/reference.py)."""
 from __future__ import annotations
 
 import cupy as cp
@@ -48,6 +48,17 @@ class FusedKernels:
         T, inter = out.shape
         self._kernel("silu_mul", out)(*launch.silu_launch(T, inter),
                                       (gate_up, out, np.int32(T), np.int32(inter // 2)), stream=stream)
+
+    def gelu_tanh_mul(self, gate_up, out, stream) -> None:
+        T, inter = out.shape
+        self._kernel("gelu_tanh_mul", out)(*launch.silu_launch(T, inter),
+                                           (gate_up, out, np.int32(T), np.int32(inter // 2)), stream=stream)
+
+    def rms_norm(self, x, weight, eps: float, stream) -> None:
+        """x [T, n] = RMSNorm(x) * weight, in place in the activations' dtype."""
+        T, n = x.shape
+        self._kernel("rms_norm", x)(*launch.norm_launch(T, n), (x, weight, np.int32(n), np.float32(eps)),
+                                    stream=stream)
 
     def add_bias(self, x, bias, stream) -> None:
         """x [T, n] += bias [n] (contiguous rows)."""

@@ -10,7 +10,8 @@ Dims = tuple[int, ...]
 # names, bf16 (its bits in uint16 arrays, gpu/cuda/dtypes.py) with this suffix; by the
 # activations' dtype name (str(array.dtype), numpy's or CuPy's)
 SUFFIXES = {"float16": "", "uint16": "_bf16"}
-FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope", "silu_mul", "add_bias", "to_float32")  # fused.cu's
+FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope", "silu_mul", "add_bias", "to_float32",  # fused.cu's
+                 "gelu_tanh_mul", "rms_norm")
 
 ATTENTION_THREADS = 128  # attention.cu: WARPS (4) * 32, one block per (token, KV head, split)
 ATTENTION_HEAD_DIMS = (64, 128, 192, 256)  # attention.cu: 32 lanes x an even number of dims each
@@ -32,7 +33,7 @@ def attention_backend_for(requested: str, head_dim: int) -> str:
 
 
 def norm_launch(num_tokens: int, hidden: int) -> tuple[Dims, Dims]:
-    """add_rms_norm: one block per token, ~4 elements per thread, whole warps (block_sum
+    """add_rms_norm, rms_norm: one block per token, ~4 elements per thread, whole warps (block_sum
     shuffles over full warps), at most 1024 threads (its __launch_bounds__)."""
     threads = min(1024, max(32, -(-hidden // 4 // 32) * 32))
     return (num_tokens,), (threads,)
@@ -49,7 +50,7 @@ def rope_launch(num_tokens: int, num_rot_heads: int, rotary_dim: int) -> tuple[D
 
 
 def silu_launch(num_tokens: int, inter: int) -> tuple[Dims, Dims]:
-    """silu_mul: grid-stride over the T * I / 2 half2 pairs, 256 threads, grid.x <= 65535."""
+    """silu_mul, gelu_tanh_mul: grid-stride over the T * I / 2 half2 pairs, 256 threads, grid.x <= 65535."""
     n = num_tokens * inter // 2
     return (max(1, min(65535, -(-n // 256))),), (256,)
 

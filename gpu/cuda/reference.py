@@ -46,6 +46,13 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return g / (1.0 + np.exp(-g)) * u
 
 
+def gelu_tanh_mul(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up [T, 2I] (gate, then up) -> gelu_tanh(gate) * up [T, I] (transformers'
+    gelu_pytorch_tanh)."""
+    g, u = np.split(gate_up.astype(np.float32), 2, axis=-1)
+    return 0.5 * g * (1.0 + np.tanh(np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g ** 3))) * u
+
+
 def store_kv(qkv: np.ndarray, slot_mapping: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
              num_heads: int) -> None:
     """Write each token's k and v heads (from qkv) into the caches at its slot; -1 is skipped."""

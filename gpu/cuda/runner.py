@@ -3,17 +3,16 @@ cache in the serving dtype (gpu/cuda/dtypes.py: by default a bfloat16 checkpoint
 others in fp16; a GGUF or AWQ/GPTQ checkpoint's packed planes read by quant.cu:
 gpu/cuda/quant_linear.py), float32 residual stream and accumulation.
 
-The model is gpu/model.py's llama_forward over CudaOps: GEMMs are cuBLAS on the runner's own
-handle (gpu/cuda/gemm.py, nvmath-python's binding: CuPy's refuses to run during a capture) with
-fused QKV and gate-up weights; the fused math is CUDA C (fused.cu, attention.cu); the
-indexing is Numba CUDA (numba_kernels.py), launched on the same CuPy stream through
-numba.cuda.external_stream so that a CUDA graph captures it too. Decode batches replay graphs
-captured for the ladder in gpu/cuda/plan.py; everything a graph touches is allocated before
-its capture, an allocation during one raises (gpu/cuda/capture.py), and everything it touches
-is held for the graph's life, by the runner or by the graph's record (buffers.CapturedGraph).
-Set-up (weights, RoPE tables, KV pool) ends with a device synchronize, and every kernel is
-compiled and run once before the first request (warm_up).
-"""
+The model is the checkpoint's (gpu/models: Llama or Gemma 3) forward over CudaOps: GEMMs are
+cuBLAS on the runner's own handle (gpu/cuda/gemm.py, nvmath-python's binding: CuPy's refuses to
+run during a capture) with fused QKV and gate-up weights; the fused math is CUDA C (fused.cu,
+attention.cu); the indexing is Numba CUDA (numba_kernels.py), launched on the same CuPy stream
+through numba.cuda.external_stream so that a CUDA graph captures it too. Decode batches replay
+graphs captured for the ladder in gpu/cuda/plan.py; everything a graph touches is allocated
+before its capture, an allocation during one raises (gpu/cuda/capture.py), and everything it
+touches is held for the graph's life, by the runner or by the graph's record
+(buffers.CapturedGraph). Set-up (weights, RoPE tables, KV pool) ends with a device synchronize,
+and every kernel is compiled and run once before the first request (warm_up)."""
 from __future__ import annotations
 
 import logging
@@ -37,8 +36,8 @@ from ringserve.gpu.cuda.quant_linear import WORKSPACE_ELEMENTS, QuantLinear, Qua
 from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample, warmup_metadata
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.quant import QuantWeight
-from ringserve.gpu.model import LlamaWeights, llama_forward
-from ringserve.gpu.rope import rope_tables
+from ringserve.gpu.models import model_definition
+from ringserve.gpu.rope import rope_tables_by_type
 from ringserve.gpu.sampling.prompt_logprobs import SLICE_ROWS, PromptLogprobsSpec, WithPromptLogprobs
 from ringserve.gpu.sampling.sampler import Logprobs, SamplingMetadata
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
@@ -91,7 +90,7 @@ class CudaOps:
                                      cp.empty(WORKSPACE_ELEMENTS, act_dtype))
         self.paged = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
         self.attention_backend = attention_backend
-        self.scale, self.eps = c.head_dim ** -0.5, c.rms_norm_eps
+        self.scale, self.eps = c.attention_scale, c.rms_norm_eps
         self.head_dim, self.num_heads = c.head_dim, c.num_attention_heads
         self.num_rot_heads = c.num_attention_heads + c.num_key_value_heads  # q and k heads
 
@@ -127,6 +126,13 @@ class CudaOps:
     def add_rms_norm(self, h, delta, weight, out) -> None:
         self.fused.add_rms_norm(h, delta, weight, out, self.eps, self.stream)
 
+    def rms_norm(self, x, weight) -> None:
+        self.fused.rms_norm(x, weight, self.eps, self.stream)
+
+    def scale_embedding(self, h, factor: float) -> None:
+        with self.stream:  # NOTE: a CuPy elementwise kernel, in place: nothing allocated (graph-safe)
+            cp.multiply(h, np.float32(factor), out=h)
+
     def qk_norm(self, qkv, weight) -> None:
         self.fused.qk_norm(qkv, weight, self.num_heads, self.num_rot_heads, self.head_dim, self.eps,
                            self.stream)
@@ -152,6 +158,9 @@ class CudaOps:
     def silu_mul(self, gate_up, out) -> None:
         self.fused.silu_mul(gate_up, out, self.stream)
 
+    def gelu_tanh_mul(self, gate_up, out) -> None:
+        self.fused.gelu_tanh_mul(gate_up, out, self.stream)
+
     def gather_rows(self, x, indices, out) -> None:
         nk.gather_rows(_nb(x), _nb(indices), _nb(out), threads=NUMBA_THREADS, stream=self.nb_stream)
 
@@ -176,7 +185,7 @@ class CudaModelRunner:
         limits.max_num_seqs, block tables for limits.max_model_len."""
         block_size, num_blocks = cache.block_size, cache.num_gpu_blocks_override
         attention_backend = launch.attention_backend_for(device.attention_backend, config.head_dim)
-        self.dtype = serving_dtype(device.dtype, weights)
+        self.dtype = serving_dtype(device.dtype, weights, config.architecture)
         if cache.kv_cache_dtype not in ("auto", self.dtype):
             raise ValueError(f"kv_cache_dtype {cache.kv_cache_dtype!r}: the CUDA backend's KV cache is in "
                              f"the serving dtype, here {self.dtype} (--kv-cache-dtype auto)")
@@ -198,9 +207,11 @@ class CudaModelRunner:
         # the end.
         cp.cuda.Device().synchronize()
         with self.stream:
-            self.weights = LlamaWeights.fuse(c, weights, QuantStore(cp, self.dtype))
-            cos, sin = rope_tables(c, self.max_model_len, self.max_model_len)
-            self.cos, self.sin = cp.asarray(cos), cp.asarray(sin)
+            self.model = model_definition(c)
+            self.weights = self.model.fuse(c, weights, QuantStore(cp, self.dtype))
+            # one (cos, sin) per layer type, held for the graphs' life
+            self.ropes = {kind: (cp.asarray(cos), cp.asarray(sin)) for kind, (cos, sin)
+                          in rope_tables_by_type(c, self.max_model_len, self.max_model_len).items()}
         cp.cuda.Device().synchronize()
         log.info("weights, activations and KV cache in %s", self.dtype)
 
@@ -249,7 +260,7 @@ class CudaModelRunner:
                                   bytes_per_block=per_block, gpu_memory_utilization=utilization)
 
     def _forward(self, buf: StepBuffers, caches, attention: AttentionLaunch) -> None:
-        llama_forward(self.ops, self.weights, buf, caches, attention, self.cos, self.sin)
+        self.model.forward(self.ops, self.weights, buf, caches, attention, self.ropes)
 
     def _eager(self, batch: Batch, caches) -> StepBuffers:
         with self.stream:

@@ -1,5 +1,5 @@
 """The model configuration, read from an HF ``config.json`` (Llama, Mistral, Ministral, Qwen2, Qwen3,
-Phi-3).
+Phi-3, Gemma 3).
 
 Anything we do not implement is refused here, by name, so that a model we would compute
 wrongly never loads: an unknown architecture or layer type, a rope scaling type we lack, an
@@ -20,9 +20,20 @@ from ringserve.gpu.loader.hf_quant import int4_scheme
 # each head's q and k before RoPE, and often a head_dim other than hidden / heads; Phi-3 stores
 # qkv_proj and gate_up_proj fused, rotates part of each head and scales RoPE by LongRoPE).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MinistralForCausalLM",
-                           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+                           "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Gemma3ForCausalLM")
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)  # qkv_proj and gate_up_proj as one tensor each
+GEMMA3 = "Gemma3ForCausalLM"  # its own sequence: gpu/models/gemma3.py
+# Gemma 3 4B-27B: a vision tower beside the text model; served text-only (gemma3_text_tower)
+GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"
+# transformers' Gemma3TextConfig defaults (a multimodal config's text_config lists only what
+# differs from them)
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 131072, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+    "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
 # Architectures that read sliding_window on every layer (Llama's transformers class ignores it;
 # Phi-3.5 and Phi-4-mini write one >= max_position_embeddings, which is no window); Qwen2 and
 # Qwen3 only with use_sliding_window set, and then only for layers >= max_window_layers.
@@ -68,10 +79,14 @@ class ModelConfig:
     rotary_dim: int = 0    # the leading dims of each head RoPE rotates (Phi-4-mini: 3/4); 0: head_dim
     rope_scaling: RopeScaling | None = None
     quantization: str | None = None  # "awq" | "gptq": int4 linears (gpu/loader/hf_quant.py)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu", or "gelu_tanh" (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5 (Gemma 3)
     # A query at position p reads keys k with p - sliding_window < k <= p in the layers whose
     # layer_types entry is "sliding_attention" (None: no window anywhere; () means all full).
+    # Gemma 3's sliding layers also rotate by their own RoPE base, local_rope_theta, unscaled.
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    local_rope_theta: float | None = None
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -99,6 +114,14 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        """What q·k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
@@ -109,15 +132,16 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
-        r = _Reader(raw)
         archs = raw.get("architectures")
+        if archs == [GEMMA3_MULTIMODAL]:
+            raw, archs = gemma3_text_tower(raw), [GEMMA3]
+        if archs == [GEMMA3]:
+            raw = {**GEMMA3_TEXT_DEFAULTS, **raw}  # what Gemma3TextConfig fills in
+        r = _Reader(raw)
         if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
             raise ModelError(f"config.json: architectures {archs!r} is not supported (supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)})")
         arch = archs[0]
-        hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ModelError(f"config.json: hidden_act {hidden_act!r} is not supported (silu only)")
         if raw.get("mlp_bias"):
             raise ModelError("config.json: mlp_bias true is not supported")
         hidden = r.positive_int("hidden_size")
@@ -130,10 +154,11 @@ class ModelConfig:
         if head_dim % 2:
             raise ModelError(f"config.json: head_dim {head_dim} must be even for rotary embeddings")
 
-        rope_theta, rope_scaling, rotary_dim = _rope(raw, head_dim)
         num_layers = r.positive_int("num_hidden_layers")
         max_positions = r.positive_int("max_position_embeddings", 2048)
-        window, layer_types = _windows(raw, arch, num_layers, max_positions)
+        extra = (_gemma3_fields(raw, num_layers) if arch == GEMMA3
+                 else _llama_fields(raw, arch, num_layers, max_positions))
+        rope_theta, rope_scaling, rotary_dim = _rope(raw, head_dim, extra.pop("rope_parameters", None))
         scheme = int4_scheme(raw.get("quantization_config"))  # anything else refused by name
         return cls(
             architecture=arch,
@@ -147,7 +172,7 @@ class ModelConfig:
             rms_norm_eps=r.float("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=r.bool("tie_word_embeddings", False),
+            tie_word_embeddings=r.bool("tie_word_embeddings", arch == GEMMA3),  # Gemma's default
             bos_token_id=r.optional_int("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             attention_bias=(arch == "Qwen2ForCausalLM") or r.bool("attention_bias", False),
@@ -156,8 +181,7 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             rope_scaling=rope_scaling,
             quantization=None if scheme is None else scheme.method,
-            sliding_window=window,
-            layer_types=layer_types,
+            **extra,
         )
 
 
@@ -241,10 +265,11 @@ class _Reader:
         return value
 
 
-def _rope(raw: dict[str, Any], head_dim: int) -> tuple[float, RopeScaling | None, int]:
+def _rope(raw: dict[str, Any], head_dim: int, params: Any = None) -> tuple[float, RopeScaling | None, int]:
     """(rope_theta, rope_scaling, rotary_dim). transformers >= 5 writes theta, the scaling and
-    partial_rotary_factor into "rope_parameters"; older configs use top-level fields."""
-    params = raw.get("rope_parameters")
+    partial_rotary_factor into "rope_parameters"; older configs use top-level fields. params:
+    Gemma 3's full_attention entry of rope_parameters."""
+    params = raw.get("rope_parameters") if params is None else params
     scaling = dict(params) if isinstance(params, dict) else raw.get("rope_scaling")
     theta_source = params if isinstance(params, dict) and "rope_theta" in params else raw
     theta = _Reader(theta_source).float("rope_theta", 10000.0)
@@ -304,6 +329,69 @@ def _factors(scaling: dict[str, Any], name: str, rotary_dim: int) -> tuple[float
         raise ModelError(f"config.json: rope_scaling {name} must be {rotary_dim // 2} positive numbers "
                          f"(rotary_dim / 2)")
     return tuple(float(x) for x in value)
+
+
+def gemma3_text_tower(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config.json as its text model's: text_config, with the
+    top level's token ids (its eos list has <end_of_turn>). Text-only requests run the text
+    model exactly as the multimodal class runs them (no image token, causal masks);
+    gpu/loader/weights.py load_weights takes the text model's tensors and leaves the vision
+    tower's."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelError(f"config.json: {GEMMA3_MULTIMODAL} needs a text_config object (the text model's)")
+    ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if raw.get(k) is not None}
+    return {**text, **ids, "architectures": [GEMMA3]}
+
+
+def _llama_fields(raw: dict[str, Any], arch: str, num_layers: int, max_positions: int) -> dict[str, Any]:
+    """The Llama sequence's config fields: its activation checked (SiLU), its windows."""
+    hidden_act = raw.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ModelError(f"config.json: hidden_act {hidden_act!r} is not supported (silu only)")
+    window, layer_types = _windows(raw, arch, num_layers, max_positions)
+    return {"sliding_window": window, "layer_types": layer_types}
+
+
+def _gemma3_fields(raw: dict[str, Any], layers: int) -> dict[str, Any]:
+    """What Gemma 3 adds to a Llama config (transformers' Gemma3TextConfig), each checked:
+    layer_types (or the older sliding_window_pattern: every n-th layer full), the window, the
+    two RoPE bases (transformers >= 5: rope_parameters per layer type; older: rope_theta +
+    rope_scaling for full layers, rope_local_base_freq for sliding ones), GELU-tanh, and the
+    softcaps Gemma 3 leaves null (Gemma 2's; refused)."""
+    r = _Reader(raw)
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelError(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh only)")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(name) is not None:
+            raise ModelError(f"config.json: {name} {raw[name]!r} is not supported (null only, as Gemma 3)")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelError("config.json: use_bidirectional_attention true is not supported (causal only)")
+    if raw.get("attention_bias"):
+        raise ModelError("config.json: attention_bias true is not supported for Gemma 3 (false only)")
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = r.positive_int("sliding_window_pattern", 6)
+        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in (FULL_ATTENTION, SLIDING_ATTENTION) for t in types)):
+        raise ModelError(f"config.json: layer_types must list {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} "
+                         f"for each of the {layers} layers")
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and FULL_ATTENTION in params:
+        full, local = params.get(FULL_ATTENTION) or {}, params.get(SLIDING_ATTENTION) or {}
+        local_theta = _Reader(local).float("rope_theta", 10000.0)
+        if local.get("rope_type", "default") != "default":
+            raise ModelError(f"config.json: rope_parameters.{SLIDING_ATTENTION} rope_type "
+                             f"{local['rope_type']!r} is not supported (default only)")
+        full = {"rope_theta": 1_000_000.0, **full}
+    else:
+        local_theta = r.float("rope_local_base_freq", 10000.0)
+        full = None
+    return {"hidden_act": "gelu_tanh", "layer_types": tuple(types),
+            "sliding_window": r.positive_int("sliding_window", 4096), "local_rope_theta": local_theta,
+            "query_pre_attn_scalar": r.float("query_pre_attn_scalar", 256), "rope_parameters": full}
 
 
 def _windows(raw: dict[str, Any], arch: str, num_layers: int,

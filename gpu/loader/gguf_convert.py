@@ -4,9 +4,11 @@ The folder holds config.json, model.safetensors, tokenizer.json, tokenizer_confi
 generation_config.json. Every tensor keeps its GGUF type: F32, F16 and BF16 as safetensors
 floats, the block-quantized types as their raw blocks (U8 [rows, bytes per row], the type named
 in the header's metadata: gpu/loader/weights.py reads them back as GGMLTensor), so nothing is widened
-on disk and the conversion is exact. The architectures in ARCHITECTURES (llama, with llama3 rope
+on disk and the conversion is exact (but for Gemma 3's norms, stored by llama.cpp as 1 + w and
+written back as w in float32). The architectures in ARCHITECTURES (llama, with llama3 rope
 scaling through its rope_freqs tensor; qwen2, with q/k/v biases; qwen3, with q/k norms; phi3, with fused
-attn_qkv and ffn_up, partial rotary dims and LongRoPE's factor tensors), the byte-level BPE
+attn_qkv and ffn_up, partial rotary dims and LongRoPE's factor tensors; gemma3, with its four
+norms a layer and what llama.cpp assumes of it), the byte-level BPE
 pre-tokenizers in PRE_TOKENIZERS and the tensor types in SUPPORTED_TYPES are accepted; anything
 else is a ModelError that names what was refused.
 
@@ -47,11 +49,13 @@ class _Arch:
     qkv_bias: bool
     qk_norm: bool = False  # attn_q_norm / attn_k_norm per layer (Qwen3)
     fused: bool = False    # attn_qkv, and ffn_up holding gate then up (Phi-3): HF's fused names
+    gemma: bool = False    # Gemma 3's four norms a layer, each stored as 1 + w (norm_shift)
 
     def layer_tensors(self) -> dict[str, str]:
         """GGUF tensor (after "blk.N.") -> HF name (after "model.layers.N.") for this architecture."""
         return {**(_FUSED_LAYER_TENSORS if self.fused else _LAYER_TENSORS),
-                **(_BIAS_TENSORS if self.qkv_bias else {}), **(_QK_NORM_TENSORS if self.qk_norm else {})}
+                **(_BIAS_TENSORS if self.qkv_bias else {}), **(_QK_NORM_TENSORS if self.qk_norm else {}),
+                **(_GEMMA3_NORMS if self.gemma else {})}
 
 
 # GGUF general.architecture -> what it is in HF terms. Qwen2 and Qwen3 use llama.cpp's NEOX RoPE,
@@ -61,7 +65,15 @@ ARCHITECTURES = {
     "qwen2": _Arch("Qwen2ForCausalLM", "qwen2", permuted_qk=False, qkv_bias=True),
     "qwen3": _Arch("Qwen3ForCausalLM", "qwen3", permuted_qk=False, qkv_bias=False, qk_norm=True),
     "phi3": _Arch("Phi3ForCausalLM", "phi3", permuted_qk=False, qkv_bias=False, fused=True),
+    "gemma3": _Arch("Gemma3ForCausalLM", "gemma3_text", permuted_qk=False, qkv_bias=False, qk_norm=True,
+                    gemma=True),
 }
+# What llama.cpp fixes for gemma3 rather than storing (src/llama-model.cpp): with a sliding
+# window, every 6th layer full and the others on RoPE base 10000, unscaled; the attention scale
+# 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 62-layer 27B.
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_27B_LAYERS = 62
 
 # tokenizer.ggml.pre -> how llama.cpp splits text before BPE (src/llama-vocab.cpp
 # llm_tokenizer_bpe): GPT-2's regex (built into the byte-level step), after every digit alone
@@ -128,7 +140,13 @@ _QK_NORM_TENSORS = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_END_OF_TURN = {"phi3": "<|end|>"}  # a family's turn-end token, by text
+# Gemma 3: ffn_norm is the MLP's pre-norm (post_attention_layernorm is the attention output's norm)
+_GEMMA3_NORMS = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_END_OF_TURN = {"phi3": "<|end|>", "gemma3": "<end_of_turn>"}  # a family's turn-end token, by text
 ROPE_FREQS = "rope_freqs.weight"   # llama3 rope scaling: llama.cpp divides each frequency by it
 # LongRoPE (phi3): each frequency divided by the long or the short factor (gpu/rope.py picks one)
 ROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
@@ -260,8 +278,11 @@ def hf_config(meta: _Metadata, tensor_names: set[str], rope_freqs: np.ndarray | 
     tokens = _tokens(meta)
     eos = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens))
     pad = _token_id(meta, "tokenizer.ggml.padding_token_id", len(tokens), strict=False)
+    layers = _int(meta, key("block_count"))
+    gemma = _gemma3_config(meta, arch, layers, hidden, heads, head_dim) if kind.gemma else {}
     # NOTE: a turn's end is an eos too (llama.cpp stops at either): the file's eot token, and
-    # Phi's <|end|> (Phi-4-mini's GGUF says eos <|endoftext|>; its generation_config lists both)
+    # Phi's <|end|> (Phi-4-mini's GGUF says eos <|endoftext|>; its generation_config lists both),
+    # Gemma's <end_of_turn>
     turn_end = _END_OF_TURN.get(arch)
     ends = list(dict.fromkeys(i for i in (
         eos, _token_id(meta, "tokenizer.ggml.eot_token_id", len(tokens), strict=False),
@@ -272,11 +293,12 @@ def hf_config(meta: _Metadata, tensor_names: set[str], rope_freqs: np.ndarray | 
         "vocab_size": _int(meta, key("vocab_size"), len(tokens)),
         "hidden_size": hidden,
         "intermediate_size": _int(meta, key("feed_forward_length")),
-        "num_hidden_layers": _int(meta, key("block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
+        **gemma,
         "max_position_embeddings": _int(meta, key("context_length")),
         "rms_norm_eps": _f32(_number(meta, key("attention.layer_norm_rms_epsilon"))),
         "rope_theta": rope_theta,
@@ -309,6 +331,23 @@ def longrope_scaling(meta: _Metadata, key, factors: dict[str, np.ndarray], rotar
     if meta.get(key("rope.scaling.attn_factor")) is not None:
         scaling["attention_factor"] = _f32(_number(meta, key("rope.scaling.attn_factor")))
     return scaling
+
+
+def _gemma3_config(meta: _Metadata, arch: str, layers: int, hidden: int, heads: int,
+                   head_dim: int) -> dict[str, Any]:
+    """config.json's Gemma 3 fields, as llama.cpp reads a gemma3 GGUF (GEMMA3_* above); a final
+    logit softcap is passed on (and refused by gpu/loader/config.py, as transformers' field)."""
+    window = meta.get(f"{arch}.attention.sliding_window")
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": _int(meta, f"{arch}.attention.sliding_window") if window else 4096,
+        "sliding_window_pattern": GEMMA3_SLIDING_PATTERN if window else 1,  # 1: every layer full
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
+        "query_pre_attn_scalar": hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim,
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+        "attn_logit_softcapping": None,
+    }
 
 
 def _number(meta: _Metadata, key: str, default: float | None = None) -> float:
@@ -409,16 +448,19 @@ def _hf_name(gguf_name: str, arch: str, path: Path) -> str:
 class _Tensor:
     """One GGUF tensor on its way to the safetensors file."""
 
-    def __init__(self, tensor, hf_name: str, shape: tuple[int, ...], unpermute_heads: int | None):
+    def __init__(self, tensor, hf_name: str, shape: tuple[int, ...], unpermute_heads: int | None,
+                 norm_shift: bool = False):
+        """norm_shift: a Gemma norm, stored as 1 + w: written back as HF's w, in float32."""
         self.tensor, self.hf_name, self.shape, self.unpermute_heads = tensor, hf_name, shape, unpermute_heads
+        self.norm_shift = norm_shift
 
     @property
     def type_name(self) -> str:
-        return self.tensor.tensor_type.name
+        return "F32" if self.norm_shift else self.tensor.tensor_type.name
 
     @property
     def nbytes(self) -> int:
-        return int(self.tensor.n_bytes)
+        return 4 * int(np.prod(self.shape)) if self.norm_shift else int(self.tensor.n_bytes)
 
     @property
     def stored(self) -> tuple[str, list[int]]:
@@ -429,6 +471,8 @@ class _Tensor:
 
     def data(self) -> bytes:
         """The tensor's bytes, its q/k rows unpermuted (a row is whole blocks: rows move as bytes)."""
+        if self.norm_shift:  # NOTE: (1 + w) - 1 in float32: w to its rounding, as stored
+            return (np.asarray(self.tensor.data, np.float32) - np.float32(1)).astype("<f4").tobytes()
         rows = np.ascontiguousarray(self.tensor.data).view(np.uint8).reshape(self.shape[0], -1)
         if self.unpermute_heads:
             rows = np.ascontiguousarray(unpermute_qk(rows, self.unpermute_heads))
@@ -456,7 +500,11 @@ def _plan_tensors(reader, arch: str, config: dict[str, Any], path: Path) -> list
             heads = config["num_attention_heads"]
         elif ARCHITECTURES[arch].permuted_qk and t.name.endswith(".attn_k.weight"):
             heads = config["num_key_value_heads"]
-        planned.append(_Tensor(t, hf_name, shape, heads))
+        shift = ARCHITECTURES[arch].gemma and t.name.endswith("norm.weight")
+        if shift and type_name not in ("F32", "F16"):
+            raise ModelError(f"{path}: tensor {t.name} has type {type_name}; a gemma3 norm must be F32 "
+                             "or F16")
+        planned.append(_Tensor(t, hf_name, shape, heads, shift))
     expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
         f"model.layers.{i}.{name}" for i in range(config["num_hidden_layers"])
         for name in ARCHITECTURES[arch].layer_tensors().values()}
@@ -507,13 +555,18 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _vocabulary(meta: _Metadata) -> tuple[list[str], list[int], list[tuple[str, str]]]:
-    """tokens, their types and the merges, each checked: an odd file is a ModelError, not a crash."""
-    tokens = _tokens(meta)
+def _token_types(meta: _Metadata, tokens: list[str]) -> list[int]:
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if not isinstance(types, list) or len(types) != len(tokens) or not all(isinstance(t, int) for t in types):
         raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.token_type must be one integer "
                          f"per token ({len(tokens)})")
+    return types
+
+
+def _vocabulary(meta: _Metadata) -> tuple[list[str], list[int], list[tuple[str, str]]]:
+    """tokens, their types and the merges, each checked: an odd file is a ModelError, not a crash."""
+    tokens = _tokens(meta)
+    types = _token_types(meta, tokens)
     merges = meta.require("tokenizer.ggml.merges")
     if not isinstance(merges, list):
         merges = [merges]
@@ -524,13 +577,65 @@ def _vocabulary(meta: _Metadata) -> tuple[list[str], list[int], list[tuple[str, 
 
 
 def build_tokenizer(meta: _Metadata):
-    """(tokenizers.Tokenizer, tokenizer_config dict) for a GGUF 'gpt2' (byte-level BPE) vocabulary."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    """(tokenizers.Tokenizer, tokenizer_config dict) for a GGUF vocabulary: 'gpt2' (byte-level
+    BPE) or 'llama' (SentencePiece BPE: Gemma, Llama 2)."""
+    from tokenizers import processors
 
     model = meta.require("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model == "gpt2":
+        tok, tokens, add_bos_default = _byte_level_bpe(meta)
+        post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
+    elif model == "llama":
+        tok, tokens, add_bos_default = _sentencepiece_bpe(meta)
+        post = []
+    else:
         raise ModelError(f"{meta.path}: tokenizer.ggml.model {model!r} is not supported "
-                         "(gpt2 byte-level BPE only)")
+                         "(gpt2 byte-level BPE, llama SentencePiece BPE)")
+    vocab = {t: i for i, t in enumerate(tokens)}
+
+    def token_at(key: str, strict: bool = True) -> str | None:
+        i = _token_id(meta, key, len(tokens), strict)
+        return None if i is None else tokens[i]
+
+    bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if (add_bos and bos) or (add_eos and eos):
+        specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
+        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
+        post.append(processors.TemplateProcessing(single=single, special_tokens=specials))
+    tok.post_processor = processors.Sequence(post)
+
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": token_at("tokenizer.ggml.padding_token_id", strict=False) or eos,
+        "unk_token": token_at("tokenizer.ggml.unknown_token_id", strict=False),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    return tok, {k: v for k, v in config.items() if v is not None}
+
+
+def _add_marked_tokens(tok, tokens: list[str], types: list[int]) -> None:
+    """CONTROL tokens as special added tokens, USER_DEFINED ones as plain added tokens: both
+    matched whole in the raw text, as llama.cpp matches them."""
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types, strict=True) if kind == TOKEN_TYPE_CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types, strict=True) if kind == TOKEN_TYPE_USER_DEFINED])
+
+
+def _byte_level_bpe(meta: _Metadata):
+    """(tokenizer, tokens, add-BOS default) of a 'gpt2' vocabulary with its pre-tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     pre_name = meta.get("tokenizer.ggml.pre", "default")
     if pre_name not in PRE_TOKENIZERS:
         raise ModelError(f"{meta.path}: tokenizer.ggml.pre {pre_name!r} is not supported "
@@ -561,38 +666,55 @@ def build_tokenizer(meta: _Metadata):
     splitters.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.regex is None))
     tok.pre_tokenizer = pre_tokenizers.Sequence(splitters)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i in sorted(added) if types[i] == TOKEN_TYPE_CONTROL])
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i in sorted(added) if types[i] == TOKEN_TYPE_USER_DEFINED])
+    _add_marked_tokens(tok, tokens, types)
+    return tok, tokens, pre.add_bos
 
-    def token_at(key: str, strict: bool = True) -> str | None:
-        i = _token_id(meta, key, len(tokens), strict)
-        return None if i is None else tokens[i]
 
-    bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre.add_bos))
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    post: list[processors.PostProcessor] = [processors.ByteLevel(trim_offsets=False)]
-    if (add_bos and bos) or (add_eos and eos):
-        specials = [(t, vocab[t]) for t in {bos if add_bos else None, eos if add_eos else None} if t]
-        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
-        post.append(processors.TemplateProcessing(single=single, special_tokens=specials))
-    tok.post_processor = processors.Sequence(post)
+SPM_SPACE = "\u2581"  # SentencePiece's spelling of a space
+TOKEN_TYPE_NORMAL = 1
 
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "pad_token": token_at("tokenizer.ggml.padding_token_id", strict=False) or eos,
-        "unk_token": token_at("tokenizer.ggml.unknown_token_id", strict=False),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
-        "chat_template": meta.get("tokenizer.chat_template"),
-    }
-    return tok, {k: v for k, v in config.items() if v is not None}
+
+def _sentencepiece_bpe(meta: _Metadata):
+    """(tokenizer, tokens, add-BOS default) of a 'llama' vocabulary: SentencePiece BPE as
+    llama.cpp's llm_tokenizer_spm runs it: spaces spelled U+2581 (one prepended with
+    tokenizer.ggml.add_space_prefix, llama.cpp's default; Gemma's files say false), no
+    pre-splitting, then adjacent pieces merged while their join is a token, the highest-scoring
+    join first; a character no token spells falls back to its <0xXX> byte tokens. The same as
+    a `tokenizers` BPE whose merges are every split of every normal token into two tokens,
+    ranked by the whole token's score (transformers builds Llama's and Gemma's tokenizer.json
+    from their SentencePiece models this way)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    tokens = _tokens(meta)
+    types = _token_types(meta, tokens)
+    scores = meta.require("tokenizer.ggml.scores")
+    if (not isinstance(scores, list) or len(scores) != len(tokens)
+            or not all(isinstance(x, (int, float)) for x in scores)):
+        raise ModelError(f"{meta.path}: GGUF metadata tokenizer.ggml.scores must be one number per token "
+                         f"({len(tokens)})")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ModelError(f"{meta.path}: tokenizer.ggml.tokens has duplicate tokens")
+    ranked = []
+    for i, (piece, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind != TOKEN_TYPE_NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], vocab[left], vocab[right], left, right))
+    ranked.sort()  # the highest score first; a tie by the halves' ids, as transformers orders them
+    unk = _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens), strict=False)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in ranked], byte_fallback=True,
+                               fuse_unk=True, unk_token=None if unk is None else tokens[unk]))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tok.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend(SPM_SPACE)] if prefix else []) + [normalizers.Replace(" ", SPM_SPACE)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    _add_marked_tokens(tok, tokens, types)
+    return tok, tokens, True
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

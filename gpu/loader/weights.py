@@ -1,6 +1,6 @@
 """Safetensors loading without torch: one ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``, into numpy arrays; then a check that every tensor the
-Llama forward needs is there with the right shape.
+model's forward needs is there with the right shape.
 
 numpy has no bfloat16, and a folder converted from a GGUF keeps block-quantized tensors as
 their raw blocks (gpu/loader/gguf_convert.py): both load as GGMLTensor (memory-mapped raw bytes and
@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.config import GEMMA3, ModelConfig
 
 BLOCK_TYPES_KEY = "ringserve.block_types"  # gpu/loader/gguf_convert.py writes it; not imported: gguf_convert
 #                                           imports tqdm and the tokenizer builder, not needed here
@@ -63,11 +63,34 @@ def load_weights(model_dir: str | Path) -> dict[str, Tensor]:
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
     if index.is_file():
-        return fold_int4(_load_sharded(model_dir, index), model_dir)
+        return text_tower(fold_int4(_load_sharded(model_dir, index), model_dir))
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        return fold_int4(load_safetensors(single), model_dir)
+        return text_tower(fold_int4(load_safetensors(single), model_dir))
     raise ModelError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+# A multimodal checkpoint's text model (Gemma3ForConditionalGeneration), by the prefixes
+# transformers 4.x ("language_model.model.") and 5.x ("model.language_model.") save it under
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+
+
+def text_tower(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The text model's tensors under the causal-LM names (model.layers..., lm_head); the vision
+    tower's and projector's left out. Weights of a text-only checkpoint as they are."""
+    if not any(name.startswith(p) for name in weights for p in _TEXT_PREFIXES):
+        return weights
+    out: dict[str, Tensor] = {}
+    for name, tensor in weights.items():
+        for prefix, to in _TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                out[to + name[len(prefix):]] = tensor
+                break
+        else:
+            if name == "lm_head.weight":
+                out[name] = tensor
+    return out
 
 
 def _load_sharded(model_dir: Path, index: Path) -> dict[str, Tensor]:
@@ -179,7 +202,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The tensors the Llama forward reads, with their shapes ([out, in] for projections)."""
+    """The tensors the forward reads, with their shapes ([out, in] for projections)."""
     c = config
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
@@ -211,6 +234,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
             shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+        if c.architecture == GEMMA3:  # the norms around the MLP (post_attention_layernorm: attention's)
+            shapes[p + "pre_feedforward_layernorm.weight"] = (c.hidden_size,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (c.hidden_size,)
     return shapes
 
 

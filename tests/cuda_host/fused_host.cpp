@@ -29,6 +29,14 @@ using cuda_host::launch;
                                            Elem<T>::Pair* out, int num_tokens, int inter2) {              \
         return launch(dims, 1024, [=] { silu_mul##SUFFIX(gate_up, out, num_tokens, inter2); });           \
     }                                                                                                     \
+    extern "C" int launch_gelu_tanh_mul##SUFFIX(const unsigned* dims, const Elem<T>::Pair* gate_up,       \
+                                                Elem<T>::Pair* out, int num_tokens, int inter2) {         \
+        return launch(dims, 1024, [=] { gelu_tanh_mul##SUFFIX(gate_up, out, num_tokens, inter2); });      \
+    }                                                                                                     \
+    extern "C" int launch_rms_norm##SUFFIX(const unsigned* dims, T* x, const T* weight, int hidden,       \
+                                           float eps) {                                                   \
+        return launch(dims, 1024, [=] { rms_norm##SUFFIX(x, weight, hidden, eps); });                     \
+    }                                                                                                     \
     extern "C" int launch_add_bias##SUFFIX(const unsigned* dims, T* x, const T* bias, int rows, int n) {  \
         return launch(dims, 1024, [=] { add_bias##SUFFIX(x, bias, rows, n); });                           \
     }                                                                                                     \
