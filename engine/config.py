@@ -57,7 +57,8 @@ class SchedulerConfig:
 def fit_max_model_len(requested: int | None, model_len: int, pool_tokens: int) -> tuple[int, str | None]:
     """The max_model_len an engine serves with, and a warning when it is less than asked for.
     requested: --max-model-len (None: not given, the model's max_position_embeddings);
-    pool_tokens: what the KV pool holds (its blocks x block size). A pool that cannot hold one
+    pool_tokens: the longest request the KV pool holds (its blocks x block size; with a window on
+    every layer, any length whose window and chunk fit: engine/kv_cache.py). A pool that cannot hold one
     request of an explicit max_model_len is refused (ValueError, as vLLM refuses); without an
     explicit one the length is clamped to the pool, so that the default KV budget (the CPU's 1 GiB
     against a long-context model) still starts, and a longer request is a 400 at the frontend."""

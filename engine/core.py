@@ -94,13 +94,17 @@ class EngineCore:
             raise ValueError(f"max_model_len {config.max_model_len} is longer than the model's "
                              f"max_position_embeddings {model.max_position_embeddings}")
         self.block_size = runner.block_size
-        self.max_model_len, clamped = fit_max_model_len(
-            config.max_model_len, model.max_position_embeddings, runner.num_blocks * self.block_size)
-        if clamped is not None:
-            log.warning("%s", clamped)
         self.kv = KVCacheManager(runner.num_blocks, self.block_size,
                                  config.cache_config.enable_prefix_caching,
                                  sliding_window=model.uniform_window)
+        pool_tokens = runner.num_blocks * self.block_size
+        longest = max(config.max_model_len or 0, model.max_position_embeddings)
+        if self.kv.max_blocks_held(longest, config.scheduler_config.token_budget) <= runner.num_blocks:
+            pool_tokens = longest  # NOTE: a window on every layer bounds the blocks a request holds
+        self.max_model_len, clamped = fit_max_model_len(
+            config.max_model_len, model.max_position_embeddings, pool_tokens)
+        if clamped is not None:
+            log.warning("%s", clamped)
         self.scheduler = Scheduler(self.kv, config.scheduler_config)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
