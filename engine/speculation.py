@@ -33,6 +33,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] | None = None   # [K]: drafts accepted at each position
+    num_off_steps: int = 0             # steps that did not speculate: too many running requests
 
 
 class Speculation:
@@ -44,7 +45,10 @@ class Speculation:
 
     def enabled_for(self, num_running: int) -> bool:
         """Does a step with this many running requests speculate (vLLM's disable_by_batch_size)?"""
-        return num_running <= self.config.disable_by_batch_size
+        if num_running <= self.config.disable_by_batch_size:
+            return True
+        self.stats.num_off_steps += 1
+        return False
 
     def propose(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request: never more than max_tokens or max_model_len can
