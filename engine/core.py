@@ -59,7 +59,7 @@ from ringserve.engine.stop import check_stop
 from ringserve.engine.structured_outputs import StructuredOutputs, advance
 from ringserve.engine.trace import EngineTracer
 from ringserve.gpu.runner import StepHandle
-from ringserve.gpu.sampling.sampler import GREEDY_EPS, SamplerOutput
+from ringserve.gpu.sampling.sampler import GREEDY_EPS, SamplerOutput, SamplingMetadata
 from ringserve.ipc.limits import generator_seed
 from ringserve.ipc.messages import EngineOutput, FinishReason
 from ringserve.ipc.sampling_params import SamplingParams
@@ -239,6 +239,7 @@ class EngineCore:
         rows = [i for i, s in enumerate(sched.scheduled) if s.samples_token]
         step.reqs = reqs = [sched.scheduled[i].request for i in rows]
         spec, step.prompt_rows = prompt_logprobs_spec(sched, batch)
+        meta: SamplingMetadata | None
         if sched.num_draft_tokens:  # speculative decoding: 1 + k rows per request
             step.drafts = [sched.scheduled[i].draft_token_ids for i in rows]
             meta = build_verify_metadata(reqs, step.drafts, self.structured.verify_bitmask)
@@ -336,7 +337,7 @@ class EngineCore:
             req.append_output_token(token)
             new.append(token)
             if out.logprobs is not None:
-                out.logprobs.append(position_logprobs(result.logprobs, row + i, params.logprobs))
+                out.logprobs.append(position_logprobs(result.logprobs, row + i, params.logprobs or 0))
             reason = check_stop(req, token, self.max_model_len)
             if req.matcher is not None:  # its grammar complete: "stop"
                 reason = advance(req, token) or reason

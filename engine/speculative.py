@@ -58,6 +58,7 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     if method != "ngram":
         raise ValueError(f"--speculative-config: method must be \"ngram\", got {method!r}")
     k = _int(value, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+    assert k is not None  # not optional: _int raised
     # vLLM's defaults: one bound given sets the other; neither: 5 and 1.
     lo = _int(value, "prompt_lookup_min", None, 1, MAX_PROMPT_LOOKUP, optional=True)
     hi = _int(value, "prompt_lookup_max", None, 1, MAX_PROMPT_LOOKUP, optional=True)
