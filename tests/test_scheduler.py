@@ -205,13 +205,13 @@ def accept(sched: Scheduler, out: SchedulerOutput, rng: random.Random) -> None:
         if not s.samples_token:
             continue
         taken = drafts[:rng.randint(0, len(drafts))] + [rng.randrange(3)]
-        for i, token in enumerate(taken):
+        for token in taken:
             req.append_output_token(token)
             if req.num_output_tokens >= req.max_tokens:
                 sched.finish(req, "length")
                 break
         else:
-            req.num_computed_tokens += i
+            req.num_computed_tokens += len(taken) - 1   # the accepted drafts
 
 
 def check_registered(out, kv) -> None:
