@@ -96,7 +96,11 @@ class EngineConfig:
                                  "(pip install 'ringserve[kv-events]')") from None
         if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...}), as vLLM
             self.speculative_config = json.dumps(self.speculative_config)
-        parse_speculative_config(self.speculative_config)  # ValueError: one line
+        if parse_speculative_config(self.speculative_config) is not None:  # ValueError: one line
+            from ringserve.gpu.devices import resolve_device
+            if resolve_device(self.device_config.device) != "cpu":
+                raise ValueError("--speculative-config: speculative decoding runs on the CPU "
+                                 "backend only for now (docs/speculative.md)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.scheduler_config.max_num_batched_tokens is None:  # the one place it is resolved

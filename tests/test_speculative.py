@@ -49,6 +49,11 @@ def test_bad_speculative_config_refused_in_one_line(value, field):
     assert field in str(e.value) and "\n" not in str(e.value)
 
 
+def test_speculative_decoding_on_cuda_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="CPU backend only"):
+        EngineConfig.create(speculative_config=NGRAM, device="cuda")
+
+
 def test_speculative_config_defaults_as_vllm():
     spec = EngineConfig.create(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
                                device="cpu").speculative
