@@ -228,3 +228,32 @@ def test_spec_decode_counters_on_metrics(serve, tiny_model_dir):
     assert len(per_pos) == 4 and sum(v for _, v in per_pos) == accepted
     assert 'position="3"' in per_pos[3][0]
     assert metric_samples(text, "ringserve:spec_decode_num_disabled_steps_total")
+
+
+def test_a_verify_row_whose_sampling_raises_ends_only_its_request(llms):
+    """A request whose top_p turns 0 in float32 mid-way (it slipped past validation) fails in a
+    verify step's rows: it ends with "error", the request beside it keeps its greedy tokens."""
+    plain, spec = llms
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    want = plain.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids
+    core = spec.engine
+    ids = spec.tokenizer.encode(PROMPTS[0])
+    core.add_request("good", ids, greedy)
+    bad = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1)
+    core.add_request("bad", ids, bad)
+    got: dict[str, list] = {"good": [], "bad": []}
+    outs = []
+    for step in range(200):
+        if step == 2:
+            bad.top_p = 1e-46
+            drafts_before = core.scheduler.speculation.stats.num_drafts
+        outs = core.step()
+        if step == 2:
+            assert core.scheduler.speculation.stats.num_drafts > drafts_before  # a verify step
+        for o in outs:
+            got[o.request_id].append(o)
+        if not core.has_unfinished_requests():
+            break
+    assert got["bad"][-1].finish_reason == "error" and "sampling failed" in got["bad"][-1].error
+    assert [t for o in got["good"] for t in o.new_token_ids] == want
+    assert core.kv.num_free_blocks == core.kv.num_blocks
