@@ -10,9 +10,11 @@ built from it.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields, replace
 
 from ringserve.engine.kv_events import KVEventsConfig, parse_kv_events_config
+from ringserve.engine.speculative import SpeculativeConfig, parse_speculative_config
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 # Tokens per step when max_num_batched_tokens is not given; longer prompts are chunked.
@@ -109,6 +111,11 @@ class EngineConfig:
                 "buffer_steps, hwm, max_queue_size, topic; each engine's ports are offset by its "
                 "index (docs/scale-out.md; needs pyzmq, the kv-events extra). Published by the "
                 "engine processes of `ringserve serve`, not by the offline LLM"})
+    speculative_config: str | None = field(default=None, metadata={
+        "help": "speculative decoding as vLLM spells it, a JSON object: {\"method\": \"ngram\", "
+                "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}, "
+                "optionally \"disable_by_batch_size\" (default 8: no speculation in a step with more "
+                "running requests); CPU backend only for now (docs/speculative.md)"})
     # The parts: settings classes of their own (no flag each; their fields are the flags).
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -122,6 +129,13 @@ class EngineConfig:
             except ImportError:
                 raise ValueError("--kv-events-config: publisher \"zmq\" needs pyzmq "
                                  "(pip install 'ringserve[kv-events]')") from None
+        if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...}), as vLLM
+            self.speculative_config = json.dumps(self.speculative_config)
+        if parse_speculative_config(self.speculative_config) is not None:  # ValueError: one line
+            from ringserve.gpu.devices import resolve_device
+            if resolve_device(self.device_config.device) != "cpu":
+                raise ValueError("--speculative-config: speculative decoding runs on the CPU "
+                                 "backend only for now (docs/speculative.md)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.scheduler_config.max_num_batched_tokens is None:  # the one place it is resolved
@@ -143,6 +157,11 @@ class EngineConfig:
     def kv_events(self) -> KVEventsConfig | None:
         """--kv-events-config parsed (None: not given)."""
         return parse_kv_events_config(self.kv_events_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config parsed (None: no speculation)."""
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def step_limits(self) -> StepLimits:

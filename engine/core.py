@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ringserve.engine.config import EngineConfig, fit_max_model_len
-from ringserve.engine.inputs import build_batch
+from ringserve.engine.inputs import build_batch, verify_row_starts
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.logprobs import (
     PromptLogprobsOwners,
@@ -51,14 +51,15 @@ from ringserve.engine.logprobs import (
 from ringserve.engine.recovery import MAX_FAILED_STEPS, find_culprits
 from ringserve.engine.request import Request
 from ringserve.engine.request_checks import check_request
-from ringserve.engine.sampling_metadata import build_sampling_metadata
+from ringserve.engine.sampling_metadata import build_sampling_metadata, build_verify_metadata
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
+from ringserve.engine.speculation import Speculation
 from ringserve.engine.stats import SchedulerStats
 from ringserve.engine.stop import check_stop
 from ringserve.engine.structured_outputs import StructuredOutputs, advance
 from ringserve.engine.trace import EngineTracer
 from ringserve.gpu.runner import StepHandle
-from ringserve.gpu.sampling.sampler import GREEDY_EPS, SamplerOutput
+from ringserve.gpu.sampling.sampler import GREEDY_EPS, SamplerOutput, SamplingMetadata
 from ringserve.ipc.limits import generator_seed
 from ringserve.ipc.messages import EngineOutput, FinishReason
 from ringserve.ipc.sampling_params import SamplingParams
@@ -77,6 +78,8 @@ class InFlightStep:
     outputs: list[EngineOutput]      # refusals and aborts queued before the step
     start: float                     # monotonic start (tracing only)
     error: Exception | None = None   # launching it raised: finish_step recovers (_recover)
+    # speculative decoding: each of reqs' draft tokens (None: none), when the step has any
+    drafts: list[list[int] | None] | None = None
 
 
 class EngineCore:
@@ -106,6 +109,12 @@ class EngineCore:
         if clamped is not None:
             log.warning("%s", clamped)
         self.scheduler = Scheduler(self.kv, config.scheduler_config)
+        spec = config.speculative
+        if spec is not None:
+            if getattr(runner, "device", "cpu") != "cpu":
+                raise ValueError("--speculative-config: speculative decoding runs on the CPU "
+                                 "backend only for now (docs/speculative.md)")
+            self.scheduler.speculation = Speculation(spec, self.max_model_len)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
         self._pending: list[EngineOutput] = []               # refusals and aborts, out next step
@@ -237,7 +246,15 @@ class EngineCore:
         rows = [i for i, s in enumerate(sched.scheduled) if s.samples_token]
         step.reqs = reqs = [sched.scheduled[i].request for i in rows]
         spec, step.prompt_rows = prompt_logprobs_spec(sched, batch)
-        meta = build_sampling_metadata(reqs, self.structured.bitmask) if reqs else None
+        meta: SamplingMetadata | None
+        if sched.num_draft_tokens:  # speculative decoding: 1 + k rows per request
+            step.drafts = [sched.scheduled[i].draft_token_ids for i in rows]
+            meta = build_verify_metadata(reqs, step.drafts, self.structured.verify_bitmask)
+            starts = verify_row_starts(sched)
+            rows = [row for i in rows for row in range(starts[i], starts[i] + 1 + len(
+                sched.scheduled[i].draft_token_ids or ()))]
+        else:
+            meta = build_sampling_metadata(reqs, self.structured.bitmask) if reqs else None
         step.handle = self.runner.submit(batch, np.asarray(rows, np.int64), meta, spec)
 
     def finish_step(self, step: InFlightStep) -> list[EngineOutput]:
@@ -256,7 +273,7 @@ class EngineCore:
                 applied = True                                              # 3. update
                 self.scheduler.update_after_step(step.sched)
                 take_prompt_logprobs(step.prompt_rows, result.prompt_logprobs)
-                outputs.extend(self.update(step.reqs, result))
+                outputs.extend(self.update(step.reqs, result, step.drafts))
                 self._failed_steps = 0
             except Exception as e:  # noqa: BLE001 - ends the request(s) at fault, not the engine
                 self._recover(step, e, retry=not applied)
@@ -272,36 +289,37 @@ class EngineCore:
         self.num_steps += 1
         return outputs
 
-    def update(self, reqs: list[Request], result: SamplerOutput) -> list[EngineOutput]:
+    def update(self, reqs: list[Request], result: SamplerOutput,
+               drafts: list[list[int] | None] | None = None) -> list[EngineOutput]:
         """The step's last phase: the scheduled tokens are in the cache and result holds one
-        sampled token per request of reqs (those whose last token was computed); append,
-        check stops, finish (blocks freed now)."""
+        sampled token per request of reqs (those whose last token was computed), or 1 + k for
+        a request that verified k drafts (drafts, engine/speculation.py); append, check stops,
+        finish (blocks freed now)."""
         # Once per running request per step: the plain attributes, not the properties.
         outputs = []
-        max_model_len = self.max_model_len
-        rows: Iterable[tuple[int, tuple[Request, int]]] = enumerate(
-            zip(reqs, result.token_ids.tolist(), strict=True))
+        tokens = result.token_ids.tolist()
+        starts = range(len(reqs)) if drafts is None else _row_starts(drafts)
+        rows: Iterable[tuple[int, Request]] = enumerate(reqs)
         if result.failed:  # rare: rows whose sampling raised end their request (gpu/sampling/sampler.py)
-            for j, why in result.failed.items():
-                self.abort_request(reqs[j].request_id, error=f"sampling failed: {why}")
-            rows = [row for row in rows if row[0] not in result.failed]
+            bad = {int(np.searchsorted(starts, j, side="right")) - 1 for j in result.failed}
+            for j in bad:
+                self.abort_request(reqs[j].request_id,
+                                   error=f"sampling failed: {_failure_of(result.failed, starts, j)}")
+            rows = [row for row in rows if row[0] not in bad]
         todo = iter(rows)
         while True:
             try:  # PERF: around the loop, entered again after a request that raises
-                for j, (req, token) in todo:
-                    req.append_output_token(token)
-                    out = EngineOutput(req.request_id, [token], index=req.index,
+                for j, req in todo:
+                    out = EngineOutput(req.request_id, [], index=req.index,
                                        num_prompt_tokens=len(req.prompt_token_ids),
                                        num_cached_tokens=req.num_cached_tokens)
-                    params = req.params
-                    if params.logprobs is not None:
-                        out.logprobs = [position_logprobs(result.logprobs, j, params.logprobs)]
-                    if (params.prompt_logprobs is not None and req.index == 0
-                            and len(req.output_token_ids) == 1):
+                    if req.params.logprobs is not None:
+                        out.logprobs = []
+                    reason = self._take_tokens(req, out, tokens, starts[j], result,
+                                               None if drafts is None else drafts[j])
+                    if (req.params.prompt_logprobs is not None and req.index == 0
+                            and len(req.output_token_ids) == len(out.new_token_ids)):
                         out.prompt_logprobs = list(req.prompt_logprobs)
-                    reason = check_stop(req, token, max_model_len)
-                    if req.matcher is not None:  # its grammar complete: "stop"
-                        reason = advance(req, token) or reason
                     if reason is not None:
                         self.scheduler.finish(req, reason)
                         out.finish_reason, out.stop_reason = reason, req.stop_reason
@@ -312,6 +330,30 @@ class EngineCore:
                 log.exception("request %s failed in the step's update", req.request_id)
                 self.abort_request(req.request_id, error=f"the engine failed this request: "
                                                          f"{type(e).__name__}: {e}")
+
+    def _take_tokens(self, req: Request, out: EngineOutput, tokens: list[int], row: int,
+                     result: SamplerOutput, drafts: list[int] | None) -> FinishReason | None:
+        """Append the request's sampled token at `row` to it and to out (with its logprobs);
+        with drafts, go on while the token sampled equals the draft (accepted: the next row
+        was computed after it), then count the accepted drafts into num_computed_tokens.
+        Returns the finish reason if a token ends the request (no token after it is taken)."""
+        params, new = req.params, out.new_token_ids
+        k = len(drafts) if drafts else 0
+        for i in range(k + 1):
+            token = tokens[row + i]
+            req.append_output_token(token)
+            new.append(token)
+            if out.logprobs is not None:
+                out.logprobs.append(position_logprobs(result.logprobs, row + i, params.logprobs or 0))
+            reason = check_stop(req, token, self.max_model_len)
+            if req.matcher is not None:  # its grammar complete: "stop"
+                reason = advance(req, token) or reason
+            if reason is not None or i == k or token != drafts[i]:  # type: ignore[index]
+                break
+        if k:  # i drafts accepted: their K/V, written this step, stay; the rest are rewritten
+            req.num_computed_tokens += i
+            self.scheduler.speculation.record(k, i)  # type: ignore[union-attr]
+        return reason
 
     def _record_stats(self, sched: SchedulerOutput) -> None:
         queries, hits = self.kv.take_stats()
@@ -354,6 +396,21 @@ class EngineCore:
                                error=f"the engine step failed: {type(exc).__name__}: {exc}")
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise RuntimeError(f"{self._failed_steps} engine steps failed in a row") from exc
+
+
+def _row_starts(drafts: list[list[int] | None]) -> list[int]:
+    """Each request's first row of a verify step's sampled rows (1 + k rows each)."""
+    starts, at = [], 0
+    for d in drafts:
+        starts.append(at)
+        at += 1 + len(d) if d else 1
+    return starts
+
+
+def _failure_of(failed: dict[int, str], starts, j: int) -> str:
+    """The first failed row's message of request j (rows starts[j] up to starts[j + 1])."""
+    end = starts[j + 1] if j + 1 < len(starts) else float("inf")
+    return next(why for row, why in sorted(failed.items()) if starts[j] <= row < end)
 
 
 def _make_runner(config: EngineConfig):

@@ -36,7 +36,26 @@ def build_batch(out: SchedulerOutput, kv: KVCacheManager) -> Batch:
         query_start_loc=query_start_loc,
         seq_lens=seq_lens.astype(np.int32),
         block_tables=block_tables,
+        sample_indices=_verify_rows(out, query_start_loc) if out.num_draft_tokens else None,
     )
+
+
+def _verify_rows(out: SchedulerOutput, query_start_loc: np.ndarray) -> np.ndarray:
+    """Speculative decoding: logits rows per request, its last token's and one per draft token
+    (1 + k, the last 1 + k rows of its tokens), else one at its last scheduled token."""
+    ends = query_start_loc[1:]
+    rows = [np.arange(end - 1 - len(s.draft_token_ids), end) if s.draft_token_ids else end - 1
+            for s, end in zip(out.scheduled, ends.tolist(), strict=True)]
+    return np.hstack(rows).astype(np.int32)
+
+
+def verify_row_starts(out: SchedulerOutput) -> np.ndarray:
+    """Where each request's first logits row is in Batch.sample_indices (see _verify_rows)."""
+    sizes = np.fromiter((1 + len(s.draft_token_ids) if s.draft_token_ids else 1
+                         for s in out.scheduled), np.int64, len(out.scheduled))
+    starts = np.zeros(len(sizes), np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    return starts
 
 
 def _new_token_ids(out: SchedulerOutput):
@@ -46,5 +65,8 @@ def _new_token_ids(out: SchedulerOutput):
         tokens = s.request.all_token_ids
         if s.num_new_tokens == 1:
             yield tokens[s.num_computed_tokens]
+        elif s.draft_token_ids:  # the last token, then the drafts to verify
+            yield tokens[s.num_computed_tokens]
+            yield from s.draft_token_ids
         else:
             yield from tokens[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]

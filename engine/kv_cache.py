@@ -307,12 +307,18 @@ class KVCacheManager:
         return [], 0
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+                       computed_blocks: list[KVBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> bool:
         """Give a request room for num_new_tokens more tokens in the cache; False if the pool is short.
 
         computed_blocks (from get_computed_blocks) are passed when a waiting request is admitted;
         they become the head of its block table. Nothing changes when False is returned, except
         that a running request's blocks before its sliding window are freed (nothing reads them).
+        num_lookahead_tokens: slots for that many draft tokens after them (speculative decoding,
+        vLLM's num_lookahead_tokens). Only full blocks of the num_new_tokens (real tokens) are
+        hashed: a draft's K/V may be rejected, so a block is registered in a later step, once
+        every token in it is real (accepted drafts' K/V are kept; rejected ones are rewritten
+        before then).
         """
         blocks = self.req_blocks.get(req.key)
         bs = self.block_size
@@ -320,9 +326,9 @@ class KVCacheManager:
         if blocks is not None and not computed_blocks:
             # The common decode step: room in the last block, no block filled up or passed.
             total = req.num_computed_tokens + num_new_tokens
-            if total <= len(blocks) * bs and (total // bs <= self._num_registered[req.key]
-                                               or not self._hashing(req)) \
-                    and skip <= self._num_skipped[req.key]:
+            if (total + num_lookahead_tokens <= len(blocks) * bs
+                    and (total // bs <= self._num_registered[req.key] or not self._hashing(req))
+                    and skip <= self._num_skipped[req.key]):
                 return True
             self._free_skipped(req, blocks, skip)
         computed_blocks = computed_blocks or []
@@ -331,7 +337,8 @@ class KVCacheManager:
             blocks = []
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
+        num_new_blocks = (self.blocks_needed(total + num_lookahead_tokens) - len(blocks)
+                          - len(computed_blocks))
         # Hits before the window (NULL_BLOCK from _window_hits) are neither touched nor held.
         held_hits = computed_blocks[skip:] if admitting else computed_blocks
         reviving = sum(1 for b in held_hits if b.ref_cnt == 0)  # these leave the free queue

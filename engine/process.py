@@ -199,6 +199,12 @@ class EngineProcess:
                               prefix_cache_hits=s.prefix_cache_hits,
                               prompt_tokens_computed=s.num_prefill_tokens,
                               generation_tokens=sum(len(o.new_token_ids) for o in outputs))
+        spec = self.core.scheduler.speculation
+        if spec is not None:
+            st = spec.stats
+            self.stats.set_spec_decode(spec.config.num_speculative_tokens, st.num_drafts,
+                                       st.num_draft_tokens, st.num_accepted_tokens,
+                                       st.num_off_steps, st.accepted_per_pos or [])
 
     def _publish(self) -> None:
         for s in self.slots:

@@ -41,3 +41,28 @@ def build_sampling_metadata(reqs: list[Request],
         # computed by the sampler when it samples: on CUDA, while the forward runs
         meta.allowed_token_bitmask = partial(bitmask, reqs)
     return meta
+
+
+def build_verify_metadata(reqs: list[Request], drafts: list[list[int] | None],
+                          bitmask: Callable[[list[Request], list[list[int] | None]], np.ndarray | None]
+                          ) -> SamplingMetadata:
+    """Speculative decoding: 1 + k rows per request (k = len of its drafts), row j sampled as
+    the request's next token after its first j drafts: the columns repeated, and what depends
+    on the output so far (penalties, min_tokens bans, the grammar's mask) taken j drafts on.
+    A seeded request's generator draws once per row, in order (engine/speculation.py)."""
+    sizes = [1 + len(d) if d else 1 for d in drafts]
+    rows = [r for r, size in zip(reqs, sizes, strict=True) for _ in range(size)]
+    meta = build_sampling_metadata(rows)
+    # the draft prefix each row assumes accepted
+    ahead = [d[:j] if d else [] for d, size in zip(drafts, sizes, strict=True) for j in range(size)]
+    if meta.output_token_ids is not None:
+        meta.output_token_ids = [r.output_token_ids + a if a else r.output_token_ids
+                                 for r, a in zip(rows, ahead, strict=True)]
+    if meta.banned_token_ids is not None:
+        meta.banned_token_ids = [
+            list(r.eos_token_ids) + r.params.stop_token_ids
+            if r.num_output_tokens + len(a) < r.params.min_tokens else ()
+            for r, a in zip(rows, ahead, strict=True)]
+    if any(r.matcher is not None for r in reqs):
+        meta.allowed_token_bitmask = partial(bitmask, reqs, drafts)
+    return meta

@@ -7,6 +7,10 @@ requests are admitted first-come-first-served while both budgets (max_num_batche
 max_num_seqs) and the pool allow. When a running request needs a block and the pool is empty,
 the newest running request is preempted: its blocks are freed and it goes back to the head of
 `waiting`, to be recomputed (prompt and generated tokens) when there is room again.
+
+With speculative decoding (engine/speculation.py), a decoding request also computes its draft
+tokens: 1 + k tokens in the step, counted in the token budget, with KV slots for all of them;
+the engine rolls num_computed_tokens back past the rejected ones after the step.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import msgspec
 from ringserve.engine.config import SchedulerConfig
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request, RequestStatus
+from ringserve.engine.speculation import Speculation
 from ringserve.ipc.messages import FinishReason
 
 
@@ -30,6 +35,9 @@ class ScheduledRequest(msgspec.Struct, gc=False):
     # This step computes the request's last token, so its logits give a new token: every
     # decode row, and the chunk that ends a prefill (a partial prefill chunk samples nothing).
     samples_token: bool
+    # speculative decoding: the draft tokens computed after the last token (the last
+    # len(draft_token_ids) of num_new_tokens); None: no drafts this step
+    draft_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -38,6 +46,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_draft_tokens: int = 0    # speculative decoding: draft tokens verified this step
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -52,6 +61,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []     # admission order: the last one is the newest
+        self.speculation: Speculation | None = None   # set by EngineCore with --speculative-config
 
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
@@ -64,12 +74,19 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
-        # 1. Running requests, oldest first: a decode token each, or the next prefill chunk.
+        # 1. Running requests, oldest first: a decode token each (and its drafts), or the next
+        # prefill chunk.
+        spec = self.speculation
+        if spec is not None and not spec.enabled_for(len(self.running)):
+            spec = None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            drafts: list[int] = []
+            if spec is not None and n == 1 and req.num_computed_tokens == len(req.all_token_ids) - 1:
+                drafts = spec.propose(req, budget - 1)
+            while not self.kv.allocate_slots(req, n, num_lookahead_tokens=len(drafts)):
                 victim = self.running.pop()       # the newest; never one already scheduled
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -77,8 +94,8 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break                             # it preempted itself: nothing after it remains
-            self._add_scheduled(out, req, n)
-            budget -= n
+            self._add_scheduled(out, req, n, drafts)
+            budget -= n + len(drafts)
             i += 1
 
         # 2. Waiting requests, first come first served, unless this step had to preempt.
@@ -99,10 +116,15 @@ class Scheduler:
             budget -= n
         return out
 
-    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int,
+                       drafts: list[int] | None = None) -> None:
         computed = req.num_computed_tokens
         done = computed + n == len(req.all_token_ids)
-        out.scheduled.append(ScheduledRequest(req, computed, n, done))
+        if drafts:
+            out.scheduled.append(ScheduledRequest(req, computed, n + len(drafts), done, drafts))
+            out.num_draft_tokens += len(drafts)
+        else:
+            out.scheduled.append(ScheduledRequest(req, computed, n, done))
         # A decode step: one token, the last one, of a request already past its prompt.
         if n == 1 and done and computed >= len(req.prompt_token_ids):
             out.num_decode_tokens += 1
@@ -117,9 +139,11 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """The step ran: the scheduled tokens are now in the cache."""
+        """The step ran: the scheduled tokens are now in the cache. A request's drafts are not
+        counted yet: EngineCore.update counts those it accepts (the rest are rewritten later)."""
         for s in out.scheduled:
-            s.request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            n = s.num_new_tokens if s.draft_token_ids is None else s.num_new_tokens - len(s.draft_token_ids)
+            s.request.num_computed_tokens = s.num_computed_tokens + n
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request (stop, length, abort): its blocks are free for the very next step."""

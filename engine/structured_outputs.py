@@ -76,6 +76,36 @@ class StructuredOutputs:
         return mask
 
 
+    def verify_bitmask(self, reqs: list[Request], drafts: list[list[int] | None]) -> np.ndarray | None:
+        """Speculative decoding (engine/speculation.py): int32 [sum(1 + k), words], 1 + k rows
+        per request, row j the allowed tokens after its first j drafts (the matcher walks its
+        drafts and is rolled back; the scheduler kept only drafts the grammar accepts)."""
+        sizes = [1 + len(d) if d else 1 for d in drafts]
+        if not any(r.matcher is not None for r in reqs):
+            return None
+        import llguidance.numpy as lln
+
+        mask = np.full((sum(sizes), self.words), -1, np.int32)
+        row = 0
+        for r, d, size in zip(reqs, drafts, sizes, strict=True):
+            m = r.matcher
+            if m is not None:
+                lln.fill_next_token_bitmask(m, mask, row)
+                taken = 0
+                for token in d or ():
+                    if not m.consume_token(token):  # validated when proposed: not expected
+                        m.rollback(taken)
+                        raise ValueError(f"draft token {token} breaks the grammar: {m.get_error()}")
+                    taken += 1
+                    if m.is_stopped():  # the grammar ends at this draft: no row after it is used
+                        break
+                    lln.fill_next_token_bitmask(m, mask, row + taken)
+                if taken:
+                    m.rollback(taken)
+            row += size
+        return mask
+
+
 def advance(req: Request, token: int) -> FinishReason | None:
     """Feed the sampled token to req's matcher; STOP once the grammar is complete. Raises when
     the token breaks the grammar (only when the mask was not applied: a bug, or min_tokens

@@ -96,6 +96,7 @@ class EngineTracer:
             computed = s.num_computed_tokens
             prompt = s.request.num_prompt_tokens
             phase = ("decode" if s.num_new_tokens == 1 and computed >= prompt
+                     else "verify" if s.draft_token_ids  # a decode token and its drafts
                      else "recompute" if s.request.num_output_tokens > 0 else "prefill")
             trace.steps.append({"step": step, "start": start, "end": None, "phase": phase,
                                 "first_position": computed, "num_new_tokens": s.num_new_tokens,

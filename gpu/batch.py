@@ -19,6 +19,9 @@ class Batch:
     query_start_loc: np.ndarray  # int32 [B+1] prefix sum of tokens scheduled per request
     seq_lens: np.ndarray         # int32 [B]   tokens in the cache for the request after this step
     block_tables: np.ndarray     # int32 [B, max_blocks] block ids, -1 past the end
+    # The rows to compute logits at, when not one per request (speculative decoding: each
+    # request's last token and its draft tokens); None: logits_indices below.
+    sample_indices: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -30,6 +33,9 @@ class Batch:
 
     @property
     def logits_indices(self) -> np.ndarray:
-        """The last scheduled token of each request: the rows sampled from. (Requests that ask
-        for prompt_logprobs add their prompt rows; see gpu/sampling/prompt_logprobs.py.)"""
+        """The last scheduled token of each request: the rows sampled from (sample_indices
+        instead when set). (Requests that ask for prompt_logprobs add their prompt rows; see
+        gpu/sampling/prompt_logprobs.py.)"""
+        if self.sample_indices is not None:
+            return self.sample_indices
         return self.query_start_loc[1:] - 1

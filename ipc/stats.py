@@ -28,9 +28,16 @@ MAX_MODEL_LEN = 30  # written once at start: the engine's max_model_len (the KV 
 WEIGHT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
                 "Q4_K", "Q5_K", "Q6_K", "other")
 WEIGHT_BYTES = 16  # WEIGHT_BYTES + i: the bytes of the weights of type WEIGHT_TYPES[i]
+# Speculative decoding (vLLM's spec_decode counters, cumulative, written whole by the engine):
+# K (0: off, no metrics), drafts, draft tokens, accepted tokens, steps that did not speculate
+# for their batch size, then accepted tokens at each draft position (SPEC_PER_POS + i, i < K).
+SPEC_K, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, SPEC_OFF_STEPS = range(31, 36)
+SPEC_PER_POS = 36
+SPEC_MAX_POS = 32   # engine/speculative.py MAX_SPECULATIVE_TOKENS
 BEAT_INTERVAL_S = 0.5  # the heartbeat thread's period
-HEADER_WORDS = 32  # then one word per slot: AddRequest records the engine has taken from that slot
-assert WEIGHT_BYTES + len(WEIGHT_TYPES) <= MAX_MODEL_LEN < HEADER_WORDS  # the header's words do not overlap
+HEADER_WORDS = SPEC_PER_POS + SPEC_MAX_POS  # then one word per slot: AddRequest records the
+                                            # engine has taken from that slot
+assert WEIGHT_BYTES + len(WEIGHT_TYPES) <= MAX_MODEL_LEN < SPEC_K  # the header's words do not overlap
 
 
 def stats_size(max_slots: int) -> int:
@@ -88,6 +95,25 @@ class EngineStats:
         w[PREFIX_CACHE_HITS] += prefix_cache_hits
         w[PROMPT_TOKENS_COMPUTED] += prompt_tokens_computed
         w[GENERATION_TOKENS] += generation_tokens
+
+    def set_spec_decode(self, k: int, drafts: int, draft_tokens: int, accepted: int,
+                        off_steps: int, accepted_per_pos: Sequence[int]) -> None:
+        """The speculative-decoding counters, cumulative (the engine's own sums)."""
+        w = self._words
+        w[SPEC_K], w[SPEC_DRAFTS], w[SPEC_DRAFT_TOKENS] = k, drafts, draft_tokens
+        w[SPEC_ACCEPTED], w[SPEC_OFF_STEPS] = accepted, off_steps
+        for i, n in enumerate(accepted_per_pos[:SPEC_MAX_POS]):
+            w[SPEC_PER_POS + i] = n
+
+    def spec_decode(self) -> tuple[int, int, int, int, list[int]] | None:
+        """(drafts, draft tokens, accepted tokens, steps off by batch size, accepted per
+        position); None when the engine does not speculate."""
+        w = self._words
+        k = min(w[SPEC_K], SPEC_MAX_POS)
+        if not k:
+            return None
+        return (w[SPEC_DRAFTS], w[SPEC_DRAFT_TOKENS], w[SPEC_ACCEPTED], w[SPEC_OFF_STEPS],
+                [w[SPEC_PER_POS + i] for i in range(k)])
 
     def beat(self) -> None:
         self._words[HEARTBEAT_NS] = time.monotonic_ns()

@@ -58,12 +58,39 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0        # of which found
     kv_cache_bytes: int = 0           # the memory it holds, written once at its start
     weight_bytes: dict[str, int] | None = None   # by storage type ("Q4_K", "F32", ...)
+    # speculative decoding (ipc/stats.py EngineStats.spec_decode): drafts, draft tokens,
+    # accepted tokens, steps off by batch size, accepted per position; None: not speculating
+    spec_decode: tuple[int, int, int, int, list[int]] | None = None
 
 
 @dataclass
 class CacheConfig:
     block_size: int
     num_gpu_blocks: int
+
+
+def spec_decode_metrics(P: str, model_name: str, stats: list[EngineSnapshot]) -> Iterable:
+    """vLLM's spec_decode counters (engine/speculation.py), and ours for the steps that did not
+    speculate because the batch was large (--speculative-config disable_by_batch_size)."""
+    labels = ["model_name", "engine"]
+    families = [CounterMetricFamily(P + name, doc, labels=labels) for name, doc in (
+        ("spec_decode_num_drafts", "Number of spec decoding drafts."),
+        ("spec_decode_num_draft_tokens", "Number of draft tokens."),
+        ("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+        ("spec_decode_num_disabled_steps",
+         "Engine steps that did not speculate: more running requests than disable_by_batch_size."))]
+    per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=[*labels, "position"])
+    for i, s in enumerate(stats):
+        if s.spec_decode is None:
+            continue
+        lv = [model_name, str(i)]
+        *counts, positions = s.spec_decode
+        for family, n in zip(families, counts, strict=True):
+            family.add_metric(lv, n)
+        for pos, n in enumerate(positions):
+            per_pos.add_metric([*lv, str(pos)], n)
+    yield from (*families, per_pos)
 
 
 class RequestMetrics:
@@ -167,6 +194,8 @@ class _EngineCollector:
             for kind, nbytes in (s.weight_bytes or {}).items():
                 weights.add_metric([*lv, kind], nbytes)
         yield from (running, waiting, usage, preempt, queries, hits, kv_bytes, weights)
+        if any(s.spec_decode is not None for s in self._stats):
+            yield from spec_decode_metrics(P, self._model_name, self._stats)
         if self._cache is not None:
             info = GaugeMetricFamily(P + "cache_config_info",
                                      "Information of the LLMEngine CacheConfig",

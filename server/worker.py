@@ -43,7 +43,8 @@ def snapshots(client: EngineClient) -> list[EngineSnapshot]:
         out.append(EngineSnapshot(s.running, s.waiting, usage, num_preemptions=s[NUM_PREEMPTIONS],
                                   prefix_cache_queries=s[PREFIX_CACHE_QUERIES],
                                   prefix_cache_hits=s[PREFIX_CACHE_HITS],
-                                  kv_cache_bytes=s[KV_CACHE_BYTES], weight_bytes=s.weight_bytes()))
+                                  kv_cache_bytes=s[KV_CACHE_BYTES], weight_bytes=s.weight_bytes(),
+                                  spec_decode=s.spec_decode()))
     return out
 
 

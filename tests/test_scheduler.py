@@ -14,6 +14,8 @@ from ringserve.engine.inputs import build_batch
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request, RequestStatus
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
+from ringserve.engine.speculation import Speculation
+from ringserve.engine.speculative import parse_speculative_config
 from ringserve.ipc.sampling_params import SamplingParams
 
 
@@ -144,6 +146,7 @@ workloads = st.fixed_dictionaries({
                                    st.integers(0, 15), st.integers(-1, 40)),  # arrival, abort step
                          min_size=1, max_size=14),
     "seed": st.integers(0, 2**16),
+    "drafts": st.integers(0, 4),   # speculative decoding: n-gram drafts up to this many (0: off)
 })
 
 
@@ -153,6 +156,10 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
     sched = make_sched(w["num_blocks"], w["block_size"], w["max_num_seqs"],
                        w["max_num_batched_tokens"], w["caching"], w["window"])
     kv, rng = sched.kv, random.Random(w["seed"])
+    if w["drafts"]:
+        sched.speculation = Speculation(parse_speculative_config(
+            {"method": "ngram", "num_speculative_tokens": w["drafts"], "prompt_lookup_min": 1,
+             "prompt_lookup_max": 3, "disable_by_batch_size": 4}), max_model_len=1 << 20)
     pending = []
     for i, (plen, max_tokens, arrival, abort_at) in enumerate(w["requests"]):
         # Few distinct tokens, so that prompts share prefixes and the cache gets hits.
@@ -178,14 +185,44 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
         if out.scheduled:
             check_slots(out, kv)
             check_windows(out, kv)
+        check_registered(out, kv)
         sched.update_after_step(out)
-        sample(sched, out, lambda: rng.randrange(3))
+        accept(sched, out, rng)
         if not pending and not sched.has_unfinished():
             break
     assert not sched.has_unfinished(), "a request was left waiting forever"
     assert all(r.is_finished for r in live)
     assert kv.num_free_blocks == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def accept(sched: Scheduler, out: SchedulerOutput, rng: random.Random) -> None:
+    """What the engine does after a step, with drafts (EngineCore._take_tokens): a random
+    number of them accepted, then one sampled token, stopping at max_tokens; num_computed_tokens
+    counts the accepted drafts."""
+    for s in out.scheduled:
+        req, drafts = s.request, s.draft_token_ids or []
+        if not s.samples_token:
+            continue
+        taken = drafts[:rng.randint(0, len(drafts))] + [rng.randrange(3)]
+        for token in taken:
+            req.append_output_token(token)
+            if req.num_output_tokens >= req.max_tokens:
+                sched.finish(req, "length")
+                break
+        else:
+            req.num_computed_tokens += len(taken) - 1   # the accepted drafts
+
+
+def check_registered(out, kv) -> None:
+    """A block the prefix cache may hand out holds only real tokens (no draft's K/V): a
+    request's registered blocks lie within its tokens, and a step's drafts never overrun
+    max_tokens."""
+    for s in out.scheduled:
+        req = s.request
+        assert kv._num_registered[req.key] * kv.block_size <= req.num_tokens
+        if s.draft_token_ids:
+            assert req.num_output_tokens + len(s.draft_token_ids) < req.max_tokens
 
 
 def check_slots(out, kv) -> None:
@@ -211,7 +248,8 @@ def check_windows(out, kv) -> None:
         first = max(0, s.num_computed_tokens - kv.sliding_window + 1) // bs
         assert all(b >= 0 for b in ids[first:]) and all(b == -1 for b in ids[:first]), (ids, first)
         assert kv.num_held_blocks(s.request) == len(ids) - first
-        assert len(ids) - first <= kv.max_blocks_held(s.request.num_tokens, s.num_new_tokens)
+        drafts = len(s.draft_token_ids or ())
+        assert len(ids) - first <= kv.max_blocks_held(s.request.num_tokens + drafts, s.num_new_tokens)
 
 
 def req_abort(w, req: Request) -> int:

@@ -37,7 +37,7 @@ class RandomLogitsRunner:
     model. `seconds` adds up the time spent in submit (the runner's share of a step)."""
 
     def __init__(self, vocab_size: int, num_blocks: int, block_size: int = 16, max_num_reqs: int = 4096):
-        self.config = SimpleNamespace(vocab_size=vocab_size, eos_token_ids=(),
+        self.config = SimpleNamespace(vocab_size=vocab_size, eos_token_ids=(), uniform_window=0,
                                       max_position_embeddings=1 << 20)
         self.block_size, self.num_blocks = block_size, num_blocks
         # Rows for the largest batch at any of 64 offsets (so that steps see different logits).

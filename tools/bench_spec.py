@@ -1,0 +1,97 @@
+"""Speculative decoding, with and without, in the same run (docs/speculative.md).
+
+For each workload and concurrency c, c requests are generated together by the offline LLM
+(the real engine and model, in this process), once without and once with --speculative-config;
+output tokens per second (all c requests' tokens over the wall time) and, with speculation,
+the acceptance rate (accepted / draft tokens) and the mean tokens per verify step:
+
+    .venv/bin/python -m ringserve.tools.bench_spec --concurrency 1 4 16 [--model M]
+
+Workloads: `copy` ("repeat this code with one change": greedy, the output mostly copies the
+prompt, where n-gram drafts are accepted) and `random` (a prompt of random token ids, sampled
+at temperature 0.8: drafts are rarely right, so this is what failed drafts cost). The two
+engines are built once each and warmed up on one request first (Numba's compile is not timed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from ringserve.ipc.sampling_params import SamplingParams
+from ringserve.server.llm import LLM
+
+FUNCS = ["add", "sub", "mul", "div", "mod", "pow", "max", "min", "avg", "neg", "inc", "dec",
+         "sq", "cube", "half", "twice"]
+
+
+def copy_prompts(c: int) -> list[str]:
+    """c code-editing prompts, each its own code (no prefix-cache help between them)."""
+    out = []
+    for i in range(c):
+        names = [FUNCS[(i + j) % len(FUNCS)] for j in range(4)]
+        code = "".join(f"def {n}_{i}(a, b):\n    \"\"\"{n} of a and b.\"\"\"\n    result = a + b * {j}\n"
+                       f"    return result\n\n\n" for j, n in enumerate(names))
+        out.append(f"<|im_start|>user\nRepeat this code exactly, but rename {names[0]}_{i} to "
+                   f"first_{i}:\n\n{code}<|im_end|>\n<|im_start|>assistant\n")
+    return out
+
+
+def random_prompts(c: int, vocab: int, rng: np.random.Generator) -> list[list[int]]:
+    return [rng.integers(100, vocab - 100, 64).tolist() for _ in range(c)]
+
+
+def run(llm: LLM, prompts, params: SamplingParams) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--speculative-config", default=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+         "disable_by_batch_size": 64}))
+    ap.add_argument("--workloads", nargs="+", default=["copy", "random"])
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="threads per step (default: the engine's); 1 on a machine others load")
+    args = ap.parse_args(argv)
+    common = dict(device="cpu", max_model_len=1024, cpu_threads=args.cpu_threads)
+    plain = LLM(args.model, **common)
+    spec = LLM(args.model, **common, speculative_config=args.speculative_config)
+    stats = spec.engine.scheduler.speculation.stats  # type: ignore[union-attr]
+    warm = SamplingParams(temperature=0, max_tokens=8)
+    for llm in (plain, spec):
+        llm.generate(copy_prompts(1), warm)
+    rng = np.random.default_rng(0)
+    print(f"speculative config: {args.speculative_config}")
+    print("| workload | concurrency | tok/s off | tok/s on | speed-up | acceptance | tokens/verify |")
+    print("|---|---|---|---|---|---|---|")
+    for workload in args.workloads:
+        for c in args.concurrency:
+            if workload == "copy":
+                prompts: list = copy_prompts(c)
+                params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+            else:
+                prompts = random_prompts(c, plain.engine.vocab_size, rng)
+                params = SamplingParams(temperature=0.8, seed=1, max_tokens=args.max_tokens, ignore_eos=True)
+            t_off, n_off = run(plain, prompts, params)
+            before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+            t_on, n_on = run(spec, prompts, params)
+            drafts = stats.num_drafts - before[0]
+            draft_tokens = stats.num_draft_tokens - before[1]
+            accepted = stats.num_accepted_tokens - before[2]
+            rate = f"{accepted / draft_tokens:.0%}" if draft_tokens else "no drafts"
+            per_verify = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+            print(f"| {workload} | {c} | {n_off / t_off:.1f} | {n_on / t_on:.1f} | "
+                  f"{(n_on / t_on) / (n_off / t_off):.2f}x | {rate} | {per_verify} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
