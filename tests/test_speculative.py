@@ -147,7 +147,7 @@ def test_preemption_and_abort_with_drafts(default_model_dir, llms):
     """A pool too small for all: requests with drafts in flight are preempted and recomputed,
     and their output is still the plain engine's; an abort mid-way frees every block."""
     plain, _ = llms
-    small = LLM(model=str(default_model_dir), device="cpu", max_model_len=512,
+    small = LLM(model=str(default_model_dir), device="cpu", max_model_len=192,
                 num_gpu_blocks_override=12, speculative_config=NGRAM)
     params = SamplingParams(temperature=0, max_tokens=24)
     assert _tokens(small.generate(PROMPTS[:3], params)) == _tokens(plain.generate(PROMPTS[:3], params))
