@@ -20,7 +20,7 @@ from conftest import TINY_CUDA_MODELS
 from cuda_host_kernels import paged_attention
 from fp16_checks import assert_logits_close, decode_against_cpu, fp16_tolerance, narrow, next_batch, widen
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cuda import launch, plan
+from ringserve.gpu.cuda import launch, plan, step_plan
 from ringserve.gpu.cuda import reference as ref
 from ringserve.gpu.cuda.buffers import AttentionLaunch, StepBuffers
 from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, serving_dtype
@@ -90,11 +90,11 @@ class HostOps:
                         np.int32(qkv.shape[1]), np.float32(self.eps))
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache):
-        qkv, heads, D, half = buf.qkv, self.num_rot_heads, self.head_dim, cos.shape[1]
-        self.fused.call("rope" + _suffix(qkv), launch.rope_launch(qkv.shape[0], heads, 2 * half), qkv,
-                        buf.positions, cos, sin, np.int32(heads), np.int32(D), np.int32(half),
+        qkv, kvh, D, half = buf.qkv, k_cache.shape[2], self.head_dim, cos.shape[1]
+        plan = step_plan.rope_store_kv(qkv, self.num_heads, kvh, D, half)
+        self.fused.call(plan.kernel, plan.geometry, qkv, buf.positions, buf.slot_mapping, cos, sin, k_cache,
+                        v_cache, np.int32(self.num_heads), np.int32(kvh), np.int32(D), np.int32(half),
                         np.int32(qkv.shape[1]))
-        ref.store_kv(qkv, buf.slot_mapping, k_cache, v_cache, self.num_heads)
 
     def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch, window: int):
         paged_attention(self.paged, buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc,

@@ -110,8 +110,8 @@ def test_every_allocation_a_captured_graph_touches_is_held_by_the_runner(stand_i
     names = {launch.name for graph in device.graphs for launch in graph.launches}
     # each kind of operand is in the graphs: weights, caches, RoPE tables, step buffers, the
     # cuBLAS workspace; the split-K attention's workspace (its reduce) with the RawKernel
-    assert {"cublas gemm_ex", "add_rms_norm", "rope", "silu_mul", "numba store_kv_kernel",
-            "numba gather_rows_kernel", "to_float32"} <= names, names
+    assert {"cublas gemm_ex", "add_rms_norm", "rope_store_kv", "silu_mul", "numba gather_rows_kernel",
+            "to_float32"} <= names, names
     assert ("attention_reduce" in names) == (backend == "rawkernel")
     stray = stray_allocations(runner, device)
     assert not stray, "\n".join(stray)

@@ -13,7 +13,7 @@ import pytest
 from cuda_host_kernels import paged_attention, paged_attention_args
 from fp16_checks import ELEMENT_TYPES, SUFFIX, assert_rounded_from, narrow, widen
 from paged_cases import free_before_windows, paged_layout
-from ringserve.gpu.cuda import launch
+from ringserve.gpu.cuda import launch, step_plan
 from ringserve.gpu.cuda import reference as ref
 
 pytestmark = pytest.mark.sim
@@ -67,27 +67,38 @@ def test_add_rms_norm(host_kernels, hidden, with_delta, dtype):
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 @pytest.mark.parametrize("head_dim,rotary_dim,num_heads,num_kv_heads", [(64, 64, 9, 3), (128, 128, 4, 2),
                                                                         (128, 96, 4, 2)])
-def test_rope_rotates_q_and_k_only(host_kernels, head_dim, rotary_dim, num_heads, num_kv_heads, dtype):
-    """The first rotary_dim dims of each q and k head (2 * the table's width: Phi-4-mini rotates
-    96 of 128), the rest of the head and v untouched."""
+def test_rope_store_kv_rotates_q_and_writes_k_and_v(host_kernels, head_dim, rotary_dim, num_heads,
+                                                    num_kv_heads, dtype):
+    """One launch: q rotated in place (the first rotary_dim dims of each head: 2 * the table's
+    width; Phi-4-mini rotates 96 of 128), k rotated into the cache and v copied there at each
+    token's slot (the reference's rope then store_kv, bit for bit), padding slots (-1) write
+    nothing, k and v in qkv and every other cache row untouched."""
     rng = np.random.default_rng(head_dim + rotary_dim)
-    T, max_pos, half = 5, 100, rotary_dim // 2
+    T, max_pos, half, block_size = 5, 100, rotary_dim // 2, 4
     inv_freq = 1.0 / 10000.0 ** (np.arange(half) / half)
     angles = np.arange(max_pos)[:, None] * inv_freq[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     positions = rng.integers(0, max_pos, T).astype(np.int32)
+    slots = np.array([9, -1, 0, 14, -1], np.int32)
     qkv = narrow(rng.standard_normal((T, (num_heads + 2 * num_kv_heads) * head_dim)), dtype)
-    expect = ref.rope(widen(qkv), positions, cos, sin, num_heads, num_kv_heads, head_dim)
+    shape = (4, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (narrow(rng.standard_normal(shape), dtype) for _ in range(2))
+    rotated = ref.rope(widen(qkv), positions, cos, sin, num_heads, num_kv_heads, head_dim)  # float32
+    k_want, v_want = widen(k_cache), v_cache.copy()
+    ref.store_kv(rotated, slots, k_want, widen(v_cache), num_heads)
+    ref.store_kv(qkv, slots, k_cache.copy(), v_want, num_heads)  # v: qkv's own bits (rope leaves v)
     x = qkv.copy()
-    rot = num_heads + num_kv_heads
-    host_kernels["fused"].call("rope" + SUFFIX[dtype], launch.rope_launch(T, rot, rotary_dim), x, positions,
-                               cos, sin, np.int32(rot), np.int32(head_dim), np.int32(half),
-                               np.int32(qkv.shape[1]))
-    assert_fp16_close(x[:, :rot * head_dim], expect[:, :rot * head_dim])
-    np.testing.assert_array_equal(x[:, rot * head_dim:], qkv[:, rot * head_dim:])  # v untouched
-    heads = x[:, :rot * head_dim].reshape(T, rot, head_dim)
-    np.testing.assert_array_equal(heads[..., rotary_dim:],  # the unrotated rest of each head, as it was
-                                  qkv[:, :rot * head_dim].reshape(T, rot, head_dim)[..., rotary_dim:])
+    plan = step_plan.rope_store_kv(x, num_heads, num_kv_heads, head_dim, half)
+    host_kernels["fused"].call(plan.kernel, plan.geometry, x, positions, slots, cos, sin, k_cache, v_cache,
+                               np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
+                               np.int32(half), np.int32(qkv.shape[1]))
+    q = num_heads * head_dim
+    assert_fp16_close(x[:, :q], rotated[:, :q])
+    np.testing.assert_array_equal(x[:, q:], qkv[:, q:])  # k and v in qkv as they were
+    assert_fp16_close(k_cache, k_want)  # written rows: rotated k rounded once; the rest as it was
+    np.testing.assert_array_equal(v_cache, v_want)
+    heads = x[:, :q].reshape(T, num_heads, head_dim)  # the unrotated rest of each head, as it was
+    np.testing.assert_array_equal(heads[..., rotary_dim:], qkv[:, :q].reshape(T, num_heads, head_dim)[..., rotary_dim:])
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ringserve.gpu.cuda import launch, toolchain
+from ringserve.gpu.cuda import launch, step_plan, toolchain
 
 
 class PagedAttention:
@@ -15,8 +15,8 @@ class PagedAttention:
         module = cp.RawModule(code=toolchain.source("attention.cu"), backend="nvrtc",
                               options=toolchain.options(dict(HEAD_DIM=head_dim, GQA_GROUP=group)))
         suffixes = launch.SUFFIXES.items()
-        self._attn = {dtype: module.get_function("paged_attention" + s) for dtype, s in suffixes}
-        self._reduce = {dtype: module.get_function("attention_reduce" + s) for dtype, s in suffixes}
+        self._kernels = {name + s: module.get_function(name + s)
+                         for name in ("paged_attention", "attention_reduce") for _, s in suffixes}
 
     def workspace(self, num_tokens: int, num_heads: int, splits: int):
         """Partial results for `splits` > 1 (allocate before a graph capture, not during)."""
@@ -32,19 +32,18 @@ class PagedAttention:
         = ceil(min(max_seq_len, window or max_seq_len) / splits), so max_seq_len must bound every
         request's length (max_model_len in a graph). window 0: full attention, else a sliding
         window (a launch argument: one graph node per layer, the same kernel)."""
-        T = qkv.shape[0]
         num_blocks, block_size, kvh, d = k_cache.shape
         part_acc, part_ml = workspace
         partition = launch.attention_partition(max_seq_len, splits, window)
         null = np.uint64(0)
-        dtype = str(qkv.dtype)  # NOTE: the cache and out must be the same type (the runner's)
-        self._attn[dtype](*launch.attention_launch(T, kvh, splits), (
+        # NOTE: the cache and out must be qkv's element type (the runner's)
+        attn, *reduce = step_plan.attention("rawkernel", qkv, kvh * self.group, kvh, d, splits)
+        self._kernels[attn.kernel](attn.grid, attn.block, (
             qkv, np.int32(qkv.shape[1]), k_cache, v_cache, positions, query_start_loc, seq_lens,
             block_tables, np.int32(block_tables.shape[1]), np.int32(seq_lens.shape[0]),
             np.int32(kvh), np.int32(block_size), np.float32(scale), np.int32(partition),
             np.int32(window), out, null if part_acc is None else part_acc,
             null if part_ml is None else part_ml),
             stream=stream)
-        if splits > 1:
-            self._reduce[dtype](*launch.reduce_launch(T, kvh * self.group, d),
-                         (part_acc, part_ml, np.int32(splits), out), stream=stream)
+        for r in reduce:  # the split-K combine
+            self._kernels[r.kernel](r.grid, r.block, (part_acc, part_ml, np.int32(splits), out), stream=stream)

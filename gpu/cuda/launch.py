@@ -10,7 +10,7 @@ Dims = tuple[int, ...]
 # names, bf16 (its bits in uint16 arrays, gpu/cuda/dtypes.py) with this suffix; by the
 # activations' dtype name (str(array.dtype), numpy's or CuPy's)
 SUFFIXES = {"float16": "", "uint16": "_bf16"}
-FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope", "silu_mul", "add_bias", "to_float32")  # fused.cu's
+FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope_store_kv", "silu_mul", "add_bias", "to_float32")  # fused.cu's
 
 ATTENTION_THREADS = 128  # attention.cu: WARPS (4) * 32, one block per (token, KV head, split)
 ATTENTION_HEAD_DIMS = (64, 128, 192, 256)  # attention.cu: 32 lanes x an even number of dims each
@@ -43,9 +43,12 @@ def qk_norm_launch(num_tokens: int, num_qk_heads: int) -> tuple[Dims, Dims]:
     return (num_tokens, num_qk_heads), (32,)
 
 
-def rope_launch(num_tokens: int, num_rot_heads: int, rotary_dim: int) -> tuple[Dims, Dims]:
-    """rope: one block per token, one thread per (head, rotary pair) up to 256."""
-    return (num_tokens,), (min(256, max(32, num_rot_heads * rotary_dim // 2)),)
+def rope_store_kv_launch(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         rot_half: int) -> tuple[Dims, Dims]:
+    """rope_store_kv: one block per token, one thread per q (head, rotary pair) and per k/v
+    element (the larger of the two loops), whole warps, up to 256."""
+    work = max(num_heads * rot_half, num_kv_heads * head_dim)
+    return (num_tokens,), (min(256, max(32, -(-work // 32) * 32)),)
 
 
 def silu_launch(num_tokens: int, inter: int) -> tuple[Dims, Dims]:

@@ -85,26 +85,6 @@ def float32_to_bf16(x):  # pragma: no cover - device code
 
 
 @cuda.jit
-def store_kv_kernel(qkv, slot_mapping, k_cache, v_cache, num_heads):  # pragma: no cover
-    """Token t's k and v heads (columns after the q heads of qkv) go to its slot; -1 = skip.
-    grid (T,). Values move as they are (bf16: the uint16 bits, exactly)."""
-    t = cuda.blockIdx.x
-    slot = slot_mapping[t]
-    if slot < 0:
-        return
-    block_size, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    b = slot // block_size
-    r = slot % block_size
-    k0 = num_heads * d
-    v0 = k0 + kvh * d
-    for i in range(cuda.threadIdx.x, kvh * d, cuda.blockDim.x):
-        h = i // d
-        j = i % d
-        k_cache[b, r, h, j] = qkv[t, k0 + i]
-        v_cache[b, r, h, j] = qkv[t, v0 + i]
-
-
-@cuda.jit
 def gather_rows_kernel(x, indices, out, widen_bf16):  # pragma: no cover - device code
     """out[b, :] = x[indices[b], :]; grid (B,). widen_bf16: x holds bf16 bits and out is float
     (the embedding into the residual stream); else values move as they are (bf16 bits too)."""
@@ -237,11 +217,6 @@ def embedding(ids, table, out, *, threads=128, stream=0):
     if ids.shape[0]:
         gather_rows_kernel[ids.shape[0], threads, stream](table, ids, out,
                                                           _is_bf16(table) and not _is_bf16(out))
-
-
-def store_kv(qkv, slot_mapping, k_cache, v_cache, num_heads, *, threads=128, stream=0):
-    if qkv.shape[0]:
-        store_kv_kernel[qkv.shape[0], threads, stream](qkv, slot_mapping, k_cache, v_cache, num_heads)
 
 
 def gather_rows(x, indices, out, *, threads=128, stream=0):

@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda as nb_cuda
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cuda import capture, launch, plan
+from ringserve.gpu.cuda import capture, launch, plan, step_plan
 from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import sampling_kernels as sk
 from ringserve.gpu.cuda.attention import PagedAttention
@@ -44,7 +44,7 @@ from ringserve.gpu.sampling.sampler import Logprobs, SamplingMetadata
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 log = logging.getLogger(__name__)
-NUMBA_THREADS = 128  # threads per block of the Numba kernels in the forward
+NUMBA_THREADS = step_plan.NUMBA_THREADS
 
 
 def _nb(x):
@@ -132,11 +132,10 @@ class CudaOps:
                            self.stream)
 
     def rope_store_kv(self, buf: StepBuffers, cos, sin, k_cache, v_cache) -> None:
-        """q and k rotated in place in buf.qkv (attention reads q there), then k, v scattered."""
-        self.fused.rope(buf.qkv, buf.positions, cos, sin, self.num_rot_heads, self.head_dim,
-                        self.stream)
-        nk.store_kv(_nb(buf.qkv), _nb(buf.slot_mapping), _nb(k_cache), _nb(v_cache),
-                    self.num_heads, threads=NUMBA_THREADS, stream=self.nb_stream)
+        """q rotated in place in buf.qkv (attention reads it there), k and v into the caches:
+        one fused.cu launch."""
+        self.fused.rope_store_kv(buf.qkv, buf.positions, buf.slot_mapping, cos, sin, k_cache, v_cache,
+                                 self.num_heads, self.head_dim, self.stream)
 
     def attention(self, buf: StepBuffers, k_cache, v_cache, launch: AttentionLaunch, window: int) -> None:
         args = (buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
@@ -271,8 +270,8 @@ class CudaModelRunner:
         attention launch, workspace included: a graph keeps only their addresses."""
         t0 = time.perf_counter()
         c = self.config
-        splits = {size: plan.attention_splits(num_tokens=size, num_kv_heads=c.num_key_value_heads,
-                                              max_seq_len=self.max_model_len, num_sms=self.num_sms)
+        splits = {size: step_plan.graph_splits(batch=size, num_kv_heads=c.num_key_value_heads,
+                                               max_model_len=self.max_model_len, num_sms=self.num_sms)
                   for size in self.graphs.sizes}
         largest = self.graphs.sizes[-1]
         with self.stream:
