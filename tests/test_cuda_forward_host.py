@@ -98,8 +98,8 @@ class HostOps:
 
     def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch, window: int):
         paged_attention(self.paged, buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc,
-                        buf.seq_lens, buf.block_tables, self.scale, buf.attn, attn.splits,
-                        attn.max_seq_len, attn.workspace, window)
+                        buf.seq_lens, buf.block_tables, self.scale, buf.attn, attn.splits, attn.workspace,
+                        window)
 
     def silu_mul(self, gate_up, out):
         T, inter = out.shape
@@ -168,8 +168,7 @@ class HostRunner:
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
         llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, max_len,
-                                      workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
+                      AttentionLaunch(s, workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
                       self.cos, self.sin)
         return buf.logits.copy()
 
@@ -182,8 +181,7 @@ class HostRunner:
         buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
         s = self.splits(size, MAX_MODEL_LEN)
         llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, MAX_MODEL_LEN,
-                                      workspace(size, c.num_attention_heads, c.head_dim, s)),
+                      AttentionLaunch(s, workspace(size, c.num_attention_heads, c.head_dim, s)),
                       self.cos, self.sin)
         return buf.logits[:batch.num_reqs].copy()
 

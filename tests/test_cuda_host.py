@@ -98,7 +98,8 @@ def test_rope_store_kv_rotates_q_and_writes_k_and_v(host_kernels, head_dim, rota
     assert_fp16_close(k_cache, k_want)  # written rows: rotated k rounded once; the rest as it was
     np.testing.assert_array_equal(v_cache, v_want)
     heads = x[:, :q].reshape(T, num_heads, head_dim)  # the unrotated rest of each head, as it was
-    np.testing.assert_array_equal(heads[..., rotary_dim:], qkv[:, :q].reshape(T, num_heads, head_dim)[..., rotary_dim:])
+    np.testing.assert_array_equal(heads[..., rotary_dim:],
+                                  qkv[:, :q].reshape(T, num_heads, head_dim)[..., rotary_dim:])
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
@@ -166,13 +167,13 @@ def case_args(c: dict) -> tuple:
             c["seq_lens"], c["block_tables"], c["k_cache"].shape[-1] ** -0.5)
 
 
-def run_attention(kernels, c: dict, splits: int, max_seq_len: int, window: int = 0) -> np.ndarray:
+def run_attention(kernels, c: dict, splits: int, window: int = 0) -> np.ndarray:
     """What PagedAttention.__call__ launches, with NaN-filled outputs and workspace."""
     T, d, H = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"]
     out = unwritten((T, H * d), "bfloat16" if c["qkv"].dtype == np.uint16 else "float16")
     workspace = (np.full((T, H, splits, d), np.nan, np.float32),
                  np.full((T, H, splits, 2), np.nan, np.float32)) if splits > 1 else (None, None)
-    paged_attention(kernels, *case_args(c), out, splits, max_seq_len, workspace, window)
+    paged_attention(kernels, *case_args(c), out, splits, workspace, window)
     return out
 
 
@@ -186,13 +187,13 @@ def expected_attention(c: dict, window: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 def test_paged_attention_prefill_and_decode(host_kernels, variant, splits, dtype):
-    """A fresh prefill, a prefill chunk over a cached prefix, two decodes; eager split-K (the
-    partition from the batch's longest sequence: the 4-key decode leaves splits 1, 2 empty).
+    """A fresh prefill, a prefill chunk over a cached prefix, two decodes; split-K (each query's
+    keys in equal shares: the 1-key rows of the fresh prefill leave splits 1, 2 empty).
     Each element type: the kernels of q's and the cache's (fp16, or bf16: _bf16)."""
     d, g = variant
     c = paged_case(np.random.default_rng(d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
                    requests=[(0, 5), (21, 4), (40, 1), (3, 1)], dtype=dtype)
-    out = run_attention(host_kernels[variant], c, splits, int(c["seq_lens"].max()))
+    out = run_attention(host_kernels[variant], c, splits)
     assert_fp16_close(out, expected_attention(c))
 
 
@@ -200,13 +201,14 @@ def test_paged_attention_prefill_and_decode(host_kernels, variant, splits, dtype
 @pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 def test_paged_attention_padded_graph_decode(host_kernels, variant, splits, dtype):
-    """A graph replay: decodes padded to the captured size with seq_len-0 rows, partitions
-    from max_model_len (256 / 8 = 32 keys): the 10-key decode sees only split 0, the 200-key
-    one not split 7. Padding rows must come out exactly zero."""
+    """A graph replay: decodes padded to the captured size with seq_len-0 rows and the split
+    count a graph plans for max_model_len (8): each request's own keys in 8 shares (the 1-key
+    decode: splits 1-7 empty; the 10-key one: shares of 2, splits 5-7 empty; the 200-key one:
+    25 each). Padding rows (no keys, every split empty) must come out exactly zero."""
     d, g = variant
     c = paged_case(np.random.default_rng(10 * d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
                    requests=[(9, 1), (199, 1), (0, 1)], pad=2, dtype=dtype)
-    out = run_attention(host_kernels[variant], c, splits, max_seq_len=256)
+    out = run_attention(host_kernels[variant], c, splits)
     expect = expected_attention(c)
     assert_fp16_close(out, expect)
     assert np.all(out[-2:] == 0)
@@ -229,7 +231,7 @@ def test_paged_attention_sliding_window(host_kernels, window, splits):
     expect = expected_attention(c, window)
     assert np.allclose(expect, expected_attention(c)) == (window >= 45)  # the window matters
     c["block_tables"] = free_before_windows(c["block_tables"], WINDOW_REQUESTS, block_size=16, window=window)
-    out = run_attention(host_kernels[variant], c, splits, int(c["seq_lens"].max()), window)
+    out = run_attention(host_kernels[variant], c, splits, window)
     assert_fp16_close(out, expect)
 
 

@@ -27,12 +27,16 @@ def recorded_decode(host: HostRunner, batch: Batch) -> list[tuple]:
             return _call(kernel, geometry, *args)
         kernels.call = call
     for op in STAND_INS:
-        def run(*args, _op=op, _run=getattr(host.ops, op)):
-            seen.append((_op,))
-            return _run(*args)
-        setattr(host.ops, op, run)
+        setattr(host.ops, op, _recorded(seen, op, getattr(host.ops, op)))
     host.graph_shaped(batch)
     return seen
+
+
+def _recorded(seen: list[tuple], op: str, run):
+    def recorded(*args):
+        seen.append((op,))
+        return run(*args)
+    return recorded
 
 
 @pytest.mark.sim

@@ -402,7 +402,7 @@ def attention_case(attn, B: int, ctx: int, num_sms: int, copy_bps: float, stream
     kv_bytes = 2 * B * ctx * KVH * D * 2   # K and V, fp16
     kernels = _attention_kernels(attn, (qkv, k, v, positions, qsl, seq_lens, tables), D ** -0.5, out,
                                  stream, nb_cuda.external_stream(stream.ptr),
-                                 splits=splits, max_seq_len=ctx, workspace=ws)
+                                 splits=splits, workspace=ws)
     rows = []
     for name, fn in kernels.items():
         dt = gpu_time(fn, stream, 10, graph=True)

@@ -101,7 +101,8 @@ def census_for(config: ModelConfig, *, batch: int, context: int, dtype: str, max
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ringserve.tools.step_census", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ringserve.tools.step_census",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=shape_names(), default="8B")
     p.add_argument("--model-dir", help="a model folder: its config.json instead of --shape")
     p.add_argument("--batch", type=int, default=1)
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--batch and --context must be at least 1")
     config = ModelConfig.from_dir(a.model_dir) if a.model_dir else config_for(a.shape)
     census = census_for(config, batch=a.batch, context=a.context, dtype=DTYPES[a.dtype],
-                        max_model_len=a.max_model_len, num_sms=a.num_sms, attention_backend=a.attention_backend)
+                        max_model_len=a.max_model_len, num_sms=a.num_sms,
+                        attention_backend=a.attention_backend)
     print(report(a.model_dir or a.shape, census, a.bandwidth, a.every_layer))
     return 0
 

@@ -10,8 +10,9 @@
 // request's keys 0..pos through the block table; with a sliding window > 0 only keys
 // pos - window < k <= pos, and no block-table entry before the window is read: the KV manager
 // may have freed those blocks). Long contexts with few tokens (decode) are split along the keys
-// (gridDim.z splits of partition_size keys from the first key read): partial (acc, max, sum)
-// go to part_* and attention_reduce combines them.
+// (FlashDecoding): gridDim.z splits, each an equal share of its query's own keys (so a graph's
+// split count, planned for max_model_len, keeps every split busy at any length); partial
+// (acc, max, sum) go to part_* and attention_reduce combines them.
 // q, the KV cache and out are in the activations' element type T: each kernel is a template,
 // instantiated as extern "C" kernels for fp16 (the plain names) and bf16 (_bf16) (elem.cuh);
 // scores, softmax and sums are float32 in both.
@@ -74,7 +75,7 @@ __device__ __forceinline__ void paged_attention_t(
         const T* __restrict__ k_cache, const T* __restrict__ v_cache,
         const int* __restrict__ positions, const int* __restrict__ query_start_loc,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
-        int num_reqs, int num_kv_heads, int block_size, float scale, int partition_size, int window,
+        int num_reqs, int num_kv_heads, int block_size, float scale, int window,
         T* __restrict__ out,                                     // [T, H * D] when gridDim.z == 1
         float* __restrict__ part_acc, float* __restrict__ part_ml) {  // [T, H, S, D], [T, H, S, 2]
     __shared__ float sm_acc[WARPS][GQA_GROUP][HEAD_DIM];
@@ -91,9 +92,11 @@ __device__ __forceinline__ void paged_attention_t(
     const int r = lo;
     const int num_keys = min(positions[t] + 1, seq_lens[r]);
     const int first = window > 0 ? max(0, positions[t] + 1 - window) : 0;  // the window's first key
-    // One split covers every key; with several, split s covers [first + s * partition_size, ...).
-    const int begin = splits == 1 ? first : first + split * partition_size;
-    const int end = splits == 1 ? num_keys : min(num_keys, begin + partition_size);
+    // Split s covers [first + s * share, ...) of this query's keys [first, num_keys) (one split:
+    // all of them; a padding row, no keys: none).
+    const int share = (max(num_keys - first, 0) + splits - 1) / splits;
+    const int begin = first + split * share;
+    const int end = min(num_keys, begin + share);
 
     float q[GQA_GROUP][PER_LANE], acc[GQA_GROUP][PER_LANE], m[GQA_GROUP], l[GQA_GROUP];
 #pragma unroll
@@ -214,11 +217,11 @@ __device__ __forceinline__ void attention_reduce_t(const float* __restrict__ par
             const T* __restrict__ v_cache, const int* __restrict__ positions,                            \
             const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,                   \
             const int* __restrict__ block_tables, int max_blocks, int num_reqs, int num_kv_heads,        \
-            int block_size, float scale, int partition_size, int window, T* __restrict__ out,            \
+            int block_size, float scale, int window, T* __restrict__ out,                                \
             float* __restrict__ part_acc, float* __restrict__ part_ml) {                                 \
         paged_attention_t<T>(qkv, row_stride, k_cache, v_cache, positions, query_start_loc, seq_lens,    \
                              block_tables, max_blocks, num_reqs, num_kv_heads, block_size, scale,        \
-                             partition_size, window, out, part_acc, part_ml);                            \
+                             window, out, part_acc, part_ml);                                            \
     }                                                                                                    \
     extern "C" __global__ void attention_reduce##SUFFIX(const float* __restrict__ part_acc,               \
                                                         const float* __restrict__ part_ml, int splits,    \

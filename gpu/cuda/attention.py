@@ -26,24 +26,24 @@ class PagedAttention:
                 cp.empty((num_tokens, num_heads, splits, 2), cp.float32))
 
     def __call__(self, qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-                 scale: float, out, stream, splits: int = 1, max_seq_len: int = 0,
-                 workspace=(None, None), window: int = 0) -> None:
-        """splits > 1: split s takes keys [s * P, (s + 1) * P) from the query's first key, with P
-        = ceil(min(max_seq_len, window or max_seq_len) / splits), so max_seq_len must bound every
-        request's length (max_model_len in a graph). window 0: full attention, else a sliding
-        window (a launch argument: one graph node per layer, the same kernel)."""
+                 scale: float, out, stream, splits: int = 1, workspace=(None, None),
+                 window: int = 0) -> None:
+        """splits > 1: each query's keys (from its first: 0, or its window's) in `splits` equal
+        shares, one per block, combined by attention_reduce; the shares are the kernel's, from
+        each request's own length. window 0: full attention, else a sliding window (a launch
+        argument: one graph node per layer, the same kernel)."""
         num_blocks, block_size, kvh, d = k_cache.shape
         part_acc, part_ml = workspace
-        partition = launch.attention_partition(max_seq_len, splits, window)
         null = np.uint64(0)
         # NOTE: the cache and out must be qkv's element type (the runner's)
         attn, *reduce = step_plan.attention("rawkernel", qkv, kvh * self.group, kvh, d, splits)
         self._kernels[attn.kernel](attn.grid, attn.block, (
             qkv, np.int32(qkv.shape[1]), k_cache, v_cache, positions, query_start_loc, seq_lens,
             block_tables, np.int32(block_tables.shape[1]), np.int32(seq_lens.shape[0]),
-            np.int32(kvh), np.int32(block_size), np.float32(scale), np.int32(partition),
-            np.int32(window), out, null if part_acc is None else part_acc,
+            np.int32(kvh), np.int32(block_size), np.float32(scale), np.int32(window),
+            out, null if part_acc is None else part_acc,
             null if part_ml is None else part_ml),
             stream=stream)
         for r in reduce:  # the split-K combine
-            self._kernels[r.kernel](r.grid, r.block, (part_acc, part_ml, np.int32(splits), out), stream=stream)
+            self._kernels[r.kernel](r.grid, r.block, (part_acc, part_ml, np.int32(splits), out),
+                                    stream=stream)

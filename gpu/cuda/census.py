@@ -122,15 +122,16 @@ class CensusOps:
 
     def embedding(self, ids, table, out) -> None:
         T, n = out.shape
-        self._add("embedding", step_plan.numba_rows("gather_rows_kernel", T), weights=T * n * table.itemsize,
-                  act_read=ids.nbytes, act_written=out.nbytes)
+        self._add("embedding", step_plan.numba_rows("gather_rows_kernel", T),
+                  weights=T * n * table.itemsize, act_read=ids.nbytes, act_written=out.nbytes)
 
     def linear(self, x, weight, out) -> None:
         if id(weight) in self.layer_of:  # a layer's first op: the QKV projection
             self.layer = self.layer_of[id(weight)]
         elif weight is self.lm_head:
             self.layer = None
-        self._add("linear", step_plan.gemm(), weights=weight.nbytes, act_read=x.nbytes, act_written=out.nbytes)
+        self._add("linear", step_plan.gemm(), weights=weight.nbytes, act_read=x.nbytes,
+                  act_written=out.nbytes)
 
     def add_bias(self, x, bias) -> None:
         self._add("add_bias", step_plan.add_bias(x), weights=bias.nbytes, act_read=x.nbytes,
@@ -153,7 +154,8 @@ class CensusOps:
         T, half = qkv.shape[0], cos.shape[1]
         q = T * self.num_heads * self.head_dim * qkv.itemsize
         kv = 2 * T * self.kvh * self.head_dim * qkv.itemsize
-        self._add("rope_store_kv", step_plan.rope_store_kv(qkv, self.num_heads, self.kvh, self.head_dim, half),
+        plan = step_plan.rope_store_kv(qkv, self.num_heads, self.kvh, self.head_dim, half)
+        self._add("rope_store_kv", plan,
                   act_read=q + kv + 2 * T * half * cos.itemsize + 2 * T * 4,  # + positions, slots
                   act_written=q, kv_written=kv)
 
@@ -219,5 +221,5 @@ def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtyp
     table = Shaped((context, half), np.dtype(np.float32))
     ops = CensusOps(c, weights, attention_backend, context)
     llama_forward(ops, weights, buf, [(kv, kv)] * c.num_hidden_layers,
-                  AttentionLaunch(splits, context, (None, None)), table, table)
+                  AttentionLaunch(splits, (None, None)), table, table)
     return Census(c, dtype, batch, context, splits, attention_backend, ops.rows)

@@ -10,7 +10,8 @@ Dims = tuple[int, ...]
 # names, bf16 (its bits in uint16 arrays, gpu/cuda/dtypes.py) with this suffix; by the
 # activations' dtype name (str(array.dtype), numpy's or CuPy's)
 SUFFIXES = {"float16": "", "uint16": "_bf16"}
-FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope_store_kv", "silu_mul", "add_bias", "to_float32")  # fused.cu's
+# fused.cu's kernels
+FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope_store_kv", "silu_mul", "add_bias", "to_float32")
 
 ATTENTION_THREADS = 128  # attention.cu: WARPS (4) * 32, one block per (token, KV head, split)
 ATTENTION_HEAD_DIMS = (64, 128, 192, 256)  # attention.cu: 32 lanes x an even number of dims each
@@ -60,13 +61,6 @@ def silu_launch(num_tokens: int, inter: int) -> tuple[Dims, Dims]:
 def elementwise_launch(count: int) -> tuple[Dims, Dims]:
     """add_bias, to_float32: grid-stride over count elements, 256 threads, grid.x <= 65535."""
     return (max(1, min(65535, -(-count // 256))),), (256,)
-
-
-def attention_partition(max_seq_len: int, splits: int, window: int = 0) -> int:
-    """Keys per split (0 for one split): split s takes keys [first + s * P, first + (s + 1) * P)
-    from a query's first key (0, or the start of its sliding window: at most `window` keys)."""
-    keys = min(max_seq_len, window) if window > 0 else max_seq_len
-    return -(-keys // splits) if splits > 1 else 0
 
 
 def attention_launch(num_tokens: int, num_kv_heads: int, splits: int) -> tuple[Dims, Dims]:

@@ -142,7 +142,7 @@ class CudaOps:
                 buf.block_tables)
         if self.attention_backend == "rawkernel":
             self.paged(*args, self.scale, buf.attn, self.stream, splits=launch.splits,
-                       max_seq_len=launch.max_seq_len, workspace=launch.workspace, window=window)
+                       workspace=launch.workspace, window=window)
         else:
             q, k, v, positions, qsl, seq_lens, tables = (_nb(a) for a in args)
             nk.paged_attention(q, k, v, positions, qsl, seq_lens, tables, self.scale, _nb(buf.attn),
@@ -260,7 +260,7 @@ class CudaModelRunner:
                                            num_kv_heads=self.config.num_key_value_heads,
                                            max_seq_len=max_len, num_sms=self.num_sms)
             ws = self.ops.paged.workspace(batch.num_tokens, self.config.num_attention_heads, splits)
-            self._forward(buf, caches, AttentionLaunch(splits, max_len, ws))
+            self._forward(buf, caches, AttentionLaunch(splits, ws))
             return buf
 
     def capture_graphs(self) -> None:
@@ -285,8 +285,7 @@ class CudaModelRunner:
 
         def capture_size(size: int):
             buf = shared.leading(size, size)
-            attention = AttentionLaunch(splits[size], self.max_model_len,
-                                        ws if splits[size] > 1 else (None, None))
+            attention = AttentionLaunch(splits[size], ws if splits[size] > 1 else (None, None))
             with self.stream:
                 # warm-up: compiles, cuBLAS plans; slots -1 and seq_lens 0 write and read nothing
                 self._forward(buf, self.kv_caches, attention)
