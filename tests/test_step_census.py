@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cuda.census import decode_census
+from ringserve.gpu.cuda.census import census_for, decode_census
 from ringserve.gpu.loader.weights import expected_shapes
 from ringserve.tools import step_census
 from test_cuda_forward_host import BLOCK_SIZE, MAX_MODEL_LEN, HostRunner
@@ -67,7 +67,7 @@ def test_the_8b_census_reads_every_weight_once_and_names_its_floor(capsys):
     assert step_census.main(["--shape", "8B", "--batch", "1", "--context", "512"]) == 0
     out = capsys.readouterr().out
     c = step_census.config_for("8B")
-    census = step_census.census_for(c, batch=1, context=512, dtype="float16", max_model_len=2048, num_sms=132)
+    census = census_for(c, batch=1, context=512, dtype="float16", max_model_len=2048, num_sms=132)
     total = census.total()
     params = sum(int(np.prod(s)) for s in expected_shapes(c).values())
     assert total.weights == 2 * (params - (c.vocab_size - 1) * c.hidden_size)
@@ -77,5 +77,5 @@ def test_the_8b_census_reads_every_weight_once_and_names_its_floor(capsys):
     assert out.rstrip().endswith(f"launches per layer: 10; bytes per step: {gb:.3f} GB; "
                                  f"floor at 4268 GB/s: {total.total / 4268e9 * 1e3:.3f} ms")
     # batch 64 fills the SMs: no split, no combine
-    assert step_census.census_for(c, batch=64, context=512, dtype="bfloat16", max_model_len=2048,
+    assert census_for(c, batch=64, context=512, dtype="bfloat16", max_model_len=2048,
                                   num_sms=132).per_layer == 9

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringserve.gpu.cuda import launch, step_plan
-from ringserve.gpu.cuda.census import Census, Row, decode_census
+from ringserve.gpu.cuda import launch
+from ringserve.gpu.cuda.census import Census, Row, census_for
 from ringserve.gpu.loader.config import ModelConfig
 
 COPY_GBPS = 4268.0  # an H200's measured device-to-device copy (issue 28)
@@ -89,15 +89,6 @@ def report(name: str, census: Census, bandwidth_gbps: float = COPY_GBPS, every_l
 def _partials(census: Census) -> int:
     """Bytes the split-K partials take both ways (written by paged_attention, read by the reduce)."""
     return sum(r.traffic.act_read for r in census.rows if r.launch.kernel.startswith("attention_reduce")) * 2
-
-
-def census_for(config: ModelConfig, *, batch: int, context: int, dtype: str, max_model_len: int,
-               num_sms: int, attention_backend: str = "auto") -> Census:
-    splits = step_plan.graph_splits(batch=batch, num_kv_heads=config.num_key_value_heads,
-                                    max_model_len=max_model_len, num_sms=num_sms)
-    backend = launch.attention_backend_for(attention_backend, config.head_dim)
-    return decode_census(config, batch=batch, context=context, splits=splits if backend == "rawkernel" else 1,
-                         dtype=dtype, attention_backend=backend)
 
 
 def main(argv: list[str] | None = None) -> int:

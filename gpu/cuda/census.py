@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ringserve.gpu.cuda import step_plan
+from ringserve.gpu.cuda import launch, step_plan
 from ringserve.gpu.cuda.buffers import AttentionLaunch, StepBuffers
 from ringserve.gpu.cuda.dtypes import SERVING_DTYPES
 from ringserve.gpu.cuda.step_plan import Launch
@@ -223,3 +223,14 @@ def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtyp
     llama_forward(ops, weights, buf, [(kv, kv)] * c.num_hidden_layers,
                   AttentionLaunch(splits, (None, None)), table, table)
     return Census(c, dtype, batch, context, splits, attention_backend, ops.rows)
+
+
+def census_for(config: ModelConfig, *, batch: int, context: int, dtype: str, max_model_len: int,
+               num_sms: int, attention_backend: str = "auto") -> Census:
+    """The census of the decode graph CudaModelRunner captures for `batch` requests: its
+    attention kernel (launch.attention_backend_for) and split count (step_plan.graph_splits)."""
+    backend = launch.attention_backend_for(attention_backend, config.head_dim)
+    splits = step_plan.graph_splits(batch=batch, num_kv_heads=config.num_key_value_heads,
+                                    max_model_len=max_model_len, num_sms=num_sms)
+    return decode_census(config, batch=batch, context=context, dtype=dtype, attention_backend=backend,
+                         splits=splits if backend == "rawkernel" else 1)
