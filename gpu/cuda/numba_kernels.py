@@ -1,6 +1,7 @@
-"""The indexing-heavy kernels in Numba CUDA: embedding gather, slot-mapped K/V write, row
-gather at the last positions, greedy argmax, and paged attention (the reference and fallback
-to the RawKernel in attention.cu).
+"""The indexing-heavy kernels in Numba CUDA: embedding gather, row gather at the last positions,
+greedy argmax, and paged attention (the readable reference of the RawKernel in attention.cu,
+and the runner's kernel only for head sizes attention.cu does not compile for:
+launch.attention_backend_for).
 
 Written so that Numba's CUDA simulator can run them (CI has no GPU, docs/design.md §8): no warp
 shuffles (reductions go through shared memory), every loop strided by blockDim so a block of
@@ -8,7 +9,7 @@ shuffles (reductions go through shared memory), every loop strided by blockDim s
 arrays fp16 on a device (any float dtype works), or bf16 as its bits in uint16
 (gpu/cuda/dtypes.py). numba-cuda 0.30 has a bfloat16 scalar type (numba.cuda.bf16) but no
 bf16 arrays to hand it (CuPy and numpy have none) and the simulator lacks it (its bf16 module
-is None); so the kernels that only move values (K/V scatter, row gather) move the uint16 bits
+is None); so the kernels that only move values (the row gather) move the uint16 bits
 unchanged, which is exact, and the ones that compute (the embedding into the float32
 residual, paged attention) convert with bf16_to_float32 / float32_to_bf16 below: plain
 integer and ldexp/frexp arithmetic, which both a device and the simulator run. Their `bf16`
