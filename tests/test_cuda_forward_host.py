@@ -125,12 +125,14 @@ def fp16_gemm(x, weight, out):
     out[...] = narrow(widen(x) @ widen(weight).T, "bfloat16" if out.dtype == np.uint16 else "float16")
 
 
-def workspace(T: int, num_heads: int, head_dim: int, splits: int) -> tuple:
-    """PagedAttention.workspace's shapes, NaN-filled: a partial nobody wrote shows up."""
+def workspace(c: ModelConfig, T: int, splits: int) -> tuple:
+    """PagedAttention.workspace's shapes, the partials NaN-filled (a partial nobody wrote shows
+    up), the tickets zeroed."""
     if splits == 1:
-        return None, None
+        return None, None, None
+    num_heads, head_dim = c.num_attention_heads, c.head_dim
     return (np.full((T, num_heads, splits, head_dim), np.nan, F32),
-            np.full((T, num_heads, splits, 2), np.nan, F32))
+            np.full((T, num_heads, splits, 2), np.nan, F32), np.zeros((T, c.num_key_value_heads), np.int32))
 
 
 class HostRunner:
@@ -168,7 +170,7 @@ class HostRunner:
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
         llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
+                      AttentionLaunch(s, workspace(c, batch.num_tokens, s)),
                       self.cos, self.sin)
         return buf.logits.copy()
 
@@ -181,7 +183,7 @@ class HostRunner:
         buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
         s = self.splits(size, MAX_MODEL_LEN)
         llama_forward(self.ops, self.weights, buf, self.caches,
-                      AttentionLaunch(s, workspace(size, c.num_attention_heads, c.head_dim, s)),
+                      AttentionLaunch(s, workspace(c, size, s)),
                       self.cos, self.sin)
         return buf.logits[:batch.num_reqs].copy()
 

@@ -168,13 +168,22 @@ def case_args(c: dict) -> tuple:
 
 
 def run_attention(kernels, c: dict, splits: int, window: int = 0) -> np.ndarray:
-    """What PagedAttention.__call__ launches, with NaN-filled outputs and workspace."""
-    T, d, H = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"]
-    out = unwritten((T, H * d), "bfloat16" if c["qkv"].dtype == np.uint16 else "float16")
+    """What PagedAttention.__call__ launches, with NaN-filled outputs and partials; split, it
+    runs twice over one workspace (a graph replayed): the kernel must leave every ticket at 0
+    and the second launch's output equal to the first."""
+    T, d, H, kvh = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"], c["k_cache"].shape[2]
+    dtype = "bfloat16" if c["qkv"].dtype == np.uint16 else "float16"
     workspace = (np.full((T, H, splits, d), np.nan, np.float32),
-                 np.full((T, H, splits, 2), np.nan, np.float32)) if splits > 1 else (None, None)
-    paged_attention(kernels, *case_args(c), out, splits, workspace, window)
-    return out
+                 np.full((T, H, splits, 2), np.nan, np.float32),
+                 np.zeros((T, kvh), np.int32)) if splits > 1 else (None, None, None)
+    outs = []
+    for _ in range(2 if splits > 1 else 1):
+        outs.append(unwritten((T, H * d), dtype))
+        paged_attention(kernels, *case_args(c), outs[-1], splits, workspace, window)
+        if splits > 1:
+            assert not workspace[2].any(), "a ticket left behind"
+    np.testing.assert_array_equal(outs[-1], outs[0])
+    return outs[0]
 
 
 def expected_attention(c: dict, window: int = 0) -> np.ndarray:

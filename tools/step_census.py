@@ -80,15 +80,11 @@ def report(name: str, census: Census, bandwidth_gbps: float = COPY_GBPS, every_l
               f"{above / 1e6:.2f} MB: KV read {total.kv_read / 1e6:.2f}, KV written "
               f"{total.kv_written / 1e6:.3f}, activations read {total.act_read / 1e6:.2f} and written "
               f"{total.act_written / 1e6:.2f}"
-              + (f" (split-K partials {_partials(census) / 1e6:.2f} of them)" if census.splits > 1 else ""),
+              + (f" (split-K partials {census.partial_bytes / 1e6:.2f} of them)"
+                 if census.partial_bytes else ""),
               f"launches per layer: {census.per_layer}; bytes per step: {total.total / 1e9:.3f} GB; "
               f"floor at {bandwidth_gbps:g} GB/s: {floor_ms:.3f} ms"]
     return "\n".join(lines)
-
-
-def _partials(census: Census) -> int:
-    """Bytes the split-K partials take both ways (written by paged_attention, read by the reduce)."""
-    return sum(r.traffic.act_read for r in census.rows if r.launch.kernel.startswith("attention_reduce")) * 2
 
 
 def main(argv: list[str] | None = None) -> int:

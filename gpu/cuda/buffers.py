@@ -182,7 +182,7 @@ class StepBuffers:
 class AttentionLaunch:
     """How one forward's paged attention is launched (gpu/cuda/plan.attention_splits)."""
     splits: int
-    workspace: tuple      # split-K partials (PagedAttention.workspace), (None, None) for 1 split
+    workspace: tuple      # split-K partials and tickets (PagedAttention.workspace), Nones for 1 split
 
 
 @dataclass

@@ -94,6 +94,11 @@ class Traffic:
         return self.weights + self.kv_read + self.kv_written + self.act_read + self.act_written
 
 
+def partial_bytes(num_tokens: int, num_heads: int, head_dim: int, splits: int) -> int:
+    """One layer's split-K partials (acc, max, sum: float32) each way; none for one split."""
+    return num_tokens * num_heads * splits * (head_dim + 2) * 4 if splits > 1 else 0
+
+
 @dataclass
 class Row:
     """One launch of the step: the model op that made it, the layer (None outside the layers)."""
@@ -166,13 +171,11 @@ class CensusOps:
         kv = 2 * T * keys * self.kvh * self.head_dim * k_cache.itemsize  # each token its request's keys
         tables = B * -(-keys // self.block_size) * 4 + 4 * (3 * T + 2 * B + 1)
         q = T * self.num_heads * self.head_dim * qkv.itemsize
-        attn, *reduce = step_plan.attention(self.backend, qkv, self.num_heads, self.kvh, self.head_dim,
-                                            launch.splits)
-        partials = T * self.num_heads * launch.splits * (self.head_dim + 2) * 4
-        self._add("attention", attn, kv_read=kv, act_read=q + tables,
-                  act_written=partials if reduce else out.nbytes)
-        for r in reduce:
-            self._add("attention", r, act_read=partials, act_written=out.nbytes)
+        attn = step_plan.attention(self.backend, qkv, self.num_heads, self.kvh, self.head_dim, launch.splits)
+        # split: the partials written, then read back by the last block of each (token, KV head)
+        partials = partial_bytes(T, self.num_heads, self.head_dim, launch.splits)
+        self._add("attention", attn, kv_read=kv, act_read=q + tables + partials,
+                  act_written=partials + out.nbytes)
 
     def silu_mul(self, gate_up, out) -> None:
         self._add("silu_mul", step_plan.silu_mul(out), act_read=gate_up.nbytes, act_written=out.nbytes)
@@ -195,6 +198,13 @@ class Census:
     splits: int
     attention_backend: str
     rows: list[Row]
+
+    @property
+    def partial_bytes(self) -> int:
+        """The split-K partials over the step, both ways (written, read back by the combine)."""
+        c = self.config
+        per_layer = partial_bytes(self.batch, c.num_attention_heads, c.head_dim, self.splits)
+        return 2 * c.num_hidden_layers * per_layer
 
     @property
     def per_layer(self) -> int:
@@ -221,7 +231,7 @@ def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtyp
     table = Shaped((context, half), np.dtype(np.float32))
     ops = CensusOps(c, weights, attention_backend, context)
     llama_forward(ops, weights, buf, [(kv, kv)] * c.num_hidden_layers,
-                  AttentionLaunch(splits, (None, None)), table, table)
+                  AttentionLaunch(splits, (None, None, None)), table, table)
     return Census(c, dtype, batch, context, splits, attention_backend, ops.rows)
 
 

@@ -68,11 +68,6 @@ def attention_launch(num_tokens: int, num_kv_heads: int, splits: int) -> tuple[D
     return (num_tokens, num_kv_heads, splits), (ATTENTION_THREADS,)
 
 
-def reduce_launch(num_tokens: int, num_heads: int, head_dim: int) -> tuple[Dims, Dims]:
-    """attention_reduce: grid (T, H), one thread per dim."""
-    return (num_tokens, num_heads), (head_dim,)
-
-
 QUANT_THREADS = 128      # quant.cu matvec_*: QUANT_WARPS (4) * 32, one warp per output row
 MATVEC_ROWS = (1, 2, 4, 8, 16)  # quant.cu's matvec_*_r<R> variants: decode batches up to 16 rows
 DEQUANT_THREADS = 256    # quant.cu dequant_*: its __launch_bounds__

@@ -285,7 +285,7 @@ class CudaModelRunner:
 
         def capture_size(size: int):
             buf = shared.leading(size, size)
-            attention = AttentionLaunch(splits[size], ws if splits[size] > 1 else (None, None))
+            attention = AttentionLaunch(splits[size], ws if splits[size] > 1 else (None, None, None))
             with self.stream:
                 # warm-up: compiles, cuBLAS plans; slots -1 and seq_lens 0 write and read nothing
                 self._forward(buf, self.kv_caches, attention)

@@ -69,16 +69,13 @@ def to_float32(src: Any) -> Launch:
 
 
 def attention(backend: str, qkv: Any, num_heads: int, num_kv_heads: int, head_dim: int,
-              splits: int) -> list[Launch]:
-    """attention.cu's paged_attention, and attention_reduce after it when the keys are split;
-    or the Numba kernel (one block per (token, head), no split)."""
+              splits: int) -> Launch:
+    """attention.cu's paged_attention (its splits combined in the same launch), or the Numba
+    kernel (one block per (token, head), no split)."""
     T = qkv.shape[0]
     if backend != "rawkernel":
-        return [Launch("numba paged_attention_kernel", (T, num_heads), (NUMBA_THREADS,))]
-    out = [Launch(_fused("paged_attention", qkv), *launch.attention_launch(T, num_kv_heads, splits))]
-    if splits > 1:
-        out.append(Launch(_fused("attention_reduce", qkv), *launch.reduce_launch(T, num_heads, head_dim)))
-    return out
+        return Launch("numba paged_attention_kernel", (T, num_heads), (NUMBA_THREADS,))
+    return Launch(_fused("paged_attention", qkv), *launch.attention_launch(T, num_kv_heads, splits))
 
 
 def graph_splits(*, batch: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
