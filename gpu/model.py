@@ -11,7 +11,9 @@ What a backend decides, through its objects, and the sequence never sees:
 - step buffers (`buf`): every activation of one step, in the backend's dtypes (the residual
   stream h is float32 on both).
 - which ops it fuses: rope_store_kv is one Numba pass on the CPU (rotated q to its own buffer,
-  k/v straight into the cache), a RoPE kernel then a K/V scatter on CUDA.
+  k/v straight into the cache), one fused.cu kernel on CUDA (q rotated in place, k/v into the
+  cache); which kernel and geometry each CUDA op launches is gpu/cuda/step_plan.py's (what
+  tools/step_census.py lists).
 """
 from __future__ import annotations
 

@@ -63,29 +63,23 @@ def _c_arg(a):
 
 
 def paged_attention_args(qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-                         scale: float, out, partition: int = 0, part_acc=None, part_ml=None,
-                         window: int = 0) -> tuple:
+                         scale: float, out, workspace: tuple = (None, None, None), window: int = 0) -> tuple:
     """paged_attention's arguments in the order PagedAttention.__call__ passes them."""
     _, block_size, kvh, _ = k_cache.shape
     return (qkv, np.int32(qkv.shape[1]), k_cache, v_cache, positions, query_start_loc, seq_lens,
             block_tables, np.int32(block_tables.shape[1]), np.int32(len(seq_lens)), np.int32(kvh),
-            np.int32(block_size), np.float32(scale), np.int32(partition), np.int32(window), out, part_acc,
-            part_ml)
+            np.int32(block_size), np.float32(scale), np.int32(window), out, *workspace)
 
 
 def paged_attention(kernels: HostKernels, qkv, k_cache, v_cache, positions, query_start_loc,
-                    seq_lens, block_tables, scale: float, out, splits: int, max_seq_len: int,
-                    workspace: tuple = (None, None), window: int = 0) -> None:
-    """What PagedAttention.__call__ launches (the kernel, then the split-K reduce)."""
-    T, (_, _, kvh, d), num_heads = qkv.shape[0], k_cache.shape, out.shape[1] // k_cache.shape[3]
-    part_acc, part_ml = workspace
+                    seq_lens, block_tables, scale: float, out, splits: int,
+                    workspace: tuple = (None, None, None), window: int = 0) -> None:
+    """What PagedAttention.__call__ launches (one kernel: its splits combined by their last block)."""
+    T, kvh = qkv.shape[0], k_cache.shape[2]
     suffix = launch.SUFFIXES[str(qkv.dtype)]  # fp16 or bf16 (uint16 bits), as PagedAttention picks
     kernels.call("paged_attention" + suffix, launch.attention_launch(T, kvh, splits), *paged_attention_args(
         qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables, scale, out,
-        launch.attention_partition(max_seq_len, splits, window), part_acc, part_ml, window))
-    if splits > 1:
-        kernels.call("attention_reduce" + suffix, launch.reduce_launch(T, num_heads, d), part_acc, part_ml,
-                     np.int32(splits), out)
+        workspace, window))
 
 
 class HostBuild:

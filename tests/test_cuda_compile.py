@@ -29,8 +29,6 @@ NUMBA_MODULES = (numba_kernels, sampling_kernels)
 # Every kernel with the signatures the runner launches it with (fp16, and bf16 bits in uint16,
 # activations and cache).
 NUMBA_SIGNATURES = {
-    "store_kv_kernel": [(f16_2d, i32_1d, f16_4d, f16_4d, types.int64),
-                        (u16_2d, i32_1d, u16_4d, u16_4d, types.int64)],
     # gather_rows also serves the embedding (a 16-bit table -> fp32 rows: the residual stream)
     "gather_rows_kernel": [(f16_2d, i32_1d, f16_2d, flag), (f32_2d, i32_1d, f32_2d, flag),
                            (f16_2d, i32_1d, f32_2d, flag), (u16_2d, i32_1d, u16_2d, flag),
@@ -128,7 +126,7 @@ def test_fused_cu_defines_every_kernel_in_both_element_types():
     names = {k + s for k in FUSED_KERNELS for s in SUFFIXES.values()}
     assert set(toolchain.ptxas_report(ptx, "sm_80")) == names
     bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
-    for name in ("add_rms_norm", "rope", "silu_mul", "add_bias", "gelu_tanh_mul", "rms_norm"):
+    for name in ("add_rms_norm", "rope_store_kv", "silu_mul", "add_bias", "gelu_tanh_mul", "rms_norm"):
         assert ".bf16" in bodies[name + "_bf16"] and ".bf16" not in bodies[name], name
 
 

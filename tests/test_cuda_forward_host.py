@@ -20,7 +20,7 @@ from conftest import TINY_CUDA_MODELS
 from cuda_host_kernels import paged_attention
 from fp16_checks import assert_logits_close, decode_against_cpu, fp16_tolerance, narrow, next_batch, widen
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cuda import launch, plan
+from ringserve.gpu.cuda import launch, plan, step_plan
 from ringserve.gpu.cuda import reference as ref
 from ringserve.gpu.cuda.buffers import AttentionLaunch, StepBuffers
 from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, serving_dtype
@@ -85,9 +85,8 @@ class HostOps:
                         np.int32(n), np.float32(self.eps))
 
     def rms_norm(self, x, weight):
-        T, n = x.shape
-        self.fused.call("rms_norm" + _suffix(x), launch.norm_launch(T, n), x, weight, np.int32(n),
-                        np.float32(self.eps))
+        plan = step_plan.rms_norm(x)
+        self.fused.call(plan.kernel, plan.geometry, x, weight, np.int32(x.shape[1]), np.float32(self.eps))
 
     def scale_embedding(self, h, factor):
         h *= np.float32(factor)  # CudaOps: one CuPy elementwise multiply of the float32 stream
@@ -98,16 +97,16 @@ class HostOps:
                         np.int32(qkv.shape[1]), np.float32(self.eps))
 
     def rope_store_kv(self, buf, cos, sin, k_cache, v_cache):
-        qkv, heads, D, half = buf.qkv, self.num_rot_heads, self.head_dim, cos.shape[1]
-        self.fused.call("rope" + _suffix(qkv), launch.rope_launch(qkv.shape[0], heads, 2 * half), qkv,
-                        buf.positions, cos, sin, np.int32(heads), np.int32(D), np.int32(half),
+        qkv, kvh, D, half = buf.qkv, k_cache.shape[2], self.head_dim, cos.shape[1]
+        plan = step_plan.rope_store_kv(qkv, self.num_heads, kvh, D, half)
+        self.fused.call(plan.kernel, plan.geometry, qkv, buf.positions, buf.slot_mapping, cos, sin, k_cache,
+                        v_cache, np.int32(self.num_heads), np.int32(kvh), np.int32(D), np.int32(half),
                         np.int32(qkv.shape[1]))
-        ref.store_kv(qkv, buf.slot_mapping, k_cache, v_cache, self.num_heads)
 
     def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch, window: int):
         paged_attention(self.paged, buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc,
-                        buf.seq_lens, buf.block_tables, self.scale, buf.attn, attn.splits,
-                        attn.max_seq_len, attn.workspace, window)
+                        buf.seq_lens, buf.block_tables, self.scale, buf.attn, attn.splits, attn.workspace,
+                        window)
 
     def silu_mul(self, gate_up, out):
         T, inter = out.shape
@@ -116,8 +115,8 @@ class HostOps:
 
     def gelu_tanh_mul(self, gate_up, out):
         T, inter = out.shape
-        self.fused.call("gelu_tanh_mul" + _suffix(out), launch.silu_launch(T, inter), gate_up, out,
-                        np.int32(T), np.int32(inter // 2))
+        plan = step_plan.gelu_tanh_mul(out)
+        self.fused.call(plan.kernel, plan.geometry, gate_up, out, np.int32(T), np.int32(inter // 2))
 
     def gather_rows(self, x, indices, out):
         out[...] = x[indices]
@@ -138,12 +137,14 @@ def fp16_gemm(x, weight, out):
     out[...] = narrow(widen(x) @ widen(weight).T, "bfloat16" if out.dtype == np.uint16 else "float16")
 
 
-def workspace(T: int, num_heads: int, head_dim: int, splits: int) -> tuple:
-    """PagedAttention.workspace's shapes, NaN-filled: a partial nobody wrote shows up."""
+def workspace(c: ModelConfig, T: int, splits: int) -> tuple:
+    """PagedAttention.workspace's shapes, the partials NaN-filled (a partial nobody wrote shows
+    up), the tickets zeroed."""
     if splits == 1:
-        return None, None
+        return None, None, None
+    num_heads, head_dim = c.num_attention_heads, c.head_dim
     return (np.full((T, num_heads, splits, head_dim), np.nan, F32),
-            np.full((T, num_heads, splits, 2), np.nan, F32))
+            np.full((T, num_heads, splits, 2), np.nan, F32), np.zeros((T, c.num_key_value_heads), np.int32))
 
 
 class HostRunner:
@@ -182,9 +183,7 @@ class HostRunner:
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
         self.model.forward(self.ops, self.weights, buf, self.caches,
-                           AttentionLaunch(s, max_len,
-                                           workspace(batch.num_tokens, c.num_attention_heads, c.head_dim, s)),
-                           self.ropes)
+                           AttentionLaunch(s, workspace(c, batch.num_tokens, s)), self.ropes)
         return buf.logits.copy()
 
     def graph_shaped(self, batch: Batch) -> np.ndarray:
@@ -196,9 +195,7 @@ class HostRunner:
         buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
         s = self.splits(size, MAX_MODEL_LEN)
         self.model.forward(self.ops, self.weights, buf, self.caches,
-                           AttentionLaunch(s, MAX_MODEL_LEN,
-                                           workspace(size, c.num_attention_heads, c.head_dim, s)),
-                           self.ropes)
+                           AttentionLaunch(s, workspace(c, size, s)), self.ropes)
         return buf.logits[:batch.num_reqs].copy()
 
 

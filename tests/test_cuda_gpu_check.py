@@ -112,7 +112,7 @@ def test_the_table_prints_every_section(capsys):
                   rows=[dict(model="1B", impl="ringserve eager", batch=1, step_ms=2.5, tok_s=400.0,
                              weight_bytes=3_000_000_000),
                         dict(model="1B", impl="ringserve graphs", batch=1, step_ms=1.0, tok_s=1000.0,
-                             weight_bytes=3_000_000_000),
+                             weight_bytes=3_000_000_000, launches_per_layer=9, step_bytes=3_200_000_000),
                         dict(model="1B", impl="transformers", batch=1, step_ms=9.0, tok_s=111.0),
                         dict(model="1B", impl="ringserve graphs", batch=64, step_ms=4.0, tok_s=16000.0,
                              weight_bytes=3_000_000_000),
@@ -129,7 +129,9 @@ def test_the_table_prints_every_section(capsys):
     assert "preflight: 0/1 ok\n  FAIL import nvmath.bindings.cublas: ModuleNotFoundError" in out
     assert "rawkernel      1    1024      8      12.5    1342   33.5" in out
     # the graphs row streams 3 GB at 4000 GB/s: 0.75 ms of a 1.0 ms step = 75 % of the bound
-    assert "ringserve graphs     float16      1     1.000       1000    75.0" in out
+    # and beside it the census (tools/step_census.py): 3.2 GB to move, 0.8 ms of it = 80 % of its floor
+    census = "            9     3.200    80.0\n"
+    assert "ringserve graphs     float16      1     1.000       1000    75.0" + census in out
     assert "transformers         float16      1     9.000        111     nan" in out
     assert "ringserve graphs     bfloat16    64     4.400      14546    17.0" in out
     assert "skipped: ours 8B" in out and "failed: transformers 8B: OutOfMemoryError" in out

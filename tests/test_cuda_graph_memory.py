@@ -109,10 +109,10 @@ def test_every_allocation_a_captured_graph_touches_is_held_by_the_runner(stand_i
     runner = build(stand_in, tiny_cuda_models("tied-g3"), replace(CUDA, attention_backend=backend))
     names = {launch.name for graph in device.graphs for launch in graph.launches}
     # each kind of operand is in the graphs: weights, caches, RoPE tables, step buffers, the
-    # cuBLAS workspace; the split-K attention's workspace (its reduce) with the RawKernel
-    assert {"cublas gemm_ex", "add_rms_norm", "rope", "silu_mul", "numba store_kv_kernel",
-            "numba gather_rows_kernel", "to_float32"} <= names, names
-    assert ("attention_reduce" in names) == (backend == "rawkernel")
+    # cuBLAS workspace; the split-K attention's workspace (partials, tickets) with the RawKernel
+    assert {"cublas gemm_ex", "add_rms_norm", "rope_store_kv", "silu_mul", "numba gather_rows_kernel",
+            "to_float32"} <= names, names
+    assert ("paged_attention" in names) == (backend == "rawkernel")
     stray = stray_allocations(runner, device)
     assert not stray, "\n".join(stray)
     for n in (1, 3, 5, 8):  # every graph replays through the runner's own path
@@ -142,7 +142,7 @@ def test_the_check_sees_a_workspace_the_runner_let_go(stand_in, tiny_cuda_models
     device, _ = stand_in
     runner = build(stand_in, tiny_cuda_models("tied-g3"))
     for captured in runner.graphs.graphs.values():
-        captured.attention.workspace = (None, None)
+        captured.attention.workspace = (None, None, None)
     gc.collect()
     stray = stray_allocations(runner, device)
     assert stray and all("attention.py" in line and line.endswith("freed") for line in stray), stray

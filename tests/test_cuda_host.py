@@ -13,7 +13,7 @@ import pytest
 from cuda_host_kernels import paged_attention, paged_attention_args
 from fp16_checks import ELEMENT_TYPES, SUFFIX, assert_rounded_from, narrow, widen
 from paged_cases import free_before_windows, paged_layout
-from ringserve.gpu.cuda import launch
+from ringserve.gpu.cuda import launch, step_plan
 from ringserve.gpu.cuda import reference as ref
 
 pytestmark = pytest.mark.sim
@@ -67,27 +67,39 @@ def test_add_rms_norm(host_kernels, hidden, with_delta, dtype):
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 @pytest.mark.parametrize("head_dim,rotary_dim,num_heads,num_kv_heads", [(64, 64, 9, 3), (128, 128, 4, 2),
                                                                         (128, 96, 4, 2)])
-def test_rope_rotates_q_and_k_only(host_kernels, head_dim, rotary_dim, num_heads, num_kv_heads, dtype):
-    """The first rotary_dim dims of each q and k head (2 * the table's width: Phi-4-mini rotates
-    96 of 128), the rest of the head and v untouched."""
+def test_rope_store_kv_rotates_q_and_writes_k_and_v(host_kernels, head_dim, rotary_dim, num_heads,
+                                                    num_kv_heads, dtype):
+    """One launch: q rotated in place (the first rotary_dim dims of each head: 2 * the table's
+    width; Phi-4-mini rotates 96 of 128), k rotated into the cache and v copied there at each
+    token's slot (the reference's rope then store_kv, bit for bit), padding slots (-1) write
+    nothing, k and v in qkv and every other cache row untouched."""
     rng = np.random.default_rng(head_dim + rotary_dim)
-    T, max_pos, half = 5, 100, rotary_dim // 2
+    T, max_pos, half, block_size = 5, 100, rotary_dim // 2, 4
     inv_freq = 1.0 / 10000.0 ** (np.arange(half) / half)
     angles = np.arange(max_pos)[:, None] * inv_freq[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     positions = rng.integers(0, max_pos, T).astype(np.int32)
+    slots = np.array([9, -1, 0, 14, -1], np.int32)
     qkv = narrow(rng.standard_normal((T, (num_heads + 2 * num_kv_heads) * head_dim)), dtype)
-    expect = ref.rope(widen(qkv), positions, cos, sin, num_heads, num_kv_heads, head_dim)
+    shape = (4, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (narrow(rng.standard_normal(shape), dtype) for _ in range(2))
+    rotated = ref.rope(widen(qkv), positions, cos, sin, num_heads, num_kv_heads, head_dim)  # float32
+    k_want, v_want = widen(k_cache), v_cache.copy()
+    ref.store_kv(rotated, slots, k_want, widen(v_cache), num_heads)
+    ref.store_kv(qkv, slots, k_cache.copy(), v_want, num_heads)  # v: qkv's own bits (rope leaves v)
     x = qkv.copy()
-    rot = num_heads + num_kv_heads
-    host_kernels["fused"].call("rope" + SUFFIX[dtype], launch.rope_launch(T, rot, rotary_dim), x, positions,
-                               cos, sin, np.int32(rot), np.int32(head_dim), np.int32(half),
-                               np.int32(qkv.shape[1]))
-    assert_fp16_close(x[:, :rot * head_dim], expect[:, :rot * head_dim])
-    np.testing.assert_array_equal(x[:, rot * head_dim:], qkv[:, rot * head_dim:])  # v untouched
-    heads = x[:, :rot * head_dim].reshape(T, rot, head_dim)
-    np.testing.assert_array_equal(heads[..., rotary_dim:],  # the unrotated rest of each head, as it was
-                                  qkv[:, :rot * head_dim].reshape(T, rot, head_dim)[..., rotary_dim:])
+    plan = step_plan.rope_store_kv(x, num_heads, num_kv_heads, head_dim, half)
+    host_kernels["fused"].call(plan.kernel, plan.geometry, x, positions, slots, cos, sin, k_cache, v_cache,
+                               np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
+                               np.int32(half), np.int32(qkv.shape[1]))
+    q = num_heads * head_dim
+    assert_fp16_close(x[:, :q], rotated[:, :q])
+    np.testing.assert_array_equal(x[:, q:], qkv[:, q:])  # k and v in qkv as they were
+    assert_fp16_close(k_cache, k_want)  # written rows: rotated k rounded once; the rest as it was
+    np.testing.assert_array_equal(v_cache, v_want)
+    heads = x[:, :q].reshape(T, num_heads, head_dim)  # the unrotated rest of each head, as it was
+    np.testing.assert_array_equal(heads[..., rotary_dim:],
+                                  qkv[:, :q].reshape(T, num_heads, head_dim)[..., rotary_dim:])
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
@@ -182,14 +194,23 @@ def case_args(c: dict) -> tuple:
             c["seq_lens"], c["block_tables"], c["k_cache"].shape[-1] ** -0.5)
 
 
-def run_attention(kernels, c: dict, splits: int, max_seq_len: int, window: int = 0) -> np.ndarray:
-    """What PagedAttention.__call__ launches, with NaN-filled outputs and workspace."""
-    T, d, H = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"]
-    out = unwritten((T, H * d), "bfloat16" if c["qkv"].dtype == np.uint16 else "float16")
+def run_attention(kernels, c: dict, splits: int, window: int = 0) -> np.ndarray:
+    """What PagedAttention.__call__ launches, with NaN-filled outputs and partials; split, it
+    runs twice over one workspace (a graph replayed): the kernel must leave every ticket at 0
+    and the second launch's output equal to the first."""
+    T, d, H, kvh = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"], c["k_cache"].shape[2]
+    dtype = "bfloat16" if c["qkv"].dtype == np.uint16 else "float16"
     workspace = (np.full((T, H, splits, d), np.nan, np.float32),
-                 np.full((T, H, splits, 2), np.nan, np.float32)) if splits > 1 else (None, None)
-    paged_attention(kernels, *case_args(c), out, splits, max_seq_len, workspace, window)
-    return out
+                 np.full((T, H, splits, 2), np.nan, np.float32),
+                 np.zeros((T, kvh), np.int32)) if splits > 1 else (None, None, None)
+    outs = []
+    for _ in range(2 if splits > 1 else 1):
+        outs.append(unwritten((T, H * d), dtype))
+        paged_attention(kernels, *case_args(c), outs[-1], splits, workspace, window)
+        if splits > 1:
+            assert not workspace[2].any(), "a ticket left behind"
+    np.testing.assert_array_equal(outs[-1], outs[0])
+    return outs[0]
 
 
 def expected_attention(c: dict, window: int = 0) -> np.ndarray:
@@ -202,13 +223,13 @@ def expected_attention(c: dict, window: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 def test_paged_attention_prefill_and_decode(host_kernels, variant, splits, dtype):
-    """A fresh prefill, a prefill chunk over a cached prefix, two decodes; eager split-K (the
-    partition from the batch's longest sequence: the 4-key decode leaves splits 1, 2 empty).
+    """A fresh prefill, a prefill chunk over a cached prefix, two decodes; split-K (each query's
+    keys in equal shares: the 1-key rows of the fresh prefill leave splits 1, 2 empty).
     Each element type: the kernels of q's and the cache's (fp16, or bf16: _bf16)."""
     d, g = variant
     c = paged_case(np.random.default_rng(d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
                    requests=[(0, 5), (21, 4), (40, 1), (3, 1)], dtype=dtype)
-    out = run_attention(host_kernels[variant], c, splits, int(c["seq_lens"].max()))
+    out = run_attention(host_kernels[variant], c, splits)
     assert_fp16_close(out, expected_attention(c))
 
 
@@ -216,13 +237,14 @@ def test_paged_attention_prefill_and_decode(host_kernels, variant, splits, dtype
 @pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("dtype", ELEMENT_TYPES)
 def test_paged_attention_padded_graph_decode(host_kernels, variant, splits, dtype):
-    """A graph replay: decodes padded to the captured size with seq_len-0 rows, partitions
-    from max_model_len (256 / 8 = 32 keys): the 10-key decode sees only split 0, the 200-key
-    one not split 7. Padding rows must come out exactly zero."""
+    """A graph replay: decodes padded to the captured size with seq_len-0 rows and the split
+    count a graph plans for max_model_len (8): each request's own keys in 8 shares (the 1-key
+    decode: splits 1-7 empty; the 10-key one: shares of 2, splits 5-7 empty; the 200-key one:
+    25 each). Padding rows (no keys, every split empty) must come out exactly zero."""
     d, g = variant
     c = paged_case(np.random.default_rng(10 * d + g), head_dim=d, group=g, kvh=ATTENTION_VARIANTS[variant],
                    requests=[(9, 1), (199, 1), (0, 1)], pad=2, dtype=dtype)
-    out = run_attention(host_kernels[variant], c, splits, max_seq_len=256)
+    out = run_attention(host_kernels[variant], c, splits)
     expect = expected_attention(c)
     assert_fp16_close(out, expect)
     assert np.all(out[-2:] == 0)
@@ -245,7 +267,7 @@ def test_paged_attention_sliding_window(host_kernels, window, splits):
     expect = expected_attention(c, window)
     assert np.allclose(expect, expected_attention(c)) == (window >= 45)  # the window matters
     c["block_tables"] = free_before_windows(c["block_tables"], WINDOW_REQUESTS, block_size=16, window=window)
-    out = run_attention(host_kernels[variant], c, splits, int(c["seq_lens"].max()), window)
+    out = run_attention(host_kernels[variant], c, splits, window)
     assert_fp16_close(out, expect)
 
 

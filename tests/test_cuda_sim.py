@@ -69,20 +69,6 @@ else:
         nk.embedding(ids, table, out, threads=THREADS)
         np.testing.assert_array_equal(out, widen_bfloat16(np, table[ids]))
 
-    @pytest.mark.parametrize("dtype", [np.float16, np.uint16])  # uint16: bf16 bits, moved as they are
-    def test_store_kv_skips_padding_slots(dtype):
-        rng = np.random.default_rng(1)
-        H, KVH, D, BS = 4, 2, 8, 4
-        qkv = rng.standard_normal((5, (H + 2 * KVH) * D)).astype(np.float16).view(dtype)
-        slots = np.array([7, -1, 0, 13, -1], np.int32)
-        k = rng.standard_normal((4, BS, KVH, D)).astype(np.float16).view(dtype)
-        v = rng.standard_normal((4, BS, KVH, D)).astype(np.float16).view(dtype)
-        k_ref, v_ref = k.copy(), v.copy()
-        ref.store_kv(qkv, slots, k_ref, v_ref, H)
-        nk.store_kv(qkv, slots, k, v, H, threads=THREADS)
-        np.testing.assert_array_equal(k, k_ref)
-        np.testing.assert_array_equal(v, v_ref)
-
     def test_gather_rows_and_argmax():
         rng = np.random.default_rng(2)
         x = rng.standard_normal((7, 70)).astype(np.float32)

@@ -44,7 +44,7 @@ try:
     # NOTE: as the runner launches it (tests/test_cuda_compile.py NUMBA_SIGNATURES: the last
     # flag says whether the 16-bit arrays hold bf16 bits)
     sigs = {"paged_attention_kernel": (f16_2d, f16_4d, f16_4d, i32_1d, i32_1d, i32_1d, i32_2d,
-                                       types.float32, f16_2d, types.boolean),
+                                       types.float32, types.int32, f16_2d, types.boolean),
             "argmax_kernel": (types.Array(types.float32, 2, "C"), i32_1d)}
     out["ptx"] = {name: len(cuda.compile_ptx(getattr(nk, name).py_func, sig, cc=(9, 0))[0])
                   for name, sig in sigs.items()}

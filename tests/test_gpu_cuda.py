@@ -59,7 +59,7 @@ def test_paged_attention_kernels_match_reference(splits, dtype):
     out = cp.zeros((len(pos), H * 128), qkv.dtype)
     attn = PagedAttention(128, H // 2)
     stream = cp.cuda.Stream()
-    attn(*d, 0.088, out, stream, splits=splits, max_seq_len=int(seq_lens.max()),
+    attn(*d, 0.088, out, stream, splits=splits,
          workspace=attn.workspace(len(pos), H, splits))
     stream.synchronize()
     tol = TOLERANCE[dtype]
@@ -90,13 +90,22 @@ def test_fused_kernels_match_reference(dtype):
     qkv = narrow(rng.standard_normal((4, 12 * 64)), dtype)  # H=8, KVH=2, D=64
     pos = np.array([0, 5, 77, 1000], np.int32)
     from ringserve.gpu.rope import cos_sin
+    slots = np.array([3, -1, 9, 14], np.int32)  # -1: a padding row writes nothing
     for rotary in (64, 48):  # whole heads, and Phi-4-mini's 3/4 (the rest of each head untouched)
         cos, sin = cos_sin(np.arange(1024), (1e4 ** -(np.arange(0, rotary, 2) / rotary)).astype(np.float32))
         qd = cp.asarray(qkv)
-        f.rope(qd, cp.asarray(pos), cp.asarray(cos), cp.asarray(sin), 10, 64, s)
+        kd, vd = (cp.zeros((4, 4, 2, 64), qkv.dtype) for _ in range(2))
+        f.rope_store_kv(qd, cp.asarray(pos), cp.asarray(slots), cp.asarray(cos), cp.asarray(sin), kd, vd,
+                        8, 64, s)
         s.synchronize()
-        np.testing.assert_allclose(widen(qd.get()), ref.rope(widen(qkv), pos, cos, sin, 8, 2, 64),
-                                   rtol=tol, atol=tol)
+        rotated = ref.rope(widen(qkv), pos, cos, sin, 8, 2, 64)
+        k_want, v_want = np.zeros((4, 4, 2, 64), np.float32), np.zeros((4, 4, 2, 64), qkv.dtype)
+        ref.store_kv(rotated, slots, k_want, np.zeros_like(k_want), 8)
+        ref.store_kv(qkv, slots, np.zeros_like(v_want), v_want, 8)
+        np.testing.assert_allclose(widen(qd.get())[:, :512], rotated[:, :512], rtol=tol, atol=tol)
+        np.testing.assert_array_equal(qd.get()[:, 512:], qkv[:, 512:])  # k and v in qkv untouched
+        np.testing.assert_allclose(widen(kd.get()), k_want, rtol=tol, atol=tol)
+        np.testing.assert_array_equal(vd.get(), v_want)
     gu = narrow(rng.standard_normal((3, 2 * 1536)), dtype)
     act = cp.empty((3, 1536), gu.dtype)
     f.silu_mul(cp.asarray(gu), act, s)

@@ -231,6 +231,23 @@ def decode_batch(B: int, block_size: int):
                  np.full(B, CONTEXT + 1, np.int32), tables)
 
 
+def census_fields(runner, B: int, dtype: str) -> dict:
+    """The launch census of the step a graph of B requests replays (tools/step_census.py, from
+    the runner's launch plan): launches per layer and the bytes it must move, for the floor."""
+    from ringserve.gpu.cuda.census import census_for
+    census = census_for(runner.config, batch=B, context=CONTEXT + 1, dtype=dtype,
+                        max_model_len=runner.max_model_len, num_sms=runner.num_sms)
+    return dict(launches_per_layer=census.per_layer, step_bytes=census.total().total)
+
+
+def floor_pct(row: dict, copy_GBps: float | None) -> float:
+    """A step's share of its census floor: every byte the census lists moved once at the
+    measured copy bandwidth, over the step's time, in %."""
+    if "step_bytes" not in row or not copy_GBps:
+        return float("nan")
+    return row["step_bytes"] / (copy_GBps * 1e9) * 1e3 / row["step_ms"] * 100
+
+
 def time_steps(fn, n=20) -> float:
     fn()
     t = time.perf_counter()
@@ -402,7 +419,7 @@ def attention_case(attn, B: int, ctx: int, num_sms: int, copy_bps: float, stream
     kv_bytes = 2 * B * ctx * KVH * D * 2   # K and V, fp16
     kernels = _attention_kernels(attn, (qkv, k, v, positions, qsl, seq_lens, tables), D ** -0.5, out,
                                  stream, nb_cuda.external_stream(stream.ptr),
-                                 splits=splits, max_seq_len=ctx, workspace=ws)
+                                 splits=splits, workspace=ws)
     rows = []
     for name, fn in kernels.items():
         dt = gpu_time(fn, stream, 10, graph=True)
@@ -470,7 +487,8 @@ def bench_ours(name, shape, rows, deadline, dtype: str = "float16") -> None:
                 rows.append(dict(model=name, impl="ringserve " + ("eager" if eager else "graphs"),
                                  dtype=dtype, batch=B, step_ms=dt * 1e3, tok_s=B / dt,
                                  weight_bytes=weight_bytes,
-                                 replayed=not eager and r.graphs.pick(b) is not None))
+                                 replayed=not eager and r.graphs.pick(b) is not None,
+                                 **({} if eager else census_fields(r, B, dtype))))
     finally:  # the next phase (torch: its own pool) gets the memory, whatever happened here
         r = None
         w.clear()
@@ -787,11 +805,13 @@ def print_tables(result) -> None:
                   f"{r['us']:>9.1f} {r['GBps']:>7.0f} {r['pct_copy']:>6.1f}")
     if result["rows"]:
         print(f"\n{'model':6} {'impl':20} {'dtype':8} {'batch':>5} {'step ms':>9} {'tok/s':>10} "
-              f"{'%bound':>7}")
+              f"{'%bound':>7} {'launch/layer':>12} {'census GB':>9} {'%floor':>7}")
         for r in result["rows"]:
+            census = (f" {r['launches_per_layer']:>12} {r['step_bytes'] / 1e9:>9.3f} "
+                      f"{floor_pct(r, result.get('copy_GBps')):>7.1f}" if "step_bytes" in r else "")
             print(f"{r['model']:6} {r['impl']:20} {r.get('dtype', 'float16'):8} {r['batch']:>5} "
                   f"{r['step_ms']:>9.3f} "
-                  f"{r['tok_s']:>10.0f} {weight_bound_pct(r, result.get('copy_GBps')):>7.1f}"
+                  f"{r['tok_s']:>10.0f} {weight_bound_pct(r, result.get('copy_GBps')):>7.1f}{census}"
                   + ("  (no graph: ran eager)" if r.get("replayed") is False and "graphs" in r["impl"]
                      else ""))
         print(f"\n{'model':6} {'batch':>5} {'graphs/eager':>12} {'vs transformers':>15} "

@@ -10,8 +10,10 @@
 // request's keys 0..pos through the block table; with a sliding window > 0 only keys
 // pos - window < k <= pos, and no block-table entry before the window is read: the KV manager
 // may have freed those blocks). Long contexts with few tokens (decode) are split along the keys
-// (gridDim.z splits of partition_size keys from the first key read): partial (acc, max, sum)
-// go to part_* and attention_reduce combines them.
+// (FlashDecoding): gridDim.z splits, each an equal share of its query's own keys (so a graph's
+// split count, planned for max_model_len, keeps every split busy at any length); partial
+// (acc, max, sum) go to part_*, and the last split of a (token, KV head) to finish combines them
+// in the same launch (an atomic ticket in `tickets`, which that block resets: no second launch).
 // q, the KV cache and out are in the activations' element type T: each kernel is a template,
 // instantiated as extern "C" kernels for fp16 (the plain names) and bf16 (_bf16) (elem.cuh);
 // scores, softmax and sums are float32 in both.
@@ -67,6 +69,45 @@ __device__ __forceinline__ void load_row(const T* p, float* f) {
     }
 }
 
+// FlashDecoding's combine, in the split kernel's own launch: each block, once its partials are
+// written and fenced (visible device-wide), takes a ticket for its (token, KV head); the block
+// that takes the last one reads every split's partials of the group's heads (through L2:
+// __ldcg, never a stale L1 line) and writes out, and resets the ticket to 0 for the next launch
+// (a CUDA graph replays this one). One launch where a reduce kernel was a second.
+template <class T>
+__device__ __forceinline__ void combine_if_last(const float* __restrict__ part_acc,
+                                                const float* __restrict__ part_ml, int* __restrict__ tickets,
+                                                int t, int kvh, int num_kv_heads, int splits,
+                                                T* __restrict__ out) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* ticket = tickets + (size_t)t * num_kv_heads + kvh;
+        last = atomicAdd(ticket, 1) == splits - 1;
+        if (last) *ticket = 0;  // every other split has taken its ticket
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int num_heads = num_kv_heads * GQA_GROUP;
+    for (int idx = threadIdx.x; idx < GQA_GROUP * HEAD_DIM; idx += WARPS * 32) {
+        const int g = idx / HEAD_DIM, d = idx - g * HEAD_DIM, h = kvh * GQA_GROUP + g;
+        const size_t base = ((size_t)t * num_heads + h) * splits;
+        float mx = NEG_INF;
+        for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(part_ml + (base + s) * 2));
+        float a = 0.0f, sum = 0.0f;
+        if (mx != NEG_INF) {
+            for (int s = 0; s < splits; ++s) {
+                const float f = __expf(__ldcg(part_ml + (base + s) * 2) - mx);
+                a += __ldcg(part_acc + (base + s) * HEAD_DIM + d) * f;
+                sum += __ldcg(part_ml + (base + s) * 2 + 1) * f;
+            }
+        }
+        out[((size_t)t * num_heads + h) * HEAD_DIM + d] = Elem<T>::from(sum > 0.0f ? a / sum : 0.0f);
+    }
+}
+
 // The kernel body, for element type T (launch bounds: the instantiations at the end).
 template <class T>
 __device__ __forceinline__ void paged_attention_t(
@@ -74,9 +115,10 @@ __device__ __forceinline__ void paged_attention_t(
         const T* __restrict__ k_cache, const T* __restrict__ v_cache,
         const int* __restrict__ positions, const int* __restrict__ query_start_loc,
         const int* __restrict__ seq_lens, const int* __restrict__ block_tables, int max_blocks,
-        int num_reqs, int num_kv_heads, int block_size, float scale, int partition_size, int window,
-        T* __restrict__ out,                                     // [T, H * D] when gridDim.z == 1
-        float* __restrict__ part_acc, float* __restrict__ part_ml) {  // [T, H, S, D], [T, H, S, 2]
+        int num_reqs, int num_kv_heads, int block_size, float scale, int window,
+        T* __restrict__ out,                                          // [T, H * D]
+        float* __restrict__ part_acc, float* __restrict__ part_ml,  // [T, H, S, D], [T, H, S, 2]
+        int* __restrict__ tickets) {                                // [T, KVH], zero between launches
     __shared__ float sm_acc[WARPS][GQA_GROUP][HEAD_DIM];
     __shared__ float sm_m[WARPS][GQA_GROUP], sm_l[WARPS][GQA_GROUP];
     const int t = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -91,9 +133,11 @@ __device__ __forceinline__ void paged_attention_t(
     const int r = lo;
     const int num_keys = min(positions[t] + 1, seq_lens[r]);
     const int first = window > 0 ? max(0, positions[t] + 1 - window) : 0;  // the window's first key
-    // One split covers every key; with several, split s covers [first + s * partition_size, ...).
-    const int begin = splits == 1 ? first : first + split * partition_size;
-    const int end = splits == 1 ? num_keys : min(num_keys, begin + partition_size);
+    // Split s covers [first + s * share, ...) of this query's keys [first, num_keys) (one split:
+    // all of them; a padding row, no keys: none).
+    const int share = (max(num_keys - first, 0) + splits - 1) / splits;
+    const int begin = first + split * share;
+    const int end = min(num_keys, begin + share);
 
     float q[GQA_GROUP][PER_LANE], acc[GQA_GROUP][PER_LANE], m[GQA_GROUP], l[GQA_GROUP];
 #pragma unroll
@@ -184,26 +228,7 @@ __device__ __forceinline__ void paged_attention_t(
             if (d == 0) { part_ml[part * 2] = mx; part_ml[part * 2 + 1] = sum; }
         }
     }
-}
-
-// Combine the splits of each (token, head): grid (T, H), HEAD_DIM threads.
-template <class T>
-__device__ __forceinline__ void attention_reduce_t(const float* __restrict__ part_acc,
-                                                   const float* __restrict__ part_ml, int splits,
-                                                   T* __restrict__ out) {
-    const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x, num_heads = gridDim.y;
-    const size_t base = ((size_t)t * num_heads + h) * splits;
-    float mx = NEG_INF;
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
-    float a = 0.0f, sum = 0.0f;
-    if (mx != NEG_INF) {
-        for (int s = 0; s < splits; ++s) {
-            const float f = __expf(part_ml[(base + s) * 2] - mx);
-            a += part_acc[(base + s) * HEAD_DIM + d] * f;
-            sum += part_ml[(base + s) * 2 + 1] * f;
-        }
-    }
-    out[((size_t)t * num_heads + h) * HEAD_DIM + d] = Elem<T>::from(sum > 0.0f ? a / sum : 0.0f);
+    if (splits > 1) combine_if_last<T>(part_acc, part_ml, tickets, t, kvh, num_kv_heads, splits, out);
 }
 
 // At least 4 blocks per SM: caps registers at 128 (ptxas then spills nothing; a cap of 64
@@ -214,16 +239,11 @@ __device__ __forceinline__ void attention_reduce_t(const float* __restrict__ par
             const T* __restrict__ v_cache, const int* __restrict__ positions,                            \
             const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,                   \
             const int* __restrict__ block_tables, int max_blocks, int num_reqs, int num_kv_heads,        \
-            int block_size, float scale, int partition_size, int window, T* __restrict__ out,            \
-            float* __restrict__ part_acc, float* __restrict__ part_ml) {                                 \
+            int block_size, float scale, int window, T* __restrict__ out, float* __restrict__ part_acc,  \
+            float* __restrict__ part_ml, int* __restrict__ tickets) {                                    \
         paged_attention_t<T>(qkv, row_stride, k_cache, v_cache, positions, query_start_loc, seq_lens,    \
                              block_tables, max_blocks, num_reqs, num_kv_heads, block_size, scale,        \
-                             partition_size, window, out, part_acc, part_ml);                            \
-    }                                                                                                    \
-    extern "C" __global__ void attention_reduce##SUFFIX(const float* __restrict__ part_acc,               \
-                                                        const float* __restrict__ part_ml, int splits,    \
-                                                        T* __restrict__ out) {                            \
-        attention_reduce_t<T>(part_acc, part_ml, splits, out);                                           \
+                             window, out, part_acc, part_ml, tickets);                                   \
     }
 ATTENTION_KERNELS(__half, )
 ATTENTION_KERNELS(__nv_bfloat16, _bf16)

@@ -1,4 +1,5 @@
-"""Launcher for attention.cu (the paged-attention RawKernel, with split-K for long decodes).
+"""Launcher for attention.cu (the paged-attention RawKernel, with split-K for long decodes, combined
+in the same launch).
 q, the KV cache and out in fp16 or bf16 (uint16 bits): the kernels of their element type
 (attention.cu's plain and _bf16 instantiations)."""
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from ringserve.gpu.cuda import launch, toolchain
+from ringserve.gpu.cuda import launch, step_plan, toolchain
 
 
 class PagedAttention:
@@ -14,37 +15,31 @@ class PagedAttention:
         self.head_dim, self.group = head_dim, group
         module = cp.RawModule(code=toolchain.source("attention.cu"), backend="nvrtc",
                               options=toolchain.options(dict(HEAD_DIM=head_dim, GQA_GROUP=group)))
-        suffixes = launch.SUFFIXES.items()
-        self._attn = {dtype: module.get_function("paged_attention" + s) for dtype, s in suffixes}
-        self._reduce = {dtype: module.get_function("attention_reduce" + s) for dtype, s in suffixes}
+        self._kernels = {"paged_attention" + s: module.get_function("paged_attention" + s)
+                         for s in launch.SUFFIXES.values()}
 
     def workspace(self, num_tokens: int, num_heads: int, splits: int):
-        """Partial results for `splits` > 1 (allocate before a graph capture, not during)."""
+        """For `splits` > 1 (allocate before a graph capture, not during): the partial results
+        and a zeroed ticket per (token, KV head), which the kernel leaves zeroed after each launch."""
         if splits == 1:
-            return None, None
+            return None, None, None
         return (cp.empty((num_tokens, num_heads, splits, self.head_dim), cp.float32),
-                cp.empty((num_tokens, num_heads, splits, 2), cp.float32))
+                cp.empty((num_tokens, num_heads, splits, 2), cp.float32),
+                cp.zeros((num_tokens, num_heads // self.group), cp.int32))
 
     def __call__(self, qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-                 scale: float, out, stream, splits: int = 1, max_seq_len: int = 0,
-                 workspace=(None, None), window: int = 0) -> None:
-        """splits > 1: split s takes keys [s * P, (s + 1) * P) from the query's first key, with P
-        = ceil(min(max_seq_len, window or max_seq_len) / splits), so max_seq_len must bound every
-        request's length (max_model_len in a graph). window 0: full attention, else a sliding
-        window (a launch argument: one graph node per layer, the same kernel)."""
-        T = qkv.shape[0]
+                 scale: float, out, stream, splits: int = 1, workspace=(None, None, None),
+                 window: int = 0) -> None:
+        """splits > 1: each query's keys (from its first: 0, or its window's) in `splits` equal
+        shares, one block each, combined by the last block of each (token, KV head) to finish;
+        the shares are the kernel's, from each request's own length. window 0: full attention,
+        else a sliding window (a launch argument: one graph node per layer, the same kernel)."""
         num_blocks, block_size, kvh, d = k_cache.shape
-        part_acc, part_ml = workspace
-        partition = launch.attention_partition(max_seq_len, splits, window)
         null = np.uint64(0)
-        dtype = str(qkv.dtype)  # NOTE: the cache and out must be the same type (the runner's)
-        self._attn[dtype](*launch.attention_launch(T, kvh, splits), (
+        # NOTE: the cache and out must be qkv's element type (the runner's)
+        attn = step_plan.attention("rawkernel", qkv, kvh * self.group, kvh, d, splits)
+        self._kernels[attn.kernel](attn.grid, attn.block, (
             qkv, np.int32(qkv.shape[1]), k_cache, v_cache, positions, query_start_loc, seq_lens,
             block_tables, np.int32(block_tables.shape[1]), np.int32(seq_lens.shape[0]),
-            np.int32(kvh), np.int32(block_size), np.float32(scale), np.int32(partition),
-            np.int32(window), out, null if part_acc is None else part_acc,
-            null if part_ml is None else part_ml),
-            stream=stream)
-        if splits > 1:
-            self._reduce[dtype](*launch.reduce_launch(T, kvh * self.group, d),
-                         (part_acc, part_ml, np.int32(splits), out), stream=stream)
+            np.int32(kvh), np.int32(block_size), np.float32(scale), np.int32(window), out,
+            *(null if a is None else a for a in workspace)), stream=stream)

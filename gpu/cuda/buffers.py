@@ -182,8 +182,7 @@ class StepBuffers:
 class AttentionLaunch:
     """How one forward's paged attention is launched (gpu/cuda/plan.attention_splits)."""
     splits: int
-    max_seq_len: int      # bounds every request's length (max_model_len in a graph)
-    workspace: tuple      # split-K partials (PagedAttention.workspace), (None, None) for 1 split
+    workspace: tuple      # split-K partials and tickets (PagedAttention.workspace), Nones for 1 split
 
 
 @dataclass

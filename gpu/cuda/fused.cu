@@ -63,24 +63,50 @@ __device__ __forceinline__ void qk_norm_t(T* __restrict__ qkv, const T* __restri
         x[i] = Elem<T>::from(to_float(x[i]) * r * to_float(w[i]));
 }
 
-// RoPE in place on the q and k heads of qkv [T, row_stride] (HF rotate_half over the first
-// 2 * rot_half dims of a head: element i pairs with i + rot_half; the rest of the head, Phi-4-mini's
-// last quarter, is left as it is). cos/sin tables float32 [max_pos, rot_half], indexed by position.
-// grid (T), one thread per (head, pair).
+// RoPE and the KV-cache write in one pass (one launch where a rope kernel then a K/V scatter
+// were two), one block per token: the q heads rotated in place in qkv [T, row_stride] (attention
+// reads q there); the k heads rotated on their way into k_cache and the v heads copied into
+// v_cache at the token's slot (caches [blocks, block_size, num_kv_heads, head_dim], flat by slot;
+// slot -1, a graph's padding row, writes nothing). k and v in qkv are left as they are. HF
+// rotate_half over the first 2 * rot_half dims of a head (element i pairs with i + rot_half; the
+// rest, Phi-4-mini's last quarter, passes through); each rotated value rounded to T once, as the
+// reference (gpu/cuda/reference.py rope, store_kv). cos/sin float32 [max_pos, rot_half].
 template <class T>
-__device__ __forceinline__ void rope_t(T* __restrict__ qkv, const int* __restrict__ positions,
-                                       const float* __restrict__ cos_table, const float* __restrict__ sin_table,
-                                       int num_rot_heads, int head_dim, int rot_half, int row_stride) {
+__device__ __forceinline__ void rope_store_kv_t(T* __restrict__ qkv, const int* __restrict__ positions,
+                                                const int* __restrict__ slot_mapping,
+                                                const float* __restrict__ cos_table,
+                                                const float* __restrict__ sin_table, T* __restrict__ k_cache,
+                                                T* __restrict__ v_cache, int num_heads, int num_kv_heads,
+                                                int head_dim, int rot_half, int row_stride) {
     const int t = blockIdx.x;
-    const int p = positions[t];
+    const int slot = slot_mapping[t];
     T* row = qkv + (size_t)t * row_stride;
-    for (int i = threadIdx.x; i < num_rot_heads * rot_half; i += blockDim.x) {
+    const float* c = cos_table + (size_t)positions[t] * rot_half;
+    const float* s = sin_table + (size_t)positions[t] * rot_half;
+    for (int i = threadIdx.x; i < num_heads * rot_half; i += blockDim.x) {
         const int head = i / rot_half, j = i - head * rot_half;
-        const float c = cos_table[(size_t)p * rot_half + j], s = sin_table[(size_t)p * rot_half + j];
         T* x = row + head * head_dim;
         const float x1 = to_float(x[j]), x2 = to_float(x[j + rot_half]);
-        x[j] = Elem<T>::from(x1 * c - x2 * s);
-        x[j + rot_half] = Elem<T>::from(x2 * c + x1 * s);
+        x[j] = Elem<T>::from(x1 * c[j] - x2 * s[j]);
+        x[j + rot_half] = Elem<T>::from(x2 * c[j] + x1 * s[j]);
+    }
+    if (slot < 0) return;  // no __syncthreads below: a whole block leaves together
+    const int kv = num_kv_heads * head_dim;
+    const T* k = row + (size_t)num_heads * head_dim;
+    const T* v = k + kv;
+    T* k_out = k_cache + (size_t)slot * kv;
+    T* v_out = v_cache + (size_t)slot * kv;
+    for (int i = threadIdx.x; i < kv; i += blockDim.x) {
+        const int d = i % head_dim;
+        if (d < rot_half) {
+            k_out[i] = Elem<T>::from(to_float(k[i]) * c[d] - to_float(k[i + rot_half]) * s[d]);
+        } else if (d < 2 * rot_half) {
+            const int j = d - rot_half;
+            k_out[i] = Elem<T>::from(to_float(k[i]) * c[j] + to_float(k[i - rot_half]) * s[j]);
+        } else {
+            k_out[i] = k[i];
+        }
+        v_out[i] = v[i];
     }
 }
 
@@ -163,11 +189,13 @@ __device__ __forceinline__ void to_float32_t(const T* __restrict__ src, float* _
                                                int num_q_heads, int head_dim, int row_stride, float eps) { \
         qk_norm_t<T>(qkv, weight, num_q_heads, head_dim, row_stride, eps);                               \
     }                                                                                                    \
-    extern "C" __global__ void rope##SUFFIX(T* __restrict__ qkv, const int* __restrict__ positions,       \
-                                            const float* __restrict__ cos_table,                          \
-                                            const float* __restrict__ sin_table, int num_rot_heads,       \
-                                            int head_dim, int rot_half, int row_stride) {                 \
-        rope_t<T>(qkv, positions, cos_table, sin_table, num_rot_heads, head_dim, rot_half, row_stride);  \
+    extern "C" __global__ void rope_store_kv##SUFFIX(                                                    \
+            T* __restrict__ qkv, const int* __restrict__ positions, const int* __restrict__ slot_mapping, \
+            const float* __restrict__ cos_table, const float* __restrict__ sin_table,                    \
+            T* __restrict__ k_cache, T* __restrict__ v_cache, int num_heads, int num_kv_heads,           \
+            int head_dim, int rot_half, int row_stride) {                                                \
+        rope_store_kv_t<T>(qkv, positions, slot_mapping, cos_table, sin_table, k_cache, v_cache,         \
+                           num_heads, num_kv_heads, head_dim, rot_half, row_stride);                     \
     }                                                                                                    \
     extern "C" __global__ void silu_mul##SUFFIX(const Elem<T>::Pair* __restrict__ gate_up,                \
                                                 Elem<T>::Pair* __restrict__ out, int num_tokens,          \

@@ -10,7 +10,8 @@ Dims = tuple[int, ...]
 # names, bf16 (its bits in uint16 arrays, gpu/cuda/dtypes.py) with this suffix; by the
 # activations' dtype name (str(array.dtype), numpy's or CuPy's)
 SUFFIXES = {"float16": "", "uint16": "_bf16"}
-FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope", "silu_mul", "add_bias", "to_float32",  # fused.cu's
+# fused.cu's kernels
+FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope_store_kv", "silu_mul", "add_bias", "to_float32",
                  "gelu_tanh_mul", "rms_norm")
 
 ATTENTION_THREADS = 128  # attention.cu: WARPS (4) * 32, one block per (token, KV head, split)
@@ -44,9 +45,12 @@ def qk_norm_launch(num_tokens: int, num_qk_heads: int) -> tuple[Dims, Dims]:
     return (num_tokens, num_qk_heads), (32,)
 
 
-def rope_launch(num_tokens: int, num_rot_heads: int, rotary_dim: int) -> tuple[Dims, Dims]:
-    """rope: one block per token, one thread per (head, rotary pair) up to 256."""
-    return (num_tokens,), (min(256, max(32, num_rot_heads * rotary_dim // 2)),)
+def rope_store_kv_launch(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         rot_half: int) -> tuple[Dims, Dims]:
+    """rope_store_kv: one block per token, one thread per q (head, rotary pair) and per k/v
+    element (the larger of the two loops), whole warps, up to 256."""
+    work = max(num_heads * rot_half, num_kv_heads * head_dim)
+    return (num_tokens,), (min(256, max(32, -(-work // 32) * 32)),)
 
 
 def silu_launch(num_tokens: int, inter: int) -> tuple[Dims, Dims]:
@@ -60,21 +64,9 @@ def elementwise_launch(count: int) -> tuple[Dims, Dims]:
     return (max(1, min(65535, -(-count // 256))),), (256,)
 
 
-def attention_partition(max_seq_len: int, splits: int, window: int = 0) -> int:
-    """Keys per split (0 for one split): split s takes keys [first + s * P, first + (s + 1) * P)
-    from a query's first key (0, or the start of its sliding window: at most `window` keys)."""
-    keys = min(max_seq_len, window) if window > 0 else max_seq_len
-    return -(-keys // splits) if splits > 1 else 0
-
-
 def attention_launch(num_tokens: int, num_kv_heads: int, splits: int) -> tuple[Dims, Dims]:
     """paged_attention: grid (T, KVH, splits)."""
     return (num_tokens, num_kv_heads, splits), (ATTENTION_THREADS,)
-
-
-def reduce_launch(num_tokens: int, num_heads: int, head_dim: int) -> tuple[Dims, Dims]:
-    """attention_reduce: grid (T, H), one thread per dim."""
-    return (num_tokens, num_heads), (head_dim,)
 
 
 QUANT_THREADS = 128      # quant.cu matvec_*: QUANT_WARPS (4) * 32, one warp per output row

@@ -1,6 +1,7 @@
-"""The indexing-heavy kernels in Numba CUDA: embedding gather, slot-mapped K/V write, row
-gather at the last positions, greedy argmax, and paged attention (the reference and fallback
-to the RawKernel in attention.cu).
+"""The indexing-heavy kernels in Numba CUDA: embedding gather, row gather at the last positions,
+greedy argmax, and paged attention (the readable reference of the RawKernel in attention.cu,
+and the runner's kernel only for head sizes attention.cu does not compile for:
+launch.attention_backend_for).
 
 Written so that Numba's CUDA simulator can run them (CI has no GPU, docs/design.md §8): no warp
 shuffles (reductions go through shared memory), every loop strided by blockDim so a block of
@@ -8,7 +9,7 @@ shuffles (reductions go through shared memory), every loop strided by blockDim s
 arrays fp16 on a device (any float dtype works), or bf16 as its bits in uint16
 (gpu/cuda/dtypes.py). numba-cuda 0.30 has a bfloat16 scalar type (numba.cuda.bf16) but no
 bf16 arrays to hand it (CuPy and numpy have none) and the simulator lacks it (its bf16 module
-is None); so the kernels that only move values (K/V scatter, row gather) move the uint16 bits
+is None); so the kernels that only move values (the row gather) move the uint16 bits
 unchanged, which is exact, and the ones that compute (the embedding into the float32
 residual, paged attention) convert with bf16_to_float32 / float32_to_bf16 below: plain
 integer and ldexp/frexp arithmetic, which both a device and the simulator run. Their `bf16`
@@ -82,26 +83,6 @@ def float32_to_bf16(x):  # pragma: no cover - device code
     if biased >= 0xFF:
         return uint16(sign | 0x7F80)
     return uint16(sign | (biased << 7) | (q - 128))
-
-
-@cuda.jit
-def store_kv_kernel(qkv, slot_mapping, k_cache, v_cache, num_heads):  # pragma: no cover
-    """Token t's k and v heads (columns after the q heads of qkv) go to its slot; -1 = skip.
-    grid (T,). Values move as they are (bf16: the uint16 bits, exactly)."""
-    t = cuda.blockIdx.x
-    slot = slot_mapping[t]
-    if slot < 0:
-        return
-    block_size, kvh, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    b = slot // block_size
-    r = slot % block_size
-    k0 = num_heads * d
-    v0 = k0 + kvh * d
-    for i in range(cuda.threadIdx.x, kvh * d, cuda.blockDim.x):
-        h = i // d
-        j = i % d
-        k_cache[b, r, h, j] = qkv[t, k0 + i]
-        v_cache[b, r, h, j] = qkv[t, v0 + i]
 
 
 @cuda.jit
@@ -237,11 +218,6 @@ def embedding(ids, table, out, *, threads=128, stream=0):
     if ids.shape[0]:
         gather_rows_kernel[ids.shape[0], threads, stream](table, ids, out,
                                                           _is_bf16(table) and not _is_bf16(out))
-
-
-def store_kv(qkv, slot_mapping, k_cache, v_cache, num_heads, *, threads=128, stream=0):
-    if qkv.shape[0]:
-        store_kv_kernel[qkv.shape[0], threads, stream](qkv, slot_mapping, k_cache, v_cache, num_heads)
 
 
 def gather_rows(x, indices, out, *, threads=128, stream=0):

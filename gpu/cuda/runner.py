@@ -24,7 +24,7 @@ import numpy as np
 from numba import cuda as nb_cuda
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cuda import capture, launch, plan
+from ringserve.gpu.cuda import capture, launch, plan, step_plan
 from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.cuda import sampling_kernels as sk
 from ringserve.gpu.cuda.attention import PagedAttention
@@ -43,7 +43,7 @@ from ringserve.gpu.sampling.sampler import Logprobs, SamplingMetadata
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 log = logging.getLogger(__name__)
-NUMBA_THREADS = 128  # threads per block of the Numba kernels in the forward
+NUMBA_THREADS = step_plan.NUMBA_THREADS
 
 
 def _nb(x):
@@ -130,7 +130,8 @@ class CudaOps:
         self.fused.rms_norm(x, weight, self.eps, self.stream)
 
     def scale_embedding(self, h, factor: float) -> None:
-        with self.stream:  # NOTE: a CuPy elementwise kernel, in place: nothing allocated (graph-safe)
+        # NOTE: step_plan.scale_embedding: a CuPy elementwise kernel, in place (nothing allocated: graph-safe)
+        with self.stream:
             cp.multiply(h, np.float32(factor), out=h)
 
     def qk_norm(self, qkv, weight) -> None:
@@ -138,18 +139,17 @@ class CudaOps:
                            self.stream)
 
     def rope_store_kv(self, buf: StepBuffers, cos, sin, k_cache, v_cache) -> None:
-        """q and k rotated in place in buf.qkv (attention reads q there), then k, v scattered."""
-        self.fused.rope(buf.qkv, buf.positions, cos, sin, self.num_rot_heads, self.head_dim,
-                        self.stream)
-        nk.store_kv(_nb(buf.qkv), _nb(buf.slot_mapping), _nb(k_cache), _nb(v_cache),
-                    self.num_heads, threads=NUMBA_THREADS, stream=self.nb_stream)
+        """q rotated in place in buf.qkv (attention reads it there), k and v into the caches:
+        one fused.cu launch."""
+        self.fused.rope_store_kv(buf.qkv, buf.positions, buf.slot_mapping, cos, sin, k_cache, v_cache,
+                                 self.num_heads, self.head_dim, self.stream)
 
     def attention(self, buf: StepBuffers, k_cache, v_cache, launch: AttentionLaunch, window: int) -> None:
         args = (buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
                 buf.block_tables)
         if self.attention_backend == "rawkernel":
             self.paged(*args, self.scale, buf.attn, self.stream, splits=launch.splits,
-                       max_seq_len=launch.max_seq_len, workspace=launch.workspace, window=window)
+                       workspace=launch.workspace, window=window)
         else:
             q, k, v, positions, qsl, seq_lens, tables = (_nb(a) for a in args)
             nk.paged_attention(q, k, v, positions, qsl, seq_lens, tables, self.scale, _nb(buf.attn),
@@ -272,7 +272,7 @@ class CudaModelRunner:
                                            num_kv_heads=self.config.num_key_value_heads,
                                            max_seq_len=max_len, num_sms=self.num_sms)
             ws = self.ops.paged.workspace(batch.num_tokens, self.config.num_attention_heads, splits)
-            self._forward(buf, caches, AttentionLaunch(splits, max_len, ws))
+            self._forward(buf, caches, AttentionLaunch(splits, ws))
             return buf
 
     def capture_graphs(self) -> None:
@@ -282,8 +282,8 @@ class CudaModelRunner:
         attention launch, workspace included: a graph keeps only their addresses."""
         t0 = time.perf_counter()
         c = self.config
-        splits = {size: plan.attention_splits(num_tokens=size, num_kv_heads=c.num_key_value_heads,
-                                              max_seq_len=self.max_model_len, num_sms=self.num_sms)
+        splits = {size: step_plan.graph_splits(batch=size, num_kv_heads=c.num_key_value_heads,
+                                               max_model_len=self.max_model_len, num_sms=self.num_sms)
                   for size in self.graphs.sizes}
         largest = self.graphs.sizes[-1]
         with self.stream:
@@ -297,8 +297,7 @@ class CudaModelRunner:
 
         def capture_size(size: int):
             buf = shared.leading(size, size)
-            attention = AttentionLaunch(splits[size], self.max_model_len,
-                                        ws if splits[size] > 1 else (None, None))
+            attention = AttentionLaunch(splits[size], ws if splits[size] > 1 else (None, None, None))
             with self.stream:
                 # warm-up: compiles, cuBLAS plans; slots -1 and seq_lens 0 write and read nothing
                 self._forward(buf, self.kv_caches, attention)

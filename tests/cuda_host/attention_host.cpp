@@ -10,17 +10,13 @@ using cuda_host::launch;
     extern "C" int launch_paged_attention##SUFFIX(                                                        \
             const unsigned* dims, const T* qkv, int row_stride, const T* k_cache, const T* v_cache,       \
             const int* positions, const int* query_start_loc, const int* seq_lens, const int* block_tables, \
-            int max_blocks, int num_reqs, int num_kv_heads, int block_size, float scale, int partition_size, \
-            int window, T* out, float* part_acc, float* part_ml) {                                        \
+            int max_blocks, int num_reqs, int num_kv_heads, int block_size, float scale, int window,       \
+            T* out, float* part_acc, float* part_ml, int* tickets) {                                      \
         return launch(dims, WARPS * 32, [=] { /* its __launch_bounds__ */                                 \
             paged_attention##SUFFIX(qkv, row_stride, k_cache, v_cache, positions, query_start_loc,        \
                                     seq_lens, block_tables, max_blocks, num_reqs, num_kv_heads,           \
-                                    block_size, scale, partition_size, window, out, part_acc, part_ml);   \
+                                    block_size, scale, window, out, part_acc, part_ml, tickets);          \
         });                                                                                               \
-    }                                                                                                     \
-    extern "C" int launch_attention_reduce##SUFFIX(const unsigned* dims, const float* part_acc,          \
-                                                   const float* part_ml, int splits, T* out) {            \
-        return launch(dims, 1024, [=] { attention_reduce##SUFFIX(part_acc, part_ml, splits, out); });     \
     }
 HOST_ATTENTION(__half, )
 HOST_ATTENTION(__nv_bfloat16, _bf16)

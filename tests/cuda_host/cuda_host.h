@@ -133,6 +133,11 @@ inline uint3 threadIdx, blockIdx;  // the running fiber's (swapped in by run_blo
 inline dim3 blockDim, gridDim;  // the same for every thread of a launch
 
 __forceinline__ void __syncthreads() { cuda_host::tl_block->sync.arrive_and_wait(); }
+// Launches and their blocks run one after another on one OS thread: an atomic is a plain
+// read-modify-write, a fence orders nothing that is not already ordered, an L2 load is a load.
+__forceinline__ int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
+__forceinline__ void __threadfence() {}
+__forceinline__ float __ldcg(const float* p) { return *p; }
 
 // Lane i gets v from lane i ^ lane_mask. All lanes of the warp call it together (full mask).
 template <class T>

@@ -17,12 +17,14 @@ using cuda_host::launch;
             qk_norm##SUFFIX(qkv, weight, num_q_heads, head_dim, row_stride, eps);                         \
         });                                                                                               \
     }                                                                                                     \
-    extern "C" int launch_rope##SUFFIX(const unsigned* dims, T* qkv, const int* positions,                \
-                                       const float* cos_table, const float* sin_table, int num_rot_heads, \
-                                       int head_dim, int rot_half, int row_stride) {                      \
+    extern "C" int launch_rope_store_kv##SUFFIX(const unsigned* dims, T* qkv, const int* positions,       \
+                                                const int* slot_mapping, const float* cos_table,          \
+                                                const float* sin_table, T* k_cache, T* v_cache,           \
+                                                int num_heads, int num_kv_heads, int head_dim,            \
+                                                int rot_half, int row_stride) {                           \
         return launch(dims, 1024, [=] {                                                                   \
-            rope##SUFFIX(qkv, positions, cos_table, sin_table, num_rot_heads, head_dim, rot_half,         \
-                         row_stride);                                                                     \
+            rope_store_kv##SUFFIX(qkv, positions, slot_mapping, cos_table, sin_table, k_cache, v_cache,   \
+                                  num_heads, num_kv_heads, head_dim, rot_half, row_stride);               \
         });                                                                                               \
     }                                                                                                     \
     extern "C" int launch_silu_mul##SUFFIX(const unsigned* dims, const Elem<T>::Pair* gate_up,            \

@@ -1,0 +1,260 @@
+"""The launch census of one CUDA decode step, without a GPU: the model's definition (gpu/models
+model_definition: its forward, the sequence CudaModelRunner captures) over CensusOps, a
+model.ModelOps over shape-only arrays that records, for each op, the launches gpu/cuda/step_plan.py
+says CudaOps makes (kernel, grid, block) and the bytes each reads and writes (weights, KV cache,
+activations). The step buffers are the runner's own StepBuffers over a shape-only array module; the
+weights are the definition's, fused from the config's expected HF shapes. tests/test_step_census.py
+checks the list against the launches the host-compiled forward (tests/test_cuda_forward_host.py
+HostOps) really makes.
+
+Bytes are what each kernel must move at least (every operand read or written once); what a kernel
+reads twice (L2 misses) or what cuBLAS adds (its own split-K reduce at small M) is not here: the
+census is the floor a step's time is measured against (tools/step_census.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ringserve.gpu.cuda import launch, step_plan
+from ringserve.gpu.cuda.buffers import AttentionLaunch, StepBuffers
+from ringserve.gpu.cuda.dtypes import SERVING_DTYPES
+from ringserve.gpu.cuda.step_plan import Launch
+from ringserve.gpu.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
+from ringserve.gpu.loader.weights import expected_shapes
+from ringserve.gpu.models import model_definition
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """An array's shape and dtype, nothing else (slicing rows gives the leading rows' shape)."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, key: Any) -> Shaped:
+        if isinstance(key, slice):
+            return Shaped((len(range(*key.indices(self.shape[0]))), *self.shape[1:]), self.dtype)
+        return self  # [...]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass  # no values to set
+
+
+class ShapedModule:
+    """The few array-module calls StepBuffers makes (numpy's names), returning Shaped."""
+    int32, float32 = np.dtype(np.int32), np.dtype(np.float32)
+
+    @staticmethod
+    def empty(shape, dtype) -> Shaped:
+        return Shaped(tuple(np.atleast_1d(shape).tolist()), np.dtype(dtype))
+
+    zeros = empty
+
+    @staticmethod
+    def full(shape, fill, dtype) -> Shaped:
+        return ShapedModule.empty(shape, dtype)
+
+
+class ShapedStore:
+    """model.WeightStore over Shaped: stacked rows in the serving dtype (as DenseStore)."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = dtype
+
+    def linear(self, arrays) -> Shaped:
+        rows = sum(a.shape[0] for a in arrays)
+        return Shaped((rows, *arrays[0].shape[1:]), self.dtype)
+
+    vector = linear
+
+
+@dataclass
+class Traffic:
+    weights: int = 0
+    kv_read: int = 0
+    kv_written: int = 0
+    act_read: int = 0
+    act_written: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_read + self.kv_written + self.act_read + self.act_written
+
+
+def partial_bytes(num_tokens: int, num_heads: int, head_dim: int, splits: int) -> int:
+    """One layer's split-K partials (acc, max, sum: float32) each way; none for one split."""
+    return num_tokens * num_heads * splits * (head_dim + 2) * 4 if splits > 1 else 0
+
+
+@dataclass
+class Row:
+    """One launch of the step: the model op that made it, the layer (None outside the layers)."""
+    op: str
+    launch: Launch
+    layer: int | None
+    traffic: Traffic = field(default_factory=Traffic)
+
+
+class CensusOps:
+    """model.ModelOps over Shaped arrays: each op appends its launches (step_plan's, as
+    CudaOps makes them) and their bytes. context: keys each request attends to this step (its
+    cached tokens and the new one)."""
+
+    def __init__(self, c: ModelConfig, weights: Any, attention_backend: str, context: int,
+                 block_size: int = 16):
+        self.c, self.backend, self.context, self.block_size = c, attention_backend, context, block_size
+        self.num_heads, self.kvh, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.layer_of = {id(layer.qkv): i for i, layer in enumerate(weights.layers)}
+        self.lm_head = weights.lm_head
+        self.layer: int | None = None
+        self.rows: list[Row] = []
+
+    def _add(self, op: str, launch: Launch, **traffic: int) -> None:
+        self.rows.append(Row(op, launch, self.layer, Traffic(**traffic)))
+
+    def embedding(self, ids, table, out) -> None:
+        T, n = out.shape
+        self._add("embedding", step_plan.numba_rows("gather_rows_kernel", T),
+                  weights=T * n * table.itemsize, act_read=ids.nbytes, act_written=out.nbytes)
+
+    def linear(self, x, weight, out) -> None:
+        if id(weight) in self.layer_of:  # a layer's first op: the QKV projection
+            self.layer = self.layer_of[id(weight)]
+        elif weight is self.lm_head:
+            self.layer = None
+        self._add("linear", step_plan.gemm(), weights=weight.nbytes, act_read=x.nbytes,
+                  act_written=out.nbytes)
+
+    def add_bias(self, x, bias) -> None:
+        self._add("add_bias", step_plan.add_bias(x), weights=bias.nbytes, act_read=x.nbytes,
+                  act_written=x.nbytes)
+
+    def add_rms_norm(self, h, delta, weight, out) -> None:
+        added = delta is not None
+        self._add("add_rms_norm", step_plan.add_rms_norm(h, out), weights=weight.nbytes,
+                  act_read=h.nbytes + (delta.nbytes if added else 0),
+                  act_written=(h.nbytes if added else 0) + out.nbytes)
+
+    def qk_norm(self, qkv, weight) -> None:
+        T = qkv.shape[0]
+        nbytes = T * (self.num_heads + self.kvh) * self.head_dim * qkv.itemsize
+        self._add("qk_norm", step_plan.qk_norm(qkv, self.num_heads + self.kvh), weights=weight.nbytes,
+                  act_read=nbytes, act_written=nbytes)
+
+    def rope_store_kv(self, buf, cos, sin, k_cache, v_cache) -> None:
+        qkv = buf.qkv
+        T, half = qkv.shape[0], cos.shape[1]
+        q = T * self.num_heads * self.head_dim * qkv.itemsize
+        kv = 2 * T * self.kvh * self.head_dim * qkv.itemsize
+        plan = step_plan.rope_store_kv(qkv, self.num_heads, self.kvh, self.head_dim, half)
+        self._add("rope_store_kv", plan,
+                  act_read=q + kv + 2 * T * half * cos.itemsize + 2 * T * 4,  # + positions, slots
+                  act_written=q, kv_written=kv)
+
+    def attention(self, buf, k_cache, v_cache, launch: AttentionLaunch, window: int) -> None:
+        qkv, out = buf.qkv, buf.attn
+        T, B = qkv.shape[0], buf.seq_lens.shape[0]
+        keys = min(self.context, window) if window > 0 else self.context
+        kv = 2 * T * keys * self.kvh * self.head_dim * k_cache.itemsize  # each token its request's keys
+        tables = B * -(-keys // self.block_size) * 4 + 4 * (3 * T + 2 * B + 1)
+        q = T * self.num_heads * self.head_dim * qkv.itemsize
+        attn = step_plan.attention(self.backend, qkv, self.num_heads, self.kvh, self.head_dim, launch.splits)
+        # split: the partials written, then read back by the last block of each (token, KV head)
+        partials = partial_bytes(T, self.num_heads, self.head_dim, launch.splits)
+        self._add("attention", attn, kv_read=kv, act_read=q + tables + partials,
+                  act_written=partials + out.nbytes)
+
+    def silu_mul(self, gate_up, out) -> None:
+        self._add("silu_mul", step_plan.silu_mul(out), act_read=gate_up.nbytes, act_written=out.nbytes)
+
+    def gelu_tanh_mul(self, gate_up, out) -> None:
+        self._add("gelu_tanh_mul", step_plan.gelu_tanh_mul(out), act_read=gate_up.nbytes,
+                  act_written=out.nbytes)
+
+    def rms_norm(self, x, weight) -> None:
+        self._add("rms_norm", step_plan.rms_norm(x), weights=weight.nbytes, act_read=x.nbytes,
+                  act_written=x.nbytes)
+
+    def scale_embedding(self, h, factor: float) -> None:
+        self._add("scale_embedding", step_plan.scale_embedding(), act_read=h.nbytes, act_written=h.nbytes)
+
+    def gather_rows(self, x, rows, out) -> None:
+        self.layer = None
+        self._add("gather_rows", step_plan.numba_rows("gather_rows_kernel", rows.shape[0]),
+                  act_read=out.nbytes + rows.nbytes, act_written=out.nbytes)
+
+    def to_float32(self, src, out) -> None:
+        self._add("to_float32", step_plan.to_float32(src), act_read=src.nbytes, act_written=out.nbytes)
+
+
+@dataclass
+class Census:
+    config: ModelConfig
+    dtype: str
+    batch: int
+    context: int
+    splits: int
+    attention_backend: str
+    rows: list[Row]
+
+    @property
+    def partial_bytes(self) -> int:
+        """The split-K partials over the step, both ways (written, read back by the combine)."""
+        c = self.config
+        per_layer = partial_bytes(self.batch, c.num_attention_heads, c.head_dim, self.splits)
+        return 2 * c.num_hidden_layers * per_layer
+
+    @property
+    def per_layer(self) -> int:
+        return sum(1 for r in self.rows if r.layer == 0)
+
+    def total(self) -> Traffic:
+        t = Traffic()
+        for r in self.rows:
+            for name in vars(t):
+                setattr(t, name, getattr(t, name) + getattr(r.traffic, name))
+        return t
+
+
+def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtype: str = "float16",
+                  attention_backend: str = "rawkernel", max_blocks: int = 1) -> Census:
+    """The launches of one decode step of `batch` requests, each attending to `context` keys,
+    as a graph replays it (T = B = batch; splits: the graph's, step_plan.graph_splits)."""
+    act = np.dtype(SERVING_DTYPES[dtype])
+    hf = {name: Shaped(shape, np.dtype(np.float16)) for name, shape in expected_shapes(c).items()}
+    model = model_definition(c)
+    weights = model.fuse(c, hf, ShapedStore(act))
+    buf = StepBuffers(c, batch, batch, max_blocks, ShapedModule, act)
+    kv = Shaped((1, 16, c.num_key_value_heads, c.head_dim), act)
+    half = (c.rotary_dim or c.head_dim) // 2
+    table = Shaped((context, half), np.dtype(np.float32))
+    ops = CensusOps(c, weights, attention_backend, context)
+    model.forward(ops, weights, buf, [(kv, kv)] * c.num_hidden_layers,
+                  AttentionLaunch(splits, (None, None, None)),
+                  {FULL_ATTENTION: (table, table), SLIDING_ATTENTION: (table, table)})
+    return Census(c, dtype, batch, context, splits, attention_backend, ops.rows)
+
+
+def census_for(config: ModelConfig, *, batch: int, context: int, dtype: str, max_model_len: int,
+               num_sms: int, attention_backend: str = "auto") -> Census:
+    """The census of the decode graph CudaModelRunner captures for `batch` requests: its
+    attention kernel (launch.attention_backend_for) and split count (step_plan.graph_splits)."""
+    backend = launch.attention_backend_for(attention_backend, config.head_dim)
+    splits = step_plan.graph_splits(batch=batch, num_kv_heads=config.num_key_value_heads,
+                                    max_model_len=max_model_len, num_sms=num_sms)
+    return decode_census(config, batch=batch, context=context, dtype=dtype, attention_backend=backend,
+                         splits=splits if backend == "rawkernel" else 1)

@@ -1,0 +1,82 @@
+"""The launch census (gpu/cuda/census.py, tools/step_census.py) against the launches the CUDA
+forward really makes: tests/test_cuda_forward_host.py's HostOps runs a graph-shaped decode of a
+tiny Llama through the host-compiled kernels, every launch recorded, and the census of the same
+shape must list the same launches in the same order (CUDA C kernels by name, grid and block;
+the GEMMs and the Numba row gathers, whose stand-ins run on the host, by op)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ringserve.gpu.batch import Batch
+from ringserve.gpu.cuda.census import census_for, decode_census
+from ringserve.gpu.loader.weights import expected_shapes
+from ringserve.tools import step_census
+from test_cuda_forward_host import BLOCK_SIZE, MAX_MODEL_LEN, HostRunner
+
+STAND_INS = ("linear", "embedding", "gather_rows")  # cuBLAS and Numba on a GPU, numpy here
+
+
+def recorded_decode(host: HostRunner, batch: Batch) -> list[tuple]:
+    """host's graph-shaped decode of batch, each launch as (kernel, grid, block) for the CUDA C
+    kernels (padded to 3 dims, as the host launcher takes them), (op,) for a stand-in."""
+    seen: list[tuple] = []
+    for kernels in (host.ops.fused, host.ops.paged):
+        def call(kernel, geometry, *args, _call=kernels.call):
+            seen.append((kernel, *geometry))
+            return _call(kernel, geometry, *args)
+        kernels.call = call
+    for op in STAND_INS:
+        setattr(host.ops, op, _recorded(seen, op, getattr(host.ops, op)))
+    host.graph_shaped(batch)
+    return seen
+
+
+def _recorded(seen: list[tuple], op: str, run):
+    def recorded(*args):
+        seen.append((op,))
+        return run(*args)
+    return recorded
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_the_census_lists_the_launches_the_host_forward_makes(tiny_cuda_models, cuda_host, dtype):
+    """3 requests of 40 keys padded to the graph size 4 with split-K (the host runner's 16
+    "SMs"): every launch, in order, with its geometry; fp16 and bf16 (the _bf16 kernels)."""
+    host = HostRunner(tiny_cuda_models("untied-g2"), cuda_host, dtype=dtype)
+    tables = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
+    pos = np.full(3, 39, np.int32)
+    batch = Batch(np.array([5, 6, 7], np.int32), pos, tables[:, 2] * BLOCK_SIZE + 39 % BLOCK_SIZE,
+                  np.arange(4, dtype=np.int32), pos + 1, tables)
+    got = recorded_decode(host, batch)
+    splits = host.splits(4, MAX_MODEL_LEN)
+    assert splits > 1
+    census = decode_census(host.config, batch=4, context=40, splits=splits, dtype=host.dtype)
+    want = [(r.op,) if r.op in STAND_INS else (r.launch.kernel, *r.launch.geometry) for r in census.rows]
+    assert got == want
+    suffix = "_bf16" if dtype == "bfloat16" else ""
+    assert any(k[0] == "paged_attention" + suffix and k[1][2] == splits for k in got)  # split, one launch
+    layers = host.config.num_hidden_layers
+    assert census.per_layer * layers + 5 == len(census.rows)  # embedding, norm | gather, lm_head, widen
+
+
+def test_the_8b_census_reads_every_weight_once_and_names_its_floor(capsys):
+    """Llama-3-8B at batch 1: every weight read once but the embedding (one row), the KV of 512
+    keys a layer, 9 launches a layer (4 GEMMs, two add + norms, RoPE + KV write, SiLU·mul, split-K
+    attention combined in its own launch), and the floor line at 4268 GB/s."""
+    assert step_census.main(["--shape", "8B", "--batch", "1", "--context", "512"]) == 0
+    out = capsys.readouterr().out
+    c = step_census.config_for("8B")
+    census = census_for(c, batch=1, context=512, dtype="float16", max_model_len=2048, num_sms=132)
+    total = census.total()
+    params = sum(int(np.prod(s)) for s in expected_shapes(c).values())
+    assert total.weights == 2 * (params - (c.vocab_size - 1) * c.hidden_size)
+    assert total.kv_read == c.num_hidden_layers * 2 * 512 * c.num_key_value_heads * c.head_dim * 2
+    assert census.per_layer == 9 and census.splits > 1
+    gb = total.total / 1e9
+    assert out.rstrip().endswith(f"launches per layer: 9; bytes per step: {gb:.3f} GB; "
+                                 f"floor at 4268 GB/s: {total.total / 4268e9 * 1e3:.3f} ms")
+    # batch 64 fills the SMs: no split, no partials
+    wide = census_for(c, batch=64, context=512, dtype="bfloat16", max_model_len=2048, num_sms=132)
+    assert wide.per_layer == 9 and wide.splits == 1 and wide.partial_bytes == 0 < census.partial_bytes
