@@ -1,7 +1,7 @@
 """The model runner: what the engine calls once per step (docs/design.md §1 station 5).
 
 A runner owns the weights and the paged KV cache (allocated once, never resized) and turns a
-Batch into sampled tokens. Two runners, one face (`Runner`), one model (gpu/model.py):
+Batch into sampled tokens. Two runners, one face (`Runner`), one model definition per family (gpu/models/):
 gpu/cpu/runner.py CpuModelRunner (numpy + Numba) and gpu/cuda/runner.py CudaModelRunner (CuPy),
 built by `ModelRunner(model_dir, device, cache, limits)` from the settings objects
 (gpu/settings.py). This module holds what both share and imports
@@ -58,7 +58,7 @@ class Runner(Protocol):
 class MemoryReport:
     """What a runner holds: why a model fits or not (the engine publishes it: the launcher's
     start-up line, /metrics)."""
-    weight_bytes: dict[str, int]    # by storage type (gpu/model.py storage)
+    weight_bytes: dict[str, int]    # by storage type (gpu/models/ops.py storage)
     kv_cache_bytes: int
 
     @classmethod

@@ -16,7 +16,7 @@ from ringserve.gpu.cuda.buffers import DenseStore
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig, RopeScaling
 from ringserve.gpu.loader.weights import load_weights
-from ringserve.gpu.model import LlamaWeights
+from ringserve.gpu.models.llama import LlamaWeights
 from ringserve.gpu.rope import inv_freq
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
@@ -240,7 +240,7 @@ def as_float32(a: np.ndarray) -> np.ndarray:
                                    DenseStore(np, "float16"), DenseStore(np, "bfloat16")],
                          ids=["cpu-float32", "cpu-bfloat16", "cuda-fp16", "cuda-bf16"])
 def test_one_weight_mapping_for_every_backend(tiny_model_dir, store):
-    """gpu/model.py LlamaWeights.fuse is the one HF -> fused mapping: each backend's store gets
+    """gpu/models/llama.py LlamaWeights.fuse is the one HF -> fused mapping: each backend's store gets
     q|k|v and gate|up stacked in that order, the tied lm_head is the embedding, norms stay
     vectors; and every backend refuses a checkpoint with a tensor missing, by name."""
     c = ModelConfig.from_dir(tiny_model_dir)

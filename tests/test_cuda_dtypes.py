@@ -18,7 +18,7 @@ from ringserve.gpu.cuda.dtypes import (
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import GGMLTensor, load_safetensors, load_weights
-from ringserve.gpu.model import LlamaWeights
+from ringserve.gpu.models.llama import LlamaWeights
 from ringserve.tools.tiny_llama import make_tiny_llama, save_bf16
 
 # (requested, checkpoint) -> served; None: refused

@@ -200,7 +200,7 @@ def test_the_quantized_weights_plan_as_the_runner_keeps_them(fmt):
 
     from ringserve.gpu.cpu.packed import SplitWeight
     from ringserve.gpu.cuda.quant_linear import QuantStore
-    from ringserve.gpu.model import LlamaWeights
+    from ringserve.gpu.models.llama import LlamaWeights
     from ringserve.tools.gpu_check import random_quant_weights, streamed_bytes
     c = small_config()
     weights = LlamaWeights.fuse(c, random_quant_weights(c, fmt, np), QuantStore(np))

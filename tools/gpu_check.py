@@ -207,7 +207,7 @@ def random_quant_weights(c, fmt: str, xp, seed: int = 0) -> dict:
 def streamed_bytes(weights) -> int:
     """Bytes one decode step reads: every linear and norm once, the lm_head once; of an untied
     embedding table only B rows (left out)."""
-    from ringserve.gpu.model import storage
+    from ringserve.gpu.models.ops import storage
     seen: set[int] = set()
     total = 0
     for w in (weights.lm_head, weights.final_norm,  # NOTE: a tied lm_head is the table: read whole

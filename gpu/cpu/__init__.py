@@ -1,4 +1,4 @@
-"""The CPU backend: gpu/model.py's Llama over numpy and Numba kernels (docs/design.md §5).
+"""The CPU backend: gpu/models/' definitions over numpy and Numba kernels (docs/design.md §5).
 
 runner.py (``CpuModelRunner``) owns the weights and the paged KV cache and runs a step;
 ops.py is the backend's ``ModelOps``, weight store and step buffers. The kernels: linear.py

@@ -1,4 +1,4 @@
-"""The CPU backend's side of gpu/model.py: its weight store, step buffers, KV cache and ops, in
+"""The CPU backend's side of gpu/models/ops.py: its weight store, step buffers, KV cache and ops, in
 numpy and Numba, over the batch contract of gpu/batch.py.
 
 One step is one padding-free super-sequence of T tokens from B requests. The projections and the

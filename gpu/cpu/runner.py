@@ -24,8 +24,8 @@ from ringserve.gpu.devices import cpu_threads_per_engine, host_memory_available
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import load_weights
-from ringserve.gpu.model import compute_logits
 from ringserve.gpu.models import model_definition
+from ringserve.gpu.models.ops import compute_logits
 from ringserve.gpu.rope import rope_tables_by_type
 from ringserve.gpu.sampling.prompt_logprobs import PromptLogprobsSpec, host_prompt_logprobs
 from ringserve.gpu.sampling.sampler import CompletedStep, SamplingMetadata, sample_on_host

@@ -1,4 +1,4 @@
-"""The CUDA backend's side of gpu/model.py that CI runs without CuPy: the dense weight store,
+"""The CUDA backend's side of gpu/models/ that CI runs without CuPy: the dense weight store,
 the step buffers a forward (and a CUDA graph) runs over, and the attention launch plan. On a GPU
 xp is cupy (gpu/cuda/runner.py); in tests/test_cuda_forward_host.py it is numpy.
 

@@ -90,7 +90,7 @@ class ModelConfig:
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
-        """Each layer's attention window, 0 for full attention (gpu/model.py Layer.sliding_window)."""
+        """Each layer's attention window, 0 for full attention (gpu/models/llama.py Layer.sliding_window)."""
         if self.sliding_window is None or not self.layer_types:
             return (0,) * self.num_hidden_layers
         return tuple(self.sliding_window if t == SLIDING_ATTENTION else 0 for t in self.layer_types)

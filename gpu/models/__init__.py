@@ -1,10 +1,11 @@
-"""Which model definition a checkpoint gets, by its architecture: the weight mapping (fuse) and
-the layer sequence (hidden_states), for both runners (gpu/cpu/runner.py, gpu/cuda/runner.py)
-and the host-shim forward. gpu/model.py holds the Llama family (Llama, Mistral, Qwen2, Qwen3)
-and the ops protocol every definition runs on; gpu/models/gemma3.py holds Gemma 3.
+"""Which model definition a checkpoint gets, by its architecture: the weight mapping (fuse) and the
+layer sequence (hidden_states), for both runners (gpu/cpu/runner.py, gpu/cuda/runner.py) and the
+host-shim forward. gpu/models/llama.py holds the Llama family (Llama, Mistral, Ministral, Qwen2,
+Qwen3, Phi-3), gpu/models/ops.py the ops protocol every definition runs on; gpu/models/gemma3.py
+holds Gemma 3.
 
-RoPE tables come by layer type ({FULL_ATTENTION: (cos, sin), SLIDING_ATTENTION: ...}:
-gpu/rope.py inv_freqs): a Llama has one, a Gemma 3 two.
+RoPE tables come by layer type ({FULL_ATTENTION: (cos, sin), SLIDING_ATTENTION: ...}: gpu/rope.py
+inv_freqs): a Llama has one, a Gemma 3 two.
 """
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 from ringserve.gpu.loader.config import FULL_ATTENTION, GEMMA3, ModelConfig
-from ringserve.gpu.model import LlamaWeights, ModelOps, compute_logits, hidden_states
 from ringserve.gpu.models.gemma3 import Gemma3Weights, gemma3_hidden_states
+from ringserve.gpu.models.llama import LlamaWeights, hidden_states
+from ringserve.gpu.models.ops import ModelOps, compute_logits
 
 Weights = Union[LlamaWeights, Gemma3Weights]
 Ropes = dict[str, tuple[Any, Any]]

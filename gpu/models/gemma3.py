@@ -1,4 +1,4 @@
-"""Gemma 3 (text: Gemma3ForCausalLM), written once over gpu/model.py's ModelOps: the HF ->
+"""Gemma 3 (text: Gemma3ForCausalLM), written once over gpu/models/ops.py's ModelOps: the HF ->
 fused weight mapping and the layer sequence, for every backend (CPU, CUDA, the host shim).
 
 What differs from the Llama sequence (transformers' modeling_gemma3.py):
@@ -19,7 +19,7 @@ from typing import Any
 
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import check_weights
-from ringserve.gpu.model import ModelOps, WeightStore, storage
+from ringserve.gpu.models.ops import ModelOps, WeightStore, storage
 
 
 @dataclass
