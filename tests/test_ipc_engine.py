@@ -218,8 +218,10 @@ def test_two_engines_receive_work_as_the_score_dictates(engines):
         await client.start()
         await client.wait_ready(timeout=60)
         # idle engines tie: the first goes to engine 0; its own uncounted submission then
-        # weighs 4 (or 1 once running), so the second goes to engine 1
-        first = await client.submit("first", PROMPT, SamplingParams(max_tokens=2))
+        # weighs 4 (or 1 once running), so the second goes to engine 1. NOTE: long enough that
+        # the first is still running then (engines compile their kernels at start: a 2-token
+        # request could finish before the second submit, leaving engine 0 idle again)
+        first = await client.submit("first", PROMPT, SamplingParams(max_tokens=64, ignore_eos=True))
         second = await client.submit("second", PROMPT, SamplingParams(max_tokens=2))
         assert (first.engine, second.engine) == (0, 1)
         for s in (first, second):
