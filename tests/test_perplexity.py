@@ -11,6 +11,7 @@ import pytest
 from reference_llama import reference_logits  # pytest puts tests/ on sys.path
 from ringserve.gpu.loader.weights import load_weights
 from ringserve.tools import perplexity as ppl
+from ringserve.tools.cli import main as cli
 
 CTX = 32
 
@@ -59,12 +60,12 @@ def test_perplexity_is_the_dense_references(tiny_model_dir):
 
 
 def test_command_prints_the_table_with_the_ratio(tiny_model_dir, tmp_path, capsys):
-    """The CLI over a text file: one row per activation dtype, the ratio against float32's (the
+    """`ringserve perplexity` over a text file: one row per activation dtype, the ratio against float32's (the
     tiny model's weights are float32, so both rows run the same kernels and the ratio is 1)."""
     text = tmp_path / "text.txt"
     text.write_text(ppl.default_text()[3000:6000], encoding="utf-8")
     dump = tmp_path / "same.txt"
-    assert ppl.main(["--model", str(tiny_model_dir), "--text", str(text), "--ctx", str(CTX),
+    assert cli(["perplexity", "--model", str(tiny_model_dir), "--text", str(text), "--ctx", str(CTX),
                      "--chunks", "2", "--write-text", str(dump)]) == 0
     out = capsys.readouterr().out
     rows = [line.split("|") for line in out.splitlines() if line.startswith(f"| {tiny_model_dir.name}")]
@@ -77,7 +78,5 @@ def test_command_prints_the_table_with_the_ratio(tiny_model_dir, tmp_path, capsy
 def test_a_text_too_short_is_refused_in_one_line(tiny_model_dir, tmp_path, capsys):
     text = tmp_path / "short.txt"
     text.write_text("only a few words", encoding="utf-8")
-    with pytest.raises(SystemExit) as exit_info:
-        ppl.main(["--model", str(tiny_model_dir), "--text", str(text), "--ctx", str(CTX)])
-    assert exit_info.value.code == 2
+    assert ppl.main(["--model", str(tiny_model_dir), "--text", str(text), "--ctx", str(CTX)]) == 2
     assert f"a context of {CTX} needs at least {2 * CTX}" in capsys.readouterr().err

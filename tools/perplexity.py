@@ -176,14 +176,18 @@ def command(args: argparse.Namespace) -> int:
     if args.write_text:
         Path(args.write_text).write_text(text, encoding="utf-8")
     results = []
-    for model in args.model or [None]:
-        for dtype in args.cpu_activation_dtype:
-            start = time.perf_counter()
-            r = evaluate(model, dtype, text, args.ctx, args.stride, args.chunks, device="cpu",
-                         cpu_threads=args.cpu_threads)
-            print(f"{r.model} {dtype}: perplexity {r.perplexity:.4f} over {r.num_scored} tokens "
-                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
-            results.append(r)
+    try:
+        for model in args.model or [None]:
+            for dtype in args.cpu_activation_dtype:
+                start = time.perf_counter()
+                r = evaluate(model, dtype, text, args.ctx, args.stride, args.chunks, device="cpu",
+                             cpu_threads=args.cpu_threads)
+                print(f"{r.model} {dtype}: perplexity {r.perplexity:.4f} over {r.num_scored} tokens "
+                      f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+                results.append(r)
+    except ValueError as e:                      # a bad argument, text or model setting: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(table(results, text_name(args.text)))
     return 0
 
@@ -192,11 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ringserve.tools.perplexity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    try:
-        return command(p.parse_args(argv))
-    except ValueError as e:                      # a bad argument or text: one line
-        p.error(str(e))
-        return 2
+    return command(p.parse_args(argv))
 
 
 if __name__ == "__main__":

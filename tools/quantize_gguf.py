@@ -1,5 +1,6 @@
 """Re-quantize a GGUF into one weight type, as `llama-quantize --pure` does: every 2-D weight in
-TYPE (a K-quant where its rows allow: `K_FALLBACK`), the norms (1-D) left in float32, the metadata copied with general.file_type updated.
+TYPE (a K-quant where its rows allow: `K_FALLBACK`), the norms (1-D) left in float32, the
+metadata copied with general.file_type updated.
 
     python -m ringserve.tools.quantize_gguf SRC.gguf Q4_K OUT.gguf
 
@@ -59,7 +60,8 @@ def requantize(src: str | Path, type_name: str, out: str | Path) -> None:
         values = dequantize(t.data, t.tensor_type)          # float32 [.., ne0], ggml's row order
         if values.ndim == 2:
             kind = matrix_type(type_name, values.shape[1])
-            writer.add_tensor(t.name, quantize_matrix(values, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
+            writer.add_tensor(t.name, quantize_matrix(values, kind),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             writer.add_tensor(t.name, values.astype(np.float32))
     writer.write_header_to_file()
