@@ -115,7 +115,7 @@ def score(llm, wins: list[Window]) -> np.ndarray:
     from ringserve.server.llm import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     outs = llm.generate([w.token_ids for w in wins], params)
-    scored = []
+    scored: list[float] = []
     for w, out in zip(wins, outs, strict=True):
         entries = out.prompt_logprobs or []     # [None, then one per prompt token from the second]
         targets = w.token_ids[w.first + 1:]
@@ -137,7 +137,7 @@ def evaluate(model: str, activation_dtype: str, text: str, ctx: int, stride: int
     llm = LLM(model, cpu_activation_dtype=activation_dtype, **engine_args)
     ids = llm.tokenizer.encode(text)
     wins = windows(ids, ctx, bos_to_add(llm.tokenizer), stride, max_windows)
-    return Result(Path(model or llm.config.model).name, activation_dtype, score(llm, wins))
+    return Result(Path(model or llm.config.model or "").name, activation_dtype, score(llm, wins))
 
 
 def table(results: list[Result], text: str) -> str:
