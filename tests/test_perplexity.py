@@ -57,6 +57,11 @@ def test_perplexity_is_the_dense_references(tiny_model_dir):
     nll = -expected_lp
     stderr = nll.std() / math.sqrt(len(nll) - 1) * math.exp(nll.mean())
     assert result.stderr == pytest.approx(stderr, rel=1e-3)
+    # the ratio against another result over the same tokens, and the paired ± of its differences
+    shifted = ppl.Result("m", "auto", result.logprobs - np.linspace(0, 0.02, len(nll)))
+    value, err = ppl.ratio(shifted, result)
+    assert value == pytest.approx(shifted.perplexity / result.perplexity, rel=1e-12)
+    assert err == pytest.approx(value * np.linspace(0, 0.02, len(nll)).std() / math.sqrt(len(nll) - 1))
 
 
 def test_command_prints_the_table_with_the_ratio(tiny_model_dir, tmp_path, capsys):
@@ -71,7 +76,7 @@ def test_command_prints_the_table_with_the_ratio(tiny_model_dir, tmp_path, capsy
     rows = [line.split("|") for line in out.splitlines() if line.startswith(f"| {tiny_model_dir.name}")]
     assert [r[2].strip() for r in rows] == ["auto", "float32"]
     assert [int(r[3]) for r in rows] == [2 * (CTX - CTX // 2 - 1)] * 2
-    assert [r[5].strip() for r in rows] == ["1.0000", "1.0000"]
+    assert [r[5].strip() for r in rows] == ["1.0000 ± 0.0000", "1.0000 ± 0.0000"]
     assert dump.read_text(encoding="utf-8") == text.read_text(encoding="utf-8")
 
 

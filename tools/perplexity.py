@@ -12,9 +12,9 @@ not overlap; where the tokenizer adds a BOS, each window's first token is replac
 window runs alone from position 0, and only the second half of each window is scored: the
 logits at positions ctx/2 .. ctx-2 predict tokens ctx/2+1 .. ctx-1 (ctx - ctx/2 - 1 tokens a
 window). Perplexity is exp of the mean negative log-likelihood, the ± its standard error, as
-llama-perplexity prints them. `--stride S` is its `--ppl-stride` mode instead: windows start
-every S tokens and score their last S predictions (its decode gets the text's own tokens, no
-BOS).
+llama-perplexity prints them; the ratio against float32 has the ± of the per-token
+differences. `--stride S` is its `--ppl-stride` mode instead: windows start every S tokens and
+score their last S predictions (its decode gets the text's own tokens, no BOS).
 
 The logprobs are `prompt_logprobs`: float32 log-softmax of each prompt row's float32 logits,
 the prompt's own token read out (exact: tests/test_engine_core.py checks them against a dense
@@ -140,6 +140,16 @@ def evaluate(model: str, activation_dtype: str, text: str, ctx: int, stride: int
     return Result(Path(model or llm.config.model or "").name, activation_dtype, score(llm, wins))
 
 
+def ratio(result: Result, base: Result) -> tuple[float, float]:
+    """result's perplexity over base's on the same tokens, and its standard error from the
+    per-token differences (paired: much tighter than either perplexity's own ±)."""
+    if result.num_scored != base.num_scored:
+        raise ValueError("the two results scored different tokens")
+    diff = base.logprobs - result.logprobs       # per-token NLL difference
+    value = math.exp(float(diff.mean()))
+    return value, value * float(diff.std()) / math.sqrt(max(len(diff) - 1, 1))
+
+
 def table(results: list[Result], text: str) -> str:
     """A Markdown table; `vs float32`: the perplexity over the same model's float32 one."""
     lines = [f"text: {text}", "",
@@ -147,9 +157,9 @@ def table(results: list[Result], text: str) -> str:
              "|---|---|---|---|---|"]
     for r in results:
         base = next((b for b in results if b.model == r.model and b.activation_dtype == "float32"), None)
-        ratio = f"{r.perplexity / base.perplexity:.4f}" if base is not None else "-"
+        vs = "-" if base is None else "{:.4f} ± {:.4f}".format(*ratio(r, base))
         lines.append(f"| {r.model} | {r.activation_dtype} | {r.num_scored} | "
-                     f"{r.perplexity:.4f} ± {r.stderr:.4f} | {ratio} |")
+                     f"{r.perplexity:.4f} ± {r.stderr:.4f} | {vs} |")
     return "\n".join(lines)
 
 
