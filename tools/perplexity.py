@@ -130,7 +130,7 @@ def bos_to_add(tokenizer) -> int | None:
     return tokenizer.bos_token_id if adds else None
 
 
-def evaluate(model: str, activation_dtype: str, text: str, ctx: int, stride: int | None = None,
+def evaluate(model: str | None, activation_dtype: str, text: str, ctx: int, stride: int | None = None,
              max_windows: int | None = None, **engine_args) -> Result:
     """One model at one activation dtype over `text` (engine_args: LLM's, e.g. cpu_threads)."""
     from ringserve.server.llm import LLM
