@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     from ringserve.server.trace_cli import add_arguments as add_trace_arguments  # argparse + httpx
     add_trace_arguments(p)
 
+    p = sub.add_parser("perplexity", help="perplexity of models over a text, llama-perplexity's way "
+                                          "(int8 vs float32 activations, weight types)")
+    from ringserve.tools.perplexity import add_arguments as add_perplexity_arguments  # gpu.settings
+    add_perplexity_arguments(p)
+
     args = parser.parse_args(argv)
     if args.command == "download":
         from ringserve.gpu.loader.model_store import download_command
@@ -56,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "trace":
         from ringserve.server.trace_cli import command as trace_command
         return trace_command(args)
+    if args.command == "perplexity":
+        from ringserve.tools.perplexity import command as perplexity_command
+        return perplexity_command(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
