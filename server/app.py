@@ -26,7 +26,7 @@ from ringserve.server.config import ServerConfig
 from ringserve.server.context import ServerContext, off_loop
 from ringserve.server.engine_client import EngineUnavailable
 from ringserve.server.errors import APIError, engine_error, error_body
-from ringserve.server.generate import EngineError, Generation
+from ringserve.server.generate import EngineError, Generation, stream_error
 from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
 from ringserve.server.sse import CLIENT_BLOCKED, CLOSE_CONNECTION, DONE, error_event, watch_disconnect
 from ringserve.server.tool_calls import template_tools
@@ -257,12 +257,8 @@ async def _guarded(chunks: AsyncIterator[bytes], gen: Generation,
     try:
         async for chunk in chunks:
             yield chunk
-    except EngineError as exc:
-        yield error_event(engine_error(exc))
-        yield DONE
-    except Exception as exc:  # noqa: BLE001 - a bug of ours: the client still gets a whole stream
-        log.exception("stream of request %s failed", gen.choices[0].request_id)
-        yield error_event(APIError(500, f"internal error: {type(exc).__name__}"))
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the client still gets a whole stream
+        yield error_event(stream_error(exc, gen.choices[0].request_id))
         yield DONE
     finally:
         gen.abort()
