@@ -148,8 +148,7 @@ class Launcher:
         self.parallel: ParallelConfig = from_args(ParallelConfig, args)
         self.request_limits: RequestLimits = from_args(RequestLimits, args)
         choice = self.server.generation_config  # vLLM's --generation-config: auto | vllm | a folder
-        self.default_sampling = ({} if choice == "vllm" else
-                                 generation_defaults(model_dir if choice == "auto" else choice))
+        self.default_sampling = generation_defaults(choice, model_dir)
         if self.default_sampling:
             log.info("default sampling parameters from %s's generation_config.json: %s",
                      "the model" if choice == "auto" else choice, self.default_sampling)
