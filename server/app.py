@@ -24,9 +24,10 @@ from ringserve.server import protocol_responses as R
 from ringserve.server import serving_chat, serving_completions, serving_responses
 from ringserve.server.config import ServerConfig
 from ringserve.server.context import ServerContext, off_loop
+from ringserve.server.cors import CORS
 from ringserve.server.engine_client import EngineUnavailable
 from ringserve.server.errors import APIError, engine_error, error_body
-from ringserve.server.generate import EngineError, Generation
+from ringserve.server.generate import EngineError, Generation, stream_error
 from ringserve.server.metrics import CONTENT_TYPE, CacheConfig, EngineSnapshot, render
 from ringserve.server.sse import CLIENT_BLOCKED, CLOSE_CONNECTION, DONE, error_event, watch_disconnect
 from ringserve.server.tool_calls import template_tools
@@ -60,6 +61,9 @@ class AppOptions:
     kv_event_sources: dict[str, dict] = field(default_factory=dict)
     log_requests: bool = True  # an access line per request (--disable-log-requests: none)
     allowed_origins: list[str] | None = None  # --allowed-origins: CORS (None: no CORS headers)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])  # --allowed-methods
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])  # --allowed-headers
+    allow_credentials: bool = False  # --allow-credentials
     root_path: str | None = None  # --root-path: a proxy's path prefix, stripped when present
 
 
@@ -257,12 +261,8 @@ async def _guarded(chunks: AsyncIterator[bytes], gen: Generation,
     try:
         async for chunk in chunks:
             yield chunk
-    except EngineError as exc:
-        yield error_event(engine_error(exc))
-        yield DONE
-    except Exception as exc:  # noqa: BLE001 - a bug of ours: the client still gets a whole stream
-        log.exception("stream of request %s failed", gen.choices[0].request_id)
-        yield error_event(APIError(500, f"internal error: {type(exc).__name__}"))
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the client still gets a whole stream
+        yield error_event(stream_error(exc, gen.choices[0].request_id))
         yield DONE
     finally:
         gen.abort()
@@ -456,13 +456,11 @@ def create_app(ctx: ServerContext, options: AppOptions | None = None):
     """The ASGI callable: the Falcon app, wrapped so that handlers can watch for disconnects."""
     options = options or AppOptions()
     router = CompiledRouter()
-    # CORS: Falcon's middleware adds Access-Control-Allow-Origin for an allowed Origin and
-    # answers a preflight OPTIONS (the methods the route allows, the headers asked for).
     middleware: list[Any] = [_Lifespan(options)]
     cors = bool(options.allowed_origins)
-    if options.allowed_origins:
-        origins = options.allowed_origins
-        middleware.append(falcon.CORSMiddleware(allow_origins="*" if "*" in origins else origins))
+    if options.allowed_origins:  # server/cors.py: the headers, and preflights answered
+        middleware.append(CORS(options.allowed_origins, options.allowed_methods, options.allowed_headers,
+                               options.allow_credentials))
     app = falcon.asgi.App(middleware=middleware, router=router)
     app.req_options.strip_url_path_trailing_slash = True
     app.add_error_handler(Exception, _unexpected)

@@ -103,6 +103,16 @@ class ServerConfig:
                 "form '[\"https://a.example\"]' is taken too): Access-Control-Allow-Origin on "
                 "their responses and preflight OPTIONS answered without the API key (default: none, "
                 "no CORS headers; vLLM's default is \"*\")"})
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"], metadata={
+        "help": "CORS: the methods a preflight may ask for (vLLM's flag; a JSON list too); another "
+                "is a 400 and the browser refuses it (default: \"*\", any the route serves)"})
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"], metadata={
+        "help": "CORS: the request headers a preflight may ask for (vLLM's flag; a JSON list too; "
+                "Accept, Accept-Language, Content-Language and Content-Type always); another is a 400 "
+                "(default: \"*\", any)"})
+    allow_credentials: bool = field(default=False, metadata={
+        "help": "CORS: allow credentials (cookies, Authorization) from the allowed origins "
+                "(vLLM's flag): Access-Control-Allow-Credentials, and the origin echoed, never \"*\""})
     metrics_prefix: str = field(default="ringserve", metadata={
         "choices": METRICS_PREFIXES,
         "help": "the prefix of every /metrics name: \"vllm\" serves vLLM's names (vllm:...), for "
@@ -153,14 +163,23 @@ class ServerConfig:
         for name in ("ssl_keyfile", "ssl_certfile"):
             if getattr(self, name) is not None and not os.path.isfile(getattr(self, name)):
                 raise ValueError(f"{_flag(name)} {getattr(self, name)}: file not found")
-        if self.allowed_origins is not None:
-            self.allowed_origins = _origins(self.allowed_origins)
+        self._check_cors()
         if self.root_path is not None and not (self.root_path.startswith("/") and self.root_path != "/"):
             raise ValueError(f"--root-path must start with \"/\", got {self.root_path!r}")
         if self.root_path is not None:
             self.root_path = self.root_path.rstrip("/")
         if self.chat_template is not None:
             self.chat_template = _chat_template_text(self.chat_template)
+
+    def _check_cors(self) -> None:
+        if self.allowed_origins is not None:
+            self.allowed_origins = _json_list("allowed_origins", self.allowed_origins)
+        self.allowed_methods = [m.upper() for m in _json_list("allowed_methods", self.allowed_methods)]
+        self.allowed_headers = _json_list("allowed_headers", self.allowed_headers)
+        if not self.allowed_origins:  # vLLM's default origin is "*"; here CORS is off without one
+            for name in ("allowed_methods", "allowed_headers", "allow_credentials"):
+                if getattr(self, name) not in (["*"], False):
+                    raise ValueError(f"{_flag(name)} needs --allowed-origins: without it there is no CORS")
 
 
 @dataclass(kw_only=True)
@@ -231,15 +250,15 @@ def _chat_template_text(value: str) -> str:
         raise ValueError(f"--chat-template {value}: not UTF-8 text") from None
 
 
-def _origins(values: list[str]) -> list[str]:
-    """--allowed-origins values: origins, or one JSON list of them (vLLM's form)."""
+def _json_list(name: str, values: list[str]) -> list[str]:
+    """A CORS flag's values: given one by one, or as one JSON list (vLLM's form)."""
     if len(values) == 1 and values[0].lstrip().startswith("["):
         try:
             parsed = json.loads(values[0])
         except json.JSONDecodeError as e:
-            raise ValueError(f"--allowed-origins: not a JSON list of origins: {e}") from None
+            raise ValueError(f"{_flag(name)}: not a JSON list: {e}") from None
         if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
-            raise ValueError("--allowed-origins: the JSON form is a list of strings")
+            raise ValueError(f"{_flag(name)}: the JSON form is a list of strings")
         return parsed
     return values
 

@@ -10,6 +10,7 @@ the fan-out over choices, and the request's metrics.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol, cast
@@ -19,14 +20,26 @@ import msgspec
 from ringserve.ipc.limits import sample_seed
 from ringserve.ipc.messages import EngineOutput, FinishReason
 from ringserve.ipc.sampling_params import SamplingParams
+from ringserve.server.errors import APIError, engine_error
 from ringserve.server.metrics import RequestMetrics
 from ringserve.server.output_processor import Detokenizer, SampleParams, SampleState, TokenLogprob
 from ringserve.server.protocol import UsageInfo
 from ringserve.server.trace import FrontendTrace
 
+log = logging.getLogger("ringserve.server")
+
 
 class EngineError(Exception):
     """The engine failed a request (or died while it ran)."""
+
+
+def stream_error(exc: Exception, request_id: str) -> APIError:
+    """The error that ends a stream already under way (its 200 is sent): the engine's failure
+    as its 500, or a bug of ours (logged with its traceback) as an internal error."""
+    if isinstance(exc, EngineError):
+        return engine_error(exc)
+    log.error("stream of request %s failed", request_id, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}")
 
 
 class OutputStream(Protocol):

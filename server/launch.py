@@ -148,8 +148,7 @@ class Launcher:
         self.parallel: ParallelConfig = from_args(ParallelConfig, args)
         self.request_limits: RequestLimits = from_args(RequestLimits, args)
         choice = self.server.generation_config  # vLLM's --generation-config: auto | vllm | a folder
-        self.default_sampling = ({} if choice == "vllm" else
-                                 generation_defaults(model_dir if choice == "auto" else choice))
+        self.default_sampling = generation_defaults(choice, model_dir)
         if self.default_sampling:
             log.info("default sampling parameters from %s's generation_config.json: %s",
                      "the model" if choice == "auto" else choice, self.default_sampling)
@@ -249,6 +248,9 @@ class Launcher:
             "default_sampling": self.default_sampling,
             "disable_log_requests": a.disable_log_requests,
             "allowed_origins": a.allowed_origins,
+            "allowed_methods": a.allowed_methods,
+            "allowed_headers": a.allowed_headers,
+            "allow_credentials": a.allow_credentials,
             "root_path": a.root_path,
             "reasoning_parser": a.reasoning_parser,
             "control_paths": [e.control_path for e in self.engines],

@@ -21,6 +21,7 @@ from typing import Any, Sequence, Union, cast
 
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
+from ringserve.gpu.loader.config import generation_defaults
 from ringserve.gpu.loader.model_store import resolve_model, resolve_tokenizer
 from ringserve.gpu.loader.weights import check_quantization
 from ringserve.ipc.messages import FinishReason
@@ -79,7 +80,10 @@ class LLM:
         ORG/NAME:QUANT), an HF folder or a .gguf file; engine_args: the setting names of
         EngineConfig and its parts, flat (the `ringserve serve` flags in snake_case, as vLLM's
         EngineArgs; revision and download_dir pick a Hugging Face id's files): EngineConfig.create
-        sorts them."""
+        sorts them. generation_config: vLLM's, as the server's --generation-config: "auto" (the
+        default) takes the model's generation_config.json sampling fields as the defaults of a
+        call without SamplingParams, "vllm" SamplingParams' own, a folder its file's."""
+        generation_config = engine_args.pop("generation_config", "auto")
         model_dir = resolve_model(model, revision=engine_args.get("revision"),
                                   download_dir=engine_args.get("download_dir"))
         if engine_args.get("tokenizer") is not None:
@@ -87,9 +91,15 @@ class LLM:
                                                              engine_args.get("download_dir")))
         self.config = EngineConfig.create(model=str(model_dir), **engine_args)
         check_quantization(self.config.quantization, model_dir)
+        self.default_sampling = generation_defaults(generation_config, model_dir)
         self.tokenizer = Tokenizer.from_dir(self.config.tokenizer or model_dir)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams samples with (vLLM's method): generation_config's
+        defaults over SamplingParams' own (a caller's SamplingParams is taken as it is)."""
+        return SamplingParams(**self.default_sampling)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -97,7 +107,7 @@ class LLM:
         """Texts or token-id lists (one prompt, or a list of them) -> one output per prompt, in order."""
         batch = cast(list[PromptType], [prompts] if _is_one_prompt(prompts) else list(prompts))
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(batch)
         if len(sampling_params) != len(batch):

@@ -100,7 +100,7 @@ class ReasoningText(Struct):
 
 class MessageItem(Struct):
     id: str
-    status: str                       # in_progress, completed, incomplete
+    status: str                       # in_progress, completed, incomplete, failed
     content: list[OutputText]
     role: str = "assistant"
     type: str = "message"
@@ -147,15 +147,22 @@ class IncompleteDetails(Struct):
     reason: str
 
 
+class ResponseError(Struct):
+    """A failed response's `error` (status "failed"): OpenAI's codes name no engine failure,
+    so every failure under way is a `server_error`."""
+    message: str
+    code: str = "server_error"
+
+
 class Response(Struct, kw_only=True):
     id: str
     created_at: int
     model: str
-    status: str                       # in_progress, completed, incomplete
+    status: str                       # in_progress, completed, incomplete, failed
     output: list[OutputItem]
     usage: ResponseUsage | UnsetType  # UNSET while in progress (the schema has no null)
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None

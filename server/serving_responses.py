@@ -25,7 +25,7 @@ from ringserve.server import protocol_responses as R
 from ringserve.server import serving_chat
 from ringserve.server.context import ServerContext
 from ringserve.server.errors import APIError, bad_request, from_validation_error
-from ringserve.server.generate import Generation
+from ringserve.server.generate import Generation, stream_error
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text")
@@ -210,17 +210,27 @@ async def stream(ctx: ServerContext, req: R.ResponsesRequest, gen: Generation, r
                  model: str) -> AsyncIterator[bytes]:
     """Responses events (`event: <type>` + `data: <json>`, numbered by sequence_number) from
     chat's typed chunks: created, in_progress, per output item added / its deltas / done, then
-    completed (or incomplete, cut by max_output_tokens)."""
+    completed (or incomplete, cut by max_output_tokens). A failure under way ends it with an
+    `error` event and `response.failed` (its output what was streamed, the open item incomplete),
+    never chat's error chunk and [DONE], which the Responses API does not have."""
     events = _EventWriter()
     started = _response(req, request_id, model, "in_progress", [], msgspec.UNSET)
     yield events.send("response.created", response=started)
     yield events.send("response.in_progress", response=started)
     finish: str | None = None
-    async for chunk in serving_chat.chunks(ctx, to_chat(req), gen, request_id, model):
-        for choice in chunk.choices:
-            for data in events.delta(choice.delta):
-                yield data
-            finish = choice.finish_reason or finish
+    try:
+        async for chunk in serving_chat.chunks(ctx, to_chat(req), gen, request_id, model):
+            for choice in chunk.choices:
+                for data in events.delta(choice.delta):
+                    yield data
+                finish = choice.finish_reason or finish
+    except Exception as exc:  # noqa: BLE001 - whatever failed, the client gets a whole stream
+        error = stream_error(exc, request_id)
+        yield events.send("error", code=error.code, message=error.message, param=error.param)
+        failed = _response(req, request_id, model, "failed", events.cut(), _usage(gen))
+        failed.error = R.ResponseError(error.message)
+        yield events.send("response.failed", response=failed)
+        return
     status = _status(finish)
     for data in events.close(status):
         yield data
@@ -286,6 +296,20 @@ class _EventWriter:
         out.append(self.send("response.content_part.added", item_id=self._open.id, **where,
                              content_index=0, part=part))
         return out
+
+    def cut(self) -> list[R.OutputItem]:
+        """The output so far, the open item (cut short by a failure) as incomplete."""
+        if self._open is None:
+            return self.output
+        item, text = self._open, "".join(self._text)
+        if isinstance(item, R.FunctionCallItem):
+            item.arguments = text
+        elif isinstance(item, R.ReasoningItem):
+            item.content = [R.ReasoningText(text)]
+        else:
+            item.content = [R.OutputText(text)]
+        item.status = "incomplete"
+        return [*self.output, item]
 
     def close(self, status: str) -> list[bytes]:
         """End the open item: its `.done` events with the whole text, then output_item.done."""

@@ -90,6 +90,8 @@ def worker_app():
         kv_event_sources=cfg["kv_event_sources"],
         log_requests=not cfg.get("disable_log_requests", False),
         allowed_origins=cfg.get("allowed_origins"), root_path=cfg.get("root_path"),
+        allowed_methods=cfg.get("allowed_methods", ["*"]), allowed_headers=cfg.get("allowed_headers", ["*"]),
+        allow_credentials=cfg.get("allow_credentials", False),
         debug_engines=((lambda: engine_views(client, cfg["debug_paths"]))
                        if cfg.get("debug_paths") else None))
     return create_app(ctx, options)

@@ -364,17 +364,39 @@ def test_killing_a_worker_leaves_other_streams_running(server):
 
 def test_engine_death_fails_streams_then_recovers(server):
     """An engine killed mid-stream: its streams end with an error event (never a hang), the
-    launcher restarts it, and the workers reconnect and serve again."""
+    launcher restarts it, and the workers reconnect and serve again. A Responses stream ends as
+    that API ends one: the `error` event, then `response.failed` (status "failed", its error,
+    the text streamed so far in an incomplete message), never chat's error chunk or [DONE]."""
     (engine,) = server.engine_pids()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     with httpx.Client(base_url=server.url, timeout=120) as c:
         with c.stream("POST", "/v1/completions", json={
-                "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+                "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r, \
+                client.responses.create(model="smol", input="Count from 1 to 300, one number a line.",
+                                        max_output_tokens=400, temperature=0, stream=True) as responses:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
+            events = []
+            for e in responses:  # up to its first text
+                events.append(e)
+                if e.type == "response.output_text.delta":
+                    break
             os.kill(engine, signal.SIGKILL)
             rest = [x for x in lines if x]
+            events += list(responses)
         assert rest[-1] == "data: [DONE]"
         assert "error" in json.loads(rest[-2][6:])
+        types = [e.type for e in events]
+        assert types[-2:] == ["error", "response.failed"], types
+        assert "response.completed" not in types and "response.incomplete" not in types
+        error, failed = events[-2], events[-1].response
+        assert error.code == "engine_error" and "engine 0 died" in error.message, error
+        assert failed.status == "failed" and failed.error.code == "server_error"
+        assert failed.error.message == error.message
+        (item,) = failed.output
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert item.status == "incomplete" and item.content[0].text == deltas and deltas
+        assert [e.sequence_number for e in events] == list(range(len(events)))
         deadline = time.monotonic() + 120
         while True:  # every worker answers again (a new connection may reach either)
             ok = [c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code

@@ -1,6 +1,10 @@
 """The offline API (server/llm.py): tiny model for the mechanics, the default model for text."""
+import json
+import shutil
+
 import pytest
 
+from ringserve.gpu.errors import ModelError
 from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.server.llm import LLM
 
@@ -110,3 +114,27 @@ def test_default_model_explains_the_kv_cache_and_seeds_reproduce(default_model_d
                      + [SamplingParams(temperature=0.7, seed=5, max_tokens=40)])
     print("KV cache, seeded:", alone.text)
     assert crowd[2].outputs[0].token_ids == alone.token_ids
+
+
+def test_generation_config_sets_the_defaults_of_a_call_without_params(tiny_model_dir, tmp_path, tiny_llm):
+    """vLLM's LLM: the model's generation_config.json sampling fields are what a call without
+    SamplingParams samples with (here greedy); generation_config="vllm" turns them off, a folder
+    takes its file's; a caller's SamplingParams is taken as it is."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.0, "top_k": 5, "do_sample": True}))
+    llm = LLM(model=str(model), max_model_len=128, max_num_batched_tokens=32)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=5)
+    greedy = tiny_llm.generate("hello world", SamplingParams(temperature=0, ignore_eos=True))
+    assert llm.generate("hello world")[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    drawn = llm.generate(["hello world"] * 4, SamplingParams(ignore_eos=True, seed=7))  # as given
+    assert any(d.outputs[0].token_ids != greedy[0].outputs[0].token_ids for d in drawn)
+    assert tiny_llm.get_default_sampling_params() == SamplingParams()  # its file has no sampling field
+    off = LLM(model=str(model), generation_config="vllm", max_model_len=128, max_num_batched_tokens=32)
+    assert off.get_default_sampling_params() == SamplingParams()
+    folder = LLM(model=str(tiny_model_dir), generation_config=str(model), max_model_len=128,
+                 max_num_batched_tokens=32)
+    assert folder.get_default_sampling_params() == llm.get_default_sampling_params()
+    with pytest.raises(ModelError, match="--generation-config nowhere: no such folder"):
+        LLM(model=str(tiny_model_dir), generation_config="nowhere")

@@ -47,6 +47,7 @@ def errors(done: subprocess.CompletedProcess) -> list[str]:
     (("--ssl-certfile", str(TEMPLATE)), "--ssl-keyfile and --ssl-certfile go together"),
     (("--tokenizer", "./no-such-folder"), "--tokenizer ./no-such-folder: not found"),
     (("--generation-config", "no-such-folder"), "--generation-config no-such-folder: no such folder"),
+    (("--allow-credentials",), "--allow-credentials needs --allowed-origins: without it there is no CORS"),
     (("--kv-cache-memory-bytes", "1000"), "the KV cache holds no block: 0 blocks of 737280 bytes; give "
                                           "--kv-cache-memory-bytes at least 737280"),
     (("--kv-cache-memory-bytes", "2000000", "--max-model-len", "2000"),
@@ -160,3 +161,32 @@ def test_one_server_with_vllm_flags(default_model_dir, tls, tmp_path):
     text = log.read_text()
     assert "Traceback" not in text and f"on https://127.0.0.1:{port}/api" in text, text
     assert "default sampling parameters from " in text and "{'temperature': 0.0, 'top_k': 5}" in text
+
+
+def test_cors_methods_headers_and_credentials(tiny_server):
+    """--allowed-methods / --allowed-headers bound what a preflight may ask for (another is a 400
+    JSON without the CORS headers a browser needs); --allow-credentials with the "*" origin echoes
+    the origin (the CORS spec forbids "*" beside credentials) and says Vary: Origin."""
+    url = tiny_server("--allowed-origins", "*", "--allow-credentials", "--allowed-methods", '["POST"]',
+                      "--allowed-headers", "X-Custom", "authorization")
+    origin = {"Origin": "https://a.example"}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        r = http.get("/v1/models", headers=origin)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://a.example"
+        assert r.headers["access-control-allow-credentials"] == "true" and r.headers["vary"] == "Origin"
+
+        def preflight(method: str, headers: str) -> httpx.Response:
+            return http.options("/v1/chat/completions", headers={
+                **origin, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": headers})
+
+        ok = preflight("POST", "X-Custom, Authorization, Content-Type")  # content-type: safelisted
+        assert ok.status_code == 200, ok.text
+        assert ok.headers["access-control-allow-methods"] == "POST"  # the route's GET-less, bounded
+        assert ok.headers["access-control-allow-origin"] == "https://a.example"
+        assert ok.headers["access-control-allow-credentials"] == "true"
+        for method, headers, named in (("DELETE", "", "method DELETE"), ("POST", "x-other, x-custom",
+                                                                         "header x-other not allowed")):
+            r = preflight(method, headers)
+            assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+            assert "access-control-allow-methods" not in r.headers
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200

@@ -191,12 +191,17 @@ GENERATION_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "t
                               "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
 
 
-def generation_defaults(folder: str | Path) -> dict[str, Any]:
-    """The default sampling parameters a folder's generation_config.json sets ({} without one)."""
-    path = Path(folder) / "generation_config.json"
+def generation_defaults(choice: str, model_dir: str | Path) -> dict[str, Any]:
+    """The default sampling parameters of vLLM's --generation-config (the server's flag, the
+    offline LLM's argument): "auto" the model's generation_config.json, "vllm" none
+    (SamplingParams' own), else a folder's generation_config.json ({} without one)."""
+    if choice == "vllm":
+        return {}
+    folder = Path(model_dir if choice == "auto" else choice)
+    path = folder / "generation_config.json"
     if not path.is_file():
-        if not Path(folder).is_dir():
-            raise ModelError(f"--generation-config {folder}: no such folder")
+        if not folder.is_dir():
+            raise ModelError(f"--generation-config {choice}: no such folder")
         return {}
     raw = _read_json(path)
     return {ours: raw[theirs] for theirs, ours in GENERATION_SAMPLING_FIELDS.items()
