@@ -1,10 +1,10 @@
-"""Gemma 3 (text) against transformers: a tiny random checkpoint (tools/tiny_gemma3.py: the
+"""Gemma 3 (text) against transformers: a tiny random checkpoint (tools/tiny_models.py: the
 config.json transformers' Gemma3TextConfig wrote: 7 layers, every 6th full, a sliding window of
 24, two RoPE bases, query_pre_attn_scalar 48 where head_dim is 32, a tied lm_head; random
 weights, the default model's tokenizer) on the CPU backend with float32 activations, from its
 HF folder and from the same checkpoint written as a llama.cpp ``gemma3`` GGUF. The reference
 (tests/data/gemma3_tiny/reference.npz) is transformers' Gemma3ForCausalLM (eager attention),
-made once offline by tools/make_gemma3_reference.py: its greedy tokens and its logits at every
+made once offline by tools/make_reference.py: its greedy tokens and its logits at every
 position (every 256th vocabulary id, and the argmax over all of them); the second prompt and its
 continuation run past the window.
 """
@@ -18,31 +18,37 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ringserve.gpu.batch import Batch
+from family_reference import (
+    BLOCK,
+    RTOL,
+    assert_greedy_decode_matches,
+    converted_gguf,
+    load_reference,
+    relative_error,
+    runner,
+    sequences,
+    step,
+    tiny_folder,
+)
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from ringserve.gpu.loader.gguf_convert import convert_gguf
-from ringserve.gpu.loader.model_store import default_gguf_path
 from ringserve.gpu.rope import inv_freqs
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
-from ringserve.tools.tiny_gemma3 import make_tiny_gemma3, write_gemma3_gguf
+from ringserve.tools.tiny_models import make_tiny_model
 
 DATA = Path(__file__).parent / "data" / "gemma3_tiny"
-BLOCK = 16
-RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def ref():
-    with np.load(DATA / "reference.npz") as data:
-        return {k: data[k] for k in data.files}
+    return load_reference("gemma3")
 
 
 @pytest.fixture(scope="module")
 def gemma3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "hf", config=DATA / "config.json",
-                            tokenizer_dir=default_model_dir)
+    return tiny_folder("gemma3", "gemma3", tmp_path_factory.mktemp("gemma3") / "hf", default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -70,37 +76,7 @@ def packed_dirs(llama_cpp_scale_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def gguf_dir(folder: Path, tmp_path_factory, matrix_type: str) -> Path:
-    out = tmp_path_factory.mktemp(f"gemma3-{matrix_type}")
-    path = write_gemma3_gguf(folder, out / f"tiny-gemma3-{matrix_type}.gguf", default_gguf_path(),
-                             matrix_type)
-    return convert_gguf(path, out / "converted", progress=False)
-
-
-def runner(model_dir: Path, activations: str = "float32") -> ModelRunner:
-    return ModelRunner(model_dir,
-                       DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype=activations),
-                       CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
-
-
-def step(tokens: list[int], cached: int, blocks: list[int]) -> Batch:
-    """One request's tokens cached.. scheduled (the rest already in the cache)."""
-    i32 = lambda x: np.array(x, dtype=np.int32)  # noqa: E731
-    positions = list(range(cached, len(tokens)))
-    return Batch(input_ids=i32(tokens[cached:]), positions=i32(positions),
-                 slot_mapping=i32([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in positions]),
-                 query_start_loc=i32([0, len(positions)]), seq_lens=i32([len(tokens)]),
-                 block_tables=i32([blocks]))
-
-
-def sequences(ref) -> list[tuple[list[int], int, np.ndarray, np.ndarray]]:
-    """(prompt + greedy tokens, prompt length, argmax [len], logit columns [len, vocab / 256])."""
-    cut = np.cumsum(ref["sequence_lens"])[:-1]
-    return list(zip([s.tolist() for s in np.split(ref["sequence_ids"], cut)], ref["prompt_lens"].tolist(),
-                    np.split(ref["argmax"], cut), np.split(ref["logits_columns"], cut), strict=True))
-
-
-def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+    return converted_gguf("gemma3", folder, tmp_path_factory.mktemp(f"gemma3-{matrix_type}"), matrix_type)
 
 
 def test_the_config_is_gemma3_with_its_layer_types_window_and_rope_bases(gemma3_dir, ref):
@@ -121,24 +97,9 @@ def test_greedy_decode_matches_transformers(gemma3_dir, ref):
     past the window too."""
     model = runner(gemma3_dir)
     stride = int(ref["column_stride"])
-    for n, (seq, prompt_len, argmax, columns) in enumerate(sequences(ref)):
-        blocks = [5 - n, 7, 2, 0 + n]  # not in order, not shared between the two requests
-        tokens, cached = seq[:3], 0
-        rows = {}
-        while len(tokens) <= len(seq):
-            if cached == 0 and prompt_len > 3:  # the prompt's first chunk: no logits kept
-                model.execute(step(tokens, 0, blocks))
-                tokens, cached = seq[:prompt_len], 3
-            logits = model.execute(step(tokens, cached, blocks))[0]
-            rows[len(tokens) - 1] = logits
-            cached = len(tokens)
-            if len(tokens) == len(seq):
-                break
-            tokens = tokens + [int(logits.argmax())]
-        assert tokens == seq, f"prompt {n}: greedy tokens {tokens[prompt_len:]} != {seq[prompt_len:]}"
-        for position, logits in rows.items():
-            assert int(logits.argmax()) == argmax[position]
-            assert relative_error(logits[::stride], columns[position]) <= RTOL, f"position {position}"
+    for n, case in enumerate(sequences(ref)):
+        # blocks not in order, not shared between the two requests
+        assert_greedy_decode_matches(model, case, [5 - n, 7, 2, 0 + n], stride, f"prompt {n}")
 
 
 def test_every_position_of_one_prefill_matches_transformers(gemma3_dir, ref):
@@ -189,7 +150,7 @@ def test_a_packed_gguf_stays_packed_and_close(packed_dirs, ref, matrix_type, act
 def test_a_gemma3_folder_without_its_feedforward_norm_is_refused(gemma3_dir, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    folder = make_tiny_gemma3(tmp_path, config=DATA / "config.json", tokenizer_dir=gemma3_dir)
+    folder = make_tiny_model("gemma3", tmp_path, config=DATA / "config.json", tokenizer_dir=gemma3_dir)
     weights = load_file(str(folder / "model.safetensors"))
     del weights["model.layers.3.pre_feedforward_layernorm.weight"]
     save_file(weights, str(folder / "model.safetensors"))

@@ -1,10 +1,10 @@
 """Mistral and Ministral (sliding-window attention) against transformers: tiny random checkpoints
-(tools/tiny_mistral.py: the config.json transformers' MistralConfig / MinistralConfig wrote,
+(tools/tiny_models.py: the config.json transformers' MistralConfig / MinistralConfig wrote,
 sliding_window 24, random weights, the default model's tokenizer) on the CPU backend with float32
 activations. Mistral slides every layer, so the KV blocks before the window are freed as a
 request runs; Ministral interleaves a sliding and a full layer (layer_types), so nothing is
 freed. The references (tests/data/{mistral,ministral}_tiny/reference.npz) are transformers'
-MistralForCausalLM / MinistralForCausalLM, made once offline by tools/make_mistral_reference.py,
+MistralForCausalLM / MinistralForCausalLM, made once offline by tools/make_reference.py,
 over sequences longer than three windows: greedy tokens and the logits at every position (every
 1024th vocabulary id, and the argmax over all of them).
 """
@@ -15,63 +15,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from family_reference import (
+    BLOCK,
+    RTOL,
+    assert_rows_match,
+    converted_gguf,
+    load_reference,
+    relative_error,
+    runner,
+    sequences,
+    step,
+    tiny_folder,
+)
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.gpu.batch import Batch
 from ringserve.gpu.loader.config import ModelConfig
-from ringserve.gpu.loader.gguf_convert import convert_gguf
-from ringserve.gpu.loader.model_store import default_gguf_path
-from ringserve.gpu.runner import ModelRunner
-from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from ringserve.ipc.sampling_params import SamplingParams
-from ringserve.tools.tiny_mistral import make_tiny_mistral, write_mistral_gguf
 
-DATA = Path(__file__).parent / "data"
-BLOCK = 16
 WINDOW = 24
-RTOL = 1e-4
 FAMILIES = ["mistral", "ministral"]
-
-
-def load_reference(family: str) -> dict:
-    with np.load(DATA / f"{family}_tiny" / "reference.npz") as data:
-        return {k: data[k] for k in data.files}
-
-
-def sequences(ref) -> list[tuple[list[int], int, np.ndarray, np.ndarray]]:
-    """(prompt + greedy tokens, prompt length, argmax [len], logit columns [len, vocab / 1024])."""
-    cut = np.cumsum(ref["sequence_lens"])[:-1]
-    return list(zip([s.tolist() for s in np.split(ref["sequence_ids"], cut)], ref["prompt_lens"].tolist(),
-                    np.split(ref["argmax"], cut), np.split(ref["logits_columns"], cut), strict=True))
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mistral")
-    return {f: make_tiny_mistral(root / f, config=DATA / f"{f}_tiny" / "config.json",
-                                 tokenizer_dir=default_model_dir) for f in FAMILIES}
-
-
-def runner(model_dir: Path, activations: str = "float32") -> ModelRunner:
-    device = DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype=activations)
-    return ModelRunner(model_dir, device, CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
-
-
-def step(tokens: list[int], cached: int, blocks: list[int], window: int) -> Batch:
-    """One request's tokens cached.. scheduled; with a window on every layer, its blocks wholly
-    before the first scheduled token's window are -1 (freed), as the KV manager leaves them."""
-    i32 = lambda x: np.array(x, dtype=np.int32)  # noqa: E731
-    positions = list(range(cached, len(tokens)))
-    freed = max(0, cached - window + 1) // BLOCK if window else 0
-    table = [-1] * freed + blocks[freed:]
-    return Batch(input_ids=i32(tokens[cached:]), positions=i32(positions),
-                 slot_mapping=i32([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in positions]),
-                 query_start_loc=i32([0, len(positions)]), seq_lens=i32([len(tokens)]),
-                 block_tables=i32([table]))
-
-
-def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+    return {f: tiny_folder("mistral", f, root / f, default_model_dir) for f in FAMILIES}
 
 
 def test_the_configs_slide_as_transformers_derives_them(folders):
@@ -102,9 +70,7 @@ def test_greedy_decode_matches_transformers(family, folders):
             tokens = tokens + [int(rows[len(tokens) - 1].argmax())]
             rows[len(tokens) - 1] = model.execute(step(tokens, len(tokens) - 1, blocks, window))[0]
         assert tokens == seq, f"{family} prompt {n}: greedy {tokens[prompt_len:]} != {seq[prompt_len:]}"
-        for position, logits in rows.items():
-            assert int(logits.argmax()) == argmax[position]
-            assert relative_error(logits[::stride], columns[position]) <= RTOL, f"position {position}"
+        assert_rows_match(rows, argmax, columns, stride)
 
 
 def test_the_engine_frees_blocks_outside_the_window_and_matches_transformers(folders):
@@ -150,9 +116,7 @@ def test_the_engine_frees_blocks_outside_the_window_and_matches_transformers(fol
 @pytest.fixture(scope="module")
 def gguf_dirs(folders, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("mistral-gguf")
-    return {t: convert_gguf(write_mistral_gguf(folders["mistral"], folder / f"tiny-mistral-{t}.gguf",
-                                               default_gguf_path(), t), folder / t, progress=False)
-            for t in ("F32", "Q8_0")}
+    return {t: converted_gguf("mistral", folders["mistral"], folder / t, t) for t in ("F32", "Q8_0")}
 
 
 def test_a_gguf_is_llama_with_full_attention_as_llama_cpp_reads_it(gguf_dirs):

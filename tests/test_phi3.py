@@ -1,10 +1,10 @@
 """Phi-3 (Phi-3.5-mini, Phi-4-mini) against transformers: a tiny random checkpoint
-(tools/tiny_phi3.py: the config.json transformers' Phi3Config wrote, with fused qkv_proj and
+(tools/tiny_models.py: the config.json transformers' Phi3Config wrote, with fused qkv_proj and
 gate_up_proj, partial_rotary_factor 0.75, LongRoPE over a 16-token original context of 64; random
 weights, the default model's tokenizer) on the CPU backend with float32 activations, from its HF
 folder and from the same checkpoint written as a llama.cpp ``phi3`` GGUF (F32, Q8_0).
 The reference (tests/data/phi3_tiny/reference.npz) is transformers' Phi3ForCausalLM, made once
-offline by tools/make_phi3_reference.py: its greedy tokens and its logits at every position
+offline by tools/make_reference.py: its greedy tokens and its logits at every position
 (every 256th vocabulary id, and the argmax over all of them). The first prompt stays within the
 original context (short factors: max_model_len 16), the second starts past it (long factors:
 max_model_len 64), as gpu/rope.py picks them.
@@ -17,30 +17,36 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from family_reference import (
+    BLOCK,
+    RTOL,
+    assert_greedy_decode_matches,
+    converted_gguf,
+    load_reference,
+    relative_error,
+    sequences,
+    step,
+    tiny_folder,
+)
+from family_reference import runner as cpu_runner
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.gguf_convert import convert_gguf
-from ringserve.gpu.loader.model_store import default_gguf_path
 from ringserve.gpu.rope import attention_factor, inv_freq
-from ringserve.gpu.runner import ModelRunner
-from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
-from ringserve.tools.tiny_phi3 import make_tiny_phi3, write_phi3_gguf
-from test_qwen3 import BLOCK, relative_error, sequences, step
+from ringserve.gpu.settings import StepLimits
+from ringserve.tools.tiny_models import make_tiny_model
 
 DATA = Path(__file__).parent / "data" / "phi3_tiny"
-RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
 def ref():
-    with np.load(DATA / "reference.npz") as data:
-        return {k: data[k] for k in data.files}
+    return load_reference("phi3")
 
 
 @pytest.fixture(scope="module")
 def phi3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return make_tiny_phi3(tmp_path_factory.mktemp("phi3") / "hf", config=DATA / "config.json",
-                          tokenizer_dir=default_model_dir)
+    return tiny_folder("phi3", "phi3", tmp_path_factory.mktemp("phi3") / "hf", default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -51,17 +57,15 @@ def phi3_gguf(phi3_dir, tmp_path_factory):
     def convert(matrix_type: str) -> Path:
         if matrix_type not in made:
             folder = tmp_path_factory.mktemp(f"phi3-{matrix_type}")
-            path = write_phi3_gguf(phi3_dir, folder / f"tiny-phi3-{matrix_type}.gguf", default_gguf_path(),
-                                   matrix_type)
-            made[matrix_type] = convert_gguf(path, folder / "converted", progress=False)
+            made[matrix_type] = converted_gguf("phi3", phi3_dir, folder, matrix_type)
         return made[matrix_type]
     return convert
 
 
-def runner(model_dir: Path, max_model_len: int, activations: str = "float32") -> ModelRunner:
-    device = DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype=activations)
-    return ModelRunner(model_dir, device, CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK),
-                       StepLimits(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=max_model_len))
+def runner(model_dir: Path, max_model_len: int, activations: str = "float32"):
+    """LongRoPE's factors follow max_model_len (the CPU backend reads only that of the limits)."""
+    return cpu_runner(model_dir, activations,
+                      StepLimits(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=max_model_len))
 
 
 def cases(ref):
@@ -89,25 +93,10 @@ def test_greedy_decode_matches_transformers(source, phi3_dir, phi3_gguf, ref):
     the tokens transformers generated, and its logits at every position (prefill and decode)."""
     model_dir = phi3_dir if source == "hf" else phi3_gguf(source)
     stride = int(ref["column_stride"])
-    for n, ((seq, prompt_len, argmax, columns), max_model_len) in enumerate(cases(ref)):
+    for n, (case, max_model_len) in enumerate(cases(ref)):
         model = runner(model_dir, max_model_len)
-        blocks = [5 - n, 7, 2, 0]  # not in order
-        tokens, cached = seq[:3], 0
-        rows = {}
-        while len(tokens) <= len(seq):
-            if cached == 0 and prompt_len > 3:  # the prompt's first chunk: no logits kept
-                model.execute(step(tokens, 0, blocks))
-                tokens, cached = seq[:prompt_len], 3
-            logits = model.execute(step(tokens, cached, blocks))[0]
-            rows[len(tokens) - 1] = logits
-            cached = len(tokens)
-            if len(tokens) == len(seq):
-                break
-            tokens = tokens + [int(logits.argmax())]
-        assert tokens == seq, f"prompt {n}: greedy tokens {tokens[prompt_len:]} != {seq[prompt_len:]}"
-        for position, logits in rows.items():
-            assert int(logits.argmax()) == argmax[position]
-            assert relative_error(logits[::stride], columns[position]) <= RTOL, f"position {position}"
+        # blocks not in order
+        assert_greedy_decode_matches(model, case, [5 - n, 7, 2, 0], stride, f"prompt {n}")
 
 
 def test_the_other_factors_give_other_logits(phi3_dir, ref):
@@ -197,7 +186,7 @@ def test_the_pre_5_config_layout_reads_the_same(phi3_dir):
 def test_a_phi3_folder_with_unfused_projections_is_refused(phi3_dir, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    folder = make_tiny_phi3(tmp_path, config=DATA / "config.json", tokenizer_dir=phi3_dir)
+    folder = make_tiny_model("phi3", tmp_path, config=DATA / "config.json", tokenizer_dir=phi3_dir)
     weights = load_file(str(folder / "model.safetensors"))
     del weights["model.layers.1.mlp.gate_up_proj.weight"]
     save_file(weights, str(folder / "model.safetensors"))
