@@ -381,7 +381,7 @@ def test_a_sliding_window_forward_matches_the_cpu_backend(tmp_path, cuda_host, d
                    sliding_window=window)
     (tmp_path / "config.json").write_text(json.dumps(config))
     model_dir = make_tiny_model("mistral", tmp_path / "mistral", config=tmp_path / "config.json",
-                                  tokenizer_dir=default_model_dir)
+                                tokenizer_dir=default_model_dir)
     host = HostRunner(model_dir, cuda_host, dtype=dtype)
     assert [layer.sliding_window for layer in host.weights.layers] == [window]
     tables = np.random.default_rng(5).permutation(NUM_BLOCKS)[:3 * 5].reshape(3, 5).astype(np.int32)
@@ -420,7 +420,8 @@ def tiny_phi3(folder: Path, tokenizer_dir: Path, heads: int = 2, max_positions: 
                                       long_factor=(1 + 15 * steps * steps).tolist())
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
-    return make_tiny_model("phi3", folder / "phi3", config=folder / "config.json", tokenizer_dir=tokenizer_dir)
+    return make_tiny_model("phi3", folder / "phi3", config=folder / "config.json",
+                           tokenizer_dir=tokenizer_dir)
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float16"])
@@ -458,7 +459,7 @@ def test_a_gemma3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_m
                    sliding_window=16, layer_types=["sliding_attention", "full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
     model_dir = make_tiny_model("gemma3", tmp_path / "gemma3", config=tmp_path / "config.json",
-                                 tokenizer_dir=default_model_dir)
+                                tokenizer_dir=default_model_dir)
     host = HostRunner(model_dir, cuda_host)
     assert host.dtype == "bfloat16" and [layer.sliding_window for layer in host.weights.layers] == [16, 0]
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)

@@ -541,7 +541,7 @@ def test_a_gemma3_forward_matches_cpu_backend_and_graphs_match_eager(tmp_path, d
                    sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
     model_dir = make_tiny_model("gemma3", tmp_path / "gemma3", config=tmp_path / "config.json",
-                                 tokenizer_dir=default_model_dir)
+                                tokenizer_dir=default_model_dir)
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 59))]
     tables = np.random.default_rng(0).permutation(64)[:3 * 8].reshape(3, 8).astype(np.int32)
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"), CacheConfig(num_gpu_blocks_override=64))

@@ -187,11 +187,12 @@ def make(ref: Reference, out: Path, tokenizer_dir: str) -> None:
                 argmax.append(logits.argmax(-1).numpy())
                 columns.append(logits[:, ::ref.column_stride].numpy())
                 print(f"{len(ids)} prompt tokens -> {seq[len(ids):]}", file=sys.stderr)
-    max_model_lens = [p.max_model_len for p in ref.prompts if p.max_model_len is not None]
+    arrays: dict[str, Any] = {"prompt_lens": np.array([len(i) for i in prompt_ids], np.int32)}
+    if max_model_lens := [p.max_model_len for p in ref.prompts if p.max_model_len is not None]:
+        arrays["max_model_lens"] = np.array(max_model_lens, np.int32)
     np.savez_compressed(
         out / "reference.npz",
-        prompt_lens=np.array([len(i) for i in prompt_ids], np.int32),
-        **({"max_model_lens": np.array(max_model_lens, np.int32)} if max_model_lens else {}),
+        **arrays,
         sequence_ids=np.concatenate([np.array(s, np.int32) for s in sequences]),
         sequence_lens=np.array([len(s) for s in sequences], np.int32),
         argmax=np.concatenate(argmax).astype(np.int32),

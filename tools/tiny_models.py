@@ -144,7 +144,7 @@ def mistral_header(w: Any, c: dict) -> None:
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
 
 
-def _phi3_rope(c: dict) -> tuple[dict, int]:
+def _phi3_rope(c: dict) -> tuple[dict, Any]:
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     return rope, rope.get("original_max_position_embeddings", c.get("original_max_position_embeddings"))
 
