@@ -18,18 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from family_reference import (
-    BLOCK,
-    RTOL,
-    assert_greedy_decode_matches,
-    converted_gguf,
-    load_reference,
-    relative_error,
-    runner,
-    sequences,
-    step,
-    tiny_folder,
-)
+import family_reference as fr
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from ringserve.gpu.loader.gguf_convert import convert_gguf
@@ -43,12 +32,12 @@ DATA = Path(__file__).parent / "data" / "gemma3_tiny"
 
 @pytest.fixture(scope="module")
 def ref():
-    return load_reference("gemma3")
+    return fr.load_reference("gemma3")
 
 
 @pytest.fixture(scope="module")
 def gemma3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return tiny_folder("gemma3", "gemma3", tmp_path_factory.mktemp("gemma3") / "hf", default_model_dir)
+    return fr.tiny_folder("gemma3", "gemma3", tmp_path_factory.mktemp("gemma3") / "hf", default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +65,7 @@ def packed_dirs(llama_cpp_scale_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def gguf_dir(folder: Path, tmp_path_factory, matrix_type: str) -> Path:
-    return converted_gguf("gemma3", folder, tmp_path_factory.mktemp(f"gemma3-{matrix_type}"), matrix_type)
+    return fr.converted_gguf("gemma3", folder, tmp_path_factory.mktemp(f"gemma3-{matrix_type}"), matrix_type)
 
 
 def test_the_config_is_gemma3_with_its_layer_types_window_and_rope_bases(gemma3_dir, ref):
@@ -95,21 +84,21 @@ def test_greedy_decode_matches_transformers(gemma3_dir, ref):
     """Prefill in two chunks, then decode one token at a time, greedily from our own logits:
     the tokens transformers generated, and its logits at every position (prefill and decode),
     past the window too."""
-    model = runner(gemma3_dir)
+    model = fr.runner(gemma3_dir)
     stride = int(ref["column_stride"])
-    for n, case in enumerate(sequences(ref)):
+    for n, case in enumerate(fr.sequences(ref)):
         # blocks not in order, not shared between the two requests
-        assert_greedy_decode_matches(model, case, [5 - n, 7, 2, 0 + n], stride, f"prompt {n}")
+        fr.assert_greedy_decode_matches(model, case, [5 - n, 7, 2, 0 + n], stride, f"prompt {n}")
 
 
 def test_every_position_of_one_prefill_matches_transformers(gemma3_dir, ref):
     """A whole sequence in one prefill (keys inside and beyond the window): every position's logits."""
-    model = runner(gemma3_dir)
+    model = fr.runner(gemma3_dir)
     stride = int(ref["column_stride"])
-    for seq, _, argmax, columns in sequences(ref):
-        logits = model.execute(step(seq, 0, [0, 1, 2, 3]), np.arange(len(seq)))
+    for seq, _, argmax, columns in fr.sequences(ref):
+        logits = model.execute(fr.step(seq, 0, [0, 1, 2, 3]), np.arange(len(seq)))
         np.testing.assert_array_equal(logits.argmax(axis=1), argmax)
-        assert relative_error(logits[:, ::stride], columns) <= RTOL
+        assert fr.relative_error(logits[:, ::stride], columns) <= fr.RTOL
 
 
 def test_the_gguf_gives_the_folders_logits_exactly(llama_cpp_scale_dir, tmp_path_factory, ref):
@@ -118,10 +107,10 @@ def test_the_gguf_gives_the_folders_logits_exactly(llama_cpp_scale_dir, tmp_path
     converted = gguf_dir(llama_cpp_scale_dir, tmp_path_factory, "F32")
     c = ModelConfig.from_dir(converted)
     assert c == ModelConfig.from_dir(llama_cpp_scale_dir)
-    seq = sequences(ref)[1][0]
-    batch = step(seq, 0, [0, 1, 2, 3])
+    seq = fr.sequences(ref)[1][0]
+    batch = fr.step(seq, 0, [0, 1, 2, 3])
     rows = np.arange(len(seq))
-    hf, gguf = (runner(d).execute(batch, rows) for d in (llama_cpp_scale_dir, converted))
+    hf, gguf = (fr.runner(d).execute(batch, rows) for d in (llama_cpp_scale_dir, converted))
     np.testing.assert_array_equal(hf, gguf)
 
 
@@ -133,17 +122,17 @@ def test_a_packed_gguf_stays_packed_and_close(packed_dirs, ref, matrix_type, act
     weights widened to float32 (gguf-py's dequantization): to float32 rounding with float32
     activations, within a few percent with int8 ones (llama.cpp's integer path: 3.2 % here),
     and the prompts' next tokens the same."""
-    model = runner(packed_dirs[matrix_type], activations)
+    model = fr.runner(packed_dirs[matrix_type], activations)
     assert set(model.weights.nbytes_by_type()) == {matrix_type, "F32"}
     widened = ModelRunner(packed_dirs[matrix_type],
                           DeviceConfig(device="cpu", cpu_activation_dtype="float32"),
-                          CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK), widen_packed=True)
+                          CacheConfig(num_gpu_blocks_override=8, block_size=fr.BLOCK), widen_packed=True)
     assert set(widened.weights.nbytes_by_type()) == {"F32"}
-    for seq, prompt_len, _, _ in sequences(ref):
+    for seq, prompt_len, _, _ in fr.sequences(ref):
         rows = np.arange(len(seq))
-        want = widened.execute(step(seq, 0, [0, 1, 2, 3]), rows)
-        got = model.execute(step(seq, 0, [0, 1, 2, 3]), rows)
-        assert relative_error(got, want) <= rtol, relative_error(got, want)
+        want = widened.execute(fr.step(seq, 0, [0, 1, 2, 3]), rows)
+        got = model.execute(fr.step(seq, 0, [0, 1, 2, 3]), rows)
+        assert fr.relative_error(got, want) <= rtol, fr.relative_error(got, want)
         assert int(got[prompt_len - 1].argmax()) == int(want[prompt_len - 1].argmax())
 
 
@@ -156,7 +145,7 @@ def test_a_gemma3_folder_without_its_feedforward_norm_is_refused(gemma3_dir, tmp
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ModelError,
                        match="tensor 'model.layers.3.pre_feedforward_layernorm.weight' is missing"):
-        runner(folder)
+        fr.runner(folder)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -205,9 +194,9 @@ def test_a_multimodal_folder_serves_its_text_model(gemma3_dir, tmp_path, ref, pr
     c = ModelConfig.from_dir(tmp_path)
     assert c.architecture == "Gemma3ForCausalLM" and c.eos_token_ids == (2, 7)
     assert c == dataclasses.replace(ModelConfig.from_dir(gemma3_dir), eos_token_ids=(2, 7))
-    seq = sequences(ref)[1][0]
+    seq = fr.sequences(ref)[1][0]
     rows = np.arange(len(seq))
-    want, got = (runner(d).execute(step(seq, 0, [0, 1, 2, 3]), rows) for d in (gemma3_dir, tmp_path))
+    want, got = (fr.runner(d).execute(fr.step(seq, 0, [0, 1, 2, 3]), rows) for d in (gemma3_dir, tmp_path))
     np.testing.assert_array_equal(got, want)
 
 
@@ -230,7 +219,7 @@ def test_a_served_gemma3_decodes_as_transformers_and_hits_the_prefix_cache(serve
 
     from ringserve.server.tokenizer import Tokenizer
 
-    seq, prompt_len, _, _ = sequences(ref)[1]  # 41 prompt tokens: two whole blocks of 16
+    seq, prompt_len, _, _ = fr.sequences(ref)[1]  # 41 prompt tokens: two whole blocks of 16
     want = Tokenizer.from_dir(gemma3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
     url = serve(gemma3_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
                 "--served-model-name", "g", "--drain-timeout", "2", timeout=300).url
@@ -244,10 +233,10 @@ def test_a_served_gemma3_decodes_as_transformers_and_hits_the_prefix_cache(serve
         for _ in range(50):  # the engine publishes its counters with its next stats
             hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
                     if "prefix_cache_hits" in line and not line.startswith("#")]
-            if hits and hits[0] >= 2 * BLOCK:
+            if hits and hits[0] >= 2 * fr.BLOCK:
                 break
             time.sleep(0.1)
-    assert hits and hits[0] >= 2 * BLOCK, hits
+    assert hits and hits[0] >= 2 * fr.BLOCK, hits
 
 
 def test_a_random_gemma3_gguf_converts_with_gemmas_turns(tmp_path):
@@ -272,9 +261,9 @@ def test_a_random_gemma3_gguf_converts_with_gemmas_turns(tmp_path):
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[:2] == tok.encode("<bos><start_of_turn>", add_special_tokens=False) and len(ids) < len(text)
-    model = runner(folder)
+    model = fr.runner(folder)
     assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
-    assert np.isfinite(model.execute(step(ids, 0, [0, 1]))).all()
+    assert np.isfinite(model.execute(fr.step(ids, 0, [0, 1]))).all()
 
 
 @pytest.mark.parametrize("saved_as", ["chat_template.jinja", "chat_template.json"])

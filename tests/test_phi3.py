@@ -17,18 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from family_reference import (
-    BLOCK,
-    RTOL,
-    assert_greedy_decode_matches,
-    converted_gguf,
-    load_reference,
-    relative_error,
-    sequences,
-    step,
-    tiny_folder,
-)
-from family_reference import runner as cpu_runner
+import family_reference as fr
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.gguf_convert import convert_gguf
@@ -41,12 +30,12 @@ DATA = Path(__file__).parent / "data" / "phi3_tiny"
 
 @pytest.fixture(scope="module")
 def ref():
-    return load_reference("phi3")
+    return fr.load_reference("phi3")
 
 
 @pytest.fixture(scope="module")
 def phi3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return tiny_folder("phi3", "phi3", tmp_path_factory.mktemp("phi3") / "hf", default_model_dir)
+    return fr.tiny_folder("phi3", "phi3", tmp_path_factory.mktemp("phi3") / "hf", default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -57,20 +46,20 @@ def phi3_gguf(phi3_dir, tmp_path_factory):
     def convert(matrix_type: str) -> Path:
         if matrix_type not in made:
             folder = tmp_path_factory.mktemp(f"phi3-{matrix_type}")
-            made[matrix_type] = converted_gguf("phi3", phi3_dir, folder, matrix_type)
+            made[matrix_type] = fr.converted_gguf("phi3", phi3_dir, folder, matrix_type)
         return made[matrix_type]
     return convert
 
 
 def runner(model_dir: Path, max_model_len: int, activations: str = "float32"):
     """LongRoPE's factors follow max_model_len (the CPU backend reads only that of the limits)."""
-    return cpu_runner(model_dir, activations,
+    return fr.runner(model_dir, activations,
                       StepLimits(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=max_model_len))
 
 
 def cases(ref):
-    """sequences(ref) with the max_model_len that serves each as transformers computed it."""
-    return list(zip(sequences(ref), ref["max_model_lens"].tolist(), strict=True))
+    """fr.sequences(ref) with the max_model_len that serves each as transformers computed it."""
+    return list(zip(fr.sequences(ref), ref["max_model_lens"].tolist(), strict=True))
 
 
 def test_the_config_is_phi3_with_partial_rotary_and_longrope(phi3_dir):
@@ -96,15 +85,15 @@ def test_greedy_decode_matches_transformers(source, phi3_dir, phi3_gguf, ref):
     for n, (case, max_model_len) in enumerate(cases(ref)):
         model = runner(model_dir, max_model_len)
         # blocks not in order
-        assert_greedy_decode_matches(model, case, [5 - n, 7, 2, 0], stride, f"prompt {n}")
+        fr.assert_greedy_decode_matches(model, case, [5 - n, 7, 2, 0], stride, f"prompt {n}")
 
 
 def test_the_other_factors_give_other_logits(phi3_dir, ref):
     """The long prompt under short factors (a server of max_model_len 16) is not transformers'
     answer: the test above would see a wrong choice of factors."""
     (seq, _, _, columns), _ = cases(ref)[1]
-    logits = runner(phi3_dir, 16).execute(step(seq, 0, [0, 1, 2, 3]), np.arange(len(seq)))
-    assert relative_error(logits[:, ::int(ref["column_stride"])], columns) > 100 * RTOL
+    logits = runner(phi3_dir, 16).execute(fr.step(seq, 0, [0, 1, 2, 3]), np.arange(len(seq)))
+    assert fr.relative_error(logits[:, ::int(ref["column_stride"])], columns) > 100 * fr.RTOL
 
 
 def test_the_gguf_converts_to_the_folders_config_and_logits(phi3_dir, phi3_gguf, ref):
@@ -119,7 +108,7 @@ def test_the_gguf_converts_to_the_folders_config_and_logits(phi3_dir, phi3_gguf,
     assert ours.rope_scaling.attention_factor == pytest.approx(theirs.rope_scaling.attention_factor, rel=1e-7)
     assert ours.rope_scaling.original_max_position_embeddings == 16 and ours.max_position_embeddings == 64
     seq = cases(ref)[1][0][0]
-    batch = step(seq, 0, [0, 1, 2, 3])
+    batch = fr.step(seq, 0, [0, 1, 2, 3])
     rows = np.arange(len(seq))
     hf, gguf = (runner(d, 64).execute(batch, rows) for d in (phi3_dir, converted))
     np.testing.assert_allclose(gguf, hf, rtol=0, atol=1e-5 * np.abs(hf).max())
@@ -135,8 +124,8 @@ def test_packed_ggufs_stay_packed_and_close(phi3_gguf, ref, matrix_type, activat
     for (seq, prompt_len, argmax, columns), max_model_len in cases(ref):
         model = runner(phi3_gguf(matrix_type), max_model_len, activations)
         assert set(model.weights.nbytes_by_type()) == {matrix_type, "F32"}
-        logits = model.execute(step(seq[:prompt_len], 0, [0, 1]))[0]
-        assert relative_error(logits[::int(ref["column_stride"])], columns[prompt_len - 1]) <= rtol
+        logits = model.execute(fr.step(seq[:prompt_len], 0, [0, 1]))[0]
+        assert fr.relative_error(logits[::int(ref["column_stride"])], columns[prompt_len - 1]) <= rtol
         assert int(logits.argmax()) == argmax[prompt_len - 1]
 
 
@@ -282,15 +271,15 @@ def test_a_served_phi3_decodes_as_transformers_and_hits_the_prefix_cache(serve, 
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want
-        if prompt_len < BLOCK:
+        if prompt_len < fr.BLOCK:
             return
         for _ in range(50):  # the engine publishes its counters with its next stats
             hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
                     if "prefix_cache_hits" in line and not line.startswith("#")]
-            if hits and hits[0] >= BLOCK:
+            if hits and hits[0] >= fr.BLOCK:
                 break
             time.sleep(0.1)
-    assert hits and hits[0] >= BLOCK, hits
+    assert hits and hits[0] >= fr.BLOCK, hits
 
 
 def test_the_gpt4o_split_is_the_tokenizer_json_regex():

@@ -14,17 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from family_reference import (
-    BLOCK,
-    assert_greedy_decode_matches,
-    converted_gguf,
-    load_reference,
-    relative_error,
-    runner,
-    sequences,
-    step,
-    tiny_folder,
-)
+import family_reference as fr
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.runner import ModelRunner
@@ -36,22 +26,22 @@ DATA = Path(__file__).parent / "data" / "qwen3_tiny"
 
 @pytest.fixture(scope="module")
 def ref():
-    return load_reference("qwen3")
+    return fr.load_reference("qwen3")
 
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return tiny_folder("qwen3", "qwen3", tmp_path_factory.mktemp("qwen3") / "hf", default_model_dir)
+    return fr.tiny_folder("qwen3", "qwen3", tmp_path_factory.mktemp("qwen3") / "hf", default_model_dir)
 
 
 @pytest.fixture(scope="module")
 def qwen3_gguf_dir(qwen3_dir, tmp_path_factory) -> Path:
-    return converted_gguf("qwen3", qwen3_dir, tmp_path_factory.mktemp("qwen3-gguf"))
+    return fr.converted_gguf("qwen3", qwen3_dir, tmp_path_factory.mktemp("qwen3-gguf"))
 
 
 @pytest.fixture(scope="module")
 def qwen3_q8_0_dir(qwen3_dir, tmp_path_factory) -> Path:
-    return converted_gguf("qwen3", qwen3_dir, tmp_path_factory.mktemp("qwen3-q8"), "Q8_0")
+    return fr.converted_gguf("qwen3", qwen3_dir, tmp_path_factory.mktemp("qwen3-q8"), "Q8_0")
 
 
 def test_the_config_is_qwen3_with_its_own_head_dim(qwen3_dir):
@@ -65,19 +55,19 @@ def test_the_config_is_qwen3_with_its_own_head_dim(qwen3_dir):
 def test_greedy_decode_matches_transformers(source, qwen3_dir, qwen3_gguf_dir, ref):
     """Prefill in two chunks, then decode one token at a time, greedily from our own logits:
     the tokens transformers generated, and its logits at every position (prefill and decode)."""
-    model = runner(qwen3_dir if source == "hf" else qwen3_gguf_dir)
+    model = fr.runner(qwen3_dir if source == "hf" else qwen3_gguf_dir)
     stride = int(ref["column_stride"])
-    for n, case in enumerate(sequences(ref)):
+    for n, case in enumerate(fr.sequences(ref)):
         # blocks not in order, not shared between the two requests
-        assert_greedy_decode_matches(model, case, [5 - n, 7, 2], stride, f"prompt {n}")
+        fr.assert_greedy_decode_matches(model, case, [5 - n, 7, 2], stride, f"prompt {n}")
 
 
 def test_the_gguf_gives_the_folders_logits_exactly(qwen3_dir, qwen3_gguf_dir, ref):
     """A whole sequence in one prefill, every position's logits: the F32 GGUF is the folder."""
-    seq = sequences(ref)[1][0]
-    batch = step(seq, 0, [0, 1, 2])
+    seq = fr.sequences(ref)[1][0]
+    batch = fr.step(seq, 0, [0, 1, 2])
     rows = np.arange(len(seq))
-    hf, gguf = (runner(d).execute(batch, rows) for d in (qwen3_dir, qwen3_gguf_dir))
+    hf, gguf = (fr.runner(d).execute(batch, rows) for d in (qwen3_dir, qwen3_gguf_dir))
     np.testing.assert_array_equal(hf, gguf)
     config = ModelConfig.from_dir(qwen3_gguf_dir)
     assert config.architecture == "Qwen3ForCausalLM" and config.head_dim == 32
@@ -89,12 +79,12 @@ def test_a_q8_0_gguf_stays_packed_and_close(qwen3_q8_0_dir, ref, activations, rt
     path), its q/k norms F32: the logits stay within Q8_0's error of transformers' and the
     prompt's next token is the same."""
     model = ModelRunner(qwen3_q8_0_dir, DeviceConfig(device="cpu", cpu_activation_dtype=activations),
-                        CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
+                        CacheConfig(num_gpu_blocks_override=8, block_size=fr.BLOCK))
     assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
     stride = int(ref["column_stride"])
-    for seq, prompt_len, argmax, columns in sequences(ref):
-        logits = model.execute(step(seq[:prompt_len], 0, [0, 1]))[0]
-        assert relative_error(logits[::stride], columns[prompt_len - 1]) <= rtol
+    for seq, prompt_len, argmax, columns in fr.sequences(ref):
+        logits = model.execute(fr.step(seq[:prompt_len], 0, [0, 1]))[0]
+        assert fr.relative_error(logits[::stride], columns[prompt_len - 1]) <= rtol
         assert int(logits.argmax()) == argmax[prompt_len - 1]
 
 
@@ -106,7 +96,7 @@ def test_a_qwen3_folder_without_its_qk_norms_is_refused(qwen3_dir, tmp_path):
     del weights["model.layers.1.self_attn.k_norm.weight"]
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ModelError, match="tensor 'model.layers.1.self_attn.k_norm.weight' is missing"):
-        runner(folder)
+        fr.runner(folder)
 
 
 def test_a_served_qwen3_decodes_as_transformers_and_hits_the_prefix_cache(serve, qwen3_dir, ref,
@@ -118,7 +108,7 @@ def test_a_served_qwen3_decodes_as_transformers_and_hits_the_prefix_cache(serve,
 
     from ringserve.server.tokenizer import Tokenizer
 
-    seq, prompt_len, _, _ = sequences(ref)[1]  # 22 prompt tokens: one whole block of 16
+    seq, prompt_len, _, _ = fr.sequences(ref)[1]  # 22 prompt tokens: one whole block of 16
     want = Tokenizer.from_dir(qwen3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
     url = serve(qwen3_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
                 "--served-model-name", "q", "--drain-timeout", "2", timeout=300).url
@@ -132,7 +122,7 @@ def test_a_served_qwen3_decodes_as_transformers_and_hits_the_prefix_cache(serve,
         for _ in range(50):  # the engine publishes its counters with its next stats
             hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
                     if "prefix_cache_hits" in line and not line.startswith("#")]
-            if hits and hits[0] >= BLOCK:
+            if hits and hits[0] >= fr.BLOCK:
                 break
             time.sleep(0.1)
-    assert hits and hits[0] >= BLOCK, hits
+    assert hits and hits[0] >= fr.BLOCK, hits
