@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.loader.gguf_convert import convert_gguf
@@ -27,6 +28,20 @@ Case = tuple[list[int], int, np.ndarray, np.ndarray]  # a reference sequence: se
 def load_reference(name: str) -> dict[str, np.ndarray]:
     with np.load(DATA / f"{name}_tiny" / "reference.npz") as data:
         return {k: data[k] for k in data.files}
+
+
+def reference_fixture(name: str):
+    """A module fixture (bind it to a name in the test module): tests/data/<name>_tiny/reference.npz."""
+    def ref() -> dict[str, np.ndarray]:
+        return load_reference(name)
+    return pytest.fixture(scope="module")(ref)
+
+
+def folder_fixture(family: str):
+    """A module fixture: the family's tiny checkpoint of tests/data/<family>_tiny/config.json."""
+    def folder(tmp_path_factory, default_model_dir) -> Path:
+        return tiny_folder(family, family, tmp_path_factory.mktemp(family) / "hf", default_model_dir)
+    return pytest.fixture(scope="module")(folder)
 
 
 def tiny_folder(family: str, name: str, folder: Path, tokenizer_dir: Path) -> Path:

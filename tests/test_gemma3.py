@@ -30,14 +30,8 @@ from ringserve.tools.tiny_models import make_tiny_model
 DATA = Path(__file__).parent / "data" / "gemma3_tiny"
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return fr.load_reference("gemma3")
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return fr.tiny_folder("gemma3", "gemma3", tmp_path_factory.mktemp("gemma3") / "hf", default_model_dir)
+ref = fr.reference_fixture("gemma3")
+gemma3_dir = fr.folder_fixture("gemma3")
 
 
 @pytest.fixture(scope="module")

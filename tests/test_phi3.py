@@ -28,14 +28,8 @@ from ringserve.tools.tiny_models import make_tiny_model
 DATA = Path(__file__).parent / "data" / "phi3_tiny"
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return fr.load_reference("phi3")
-
-
-@pytest.fixture(scope="module")
-def phi3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return fr.tiny_folder("phi3", "phi3", tmp_path_factory.mktemp("phi3") / "hf", default_model_dir)
+ref = fr.reference_fixture("phi3")
+phi3_dir = fr.folder_fixture("phi3")
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,8 @@ from ringserve.tools.tiny_models import make_tiny_model
 DATA = Path(__file__).parent / "data" / "qwen3_tiny"
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return fr.load_reference("qwen3")
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return fr.tiny_folder("qwen3", "qwen3", tmp_path_factory.mktemp("qwen3") / "hf", default_model_dir)
+ref = fr.reference_fixture("qwen3")
+qwen3_dir = fr.folder_fixture("qwen3")
 
 
 @pytest.fixture(scope="module")
