@@ -6,6 +6,7 @@ whole vocabulary, and the logits at every position for every column_stride-th vo
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -116,3 +117,35 @@ def assert_greedy_decode_matches(model: ModelRunner, case: Case, blocks: list[in
         tokens = tokens + [int(logits.argmax())]
     assert tokens == seq, f"{label}: greedy tokens {tokens[prompt_len:]} != {seq[prompt_len:]}"
     assert_rows_match(rows, argmax, columns, stride)
+
+
+def assert_served_decodes_as_reference(serve, folder: Path, case: Case, max_model_len: int = 256,
+                                       prefix_hits: int = BLOCK) -> None:
+    """`ringserve serve` on the folder (CPU, float32: the checkpoint's dtype): the engine's
+    scheduler, paged cache and sampler give transformers' greedy tokens; asked again, the answer
+    is the same and the prompt's whole blocks (at least ``prefix_hits`` tokens; 0: not looked
+    for) come from the prefix cache."""
+    import httpx
+
+    from ringserve.server.tokenizer import Tokenizer
+
+    seq, prompt_len, _, _ = case
+    want = Tokenizer.from_dir(folder).decode(seq[prompt_len:], skip_special_tokens=True)
+    url = serve(folder, "--workers", "1", "--max-model-len", str(max_model_len), "--device", "cpu",
+                "--served-model-name", "tiny", "--drain-timeout", "2", timeout=300).url
+    body = dict(model="tiny", prompt=seq[:prompt_len], max_tokens=len(seq) - prompt_len, temperature=0,
+                ignore_eos=True)
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for _ in range(2):
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+        if not prefix_hits:
+            return
+        for _ in range(50):  # the engine publishes its counters with its next stats
+            hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
+                    if "prefix_cache_hits" in line and not line.startswith("#")]
+            if hits and hits[0] >= prefix_hits:
+                break
+            time.sleep(0.1)
+    assert hits and hits[0] >= prefix_hits, hits

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -209,28 +208,8 @@ def test_a_served_gemma3_decodes_as_transformers_and_hits_the_prefix_cache(serve
     """`ringserve serve` on the folder (CPU, float32: the checkpoint's dtype): the engine's
     scheduler, paged cache and sampler give transformers' greedy tokens past the window; asked
     again, the prompt's whole blocks come from the prefix cache and the answer is the same."""
-    import httpx
-
-    from ringserve.server.tokenizer import Tokenizer
-
-    seq, prompt_len, _, _ = fr.sequences(ref)[1]  # 41 prompt tokens: two whole blocks of 16
-    want = Tokenizer.from_dir(gemma3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
-    url = serve(gemma3_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
-                "--served-model-name", "g", "--drain-timeout", "2", timeout=300).url
-    body = dict(model="g", prompt=seq[:prompt_len], max_tokens=len(seq) - prompt_len, temperature=0,
-                ignore_eos=True)
-    with httpx.Client(base_url=url, timeout=120) as c:
-        for _ in range(2):
-            r = c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
-        for _ in range(50):  # the engine publishes its counters with its next stats
-            hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
-                    if "prefix_cache_hits" in line and not line.startswith("#")]
-            if hits and hits[0] >= 2 * fr.BLOCK:
-                break
-            time.sleep(0.1)
-    assert hits and hits[0] >= 2 * fr.BLOCK, hits
+    # 41 prompt tokens: two whole blocks of 16
+    fr.assert_served_decodes_as_reference(serve, gemma3_dir, fr.sequences(ref)[1], prefix_hits=2 * fr.BLOCK)
 
 
 def test_a_random_gemma3_gguf_converts_with_gemmas_turns(tmp_path):

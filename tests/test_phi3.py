@@ -248,32 +248,10 @@ def test_a_served_phi3_decodes_as_transformers_and_hits_the_prefix_cache(serve, 
     (16: short factors, 64: long): the engine's scheduler, paged cache and sampler give
     transformers' greedy tokens; asked again, the long prompt's whole block comes from the
     prefix cache (K rotated under the one set of factors the server uses) and the answer is the same."""
-    import time
-
-    import httpx
-
-    from ringserve.server.tokenizer import Tokenizer
-
-    (seq, prompt_len, _, _), max_model_len = cases(ref)[case]
-    want = Tokenizer.from_dir(phi3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
-    url = serve(phi3_dir, "--workers", "1", "--max-model-len", str(max_model_len), "--device", "cpu",
-                "--served-model-name", "p", "--drain-timeout", "2", timeout=300).url
-    body = dict(model="p", prompt=seq[:prompt_len], max_tokens=len(seq) - prompt_len, temperature=0,
-                ignore_eos=True)
-    with httpx.Client(base_url=url, timeout=120) as c:
-        for _ in range(2):
-            r = c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
-        if prompt_len < fr.BLOCK:
-            return
-        for _ in range(50):  # the engine publishes its counters with its next stats
-            hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
-                    if "prefix_cache_hits" in line and not line.startswith("#")]
-            if hits and hits[0] >= fr.BLOCK:
-                break
-            time.sleep(0.1)
-    assert hits and hits[0] >= fr.BLOCK, hits
+    sequence, max_model_len = cases(ref)[case]
+    prompt_len = sequence[1]
+    fr.assert_served_decodes_as_reference(serve, phi3_dir, sequence, max_model_len,
+                                          prefix_hits=fr.BLOCK if prompt_len >= fr.BLOCK else 0)
 
 
 def test_the_gpt4o_split_is_the_tokenizer_json_regex():

@@ -8,7 +8,6 @@ tools/make_reference.py: its greedy tokens and its logits at every position (eve
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -98,25 +97,5 @@ def test_a_served_qwen3_decodes_as_transformers_and_hits_the_prefix_cache(serve,
     """`ringserve serve` on the folder (CPU, float32: the checkpoint's dtype): the engine's
     scheduler, paged cache and sampler give transformers' greedy tokens; asked again, the
     prompt's whole blocks come from the prefix cache and the answer is the same."""
-    import httpx
-
-    from ringserve.server.tokenizer import Tokenizer
-
-    seq, prompt_len, _, _ = fr.sequences(ref)[1]  # 22 prompt tokens: one whole block of 16
-    want = Tokenizer.from_dir(qwen3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
-    url = serve(qwen3_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
-                "--served-model-name", "q", "--drain-timeout", "2", timeout=300).url
-    body = dict(model="q", prompt=seq[:prompt_len], max_tokens=len(seq) - prompt_len, temperature=0,
-                ignore_eos=True)
-    with httpx.Client(base_url=url, timeout=120) as c:
-        for _ in range(2):
-            r = c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
-        for _ in range(50):  # the engine publishes its counters with its next stats
-            hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
-                    if "prefix_cache_hits" in line and not line.startswith("#")]
-            if hits and hits[0] >= fr.BLOCK:
-                break
-            time.sleep(0.1)
-    assert hits and hits[0] >= fr.BLOCK, hits
+    # 22 prompt tokens: one whole block of 16
+    fr.assert_served_decodes_as_reference(serve, qwen3_dir, fr.sequences(ref)[1])
