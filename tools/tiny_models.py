@@ -78,14 +78,10 @@ def gemma3_layer(c: dict) -> Shapes:
             "post_feedforward_layernorm.weight": (hidden,), **_mlp(c)}
 
 
-def _llama_names() -> dict[str, str]:
+def converter_names(arch: str) -> dict[str, str]:
+    """HF layer tensor -> llama.cpp's for ``arch``, as our GGUF converter maps them."""
     from ringserve.gpu.loader.gguf_convert import ARCHITECTURES
-    return {hf: g for g, hf in ARCHITECTURES["llama"].layer_tensors().items()}
-
-
-def _qwen3_names() -> dict[str, str]:
-    from ringserve.gpu.loader.gguf_convert import ARCHITECTURES
-    return {hf: g for g, hf in ARCHITECTURES["qwen3"].layer_tensors().items()}
+    return {hf: g for g, hf in ARCHITECTURES[arch].layer_tensors().items()}
 
 
 # HF name (after "model.layers.N.") -> llama.cpp's (after "blk.N."), as convert_hf_to_gguf.py maps
@@ -218,7 +214,7 @@ class Family:
     gguf_header: Callable[[Any, dict], None]  # the architecture's keys, before the tokenizer's
     gguf_names: Callable[[], dict[str, str]]  # HF layer tensor -> llama.cpp's
     norm_mean: float = 1.0
-    embed_std: Callable[[int], float] = lambda hidden: 1.0
+    embed_scale: Callable[[int], float] = lambda hidden: 1.0
     tied_default: bool = False               # tie_word_embeddings when config.json omits it
     dropped: tuple[str, ...] = ()            # drawn (to keep another family's bytes) but not written
     gguf_tail: Callable[[Any, dict], None] | None = None  # keys and tensors after the tokenizer's
@@ -226,10 +222,10 @@ class Family:
 
 
 FAMILIES = {
-    "qwen3": Family(qwen3_layer, "qwen3", qwen3_header, _qwen3_names),
+    "qwen3": Family(qwen3_layer, "qwen3", qwen3_header, functools.partial(converter_names, "qwen3")),
     # Mistral's tensors are Llama's: Qwen3's less the per-head q/k norms, drawn as Qwen3's (same
     # seed, same bytes) and the norms dropped
-    "mistral": Family(qwen3_layer, "llama", mistral_header, _llama_names,
+    "mistral": Family(qwen3_layer, "llama", mistral_header, functools.partial(converter_names, "llama"),
                       dropped=("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
                       gguf_tensor=permute_qk_rows),
     "phi3": Family(phi3_layer, "phi3", phi3_header, lambda: PHI3_GGUF_NAMES, gguf_tail=phi3_longrope),
@@ -237,7 +233,7 @@ FAMILIES = {
     # rows of norm ~2 leave the layers' (normed) outputs the larger part of the final state, else
     # every greedy token echoes the one before it
     "gemma3": Family(gemma3_layer, "gemma3", gemma3_header, lambda: GEMMA3_GGUF_NAMES, norm_mean=0.0,
-                     embed_std=lambda hidden: 0.25 * hidden ** -0.5, tied_default=True,
+                     embed_scale=lambda hidden: 0.25 * hidden ** -0.5, tied_default=True,
                      gguf_tensor=shift_norms),
 }
 
@@ -263,7 +259,7 @@ def random_weights(family: str, c: dict, seed: int = 0) -> dict[str, np.ndarray]
         if len(shape) == 1:
             out[name] = (f.norm_mean + 0.2 * rng.standard_normal(shape)).astype(np.float32)
         else:
-            scale = f.embed_std(shape[1]) if name.endswith("embed_tokens.weight") else shape[1] ** -0.5
+            scale = f.embed_scale(shape[1]) if name.endswith("embed_tokens.weight") else shape[1] ** -0.5
             out[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
     return {name: w for name, w in out.items() if not name.endswith(f.dropped)}
 
