@@ -343,19 +343,19 @@ def test_a_bf16_checkpoint_forward_matches_the_cpu_backend(tmp_path, cuda_host, 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_a_qwen3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir, dtype):
-    """A tiny random Qwen3 (tools/tiny_qwen3.py; head_dim 64 where hidden / heads is 32): fused.cu's
+    """A tiny random Qwen3 (tools/tiny_models.py; head_dim 64 where hidden / heads is 32): fused.cu's
     qk_norm (one warp per q or k head) before RoPE, in fp16 and bf16, prefill then graph-shaped
     decode against the CPU backend's logits."""
     import json
 
-    from ringserve.tools.tiny_qwen3 import make_tiny_qwen3
+    from ringserve.tools.tiny_models import make_tiny_model
 
     config = json.loads((Path(__file__).parent / "data" / "qwen3_tiny" / "config.json").read_text())
     config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
                    layer_types=["full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
     # NOTE: one layer, as the GGUF models above: the host runs every CUDA thread as a fiber
-    model_dir = make_tiny_qwen3(tmp_path / "qwen3", config=tmp_path / "config.json",
+    model_dir = make_tiny_model("qwen3", tmp_path / "qwen3", config=tmp_path / "config.json",
                                 tokenizer_dir=default_model_dir)
     host = HostRunner(model_dir, cuda_host, dtype=dtype)
     assert host.weights.layers[0].qk_norm.shape == (128,)
@@ -367,21 +367,21 @@ def test_a_qwen3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_mo
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_a_sliding_window_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir, dtype):
-    """A tiny random Mistral (tools/tiny_mistral.py) with a window of 7 on its one layer: a
+    """A tiny random Mistral (tools/tiny_models.py) with a window of 7 on its one layer: a
     61-token prefill (a window of 7 inside blocks of 16), then graph-shaped decodes whose block
     tables hold -1 for the blocks before each request's window (freed, as engine/kv_cache.py
     leaves them; the graph's split-K partitions from the window), against the CPU backend."""
     import json
 
-    from ringserve.tools.tiny_mistral import make_tiny_mistral
+    from ringserve.tools.tiny_models import make_tiny_model
 
     window = 7
     config = json.loads((Path(__file__).parent / "data" / "mistral_tiny" / "config.json").read_text())
     config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
                    sliding_window=window)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    model_dir = make_tiny_mistral(tmp_path / "mistral", config=tmp_path / "config.json",
-                                  tokenizer_dir=default_model_dir)
+    model_dir = make_tiny_model("mistral", tmp_path / "mistral", config=tmp_path / "config.json",
+                                tokenizer_dir=default_model_dir)
     host = HostRunner(model_dir, cuda_host, dtype=dtype)
     assert [layer.sliding_window for layer in host.weights.layers] == [window]
     tables = np.random.default_rng(5).permutation(NUM_BLOCKS)[:3 * 5].reshape(3, 5).astype(np.int32)
@@ -409,7 +409,7 @@ def tiny_phi3(folder: Path, tokenizer_dir: Path, heads: int = 2, max_positions: 
     original 16: the long factors)."""
     import json
 
-    from ringserve.tools.tiny_phi3 import make_tiny_phi3
+    from ringserve.tools.tiny_models import make_tiny_model
 
     config = json.loads((Path(__file__).parent / "data" / "phi3_tiny" / "config.json").read_text())
     rotary_half = int(config["hidden_size"] // heads * 0.75) // 2
@@ -420,12 +420,13 @@ def tiny_phi3(folder: Path, tokenizer_dir: Path, heads: int = 2, max_positions: 
                                       long_factor=(1 + 15 * steps * steps).tolist())
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
-    return make_tiny_phi3(folder / "phi3", config=folder / "config.json", tokenizer_dir=tokenizer_dir)
+    return make_tiny_model("phi3", folder / "phi3", config=folder / "config.json",
+                           tokenizer_dir=tokenizer_dir)
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float16"])
 def test_a_phi3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir, dtype):
-    """A tiny random Phi-3 (tools/tiny_phi3.py: fused qkv_proj and gate_up_proj, 48 of 64 dims
+    """A tiny random Phi-3 (tools/tiny_models.py: fused qkv_proj and gate_up_proj, 48 of 64 dims
     rotated, LongRoPE's long factors and attention factor in the table): fused.cu's rope over
     the rotary part only, in bf16 and fp16, prefill then graph-shaped decode against the CPU
     backend's logits."""
@@ -443,7 +444,7 @@ def test_a_phi3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_mod
 
 
 def test_a_gemma3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_model_dir):
-    """A tiny random Gemma 3 (tools/tiny_gemma3.py; head_dim 64, two layers: one sliding with a
+    """A tiny random Gemma 3 (tools/tiny_models.py; head_dim 64, two layers: one sliding with a
     window of 16, the 61-token prompt runs past it, one full on the other RoPE base):
     fused.cu's rms_norm (the attention and MLP outputs' norms) and gelu_tanh_mul, the
     embedding scale, attention.cu's window, in bf16 (what auto serves a float32 Gemma in; fp16
@@ -451,14 +452,14 @@ def test_a_gemma3_forward_matches_the_cpu_backend(tmp_path, cuda_host, default_m
     backend's logits."""
     import json
 
-    from ringserve.tools.tiny_gemma3 import make_tiny_gemma3
+    from ringserve.tools.tiny_models import make_tiny_model
 
     config = json.loads((Path(__file__).parent / "data" / "gemma3_tiny" / "config.json").read_text())
     config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
                    sliding_window=16, layer_types=["sliding_attention", "full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    model_dir = make_tiny_gemma3(tmp_path / "gemma3", config=tmp_path / "config.json",
-                                 tokenizer_dir=default_model_dir)
+    model_dir = make_tiny_model("gemma3", tmp_path / "gemma3", config=tmp_path / "config.json",
+                                tokenizer_dir=default_model_dir)
     host = HostRunner(model_dir, cuda_host)
     assert host.dtype == "bfloat16" and [layer.sliding_window for layer in host.weights.layers] == [16, 0]
     tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)

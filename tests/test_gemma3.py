@@ -1,10 +1,10 @@
-"""Gemma 3 (text) against transformers: a tiny random checkpoint (tools/tiny_gemma3.py: the
+"""Gemma 3 (text) against transformers: a tiny random checkpoint (tools/tiny_models.py: the
 config.json transformers' Gemma3TextConfig wrote: 7 layers, every 6th full, a sliding window of
 24, two RoPE bases, query_pre_attn_scalar 48 where head_dim is 32, a tied lm_head; random
 weights, the default model's tokenizer) on the CPU backend with float32 activations, from its
 HF folder and from the same checkpoint written as a llama.cpp ``gemma3`` GGUF. The reference
 (tests/data/gemma3_tiny/reference.npz) is transformers' Gemma3ForCausalLM (eager attention),
-made once offline by tools/make_gemma3_reference.py: its greedy tokens and its logits at every
+made once offline by tools/make_reference.py: its greedy tokens and its logits at every
 position (every 256th vocabulary id, and the argmax over all of them); the second prompt and its
 continuation run past the window.
 """
@@ -12,37 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ringserve.gpu.batch import Batch
+import family_reference as fr
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from ringserve.gpu.loader.gguf_convert import convert_gguf
-from ringserve.gpu.loader.model_store import default_gguf_path
 from ringserve.gpu.rope import inv_freqs
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
-from ringserve.tools.tiny_gemma3 import make_tiny_gemma3, write_gemma3_gguf
+from ringserve.tools.tiny_models import make_tiny_model
 
 DATA = Path(__file__).parent / "data" / "gemma3_tiny"
-BLOCK = 16
-RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ref():
-    with np.load(DATA / "reference.npz") as data:
-        return {k: data[k] for k in data.files}
-
-
-@pytest.fixture(scope="module")
-def gemma3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return make_tiny_gemma3(tmp_path_factory.mktemp("gemma3") / "hf", config=DATA / "config.json",
-                            tokenizer_dir=default_model_dir)
+ref = fr.reference_fixture("gemma3")
+gemma3_dir = fr.folder_fixture("gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -70,37 +58,7 @@ def packed_dirs(llama_cpp_scale_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def gguf_dir(folder: Path, tmp_path_factory, matrix_type: str) -> Path:
-    out = tmp_path_factory.mktemp(f"gemma3-{matrix_type}")
-    path = write_gemma3_gguf(folder, out / f"tiny-gemma3-{matrix_type}.gguf", default_gguf_path(),
-                             matrix_type)
-    return convert_gguf(path, out / "converted", progress=False)
-
-
-def runner(model_dir: Path, activations: str = "float32") -> ModelRunner:
-    return ModelRunner(model_dir,
-                       DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype=activations),
-                       CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
-
-
-def step(tokens: list[int], cached: int, blocks: list[int]) -> Batch:
-    """One request's tokens cached.. scheduled (the rest already in the cache)."""
-    i32 = lambda x: np.array(x, dtype=np.int32)  # noqa: E731
-    positions = list(range(cached, len(tokens)))
-    return Batch(input_ids=i32(tokens[cached:]), positions=i32(positions),
-                 slot_mapping=i32([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in positions]),
-                 query_start_loc=i32([0, len(positions)]), seq_lens=i32([len(tokens)]),
-                 block_tables=i32([blocks]))
-
-
-def sequences(ref) -> list[tuple[list[int], int, np.ndarray, np.ndarray]]:
-    """(prompt + greedy tokens, prompt length, argmax [len], logit columns [len, vocab / 256])."""
-    cut = np.cumsum(ref["sequence_lens"])[:-1]
-    return list(zip([s.tolist() for s in np.split(ref["sequence_ids"], cut)], ref["prompt_lens"].tolist(),
-                    np.split(ref["argmax"], cut), np.split(ref["logits_columns"], cut), strict=True))
-
-
-def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+    return fr.converted_gguf("gemma3", folder, tmp_path_factory.mktemp(f"gemma3-{matrix_type}"), matrix_type)
 
 
 def test_the_config_is_gemma3_with_its_layer_types_window_and_rope_bases(gemma3_dir, ref):
@@ -119,36 +77,21 @@ def test_greedy_decode_matches_transformers(gemma3_dir, ref):
     """Prefill in two chunks, then decode one token at a time, greedily from our own logits:
     the tokens transformers generated, and its logits at every position (prefill and decode),
     past the window too."""
-    model = runner(gemma3_dir)
+    model = fr.runner(gemma3_dir)
     stride = int(ref["column_stride"])
-    for n, (seq, prompt_len, argmax, columns) in enumerate(sequences(ref)):
-        blocks = [5 - n, 7, 2, 0 + n]  # not in order, not shared between the two requests
-        tokens, cached = seq[:3], 0
-        rows = {}
-        while len(tokens) <= len(seq):
-            if cached == 0 and prompt_len > 3:  # the prompt's first chunk: no logits kept
-                model.execute(step(tokens, 0, blocks))
-                tokens, cached = seq[:prompt_len], 3
-            logits = model.execute(step(tokens, cached, blocks))[0]
-            rows[len(tokens) - 1] = logits
-            cached = len(tokens)
-            if len(tokens) == len(seq):
-                break
-            tokens = tokens + [int(logits.argmax())]
-        assert tokens == seq, f"prompt {n}: greedy tokens {tokens[prompt_len:]} != {seq[prompt_len:]}"
-        for position, logits in rows.items():
-            assert int(logits.argmax()) == argmax[position]
-            assert relative_error(logits[::stride], columns[position]) <= RTOL, f"position {position}"
+    for n, case in enumerate(fr.sequences(ref)):
+        # blocks not in order, not shared between the two requests
+        fr.assert_greedy_decode_matches(model, case, [5 - n, 7, 2, 0 + n], stride, f"prompt {n}")
 
 
 def test_every_position_of_one_prefill_matches_transformers(gemma3_dir, ref):
     """A whole sequence in one prefill (keys inside and beyond the window): every position's logits."""
-    model = runner(gemma3_dir)
+    model = fr.runner(gemma3_dir)
     stride = int(ref["column_stride"])
-    for seq, _, argmax, columns in sequences(ref):
-        logits = model.execute(step(seq, 0, [0, 1, 2, 3]), np.arange(len(seq)))
+    for seq, _, argmax, columns in fr.sequences(ref):
+        logits = model.execute(fr.step(seq, 0, [0, 1, 2, 3]), np.arange(len(seq)))
         np.testing.assert_array_equal(logits.argmax(axis=1), argmax)
-        assert relative_error(logits[:, ::stride], columns) <= RTOL
+        assert fr.relative_error(logits[:, ::stride], columns) <= fr.RTOL
 
 
 def test_the_gguf_gives_the_folders_logits_exactly(llama_cpp_scale_dir, tmp_path_factory, ref):
@@ -157,10 +100,10 @@ def test_the_gguf_gives_the_folders_logits_exactly(llama_cpp_scale_dir, tmp_path
     converted = gguf_dir(llama_cpp_scale_dir, tmp_path_factory, "F32")
     c = ModelConfig.from_dir(converted)
     assert c == ModelConfig.from_dir(llama_cpp_scale_dir)
-    seq = sequences(ref)[1][0]
-    batch = step(seq, 0, [0, 1, 2, 3])
+    seq = fr.sequences(ref)[1][0]
+    batch = fr.step(seq, 0, [0, 1, 2, 3])
     rows = np.arange(len(seq))
-    hf, gguf = (runner(d).execute(batch, rows) for d in (llama_cpp_scale_dir, converted))
+    hf, gguf = (fr.runner(d).execute(batch, rows) for d in (llama_cpp_scale_dir, converted))
     np.testing.assert_array_equal(hf, gguf)
 
 
@@ -172,30 +115,30 @@ def test_a_packed_gguf_stays_packed_and_close(packed_dirs, ref, matrix_type, act
     weights widened to float32 (gguf-py's dequantization): to float32 rounding with float32
     activations, within a few percent with int8 ones (llama.cpp's integer path: 3.2 % here),
     and the prompts' next tokens the same."""
-    model = runner(packed_dirs[matrix_type], activations)
+    model = fr.runner(packed_dirs[matrix_type], activations)
     assert set(model.weights.nbytes_by_type()) == {matrix_type, "F32"}
     widened = ModelRunner(packed_dirs[matrix_type],
                           DeviceConfig(device="cpu", cpu_activation_dtype="float32"),
-                          CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK), widen_packed=True)
+                          CacheConfig(num_gpu_blocks_override=8, block_size=fr.BLOCK), widen_packed=True)
     assert set(widened.weights.nbytes_by_type()) == {"F32"}
-    for seq, prompt_len, _, _ in sequences(ref):
+    for seq, prompt_len, _, _ in fr.sequences(ref):
         rows = np.arange(len(seq))
-        want = widened.execute(step(seq, 0, [0, 1, 2, 3]), rows)
-        got = model.execute(step(seq, 0, [0, 1, 2, 3]), rows)
-        assert relative_error(got, want) <= rtol, relative_error(got, want)
+        want = widened.execute(fr.step(seq, 0, [0, 1, 2, 3]), rows)
+        got = model.execute(fr.step(seq, 0, [0, 1, 2, 3]), rows)
+        assert fr.relative_error(got, want) <= rtol, fr.relative_error(got, want)
         assert int(got[prompt_len - 1].argmax()) == int(want[prompt_len - 1].argmax())
 
 
 def test_a_gemma3_folder_without_its_feedforward_norm_is_refused(gemma3_dir, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    folder = make_tiny_gemma3(tmp_path, config=DATA / "config.json", tokenizer_dir=gemma3_dir)
+    folder = make_tiny_model("gemma3", tmp_path, config=DATA / "config.json", tokenizer_dir=gemma3_dir)
     weights = load_file(str(folder / "model.safetensors"))
     del weights["model.layers.3.pre_feedforward_layernorm.weight"]
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ModelError,
                        match="tensor 'model.layers.3.pre_feedforward_layernorm.weight' is missing"):
-        runner(folder)
+        fr.runner(folder)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -244,9 +187,9 @@ def test_a_multimodal_folder_serves_its_text_model(gemma3_dir, tmp_path, ref, pr
     c = ModelConfig.from_dir(tmp_path)
     assert c.architecture == "Gemma3ForCausalLM" and c.eos_token_ids == (2, 7)
     assert c == dataclasses.replace(ModelConfig.from_dir(gemma3_dir), eos_token_ids=(2, 7))
-    seq = sequences(ref)[1][0]
+    seq = fr.sequences(ref)[1][0]
     rows = np.arange(len(seq))
-    want, got = (runner(d).execute(step(seq, 0, [0, 1, 2, 3]), rows) for d in (gemma3_dir, tmp_path))
+    want, got = (fr.runner(d).execute(fr.step(seq, 0, [0, 1, 2, 3]), rows) for d in (gemma3_dir, tmp_path))
     np.testing.assert_array_equal(got, want)
 
 
@@ -265,28 +208,8 @@ def test_a_served_gemma3_decodes_as_transformers_and_hits_the_prefix_cache(serve
     """`ringserve serve` on the folder (CPU, float32: the checkpoint's dtype): the engine's
     scheduler, paged cache and sampler give transformers' greedy tokens past the window; asked
     again, the prompt's whole blocks come from the prefix cache and the answer is the same."""
-    import httpx
-
-    from ringserve.server.tokenizer import Tokenizer
-
-    seq, prompt_len, _, _ = sequences(ref)[1]  # 41 prompt tokens: two whole blocks of 16
-    want = Tokenizer.from_dir(gemma3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
-    url = serve(gemma3_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
-                "--served-model-name", "g", "--drain-timeout", "2", timeout=300).url
-    body = dict(model="g", prompt=seq[:prompt_len], max_tokens=len(seq) - prompt_len, temperature=0,
-                ignore_eos=True)
-    with httpx.Client(base_url=url, timeout=120) as c:
-        for _ in range(2):
-            r = c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
-        for _ in range(50):  # the engine publishes its counters with its next stats
-            hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
-                    if "prefix_cache_hits" in line and not line.startswith("#")]
-            if hits and hits[0] >= 2 * BLOCK:
-                break
-            time.sleep(0.1)
-    assert hits and hits[0] >= 2 * BLOCK, hits
+    # 41 prompt tokens: two whole blocks of 16
+    fr.assert_served_decodes_as_reference(serve, gemma3_dir, fr.sequences(ref)[1], prefix_hits=2 * fr.BLOCK)
 
 
 def test_a_random_gemma3_gguf_converts_with_gemmas_turns(tmp_path):
@@ -311,9 +234,9 @@ def test_a_random_gemma3_gguf_converts_with_gemmas_turns(tmp_path):
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[:2] == tok.encode("<bos><start_of_turn>", add_special_tokens=False) and len(ids) < len(text)
-    model = runner(folder)
+    model = fr.runner(folder)
     assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
-    assert np.isfinite(model.execute(step(ids, 0, [0, 1]))).all()
+    assert np.isfinite(model.execute(fr.step(ids, 0, [0, 1]))).all()
 
 
 @pytest.mark.parametrize("saved_as", ["chat_template.jinja", "chat_template.json"])

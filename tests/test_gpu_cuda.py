@@ -523,7 +523,7 @@ def test_a_packed_model_matches_cpu_backend_and_graphs_match_eager(tmp_path, mon
 
 @pytest.mark.parametrize("backend", ["rawkernel", "numba"])
 def test_a_gemma3_forward_matches_cpu_backend_and_graphs_match_eager(tmp_path, default_model_dir, backend):
-    """A tiny random Gemma 3 (tools/tiny_gemma3.py, head_dim 64; two layers: one sliding over a
+    """A tiny random Gemma 3 (tools/tiny_models.py, head_dim 64; two layers: one sliding over a
     window of 8, which the 20-token prompt outruns, one full on the other RoPE base): the
     embedding scale (a CuPy multiply inside the graphs), fused.cu's rms_norm and gelu_tanh_mul,
     the window, in bf16 (auto for Gemma 3), eager and graph-replayed logits as the CPU backend's
@@ -534,14 +534,14 @@ def test_a_gemma3_forward_matches_cpu_backend_and_graphs_match_eager(tmp_path, d
     from fp16_checks import assert_logits_close, next_batch
     from ringserve.gpu.cuda.runner import CudaModelRunner
     from ringserve.gpu.runner import ModelRunner
-    from ringserve.tools.tiny_gemma3 import make_tiny_gemma3
+    from ringserve.tools.tiny_models import make_tiny_model
 
     config = json.loads((Path(__file__).parent / "data" / "gemma3_tiny" / "config.json").read_text())
     config |= dict(head_dim=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
                    sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    model_dir = make_tiny_gemma3(tmp_path / "gemma3", config=tmp_path / "config.json",
-                                 tokenizer_dir=default_model_dir)
+    model_dir = make_tiny_model("gemma3", tmp_path / "gemma3", config=tmp_path / "config.json",
+                                tokenizer_dir=default_model_dir)
     prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 59))]
     tables = np.random.default_rng(0).permutation(64)[:3 * 8].reshape(3, 8).astype(np.int32)
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"), CacheConfig(num_gpu_blocks_override=64))

@@ -1,10 +1,10 @@
 """Mistral and Ministral (sliding-window attention) against transformers: tiny random checkpoints
-(tools/tiny_mistral.py: the config.json transformers' MistralConfig / MinistralConfig wrote,
+(tools/tiny_models.py: the config.json transformers' MistralConfig / MinistralConfig wrote,
 sliding_window 24, random weights, the default model's tokenizer) on the CPU backend with float32
 activations. Mistral slides every layer, so the KV blocks before the window are freed as a
 request runs; Ministral interleaves a sliding and a full layer (layer_types), so nothing is
 freed. The references (tests/data/{mistral,ministral}_tiny/reference.npz) are transformers'
-MistralForCausalLM / MinistralForCausalLM, made once offline by tools/make_mistral_reference.py,
+MistralForCausalLM / MinistralForCausalLM, made once offline by tools/make_reference.py,
 over sequences longer than three windows: greedy tokens and the logits at every position (every
 1024th vocabulary id, and the argmax over all of them).
 """
@@ -15,63 +15,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import family_reference as fr
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.core import EngineCore
-from ringserve.gpu.batch import Batch
 from ringserve.gpu.loader.config import ModelConfig
-from ringserve.gpu.loader.gguf_convert import convert_gguf
-from ringserve.gpu.loader.model_store import default_gguf_path
-from ringserve.gpu.runner import ModelRunner
-from ringserve.gpu.settings import CacheConfig, DeviceConfig
 from ringserve.ipc.sampling_params import SamplingParams
-from ringserve.tools.tiny_mistral import make_tiny_mistral, write_mistral_gguf
 
-DATA = Path(__file__).parent / "data"
-BLOCK = 16
 WINDOW = 24
-RTOL = 1e-4
 FAMILIES = ["mistral", "ministral"]
-
-
-def load_reference(family: str) -> dict:
-    with np.load(DATA / f"{family}_tiny" / "reference.npz") as data:
-        return {k: data[k] for k in data.files}
-
-
-def sequences(ref) -> list[tuple[list[int], int, np.ndarray, np.ndarray]]:
-    """(prompt + greedy tokens, prompt length, argmax [len], logit columns [len, vocab / 1024])."""
-    cut = np.cumsum(ref["sequence_lens"])[:-1]
-    return list(zip([s.tolist() for s in np.split(ref["sequence_ids"], cut)], ref["prompt_lens"].tolist(),
-                    np.split(ref["argmax"], cut), np.split(ref["logits_columns"], cut), strict=True))
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mistral")
-    return {f: make_tiny_mistral(root / f, config=DATA / f"{f}_tiny" / "config.json",
-                                 tokenizer_dir=default_model_dir) for f in FAMILIES}
-
-
-def runner(model_dir: Path, activations: str = "float32") -> ModelRunner:
-    device = DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype=activations)
-    return ModelRunner(model_dir, device, CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
-
-
-def step(tokens: list[int], cached: int, blocks: list[int], window: int) -> Batch:
-    """One request's tokens cached.. scheduled; with a window on every layer, its blocks wholly
-    before the first scheduled token's window are -1 (freed), as the KV manager leaves them."""
-    i32 = lambda x: np.array(x, dtype=np.int32)  # noqa: E731
-    positions = list(range(cached, len(tokens)))
-    freed = max(0, cached - window + 1) // BLOCK if window else 0
-    table = [-1] * freed + blocks[freed:]
-    return Batch(input_ids=i32(tokens[cached:]), positions=i32(positions),
-                 slot_mapping=i32([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in positions]),
-                 query_start_loc=i32([0, len(positions)]), seq_lens=i32([len(tokens)]),
-                 block_tables=i32([table]))
-
-
-def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+    return {f: fr.tiny_folder("mistral", f, root / f, default_model_dir) for f in FAMILIES}
 
 
 def test_the_configs_slide_as_transformers_derives_them(folders):
@@ -87,24 +44,22 @@ def test_greedy_decode_matches_transformers(family, folders):
     """Prefill in chunks of 7, then decode one token at a time, greedily from our own logits,
     past three windows: the tokens transformers generated, and its logits at every position.
     Mistral's freed blocks are -1 in the table: the kernels never read them."""
-    ref = load_reference(family)
-    model = runner(folders[family])
+    ref = fr.load_reference(family)
+    model = fr.runner(folders[family])
     window = model.config.uniform_window
     stride = int(ref["column_stride"])
-    for n, (seq, prompt_len, argmax, columns) in enumerate(sequences(ref)):
-        blocks = [[5, 7, 2, 0, 3, 6, 1, 4], [1, 6, 4, 3, 0, 7, 5, 2]][n][:-(-len(seq) // BLOCK)]
+    for n, (seq, prompt_len, argmax, columns) in enumerate(fr.sequences(ref)):
+        blocks = [[5, 7, 2, 0, 3, 6, 1, 4], [1, 6, 4, 3, 0, 7, 5, 2]][n][:-(-len(seq) // fr.BLOCK)]
         rows, cached, tokens = {}, 0, seq[:prompt_len]
         while cached < prompt_len:  # the prompt in chunks: logits of each chunk's last token
             end = min(cached + 7, prompt_len)
-            rows[end - 1] = model.execute(step(tokens[:end], cached, blocks, window))[0]
+            rows[end - 1] = model.execute(fr.step(tokens[:end], cached, blocks, window))[0]
             cached = end
         while len(tokens) < len(seq):
             tokens = tokens + [int(rows[len(tokens) - 1].argmax())]
-            rows[len(tokens) - 1] = model.execute(step(tokens, len(tokens) - 1, blocks, window))[0]
+            rows[len(tokens) - 1] = model.execute(fr.step(tokens, len(tokens) - 1, blocks, window))[0]
         assert tokens == seq, f"{family} prompt {n}: greedy {tokens[prompt_len:]} != {seq[prompt_len:]}"
-        for position, logits in rows.items():
-            assert int(logits.argmax()) == argmax[position]
-            assert relative_error(logits[::stride], columns[position]) <= RTOL, f"position {position}"
+        fr.assert_rows_match(rows, argmax, columns, stride)
 
 
 def test_the_engine_frees_blocks_outside_the_window_and_matches_transformers(folders):
@@ -116,15 +71,15 @@ def test_the_engine_frees_blocks_outside_the_window_and_matches_transformers(fol
     windows (measured: 3); the pool's usage is the held blocks; the greedy tokens are
     transformers'; a repeat hits the prefix cache (blocks still cached inside the window) and
     gives the same tokens; every block comes back."""
-    ref = load_reference("mistral")
+    ref = fr.load_reference("mistral")
     engine = EngineCore(EngineConfig.create(
         model=str(folders["mistral"]), device="cpu", dtype="float32", cpu_activation_dtype="float32",
-        max_model_len=256, max_num_batched_tokens=8, block_size=BLOCK, enable_prefix_caching=True,
+        max_model_len=256, max_num_batched_tokens=8, block_size=fr.BLOCK, enable_prefix_caching=True,
         num_gpu_blocks_override=5))
     assert engine.kv.sliding_window == WINDOW
-    bound = -(-WINDOW // BLOCK) + 1 + 1
-    expect = {f"p{n}": seq[prompt_len:] for n, (seq, prompt_len, _, _) in enumerate(sequences(ref))}
-    prompts = {f"p{n}": seq[:prompt_len] for n, (seq, prompt_len, _, _) in enumerate(sequences(ref))}
+    bound = -(-WINDOW // fr.BLOCK) + 1 + 1
+    expect = {f"p{n}": seq[prompt_len:] for n, (seq, prompt_len, _, _) in enumerate(fr.sequences(ref))}
+    prompts = {f"p{n}": seq[:prompt_len] for n, (seq, prompt_len, _, _) in enumerate(fr.sequences(ref))}
     for wave, samples in ((["p0", "p1"], 1), (["p1"], 1), (["p1"], 2)):
         for rid in wave:
             engine.add_request(rid, prompts[rid], SamplingParams(
@@ -150,9 +105,7 @@ def test_the_engine_frees_blocks_outside_the_window_and_matches_transformers(fol
 @pytest.fixture(scope="module")
 def gguf_dirs(folders, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("mistral-gguf")
-    return {t: convert_gguf(write_mistral_gguf(folders["mistral"], folder / f"tiny-mistral-{t}.gguf",
-                                               default_gguf_path(), t), folder / t, progress=False)
-            for t in ("F32", "Q8_0")}
+    return {t: fr.converted_gguf("mistral", folders["mistral"], folder / t, t) for t in ("F32", "Q8_0")}
 
 
 def test_a_gguf_is_llama_with_full_attention_as_llama_cpp_reads_it(gguf_dirs):
@@ -161,15 +114,15 @@ def test_a_gguf_is_llama_with_full_attention_as_llama_cpp_reads_it(gguf_dirs):
     masks agree, so its logits are transformers' (exactly: F32); past it they are not."""
     config = ModelConfig.from_dir(gguf_dirs["F32"])
     assert config.architecture == "LlamaForCausalLM" and config.uniform_window == 0
-    ref = load_reference("mistral")
-    seq, _, argmax, columns = sequences(ref)[1]
-    logits = runner(gguf_dirs["F32"]).execute(step(seq[:WINDOW + 8], 0, [0, 1, 2], 0),
+    ref = fr.load_reference("mistral")
+    seq, _, argmax, columns = fr.sequences(ref)[1]
+    logits = fr.runner(gguf_dirs["F32"]).execute(fr.step(seq[:WINDOW + 8], 0, [0, 1, 2], 0),
                                               np.arange(WINDOW + 8))
     stride = int(ref["column_stride"])
     for position in range(WINDOW):
-        assert relative_error(logits[position, ::stride], columns[position]) <= RTOL
+        assert fr.relative_error(logits[position, ::stride], columns[position]) <= fr.RTOL
         assert int(logits[position].argmax()) == argmax[position]
-    assert relative_error(logits[WINDOW + 7, ::stride], columns[WINDOW + 7]) > 10 * RTOL
+    assert fr.relative_error(logits[WINDOW + 7, ::stride], columns[WINDOW + 7]) > 10 * fr.RTOL
 
 
 @pytest.mark.parametrize("activations, rtol", [("float32", 0.05), ("int8", 0.05)])
@@ -177,12 +130,12 @@ def test_a_q8_0_gguf_stays_packed_and_close(gguf_dirs, activations, rtol):
     """Matrices Q8_0 (kept packed; int8 activations take llama.cpp's integer path): at every
     position of the first window the logits stay within Q8_0's error of transformers', and the
     argmax is the same but for near ties (a random tiny model has some)."""
-    model = runner(gguf_dirs["Q8_0"], activations)
+    model = fr.runner(gguf_dirs["Q8_0"], activations)
     assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
-    ref = load_reference("mistral")
-    seq, _, argmax, columns = sequences(ref)[1]
+    ref = fr.load_reference("mistral")
+    seq, _, argmax, columns = fr.sequences(ref)[1]
     stride = int(ref["column_stride"])
-    logits = model.execute(step(seq[:WINDOW], 0, [0, 1], 0), np.arange(WINDOW))
-    errors = [relative_error(logits[p, ::stride], columns[p]) for p in range(WINDOW)]
+    logits = model.execute(fr.step(seq[:WINDOW], 0, [0, 1], 0), np.arange(WINDOW))
+    errors = [fr.relative_error(logits[p, ::stride], columns[p]) for p in range(WINDOW)]
     same = int((logits.argmax(-1) == argmax[:WINDOW]).sum())
     assert max(errors) <= rtol and same >= WINDOW - 2, (errors, same)  # measured: 0.031, 24 / 0.032, 23

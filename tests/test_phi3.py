@@ -1,10 +1,10 @@
 """Phi-3 (Phi-3.5-mini, Phi-4-mini) against transformers: a tiny random checkpoint
-(tools/tiny_phi3.py: the config.json transformers' Phi3Config wrote, with fused qkv_proj and
+(tools/tiny_models.py: the config.json transformers' Phi3Config wrote, with fused qkv_proj and
 gate_up_proj, partial_rotary_factor 0.75, LongRoPE over a 16-token original context of 64; random
 weights, the default model's tokenizer) on the CPU backend with float32 activations, from its HF
 folder and from the same checkpoint written as a llama.cpp ``phi3`` GGUF (F32, Q8_0).
 The reference (tests/data/phi3_tiny/reference.npz) is transformers' Phi3ForCausalLM, made once
-offline by tools/make_phi3_reference.py: its greedy tokens and its logits at every position
+offline by tools/make_reference.py: its greedy tokens and its logits at every position
 (every 256th vocabulary id, and the argmax over all of them). The first prompt stays within the
 original context (short factors: max_model_len 16), the second starts past it (long factors:
 max_model_len 64), as gpu/rope.py picks them.
@@ -17,30 +17,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import family_reference as fr
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.gguf_convert import convert_gguf
-from ringserve.gpu.loader.model_store import default_gguf_path
 from ringserve.gpu.rope import attention_factor, inv_freq
-from ringserve.gpu.runner import ModelRunner
-from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
-from ringserve.tools.tiny_phi3 import make_tiny_phi3, write_phi3_gguf
-from test_qwen3 import BLOCK, relative_error, sequences, step
+from ringserve.gpu.settings import StepLimits
+from ringserve.tools.tiny_models import make_tiny_model
 
 DATA = Path(__file__).parent / "data" / "phi3_tiny"
-RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ref():
-    with np.load(DATA / "reference.npz") as data:
-        return {k: data[k] for k in data.files}
-
-
-@pytest.fixture(scope="module")
-def phi3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return make_tiny_phi3(tmp_path_factory.mktemp("phi3") / "hf", config=DATA / "config.json",
-                          tokenizer_dir=default_model_dir)
+ref = fr.reference_fixture("phi3")
+phi3_dir = fr.folder_fixture("phi3")
 
 
 @pytest.fixture(scope="module")
@@ -51,22 +40,20 @@ def phi3_gguf(phi3_dir, tmp_path_factory):
     def convert(matrix_type: str) -> Path:
         if matrix_type not in made:
             folder = tmp_path_factory.mktemp(f"phi3-{matrix_type}")
-            path = write_phi3_gguf(phi3_dir, folder / f"tiny-phi3-{matrix_type}.gguf", default_gguf_path(),
-                                   matrix_type)
-            made[matrix_type] = convert_gguf(path, folder / "converted", progress=False)
+            made[matrix_type] = fr.converted_gguf("phi3", phi3_dir, folder, matrix_type)
         return made[matrix_type]
     return convert
 
 
-def runner(model_dir: Path, max_model_len: int, activations: str = "float32") -> ModelRunner:
-    device = DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype=activations)
-    return ModelRunner(model_dir, device, CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK),
-                       StepLimits(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=max_model_len))
+def runner(model_dir: Path, max_model_len: int, activations: str = "float32"):
+    """LongRoPE's factors follow max_model_len (the CPU backend reads only that of the limits)."""
+    return fr.runner(model_dir, activations,
+                      StepLimits(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=max_model_len))
 
 
 def cases(ref):
-    """sequences(ref) with the max_model_len that serves each as transformers computed it."""
-    return list(zip(sequences(ref), ref["max_model_lens"].tolist(), strict=True))
+    """fr.sequences(ref) with the max_model_len that serves each as transformers computed it."""
+    return list(zip(fr.sequences(ref), ref["max_model_lens"].tolist(), strict=True))
 
 
 def test_the_config_is_phi3_with_partial_rotary_and_longrope(phi3_dir):
@@ -89,33 +76,18 @@ def test_greedy_decode_matches_transformers(source, phi3_dir, phi3_gguf, ref):
     the tokens transformers generated, and its logits at every position (prefill and decode)."""
     model_dir = phi3_dir if source == "hf" else phi3_gguf(source)
     stride = int(ref["column_stride"])
-    for n, ((seq, prompt_len, argmax, columns), max_model_len) in enumerate(cases(ref)):
+    for n, (case, max_model_len) in enumerate(cases(ref)):
         model = runner(model_dir, max_model_len)
-        blocks = [5 - n, 7, 2, 0]  # not in order
-        tokens, cached = seq[:3], 0
-        rows = {}
-        while len(tokens) <= len(seq):
-            if cached == 0 and prompt_len > 3:  # the prompt's first chunk: no logits kept
-                model.execute(step(tokens, 0, blocks))
-                tokens, cached = seq[:prompt_len], 3
-            logits = model.execute(step(tokens, cached, blocks))[0]
-            rows[len(tokens) - 1] = logits
-            cached = len(tokens)
-            if len(tokens) == len(seq):
-                break
-            tokens = tokens + [int(logits.argmax())]
-        assert tokens == seq, f"prompt {n}: greedy tokens {tokens[prompt_len:]} != {seq[prompt_len:]}"
-        for position, logits in rows.items():
-            assert int(logits.argmax()) == argmax[position]
-            assert relative_error(logits[::stride], columns[position]) <= RTOL, f"position {position}"
+        # blocks not in order
+        fr.assert_greedy_decode_matches(model, case, [5 - n, 7, 2, 0], stride, f"prompt {n}")
 
 
 def test_the_other_factors_give_other_logits(phi3_dir, ref):
     """The long prompt under short factors (a server of max_model_len 16) is not transformers'
     answer: the test above would see a wrong choice of factors."""
     (seq, _, _, columns), _ = cases(ref)[1]
-    logits = runner(phi3_dir, 16).execute(step(seq, 0, [0, 1, 2, 3]), np.arange(len(seq)))
-    assert relative_error(logits[:, ::int(ref["column_stride"])], columns) > 100 * RTOL
+    logits = runner(phi3_dir, 16).execute(fr.step(seq, 0, [0, 1, 2, 3]), np.arange(len(seq)))
+    assert fr.relative_error(logits[:, ::int(ref["column_stride"])], columns) > 100 * fr.RTOL
 
 
 def test_the_gguf_converts_to_the_folders_config_and_logits(phi3_dir, phi3_gguf, ref):
@@ -130,7 +102,7 @@ def test_the_gguf_converts_to_the_folders_config_and_logits(phi3_dir, phi3_gguf,
     assert ours.rope_scaling.attention_factor == pytest.approx(theirs.rope_scaling.attention_factor, rel=1e-7)
     assert ours.rope_scaling.original_max_position_embeddings == 16 and ours.max_position_embeddings == 64
     seq = cases(ref)[1][0][0]
-    batch = step(seq, 0, [0, 1, 2, 3])
+    batch = fr.step(seq, 0, [0, 1, 2, 3])
     rows = np.arange(len(seq))
     hf, gguf = (runner(d, 64).execute(batch, rows) for d in (phi3_dir, converted))
     np.testing.assert_allclose(gguf, hf, rtol=0, atol=1e-5 * np.abs(hf).max())
@@ -146,8 +118,8 @@ def test_packed_ggufs_stay_packed_and_close(phi3_gguf, ref, matrix_type, activat
     for (seq, prompt_len, argmax, columns), max_model_len in cases(ref):
         model = runner(phi3_gguf(matrix_type), max_model_len, activations)
         assert set(model.weights.nbytes_by_type()) == {matrix_type, "F32"}
-        logits = model.execute(step(seq[:prompt_len], 0, [0, 1]))[0]
-        assert relative_error(logits[::int(ref["column_stride"])], columns[prompt_len - 1]) <= rtol
+        logits = model.execute(fr.step(seq[:prompt_len], 0, [0, 1]))[0]
+        assert fr.relative_error(logits[::int(ref["column_stride"])], columns[prompt_len - 1]) <= rtol
         assert int(logits.argmax()) == argmax[prompt_len - 1]
 
 
@@ -197,7 +169,7 @@ def test_the_pre_5_config_layout_reads_the_same(phi3_dir):
 def test_a_phi3_folder_with_unfused_projections_is_refused(phi3_dir, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    folder = make_tiny_phi3(tmp_path, config=DATA / "config.json", tokenizer_dir=phi3_dir)
+    folder = make_tiny_model("phi3", tmp_path, config=DATA / "config.json", tokenizer_dir=phi3_dir)
     weights = load_file(str(folder / "model.safetensors"))
     del weights["model.layers.1.mlp.gate_up_proj.weight"]
     save_file(weights, str(folder / "model.safetensors"))
@@ -276,32 +248,10 @@ def test_a_served_phi3_decodes_as_transformers_and_hits_the_prefix_cache(serve, 
     (16: short factors, 64: long): the engine's scheduler, paged cache and sampler give
     transformers' greedy tokens; asked again, the long prompt's whole block comes from the
     prefix cache (K rotated under the one set of factors the server uses) and the answer is the same."""
-    import time
-
-    import httpx
-
-    from ringserve.server.tokenizer import Tokenizer
-
-    (seq, prompt_len, _, _), max_model_len = cases(ref)[case]
-    want = Tokenizer.from_dir(phi3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
-    url = serve(phi3_dir, "--workers", "1", "--max-model-len", str(max_model_len), "--device", "cpu",
-                "--served-model-name", "p", "--drain-timeout", "2", timeout=300).url
-    body = dict(model="p", prompt=seq[:prompt_len], max_tokens=len(seq) - prompt_len, temperature=0,
-                ignore_eos=True)
-    with httpx.Client(base_url=url, timeout=120) as c:
-        for _ in range(2):
-            r = c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
-        if prompt_len < BLOCK:
-            return
-        for _ in range(50):  # the engine publishes its counters with its next stats
-            hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
-                    if "prefix_cache_hits" in line and not line.startswith("#")]
-            if hits and hits[0] >= BLOCK:
-                break
-            time.sleep(0.1)
-    assert hits and hits[0] >= BLOCK, hits
+    sequence, max_model_len = cases(ref)[case]
+    prompt_len = sequence[1]
+    fr.assert_served_decodes_as_reference(serve, phi3_dir, sequence, max_model_len,
+                                          prefix_hits=fr.BLOCK if prompt_len >= fr.BLOCK else 0)
 
 
 def test_the_gpt4o_split_is_the_tokenizer_json_regex():

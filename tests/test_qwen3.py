@@ -1,83 +1,40 @@
-"""Qwen3 (dense) against transformers: a tiny random checkpoint (tools/tiny_qwen3.py: the
+"""Qwen3 (dense) against transformers: a tiny random checkpoint (tools/tiny_models.py: the
 config.json transformers' Qwen3Config wrote, head_dim 32 where hidden / heads is 16, random
 weights, the default model's tokenizer) on the CPU backend with float32 activations, from its
 HF folder and from the same checkpoint written as a llama.cpp ``qwen3`` GGUF. The reference
 (tests/data/qwen3_tiny/reference.npz) is transformers' Qwen3ForCausalLM, made once offline by
-tools/make_qwen3_reference.py: its greedy tokens and its logits at every position (every
+tools/make_reference.py: its greedy tokens and its logits at every position (every
 256th vocabulary id, and the argmax over all of them).
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ringserve.gpu.batch import Batch
+import family_reference as fr
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
-from ringserve.gpu.loader.gguf_convert import convert_gguf
-from ringserve.gpu.loader.model_store import default_gguf_path
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
-from ringserve.tools.tiny_qwen3 import make_tiny_qwen3, write_qwen3_gguf
+from ringserve.tools.tiny_models import make_tiny_model
 
 DATA = Path(__file__).parent / "data" / "qwen3_tiny"
-BLOCK = 16
-RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ref():
-    with np.load(DATA / "reference.npz") as data:
-        return {k: data[k] for k in data.files}
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory, default_model_dir) -> Path:
-    return make_tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "hf", config=DATA / "config.json",
-                           tokenizer_dir=default_model_dir)
+ref = fr.reference_fixture("qwen3")
+qwen3_dir = fr.folder_fixture("qwen3")
 
 
 @pytest.fixture(scope="module")
 def qwen3_gguf_dir(qwen3_dir, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("qwen3-gguf")
-    path = write_qwen3_gguf(qwen3_dir, folder / "tiny-qwen3.gguf", default_gguf_path())
-    return convert_gguf(path, folder / "converted", progress=False)
+    return fr.converted_gguf("qwen3", qwen3_dir, tmp_path_factory.mktemp("qwen3-gguf"))
 
 
 @pytest.fixture(scope="module")
 def qwen3_q8_0_dir(qwen3_dir, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("qwen3-q8")
-    path = write_qwen3_gguf(qwen3_dir, folder / "tiny-qwen3-q8_0.gguf", default_gguf_path(), "Q8_0")
-    return convert_gguf(path, folder / "converted", progress=False)
-
-
-def runner(model_dir: Path) -> ModelRunner:
-    return ModelRunner(model_dir, DeviceConfig(device="cpu", dtype="float32", cpu_activation_dtype="float32"),
-                       CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
-
-
-def step(tokens: list[int], cached: int, blocks: list[int]) -> Batch:
-    """One request's tokens cached.. scheduled (the rest already in the cache)."""
-    i32 = lambda x: np.array(x, dtype=np.int32)  # noqa: E731
-    positions = list(range(cached, len(tokens)))
-    return Batch(input_ids=i32(tokens[cached:]), positions=i32(positions),
-                 slot_mapping=i32([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in positions]),
-                 query_start_loc=i32([0, len(positions)]), seq_lens=i32([len(tokens)]),
-                 block_tables=i32([blocks]))
-
-
-def sequences(ref) -> list[tuple[list[int], int, np.ndarray, np.ndarray]]:
-    """(prompt + greedy tokens, prompt length, argmax [len], logit columns [len, vocab / 256])."""
-    cut = np.cumsum(ref["sequence_lens"])[:-1]
-    return list(zip([s.tolist() for s in np.split(ref["sequence_ids"], cut)], ref["prompt_lens"].tolist(),
-                    np.split(ref["argmax"], cut), np.split(ref["logits_columns"], cut), strict=True))
-
-
-def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.abs(ours - reference).max() / np.abs(reference).max())
+    return fr.converted_gguf("qwen3", qwen3_dir, tmp_path_factory.mktemp("qwen3-q8"), "Q8_0")
 
 
 def test_the_config_is_qwen3_with_its_own_head_dim(qwen3_dir):
@@ -91,34 +48,19 @@ def test_the_config_is_qwen3_with_its_own_head_dim(qwen3_dir):
 def test_greedy_decode_matches_transformers(source, qwen3_dir, qwen3_gguf_dir, ref):
     """Prefill in two chunks, then decode one token at a time, greedily from our own logits:
     the tokens transformers generated, and its logits at every position (prefill and decode)."""
-    model = runner(qwen3_dir if source == "hf" else qwen3_gguf_dir)
+    model = fr.runner(qwen3_dir if source == "hf" else qwen3_gguf_dir)
     stride = int(ref["column_stride"])
-    for n, (seq, prompt_len, argmax, columns) in enumerate(sequences(ref)):
-        blocks = [5 - n, 7, 2]  # not in order, not shared between the two requests
-        tokens, cached = seq[:3], 0
-        rows = {}
-        while len(tokens) <= len(seq):
-            if cached == 0 and prompt_len > 3:  # the prompt's first chunk: no logits kept
-                model.execute(step(tokens, 0, blocks))
-                tokens, cached = seq[:prompt_len], 3
-            logits = model.execute(step(tokens, cached, blocks))[0]
-            rows[len(tokens) - 1] = logits
-            cached = len(tokens)
-            if len(tokens) == len(seq):
-                break
-            tokens = tokens + [int(logits.argmax())]
-        assert tokens == seq, f"prompt {n}: greedy tokens {tokens[prompt_len:]} != {seq[prompt_len:]}"
-        for position, logits in rows.items():
-            assert int(logits.argmax()) == argmax[position]
-            assert relative_error(logits[::stride], columns[position]) <= RTOL, f"position {position}"
+    for n, case in enumerate(fr.sequences(ref)):
+        # blocks not in order, not shared between the two requests
+        fr.assert_greedy_decode_matches(model, case, [5 - n, 7, 2], stride, f"prompt {n}")
 
 
 def test_the_gguf_gives_the_folders_logits_exactly(qwen3_dir, qwen3_gguf_dir, ref):
     """A whole sequence in one prefill, every position's logits: the F32 GGUF is the folder."""
-    seq = sequences(ref)[1][0]
-    batch = step(seq, 0, [0, 1, 2])
+    seq = fr.sequences(ref)[1][0]
+    batch = fr.step(seq, 0, [0, 1, 2])
     rows = np.arange(len(seq))
-    hf, gguf = (runner(d).execute(batch, rows) for d in (qwen3_dir, qwen3_gguf_dir))
+    hf, gguf = (fr.runner(d).execute(batch, rows) for d in (qwen3_dir, qwen3_gguf_dir))
     np.testing.assert_array_equal(hf, gguf)
     config = ModelConfig.from_dir(qwen3_gguf_dir)
     assert config.architecture == "Qwen3ForCausalLM" and config.head_dim == 32
@@ -130,24 +72,24 @@ def test_a_q8_0_gguf_stays_packed_and_close(qwen3_q8_0_dir, ref, activations, rt
     path), its q/k norms F32: the logits stay within Q8_0's error of transformers' and the
     prompt's next token is the same."""
     model = ModelRunner(qwen3_q8_0_dir, DeviceConfig(device="cpu", cpu_activation_dtype=activations),
-                        CacheConfig(num_gpu_blocks_override=8, block_size=BLOCK))
+                        CacheConfig(num_gpu_blocks_override=8, block_size=fr.BLOCK))
     assert set(model.weights.nbytes_by_type()) == {"Q8_0", "F32"}
     stride = int(ref["column_stride"])
-    for seq, prompt_len, argmax, columns in sequences(ref):
-        logits = model.execute(step(seq[:prompt_len], 0, [0, 1]))[0]
-        assert relative_error(logits[::stride], columns[prompt_len - 1]) <= rtol
+    for seq, prompt_len, argmax, columns in fr.sequences(ref):
+        logits = model.execute(fr.step(seq[:prompt_len], 0, [0, 1]))[0]
+        assert fr.relative_error(logits[::stride], columns[prompt_len - 1]) <= rtol
         assert int(logits.argmax()) == argmax[prompt_len - 1]
 
 
 def test_a_qwen3_folder_without_its_qk_norms_is_refused(qwen3_dir, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    folder = make_tiny_qwen3(tmp_path, config=DATA / "config.json", tokenizer_dir=qwen3_dir)
+    folder = make_tiny_model("qwen3", tmp_path, config=DATA / "config.json", tokenizer_dir=qwen3_dir)
     weights = load_file(str(folder / "model.safetensors"))
     del weights["model.layers.1.self_attn.k_norm.weight"]
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ModelError, match="tensor 'model.layers.1.self_attn.k_norm.weight' is missing"):
-        runner(folder)
+        fr.runner(folder)
 
 
 def test_a_served_qwen3_decodes_as_transformers_and_hits_the_prefix_cache(serve, qwen3_dir, ref,
@@ -155,25 +97,5 @@ def test_a_served_qwen3_decodes_as_transformers_and_hits_the_prefix_cache(serve,
     """`ringserve serve` on the folder (CPU, float32: the checkpoint's dtype): the engine's
     scheduler, paged cache and sampler give transformers' greedy tokens; asked again, the
     prompt's whole blocks come from the prefix cache and the answer is the same."""
-    import httpx
-
-    from ringserve.server.tokenizer import Tokenizer
-
-    seq, prompt_len, _, _ = sequences(ref)[1]  # 22 prompt tokens: one whole block of 16
-    want = Tokenizer.from_dir(qwen3_dir).decode(seq[prompt_len:], skip_special_tokens=True)
-    url = serve(qwen3_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
-                "--served-model-name", "q", "--drain-timeout", "2", timeout=300).url
-    body = dict(model="q", prompt=seq[:prompt_len], max_tokens=len(seq) - prompt_len, temperature=0,
-                ignore_eos=True)
-    with httpx.Client(base_url=url, timeout=120) as c:
-        for _ in range(2):
-            r = c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == want
-        for _ in range(50):  # the engine publishes its counters with its next stats
-            hits = [float(line.split()[-1]) for line in c.get("/metrics").text.splitlines()
-                    if "prefix_cache_hits" in line and not line.startswith("#")]
-            if hits and hits[0] >= BLOCK:
-                break
-            time.sleep(0.1)
-    assert hits and hits[0] >= BLOCK, hits
+    # 22 prompt tokens: one whole block of 16
+    fr.assert_served_decodes_as_reference(serve, qwen3_dir, fr.sequences(ref)[1])

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from ringserve.tools.tiny_gguf import CHATML_TEMPLATE, MERGES, SPECIAL_TOKENS, byte_level_alphabet
-from ringserve.tools.tiny_phi3 import PHI_SPECIAL_TOKENS, PHI_TEMPLATE
+from ringserve.tools.tiny_models import PHI_SPECIAL_TOKENS, PHI_TEMPLATE
 
 
 @dataclass(frozen=True)
