@@ -288,6 +288,10 @@ def test_signal_to_the_whole_group_drains_open_streams(launch, default_model_dir
     assert not runtime.exists()
 
 
+def _segments_of(pids: list[int]) -> list:
+    return sorted(p for p in SHM_DIR.glob("ringserve-*") if int(p.name.split("-")[1]) in pids)
+
+
 def test_killed_launcher_takes_its_tree_and_the_next_start_cleans_up(launch, tiny_model_dir):
     """SIGKILL the launcher: the engine, the Gunicorn master and its workers exit within
     seconds; its runtime folder and segments stay behind until the next start removes them."""
@@ -296,7 +300,16 @@ def test_killed_launcher_takes_its_tree_and_the_next_start_cleans_up(launch, tin
     engines, tree = _engines(first.proc.pid), _tree(first.proc.pid)
     assert len(engines) == 1 and len(tree) >= 4  # engine, master, 2 workers
     (runtime,) = _runtime_dirs(first.proc.pid)
-    segments = [p for p in SHM_DIR.glob("ringserve-*") if int(p.name.split("-")[1]) in engines]
+    # NOTE: a slot's segment is unlinked once its worker has attached (ipc/control.py): wait
+    # until the engine's segments hold still, or one a worker was still attaching to vanishes
+    segments, deadline = _segments_of(engines), time.monotonic() + 10
+    while True:
+        time.sleep(0.5)
+        now = _segments_of(engines)
+        if now == segments:
+            break
+        assert time.monotonic() < deadline, "the engine's segments never settled"
+        segments = now
     assert segments  # the engine's stats segment at least
     first.proc.send_signal(signal.SIGKILL)
     first.proc.wait()
