@@ -110,37 +110,30 @@ __device__ __forceinline__ void rope_store_kv_t(T* __restrict__ qkv, const int* 
     }
 }
 
-// out [T, I] = silu(gate) * up from gate_up [T, 2I] (gate first). Grid-stride, pairs of T.
-template <class T>
-__device__ __forceinline__ void silu_mul_t(const typename Elem<T>::Pair* __restrict__ gate_up,
-                                           typename Elem<T>::Pair* __restrict__ out, int num_tokens,
-                                           int inter2) {  // inter2 = I / 2
-    const size_t n = (size_t)num_tokens * inter2;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const size_t t = i / inter2, j = i - t * inter2;
-        const float2 g = to_float2(gate_up[t * 2 * inter2 + j]);
-        const float2 u = to_float2(gate_up[t * 2 * inter2 + inter2 + j]);
-        out[i] = Elem<T>::pair(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y);
+// The gated MLPs' activations of the gate, float32 in and out.
+struct Silu {
+    __device__ __forceinline__ float operator()(float x) const { return x / (1.0f + __expf(-x)); }
+};
+// Gemma 3's: transformers' gelu_pytorch_tanh, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+struct GeluTanh {
+    __device__ __forceinline__ float operator()(float x) const {
+        return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
     }
-}
+};
 
-// out [T, I] = gelu_tanh(gate) * up from gate_up [T, 2I] (Gemma 3's MLP: transformers'
-// gelu_pytorch_tanh, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))). As silu_mul_t.
-__device__ __forceinline__ float gelu_tanh(float x) {
-    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-}
-template <class T>
-__device__ __forceinline__ void gelu_tanh_mul_t(const typename Elem<T>::Pair* __restrict__ gate_up,
-                                                typename Elem<T>::Pair* __restrict__ out, int num_tokens,
-                                                int inter2) {  // inter2 = I / 2
+// out [T, I] = act(gate) * up from gate_up [T, 2I] (gate first). Grid-stride, pairs of T.
+template <class T, class Act>
+__device__ __forceinline__ void gated_mul_t(const typename Elem<T>::Pair* __restrict__ gate_up,
+                                            typename Elem<T>::Pair* __restrict__ out, int num_tokens,
+                                            int inter2) {  // inter2 = I / 2
+    const Act act;
     const size_t n = (size_t)num_tokens * inter2;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t t = i / inter2, j = i - t * inter2;
         const float2 g = to_float2(gate_up[t * 2 * inter2 + j]);
         const float2 u = to_float2(gate_up[t * 2 * inter2 + inter2 + j]);
-        out[i] = Elem<T>::pair(gelu_tanh(g.x) * u.x, gelu_tanh(g.y) * u.y);
+        out[i] = Elem<T>::pair(act(g.x) * u.x, act(g.y) * u.y);
     }
 }
 
@@ -200,12 +193,12 @@ __device__ __forceinline__ void to_float32_t(const T* __restrict__ src, float* _
     extern "C" __global__ void silu_mul##SUFFIX(const Elem<T>::Pair* __restrict__ gate_up,                \
                                                 Elem<T>::Pair* __restrict__ out, int num_tokens,          \
                                                 int inter2) {                                             \
-        silu_mul_t<T>(gate_up, out, num_tokens, inter2);                                                  \
+        gated_mul_t<T, Silu>(gate_up, out, num_tokens, inter2);                                           \
     }                                                                                                    \
     extern "C" __global__ void gelu_tanh_mul##SUFFIX(const Elem<T>::Pair* __restrict__ gate_up,           \
                                                      Elem<T>::Pair* __restrict__ out, int num_tokens,     \
                                                      int inter2) {                                        \
-        gelu_tanh_mul_t<T>(gate_up, out, num_tokens, inter2);                                             \
+        gated_mul_t<T, GeluTanh>(gate_up, out, num_tokens, inter2);                                       \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(1024) rms_norm##SUFFIX(T* __restrict__ x,               \
                                                                         const T* __restrict__ weight,    \
