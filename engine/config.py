@@ -115,7 +115,7 @@ class EngineConfig:
         "help": "speculative decoding as vLLM spells it, a JSON object: {\"method\": \"ngram\", "
                 "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M}, "
                 "optionally \"disable_by_batch_size\" (default 8: no speculation in a step with more "
-                "running requests); CPU backend only for now (docs/speculative.md)"})
+                "running requests; docs/speculative.md)"})
     # The parts: settings classes of their own (no flag each; their fields are the flags).
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -131,11 +131,7 @@ class EngineConfig:
                                  "(pip install 'ringserve[kv-events]')") from None
         if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...}), as vLLM
             self.speculative_config = json.dumps(self.speculative_config)
-        if parse_speculative_config(self.speculative_config) is not None:  # ValueError: one line
-            from ringserve.gpu.devices import resolve_device
-            if resolve_device(self.device_config.device) != "cpu":
-                raise ValueError("--speculative-config: speculative decoding runs on the CPU "
-                                 "backend only for now (docs/speculative.md)")
+        parse_speculative_config(self.speculative_config)  # ValueError: one line
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.scheduler_config.max_num_batched_tokens is None:  # the one place it is resolved
@@ -165,7 +161,11 @@ class EngineConfig:
 
     @property
     def step_limits(self) -> StepLimits:
-        """The scheduler's bounds on a step, as the runner takes them."""
+        """The scheduler's bounds on a step, as the runner takes them (with speculative
+        decoding: the verify steps' K and most requests, for the CUDA runner's verify graphs)."""
+        spec = self.speculative
         return StepLimits(max_num_seqs=self.scheduler_config.max_num_seqs,
                           max_num_batched_tokens=self.scheduler_config.token_budget,
-                          max_model_len=self.max_model_len)
+                          max_model_len=self.max_model_len,
+                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                          max_num_verify_seqs=spec.disable_by_batch_size if spec else 0)

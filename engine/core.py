@@ -111,9 +111,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.scheduler_config)
         spec = config.speculative
         if spec is not None:
-            if getattr(runner, "device", "cpu") != "cpu":
-                raise ValueError("--speculative-config: speculative decoding runs on the CPU "
-                                 "backend only for now (docs/speculative.md)")
             self.scheduler.speculation = Speculation(spec, self.max_model_len)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences

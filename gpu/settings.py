@@ -130,11 +130,17 @@ class StepLimits:
     """The largest step the runner must be ready for, as the scheduler bounds it (engine/config.py
     SchedulerConfig, EngineConfig.step_limits): the CUDA runner captures its graph ladder up to
     max_num_seqs, sizes its KV pool after a profiling forward of max_num_batched_tokens, and its
-    block tables for max_model_len (None: the model's max_position_embeddings). The CPU runner
-    reads only max_model_len (which LongRoPE factors, gpu/rope.py)."""
+    block tables for max_model_len (None: the model's max_position_embeddings). With speculative
+    decoding (num_speculative_tokens K > 0) it also captures verify graphs, 1 + K tokens and rows
+    of logits per request, for steps of up to max_num_verify_seqs requests (the engine's
+    disable_by_batch_size: larger steps do not speculate). The CPU runner reads only
+    max_model_len (which LongRoPE factors, gpu/rope.py)."""
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int | None = None
+    num_speculative_tokens: int = 0
+    max_num_verify_seqs: int = 0
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        _at_least(self, 0, "num_speculative_tokens", "max_num_verify_seqs")

@@ -49,9 +49,13 @@ def test_bad_speculative_config_refused_in_one_line(value, field):
     assert field in str(e.value) and "\n" not in str(e.value)
 
 
-def test_speculative_decoding_on_cuda_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="CPU backend only"):
-        EngineConfig.create(speculative_config=NGRAM, device="cuda")
+def test_speculative_decoding_on_cuda_tells_the_runner_its_verify_steps():
+    """On CUDA the runner captures verify graphs (gpu/cuda/plan.py) for K and the most requests
+    a step that speculates runs (disable_by_batch_size); without it, none."""
+    limits = EngineConfig.create(speculative_config=NGRAM, device="cuda", max_num_seqs=32).step_limits
+    assert (limits.num_speculative_tokens, limits.max_num_verify_seqs) == (4, 8)
+    plain = EngineConfig.create(device="cuda", max_num_seqs=32).step_limits
+    assert (plain.num_speculative_tokens, plain.max_num_verify_seqs) == (0, 0)
 
 
 def test_speculative_config_defaults_as_vllm():

@@ -3,11 +3,14 @@ the runner's launch plan gives (gpu/cuda/step_plan.py, through gpu/cuda/census.p
 model sequence), the bytes each reads and writes, and the step's floor at a copy bandwidth:
 
     python -m ringserve.tools.step_census --shape 8B --batch 1 [--context 512] [--dtype fp16|bf16]
+    python -m ringserve.tools.step_census --shape 8B --batch 1 --speculative-tokens 3   # a verify step
 
 Shapes: gpu_check's 1B and 8B (Llama-3.2-1B, Llama-3-8B) and tools/random_gguf.py's (read as
 Llama-shaped: their dims, head size and rotary size), or --model-dir for a real config.json
 (Qwen3's q/k norm, Qwen2's bias, Phi's partial rotary, sliding windows). The split count is the
 graph's (planned for --max-model-len on --num-sms SMs, as CudaModelRunner.capture_graphs).
+--speculative-tokens K: speculative decoding's verify step as its graph replays it (1 + K tokens
+and rows of logits per request: gpu/cuda/plan.py GraphTable.shape).
 Dense fp16 / bf16 weights only: a packed format's launches (quant.cu) are not listed yet.
 """
 from __future__ import annotations
@@ -64,7 +67,9 @@ def report(name: str, census: Census, bandwidth_gbps: float = COPY_GBPS, every_l
     total = census.total()
     lines = [f"step census: {name} (hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
              f"{c.num_attention_heads} q / {c.num_key_value_heads} kv heads of {c.head_dim}, ffn "
-             f"{c.intermediate_size}, vocab {c.vocab_size}), {census.dtype}, batch {census.batch}, "
+             f"{c.intermediate_size}, vocab {c.vocab_size}), {census.dtype}, batch {census.batch}"
+             + (f" verifying {census.speculative_tokens} drafts each ({census.num_tokens} tokens)"
+                if census.speculative_tokens else "") + ", "
              f"context {census.context}; attention {census.attention_backend}, {census.splits} split(s)",
              f"{'#':>4} {'layer':>5} {'op':<14} {'kernel':<28} {'grid':>12} x {'block':<7}"
              f"{'weights MB':>10}{'kv rd MB':>10}{'kv wr MB':>10}{'act rd MB':>10}{'act wr MB':>10}"]
@@ -100,13 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", choices=launch.ATTENTION_BACKENDS, default="auto")
     p.add_argument("--bandwidth", type=float, default=COPY_GBPS, help="GB/s the floor is taken at")
     p.add_argument("--every-layer", action="store_true", help="list every layer's launches")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="a verify step of speculative decoding: 1 + K tokens a request (default 0: decode)")
     a = p.parse_args(argv)
     if a.batch < 1 or a.context < 1:
         p.error("--batch and --context must be at least 1")
+    if a.speculative_tokens < 0:
+        p.error("--speculative-tokens must be at least 0")
     config = ModelConfig.from_dir(a.model_dir) if a.model_dir else config_for(a.shape)
     census = census_for(config, batch=a.batch, context=a.context, dtype=DTYPES[a.dtype],
                         max_model_len=a.max_model_len, num_sms=a.num_sms,
-                        attention_backend=a.attention_backend)
+                        attention_backend=a.attention_backend, speculative_tokens=a.speculative_tokens)
     print(report(a.model_dir or a.shape, census, a.bandwidth, a.every_layer))
     return 0
 

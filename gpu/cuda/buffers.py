@@ -111,7 +111,8 @@ class StepBuffers:
 
     The step's small int32 inputs share one block, so that a step loads them in one copy:
     [input_ids T | positions T | slot_mapping T | query_start_loc B+1 | seq_lens B |
-    logits_indices B]; the block table has its own copy (a corner of a wide table)."""
+    logits_indices R]; the block table has its own copy (a corner of a wide table). R, the rows
+    of logits, is B but in a verify step (speculative decoding: 1 + k rows per request)."""
 
     # Views of `inputs` (set by name in __init__), numpy or cupy int32 arrays.
     input_ids: Any
@@ -123,16 +124,20 @@ class StepBuffers:
 
     PER_TOKEN = ("input_ids", "positions", "slot_mapping", "h", "x", "delta", "qkv", "attn",
                  "gate_up", "act")
-    PER_REQUEST = ("seq_lens", "block_tables", "logits_indices", "last", "logits16", "logits")
+    PER_REQUEST = ("seq_lens", "block_tables")
+    PER_ROW = ("logits_indices", "last", "logits16", "logits")
 
-    def __init__(self, c: ModelConfig, T: int, B: int, max_blocks: int, xp, dtype: Any = np.float16):
-        """dtype: the activations' storage (dtypes.SERVING_DTYPES: float16, or uint16 bf16 bits)."""
-        self.inputs = xp.zeros(3 * T + 3 * B + 1, xp.int32)
+    def __init__(self, c: ModelConfig, T: int, B: int, max_blocks: int, xp, dtype: Any = np.float16,
+                 R: int | None = None):
+        """dtype: the activations' storage (dtypes.SERVING_DTYPES: float16, or uint16 bf16 bits).
+        R: the rows of logits (None: B, one per request)."""
+        R = B if R is None else R
+        self.inputs = xp.zeros(3 * T + 2 * B + 1 + R, xp.int32)
         self.offsets = {"input_ids": 0, "positions": T, "slot_mapping": 2 * T,
                         "query_start_loc": 3 * T, "seq_lens": 3 * T + B + 1,
                         "logits_indices": 3 * T + 2 * B + 1}
         for name, n in (("input_ids", T), ("positions", T), ("slot_mapping", T),
-                        ("query_start_loc", B + 1), ("seq_lens", B), ("logits_indices", B)):
+                        ("query_start_loc", B + 1), ("seq_lens", B), ("logits_indices", R)):
             setattr(self, name, self.inputs[self.offsets[name]:self.offsets[name] + n])
         self.slot_mapping[...] = -1
         self.block_tables = xp.full((B, max_blocks), -1, xp.int32)
@@ -143,35 +148,38 @@ class StepBuffers:
         self.attn = xp.empty((T, c.q_size), dtype)
         self.gate_up = xp.empty((T, 2 * c.intermediate_size), dtype)
         self.act = xp.empty((T, c.intermediate_size), dtype)
-        self.last = xp.empty((B, c.hidden_size), dtype)
-        self.logits16 = xp.empty((B, c.vocab_size), dtype)
-        self.logits = xp.empty((B, c.vocab_size), xp.float32)
+        self.last = xp.empty((R, c.hidden_size), dtype)
+        self.logits16 = xp.empty((R, c.vocab_size), dtype)
+        self.logits = xp.empty((R, c.vocab_size), xp.float32)
 
-    def leading(self, T: int, B: int) -> StepBuffers:
-        """Views of the first T tokens and B requests. Every graph size takes its buffers from
-        the largest one's: graphs replay one at a time on one stream, and the memory of the
-        smaller sizes' activations and logits is not spent again."""
+    def leading(self, T: int, B: int, R: int | None = None) -> StepBuffers:
+        """Views of the first T tokens, B requests and R rows of logits (None: B). Every graph
+        (decode and verify sizes) takes its buffers from one set, the largest of each: graphs
+        replay one at a time on one stream, and the memory of the smaller sizes' activations and
+        logits is not spent again."""
         view = object.__new__(StepBuffers)
         view.inputs, view.offsets = self.inputs, self.offsets
         for name in self.PER_TOKEN:
             setattr(view, name, getattr(self, name)[:T])
         for name in self.PER_REQUEST:
             setattr(view, name, getattr(self, name)[:B])
+        for name in self.PER_ROW:
+            setattr(view, name, getattr(self, name)[:B if R is None else R])
         view.query_start_loc = self.query_start_loc[:B + 1]
         return view
 
     def load(self, b, ops: HostCopies) -> None:
-        """Copy a Batch (or a plan.PaddedDecode) into the leading rows: the int32 inputs in one
+        """Copy a Batch (or a plan.PaddedStep) into the leading rows: the int32 inputs in one
         copy of the whole block (rows past this view's get slot -1 and seq_len 0: they write and
         read nothing), the block table into its top-left [B, width] corner (the columns past
         width are never read)."""
         host = np.zeros(len(self.inputs), np.int32)
         o = self.offsets
         host[o["slot_mapping"]:o["query_start_loc"]] = -1
-        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+                     "logits_indices"):
             values = getattr(b, name)
             host[o[name]:o[name] + len(values)] = values
-        host[o["logits_indices"]:o["logits_indices"] + len(b.seq_lens)] = b.query_start_loc[1:] - 1
         ops.copy_in(self.inputs, host)
         tables = np.ascontiguousarray(b.block_tables, np.int32)
         if tables.size:

@@ -1,11 +1,11 @@
-"""The launch census of one CUDA decode step, without a GPU: the model's definition (gpu/models
-model_definition: its forward, the sequence CudaModelRunner captures) over CensusOps, a
-model.ModelOps over shape-only arrays that records, for each op, the launches gpu/cuda/step_plan.py
-says CudaOps makes (kernel, grid, block) and the bytes each reads and writes (weights, KV cache,
-activations). The step buffers are the runner's own StepBuffers over a shape-only array module; the
-weights are the definition's, fused from the config's expected HF shapes. tests/test_step_census.py
-checks the list against the launches the host-compiled forward (tests/test_cuda_forward_host.py
-HostOps) really makes.
+"""The launch census of one CUDA decode step (or speculative decoding's verify step), without a GPU:
+the model's definition (gpu/models model_definition: its forward, the sequence CudaModelRunner
+captures) over CensusOps, a model.ModelOps over shape-only arrays that records, for each op, the
+launches gpu/cuda/step_plan.py says CudaOps makes (kernel, grid, block) and the bytes each reads and
+writes (weights, KV cache, activations). The step buffers are the runner's own StepBuffers over a
+shape-only array module; the weights are the definition's, fused from the config's expected HF
+shapes. tests/test_step_census.py checks the list against the launches the host-compiled forward
+(tests/test_cuda_forward_host.py HostOps) really makes.
 
 Bytes are what each kernel must move at least (every operand read or written once); what a kernel
 reads twice (L2 misses) or what cuBLAS adds (its own split-K reduce at small M) is not here: the
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ringserve.gpu.cuda import launch, step_plan
+from ringserve.gpu.cuda import launch, plan, step_plan
 from ringserve.gpu.cuda.buffers import AttentionLaunch, StepBuffers
 from ringserve.gpu.cuda.dtypes import SERVING_DTYPES
 from ringserve.gpu.cuda.step_plan import Launch
@@ -210,12 +210,17 @@ class Census:
     splits: int
     attention_backend: str
     rows: list[Row]
+    speculative_tokens: int = 0   # K: a verify step, 1 + K tokens and rows of logits a request
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch * (1 + self.speculative_tokens)
 
     @property
     def partial_bytes(self) -> int:
         """The split-K partials over the step, both ways (written, read back by the combine)."""
         c = self.config
-        per_layer = partial_bytes(self.batch, c.num_attention_heads, c.head_dim, self.splits)
+        per_layer = partial_bytes(self.num_tokens, c.num_attention_heads, c.head_dim, self.splits)
         return 2 * c.num_hidden_layers * per_layer
 
     @property
@@ -231,14 +236,18 @@ class Census:
 
 
 def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtype: str = "float16",
-                  attention_backend: str = "rawkernel", max_blocks: int = 1) -> Census:
+                  attention_backend: str = "rawkernel", max_blocks: int = 1,
+                  speculative_tokens: int = 0) -> Census:
     """The launches of one decode step of `batch` requests, each attending to `context` keys,
-    as a graph replays it (T = B = batch; splits: the graph's, step_plan.graph_splits)."""
+    as a graph replays it (T = B = batch; splits: the graph's, step_plan.graph_splits), or with
+    speculative_tokens K of the verify step as its graph replays it (plan.GraphTable.shape:
+    batch x (1 + K) tokens and rows of logits, batch + 1 request slots)."""
+    T, B, R = plan.GraphTable([batch], 1 + speculative_tokens).shape(batch)
     act = np.dtype(SERVING_DTYPES[dtype])
     hf = {name: Shaped(shape, np.dtype(np.float16)) for name, shape in expected_shapes(c).items()}
     model = model_definition(c)
     weights = model.fuse(c, hf, ShapedStore(act))
-    buf = StepBuffers(c, batch, batch, max_blocks, ShapedModule, act)
+    buf = StepBuffers(c, T, B, max_blocks, ShapedModule, act, R)
     kv = Shaped((1, 16, c.num_key_value_heads, c.head_dim), act)
     half = (c.rotary_dim or c.head_dim) // 2
     table = Shaped((context, half), np.dtype(np.float32))
@@ -246,15 +255,18 @@ def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtyp
     model.forward(ops, weights, buf, [(kv, kv)] * c.num_hidden_layers,
                   AttentionLaunch(splits, (None, None, None)),
                   {FULL_ATTENTION: (table, table), SLIDING_ATTENTION: (table, table)})
-    return Census(c, dtype, batch, context, splits, attention_backend, ops.rows)
+    return Census(c, dtype, batch, context, splits, attention_backend, ops.rows, speculative_tokens)
 
 
 def census_for(config: ModelConfig, *, batch: int, context: int, dtype: str, max_model_len: int,
-               num_sms: int, attention_backend: str = "auto") -> Census:
-    """The census of the decode graph CudaModelRunner captures for `batch` requests: its
-    attention kernel (launch.attention_backend_for) and split count (step_plan.graph_splits)."""
+               num_sms: int, attention_backend: str = "auto", speculative_tokens: int = 0) -> Census:
+    """The census of the decode graph CudaModelRunner captures for `batch` requests (with
+    speculative_tokens K: its verify graph): its attention kernel (launch.attention_backend_for)
+    and split count (step_plan.graph_splits)."""
     backend = launch.attention_backend_for(attention_backend, config.head_dim)
-    splits = step_plan.graph_splits(batch=batch, num_kv_heads=config.num_key_value_heads,
-                                    max_model_len=max_model_len, num_sms=num_sms)
+    splits = step_plan.graph_splits(tokens=batch * (1 + speculative_tokens),
+                                    num_kv_heads=config.num_key_value_heads, max_model_len=max_model_len,
+                                    num_sms=num_sms)
     return decode_census(config, batch=batch, context=context, dtype=dtype, attention_backend=backend,
-                         splits=splits if backend == "rawkernel" else 1)
+                         splits=splits if backend == "rawkernel" else 1,
+                         speculative_tokens=speculative_tokens)

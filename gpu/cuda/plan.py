@@ -40,51 +40,77 @@ def is_decode_only(batch: Batch) -> bool:
     return batch.num_tokens == batch.num_reqs
 
 
+def verify_batch_sizes(max_num_seqs: int, max_num_verify_seqs: int) -> list[int]:
+    """Speculative decoding: the ladder of verify graphs, the decode ladder's sizes up to the
+    most requests a step that speculates runs (disable_by_batch_size; larger steps decode)."""
+    return graph_batch_sizes(min(max_num_seqs, max_num_verify_seqs))
+
+
 @dataclass
-class PaddedDecode:
-    """A decode batch padded to a captured size: padded tokens write nowhere (slot -1), belong
-    to requests with no keys (seq_len 0), and their logits rows are dropped.
+class PaddedStep:
+    """A batch padded to a captured graph's shape (GraphTable.shape: T tokens, B requests, R
+    rows of logits): padded tokens write nowhere (slot -1), belong to a padded request with no
+    keys (seq_len 0: the first padded request owns them all, those after it none), and their
+    logits rows (row 0 again) are dropped.
 
     block_tables stays the real [n, width] rows: they are copied into the top-left corner of
-    the graph's [size, max_blocks] device table and the rest keeps what earlier steps left
+    the graph's [B, max_blocks] device table and the rest keeps what earlier steps left
     there. Nothing reads it: a padded row has no keys, and a real row reads only the blocks
-    of its seq_len, all within width. (A full-width host table would be size x max_blocks,
+    of its seq_len, all within width. (A full-width host table would be B x max_blocks,
     e.g. 8 MB per step at 256 requests and a 128k context.)"""
     input_ids: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
+    logits_indices: np.ndarray
     block_tables: np.ndarray  # [n, width], the batch's own
     num_real: int
 
 
-def pad_decode(batch: Batch, size: int, max_blocks: int) -> PaddedDecode:
-    n = batch.num_reqs
-    if not is_decode_only(batch) or n > size:
-        raise ValueError(f"pad_decode: {batch.num_tokens} tokens for {n} requests into size {size}")
+def pad_step(batch: Batch, shape: tuple[int, int, int], max_blocks: int) -> PaddedStep:
+    """batch padded to shape (T, B, R). The padded tokens need a padded request to own them:
+    fewer requests than B, or no padded token."""
+    T, B, R = shape
+    n, t, rows = batch.num_reqs, batch.num_tokens, batch.logits_indices
+    if n > B or t > T or len(rows) > R or (n == B and t < T):
+        raise ValueError(f"pad_step: {t} tokens for {n} requests ({len(rows)} rows) into {shape}")
     width = batch.block_tables.shape[1]
     if width > max_blocks:
-        raise ValueError(f"pad_decode: {width} blocks per request exceed the graph's {max_blocks}")
+        raise ValueError(f"pad_step: {width} blocks per request exceed the graph's {max_blocks}")
 
-    def grow(a: np.ndarray, fill: int) -> np.ndarray:
+    def grow(a: np.ndarray, size: int, fill: int) -> np.ndarray:
         out = np.full(size, fill, np.int32)
-        out[:n] = a
+        out[:len(a)] = a
         return out
 
-    return PaddedDecode(
-        input_ids=grow(batch.input_ids, 0), positions=grow(batch.positions, 0),
-        slot_mapping=grow(batch.slot_mapping, -1),
-        query_start_loc=np.arange(size + 1, dtype=np.int32),
-        seq_lens=grow(batch.seq_lens, 0), block_tables=batch.block_tables, num_real=n)
+    return PaddedStep(
+        input_ids=grow(batch.input_ids, T, 0), positions=grow(batch.positions, T, 0),
+        slot_mapping=grow(batch.slot_mapping, T, -1),
+        query_start_loc=grow(batch.query_start_loc, B + 1, T),
+        seq_lens=grow(batch.seq_lens, B, 0), logits_indices=grow(rows, R, 0),
+        block_tables=batch.block_tables, num_real=n)
+
+
+def pad_decode(batch: Batch, size: int, max_blocks: int) -> PaddedStep:
+    """A decode batch padded to a decode graph of `size` requests."""
+    if not is_decode_only(batch):
+        raise ValueError(f"pad_decode: {batch.num_tokens} tokens for {batch.num_reqs} requests")
+    return pad_step(batch, (size, size, size), max_blocks)
 
 
 class GraphTable:
-    """Which decode sizes have a captured graph; the runner stores its graph objects here and
-    asks which one a batch replays."""
+    """Which sizes have a captured graph; the runner stores its graph objects here and asks
+    which one a batch replays. query_len: the tokens per request a size is captured for, 1 for
+    decode graphs, 1 + K for speculative decoding's verify graphs (vLLM's uniform decode query
+    length), whose size n holds n requests of up to 1 + K tokens each: n x (1 + K) tokens and
+    rows of logits, and n + 1 request slots (the last owns the padding tokens)."""
 
-    def __init__(self, sizes: list[int]):
+    def __init__(self, sizes: list[int], query_len: int = 1):
+        if query_len < 1:
+            raise ValueError(f"query_len {query_len} must be at least 1")
         self.sizes = sorted(sizes)
+        self.query_len = query_len
         self.graphs: dict[int, Any] = {}  # the runner's buffers.CapturedGraph records
         self.capture_seconds: dict[int, float] = {}
 
@@ -94,12 +120,39 @@ class GraphTable:
         self.graphs[size] = graph
         self.capture_seconds[size] = seconds
 
-    def pick(self, batch: Batch) -> int | None:
-        """The size whose graph runs this batch, or None (prefill, or too many requests)."""
-        if not self.graphs or not is_decode_only(batch):
+    def shape(self, size: int) -> tuple[int, int, int]:
+        """(tokens, requests, rows of logits) of the graph of `size`."""
+        q = self.query_len
+        return (size, size, size) if q == 1 else (size * q, size + 1, size * q)
+
+    def fit(self, batch: Batch) -> int | None:
+        """The smallest size whose shape holds this batch, captured or not. A decode table takes
+        decode batches only; a verify table any step of at most n requests and n x (1 + K)
+        tokens."""
+        if self.query_len == 1 and not is_decode_only(batch):
             return None
-        size = padded_size(batch.num_reqs, self.sizes)
+        return next((s for s in self.sizes if batch.num_reqs <= s
+                     and batch.num_tokens <= s * self.query_len), None)
+
+    def pick(self, batch: Batch) -> int | None:
+        """The size whose graph runs this batch, or None (eager)."""
+        if not self.graphs:
+            return None
+        size = self.fit(batch)
         return size if size in self.graphs else None
+
+    def pad(self, batch: Batch, size: int, max_blocks: int) -> PaddedStep:
+        return pad_step(batch, self.shape(size), max_blocks)
+
+
+def shared_shape(tables: list[GraphTable]) -> tuple[int, int, int]:
+    """(tokens, requests, rows of logits) of the one set of step buffers every graph of these
+    tables takes its views from: the largest of each over all their sizes."""
+    shapes = [t.shape(size) for t in tables for size in t.sizes]
+    if not shapes:
+        raise ValueError("shared_shape: no graph sizes")
+    T, B, R = (max(dim) for dim in zip(*shapes, strict=True))
+    return T, B, R
 
 
 def kv_bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -8,7 +8,9 @@ cuBLAS on the runner's own handle (gpu/cuda/gemm.py, nvmath-python's binding: Cu
 run during a capture) with fused QKV and gate-up weights; the fused math is CUDA C (fused.cu,
 attention.cu); the indexing is Numba CUDA (numba_kernels.py), launched on the same CuPy stream
 through numba.cuda.external_stream so that a CUDA graph captures it too. Decode batches replay
-graphs captured for the ladder in gpu/cuda/plan.py; everything a graph touches is allocated
+graphs captured for the ladder in gpu/cuda/plan.py, and with speculative decoding its verify
+steps (1 + K tokens and rows of logits per request) replay graphs of their own ladder;
+everything a graph touches is allocated
 before its capture, an allocation during one raises (gpu/cuda/capture.py), and everything it
 touches is held for the graph's life, by the runner or by the graph's record
 (buffers.CapturedGraph). Set-up (weights, RoPE tables, KV pool) ends with a device synchronize,
@@ -61,6 +63,13 @@ def _pinned(nbytes: int) -> np.ndarray:
 
 def _event():
     return cp.cuda.Event(disable_timing=True)
+
+
+def _empty_step() -> Batch:
+    """No requests and no tokens: padded to a graph's shape it writes and reads nothing (what
+    a graph is warmed and captured over)."""
+    return Batch(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(1, np.int32),
+                 np.zeros(0, np.int32), np.zeros((0, 1), np.int32))
 
 
 class CudaOps:
@@ -224,7 +233,12 @@ class CudaModelRunner:
                               for _ in range(c.num_hidden_layers)]
         cp.cuda.Device().synchronize()
         self.graphs = plan.GraphTable(plan.graph_batch_sizes(limits.max_num_seqs))  # CapturedGraph records
+        # speculative decoding's verify steps: a ladder of their own (none without it)
+        verify_sizes = (plan.verify_batch_sizes(limits.max_num_seqs, limits.max_num_verify_seqs)
+                        if limits.num_speculative_tokens else [])
+        self.verify_graphs = plan.GraphTable(verify_sizes, 1 + limits.num_speculative_tokens)
         self.capture_failures: dict[int, str] = {}  # batch size -> why it runs eager
+        self.verify_capture_failures: dict[int, str] = {}
         if not device.enforce_eager:
             self.capture_graphs()
         self.warm_up()
@@ -265,7 +279,7 @@ class CudaModelRunner:
     def _eager(self, batch: Batch, caches) -> StepBuffers:
         with self.stream:
             buf = StepBuffers(self.config, batch.num_tokens, batch.num_reqs,
-                              batch.block_tables.shape[1], cp, self.act_dtype)
+                              batch.block_tables.shape[1], cp, self.act_dtype, len(batch.logits_indices))
             buf.load(batch, self.ops)
             max_len = int(batch.seq_lens.max())
             splits = plan.attention_splits(num_tokens=batch.num_tokens,
@@ -276,28 +290,30 @@ class CudaModelRunner:
             return buf
 
     def capture_graphs(self) -> None:
-        """One graph per ladder size over views of one set of buffers (the largest size's) and
-        one attention workspace (the largest any size needs): nothing is allocated per size,
-        and nothing during a capture. Each size's record (CapturedGraph) holds its views and its
+        """One graph per ladder size (decode, and verify with speculative decoding) over views
+        of one set of buffers (the largest tokens, requests and rows any size needs) and one
+        attention workspace (the largest any size needs): nothing is allocated per size, and
+        nothing during a capture. Each size's record (CapturedGraph) holds its views and its
         attention launch, workspace included: a graph keeps only their addresses."""
         t0 = time.perf_counter()
         c = self.config
-        splits = {size: step_plan.graph_splits(batch=size, num_kv_heads=c.num_key_value_heads,
-                                               max_model_len=self.max_model_len, num_sms=self.num_sms)
-                  for size in self.graphs.sizes}
-        largest = self.graphs.sizes[-1]
+        tables = [self.graphs, self.verify_graphs]
+        splits = {(id(t), size): step_plan.graph_splits(
+            tokens=t.shape(size)[0], num_kv_heads=c.num_key_value_heads, max_model_len=self.max_model_len,
+            num_sms=self.num_sms) for t in tables for size in t.sizes}
+        T_max, B_max, R_max = plan.shared_shape(tables)
         with self.stream:
-            shared = StepBuffers(c, largest, largest, self.max_blocks, cp, self.act_dtype)
+            shared = StepBuffers(c, T_max, B_max, self.max_blocks, cp, self.act_dtype, R_max)
             # The kernels index the workspace by their own launch's (T, H, splits): any buffer
             # of at least T * H * splits rows of each size serves them all.
-            ws = self.ops.paged.workspace(largest, c.num_attention_heads, max(splits.values()))
-            shared.query_start_loc.set(np.arange(largest + 1, dtype=np.int32))
-            shared.logits_indices.set(np.arange(largest, dtype=np.int32))
+            ws = self.ops.paged.workspace(T_max, c.num_attention_heads, max(splits.values()))
         self.stream.synchronize()
 
-        def capture_size(size: int):
-            buf = shared.leading(size, size)
-            attention = AttentionLaunch(splits[size], ws if splits[size] > 1 else (None, None, None))
+        def capture_size(table: plan.GraphTable, size: int):
+            buf = shared.leading(*table.shape(size))
+            buf.load(table.pad(_empty_step(), size, self.max_blocks), self.ops)  # slots -1, no keys
+            split = splits[id(table), size]
+            attention = AttentionLaunch(split, ws if split > 1 else (None, None, None))
             with self.stream:
                 # warm-up: compiles, cuBLAS plans; slots -1 and seq_lens 0 write and read nothing
                 self._forward(buf, self.kv_caches, attention)
@@ -307,11 +323,17 @@ class CudaModelRunner:
                     lambda: cp.cuda.using_allocator(capture.refuse_allocation))
             return CapturedGraph(graph, buf, attention)
 
-        self.capture_failures = capture.capture_ladder(self.graphs, capture_size)
+        self.capture_failures = capture.capture_ladder(self.graphs, lambda n: capture_size(self.graphs, n))
+        self.verify_capture_failures = capture.capture_ladder(
+            self.verify_graphs, lambda n: capture_size(self.verify_graphs, n))
         self.stream.synchronize()
-        log.info("captured %d CUDA graphs (batch sizes %s) in %.2f s%s", len(self.graphs.graphs),
-                 sorted(self.graphs.graphs), time.perf_counter() - t0,
-                 f"; eager for {sorted(self.capture_failures)}" if self.capture_failures else "")
+        failed = [str(n) for n in sorted(self.capture_failures)] + [
+            f"verify {n}" for n in sorted(self.verify_capture_failures)]
+        verify = self.verify_graphs
+        log.info("captured %d CUDA graphs (batch sizes %s%s) in %.2f s%s",
+                 len(self.graphs.graphs) + len(verify.graphs), sorted(self.graphs.graphs),
+                 f"; verify {sorted(verify.graphs)} of {verify.query_len} tokens a request" if verify.sizes
+                 else "", time.perf_counter() - t0, f"; eager for {', '.join(failed)}" if failed else "")
 
     def warm_up(self) -> None:
         """Every kernel compiled (NVRTC modules are at construction; Numba JITs at first launch)
@@ -329,17 +351,21 @@ class CudaModelRunner:
         log.info("kernels compiled and warmed in %.2f s", time.perf_counter() - t0)
 
     def _launch(self, batch: Batch) -> tuple[cp.ndarray, StepBuffers]:
-        """Enqueue the forward on self.stream; the logits [B, V] float32 on the device and the
-        buffers holding every token's final hidden state (.x). A graph's buffers are static:
-        valid until the next launch, which the stream orders after everything enqueued on them."""
-        size = self.graphs.pick(batch)
-        if size is not None and batch.block_tables.shape[1] <= self.max_blocks:
-            captured: CapturedGraph = self.graphs.graphs[size]
-            buf = captured.buffers
-            with self.stream:
-                buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
-                captured.launch(self.stream)
-            return buf.logits[:batch.num_reqs], buf
+        """Enqueue the forward on self.stream; the logits [rows, V] float32 on the device (rows:
+        batch.logits_indices) and the buffers holding every token's final hidden state (.x). A
+        graph's buffers are static: valid until the next launch, which the stream orders after
+        everything enqueued on them."""
+        if batch.block_tables.shape[1] <= self.max_blocks:
+            for table in (self.graphs, self.verify_graphs):
+                size = table.pick(batch)
+                if size is None:
+                    continue
+                captured: CapturedGraph = table.graphs[size]
+                buf = captured.buffers
+                with self.stream:
+                    buf.load(table.pad(batch, size, self.max_blocks), self.ops)
+                    captured.launch(self.stream)
+                return buf.logits[:len(batch.logits_indices)], buf
         with self.stream:
             buf = self._eager(batch, self.kv_caches)
         return buf.logits, buf
@@ -355,10 +381,11 @@ class CudaModelRunner:
             return out
 
     def execute(self, batch: Batch, logits_indices: np.ndarray | None = None) -> np.ndarray:
-        """float32 logits at rows logits_indices of the super-sequence (default: each request's
-        last scheduled token, [B, vocab]); writes K/V."""
+        """float32 logits at rows logits_indices of the super-sequence (default:
+        batch.logits_indices, each request's last scheduled token [B, vocab], or a verify step's
+        rows); writes K/V."""
         if batch.num_tokens == 0:
-            return np.empty((batch.num_reqs, self.config.vocab_size), np.float32)
+            return np.empty((len(batch.logits_indices), self.config.vocab_size), np.float32)
         logits, buf = self._launch(batch)
         if logits_indices is not None:
             logits = self._logits_at(buf.x, logits_indices)
@@ -368,9 +395,10 @@ class CudaModelRunner:
 
     def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata,
                prompt_logprobs: PromptLogprobsSpec | None = None):
-        """The forward, then sampling on the device for `rows` (the batch's requests whose last
-        token this step computes), all enqueued on self.stream: only the token ids (and the
-        logprobs asked for) come back, into pinned memory. Returns at once; result() waits.
+        """The forward, then sampling on the device for `rows` (of the batch's rows of logits:
+        the requests whose last token this step computes; in a verify step each one's 1 + k
+        rows, sampled as the CPU's sampler does), all enqueued on self.stream: only the token
+        ids (and the logprobs asked for) come back, into pinned memory. Returns at once; result() waits.
         prompt_logprobs: also score tokens at those rows of the super-sequence, on the device
         (gpu/cuda/sampling_kernels.logprobs over SLICE_ROWS rows of logits at a time)."""
         logits, buf = self._launch(batch)
@@ -379,7 +407,7 @@ class CudaModelRunner:
             event.record(self.nb_stream)
             step = PendingSample(event, np.zeros(0, np.int32), None)
         else:
-            if len(rows) < batch.num_reqs:
+            if len(rows) < len(logits):
                 with self.stream:
                     logits = logits[cp.asarray(np.asarray(rows, np.int64))]
             step = self.sampler.sample_async(_nb(logits), metadata)

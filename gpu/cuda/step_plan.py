@@ -93,8 +93,9 @@ def attention(backend: str, qkv: Any, num_heads: int, num_kv_heads: int, head_di
     return Launch(_fused("paged_attention", qkv), *launch.attention_launch(T, num_kv_heads, splits))
 
 
-def graph_splits(*, batch: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
-    """The split count a decode graph of `batch` requests is captured with (CudaModelRunner
-    .capture_graphs: planned for max_model_len, whatever the requests' lengths)."""
-    return plan.attention_splits(num_tokens=batch, num_kv_heads=num_kv_heads, max_seq_len=max_model_len,
+def graph_splits(*, tokens: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
+    """The split count a graph of `tokens` query tokens is captured with (a decode graph's
+    requests, a verify graph's n x (1 + K); CudaModelRunner.capture_graphs: planned for
+    max_model_len, whatever the requests' lengths)."""
+    return plan.attention_splits(num_tokens=tokens, num_kv_heads=num_kv_heads, max_seq_len=max_model_len,
                                  num_sms=num_sms)
