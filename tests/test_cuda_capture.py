@@ -108,6 +108,55 @@ def test_a_failed_size_runs_eager_and_the_others_keep_their_graphs(caplog):
     assert table.pick(decode(2)) == 2 and table.pick(decode(5)) == 8
 
 
+def verify(drafts: list[int]) -> Batch:
+    """Speculative decoding's verify step: request r computes its last token and drafts[r]
+    draft tokens, logits at each of them (engine/inputs.py)."""
+    counts = 1 + np.array(drafts, np.int32)
+    qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    T = int(qsl[-1])
+    req = np.repeat(np.arange(len(drafts)), counts)
+    return Batch(np.zeros(T, np.int32), (np.arange(T) - qsl[req]).astype(np.int32),
+                 np.full(T, -1, np.int32), qsl, counts, np.zeros((len(drafts), 1), np.int32),
+                 sample_indices=np.arange(T, dtype=np.int32))
+
+
+def test_speculative_decoding_adds_a_verify_ladder_its_steps_replay():
+    """--speculative-config on CUDA (K = 3, disable_by_batch_size 8): beside the decode ladder
+    up to max_num_seqs, a verify graph per size up to 8 requests, each of n x 4 tokens and
+    rows of logits (n + 1 request slots); captured as the decode ladder is (a failed size runs
+    eager, the others keep theirs). A verify step replays the smallest verify graph that holds
+    it; a decode step its decode graph; a step of more requests than 8 runs eager."""
+    from ringserve.engine.config import EngineConfig
+
+    limits = EngineConfig.create(speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+                                 device="cuda", max_num_seqs=64).step_limits
+    decode_table, verify_table = plan.graph_tables(limits)
+    assert decode_table.sizes == plan.graph_batch_sizes(64) and decode_table.query_len == 1
+    assert verify_table.sizes == [1, 2, 4, 8] and verify_table.query_len == 4
+    assert [verify_table.shape(n) for n in verify_table.sizes] == [(4, 2, 4), (8, 3, 8), (16, 5, 16),
+                                                                   (32, 9, 32)]
+    assert plan.shared_shape([decode_table, verify_table]) == (64, 64, 64)
+    stream = StandInStream()
+
+    def capture_size(size):
+        def forward():
+            if size == 2:
+                stream.invalidated = True
+                raise RuntimeError("an op that cannot be captured")
+        return capture.capture(stream, forward, contextlib.nullcontext)
+
+    failed = {2: "RuntimeError: an op that cannot be captured"}
+    assert capture.capture_ladder(decode_table, capture_size) == failed
+    assert capture.capture_ladder(verify_table, capture_size) == failed
+    assert sorted(verify_table.graphs) == [1, 4, 8] and not stream.is_capturing()
+    assert verify_table.pick(verify([3])) == 1 and verify_table.pick(verify([3, 0, 2])) == 4
+    assert verify_table.pick(verify([1, 1])) is None           # size 2 failed: eager
+    assert verify_table.pick(verify([3] * 8)) == 8 and verify_table.pick(verify([1] * 9)) is None
+    assert decode_table.pick(verify([3])) is None and decode_table.pick(decode(5)) == 8
+    plain = EngineConfig.create(device="cuda", max_num_seqs=64).step_limits
+    assert plan.graph_tables(plain)[1].sizes == []             # no speculation: no verify graphs
+
+
 class Event:
     def __init__(self, log):
         self.log, self.recorded = log, None

@@ -5,7 +5,9 @@ attention.cu) compiled for the host (tests/cuda_host_kernels.py), numpy in place
 run in the CUDA simulator in tests/test_cuda_sim.py). Against the CPU backend's logits on tiny
 random Llamas: eager prefill and decode, and decode the way a CUDA graph replays it (padded to
 a ladder size, the shared buffers' block table holding stale rows, split-K from
-max_model_len); in fp16 and in bf16 (weights, activations and KV cache as bf16 bits: each
+max_model_len), and speculative decoding's verify steps eager and as their graphs replay them
+(1 + k rows of logits per request) against the CPU's logits and the plain greedy decode's
+tokens; in fp16 and in bf16 (weights, activations and KV cache as bf16 bits: each
 kernel's _bf16 instantiation). What it cannot check: cuBLAS, CuPy, Numba on a device, graph
 capture.
 """
@@ -18,7 +20,15 @@ import pytest
 
 from conftest import TINY_CUDA_MODELS
 from cuda_host_kernels import paged_attention
-from fp16_checks import assert_logits_close, decode_against_cpu, fp16_tolerance, narrow, next_batch, widen
+from fp16_checks import (
+    assert_logits_close,
+    assert_same_generation,
+    decode_against_cpu,
+    fp16_tolerance,
+    narrow,
+    next_batch,
+    widen,
+)
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.cuda import launch, plan, step_plan
 from ringserve.gpu.cuda import reference as ref
@@ -35,6 +45,7 @@ from test_cuda_quant_host import FORMS, form
 
 pytestmark = pytest.mark.sim
 BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN = 16, 48, 256
+SPEC_TOKENS, MAX_VERIFY_SEQS = 3, 4  # the host runner's verify graphs: K and the most requests
 F16, F32 = np.float16, np.float32
 
 
@@ -164,10 +175,12 @@ class HostRunner:
         self.caches = [(np.zeros(shape, act), np.zeros(shape, act)) for _ in range(c.num_hidden_layers)]
         self.ropes = rope_tables_by_type(c, MAX_MODEL_LEN, MAX_MODEL_LEN)
         self.num_sms = num_sms  # few "SMs": split-K kicks in at these tiny batches
-        self.ladder = plan.graph_batch_sizes(8)
+        self.decode = plan.GraphTable(plan.graph_batch_sizes(8))
+        self.verify = plan.GraphTable(plan.verify_batch_sizes(8, MAX_VERIFY_SEQS), 1 + SPEC_TOKENS)
         self.max_blocks = MAX_MODEL_LEN // BLOCK_SIZE
         # the graphs' one set of buffers, with stale garbage where no step wrote yet
-        self.shared = StepBuffers(c, self.ladder[-1], self.ladder[-1], self.max_blocks, np, act)
+        T, B, R = plan.shared_shape([self.decode, self.verify])
+        self.shared = StepBuffers(c, T, B, self.max_blocks, np, act, R)
         tables = self.shared.block_tables
         tables[...] = np.random.default_rng(0).integers(0, NUM_BLOCKS, tables.shape)
 
@@ -178,7 +191,7 @@ class HostRunner:
     def eager(self, batch: Batch) -> np.ndarray:
         c = self.config
         buf = StepBuffers(c, batch.num_tokens, batch.num_reqs, batch.block_tables.shape[1], np,
-                          self.act_dtype)
+                          self.act_dtype, len(batch.logits_indices))
         buf.load(batch, self.ops)
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
@@ -187,16 +200,19 @@ class HostRunner:
         return buf.logits.copy()
 
     def graph_shaped(self, batch: Batch) -> np.ndarray:
-        """A decode as its graph replays it: padded to the ladder size, leading views of the
-        shared buffers, split-K planned for max_model_len."""
+        """A decode (or a verify step) as its graph replays it: padded to its ladder's size,
+        leading views of the shared buffers, split-K planned for max_model_len."""
         c = self.config
-        size = plan.padded_size(batch.num_reqs, self.ladder)
-        buf = self.shared.leading(size, size)
-        buf.load(plan.pad_decode(batch, size, self.max_blocks), self.ops)
-        s = self.splits(size, MAX_MODEL_LEN)
+        table = self.decode if plan.is_decode_only(batch) else self.verify
+        size = table.fit(batch)
+        assert size is not None, "no graph holds this step"
+        T, B, R = table.shape(size)
+        buf = self.shared.leading(T, B, R)
+        buf.load(table.pad(batch, size, self.max_blocks), self.ops)
+        s = self.splits(T, MAX_MODEL_LEN)
         self.model.forward(self.ops, self.weights, buf, self.caches,
-                           AttentionLaunch(s, workspace(c, size, s)), self.ropes)
-        return buf.logits[:batch.num_reqs].copy()
+                           AttentionLaunch(s, workspace(c, T, s)), self.ropes)
+        return buf.logits[:len(batch.logits_indices)].copy()
 
 
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])  # auto: a float32 checkpoint in fp16
@@ -216,6 +232,97 @@ def test_cuda_forward_matches_the_cpu_backend(tiny_cuda_model_dir, cuda_host, de
         batch = next_batch([list(p) for p in prompts], [list(p) for p in prompts], tables, BLOCK_SIZE)
         want = cpu.execute(batch)
         np.testing.assert_allclose(host.eager(batch), want, atol=fp16_tolerance(want))
+
+
+def verify_batch(seqs: list[list[int]], drafts: list[list[int]], tables: np.ndarray) -> Batch:
+    """Speculative decoding's verify step as engine/inputs.py builds it: each request computes
+    its last token (seqs[r][-1]) and its drafts, logits at all those 1 + k rows, its block
+    table -1 past its blocks."""
+    full = [seq + d for seq, d in zip(seqs, drafts, strict=True)]
+    tables = tables.copy()
+    for r, seq in enumerate(full):
+        tables[r, -(-len(seq) // BLOCK_SIZE):] = -1
+    batch = next_batch(full, [[seq[-1]] + d for seq, d in zip(seqs, drafts, strict=True)], tables, BLOCK_SIZE)
+    batch.sample_indices = np.arange(batch.num_tokens, dtype=np.int32)
+    return batch
+
+
+def greedy_reference(runner, prompts: list[list[int]], tables: np.ndarray, steps: int):
+    """The plain greedy decode (prefill, then one token a step) on `runner`: each request's
+    tokens and each choice's lead in logprob over the runner-up."""
+    seqs, new = [list(p) for p in prompts], [list(p) for p in prompts]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    leads: list[list[float]] = [[] for _ in prompts]
+    for _ in range(steps):
+        logits = runner.execute(next_batch(seqs, new, tables, BLOCK_SIZE))
+        logprobs = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        for r, seq in enumerate(seqs):
+            top2 = np.sort(logprobs[r])[-2:]
+            tokens[r].append(int(logprobs[r].argmax()))
+            leads[r].append(float(top2[1] - top2[0]))
+            seq.append(tokens[r][-1])
+            new[r] = [seq[-1]]
+    return tokens, leads
+
+
+# Per request, per verify step: (k drafts from the plain decode's next tokens, the one made
+# wrong or None). All accepted; one accepted then a wrong one (its K/V rewritten next step);
+# none (a plain decode row in a verify step); the first wrong.
+VERIFY_PLANS = [[(3, None), (2, None)], [(3, 1), (3, 2)], [(0, None), (2, 0)]]
+
+
+@pytest.mark.parametrize("dtype,shaped", [("auto", "eager"), ("auto", "graph"), ("bfloat16", "graph")])
+def test_verify_steps_match_the_cpu_backend_and_the_plain_greedy_decode(tiny_cuda_models, cuda_host,
+                                                                        dtype, shaped):
+    """Speculative decoding on the CUDA forward: after a prefill, two verify steps of three
+    requests (k = 3, 3, 0 then 2, 3, 2 drafts: all right, one right then a wrong one, none, the
+    first wrong), eager or as their verify graph replays them (padded to the ladder's n x (1 +
+    K) tokens and n + 1 request slots, the shared device table stale past the real rows, the
+    batch's own tables -1 past each request's blocks). Every row's logits as the CPU backend's
+    for the same batch; accepting as engine/core.py does (while the row's argmax is the draft,
+    then one more), each request's tokens are the plain greedy decode's."""
+    model_dir = tiny_cuda_models("untied-g2")
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 60))]
+    tables = np.random.default_rng(3).permutation(NUM_BLOCKS)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cache = CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"), cache)
+    expect, leads = greedy_reference(ModelRunner(model_dir, DeviceConfig(device="cpu"), cache), prompts,
+                                     tables, 9)
+    host = HostRunner(model_dir, cuda_host, dtype=dtype)
+    seqs = [list(p) for p in prompts]
+    prefill = next_batch(seqs, [list(p) for p in prompts], tables, BLOCK_SIZE)
+    want = cpu.execute(prefill)
+    assert_logits_close(host.eager(prefill), want)
+    for r, seq in enumerate(seqs):
+        seq.append(int(want[r].argmax()))
+    vocab = host.config.vocab_size
+    for step in range(2):
+        drafts = []
+        for r, seq in enumerate(seqs):
+            k, wrong = VERIFY_PLANS[r][step]
+            done = len(seq) - len(prompts[r])
+            d = list(expect[r][done:done + k])
+            if wrong is not None:
+                d[wrong] = (d[wrong] + 1) % vocab
+            drafts.append(d)
+        batch = verify_batch(seqs, drafts, tables)
+        want = cpu.execute(batch)
+        assert want.shape == (sum(1 + len(d) for d in drafts), vocab)
+        if shaped == "graph":
+            assert not plan.is_decode_only(batch) and host.verify.fit(batch) == 4
+        got = host.graph_shaped(batch) if shaped == "graph" else host.eager(batch)
+        assert_logits_close(got, want)
+        start = 0
+        for seq, d in zip(seqs, drafts, strict=True):
+            for i, token in enumerate(got[start:start + 1 + len(d)].argmax(-1).tolist()):
+                seq.append(token)
+                if i == len(d) or token != d[i]:
+                    break
+            start += 1 + len(d)
+    assert [len(seq) - len(p) for seq, p in zip(seqs, prompts, strict=True)] == [8, 6, 3]
+    compared = [assert_same_generation(seq[len(p):], expect[r][:len(seq) - len(p)], leads[r])
+                for r, (seq, p) in enumerate(zip(seqs, prompts, strict=True))]
+    assert sum(compared) >= 8, compared  # the tiny model's near-ties leave most tokens checked
 
 
 def tiny_gguf(folder, layout: str, monkeypatch):

@@ -28,7 +28,7 @@ from cupy_host import Cublas, Device, IllegalAddress, NumbaCuda, NumbaKernel, sp
 from ringserve.engine.config import CUDA_MAX_NUM_BATCHED_TOKENS
 from ringserve.gpu.cuda import numba_kernels as nk
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
-from test_cuda_capture import decode
+from test_cuda_capture import decode, verify
 
 pytestmark = pytest.mark.sim
 # max_model_len 2048 > one 512-key partition, with 132 SMs: every ladder size splits its keys
@@ -98,7 +98,8 @@ def build(stand_in, model_dir, settings: DeviceConfig = CUDA, limits: StepLimits
     device, runner_module = stand_in
     runner = runner_module.CudaModelRunner.from_dir(model_dir, settings, CACHE, limits)
     assert sorted(runner.graphs.graphs) == runner.graphs.sizes, runner.capture_failures
-    assert len(device.graphs) == len(runner.graphs.sizes)
+    assert sorted(runner.verify_graphs.graphs) == runner.verify_graphs.sizes, runner.verify_capture_failures
+    assert len(device.graphs) == len(runner.graphs.sizes) + len(runner.verify_graphs.sizes)
     gc.collect()  # whatever only the capture's frames held is freed now
     return runner
 
@@ -118,6 +119,30 @@ def test_every_allocation_a_captured_graph_touches_is_held_by_the_runner(stand_i
     for n in (1, 3, 5, 8):  # every graph replays through the runner's own path
         logits, _ = runner._launch(decode(n))
         assert logits.shape == (n, runner.config.vocab_size)
+
+
+def test_speculative_decodings_verify_graphs_are_held_and_replay(stand_in, tiny_cuda_models):
+    """Speculative decoding (K = 3, verify steps of up to 4 requests): the runner captures
+    verify graphs [1, 2, 4] beside the decode ladder over views of the same shared buffers
+    (16 tokens and rows, 5 request slots at most), everything they touch held by the runner;
+    verify steps replay them through the runner's own path (the graph's buffers, 1 + k rows of
+    logits a request), a step of more tokens than the ladder holds runs eager."""
+    device, _ = stand_in
+    runner = build(stand_in, tiny_cuda_models("tied-g3"),
+                   limits=replace(LIMITS, num_speculative_tokens=3, max_num_verify_seqs=4))
+    assert runner.verify_graphs.sizes == [1, 2, 4] and runner.verify_graphs.query_len == 4
+    assert len(device.graphs) == 4 + 3
+    stray = stray_allocations(runner, device)
+    assert not stray, "\n".join(stray)
+    for drafts, size in (([3], 1), ([3, 0], 2), ([3, 1, 0, 2], 4)):
+        logits, buf = runner._launch(verify(drafts))
+        assert logits.shape == (sum(drafts) + len(drafts), runner.config.vocab_size)
+        assert buf is runner.verify_graphs.graphs[size].buffers
+    logits, buf = runner._launch(verify([3] * 5))  # 5 requests: eager
+    assert logits.shape == (20, runner.config.vocab_size)
+    assert all(buf is not g.buffers for g in runner.verify_graphs.graphs.values())
+    logits, buf = runner._launch(decode(3))  # a decode step still replays its decode graph
+    assert buf is runner.graphs.graphs[4].buffers and logits.shape == (3, runner.config.vocab_size)
 
 
 def test_a_packed_models_quant_workspace_is_held_by_the_runner(stand_in, tmp_path, monkeypatch):

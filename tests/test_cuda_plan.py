@@ -92,6 +92,75 @@ def test_graph_table_picks_captured_sizes_for_decode_only():
         t.add(3, "g3", 0.1)
 
 
+def verify_batch(seq_lens, drafts, block_size=4, width=3, seed=0):
+    """Requests whose last 1 + k tokens (k = drafts[r]) are computed, logits at all of them."""
+    rng = np.random.default_rng(seed)
+    n = len(seq_lens)
+    tables = rng.permutation(64)[:n * width].reshape(n, width).astype(np.int32)
+    counts = 1 + np.array(drafts, np.int32)
+    qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    req = np.repeat(np.arange(n), counts)
+    pos = (np.array(seq_lens)[req] - counts[req] + np.arange(qsl[-1]) - qsl[req]).astype(np.int32)
+    return Batch(rng.integers(0, 50, qsl[-1]).astype(np.int32), pos,
+                 (tables[req, pos // block_size] * block_size + pos % block_size).astype(np.int32), qsl,
+                 np.array(seq_lens, np.int32), tables, sample_indices=np.arange(qsl[-1], dtype=np.int32))
+
+
+def test_a_verify_step_padded_to_its_graph_computes_its_rows_as_eager():
+    """Speculative decoding's verify graphs (K = 3): size n holds n requests of up to 4 tokens
+    in n x 4 tokens and rows of logits and n + 1 request slots. Padded, the first padded
+    request owns every padding token and has no keys: attention over the padded step equals
+    the real one's row for row (the device table stale past the real rows), nothing more is
+    written, and the rows of logits are the step's, then row 0 again."""
+    t = plan.GraphTable(plan.verify_batch_sizes(256, 8), 4)
+    assert t.sizes == [1, 2, 4, 8] and t.shape(4) == (16, 5, 16)
+    b = verify_batch([9, 6, 3], [3, 0, 2])  # 8 tokens of 3 requests: size 4 (the decode table takes none)
+    assert t.fit(b) == 4 and plan.GraphTable([1, 2, 4, 8]).fit(b) is None
+    p = t.pad(b, 4, max_blocks=3)
+    assert list(p.query_start_loc) == [0, 4, 5, 8, 16, 16] and list(p.seq_lens) == [9, 6, 3, 0, 0]
+    assert np.all(p.slot_mapping[8:] == -1) and list(p.logits_indices) == list(range(8)) + [0] * 8
+    rng = np.random.default_rng(2)
+    device_table = rng.integers(0, 64, (5, 3)).astype(np.int32)  # what earlier steps left
+    device_table[:3] = b.block_tables
+    H, KVH, D = 2, 1, 4
+    qkv = rng.standard_normal((16, (H + 2 * KVH) * D)).astype(np.float32)
+    k = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
+    k2, v2 = k.copy(), v.copy()
+    ref.store_kv(qkv[:8], b.slot_mapping, k, v, H)
+    ref.store_kv(qkv, p.slot_mapping, k2, v2, H)
+    np.testing.assert_array_equal(k, k2)
+    real = ref.paged_attention(qkv[:8], k, v, b.positions, b.query_start_loc, b.seq_lens,
+                               b.block_tables, H, 0.5)
+    padded = ref.paged_attention(qkv, k2, v2, p.positions, p.query_start_loc, p.seq_lens,
+                                 device_table, H, 0.5)
+    np.testing.assert_array_equal(padded[:8], real)
+    assert np.all(padded[8:] == 0)
+
+
+def test_verify_graphs_fit_and_refuse():
+    t = plan.GraphTable([1, 2, 4], 4)
+    assert t.fit(verify_batch([5], [3])) == 1            # 4 tokens in 4, a padding slot to spare
+    assert t.fit(verify_batch([5, 5], [3, 0])) == 2      # 5 tokens: over size 1's 4
+    assert t.fit(verify_batch([5, 5], [3, 3])) == 2      # exactly full
+    assert t.fit(verify_batch([9] * 3, [3, 3, 3])) == 4
+    assert t.fit(verify_batch([9] * 5, [1] * 5)) is None  # 5 requests: over the ladder
+    assert t.pick(verify_batch([5], [3])) is None         # nothing captured: eager
+    t.add(2, "g2", 0.1)
+    assert t.pick(verify_batch([5], [3])) is None         # size 1 not captured
+    assert t.pick(verify_batch([5, 5], [3, 0])) == 2
+    with pytest.raises(ValueError):
+        t.pad(verify_batch([9] * 3, [3, 3, 3]), 2, max_blocks=3)  # 12 tokens into 8
+    with pytest.raises(ValueError):
+        t.pad(verify_batch([5, 5], [3, 0]), 2, max_blocks=2)      # 3 blocks a request, room for 2
+    with pytest.raises(ValueError):
+        plan.pad_step(decode_batch([3, 4]), (4, 2, 4), max_blocks=3)  # padding without a request to own it
+    with pytest.raises(ValueError):
+        plan.GraphTable([1], 0)
+    assert plan.shared_shape([plan.GraphTable([1, 2, 4, 8]), t]) == (16, 8, 16)  # verify 4: 16 tokens
+    assert plan.verify_batch_sizes(4, 8) == [1, 2, 4] and plan.verify_batch_sizes(64, 10) == [1, 2, 4, 8, 16]
+
+
 def test_kv_pool_sizing():
     per_block = plan.kv_bytes_per_block(num_layers=16, block_size=16, num_kv_heads=8, head_dim=64,
                                         itemsize=2)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ringserve.gpu.batch import Batch
+from ringserve.gpu.settings import StepLimits
 
 MAX_CAPTURED_BATCH = 512  # graphs beyond this cost capture time and memory for little gain
 
@@ -43,6 +44,8 @@ def is_decode_only(batch: Batch) -> bool:
 def verify_batch_sizes(max_num_seqs: int, max_num_verify_seqs: int) -> list[int]:
     """Speculative decoding: the ladder of verify graphs, the decode ladder's sizes up to the
     most requests a step that speculates runs (disable_by_batch_size; larger steps decode)."""
+    if max_num_verify_seqs < 1:
+        raise ValueError(f"max_num_verify_seqs {max_num_verify_seqs} must be at least 1")
     return graph_batch_sizes(min(max_num_seqs, max_num_verify_seqs))
 
 
@@ -143,6 +146,14 @@ class GraphTable:
 
     def pad(self, batch: Batch, size: int, max_blocks: int) -> PaddedStep:
         return pad_step(batch, self.shape(size), max_blocks)
+
+
+def graph_tables(limits: StepLimits) -> tuple[GraphTable, GraphTable]:
+    """The decode ladder up to max_num_seqs and the verify ladder (empty without speculative
+    decoding) for these step limits, nothing captured yet."""
+    k = limits.num_speculative_tokens
+    verify = verify_batch_sizes(limits.max_num_seqs, limits.max_num_verify_seqs) if k else []
+    return GraphTable(graph_batch_sizes(limits.max_num_seqs)), GraphTable(verify, 1 + k)
 
 
 def shared_shape(tables: list[GraphTable]) -> tuple[int, int, int]:

@@ -232,11 +232,8 @@ class CudaModelRunner:
             self.kv_caches = [(cp.zeros(shape, act), cp.zeros(shape, act))
                               for _ in range(c.num_hidden_layers)]
         cp.cuda.Device().synchronize()
-        self.graphs = plan.GraphTable(plan.graph_batch_sizes(limits.max_num_seqs))  # CapturedGraph records
-        # speculative decoding's verify steps: a ladder of their own (none without it)
-        verify_sizes = (plan.verify_batch_sizes(limits.max_num_seqs, limits.max_num_verify_seqs)
-                        if limits.num_speculative_tokens else [])
-        self.verify_graphs = plan.GraphTable(verify_sizes, 1 + limits.num_speculative_tokens)
+        # CapturedGraph records: decode steps', and speculative decoding's verify steps' (none without it)
+        self.graphs, self.verify_graphs = plan.graph_tables(limits)
         self.capture_failures: dict[int, str] = {}  # batch size -> why it runs eager
         self.verify_capture_failures: dict[int, str] = {}
         if not device.enforce_eager:
