@@ -12,7 +12,7 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.cuda.census import census_for, decode_census
 from ringserve.gpu.loader.weights import expected_shapes
 from ringserve.tools import step_census
-from test_cuda_forward_host import BLOCK_SIZE, MAX_MODEL_LEN, HostRunner
+from test_cuda_forward_host import BLOCK_SIZE, MAX_MODEL_LEN, SPEC_TOKENS, HostRunner
 
 STAND_INS = ("linear", "embedding", "gather_rows")  # cuBLAS and Numba on a GPU, numpy here
 
@@ -61,6 +61,32 @@ def test_the_census_lists_the_launches_the_host_forward_makes(tiny_cuda_models, 
     assert census.per_layer * layers + 5 == len(census.rows)  # embedding, norm | gather, lm_head, widen
 
 
+@pytest.mark.sim
+def test_the_census_lists_the_launches_of_a_verify_step(tiny_cuda_models, cuda_host):
+    """Speculative decoding's verify step (K = 3): 3 requests of 40 keys computing 4, 2 and 1
+    tokens (3, 1 and 0 drafts), logits at all 7, padded to the verify graph of 4 requests (16
+    tokens and rows, 5 request slots): the census with speculative_tokens lists the launches the
+    host forward makes, in order, its lm_head and widening over the 16 rows."""
+    host = HostRunner(tiny_cuda_models("untied-g2"), cuda_host)
+    tables = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)
+    counts = np.array([4, 2, 1])
+    req = np.repeat(np.arange(3), counts)
+    pos = (40 - counts[req] + np.arange(7) - np.array([0, 4, 6])[req]).astype(np.int32)
+    batch = Batch(np.arange(5, 12, dtype=np.int32), pos,
+                  (tables[req, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).astype(np.int32),
+                  np.array([0, 4, 6, 7], np.int32), np.full(3, 40, np.int32), tables,
+                  sample_indices=np.arange(7, dtype=np.int32))
+    assert host.verify.fit(batch) == 4 and host.verify.query_len == 1 + SPEC_TOKENS
+    got = recorded_decode(host, batch)
+    splits = host.splits(16, MAX_MODEL_LEN)
+    census = decode_census(host.config, batch=4, context=40, splits=splits, dtype=host.dtype,
+                           speculative_tokens=SPEC_TOKENS)
+    want = [(r.op,) if r.op in STAND_INS else (r.launch.kernel, *r.launch.geometry) for r in census.rows]
+    assert got == want and census.num_tokens == 16
+    gathers = [r.launch.grid for r in census.rows if r.op in ("embedding", "gather_rows")]
+    assert gathers == [(16,), (16,)]  # one block a token, then one a row of logits
+
+
 def test_the_8b_census_reads_every_weight_once_and_names_its_floor(capsys):
     """Llama-3-8B at batch 1: every weight read once but the embedding (one row), the KV of 512
     keys a layer, 9 launches a layer (4 GEMMs, two add + norms, RoPE + KV write, SiLU·mul, split-K
@@ -80,3 +106,19 @@ def test_the_8b_census_reads_every_weight_once_and_names_its_floor(capsys):
     # batch 64 fills the SMs: no split, no partials
     wide = census_for(c, batch=64, context=512, dtype="bfloat16", max_model_len=2048, num_sms=132)
     assert wide.per_layer == 9 and wide.splits == 1 and wide.partial_bytes == 0 < census.partial_bytes
+
+
+def test_the_cli_shows_a_verify_step(capsys):
+    """--speculative-tokens 3: the 8B verify step at batch 1 (4 tokens): the same weights read
+    once (and 3 more embedding rows), each of the 4 tokens reading its request's keys, the
+    lm_head over 4 rows."""
+    assert step_census.main(["--shape", "8B", "--batch", "1", "--speculative-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 1 verifying 3 drafts each (4 tokens), context 512" in out.splitlines()[0]
+    c = step_census.config_for("8B")
+    decode = census_for(c, batch=1, context=512, dtype="float16", max_model_len=2048, num_sms=132)
+    verify = census_for(c, batch=1, context=512, dtype="float16", max_model_len=2048, num_sms=132,
+                        speculative_tokens=3)
+    assert verify.total().weights == decode.total().weights + 3 * c.hidden_size * 2
+    assert verify.total().kv_read == 4 * decode.total().kv_read
+    assert [r.launch.grid for r in verify.rows if r.op == "gather_rows"] == [(4,)]
