@@ -195,6 +195,41 @@ else:
         # logprobs are the raw model's, as on the CPU
         np.testing.assert_allclose(out.logprobs.logprobs, want.logprobs.logprobs, rtol=1e-5, atol=1e-5)
 
+    def test_cuda_sampler_samples_verify_rows_as_the_numpy_sampler():
+        """Speculative decoding's verify rows (engine/sampling_metadata.build_verify_metadata:
+        1 + k rows a request, row j as if its first j drafts were accepted) on the device as
+        gpu/sampling/sampler.py samples them on the CPU: the same tokens and logprobs. Row by
+        row the drafts count: token 11 leads every row of `a`, and once it is a draft before
+        the row its repetition and frequency penalties push it down; eos leads every row of
+        `b` (min_tokens 3, one output), banned until its output and drafts make 3."""
+        from ringserve.engine.request import Request
+        from ringserve.engine.sampling_metadata import build_verify_metadata
+        from ringserve.ipc.sampling_params import SamplingParams
+
+        V, eos = 40, 2
+        a = Request("a", [1, 3], SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.5,
+                                                frequency_penalty=0.5, logprobs=2), eos_token_ids=(eos,))
+        b = Request("b", [4], SamplingParams(temperature=0.0, max_tokens=9, min_tokens=3),
+                    eos_token_ids=(eos,))
+        c = Request("c", [5, 6], SamplingParams(temperature=0.0, max_tokens=9), eos_token_ids=(eos,))
+        for req, out in ((a, [7, 8]), (b, [9]), (c, [10])):
+            for t in out:
+                req.append_output_token(t)
+        drafts = [[11, 12, 13], [eos, 14], None]
+        meta = build_verify_metadata([a, b, c], drafts, lambda reqs, drafts: None)
+        x = np.random.default_rng(12).standard_normal((4 + 3 + 1, V)).astype(np.float32)
+        x[:4, 11] = x[:4].max() + 0.5
+        x[4:7, eos] = x[4:7].max() + 0.5
+        want = cpu_sampler.sample(x, _copy_meta(meta, seed=0))
+        got = CudaSampler(threads=THREADS).sample(cuda.to_device(x), _copy_meta(meta, seed=0))
+        np.testing.assert_array_equal(got.token_ids, want.token_ids)
+        tokens = got.token_ids.tolist()
+        assert tokens[0] == 11 and 11 not in tokens[1:4]          # a: 11 a draft before rows 1-3
+        assert eos not in tokens[4:6] and tokens[6] == eos        # b: 1 + 2 drafts reach min_tokens
+        assert tokens[7] == x[7].argmax()
+        np.testing.assert_array_equal(got.logprobs.token_ids, want.logprobs.token_ids)
+        np.testing.assert_allclose(got.logprobs.logprobs, want.logprobs.logprobs, rtol=1e-5, atol=1e-5)
+
     def test_one_pending_sample_at_a_time():
         sampler = CudaSampler(threads=THREADS)
         x = cuda.to_device(np.arange(8, dtype=np.float32).reshape(2, 4))
