@@ -22,7 +22,7 @@ def test_the_plan_fits_nine_minutes_and_eight_files(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     plan = [re.match(r"(.+?): (\d+) s -> (\S+): (.+)", ln).groups() for ln in lines]
-    assert [p[0] for p in plan] == ["preflight", "gpu tests", "gpu_check", "serve sweep"]
+    assert [p[0] for p in plan] == ["preflight", "gpu tests", "gpu_check", "serve sweep", "spec bench"]
     assert sum(int(p[1]) for p in plan) <= 530 <= 9 * 60
     assert {p[2] for p in plan} <= set(device_run.RESULT_FILES) and len(device_run.RESULT_FILES) <= 8
     commands = {p[0]: p[3] for p in plan}
@@ -30,14 +30,16 @@ def test_the_plan_fits_nine_minutes_and_eight_files(tmp_path):
     budget = int(re.search(r"--budget-s (\d+)", commands["gpu_check"]).group(1))
     assert budget < int(plan[2][1])  # gpu_check ends before its phase is killed
     assert "--concurrency 1,8,64,256" in commands["serve sweep"]
+    assert "bench_spec --device cuda --sweep-shape 1B" in commands["spec bench"]
+    assert "--concurrency 1 " in commands["spec bench"]
     assert all(t in commands["gpu tests"] for t in device_run.GPU_TESTS)
 
 
 def test_a_phase_gets_its_limit_but_never_what_later_phases_need():
     chosen = list(device_run.PHASES)
     assert device_run.seconds_for(chosen, 0, 1000) == chosen[0].limit_s
-    late = device_run.seconds_for(chosen, 1, 200)  # 200 s left: gpu tests and sweep keep theirs
-    assert late == 200 - chosen[2].min_s - chosen[3].min_s
+    late = device_run.seconds_for(chosen, 1, 200)  # 200 s left: the later phases keep theirs
+    assert late == 200 - sum(p.min_s for p in chosen[2:])
 
 
 def test_the_gpu_tests_collect_here():

@@ -6,11 +6,14 @@ output tokens per second (all c requests' tokens over the wall time) and, with s
 the acceptance rate (accepted / draft tokens) and the mean tokens per verify step:
 
     .venv/bin/python -m ringserve.tools.bench_spec --concurrency 1 4 16 [--model M]
+    python -m ringserve.tools.bench_spec --device cuda --sweep-shape 1B --concurrency 1   # a GPU
 
 Workloads: `copy` ("repeat this code with one change": greedy, the output mostly copies the
 prompt, where n-gram drafts are accepted) and `random` (a prompt of random token ids, sampled
 at temperature 0.8: drafts are rarely right, so this is what failed drafts cost). The two
 engines are built once each and warmed up on one request first (Numba's compile is not timed).
+--sweep-shape: the serve sweep's random-weight model of that shape (tools/serve_sweep.py
+model_dir, written on first use) in --dtype, as tools/device_run.py measures a GPU.
 """
 from __future__ import annotations
 
@@ -53,6 +56,9 @@ def run(llm: LLM, prompts, params: SamplingParams) -> tuple[float, int]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--sweep-shape", default=None, help="the serve sweep's random model of this shape")
+    ap.add_argument("--dtype", default="bfloat16", help="--sweep-shape's weights (default bfloat16)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--speculative-config", default=json.dumps(
@@ -62,7 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="threads per step (default: the engine's); 1 on a machine others load")
     args = ap.parse_args(argv)
-    common = dict(device="cpu", max_model_len=1024, cpu_threads=args.cpu_threads)
+    if args.sweep_shape:
+        from ringserve.tools.serve_sweep import model_dir
+        args.model = str(model_dir(args.sweep_shape, args.dtype))
+    # max_num_seqs: the largest concurrency (on CUDA: graphs captured for no more)
+    common = dict(device=args.device, max_model_len=1024, max_num_seqs=max(args.concurrency),
+                  cpu_threads=args.cpu_threads)
     plain = LLM(args.model, **common)
     spec = LLM(args.model, **common, speculative_config=args.speculative_config)
     stats = spec.engine.scheduler.speculation.stats  # type: ignore[union-attr]
@@ -70,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     for llm in (plain, spec):
         llm.generate(copy_prompts(1), warm)
     rng = np.random.default_rng(0)
-    print(f"speculative config: {args.speculative_config}")
+    print(f"{args.model or 'the default model'} on {args.device}; "
+          f"speculative config: {args.speculative_config}")
     print("| workload | concurrency | tok/s off | tok/s on | speed-up | acceptance | tokens/verify |")
     print("|---|---|---|---|---|---|---|")
     for workload in args.workloads:

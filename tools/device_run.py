@@ -15,6 +15,8 @@ network, from the checkout's root, in at most --budget-s (530 s) and with at mos
 3. gpu_check, fp16 / bf16 and quantized tables (--table all)   -> gpu_check.json, .txt, .log
 4. the serve sweep (tools/serve_sweep.py: c = 1, 8, 64, 256, ring and HTTP, both models)
                                                                -> serve_sweep.json, .txt
+5. speculative decoding (tools/bench_spec.py: n-gram, tok/s with and without at c = 1, the
+   bfloat16 model)                                             -> device_run.txt
 and device_run.txt: this driver's log (setup, each phase's command, status and seconds).
 
 Each phase runs in a process session of its own with its own time limit, never past what the
@@ -75,15 +77,20 @@ PHASES = (
     Phase("gpu tests", 190, 60, "gpu_tests.txt", lambda a, s: _py(
         "-m", "pytest", "-v", "-m", "gpu", "-p", "no:cacheprovider",
         *GPU_TESTS)),
-    Phase("gpu_check", 170, 60, "gpu_check.log", lambda a, s: _py(
+    Phase("gpu_check", 130, 60, "gpu_check.log", lambda a, s: _py(
         "-m", "ringserve.tools.gpu_check", "--out", str(a.out), "--skip-tests", "--skip-preflight",
         "--table", "all", "--budget-s", str(int(s - 10)))),
-    Phase("serve sweep", 110, 40, "device_run.txt", lambda a, s: _py(
+    Phase("serve sweep", 90, 40, "device_run.txt", lambda a, s: _py(
         "-m", "ringserve.tools.serve_sweep", "--out", str(a.out), "--device", a.device, "--shape", a.shape,
         "--dtypes", "bfloat16,float16", "--concurrency", a.concurrency, "--budget-s", str(int(s - 10)),
         "--input-len", str(a.lens[0]), "--output-len", str(a.lens[1]),
         "--serve-flags", "--workers", "2")),
+    # two engines of the sweep's model (one process: Numba compiles once), c = 1 only
+    Phase("spec bench", 60, 30, "device_run.txt", lambda a, s: _py(
+        "-m", "ringserve.tools.bench_spec", "--device", a.device, "--sweep-shape", a.shape,
+        "--dtype", "bfloat16", "--concurrency", "1", "--max-tokens", "128")),
 )
+MODEL_PHASES = ("gpu tests", "serve sweep", "spec bench")  # they wait for the models to be written
 
 
 class Log:
@@ -202,11 +209,11 @@ def run_phases(args: argparse.Namespace, chosen: list[Phase], deadline: float, l
 
 def _run_phases(args: argparse.Namespace, chosen: list[Phase], deadline: float, log: Log,
                 env: dict) -> dict[str, str]:
-    writer = write_models(args, env) if {"serve sweep", "gpu tests"} & set(args.phases) else None
+    writer = write_models(args, env) if set(MODEL_PHASES) & set(args.phases) else None
     status: dict[str, str] = {}
     try:
         for i, phase in enumerate(chosen):
-            if phase.name in ("gpu tests", "serve sweep") and writer is not None:
+            if phase.name in MODEL_PHASES and writer is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):  # a hang shows in the phase
                     writer.wait(timeout=max(1.0, seconds_for(chosen, i, deadline - time.monotonic()) / 2))
             seconds = seconds_for(chosen, i, deadline - time.monotonic())
