@@ -385,6 +385,39 @@ def test_engine_process_on_the_gpu_overlaps_and_matches_the_cpu(tiny_cuda_models
     assert proc.exitcode == 0
 
 
+def test_speculative_decoding_replays_verify_graphs_and_keeps_greedy_output(tiny_cuda_models):
+    """--speculative-config on CUDA (n-gram, K = 3): the verify graphs [1, 2, 4, 8] are captured
+    and verify steps replay them, drafts are accepted, and three greedy requests batched
+    together decode the tokens they decode without speculation (fp16: compared up to the first
+    near-tie of the plain run, where a verify row's other GEMM shape may round differently)."""
+    from fp16_checks import assert_same_generation
+    from ringserve.ipc.sampling_params import SamplingParams
+    from ringserve.server.llm import LLM
+    model = str(tiny_cuda_models("tied-g3"))
+    prompts = [[1] + [5, 6, 7, 8] * 6, [1, 200, 3] * 5, list(range(3, 40))]
+    common = dict(model=model, device="cuda", num_gpu_blocks_override=256, max_num_seqs=8)
+    done = LLM(**common).generate(prompts, [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True,
+                                                           logprobs=2)] * 3)
+    expect = [list(o.outputs[0].token_ids) for o in done]
+    leads = [[_lead(pos) for pos in o.outputs[0].logprobs] for o in done]
+    spec = LLM(**common, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                             "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    runner = spec.engine.runner
+    verify = runner.verify_graphs
+    assert verify.sizes == [1, 2, 4, 8], verify.sizes
+    assert sorted(verify.graphs) == verify.sizes, runner.verify_capture_failures
+    replays: list[int] = []
+    for size, captured in verify.graphs.items():
+        captured.launch = lambda stream, _size=size, _launch=captured.launch: (replays.append(_size),
+                                                                               _launch(stream))
+    outs = spec.generate(prompts, [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)] * 3)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    stats = spec.engine.scheduler.speculation.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0 and replays, (stats, replays)
+    compared = [assert_same_generation(g, e, lead) for g, e, lead in zip(got, expect, leads, strict=True)]
+    assert sum(compared) >= 10, f"too few clear choices to compare: {compared}"
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                                    "Q6_K", "BF16"])
 @pytest.mark.parametrize("rows", [1, 7, 16, 37, 70])
