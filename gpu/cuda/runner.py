@@ -224,16 +224,18 @@ class CudaModelRunner:
         cp.cuda.Device().synchronize()
         log.info("weights, activations and KV cache in %s", self.dtype)
 
+        # CapturedGraph records: decode steps', and speculative decoding's verify steps' (none without it)
+        self.graphs, self.verify_graphs = plan.graph_tables(limits)
         if num_blocks is None:
-            num_blocks = self._profile_num_blocks(limits.max_num_batched_tokens, cache.gpu_memory_utilization)
+            rows = 1 if device.enforce_eager else plan.shared_shape([self.graphs, self.verify_graphs])[2]
+            num_blocks = self._profile_num_blocks(limits.max_num_batched_tokens, rows,
+                                                  cache.gpu_memory_utilization)
         self.num_blocks = int(num_blocks)
         shape = (self.num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         with self.stream:
             self.kv_caches = [(cp.zeros(shape, act), cp.zeros(shape, act))
                               for _ in range(c.num_hidden_layers)]
         cp.cuda.Device().synchronize()
-        # CapturedGraph records: decode steps', and speculative decoding's verify steps' (none without it)
-        self.graphs, self.verify_graphs = plan.graph_tables(limits)
         self.capture_failures: dict[int, str] = {}  # batch size -> why it runs eager
         self.verify_capture_failures: dict[int, str] = {}
         if not device.enforce_eager:
@@ -250,9 +252,11 @@ class CudaModelRunner:
 
     model_dir: Path | None = None  # set by from_dir
 
-    def _profile_num_blocks(self, max_tokens: int, utilization: float) -> int:
-        """Run the largest forward once (over a 1-block cache, writing nothing) and give the KV
-        pool what the weights and that forward's peak left of the allowed share."""
+    def _profile_num_blocks(self, max_tokens: int, rows: int, utilization: float) -> int:
+        """Run the largest forward once (over a 1-block cache, writing nothing), with logits at
+        as many of its tokens as the graphs' shared buffers have rows (up to `rows`: a verify
+        ladder's n x (1 + K) rows of vocab-wide logits are its largest buffers), and give the
+        KV pool what the weights and that forward's peak left of the allowed share."""
         c = self.config
         T = min(max_tokens, self.max_model_len)
         with self.stream:
@@ -260,7 +264,8 @@ class CudaModelRunner:
                     for _ in range(c.num_hidden_layers)]
         batch = Batch(np.zeros(T, np.int32), np.arange(T, dtype=np.int32), np.full(T, -1, np.int32),
                       np.array([0, T], np.int32), np.array([T], np.int32),
-                      np.zeros((1, -(-T // self.block_size)), np.int32))
+                      np.zeros((1, -(-T // self.block_size)), np.int32),
+                      sample_indices=np.arange(T - min(T, rows), T, dtype=np.int32))
         self._eager(batch, tiny)
         self.stream.synchronize()
         free, total = cp.cuda.runtime.memGetInfo()
