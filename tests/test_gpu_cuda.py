@@ -211,6 +211,53 @@ def test_forward_matches_cpu_backend_and_graphs_match_eager(tiny_cuda_model_dir,
             new[r] = [seq[-1]]
 
 
+def test_verify_steps_replay_their_graphs_as_eager_and_match_the_cpu_backend(tiny_cuda_models):
+    """Speculative decoding's verify steps on the device (K = 3, graphs up to 4 requests): after
+    a prefill, verify steps of three requests (3, 1 and 0 drafts: the CPU's greedy tokens, one
+    made wrong) replay a verify graph, their 1 + k rows of logits as the eager runner's and the
+    CPU backend's (the host-shim version: tests/test_cuda_forward_host.py)."""
+    from dataclasses import replace
+
+    from fp16_checks import assert_logits_close, next_batch
+    from ringserve.gpu.cuda.runner import CudaModelRunner
+    from ringserve.gpu.runner import ModelRunner
+    from test_cuda_forward_host import greedy_reference, verify_batch
+    model = tiny_cuda_models("untied-g2")
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3], [1, 17, 17, 17, 17, 17, 40, 41, 42]]
+    tables = np.random.default_rng(0).permutation(64)[:3 * 4].reshape(3, 4).astype(np.int32)
+    cache = CacheConfig(num_gpu_blocks_override=64)
+    limits = replace(LIMITS, num_speculative_tokens=3, max_num_verify_seqs=4)
+    cpu = ModelRunner(model, DeviceConfig(device="cpu"), cache)
+    eager = CudaModelRunner.from_dir(model, DeviceConfig(device="cuda", enforce_eager=True), cache, limits)
+    graphs = CudaModelRunner.from_dir(model, DeviceConfig(device="cuda"), cache, limits)
+    assert sorted(graphs.verify_graphs.graphs) == [1, 2, 4], graphs.verify_capture_failures
+    seqs = [list(p) for p in prompts]
+    prefill = next_batch(seqs, [list(p) for p in prompts], tables, 16)
+    want = cpu.execute(prefill)
+    eager.execute(prefill), graphs.execute(prefill)
+    for r, seq in enumerate(seqs):
+        seq.append(int(want[r].argmax()))
+    expect, _ = greedy_reference(ModelRunner(model, DeviceConfig(device="cpu"), cache), prompts, tables, 14)
+    for _ in range(3):
+        ahead = [expect[r][len(seq) - len(p):] for r, (seq, p) in enumerate(zip(seqs, prompts, strict=True))]
+        drafts = [ahead[0][:3], [ahead[1][0], ahead[1][1] + 1], []]  # all right; one right, one wrong; none
+        batch = verify_batch(seqs, drafts, tables)
+        assert graphs.verify_graphs.pick(batch) == 4
+        want = cpu.execute(batch)
+        got_eager, got_graphs = eager.execute(batch), graphs.execute(batch)
+        assert got_graphs.shape == want.shape == (4 + 3 + 1, graphs.config.vocab_size)
+        assert_logits_close(got_eager, want)
+        assert_logits_close(got_graphs, want)
+        np.testing.assert_allclose(got_graphs, got_eager, atol=1e-2 * np.abs(got_eager).max())
+        start = 0
+        for seq, d in zip(seqs, drafts, strict=True):  # accept as engine/core.py
+            for i, token in enumerate(want[start:start + 1 + len(d)].argmax(-1).tolist()):
+                seq.append(token)
+                if i == len(d) or token != d[i]:
+                    break
+            start += 1 + len(d)
+
+
 @pytest.mark.parametrize("heads", [2, 4])  # head_dim 64 (attention.cu), 32 (Numba's, as Phi-3.5's 96)
 def test_a_phi3_forward_matches_cpu_backend_and_graphs_match_eager(tmp_path, default_model_dir, heads):
     """A tiny random Phi-3 (fused qkv_proj / gate_up_proj, 3/4 of each head rotated, LongRoPE's
