@@ -10,11 +10,11 @@ attention.cu); the indexing is Numba CUDA (numba_kernels.py), launched on the sa
 through numba.cuda.external_stream so that a CUDA graph captures it too. Decode batches replay
 graphs captured for the ladder in gpu/cuda/plan.py, and with speculative decoding its verify
 steps (1 + K tokens and rows of logits per request) replay graphs of their own ladder;
-everything a graph touches is allocated
-before its capture, an allocation during one raises (gpu/cuda/capture.py), and everything it
-touches is held for the graph's life, by the runner or by the graph's record
-(buffers.CapturedGraph). Set-up (weights, RoPE tables, KV pool) ends with a device synchronize,
-and every kernel is compiled and run once before the first request (warm_up)."""
+everything a graph touches is allocated before its capture, an allocation during one raises
+(gpu/cuda/capture.py), and everything it touches is held for the graph's life, by the runner
+or by the graph's record (buffers.CapturedGraph). Set-up (weights, RoPE tables, KV pool) ends
+with a device synchronize, and every kernel is compiled and run once before the first request
+(warm_up)."""
 from __future__ import annotations
 
 import logging
