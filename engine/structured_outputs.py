@@ -23,7 +23,7 @@ import numpy as np
 
 from ringserve.engine.request import Request
 from ringserve.ipc.messages import FinishReason
-from ringserve.ipc.structured import make_ll_tokenizer, tokenizer_json
+from ringserve.ipc.structured import compile_grammar, make_ll_tokenizer, tokenizer_json
 
 
 class StructuredOutputs:
@@ -50,13 +50,9 @@ class StructuredOutputs:
     def matchers(self, grammar: str, n: int) -> list[Any]:
         """n matchers for `grammar` (one per sample). Raises ValueError when it does not compile
         (a ring record is not trusted: the frontend checked it too)."""
-        from llguidance import LLMatcher
-
         # NOTE: compiled in the engine loop, like the rest of add_request; the frontend already
         # compiled it once, so a grammar that gets here is known to build (ms for usual schemas).
-        first = LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
-        if first.is_error():
-            raise ValueError(f"invalid structured_outputs grammar: {first.get_error()}")
+        first = compile_grammar(grammar, self._ll_tokenizer(), "structured_outputs grammar")
         return [first] + [first.deep_copy() for _ in range(n - 1)]
 
     def bitmask(self, reqs: list[Request]) -> np.ndarray | None:

@@ -3,7 +3,7 @@
 vLLM's `StructuredOutputsParams` names (json, regex, choice, grammar, json_object) are the
 request's; `to_grammar` turns any of them into the llguidance grammar string that travels to the
 engine in `SamplingParams.structured_outputs` (a ring record: the engine compiles it again and
-trusts nothing), and `check_grammar` compiles it against a tokenizer. Both sides use these, the
+trusts nothing), and `compile_grammar` compiles it against a tokenizer. Both sides use these, the
 way both apply ipc/limits.py: the frontend answers 400 naming the field before anything reaches
 an engine (its grammar compiler's processes run them, server/grammar_compiler.py), the engine
 refuses what still does not compile (engine/structured_outputs.py). `make_ll_tokenizer` is the
@@ -51,7 +51,7 @@ class GrammarError(ValueError):
 
 
 def to_grammar(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar for `spec` (not yet compiled: check_grammar does that).
+    """The llguidance grammar for `spec` (not yet compiled: compile_grammar does that).
     Raises GrammarError naming the field."""
     import llguidance
     from llguidance import LLMatcher
@@ -103,13 +103,16 @@ def _json_grammar(schema: Any, kind: str) -> str:
         raise GrammarError("the JSON schema is nested too deeply", kind) from None
 
 
-def check_grammar(grammar: str, tokenizer: Any, field: str) -> None:
-    """Compile `grammar` against an LLTokenizer; GrammarError naming `field` if it does not."""
+def compile_grammar(grammar: str, tokenizer: Any, field: str) -> Any:
+    """`grammar` compiled against an LLTokenizer: a fresh llguidance LLMatcher at its start;
+    GrammarError naming `field` if it does not compile. One compile: the matcher is the check
+    (its error is validate_grammar's message, which would compile it a second time)."""
     from llguidance import LLMatcher
 
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if is_error:
-        raise GrammarError(f"invalid {field}: {messages[0].strip()}", field)
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(f"invalid {field}: {matcher.get_error().strip()}", field)
+    return matcher
 
 
 def make_ll_tokenizer(tokenizer_json: str, vocab_size: int | None,

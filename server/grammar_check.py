@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ringserve.ipc.structured import GrammarError, StructuredOutputsParams, check_grammar, to_grammar
+from ringserve.ipc.structured import GrammarError, StructuredOutputsParams, compile_grammar, to_grammar
 from ringserve.server import json_text
 from ringserve.server.config import StructuredOutputsConfig
 from ringserve.server.grammar_bounds import Refused, check_grammar_text, check_schema
@@ -55,8 +55,7 @@ def check_and_compile(job: Job, tokenizer: Any, executor: Any,
     try:
         spec = bounded(job.spec, param, cfg)
         grammar = to_grammar(spec)
-        check_grammar(grammar, tokenizer, param)
-        probe(grammar, tokenizer, executor, param)
+        probe(compile_grammar(grammar, tokenizer, param), tokenizer, executor, param)
     except (Refused, GrammarError) as e:
         return Outcome(error=str(e))
     except RecursionError:
@@ -72,13 +71,12 @@ def check_and_compile(job: Job, tokenizer: Any, executor: Any,
     return Outcome(grammar=grammar)
 
 
-def probe(grammar: str, tokenizer: Any, executor: Any, param: str) -> None:
-    """Walk PROBE_TOKENS tokens (the lowest allowed one that is not EOS each time) with the
-    engine's mask fill; GrammarError if llguidance fails on the way or allows nothing."""
+def probe(matcher: Any, tokenizer: Any, executor: Any, param: str) -> None:
+    """Walk a fresh matcher PROBE_TOKENS tokens (the lowest allowed one that is not EOS each
+    time) with the engine's mask fill; GrammarError if llguidance fails on the way or allows
+    nothing."""
     import llguidance.numpy as lln
-    from llguidance import LLMatcher
 
-    matcher = LLMatcher(tokenizer, grammar, log_level=0)
     vocab = tokenizer.vocab_size
     mask = np.zeros((1, (vocab + 31) // 32), np.int32)
     eos = set(tokenizer.eos_tokens)

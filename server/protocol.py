@@ -401,14 +401,17 @@ def check_response_logprobs(positions: int, num_top: int | None, lim: RequestLim
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                 *, param: str) -> int:
+                 *, param: str, defaults: dict | None = None) -> int:
     """Max new tokens for one prompt, or a 400 when it does not fit the context
-    (ipc/limits.py `fit_context`, the rule the engine applies too)."""
+    (ipc/limits.py `fit_context`, the rule the engine applies too). The generation config's
+    max_new_tokens (`defaults["max_tokens"]`) caps it, asked for or not, as vLLM's
+    get_max_tokens does."""
     fit = limits.fit_context(num_prompt_tokens, max_tokens, max_model_len)
     if fit.error is not None:
         raise bad_request(fit.error, param=param if fit.field == "prompt" else "max_tokens",
                           code="context_length_exceeded")
-    return fit.max_tokens
+    cap = (defaults or {}).get("max_tokens")
+    return fit.max_tokens if cap is None else min(fit.max_tokens, cap)
 
 
 # The request fields that are SamplingParams fields of the same name and meaning.
@@ -423,7 +426,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: i
     request's field). Its fields left out (None) take `defaults` (--generation-config), else
     SamplingParams' defaults; n is 1: the frontend fans `n` out into n engine requests, so that
     a stop string ends one."""
-    given = {**(defaults or {}),
+    given = {**{name: value for name, value in (defaults or {}).items() if name != "max_tokens"},
              **{name: value for name in _SAMPLING_FIELDS if (value := getattr(req, name)) is not None}}
     with _refused_as_400(req):
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,

@@ -52,7 +52,8 @@ async def prepare(ctx: ServerContext, req: P.ChatCompletionRequest, request_id: 
     ids = await ctx.encode_prompt(text, False, param="messages")
     if not ids:
         raise P.bad_request("the rendered prompt is empty", param="messages")
-    max_tokens = P.check_length(len(ids), asked, ctx.max_model_len, param="messages")
+    max_tokens = P.check_length(len(ids), asked, ctx.max_model_len, param="messages",
+                                defaults=ctx.default_sampling)
     P.check_response_logprobs(req.n * max_tokens, logprobs, ctx.limits, param="top_logprobs")
     tools = None if tp.constraint is None else (tp.constraint, tp.constraint_param)
     grammar = await compile_request(req, ctx, tools)  # off the loop (server/grammar_compiler.py)

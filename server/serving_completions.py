@@ -43,7 +43,8 @@ async def prepare(ctx: ServerContext, req: P.CompletionRequest, request_id: str)
             ids = item
             P.check_token_ids(ids, ctx.vocab_size, param="prompt")
         prompts.append(ids)
-    max_tokens = min(P.check_length(len(ids), req.max_tokens, ctx.max_model_len, param="prompt")
+    max_tokens = min(P.check_length(len(ids), req.max_tokens, ctx.max_model_len, param="prompt",
+                                    defaults=ctx.default_sampling)
                      for ids in prompts)
     # Every choice answers with its own copy of its (echoed) prompt's logprobs.
     positions = req.n * sum(max_tokens + (len(ids) if req.echo else 0) for ids in prompts)

@@ -138,3 +138,12 @@ def test_generation_config_sets_the_defaults_of_a_call_without_params(tiny_model
     assert folder.get_default_sampling_params() == llm.get_default_sampling_params()
     with pytest.raises(ModelError, match="--generation-config nowhere: no such folder"):
         LLM(model=str(tiny_model_dir), generation_config="nowhere")
+    for bad in (0, -3, 2.5, 1e30):  # max_new_tokens: a positive integer, named when it is not
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / "generation_config.json").write_text(json.dumps({"max_new_tokens": bad}))
+        with pytest.raises(ModelError, match="max_new_tokens must be a positive integer"):
+            LLM(model=str(tiny_model_dir), generation_config=str(tmp_path / "bad"))
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4, "temperature": 0}))
+    capped = LLM(model=str(model), max_model_len=128, max_num_batched_tokens=32)
+    assert capped.get_default_sampling_params() == SamplingParams(temperature=0, max_tokens=4)
+    assert 1 <= len(capped.generate("hello world")[0].outputs[0].token_ids) <= 4  # SamplingParams' 16 without

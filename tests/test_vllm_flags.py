@@ -93,7 +93,8 @@ def test_one_server_with_vllm_flags(default_model_dir, tls, tmp_path):
     port = free_port()
     generation = tmp_path / "generation"
     generation.mkdir()
-    (generation / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 5, "eos_token_id": 2}')
+    (generation / "generation_config.json").write_text(
+        '{"temperature": 0.0, "top_k": 5, "max_new_tokens": 9, "eos_token_id": 2}')
     log = tmp_path / "serve.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(
@@ -154,13 +155,21 @@ def test_one_server_with_vllm_flags(default_model_dir, tls, tmp_path):
                                            **extra).choices[0].text
                  for extra in ({}, {}, {"temperature": 0})]
         assert texts[0] == texts[1] == texts[2], texts
+        # ... and its max_new_tokens caps every request's max_tokens, asked for or not (vLLM's rule)
+        for asked in ({"max_tokens": 40}, {}):
+            done = client.completions.create(model="smol", prompt="Once upon a time", **asked,
+                                             extra_body={"ignore_eos": True})
+            assert done.usage.completion_tokens == 9 and done.choices[0].finish_reason == "length"
+        chat = client.chat.completions.create(model="smol", messages=ask, max_completion_tokens=3,
+                                              extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 3  # a smaller ask stands
     finally:
         http.close()
         proc.terminate()
         assert proc.wait(60) == 0, log.read_text()
     text = log.read_text()
     assert "Traceback" not in text and f"on https://127.0.0.1:{port}/api" in text, text
-    assert "default sampling parameters from " in text and "{'temperature': 0.0, 'top_k': 5}" in text
+    assert "default sampling parameters from " in text and "{'temperature': 0.0, 'top_k': 5, 'max_tokens': 9}" in text
 
 
 def test_cors_methods_headers_and_credentials(tiny_server):

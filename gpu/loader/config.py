@@ -186,9 +186,12 @@ class ModelConfig:
 
 
 # generation_config.json's sampling fields a request inherits when it leaves them out (vLLM's
-# --generation-config auto): generation_config.json name -> the request's name.
+# --generation-config auto): generation_config.json name -> the request's name. max_new_tokens
+# becomes max_tokens, which the server applies as vLLM does: a cap on every request's
+# max_tokens (server/protocol.py check_length), not only a default.
 GENERATION_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                              "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+                              "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                              "max_new_tokens": "max_tokens"}
 
 
 def generation_defaults(choice: str, model_dir: str | Path) -> dict[str, Any]:
@@ -204,8 +207,12 @@ def generation_defaults(choice: str, model_dir: str | Path) -> dict[str, Any]:
             raise ModelError(f"--generation-config {choice}: no such folder")
         return {}
     raw = _read_json(path)
-    return {ours: raw[theirs] for theirs, ours in GENERATION_SAMPLING_FIELDS.items()
-            if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw.get(theirs), bool)}
+    out = {ours: raw[theirs] for theirs, ours in GENERATION_SAMPLING_FIELDS.items()
+           if isinstance(raw.get(theirs), (int, float)) and not isinstance(raw.get(theirs), bool)}
+    cap = out.get("max_tokens")
+    if cap is not None and (not isinstance(cap, int) or cap < 1):
+        raise ModelError(f"{path}: max_new_tokens must be a positive integer, got {cap!r}")
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:
