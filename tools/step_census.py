@@ -65,7 +65,8 @@ def report(name: str, census: Census, bandwidth_gbps: float = COPY_GBPS, every_l
     lines = [f"step census: {name} (hidden {c.hidden_size}, {c.num_hidden_layers} layers, "
              f"{c.num_attention_heads} q / {c.num_key_value_heads} kv heads of {c.head_dim}, ffn "
              f"{c.intermediate_size}, vocab {c.vocab_size}), {census.dtype}, batch {census.batch}, "
-             f"context {census.context}; attention {census.attention_backend}, {census.splits} split(s)",
+             f"context {census.context}; attention {census.attention_backend}, {census.splits} split(s)"
+             + "".join(f" (window {w}: {n})" for w, n in census.window_splits.items()),
              f"{'#':>4} {'layer':>5} {'op':<14} {'kernel':<28} {'grid':>12} x {'block':<7}"
              f"{'weights MB':>10}{'kv rd MB':>10}{'kv wr MB':>10}{'act rd MB':>10}{'act wr MB':>10}"]
     for i, r in enumerate(census.rows):
