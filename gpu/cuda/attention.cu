@@ -56,7 +56,7 @@ static_assert(ROW_LANES * PER_LANE == HEAD_DIM && ROWS * ROW_LANES == 32, "row g
 // K/V row in flight per lane leaves most of the bandwidth idle. Fewer when the GQA group's
 // q and acc registers are many (the 128-register cap below must not spill).
 #define KEYS_PER_GROUP ((GQA_GROUP * PER_LANE <= 16) ? 4 : 2)
-#define TILE (ROWS * KEYS_PER_GROUP)  // keys a warp reads per pass
+#define KEY_TILE (ROWS * KEYS_PER_GROUP)  // keys a warp reads per pass
 
 // A lane's PER_LANE contiguous 16-bit values (16, 12, 8 or 4 bytes) in one vector load; its
 // offset is a multiple of PER_LANE values, and CuPy allocations are 256-byte aligned. The union
@@ -143,7 +143,8 @@ template <class T>
 __device__ __forceinline__ void load_rotated(const T* head, int dim0, const float* c, const float* s,
                                              int rot_half, float* f) {
 #pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) f[i] = to_float(Elem<T>::from(rotated(head, dim0 + i, c, s, rot_half)));
+    for (int i = 0; i < PER_LANE; ++i)
+        f[i] = to_float(Elem<T>::from(rotated(head, dim0 + i, c, s, rot_half)));
 }
 
 // One pass of a row group's online softmax over its KEYS_PER_GROUP loaded rows (valid[u]
@@ -271,11 +272,11 @@ __device__ __forceinline__ void paged_attention_t(
         l[g] = 0.0f;
     }
     const int* table = block_tables + (size_t)r * max_blocks;
-    // Warp w takes the TILE keys from j0 = begin + w * TILE, then strides by WARPS * TILE; row
-    // group r of the warp reads keys j0 + u * ROWS + r (u < KEYS_PER_GROUP), all its loads
-    // issued before the first use. ROPE: the cache holds keys up to pos - 1; the own key after.
+    // Warp w takes the KEY_TILE keys from j0 = begin + w * KEY_TILE, then strides by
+    // WARPS * KEY_TILE; row group r of the warp reads keys j0 + u * ROWS + r (u < KEYS_PER_GROUP),
+    // all its loads issued before the first use. ROPE: the cache holds keys up to pos - 1; the own key after.
     const int cached_end = ROPE ? min(end, pos) : end;
-    for (int j0 = begin + warp * TILE; j0 < cached_end; j0 += WARPS * TILE) {
+    for (int j0 = begin + warp * KEY_TILE; j0 < cached_end; j0 += WARPS * KEY_TILE) {
         float k[KEYS_PER_GROUP][PER_LANE], v[KEYS_PER_GROUP][PER_LANE];
         bool valid[KEYS_PER_GROUP];
 #pragma unroll
