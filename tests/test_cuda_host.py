@@ -18,8 +18,9 @@ from ringserve.gpu.cuda import reference as ref
 
 pytestmark = pytest.mark.sim
 # (HEAD_DIM, GQA_GROUP) -> KV heads: SmolLM2 (64, 9/3), Llama-3.2-1B-like 64/4, 128 with MHA
-# and GQA, 192 (six dims per lane: the 12-byte row load).
-ATTENTION_VARIANTS = {(64, 1): 2, (64, 3): 3, (64, 4): 2, (128, 1): 2, (128, 4): 1, (192, 2): 1}
+# and GQA (16-byte loads: row groups of 8 and 16 lanes), 70B-like 128/8 (8-byte loads over the
+# whole warp: the group's registers), 192 (six dims per lane: the 12-byte row load).
+ATTENTION_VARIANTS = {(64, 1): 2, (64, 3): 3, (64, 4): 2, (128, 1): 2, (128, 4): 1, (128, 8): 1, (192, 2): 1}
 VARIANT_IDS = [f"d{d}g{g}" for d, g in ATTENTION_VARIANTS]
 
 
