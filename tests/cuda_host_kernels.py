@@ -73,13 +73,17 @@ def paged_attention_args(qkv, k_cache, v_cache, positions, query_start_loc, seq_
 
 def paged_attention(kernels: HostKernels, qkv, k_cache, v_cache, positions, query_start_loc,
                     seq_lens, block_tables, scale: float, out, splits: int,
-                    workspace: tuple = (None, None, None), window: int = 0) -> None:
-    """What PagedAttention.__call__ launches (one kernel: its splits combined by their last block)."""
+                    workspace: tuple = (None, None, None), window: int = 0,
+                    rope: tuple | None = None) -> None:
+    """What PagedAttention.__call__ launches (one kernel: its splits combined by their last block;
+    rope (slot_mapping, cos, sin): paged_attention_rope, RoPE and the K/V write in the launch)."""
     T, kvh = qkv.shape[0], k_cache.shape[2]
     suffix = launch.SUFFIXES[str(qkv.dtype)]  # fp16 or bf16 (uint16 bits), as PagedAttention picks
-    kernels.call("paged_attention" + suffix, launch.attention_launch(T, kvh, splits), *paged_attention_args(
+    name = "paged_attention_rope" if rope is not None else "paged_attention"
+    extra = () if rope is None else (rope[0], rope[1], rope[2], np.int32(rope[1].shape[1]))
+    kernels.call(name + suffix, launch.attention_launch(T, kvh, splits), *paged_attention_args(
         qkv, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables, scale, out,
-        workspace, window))
+        workspace, window), *extra)
 
 
 class HostBuild:

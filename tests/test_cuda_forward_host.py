@@ -107,17 +107,18 @@ class HostOps:
                         qkv, weight, np.int32(self.num_heads), np.int32(self.head_dim),
                         np.int32(qkv.shape[1]), np.float32(self.eps))
 
-    def rope_store_kv(self, buf, cos, sin, k_cache, v_cache):
-        qkv, kvh, D, half = buf.qkv, k_cache.shape[2], self.head_dim, cos.shape[1]
-        plan = step_plan.rope_store_kv(qkv, self.num_heads, kvh, D, half)
-        self.fused.call(plan.kernel, plan.geometry, qkv, buf.positions, buf.slot_mapping, cos, sin, k_cache,
-                        v_cache, np.int32(self.num_heads), np.int32(kvh), np.int32(D), np.int32(half),
-                        np.int32(qkv.shape[1]))
-
-    def attention(self, buf, k_cache, v_cache, attn: AttentionLaunch, window: int):
+    def attention(self, buf, cos, sin, k_cache, v_cache, attn: AttentionLaunch, window: int):
+        """CudaOps.attention: one fused launch for a decode-only step, else rope_store_kv first."""
+        fused = step_plan.fuses_rope("rawkernel", attn.decode_only)
+        if not fused:
+            qkv, kvh, D, half = buf.qkv, k_cache.shape[2], self.head_dim, cos.shape[1]
+            plan = step_plan.rope_store_kv(qkv, self.num_heads, kvh, D, half)
+            self.fused.call(plan.kernel, plan.geometry, qkv, buf.positions, buf.slot_mapping, cos, sin,
+                            k_cache, v_cache, np.int32(self.num_heads), np.int32(kvh), np.int32(D),
+                            np.int32(half), np.int32(qkv.shape[1]))
         paged_attention(self.paged, buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc,
-                        buf.seq_lens, buf.block_tables, self.scale, buf.attn, attn.splits, attn.workspace,
-                        window)
+                        buf.seq_lens, buf.block_tables, self.scale, buf.attn, attn.splits_for(window),
+                        attn.workspace, window, rope=(buf.slot_mapping, cos, sin) if fused else None)
 
     def silu_mul(self, gate_up, out):
         T, inter = out.shape
@@ -188,6 +189,11 @@ class HostRunner:
         return plan.attention_splits(num_tokens=num_tokens, num_kv_heads=self.config.num_key_value_heads,
                                      max_seq_len=max_seq_len, num_sms=self.num_sms, partition_size=32)
 
+    def window_splits(self, num_tokens: int, max_seq_len: int) -> dict[int, int]:
+        return plan.window_splits(self.config.layer_windows, num_tokens=num_tokens,
+                                  num_kv_heads=self.config.num_key_value_heads, max_seq_len=max_seq_len,
+                                  num_sms=self.num_sms, partition_size=32)
+
     def eager(self, batch: Batch) -> np.ndarray:
         c = self.config
         buf = StepBuffers(c, batch.num_tokens, batch.num_reqs, batch.block_tables.shape[1], np,
@@ -195,8 +201,9 @@ class HostRunner:
         buf.load(batch, self.ops)
         max_len = int(batch.seq_lens.max())
         s = self.splits(batch.num_tokens, max_len)
-        self.model.forward(self.ops, self.weights, buf, self.caches,
-                           AttentionLaunch(s, workspace(c, batch.num_tokens, s)), self.ropes)
+        self.model.forward(self.ops, self.weights, buf, self.caches, AttentionLaunch(
+            s, workspace(c, batch.num_tokens, s), plan.is_decode_only(batch),
+            self.window_splits(batch.num_tokens, max_len)), self.ropes)
         return buf.logits.copy()
 
     def graph_shaped(self, batch: Batch) -> np.ndarray:
@@ -210,8 +217,9 @@ class HostRunner:
         buf = self.shared.leading(T, B, R)
         buf.load(table.pad(batch, size, self.max_blocks), self.ops)
         s = self.splits(T, MAX_MODEL_LEN)
-        self.model.forward(self.ops, self.weights, buf, self.caches,
-                           AttentionLaunch(s, workspace(c, T, s)), self.ropes)
+        launch = AttentionLaunch(s, workspace(c, T, s), table is self.decode,
+                                 self.window_splits(T, MAX_MODEL_LEN))
+        self.model.forward(self.ops, self.weights, buf, self.caches, launch, self.ropes)
         return buf.logits[:len(batch.logits_indices)].copy()
 
 

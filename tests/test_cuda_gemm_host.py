@@ -35,7 +35,7 @@ from ringserve.gpu.settings import CacheConfig, DeviceConfig
 pytestmark = pytest.mark.sim
 STREAM = 0x5EED
 F16, F32 = np.float16, np.float32
-KERNEL_OPS = ("copy_in", "copy_in_corner", "embedding", "add_bias", "add_rms_norm", "rope_store_kv",
+KERNEL_OPS = ("copy_in", "copy_in_corner", "embedding", "add_bias", "add_rms_norm",
               "attention", "silu_mul", "gather_rows", "to_float32")
 
 

@@ -111,9 +111,10 @@ def test_every_allocation_a_captured_graph_touches_is_held_by_the_runner(stand_i
     names = {launch.name for graph in device.graphs for launch in graph.launches}
     # each kind of operand is in the graphs: weights, caches, RoPE tables, step buffers, the
     # cuBLAS workspace; the split-K attention's workspace (partials, tickets) with the RawKernel
-    assert {"cublas gemm_ex", "add_rms_norm", "rope_store_kv", "silu_mul", "numba gather_rows_kernel",
+    assert {"cublas gemm_ex", "add_rms_norm", "silu_mul", "numba gather_rows_kernel",
             "to_float32"} <= names, names
-    assert ("paged_attention" in names) == (backend == "rawkernel")
+    # a decode graph: RoPE and the K/V write inside the RawKernel's launch; before the Numba kernel
+    assert ("paged_attention_rope" in names) == ("rope_store_kv" not in names) == (backend == "rawkernel")
     stray = stray_allocations(runner, device)
     assert not stray, "\n".join(stray)
     for n in (1, 3, 5, 8):  # every graph replays through the runner's own path
@@ -171,5 +172,5 @@ def test_the_check_sees_a_workspace_the_runner_let_go(stand_in, tiny_cuda_models
     gc.collect()
     stray = stray_allocations(runner, device)
     assert stray and all("attention.py" in line and line.endswith("freed") for line in stray), stray
-    with pytest.raises(IllegalAddress, match=r"paged_attention touches .*attention\.py.*, freed since"):
+    with pytest.raises(IllegalAddress, match=r"paged_attention_rope touches .*attention\.py.*, freed since"):
         runner._launch(decode(1))

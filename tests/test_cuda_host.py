@@ -18,8 +18,9 @@ from ringserve.gpu.cuda import reference as ref
 
 pytestmark = pytest.mark.sim
 # (HEAD_DIM, GQA_GROUP) -> KV heads: SmolLM2 (64, 9/3), Llama-3.2-1B-like 64/4, 128 with MHA
-# and GQA, 192 (six dims per lane: the 12-byte row load).
-ATTENTION_VARIANTS = {(64, 1): 2, (64, 3): 3, (64, 4): 2, (128, 1): 2, (128, 4): 1, (192, 2): 1}
+# and GQA (16-byte loads: row groups of 8 and 16 lanes), 70B-like 128/8 (8-byte loads over the
+# whole warp: the group's registers), 192 (six dims per lane: the 12-byte row load).
+ATTENTION_VARIANTS = {(64, 1): 2, (64, 3): 3, (64, 4): 2, (128, 1): 2, (128, 4): 1, (128, 8): 1, (192, 2): 1}
 VARIANT_IDS = [f"d{d}g{g}" for d, g in ATTENTION_VARIANTS]
 
 
@@ -185,7 +186,7 @@ def paged_case(rng, *, head_dim: int, group: int, kvh: int, requests: list[tuple
     ref.store_kv(qkv, slots, k_cache, v_cache, num_heads)
     return dict(qkv=qkv, k_cache=k_cache, v_cache=v_cache, positions=positions,
                 query_start_loc=layout["query_start_loc"], seq_lens=layout["seq_lens"],
-                block_tables=layout["block_tables"], num_heads=num_heads)
+                block_tables=layout["block_tables"], num_heads=num_heads, slots=slots)
 
 
 def case_args(c: dict) -> tuple:
@@ -269,6 +270,77 @@ def test_paged_attention_sliding_window(host_kernels, window, splits):
     c["block_tables"] = free_before_windows(c["block_tables"], WINDOW_REQUESTS, block_size=16, window=window)
     out = run_attention(host_kernels[variant], c, splits, window)
     assert_fp16_close(out, expect)
+
+
+ROPE_DECODES = [(9, 1), (199, 1), (0, 1), (40, 1)]  # (cached tokens, the new one): decodes only
+
+
+def rope_tables(rng, max_pos: int, half: int) -> tuple[np.ndarray, np.ndarray]:
+    angles = rng.uniform(0, 2 * np.pi, (max_pos, half))
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def run_rope_attention(kernels, fused, c: dict, cos, sin, splits: int, window: int) -> tuple:
+    """paged_attention_rope over case c (qkv as the QKV GEMM left it, the step's slots not yet
+    written), twice over one workspace as a graph replays it; and, on copies of the caches, the
+    unfused path's fused.cu rope_store_kv. Returns (out, k_cache, v_cache, k_unfused, v_unfused)."""
+    T, d, H, kvh = len(c["positions"]), c["k_cache"].shape[-1], c["num_heads"], c["k_cache"].shape[2]
+    dtype = "bfloat16" if c["qkv"].dtype == np.uint16 else "float16"
+    k_unfused, v_unfused = guarded(c["k_cache"].copy()), guarded(c["v_cache"].copy())
+    x = c["qkv"].copy()
+    plan = step_plan.rope_store_kv(x, H, kvh, d, cos.shape[1])
+    fused.call(plan.kernel, plan.geometry, x, c["positions"], c["slots"], cos, sin, k_unfused, v_unfused,
+               np.int32(H), np.int32(kvh), np.int32(d), np.int32(cos.shape[1]), np.int32(x.shape[1]))
+    workspace = (np.full((T, H, splits, d), np.nan, np.float32),
+                 np.full((T, H, splits, 2), np.nan, np.float32),
+                 np.zeros((T, kvh), np.int32)) if splits > 1 else (None, None, None)
+    qkv = c["qkv"].copy()
+    outs = []
+    for _ in range(2):
+        outs.append(unwritten((T, H * d), dtype))
+        paged_attention(kernels, *case_args(c), outs[-1], splits, workspace, window,
+                        rope=(c["slots"], cos, sin))
+        assert not (splits > 1 and workspace[2].any()), "a ticket left behind"
+    np.testing.assert_array_equal(outs[-1], outs[0])
+    np.testing.assert_array_equal(c["qkv"], qkv)  # qkv read, never written
+    return outs[0], c["k_cache"], c["v_cache"], k_unfused, v_unfused
+
+
+@pytest.mark.parametrize("variant,rotary_dim,window", [((64, 3), 64, 0), ((128, 4), 96, 0), ((64, 4), 64, 24),
+                                                        ((192, 2), 192, 0), ((128, 1), 128, 7)],
+                         ids=["d64g3", "d128g4-rot96", "d64g4-window24", "d192g2", "d128g1-window7"])
+@pytest.mark.parametrize("splits", [1, 8])
+@pytest.mark.parametrize("dtype", ELEMENT_TYPES)
+def test_paged_attention_rope_is_rope_store_kv_then_attention(host_kernels, variant, rotary_dim, window,
+                                                              splits, dtype):
+    """The decode-only launch (RoPE and the K/V write inside attention.cu): graph-padded decodes
+    (two padding rows: no keys, slot -1) whose step slots hold NaN until the launch, q and the
+    own k rotated from qkv (partial rotary: Phi's 96 of 128), split-K as a graph plans it,
+    sliding windows (blocks before them freed, NaN guards): out is the reference's rope, store_kv
+    and attention; the caches are bit for bit what fused.cu rope_store_kv writes."""
+    d, g = variant
+    kvh = ATTENTION_VARIANTS[variant]
+    rng = np.random.default_rng(d + g + rotary_dim + window)
+    c = paged_case(rng, head_dim=d, group=g, kvh=kvh, requests=ROPE_DECODES, pad=2, dtype=dtype,
+                   guard=np.nan if window else 7.0)
+    real = c["slots"] >= 0
+    nan = narrow(np.float32(np.nan)[None], dtype)[0]
+    for cache in (c["k_cache"], c["v_cache"]):  # paged_case stored the step's k/v: unwrite them
+        cache.reshape(-1, kvh, d)[c["slots"][real]] = nan
+    if window:
+        c["block_tables"] = free_before_windows(c["block_tables"], ROPE_DECODES + [(0, 1)] * 2,
+                                                block_size=16, window=window)
+    cos, sin = rope_tables(rng, 256, rotary_dim // 2)
+    out, k_cache, v_cache, k_unfused, v_unfused = run_rope_attention(
+        host_kernels[variant], host_kernels["fused"], c, cos, sin, splits, window)
+    np.testing.assert_array_equal(k_cache, k_unfused)
+    np.testing.assert_array_equal(v_cache, v_unfused)
+    H = c["num_heads"]
+    rotated = narrow(ref.rope(widen(c["qkv"]), c["positions"], cos, sin, H, kvh, d), dtype)
+    expect = ref.paged_attention(widen(rotated), widen(k_cache), widen(v_cache), c["positions"],
+                                 c["query_start_loc"], c["seq_lens"], c["block_tables"], H, d ** -0.5, window)
+    assert_fp16_close(out, expect)
+    assert np.all(out[-2:] == 0)
 
 
 def test_launch_outside_the_kernels_bounds_is_refused(host_kernels):

@@ -8,6 +8,7 @@ import pytest
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.cuda import plan
 from ringserve.gpu.cuda import reference as ref
+from ringserve.gpu.cuda.buffers import AttentionLaunch
 
 
 def decode_batch(seq_lens, block_size=4, width=3, seed=0):
@@ -185,3 +186,16 @@ def test_attention_splits():
     # Batch 1, 8 KV heads, 32k context: enough splits for two waves, capped.
     assert plan.attention_splits(num_tokens=1, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 16
     assert plan.attention_splits(num_tokens=4, num_kv_heads=8, max_seq_len=2048, num_sms=132) == 4
+
+
+def test_a_sliding_window_is_split_for_its_own_keys():
+    """A windowed layer reads at most `window` keys: split from the window, not max_model_len
+    (32k context, batch 1: 16 splits for full attention, 2 for a 1k window, none for 512)."""
+    shape = dict(num_tokens=1, num_kv_heads=8, max_seq_len=32768, num_sms=132)
+    assert plan.attention_splits(**shape) == 16
+    assert plan.window_splits((0, 1024, 0, 512, 1024), **shape) == {512: 1, 1024: 2}
+    assert plan.window_splits((0, 0), **shape) == {}
+    # a window past the context: the context's count
+    assert plan.window_splits((65536,), **shape) == {65536: 16}
+    launch = AttentionLaunch(16, (None, None, None), window_splits={1024: 2})
+    assert (launch.splits_for(0), launch.splits_for(1024), launch.splits_for(4096)) == (16, 2, 16)

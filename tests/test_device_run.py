@@ -70,6 +70,14 @@ def test_the_driver_runs_the_serve_sweep_on_the_cpu(tmp_path):
     for p in sweep["points"]:
         assert (p["summary"]["completed"], p["summary"]["failed"]) == (16, 0), p
     assert all(s["exit"] == 0 for s in sweep["servers"].values())
+    # issue 28's ratios: each model's own forward rate at batch c (tools/forward_rate.py), then
+    # ring over it and HTTP over ring, one row per dtype and c
+    assert set(sweep["forward"]) == {"bfloat16", "float16"}
+    assert all(f["2"] > 0 for f in sweep["forward"].values()), sweep["forward"]
+    table = (out / "serve_sweep.txt").read_text()
+    rows = [line.split() for line in table.splitlines() if line.startswith(("bfloat16", "float16"))
+            and line.split()[1] == "2" and line.rstrip().endswith("%")]
+    assert [r[0] for r in rows] == ["bfloat16", "float16"] and all(len(r) == 7 for r in rows), table
     models = sorted(p.name for p in (tmp_path / "models").iterdir())
     assert models == ["llama-tiny-bfloat16", "llama-tiny-float16"]
 

@@ -56,7 +56,9 @@ def test_the_census_lists_the_launches_the_host_forward_makes(tiny_cuda_models, 
     want = [(r.op,) if r.op in STAND_INS else (r.launch.kernel, *r.launch.geometry) for r in census.rows]
     assert got == want
     suffix = "_bf16" if dtype == "bfloat16" else ""
-    assert any(k[0] == "paged_attention" + suffix and k[1][2] == splits for k in got)  # split, one launch
+    # a decode: RoPE, the K/V write and split-K attention in one launch (no rope_store_kv)
+    assert any(k[0] == "paged_attention_rope" + suffix and k[1][2] == splits for k in got)
+    assert not any(k[0].startswith("rope_store_kv") for k in got)
     layers = host.config.num_hidden_layers
     assert census.per_layer * layers + 5 == len(census.rows)  # embedding, norm | gather, lm_head, widen
 
@@ -88,9 +90,10 @@ def test_the_census_lists_the_launches_of_a_verify_step(tiny_cuda_models, cuda_h
 
 
 def test_the_8b_census_reads_every_weight_once_and_names_its_floor(capsys):
-    """Llama-3-8B at batch 1: every weight read once but the embedding (one row), the KV of 512
-    keys a layer, 9 launches a layer (4 GEMMs, two add + norms, RoPE + KV write, SiLU·mul, split-K
-    attention combined in its own launch), and the floor line at 4268 GB/s."""
+    """Llama-3-8B at batch 1: every weight read once but the embedding (one row), the KV of 511
+    cached keys a layer read (the step's own k/v come from the QKV output and are written once),
+    8 launches a layer (4 GEMMs, two add + norms, SiLU·mul, split-K attention with RoPE and the
+    K/V write, combined in its own launch), and the floor line at 4268 GB/s."""
     assert step_census.main(["--shape", "8B", "--batch", "1", "--context", "512"]) == 0
     out = capsys.readouterr().out
     c = step_census.config_for("8B")
@@ -98,14 +101,16 @@ def test_the_8b_census_reads_every_weight_once_and_names_its_floor(capsys):
     total = census.total()
     params = sum(int(np.prod(s)) for s in expected_shapes(c).values())
     assert total.weights == 2 * (params - (c.vocab_size - 1) * c.hidden_size)
-    assert total.kv_read == c.num_hidden_layers * 2 * 512 * c.num_key_value_heads * c.head_dim * 2
-    assert census.per_layer == 9 and census.splits > 1
+    row = c.num_key_value_heads * c.head_dim * 2  # one token's k (or v) of one layer
+    assert total.kv_read == c.num_hidden_layers * 2 * 511 * row
+    assert total.kv_written == c.num_hidden_layers * 2 * row
+    assert census.per_layer == 8 and census.splits > 1
     gb = total.total / 1e9
-    assert out.rstrip().endswith(f"launches per layer: 9; bytes per step: {gb:.3f} GB; "
+    assert out.rstrip().endswith(f"launches per layer: 8; bytes per step: {gb:.3f} GB; "
                                  f"floor at 4268 GB/s: {total.total / 4268e9 * 1e3:.3f} ms")
     # batch 64 fills the SMs: no split, no partials
     wide = census_for(c, batch=64, context=512, dtype="bfloat16", max_model_len=2048, num_sms=132)
-    assert wide.per_layer == 9 and wide.splits == 1 and wide.partial_bytes == 0 < census.partial_bytes
+    assert wide.per_layer == 8 and wide.splits == 1 and wide.partial_bytes == 0 < census.partial_bytes
 
 
 def test_the_cli_shows_a_verify_step(capsys):

@@ -169,7 +169,8 @@ def test_one_server_with_vllm_flags(default_model_dir, tls, tmp_path):
         assert proc.wait(60) == 0, log.read_text()
     text = log.read_text()
     assert "Traceback" not in text and f"on https://127.0.0.1:{port}/api" in text, text
-    assert "default sampling parameters from " in text and "{'temperature': 0.0, 'top_k': 5, 'max_tokens': 9}" in text
+    assert "default sampling parameters from " in text
+    assert "{'temperature': 0.0, 'top_k': 5, 'max_tokens': 9}" in text
 
 
 def test_cors_methods_headers_and_credentials(tiny_server):

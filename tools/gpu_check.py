@@ -219,16 +219,17 @@ def streamed_bytes(weights) -> int:
     return total
 
 
-def decode_batch(B: int, block_size: int):
+def decode_batch(B: int, block_size: int, context: int = CONTEXT):
+    """B decodes, each with `context` tokens in the cache (its own blocks) and one new."""
     import numpy as np
 
     from ringserve.gpu.batch import Batch
-    nb = -(-(CONTEXT + 1) // block_size)
+    nb = -(-(context + 1) // block_size)
     tables = np.arange(B * nb, dtype=np.int32).reshape(B, nb)
-    pos = np.full(B, CONTEXT, np.int32)
-    return Batch(np.ones(B, np.int32), pos, tables[:, CONTEXT // block_size] * block_size
-                 + CONTEXT % block_size, np.arange(B + 1, dtype=np.int32),
-                 np.full(B, CONTEXT + 1, np.int32), tables)
+    pos = np.full(B, context, np.int32)
+    return Batch(np.ones(B, np.int32), pos, tables[:, context // block_size] * block_size
+                 + context % block_size, np.arange(B + 1, dtype=np.int32),
+                 np.full(B, context + 1, np.int32), tables)
 
 
 def census_fields(runner, B: int, dtype: str) -> dict:

@@ -1,5 +1,7 @@
 """End to end on one machine: `ringserve serve` on a random-weight Llama, then `ringserve loadgen`
-in ring and HTTP mode at each concurrency (issue 25's table: out tok/s and TPOT p50, failures).
+in ring and HTTP mode at each concurrency (issue 25's table: out tok/s and TPOT p50, failures),
+and the ratios issue 28 names: ring over the forward's own decode rate at batch c (the same
+model, tools/forward_rate.py, timed first in its own process), HTTP over ring.
 
     python -m ringserve.tools.serve_sweep --out DIR [--device cuda] [--dtypes bfloat16,float16]
         [--concurrency 1,8,64,256] [--shape 1B] [--budget-s 150]
@@ -149,6 +151,20 @@ def loadgen(url: str, model: Path, mode: str, concurrency: int, out: Path, *, in
     return json.loads(out.read_text())["points"][0]["summary"]
 
 
+def forward(model: Path, device: str, batches: list[int], context: int, out: Path, timeout: float) -> dict:
+    """The served model's forward decode rate per batch (tools/forward_rate.py) in its own process
+    (its device memory gone before the server starts): {"batch": tok/s}, or {"error": ...}."""
+    cmd = [sys.executable, "-m", "ringserve.tools.forward_rate", "--model", str(model), "--device", device,
+           "--batches", ",".join(map(str, batches)), "--context", str(context), "--json", str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"forward_rate past its {timeout:.0f} s limit"}
+    if not out.exists():
+        return {"error": f"forward_rate exited {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+    return json.loads(out.read_text())
+
+
 @dataclass
 class Sweep:
     """What one run measured; written as DIR/serve_sweep.json and the table DIR/serve_sweep.txt."""
@@ -157,6 +173,7 @@ class Sweep:
     input_len: int
     output_len: int
     points: list[dict] = field(default_factory=list)   # dtype, mode, concurrency, summary or error
+    forward: dict[str, dict] = field(default_factory=dict)  # dtype -> {"batch": forward tok/s} or error
     servers: dict[str, dict] = field(default_factory=dict)  # dtype -> start seconds, log tail, exit
     skipped: list[str] = field(default_factory=list)
 
@@ -173,12 +190,30 @@ class Sweep:
                 f"{'dtype':9} {'mode':5} {'c':>4} {'done':>5} {'failed':>6} {'out tok/s':>10} "
                 f"{'TPOT p50':>9} {'TTFT p50':>9}"]
         rows += [point_row(p) for p in self.points]
+        rows += self.ratio_rows()
         rows += [f"skipped: {m}" for m in self.skipped]
         for dtype, s in self.servers.items():
             error = f"; {s['error']}" if s.get("error") else ""
             rows.append(f"\nserver {dtype}: up in {s.get('start_s', float('nan')):.1f} s, exit "
                         f"{s.get('exit')}{error}\n{s.get('log_tail', '')}")
         return "\n".join(rows) + "\n"
+
+    def ratio_rows(self) -> list[str]:
+        """Issue 28's item 4 per dtype and concurrency c: ring out tok/s over the forward's tok/s
+        at batch c (tools/forward_rate.py, the same model; goal >= 85 %), HTTP over ring (>= 90 %)."""
+        rate = {(p["dtype"], p["mode"], p["concurrency"]): p["summary"].get("output_throughput")
+                for p in self.points}
+        rows = ["", f"{'dtype':9} {'c':>4} {'forward tok/s':>13} {'ring/forward':>12} {'http/ring':>9}"
+                    "  (issue 28: >= 85 %, >= 90 %)"]
+        for dtype, fwd in self.forward.items():
+            if "error" in fwd:
+                rows.append(f"{dtype:9} forward: {fwd['error']}")
+                continue
+            for c in sorted({p["concurrency"] for p in self.points if p["dtype"] == dtype}):
+                f, ring, http = fwd.get(str(c)), rate.get((dtype, "ring", c)), rate.get((dtype, "http", c))
+                rows.append(f"{dtype:9} {c:>4} {_num(f, '.0f'):>13} {_pct(ring, f):>12} "
+                            f"{_pct(http, ring):>9}")
+        return rows
 
     def write(self, out: Path) -> None:
         (out / "serve_sweep.json").write_text(json.dumps(self.__dict__, indent=2, default=str))
@@ -192,6 +227,14 @@ def point_row(p: dict) -> str:
         return f"{head}  error: {s['error']}"
     return (f"{head} {s['completed']:>5} {s['failed']:>6} {s['output_throughput']:>10.0f} "
             f"{_ms(s['tpot']):>9} {_ms(s['ttft']):>9}")
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _pct(a: float | None, b: float | None) -> str:
+    return "-" if not a or not b else f"{100 * a / b:.0f} %"
 
 
 def _ms(d: dict) -> str:
@@ -229,6 +272,11 @@ def sweep_one(args: argparse.Namespace, sweep: Sweep, dtype: str, until: float, 
     model = model_dir(args.shape, dtype, args.models)
     info: dict = {}
     sweep.servers[dtype] = info
+    if args.forward:  # the reference rate first, in its own process (gone before the server starts)
+        sweep.forward[dtype] = forward(model, args.device, args.concurrency,
+                                       args.input_len + args.output_len // 2, logs / f"forward-{dtype}.json",
+                                       timeout=max(5.0, (until - time.monotonic()) / 3))
+        sweep.write(args.out)
     t = time.monotonic()
     try:
         server = start_server(model, logs / f"serve-{dtype}.log", "--device", args.device,
@@ -266,6 +314,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 64, 256])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--no-forward", dest="forward", action="store_false",
+                    help="skip the forward's own rate (tools/forward_rate.py), the ratios' reference")
     ap.add_argument("--min-prompts", type=int, default=16, help="requests per point: max(this, 2 x c)")
     ap.add_argument("--models", type=Path, default=None,
                     help="where the models are written and reused (default $RINGSERVE_SWEEP_MODELS "

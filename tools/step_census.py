@@ -70,7 +70,8 @@ def report(name: str, census: Census, bandwidth_gbps: float = COPY_GBPS, every_l
              f"{c.intermediate_size}, vocab {c.vocab_size}), {census.dtype}, batch {census.batch}"
              + (f" verifying {census.speculative_tokens} drafts each ({census.num_tokens} tokens)"
                 if census.speculative_tokens else "") + ", "
-             f"context {census.context}; attention {census.attention_backend}, {census.splits} split(s)",
+             f"context {census.context}; attention {census.attention_backend}, {census.splits} split(s)"
+             + "".join(f" (window {w}: {n})" for w, n in census.window_splits.items()),
              f"{'#':>4} {'layer':>5} {'op':<14} {'kernel':<28} {'grid':>12} x {'block':<7}"
              f"{'weights MB':>10}{'kv rd MB':>10}{'kv wr MB':>10}{'act rd MB':>10}{'act wr MB':>10}"]
     for i, r in enumerate(census.rows):

@@ -164,11 +164,9 @@ class CpuOps:
     def qk_norm(self, qkv, weight) -> None:
         qk_norm(qkv, self.num_heads, self.num_kv_heads, weight, self.eps)
 
-    def rope_store_kv(self, buf: CpuStepBuffers, cos, sin, k_cache, v_cache) -> None:
+    def attention(self, buf: CpuStepBuffers, cos, sin, k_cache, v_cache, launch: None, window: int) -> None:
         # PERF: one pass: q rotated into buf.q, k rotated and v copied straight into the cache
         rope_store_kv(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
-
-    def attention(self, buf: CpuStepBuffers, k_cache, v_cache, launch: None, window: int) -> None:
         paged_attention(buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
                         buf.block_tables, self.scale, window, buf.attn_heads)
 

@@ -8,7 +8,7 @@ step).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -191,6 +191,15 @@ class AttentionLaunch:
     """How one forward's paged attention is launched (gpu/cuda/plan.attention_splits)."""
     splits: int
     workspace: tuple      # split-K partials and tickets (PagedAttention.workspace), Nones for 1 split
+    # One token per request (a decode graph, or an eager decode): attention.cu's launch does
+    # RoPE and the K/V write too (paged_attention_rope), one launch where two were.
+    decode_only: bool = False
+    # A sliding window's own split count (plan.window_splits: its queries read at most window
+    # keys); `splits` for full attention and any window not here. The workspace fits `splits`.
+    window_splits: dict[int, int] = field(default_factory=dict)
+
+    def splits_for(self, window: int) -> int:
+        return self.window_splits.get(window, self.splits) if window > 0 else self.splits
 
 
 @dataclass

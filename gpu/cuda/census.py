@@ -155,28 +155,34 @@ class CensusOps:
         self._add("qk_norm", step_plan.qk_norm(qkv, self.num_heads + self.kvh), weights=weight.nbytes,
                   act_read=nbytes, act_written=nbytes)
 
-    def rope_store_kv(self, buf, cos, sin, k_cache, v_cache) -> None:
-        qkv = buf.qkv
-        T, half = qkv.shape[0], cos.shape[1]
-        q = T * self.num_heads * self.head_dim * qkv.itemsize
-        kv = 2 * T * self.kvh * self.head_dim * qkv.itemsize
-        plan = step_plan.rope_store_kv(qkv, self.num_heads, self.kvh, self.head_dim, half)
-        self._add("rope_store_kv", plan,
-                  act_read=q + kv + 2 * T * half * cos.itemsize + 2 * T * 4,  # + positions, slots
-                  act_written=q, kv_written=kv)
-
-    def attention(self, buf, k_cache, v_cache, launch: AttentionLaunch, window: int) -> None:
+    def attention(self, buf, cos, sin, k_cache, v_cache, launch: AttentionLaunch, window: int) -> None:
+        """CudaOps.attention's launches: rope_store_kv then attention, or one fused attention
+        launch (a decode-only step on the RawKernel: q and the own k/v read from qkv, rotated
+        in registers, k/v written; the cache supplies the other context - 1 keys)."""
         qkv, out = buf.qkv, buf.attn
-        T, B = qkv.shape[0], buf.seq_lens.shape[0]
+        T, B, half = qkv.shape[0], buf.seq_lens.shape[0], cos.shape[1]
+        q = T * self.num_heads * self.head_dim * qkv.itemsize
+        new_kv = 2 * T * self.kvh * self.head_dim * qkv.itemsize  # the step's own k and v
+        rope_inputs = 2 * T * half * cos.itemsize + 2 * T * 4  # cos, sin rows; positions, slots
+        fused = step_plan.fuses_rope(self.backend, launch.decode_only)
+        if not fused:
+            plan = step_plan.rope_store_kv(qkv, self.num_heads, self.kvh, self.head_dim, half)
+            self._add("rope_store_kv", plan, act_read=q + new_kv + rope_inputs, act_written=q,
+                      kv_written=new_kv)
         keys = min(self.context, window) if window > 0 else self.context
         kv = 2 * T * keys * self.kvh * self.head_dim * k_cache.itemsize  # each token its request's keys
         tables = B * -(-keys // self.block_size) * 4 + 4 * (3 * T + 2 * B + 1)
-        q = T * self.num_heads * self.head_dim * qkv.itemsize
-        attn = step_plan.attention(self.backend, qkv, self.num_heads, self.kvh, self.head_dim, launch.splits)
+        splits = launch.splits_for(window)
+        attn = step_plan.attention(self.backend, qkv, self.num_heads, self.kvh, self.head_dim, splits, fused)
         # split: the partials written, then read back by the last block of each (token, KV head)
-        partials = partial_bytes(T, self.num_heads, self.head_dim, launch.splits)
-        self._add("attention", attn, kv_read=kv, act_read=q + tables + partials,
-                  act_written=partials + out.nbytes)
+        partials = partial_bytes(T, self.num_heads, self.head_dim, splits)
+        if fused:  # the own k/v from qkv, not the cache; written once
+            self._add("attention", attn, kv_read=kv - new_kv, kv_written=new_kv,
+                      act_read=q + new_kv + rope_inputs + tables + partials,
+                      act_written=partials + out.nbytes)
+        else:
+            self._add("attention", attn, kv_read=kv, act_read=q + tables + partials,
+                      act_written=partials + out.nbytes)
 
     def silu_mul(self, gate_up, out) -> None:
         self._add("silu_mul", step_plan.silu_mul(out), act_read=gate_up.nbytes, act_written=out.nbytes)
@@ -211,6 +217,7 @@ class Census:
     attention_backend: str
     rows: list[Row]
     speculative_tokens: int = 0   # K: a verify step, 1 + K tokens and rows of logits a request
+    window_splits: dict[int, int] = field(default_factory=dict)  # a sliding window's own splits
 
     @property
     def num_tokens(self) -> int:
@@ -220,8 +227,9 @@ class Census:
     def partial_bytes(self) -> int:
         """The split-K partials over the step, both ways (written, read back by the combine)."""
         c = self.config
-        per_layer = partial_bytes(self.num_tokens, c.num_attention_heads, c.head_dim, self.splits)
-        return 2 * c.num_hidden_layers * per_layer
+        return 2 * sum(partial_bytes(self.num_tokens, c.num_attention_heads, c.head_dim,
+                                     self.window_splits.get(w, self.splits) if w else self.splits)
+                       for w in c.layer_windows)
 
     @property
     def per_layer(self) -> int:
@@ -237,7 +245,7 @@ class Census:
 
 def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtype: str = "float16",
                   attention_backend: str = "rawkernel", max_blocks: int = 1,
-                  speculative_tokens: int = 0) -> Census:
+                  speculative_tokens: int = 0, window_splits: dict[int, int] | None = None) -> Census:
     """The launches of one decode step of `batch` requests, each attending to `context` keys,
     as a graph replays it (T = B = batch; splits: the graph's, step_plan.graph_splits), or with
     speculative_tokens K of the verify step as its graph replays it (plan.GraphTable.shape:
@@ -252,21 +260,24 @@ def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtyp
     half = (c.rotary_dim or c.head_dim) // 2
     table = Shaped((context, half), np.dtype(np.float32))
     ops = CensusOps(c, weights, attention_backend, context)
-    model.forward(ops, weights, buf, [(kv, kv)] * c.num_hidden_layers,
-                  AttentionLaunch(splits, (None, None, None)),
+    launch = AttentionLaunch(splits, (None, None, None), speculative_tokens == 0, dict(window_splits or {}))
+    model.forward(ops, weights, buf, [(kv, kv)] * c.num_hidden_layers, launch,
                   {FULL_ATTENTION: (table, table), SLIDING_ATTENTION: (table, table)})
-    return Census(c, dtype, batch, context, splits, attention_backend, ops.rows, speculative_tokens)
+    return Census(c, dtype, batch, context, splits, attention_backend, ops.rows, speculative_tokens,
+                  dict(window_splits or {}))
 
 
 def census_for(config: ModelConfig, *, batch: int, context: int, dtype: str, max_model_len: int,
                num_sms: int, attention_backend: str = "auto", speculative_tokens: int = 0) -> Census:
     """The census of the decode graph CudaModelRunner captures for `batch` requests (with
     speculative_tokens K: its verify graph): its attention kernel (launch.attention_backend_for)
-    and split count (step_plan.graph_splits)."""
+    and split counts (step_plan.graph_splits, graph_window_splits)."""
     backend = launch.attention_backend_for(attention_backend, config.head_dim)
-    splits = step_plan.graph_splits(tokens=batch * (1 + speculative_tokens),
-                                    num_kv_heads=config.num_key_value_heads, max_model_len=max_model_len,
-                                    num_sms=num_sms)
+    shape = dict(tokens=batch * (1 + speculative_tokens), num_kv_heads=config.num_key_value_heads,
+                 max_model_len=max_model_len, num_sms=num_sms)
+    splits = step_plan.graph_splits(**shape)
+    windows = step_plan.graph_window_splits(**shape, windows=config.layer_windows)
+    raw = backend == "rawkernel"
     return decode_census(config, batch=batch, context=context, dtype=dtype, attention_backend=backend,
-                         splits=splits if backend == "rawkernel" else 1,
-                         speculative_tokens=speculative_tokens)
+                         splits=splits if raw else 1, speculative_tokens=speculative_tokens,
+                         window_splits=windows if raw else {})

@@ -187,6 +187,18 @@ def num_kv_blocks(*, total_bytes: int, used_bytes_after_profile: int, bytes_per_
     return budget // bytes_per_block
 
 
+def window_splits(windows, *, num_tokens: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                  partition_size: int = 512) -> dict[int, int]:
+    """Each sliding window's split count (> 0 in `windows`, the layers' ModelConfig
+    .layer_windows): a windowed layer's queries read at most `window` keys, so it is planned
+    from min(max_seq_len, window); planned from max_seq_len (a long max_model_len) it split a
+    1k window into up to 16 shares of 64 keys, each block's partials written and combined."""
+    return {w: attention_splits(num_tokens=num_tokens, num_kv_heads=num_kv_heads,
+                                max_seq_len=min(max_seq_len, w), num_sms=num_sms,
+                                partition_size=partition_size)
+            for w in sorted(set(windows)) if w > 0}
+
+
 def attention_splits(*, num_tokens: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                      partition_size: int = 512, max_splits: int = 16) -> int:
     """Key splits for the paged-attention RawKernel: split only when the (token, KV head)

@@ -147,17 +147,21 @@ class CudaOps:
         self.fused.qk_norm(qkv, weight, self.num_heads, self.num_rot_heads, self.head_dim, self.eps,
                            self.stream)
 
-    def rope_store_kv(self, buf: StepBuffers, cos, sin, k_cache, v_cache) -> None:
-        """q rotated in place in buf.qkv (attention reads it there), k and v into the caches:
-        one fused.cu launch."""
-        self.fused.rope_store_kv(buf.qkv, buf.positions, buf.slot_mapping, cos, sin, k_cache, v_cache,
-                                 self.num_heads, self.head_dim, self.stream)
-
-    def attention(self, buf: StepBuffers, k_cache, v_cache, launch: AttentionLaunch, window: int) -> None:
+    def attention(self, buf: StepBuffers, cos, sin, k_cache, v_cache, launch: AttentionLaunch,
+                  window: int) -> None:
+        """A decode-only step on the RawKernel: one attention.cu launch (RoPE and the K/V write
+        in it); otherwise fused.cu's rope_store_kv (q rotated in place in buf.qkv, k and v into
+        the caches), then the attention kernel."""
         args = (buf.qkv, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
                 buf.block_tables)
+        if step_plan.fuses_rope(self.attention_backend, launch.decode_only):
+            self.paged(*args, self.scale, buf.attn, self.stream, splits=launch.splits_for(window),
+                       workspace=launch.workspace, window=window, rope=(buf.slot_mapping, cos, sin))
+            return
+        self.fused.rope_store_kv(buf.qkv, buf.positions, buf.slot_mapping, cos, sin, k_cache, v_cache,
+                                 self.num_heads, self.head_dim, self.stream)
         if self.attention_backend == "rawkernel":
-            self.paged(*args, self.scale, buf.attn, self.stream, splits=launch.splits,
+            self.paged(*args, self.scale, buf.attn, self.stream, splits=launch.splits_for(window),
                        workspace=launch.workspace, window=window)
         else:
             q, k, v, positions, qsl, seq_lens, tables = (_nb(a) for a in args)
@@ -283,12 +287,13 @@ class CudaModelRunner:
             buf = StepBuffers(self.config, batch.num_tokens, batch.num_reqs,
                               batch.block_tables.shape[1], cp, self.act_dtype, len(batch.logits_indices))
             buf.load(batch, self.ops)
-            max_len = int(batch.seq_lens.max())
-            splits = plan.attention_splits(num_tokens=batch.num_tokens,
-                                           num_kv_heads=self.config.num_key_value_heads,
-                                           max_seq_len=max_len, num_sms=self.num_sms)
+            shape = dict(num_tokens=batch.num_tokens, num_kv_heads=self.config.num_key_value_heads,
+                         max_seq_len=int(batch.seq_lens.max()), num_sms=self.num_sms)
+            splits = plan.attention_splits(**shape)
             ws = self.ops.paged.workspace(batch.num_tokens, self.config.num_attention_heads, splits)
-            self._forward(buf, caches, AttentionLaunch(splits, ws))
+            self._forward(buf, caches, AttentionLaunch(
+                splits, ws, plan.is_decode_only(batch),
+                plan.window_splits(self.config.layer_windows, **shape)))
             return buf
 
     def capture_graphs(self) -> None:
@@ -315,7 +320,13 @@ class CudaModelRunner:
             buf = shared.leading(*table.shape(size))
             buf.load(table.pad(_empty_step(), size, self.max_blocks), self.ops)  # slots -1, no keys
             split = splits[id(table), size]
-            attention = AttentionLaunch(split, ws if split > 1 else (None, None, None))
+            windows = step_plan.graph_window_splits(
+                tokens=table.shape(size)[0], num_kv_heads=c.num_key_value_heads,
+                max_model_len=self.max_model_len, num_sms=self.num_sms, windows=c.layer_windows)
+            # NOTE: a verify graph's requests have 1 + K query tokens each: not the decode-only
+            # kernel (RoPE and the KV write inside attention read one token a request).
+            attention = AttentionLaunch(split, ws if split > 1 else (None, None, None),
+                                        decode_only=table is self.graphs, window_splits=windows)
             with self.stream:
                 # warm-up: compiles, cuBLAS plans; slots -1 and seq_lens 0 write and read nothing
                 self._forward(buf, self.kv_caches, attention)

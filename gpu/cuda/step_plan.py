@@ -84,13 +84,21 @@ def to_float32(src: Any) -> Launch:
 
 
 def attention(backend: str, qkv: Any, num_heads: int, num_kv_heads: int, head_dim: int,
-              splits: int) -> Launch:
+              splits: int, rope: bool = False) -> Launch:
     """attention.cu's paged_attention (its splits combined in the same launch), or the Numba
-    kernel (one block per (token, head), no split)."""
+    kernel (one block per (token, head), no split). rope: a decode-only step's
+    paged_attention_rope (RoPE and the K/V write in the same launch: no rope_store_kv)."""
     T = qkv.shape[0]
     if backend != "rawkernel":
         return Launch("numba paged_attention_kernel", (T, num_heads), (NUMBA_THREADS,))
-    return Launch(_fused("paged_attention", qkv), *launch.attention_launch(T, num_kv_heads, splits))
+    name = "paged_attention_rope" if rope else "paged_attention"
+    return Launch(_fused(name, qkv), *launch.attention_launch(T, num_kv_heads, splits))
+
+
+def fuses_rope(backend: str, decode_only: bool) -> bool:
+    """Whether attention's launch does RoPE and the K/V write (else rope_store_kv first): the
+    RawKernel on a step of one token per request (its own key is its request's last)."""
+    return backend == "rawkernel" and decode_only
 
 
 def graph_splits(*, tokens: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
@@ -99,3 +107,10 @@ def graph_splits(*, tokens: int, num_kv_heads: int, max_model_len: int, num_sms:
     max_model_len, whatever the requests' lengths)."""
     return plan.attention_splits(num_tokens=tokens, num_kv_heads=num_kv_heads, max_seq_len=max_model_len,
                                  num_sms=num_sms)
+
+
+def graph_window_splits(*, tokens: int, num_kv_heads: int, max_model_len: int, num_sms: int,
+                        windows) -> dict[int, int]:
+    """The sliding windows' split counts of that graph (plan.window_splits)."""
+    return plan.window_splits(windows, num_tokens=tokens, num_kv_heads=num_kv_heads,
+                              max_seq_len=max_model_len, num_sms=num_sms)

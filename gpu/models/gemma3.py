@@ -98,8 +98,7 @@ def gemma3_hidden_states(ops: ModelOps, w: Gemma3Weights, buf, caches, attention
         ops.linear(buf.x, layer.qkv, buf.qkv)
         ops.qk_norm(buf.qkv, layer.qk_norm)
         cos, sin = ropes[layer.layer_type]
-        ops.rope_store_kv(buf, cos, sin, k_cache, v_cache)
-        ops.attention(buf, k_cache, v_cache, attention, layer.sliding_window)
+        ops.attention(buf, cos, sin, k_cache, v_cache, attention, layer.sliding_window)
         ops.linear(buf.attn, layer.o, buf.delta)
         ops.rms_norm(buf.delta, layer.post_attention_norm)
         ops.add_rms_norm(buf.h, buf.delta, layer.pre_feedforward_norm, buf.x)

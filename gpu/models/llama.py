@@ -92,8 +92,7 @@ def hidden_states(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, s
             ops.add_bias(buf.qkv, layer.qkv_bias)
         if layer.qk_norm is not None:
             ops.qk_norm(buf.qkv, layer.qk_norm)
-        ops.rope_store_kv(buf, cos, sin, k_cache, v_cache)
-        ops.attention(buf, k_cache, v_cache, attention, layer.sliding_window)
+        ops.attention(buf, cos, sin, k_cache, v_cache, attention, layer.sliding_window)
         ops.linear(buf.attn, layer.o, buf.delta)
         ops.add_rms_norm(buf.h, buf.delta, layer.post_norm, buf.x)
         ops.linear(buf.x, layer.gate_up, buf.gate_up)

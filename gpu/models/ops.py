@@ -10,10 +10,11 @@ What a backend decides, through its objects, and the sequence never sees:
   a quantized format (packed blocks) is another store plus an ops.linear that reads it.
 - step buffers (`buf`): every activation of one step, in the backend's dtypes (the residual
   stream h is float32 on both).
-- which ops it fuses: rope_store_kv is one Numba pass on the CPU (rotated q to its own buffer,
-  k/v straight into the cache), one fused.cu kernel on CUDA (q rotated in place, k/v into the
-  cache); which kernel and geometry each CUDA op launches is gpu/cuda/step_plan.py's (what
-  tools/step_census.py lists).
+- which ops it fuses: attention's RoPE and K/V write are one Numba pass on the CPU (rotated q
+  to its own buffer, k/v straight into the cache) before its attention kernel; on CUDA one
+  fused.cu kernel (q rotated in place, k/v into the cache) before attention.cu's, or, for a
+  decode-only step, inside attention.cu's one launch; which kernel and geometry each CUDA op
+  launches is gpu/cuda/step_plan.py's (what tools/step_census.py lists).
 """
 from __future__ import annotations
 
@@ -72,15 +73,13 @@ class ModelOps(Protocol):
         """In place in qkv [T, q + 2 kv]: each q head = RMSNorm(head) * weight[:head_dim], each
         k head the same with weight[head_dim:] (the config's rms_norm_eps); v untouched."""
 
-    def rope_store_kv(self, buf, cos, sin, k_cache, v_cache) -> None:
-        """Rotate q and k of buf.qkv by buf.positions (cos, sin: [positions, rotary_dim / 2]
-        tables: the first 2 * cos.shape[1] dims of each head rotate, the rest pass through) and
-        write k and v into the caches at buf.slot_mapping (-1: no write). Where the rotated q
-        goes is the backend's, for its attention to read."""
-
-    def attention(self, buf, k_cache, v_cache, launch, window: int) -> None:
-        """buf.attn = paged attention of the rotated q over the caches (launch: the backend's
-        per-step plan, CUDA's AttentionLaunch; None on the CPU). window 0: a query at position
+    def attention(self, buf, cos, sin, k_cache, v_cache, launch, window: int) -> None:
+        """RoPE, the K/V write and attention, fused as far as the backend can (module docstring):
+        q and k of buf.qkv rotated by buf.positions (cos, sin: [positions, rotary_dim / 2]
+        tables: the first 2 * cos.shape[1] dims of each head rotate, the rest pass through), k
+        and v written into the caches at buf.slot_mapping (-1: no write), then buf.attn = paged
+        attention of the rotated q over the caches (launch: the backend's per-step plan, CUDA's
+        AttentionLaunch; None on the CPU). window 0: a query at position
         p reads keys 0..p; else only keys k with p - window < k <= p (transformers' sliding
         mask), and the kernels read no block wholly before that (engine/kv_cache.py may have
         freed it). The window is a launch argument: one CUDA graph serves every layer."""
