@@ -146,8 +146,7 @@ class EngineCore:
         cache = replace(self.config.cache_config, block_size=self.block_size,
                         num_gpu_blocks_override=self.runner.num_blocks)
         draft = ModelRunner(draft_dir, self.config.device_config, cache, self.config.step_limits)
-        return DraftModelProposer(draft, self.kv, spec.num_speculative_tokens, self.structured,
-                                  self.eos_token_ids)
+        return DraftModelProposer(draft, self.kv, spec.num_speculative_tokens, self.structured)
 
     # -- requests in -------------------------------------------------------------------------
 

@@ -41,8 +41,7 @@ if TYPE_CHECKING:
 
 
 class DraftModelProposer:
-    def __init__(self, runner, kv: KVCacheManager, k: int, structured: StructuredOutputs,
-                 eos_token_ids: tuple[int, ...]):
+    def __init__(self, runner, kv: KVCacheManager, k: int, structured: StructuredOutputs):
         """runner: the draft's ModelRunner, with as many blocks of the same size as the target's."""
         if runner.num_blocks != kv.num_blocks or runner.block_size != kv.block_size:
             raise ValueError("the draft model's KV cache must mirror the target's blocks")
@@ -50,7 +49,6 @@ class DraftModelProposer:
         self.kv = kv
         self.k = k
         self.structured = structured
-        self.eos_token_ids = set(eos_token_ids)
         # request key -> (request, position): all its drafts were accepted, the last one's
         # draft K/V is not written yet
         self._lagging: dict[str, tuple[Request, int]] = {}
@@ -130,7 +128,7 @@ class DraftModelProposer:
             ahead[i].append(token)
             qs[i].append(probs[row])
             k = len(s.draft_token_ids or ())
-            if len(ahead[i]) < k and token in self.eos_token_ids:
+            if len(ahead[i]) < k and token in s.request.eos_token_ids:   # () with ignore_eos
                 _drop_drafts(sched, s, len(ahead[i]))
             elif len(ahead[i]) < k:
                 still.append(i)
