@@ -116,7 +116,8 @@ class EngineConfig:
                 "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M} "
                 "or a draft model sharing the target's vocabulary, {\"model\": PATH_OR_ID, "
                 "\"num_speculative_tokens\": K}; optionally \"disable_by_batch_size\" (default 8: "
-                "no speculation in a step with more running requests); CPU backend only for now (docs/speculative.md)"})
+                "no speculation in a step with more running requests); CPU backend only for now "
+                "(docs/speculative.md)"})
     # The parts: settings classes of their own (no flag each; their fields are the flags).
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
