@@ -135,14 +135,25 @@ class EngineCore:
     def _draft_proposer(self, spec: SpeculativeConfig) -> DraftModelProposer:
         """The draft model's runner on the target's backend and settings, with a KV cache of as
         many blocks as the target's (engine/draft_proposer.py: the two mirror each other)."""
+        from ringserve.gpu.errors import ModelError
         from ringserve.gpu.loader.model_store import resolve_model
         from ringserve.gpu.runner import ModelRunner
 
         assert spec.model is not None
-        draft_dir = resolve_model(spec.model)
+        try:
+            draft_dir = resolve_model(spec.model)
+        except ModelError as e:
+            raise ValueError(f"--speculative-config: the draft model: {e}") from None
         target = self.config.model or "the default model"
+        draft_config = ModelConfig.from_dir(draft_dir)
         check_same_vocabulary(getattr(self.runner, "model_dir", None), draft_dir, self.vocab_size,
-                              ModelConfig.from_dir(draft_dir).vocab_size, target, spec.model)
+                              draft_config.vocab_size, target, spec.model)
+        window = self.runner.config.uniform_window
+        draft_window = draft_config.uniform_window   # 0: none, it reads the whole history
+        if window and not 0 < draft_window <= window:
+            raise ValueError(f"--speculative-config: the draft model {spec.model} reads keys "
+                             f"before the target model {target}'s sliding window of {window}, "
+                             f"whose blocks are freed (the two share block tables)")
         cache = replace(self.config.cache_config, block_size=self.block_size,
                         num_gpu_blocks_override=self.runner.num_blocks)
         draft = ModelRunner(draft_dir, self.config.device_config, cache, self.config.step_limits)

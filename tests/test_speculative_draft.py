@@ -110,6 +110,12 @@ def test_a_draft_with_another_vocabulary_is_refused_in_one_line(default_model_di
     assert "\n" not in msg
 
 
+def test_a_draft_model_not_found_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="--speculative-config: the draft model: .*missing.gguf") as e:
+        LLM(model=str(tiny_model_dir), **COMMON, speculative_config=_draft(tmp_path / "missing.gguf"))
+    assert "\n" not in str(e.value)
+
+
 def test_greedy_output_is_the_same_token_for_token(engines):
     plain, spec = engines
     stats = spec.engine.scheduler.speculation.stats

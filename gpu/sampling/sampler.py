@@ -11,6 +11,9 @@ whatever else is in the batch. The semantics are vLLM's:
   below min_p times the top probability), top_k, top_p (the smallest set whose mass reaches p).
 - structured outputs: a row's token bitmask (allowed_token_bitmask) sets -inf at every token
   its grammar does not allow, first, before the penalties.
+- speculative decoding with a draft model: a row that verifies a draft token drawn from the
+  draft's q keeps it or replaces it by rejection sampling (accept_or_resample); sample_draft
+  draws the draft's tokens and returns their q.
 - logprobs are those of the raw model distribution (log_softmax of the logits as the model gave
   them, before penalties and temperature: vLLM's default "raw_logprobs").
 A row whose sampling raises (a bad id list, a parameter no check foresaw) is reported in
