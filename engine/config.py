@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field, fields, replace
 
 from ringserve.engine.kv_events import KVEventsConfig, parse_kv_events_config
-from ringserve.engine.speculative import SpeculativeConfig, parse_speculative_config
+from ringserve.engine.speculative import DRAFT_ON_CPU_ONLY, SpeculativeConfig, parse_speculative_config
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 # Tokens per step when max_num_batched_tokens is not given; longer prompts are chunked.
@@ -133,11 +133,14 @@ class EngineConfig:
                                  "(pip install 'ringserve[kv-events]')") from None
         if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...}), as vLLM
             self.speculative_config = json.dumps(self.speculative_config)
-        if parse_speculative_config(self.speculative_config) is not None:  # ValueError: one line
+        spec = parse_speculative_config(self.speculative_config)  # ValueError: one line
+        if spec is not None:
             from ringserve.gpu.devices import resolve_device
             if resolve_device(self.device_config.device) != "cpu":
                 raise ValueError("--speculative-config: speculative decoding runs on the CPU "
                                  "backend only for now (docs/speculative.md)")
+            if spec.model is not None and resolve_device(self.device_config.device) != "cpu":
+                raise ValueError(DRAFT_ON_CPU_ONLY)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.scheduler_config.max_num_batched_tokens is None:  # the one place it is resolved

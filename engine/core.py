@@ -55,7 +55,7 @@ from ringserve.engine.request_checks import check_request
 from ringserve.engine.sampling_metadata import build_sampling_metadata, build_verify_metadata
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.engine.speculation import Speculation
-from ringserve.engine.speculative import SpeculativeConfig
+from ringserve.engine.speculative import DRAFT_ON_CPU_ONLY, SpeculativeConfig
 from ringserve.engine.stats import SchedulerStats
 from ringserve.engine.stop import check_stop
 from ringserve.engine.structured_outputs import StructuredOutputs, advance
@@ -140,6 +140,8 @@ class EngineCore:
         from ringserve.gpu.runner import ModelRunner
 
         assert spec.model is not None
+        if getattr(self.runner, "device", "cpu") != "cpu":
+            raise ValueError(DRAFT_ON_CPU_ONLY)
         try:
             draft_dir = resolve_model(spec.model)
         except ModelError as e:
