@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from ringserve.engine.config import EngineConfig, fit_max_model_len
+from ringserve.engine.draft_proposer import DraftModelProposer, check_same_vocabulary
 from ringserve.engine.inputs import build_batch, verify_row_starts
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.logprobs import (
@@ -54,10 +55,12 @@ from ringserve.engine.request_checks import check_request
 from ringserve.engine.sampling_metadata import build_sampling_metadata, build_verify_metadata
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.engine.speculation import Speculation
+from ringserve.engine.speculative import DRAFT_ON_CPU_ONLY, SpeculativeConfig
 from ringserve.engine.stats import SchedulerStats
 from ringserve.engine.stop import check_stop
 from ringserve.engine.structured_outputs import StructuredOutputs, advance
 from ringserve.engine.trace import EngineTracer
+from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.runner import StepHandle
 from ringserve.gpu.sampling.sampler import GREEDY_EPS, SamplerOutput, SamplingMetadata
 from ringserve.ipc.limits import generator_seed
@@ -109,9 +112,6 @@ class EngineCore:
         if clamped is not None:
             log.warning("%s", clamped)
         self.scheduler = Scheduler(self.kv, config.scheduler_config)
-        spec = config.speculative
-        if spec is not None:
-            self.scheduler.speculation = Speculation(spec, self.max_model_len)
         self.generator = np.random.default_rng(config.seed)   # for requests without a seed
         self.groups: dict[str, list[Request]] = {}            # request_id -> its n sequences
         self._pending: list[EngineOutput] = []               # refusals and aborts, out next step
@@ -124,6 +124,39 @@ class EngineCore:
         self.tracer = EngineTracer(self)                      # records only traced requests
         tokenizer_dir = Path(config.tokenizer) if config.tokenizer else getattr(runner, "model_dir", None)
         self.structured = StructuredOutputs(tokenizer_dir, self.vocab_size, self.eos_token_ids)
+        spec = config.speculative
+        if spec is not None:
+            proposer = None if spec.model is None else self._draft_proposer(spec)
+            self.scheduler.speculation = Speculation(spec, self.max_model_len, proposer)
+
+    def _draft_proposer(self, spec: SpeculativeConfig) -> DraftModelProposer:
+        """The draft model's runner on the target's backend and settings, with a KV cache of as
+        many blocks as the target's (engine/draft_proposer.py: the two mirror each other)."""
+        from ringserve.gpu.errors import ModelError
+        from ringserve.gpu.loader.model_store import resolve_model
+        from ringserve.gpu.runner import ModelRunner
+
+        assert spec.model is not None
+        if getattr(self.runner, "device", "cpu") != "cpu":
+            raise ValueError(DRAFT_ON_CPU_ONLY)
+        try:
+            draft_dir = resolve_model(spec.model)
+        except ModelError as e:
+            raise ValueError(f"--speculative-config: the draft model: {e}") from None
+        target = self.config.model or "the default model"
+        draft_config = ModelConfig.from_dir(draft_dir)
+        check_same_vocabulary(getattr(self.runner, "model_dir", None), draft_dir, self.vocab_size,
+                              draft_config.vocab_size, target, spec.model)
+        window = self.runner.config.uniform_window
+        draft_window = draft_config.uniform_window   # 0: none, it reads the whole history
+        if window and not 0 < draft_window <= window:
+            raise ValueError(f"--speculative-config: the draft model {spec.model} reads keys "
+                             f"before the target model {target}'s sliding window of {window}, "
+                             f"whose blocks are freed (the two share block tables)")
+        cache = replace(self.config.cache_config, block_size=self.block_size,
+                        num_gpu_blocks_override=self.runner.num_blocks)
+        draft = ModelRunner(draft_dir, self.config.device_config, cache, self.config.step_limits)
+        return DraftModelProposer(draft, self.kv, spec.num_speculative_tokens, self.structured)
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -237,6 +270,9 @@ class EngineCore:
     def _execute(self, step: InFlightStep) -> None:
         """Build the step's batch, sampling rows and prompt-logprob rows; submit them."""
         sched = step.sched
+        speculation = self.scheduler.speculation
+        # a draft model's forwards first: they fill the drafts in (and may drop some)
+        draft_probs = None if speculation is None else speculation.proposer.prepare(sched)
         batch = build_batch(sched, self.kv)
         if self.tracer.active:
             self.tracer.on_scheduled(self.num_steps, step.start, sched, batch)
@@ -246,7 +282,8 @@ class EngineCore:
         meta: SamplingMetadata | None
         if sched.num_draft_tokens:  # speculative decoding: 1 + k rows per request
             step.drafts = [sched.scheduled[i].draft_token_ids for i in rows]
-            meta = build_verify_metadata(reqs, step.drafts, self.structured.verify_bitmask)
+            meta = build_verify_metadata(reqs, step.drafts, self.structured.verify_bitmask,
+                                         None if draft_probs is None else [draft_probs[i] for i in rows])
             starts = verify_row_starts(sched)
             rows = [row for i in rows for row in range(starts[i], starts[i] + 1 + len(
                 sched.scheduled[i].draft_token_ids or ()))]
@@ -349,7 +386,7 @@ class EngineCore:
                 break
         if k:  # i drafts accepted: their K/V, written this step, stay; the rest are rewritten
             req.num_computed_tokens += i
-            self.scheduler.speculation.record(k, i)  # type: ignore[union-attr]
+            self.scheduler.speculation.record(req, k, i)  # type: ignore[union-attr]
         return reason
 
     def _record_stats(self, sched: SchedulerOutput) -> None:

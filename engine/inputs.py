@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringserve.engine.kv_cache import KVCacheManager
+from ringserve.engine.request import Request
 from ringserve.engine.scheduler import SchedulerOutput
 from ringserve.gpu.batch import Batch
 
@@ -11,18 +12,29 @@ from ringserve.gpu.batch import Batch
 def build_batch(out: SchedulerOutput, kv: KVCacheManager) -> Batch:
     # One pass of Python per request for what only the request knows (its tokens, counts and
     # block-table row); everything per token is numpy.
-    bs = kv.block_size
     scheduled = out.scheduled
     num_reqs = len(scheduled)
     counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int32, num_reqs)
     starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int32, num_reqs)
+    input_ids = np.fromiter(_new_token_ids(out), np.int32, int(counts.sum()))
+    batch = batch_of(kv, [s.request for s in scheduled], starts, counts, input_ids)
+    if out.num_draft_tokens:
+        batch.sample_indices = _verify_rows(out, batch.query_start_loc)
+    return batch
+
+
+def batch_of(kv: KVCacheManager, reqs: list[Request], starts: np.ndarray, counts: np.ndarray,
+             input_ids: np.ndarray) -> Batch:
+    """The Batch of counts[i] tokens of reqs[i] from position starts[i] (int32 arrays), their
+    ids input_ids, K/V slots from the requests' block tables (a draft model's forwards use it
+    too: its cache mirrors the target's block ids, engine/draft_proposer.py)."""
+    bs = kv.block_size
+    num_reqs = len(reqs)
     query_start_loc = np.zeros(num_reqs + 1, np.int32)
     np.cumsum(counts, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
     seq_lens = starts + counts
-
-    input_ids = np.fromiter(_new_token_ids(out), np.int32, num_tokens)
-    block_tables = kv.block_tables_of(s.request for s in scheduled)
+    block_tables = kv.block_tables_of(reqs)
 
     # Per token: its request, its position, and its slot (block_table[pos // bs] * bs + pos % bs).
     req_of = np.repeat(np.arange(num_reqs), counts)
@@ -36,7 +48,6 @@ def build_batch(out: SchedulerOutput, kv: KVCacheManager) -> Batch:
         query_start_loc=query_start_loc,
         seq_lens=seq_lens.astype(np.int32),
         block_tables=block_tables,
-        sample_indices=_verify_rows(out, query_start_loc) if out.num_draft_tokens else None,
     )
 
 

@@ -46,11 +46,22 @@ class NgramProposer:
         self.max_n = config.prompt_lookup_max
 
     def propose(self, req: Request, room: int) -> list[int]:
-        """At most min(K, room) draft tokens to follow req's last token."""
+        """At most min(K, room) draft tokens to follow req's last token; cut where its grammar
+        would refuse one (the rows after it could not be masked)."""
         k = min(self.k, room)
         if k <= 0:
             return []
         out = req.output_token_ids
         tokens = (np.concatenate((req.prompt_token_ids, np.asarray(out, np.int32))) if out
                   else req.prompt_token_ids)
-        return propose_ngram(tokens, self.min_n, self.max_n, k).tolist()
+        drafts = propose_ngram(tokens, self.min_n, self.max_n, k).tolist()
+        if drafts and req.matcher is not None:
+            drafts = drafts[:req.matcher.validate_tokens(drafts)]
+        return drafts
+
+    def prepare(self, sched) -> None:
+        """The drafts are known since schedule time; each is a point mass (q one-hot)."""
+        return None
+
+    def accepted(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        pass

@@ -1,9 +1,10 @@
 """--speculative-config: vLLM's JSON object for speculative decoding, checked in one line.
 
-Only the n-gram (prompt lookup) method is served: {"method": "ngram", "num_speculative_tokens":
-K, "prompt_lookup_max": N, "prompt_lookup_min": M} (vLLM's keys and defaults: one bound given
-sets the other; neither: 5 and 1), plus vLLM's "disable_by_batch_size". A draft model
-({"model": PATH}) is refused for now (docs/speculative.md).
+Two methods, as vLLM spells them: n-gram (prompt lookup), {"method": "ngram",
+"num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M} (vLLM's defaults:
+one bound given sets the other; neither: 5 and 1), and a draft model, {"model": PATH_OR_ID,
+"num_speculative_tokens": K} ("method": "draft_model" optional; the model as the target's model
+argument takes it). Both take vLLM's "disable_by_batch_size" (docs/speculative.md).
 """
 from __future__ import annotations
 
@@ -22,17 +23,22 @@ MAX_PROMPT_LOOKUP = 64
 # docs/speculative.md). vLLM's disable_by_batch_size.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
+METHODS = ("ngram", "draft_model")
+# The CUDA verify path takes n-gram drafts; a draft model's forwards and q rows are CPU-only.
+DRAFT_ON_CPU_ONLY = ("--speculative-config: a draft model (\"model\") runs on the CPU backend only "
+                     "for now (docs/speculative.md)")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size", "model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str                       # "ngram"
+    method: str                       # "ngram" or "draft_model"
     num_speculative_tokens: int       # K: the most draft tokens per request per step
     prompt_lookup_max: int            # the longest suffix n-gram matched
     prompt_lookup_min: int            # the shortest
     disable_by_batch_size: int        # no speculation in a step with more running requests
+    model: str | None = None          # draft_model: the draft (a folder, a GGUF or a hub id)
 
 
 def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -51,14 +57,24 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     if unknown:
         raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} "
                          f"(known: {', '.join(_KEYS)})")
-    if "model" in value:
-        raise ValueError("--speculative-config: a draft model (\"model\") is not supported yet; "
-                         "use {\"method\": \"ngram\", ...}")
-    method = value.get("method")
-    if method != "ngram":
-        raise ValueError(f"--speculative-config: method must be \"ngram\", got {method!r}")
+    # vLLM: a "model" without a method is a draft model
+    method = value.get("method", "draft_model" if "model" in value else None)
+    if method not in METHODS:
+        raise ValueError(f"--speculative-config: method must be one of "
+                         f"{', '.join(map(repr, METHODS))}, got {method!r}")
     k = _int(value, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
     assert k is not None  # not optional: _int raised
+    batch = _int(value, "disable_by_batch_size", None, 1, 1 << 20, optional=True)
+    batch = DEFAULT_DISABLE_BY_BATCH_SIZE if batch is None else batch
+    if method == "draft_model":
+        return _draft_model(value, k, batch)
+    return _ngram(value, k, batch)
+
+
+def _ngram(value: dict[str, Any], k: int, batch: int) -> SpeculativeConfig:
+    if "model" in value:
+        raise ValueError("--speculative-config: \"model\" is a draft model's; method \"ngram\" "
+                         "takes none")
     # vLLM's defaults: one bound given sets the other; neither: 5 and 1.
     lo = _int(value, "prompt_lookup_min", None, 1, MAX_PROMPT_LOOKUP, optional=True)
     hi = _int(value, "prompt_lookup_max", None, 1, MAX_PROMPT_LOOKUP, optional=True)
@@ -70,9 +86,19 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     if hi < lo:
         raise ValueError(f"--speculative-config: prompt_lookup_max ({hi}) must be at least "
                          f"prompt_lookup_min ({lo})")
-    batch = _int(value, "disable_by_batch_size", None, 1, 1 << 20, optional=True)
-    return SpeculativeConfig("ngram", k, hi, lo,
-                             DEFAULT_DISABLE_BY_BATCH_SIZE if batch is None else batch)
+    return SpeculativeConfig("ngram", k, hi, lo, batch)
+
+
+def _draft_model(value: dict[str, Any], k: int, batch: int) -> SpeculativeConfig:
+    model = value.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"--speculative-config: model must be the draft model's path or id "
+                         f"(a non-empty string), got {model!r}")
+    lookup = sorted(key for key in value if key.startswith("prompt_lookup"))
+    if lookup:
+        raise ValueError(f"--speculative-config: {', '.join(lookup)} is the ngram method's; "
+                         f"a draft model takes none")
+    return SpeculativeConfig("draft_model", k, 0, 0, batch, model)
 
 
 def _int(value: dict[str, Any], key: str, default: int | None, lo: int, hi: int,

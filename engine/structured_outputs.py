@@ -101,6 +101,35 @@ class StructuredOutputs:
             row += size
         return mask
 
+    def bitmask_after(self, reqs: list[Request], ahead: list[list[int]]
+                      ) -> tuple[np.ndarray | None, list[bool]]:
+        """A draft model's step (engine/draft_proposer.py): int32 [len(reqs), words], each
+        constrained row's allowed tokens after its tokens `ahead` (its drafts so far, which
+        the grammar accepted: they were drawn under it; the matcher walks them and is rolled
+        back), and whether its grammar is complete after them (no draft may follow)."""
+        stopped = [False] * len(reqs)
+        if not any(r.matcher is not None for r in reqs):
+            return None, stopped
+        import llguidance.numpy as lln
+
+        mask = np.full((len(reqs), self.words), -1, np.int32)
+        for i, (r, a) in enumerate(zip(reqs, ahead, strict=True)):
+            m = r.matcher
+            if m is None:
+                continue
+            taken = 0
+            for token in a:
+                if not m.consume_token(token):
+                    m.rollback(taken)
+                    raise ValueError(f"draft token {token} breaks the grammar: {m.get_error()}")
+                taken += 1
+            stopped[i] = m.is_stopped()
+            if not stopped[i]:
+                lln.fill_next_token_bitmask(m, mask, i)
+            if taken:
+                m.rollback(taken)
+        return mask, stopped
+
 
 def advance(req: Request, token: int) -> FinishReason | None:
     """Feed the sampled token to req's matcher; STOP once the grammar is complete. Raises when

@@ -37,7 +37,7 @@ PROMPTS = [
       "prompt_lookup_min": 3}, "prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-    ({"model": "/models/draft", "num_speculative_tokens": 2}, "draft model"),
+    ({"method": "ngram", "model": "/models/draft", "num_speculative_tokens": 2}, "draft model"),
     ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "typo"),
     ("{not json", "not JSON"),
     ("[4]", "JSON object"),

@@ -8,6 +8,11 @@ the acceptance rate (accepted / draft tokens) and the mean tokens per verify ste
     .venv/bin/python -m ringserve.tools.bench_spec --concurrency 1 4 16 [--model M]
     python -m ringserve.tools.bench_spec --device cuda --sweep-shape 1B --concurrency 1   # a GPU
 
+    python -m ringserve.tools.bench_spec --draft-model DRAFT.gguf [--num-speculative-tokens K]
+
+--draft-model speculates with a draft model ({"model": DRAFT, "num_speculative_tokens": K}) in
+place of --speculative-config's n-gram default.
+
 Workloads: `copy` ("repeat this code with one change": greedy, the output mostly copies the
 prompt, where n-gram drafts are accepted) and `random` (a prompt of random token ids, sampled
 at temperature 0.8: drafts are rarely right, so this is what failed drafts cost). The two
@@ -64,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative-config", default=json.dumps(
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
          "disable_by_batch_size": 64}))
+    ap.add_argument("--draft-model", default=None,
+                    help="speculate with this draft model (a folder, a GGUF or an id) instead")
+    ap.add_argument("--num-speculative-tokens", type=int, default=3, help="K with --draft-model")
     ap.add_argument("--workloads", nargs="+", default=["copy", "random"])
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="threads per step (default: the engine's); 1 on a machine others load")
@@ -71,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep_shape:
         from ringserve.tools.serve_sweep import model_dir
         args.model = str(model_dir(args.sweep_shape, args.dtype))
+    if args.draft_model is not None:
+        args.speculative_config = json.dumps({"model": args.draft_model, "disable_by_batch_size": 64,
+                                              "num_speculative_tokens": args.num_speculative_tokens})
     # max_num_seqs: the largest concurrency (on CUDA: graphs captured for no more)
     common = dict(device=args.device, max_model_len=1024, max_num_seqs=max(args.concurrency),
                   cpu_threads=args.cpu_threads)

@@ -11,6 +11,9 @@ whatever else is in the batch. The semantics are vLLM's:
   below min_p times the top probability), top_k, top_p (the smallest set whose mass reaches p).
 - structured outputs: a row's token bitmask (allowed_token_bitmask) sets -inf at every token
   its grammar does not allow, first, before the penalties.
+- speculative decoding with a draft model: a row that verifies a draft token drawn from the
+  draft's q keeps it or replaces it by rejection sampling (accept_or_resample); sample_draft
+  draws the draft's tokens and returns their q.
 - logprobs are those of the raw model distribution (log_softmax of the logits as the model gave
   them, before penalties and temperature: vLLM's default "raw_logprobs").
 A row whose sampling raises (a bad id list, a parameter no check foresaw) is reported in
@@ -49,6 +52,11 @@ class SamplingMetadata:
     # function that computes it: the samplers call it (token_bitmask) only when they sample, so
     # on CUDA the host computes the masks while the device runs the step's forward (as vLLM).
     allowed_token_bitmask: np.ndarray | Callable[[], np.ndarray | None] | None = None
+    # speculative decoding with a draft model: per row, the draft token it verifies and the
+    # draft's distribution q it was drawn from (normalized float64 [V]; None: the row verifies
+    # none, or an n-gram draft, a point mass: the row is sampled and compared, docs/speculative.md)
+    draft_token_ids: Sequence[int] | None = None
+    draft_probs: Sequence[np.ndarray | None] | None = None
 
     def token_bitmask(self) -> np.ndarray | None:
         """allowed_token_bitmask, computed now if it is a function (once)."""
@@ -186,9 +194,10 @@ def apply_token_bitmask(logits: np.ndarray, mask: np.ndarray) -> None:
         logits[i, allowed == 0] = -np.inf
 
 
-def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,
-               generator: np.random.Generator) -> int:
-    """One random token from one row of logits (float32 [V])."""
+def row_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                     min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens one row of logits (float32 [V]) may draw and their probabilities (float64,
+    not normalized): temperature, top_k, min_p, top_p."""
     x = logits.astype(np.float64) / temperature
     ids = np.arange(x.shape[0])
     if top_k > 0 and top_k < x.shape[0]:
@@ -204,31 +213,82 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
         before = np.cumsum(sorted_p) - sorted_p        # mass of the tokens ranked above
         keep = order[before < top_p]                   # always keeps the top token
         ids, probs = ids[keep], probs[keep]
+    return ids, probs
+
+
+def draw(ids: np.ndarray, probs: np.ndarray, generator: np.random.Generator) -> int:
+    """One token of ids with probabilities probs (not normalized): one uniform number."""
     cdf = np.cumsum(probs)
     u = generator.random() * cdf[-1]
     j = min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
     return int(ids[j])
 
 
+def dense_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                       min_p: float) -> np.ndarray:
+    """row_distribution as a normalized float64 [V] vector (speculative decoding's p and q)."""
+    ids, probs = row_distribution(logits, temperature, top_k, top_p, min_p)
+    dense = np.zeros(logits.shape[0], np.float64)
+    dense[ids] = probs / probs.sum()
+    return dense
+
+
+def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,
+               generator: np.random.Generator) -> int:
+    """One random token from one row of logits (float32 [V])."""
+    return draw(*row_distribution(logits, temperature, top_k, top_p, min_p), generator)
+
+
+def accept_or_resample(p: np.ndarray, draft: int, q: np.ndarray,
+                       generator: np.random.Generator) -> int:
+    """Speculative decoding's rejection sampling (Leviathan et al.; vLLM's RejectionSampler):
+    the draft token, drawn from the draft's q, is kept with probability min(1, p/q) at it;
+    otherwise a token from normalize(max(p - q, 0)), which is never the draft. The token that
+    comes out follows p whatever q is. p, q: normalized float64 [V]."""
+    # NOTE: u * q < p, not u < p / q: q(draft) > 0 (it was drawn), and no division
+    if generator.random() * q[draft] < p[draft]:
+        return draft
+    residual = np.maximum(p - q, 0.0)
+    if residual.sum() <= 0.0:   # p == q up to rounding: the rejection had probability ~0
+        residual = p
+    nonzero = np.flatnonzero(residual)
+    return draw(nonzero, residual[nonzero], generator)
+
+
+def processed_logits(logits: np.ndarray, meta: SamplingMetadata, failed: dict[int, str]) -> np.ndarray:
+    """logits with the rows' grammar masks, penalties and bans applied (a copy when any)."""
+    mask = meta.token_bitmask()
+    if meta.presence_penalty is None and meta.banned_token_ids is None and mask is None:
+        return logits
+    x = np.array(logits, dtype=np.float32)  # our own copy: penalties and masks work in place
+    if mask is not None:
+        apply_token_bitmask(x, mask)
+    apply_penalties(x, meta, failed)
+    return x
+
+
 def sample(logits: np.ndarray, meta: SamplingMetadata) -> SamplerOutput:
-    """Sample one token per row of logits [B, V]. A row that raises is reported in .failed."""
+    """Sample one token per row of logits [B, V]. A row that raises is reported in .failed.
+    A row verifying a draft model's token (meta.draft_probs) keeps it or replaces it by
+    rejection sampling (accept_or_resample); a greedy row is its argmax either way."""
     raw = logits
     failed: dict[int, str] = {}
-    mask = meta.token_bitmask()
-    if meta.presence_penalty is not None or meta.banned_token_ids is not None or mask is not None:
-        x = np.array(logits, dtype=np.float32)  # our own copy: penalties and masks work in place
-        if mask is not None:
-            apply_token_bitmask(x, mask)
-        apply_penalties(x, meta, failed)
-    else:
-        x = logits
+    x = processed_logits(logits, meta, failed)
     token_ids = x.argmax(axis=-1).astype(np.int32)
     if not meta.all_greedy:
-        def draw(i: int) -> None:
-            token_ids[i] = sample_row(x[i], float(meta.temperature[i]), int(meta.top_k[i]),
-                                      float(meta.top_p[i]), float(meta.min_p[i]),
-                                      cast(np.random.Generator, meta.generators[i]))  # not greedy: set
-        each_row(np.flatnonzero(meta.temperature >= GREEDY_EPS), draw, failed)
+        qs, drafts = meta.draft_probs, meta.draft_token_ids
+
+        def draw_row(i: int) -> None:
+            t, k, p, m = float(meta.temperature[i]), int(meta.top_k[i]), float(meta.top_p[i]), \
+                float(meta.min_p[i])
+            gen = cast(np.random.Generator, meta.generators[i])  # not greedy: set
+            q = None if qs is None else qs[i]
+            if q is None:
+                token_ids[i] = sample_row(x[i], t, k, p, m, gen)
+            else:
+                token_ids[i] = accept_or_resample(dense_distribution(x[i], t, k, p, m),
+                                                  int(drafts[i]), q, gen)  # type: ignore[index]
+        each_row(np.flatnonzero(meta.temperature >= GREEDY_EPS), draw_row, failed)
     lps = None
     if meta.max_num_logprobs is not None:
         try:
@@ -236,6 +296,25 @@ def sample(logits: np.ndarray, meta: SamplingMetadata) -> SamplerOutput:
         except Exception:  # noqa: BLE001 - find the row(s): rare, so row by row
             lps = _gather_rows(raw, token_ids, meta.max_num_logprobs, failed)
     return SamplerOutput(token_ids, lps, failed=failed or None)
+
+
+def sample_draft(logits: np.ndarray, meta: SamplingMetadata
+                 ) -> tuple[np.ndarray, list[np.ndarray | None], dict[int, str]]:
+    """A draft model's tokens, one per row, and the distribution q each was drawn from (None
+    for a greedy row: q is its argmax), for the target's rejection sampling; rows that raised."""
+    failed: dict[int, str] = {}
+    x = processed_logits(logits, meta, failed)
+    token_ids = x.argmax(axis=-1).astype(np.int32)
+    probs: list[np.ndarray | None] = [None] * len(token_ids)
+
+    def draw_row(i: int) -> None:
+        q = dense_distribution(x[i], float(meta.temperature[i]), int(meta.top_k[i]),
+                               float(meta.top_p[i]), float(meta.min_p[i]))
+        nonzero = np.flatnonzero(q)
+        token_ids[i] = draw(nonzero, q[nonzero], cast(np.random.Generator, meta.generators[i]))
+        probs[i] = q
+    each_row(np.flatnonzero(meta.temperature >= GREEDY_EPS), draw_row, failed)
+    return token_ids, probs, failed
 
 
 def _gather_rows(logits: np.ndarray, token_ids: np.ndarray, num_top: int,
