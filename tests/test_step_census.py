@@ -125,5 +125,7 @@ def test_the_cli_shows_a_verify_step(capsys):
     verify = census_for(c, batch=1, context=512, dtype="float16", max_model_len=2048, num_sms=132,
                         speculative_tokens=3)
     assert verify.total().weights == decode.total().weights + 3 * c.hidden_size * 2
-    assert verify.total().kv_read == 4 * decode.total().kv_read
+    # the fused decode reads its own K/V from qkv, not the cache; each verify token reads them all
+    kv_row = 2 * c.num_key_value_heads * c.head_dim * 2
+    assert verify.total().kv_read == 4 * (decode.total().kv_read + c.num_hidden_layers * kv_row)
     assert [r.launch.grid for r in verify.rows if r.op == "gather_rows"] == [(4,)]
