@@ -290,7 +290,7 @@ def test_bf16_weights_stay_their_bits_on_the_device():
 
 def test_launch_plan_picks_the_smallest_variant():
     assert [launch.matvec_variant(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
-    assert launch.matvec_launch(13) == ((4,), (128,))
+    assert launch.matvec_launch(13, 1) == ((2,), (128,)) and launch.matvec_launch(13, 2) == ((4,), (128,))
     assert launch.dequant_launch(10 ** 6, 128)[0] == (65535,)
 
 
@@ -528,3 +528,30 @@ def test_the_host_mma_is_the_ptx_m16n8k16(mma_warp, bf16):
     np.testing.assert_array_equal(D, A @ B + C)
     rc, _, error = mma_warp(31, a, b, c, bf16)
     assert rc == 1 and "not all 32 lanes" in error
+
+
+# The mat-vec's units (32 quant bytes: u4 64 weights, i8 32, bf16 16) at a row tail: i8 K % 32 == 16
+# and bf16 K % 16 == 8 end on half a unit (Q6_K: two 16-weight scale slots a unit); R = 16 stages
+# x in tiles of 1024 weights (3 of them, the last partial), R = 1 in one; 13 rows: the last warp
+# of R = 1 (2 rows a warp) has one.
+@pytest.mark.parametrize("qtype,K", [("Q8_0", 1056), ("Q6_K", 1280), ("BF16", 2312), ("Q4_K", 2304)])
+def test_matvec_unit_tails_read_nothing_past_the_planes(quant_kernels, qtype, K):
+    """Every plane and x end at an inaccessible page (a read past them faults), x's rows are
+    wider than K (NaN past it: read, it would show in out), out is a column slice of a NaN buffer."""
+    rng = np.random.default_rng(K)
+    raw = random_raw(qtype, (N, K), rng)
+    weight = uploaded(qtype, raw, (N, K))
+    weight = dataclasses.replace(
+        weight, q=guarded(weight.q), **{f: guarded(getattr(weight, f), getattr(weight, f).itemsize)
+                                        for f in ("scale", "offset", "scale_super", "offset_super")
+                                        if getattr(weight, f) is not None})
+    reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)
+    for rows in (1, 2, 16):
+        padded = np.full((rows, K + 8), np.nan, np.float16)
+        padded[:, :K] = rng.standard_normal((rows, K))
+        x = guarded(padded)[:, :K]
+        buffer = np.full((rows, N + 7), np.nan, np.float16)
+        out = buffer[:, 3:3 + N]
+        linear_for(quant_kernels).matvec(x, weight, out)
+        check(out, x, repack(raw, qtype, (N, K)), reference)
+        assert np.isnan(buffer[:, :3]).all() and np.isnan(buffer[:, 3 + N:]).all(), "written outside out"

@@ -69,7 +69,7 @@ def attention_launch(num_tokens: int, num_kv_heads: int, splits: int) -> tuple[D
     return (num_tokens, num_kv_heads, splits), (ATTENTION_THREADS,)
 
 
-QUANT_THREADS = 128      # quant.cu matvec_*: QUANT_WARPS (4) * 32, one warp per output row
+QUANT_THREADS = 128      # quant.cu matvec_*: MV_WARPS (4) * 32
 MATVEC_ROWS = (1, 2, 4, 8, 16)  # quant.cu's matvec_*_r<R> variants: decode batches up to 16 rows
 DEQUANT_THREADS = 256    # quant.cu dequant_*: its __launch_bounds__
 GEMM_THREADS = 128       # quant.cu gemm_*: GEMM_WARPS (4) * 32, its __launch_bounds__
@@ -81,9 +81,16 @@ def matvec_variant(num_rows: int) -> int:
     return next(r for r in MATVEC_ROWS if r >= num_rows)
 
 
-def matvec_launch(out_features: int) -> tuple[Dims, Dims]:
-    """matvec_*: one warp per output feature, 4 a block."""
-    return (-(-out_features // (QUANT_THREADS // 32)),), (QUANT_THREADS,)
+def matvec_rows_per_warp(variant: int) -> int:
+    """Output features a warp of matvec_*_r<variant> computes (quant.cu MvRows): 2 at one row of
+    x, else 1 (its accumulators and fetch buffers within 128 registers)."""
+    return 2 if variant == 1 else 1
+
+
+def matvec_launch(out_features: int, variant: int) -> tuple[Dims, Dims]:
+    """matvec_*_r<variant>: 4 warps a block, matvec_rows_per_warp(variant) output features each."""
+    per_block = QUANT_THREADS // 32 * matvec_rows_per_warp(variant)
+    return (-(-out_features // per_block),), (QUANT_THREADS,)
 
 
 def dequant_launch(num_rows: int, chunks_per_row: int) -> tuple[Dims, Dims]:

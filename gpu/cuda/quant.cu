@@ -40,7 +40,6 @@
 #include "elem.cuh"
 
 #define FULL_MASK 0xffffffffu
-#define QUANT_WARPS 4
 #define QK_K 256  // weights a K-quant super-block holds: one super plane value a row's 256
 
 union Chunk16 {  // 16 quant bytes in one vector load (union punning: see attention.cu)
@@ -95,18 +94,6 @@ __device__ __forceinline__ void widen8_bf16(const Chunk16& c, float* w) {
         w[2 * i] = __uint_as_float(c.pairs[i] << 16);
         w[2 * i + 1] = __uint_as_float(c.pairs[i] & 0xffff0000u);
     }
-}
-
-// The dot product of N weights w with N values of x (N / 8 vector loads; p 16-byte aligned).
-template <int N, class T>
-__device__ __forceinline__ float dot(const float* w, const T* x) {
-    float xv[N];
-#pragma unroll
-    for (int i = 0; i < N; i += 8) load_x8(x + i, xv + i);
-    float d = 0.0f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) d += w[i] * xv[i];
-    return d;
 }
 
 template <int ROWS, class T>
@@ -197,31 +184,6 @@ struct BF16 {  // one run of 8: weights 8c..8c + 7
     }
 };
 
-// One warp per output row n: each lane loads 16-byte chunks of the row's quants (PERF: the one
-// weight load, once for every row of x), dequantizes them in registers and dots them with the
-// matching weights of every row of x.
-template <class Kind, int ROWS, class T>
-__device__ __forceinline__ void matvec(
-        const typename Kind::Q* __restrict__ q, const Scales& scales, const T* __restrict__ x, int ldx,
-        int M, int N, int K, T* __restrict__ out, int ldo) {
-    const int lane = threadIdx.x & 31, n = blockIdx.x * QUANT_WARPS + (threadIdx.x >> 5);
-    if (n >= N) return;  // the whole warp: n is the warp's
-    const unsigned char* qrow = reinterpret_cast<const unsigned char*>(q) + (size_t)n * Kind::row_bytes(K);
-    float acc[ROWS];
-#pragma unroll
-    for (int m = 0; m < ROWS; ++m) acc[m] = 0.0f;
-    for (int c = lane; c < K / Kind::WEIGHTS; c += 32) {
-        Chunk16 bits;
-        bits.vector = *reinterpret_cast<const uint4*>(qrow + 16 * c);
-        Kind::chunk(bits, c, scales, n, K, [&](int k, const float* w) {
-#pragma unroll
-            for (int m = 0; m < ROWS; ++m)
-                if (m < M) acc[m] += dot<Kind::RUN>(w, x + (size_t)m * ldx + k);
-        });
-    }
-    write_rows<ROWS>(acc, M, out, ldo, n);
-}
-
 // Every kernel's weight arguments: the quants, then the Scales' fields (bf16: ignored).
 #define WEIGHT_PARAMS(QT)                                                                          \
     const QT *__restrict__ q, const void *__restrict__ scale, const void *__restrict__ offset,     \
@@ -229,14 +191,231 @@ __device__ __forceinline__ void matvec(
         int scale_bytes, int block
 #define SCALES Scales{scale, offset, scale_super, offset_super, scale_bytes, block}
 
+// ---- matvec_<kind>_r<R>: decode (M <= R rows of x, R in 1, 2, 4, 8, 16), one launch a linear.
+// Why this shape (the first device run, issue 29: one 16-byte load a lane per loop trip, scales
+// re-read per 16 weights, x re-read from global by every row: 24-380 GB/s of the card's 4,268):
+// - a lane's unit of work is 32 contiguous quant bytes of one row (two 16-byte loads, one 32-byte
+//   sector: u4 64 weights, i8 32, bf16 16), and a warp computes MvRows<R> rows at once (2 x 2
+//   loads a trip at batch 1), and the next trip's loads (quants and raw scales) are issued
+//   before this trip's math (Fetch below, double-buffered): 8 16-byte loads in flight a lane
+//   at batch 1, 4 from 2 rows of x (where each load serves R rows);
+// - scales are read once per group: a unit's two scale slots (u4: its low-nibble and high-nibble
+//   32-weight groups; i8: its two 16-weight runs) and one super value, as raw bits; decoded
+//   (plane_value) only when used, so no ALU op waits on a load in flight;
+// - x is staged in shared memory once per block (a tile of MV_X_HALVES / R weights for each of
+//   its rows, zero past K), padded 8 halves every 64 so that the lanes' 16-byte reads of
+//   neighbouring units fall in different banks; every row of the warp reads it once;
+// - a group's dot is s * sum(q x) + o * sum(x) (llama.cpp's mmvq does the same with the min):
+//   one FMA a weight and x's sums shared by the warp's rows; quants become floats by the
+//   exponent trick (2^23 + v, minus 2^23: exact, full-rate ops, not the quarter-rate I2F).
+// Sums are float32; the order differs from dequantize-then-dot, within the same bound
+// (tests/test_cuda_quant_host.py: (K + 2) 2^-23 sum |x| (|s q| + |o|)).
+#define MV_WARPS 4
+#define MV_X_HALVES 16384  // x staged a block: R rows x MV_X_HALVES / R weights (36 KB with padding)
+#define MV_PAD(k) ((k) + ((k) >> 6) * 8)  // a staged row's half k: 8 halves of padding every 64
+
+// Output rows a warp computes (launch.py matvec_rows_per_warp says the same): 2 at one row of x,
+// else 1: from 2 rows of x each weight load already serves R rows, and two weight rows' fetch
+// buffers with 2 x R accumulators spilled (ptxas sm_90: u4 r2 252 bytes, r4 792).
+template <int R> struct MvRows { static constexpr int value = R == 1 ? 2 : 1; };
+
+// v (0 <= v < 2^23) as a float: exact, one OR and one FADD.
+__device__ __forceinline__ float small_float(unsigned v) {
+    return __uint_as_float(0x4B000000u | v) - 8388608.0f;
+}
+
+// A scale or offset plane's value `at` as raw bits (4: float32, 2: fp16, 1: int8 sign-extended):
+// the load alone, decoded by plane_value once it has arrived.
+__device__ __forceinline__ unsigned plane_raw(const void* __restrict__ plane, int bytes, size_t at) {
+    if (bytes == 4) return static_cast<const unsigned*>(plane)[at];
+    if (bytes == 2) return static_cast<const unsigned short*>(plane)[at];
+    return (unsigned)(int)static_cast<const signed char*>(plane)[at];
+}
+
+__device__ __forceinline__ float plane_value(unsigned raw, int bytes, float super) {
+    if (bytes == 4) return __uint_as_float(raw);
+    if (bytes == 2) {
+        return __half2float(__ushort_as_half((unsigned short)raw));
+    }
+    return (float)(int)raw * super;
+}
+
+// One unit of one row in flight: its 32 quant bytes and the raw bits of its two scale slots.
+struct Fetch {
+    Chunk16 bits[2];
+    unsigned s[2], o[2];
+    float ss, os;  // the super plane values (int8 factors), else 1
+};
+
+// Each plane kind's unit: UNIT weights in 32 bytes; slot j's first weight (SLOT); run j of RUNS
+// (RUN weights each, starting at weight RUN j of the unit): its chunk and scale slot, and its
+// quants as floats.
+struct MvU4 {  // runs: chunk 0 low, chunk 1 low (slot 0: weights 0-31), chunk 0 high, 1 high (slot 1)
+    static constexpr int UNIT = 64, RUNS = 4, RUN = 16, SLOT = 32;
+    static __device__ __forceinline__ bool scaled() { return true; }
+    static __device__ __forceinline__ void quants(const Fetch& f, int run, float* q) {
+        const Chunk16& c = f.bits[run & 1];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[i] = small_float((c.u[i] >> (4 * (run >> 1))) & 15);
+    }
+    static __device__ __forceinline__ int slot(int run) { return run >> 1; }
+};
+struct MvI8 {  // runs: chunk 0 (slot 0), chunk 1 (slot 1)
+    static constexpr int UNIT = 32, RUNS = 2, RUN = 16, SLOT = 16;
+    static __device__ __forceinline__ bool scaled() { return true; }
+    static __device__ __forceinline__ void quants(const Fetch& f, int run, float* q) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) q[i] = small_float(f.bits[run].u[i] ^ 0x80u) - 128.0f;
+    }
+    static __device__ __forceinline__ int slot(int run) { return run; }
+};
+struct MvBF16 {  // runs: chunk 0, chunk 1, 8 weights each, no scales
+    static constexpr int UNIT = 16, RUNS = 2, RUN = 8, SLOT = 8;
+    static __device__ __forceinline__ bool scaled() { return false; }
+    static __device__ __forceinline__ void quants(const Fetch& f, int run, float* q) { widen8_bf16(f.bits[run], q); }
+    static __device__ __forceinline__ int slot(int run) { return run; }
+};
+
+// Row n's unit at weight k into f: the quant loads, then the raw scale loads (a unit's
+// second chunk past K, which i8 and bf16 rows allow, reads nothing and weighs 0).
+template <class Kind>
+__device__ __forceinline__ void fetch_unit(const unsigned char* __restrict__ q, const Scales& sc, size_t n,
+                                           int K, int k, Fetch& f) {
+    // NOTE: a row holds 32 bytes per UNIT weights in every kind (u4 K / 2, i8 K, bf16 2 K)
+    const unsigned char* p = q + (n * (size_t)K + (size_t)k) * 32 / Kind::UNIT;
+    const bool second = k + Kind::UNIT / 2 < K;
+    f.bits[0].vector = *reinterpret_cast<const uint4*>(p);
+    f.bits[1].vector = second ? *reinterpret_cast<const uint4*>(p + 16) : uint4{0u, 0u, 0u, 0u};
+    if (!Kind::scaled()) return;
+    const size_t groups = (size_t)(K / sc.block), row = n * groups;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int kj = k + Kind::SLOT * j;
+        const bool valid = j == 0 || second;  // u4: always (K % 64 == 0)
+        f.s[j] = valid ? plane_raw(sc.scale, sc.bytes, row + kj / sc.block) : 0u;
+        f.o[j] = valid && sc.offset ? plane_raw(sc.offset, sc.bytes, row + kj / sc.block) : 0u;
+    }
+    f.ss = f.os = 1.0f;
+    if (sc.bytes == 1) {
+        const size_t at = n * (size_t)(K / QK_K) + k / QK_K;
+        f.ss = sc.scale_super[at];
+        f.os = sc.offset ? sc.offset_super[at] : 0.0f;
+    }
+}
+
+// The block's tile of x: rows m < M, weights k0..k0 + width (width a whole number of units;
+// zeros past K), into xs (row pitch MV_PAD(XK) halves), one 16-byte piece a thread at a time.
+template <int R, class T>
+__device__ __forceinline__ void stage_x(const T* __restrict__ x, int ldx, int M, int K, int k0, int width,
+                                        uint4* xs) {
+    constexpr int XK = MV_X_HALVES / R;
+    const int pieces = width / 8;
+    for (int i = threadIdx.x; i < M * pieces; i += MV_WARPS * 32) {
+        const int m = i / pieces, k = 8 * (i - m * pieces);
+        xs[(m * MV_PAD(XK) + MV_PAD(k)) / 8] = k0 + k < K
+            ? *reinterpret_cast<const uint4*>(x + (size_t)m * ldx + k0 + k) : uint4{0u, 0u, 0u, 0u};
+    }
+}
+
+// The math of one unit (weight k of the staged tile) of the warp's RPW rows f[r], against every
+// row of x: acc[r][m] += sum over slots of s * sum(q x) + o * sum(x).
+template <class Kind, int R, int RPW, class T>
+__device__ __forceinline__ void unit_dot(const Fetch (&f)[RPW], const uint4* xs, int k, int M, int bytes,
+                                         float (&acc)[RPW][R]) {
+    constexpr int XK = MV_X_HALVES / R;
+    float s[RPW][2], o[RPW][2];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            s[r][j] = Kind::scaled() ? plane_value(f[r].s[j], bytes, f[r].ss) : 1.0f;
+            o[r][j] = Kind::scaled() ? plane_value(f[r].o[j], bytes, f[r].os) : 0.0f;
+        }
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+        if (m >= M) break;
+        float qx[RPW][2], sx[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) qx[r][0] = qx[r][1] = 0.0f;
+#pragma unroll
+        for (int run = 0; run < Kind::RUNS; ++run) {
+            float xv[Kind::RUN], q[Kind::RUN];
+            // PERF: 16-byte shared reads, conflict-free across a quarter warp (MV_PAD)
+            const T* xp = reinterpret_cast<const T*>(xs) + m * MV_PAD(XK) + MV_PAD(k + Kind::RUN * run);
+#pragma unroll
+            for (int i = 0; i < Kind::RUN; i += 8) load_x8(xp + i, xv + i);  // a run never crosses a pad
+            const int j = Kind::slot(run);
+            if (Kind::scaled())
+#pragma unroll
+                for (int i = 0; i < Kind::RUN; ++i) sx[j] += xv[i];
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                Kind::quants(f[r], run, q);
+#pragma unroll
+                for (int i = 0; i < Kind::RUN; ++i) qx[r][j] += q[i] * xv[i];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RPW; ++r)
+            acc[r][m] += s[r][0] * qx[r][0] + o[r][0] * sx[0] + s[r][1] * qx[r][1] + o[r][1] * sx[1];
+    }
+}
+
+// The block: MV_WARPS warps of RPW rows each (rows n0.. of out); x staged a tile at a time; a
+// lane's units stride 32 through the tile, the next one fetched before this one's math.
+template <class Kind, int R, class T>
+__device__ __forceinline__ void matvec(
+        const unsigned char* __restrict__ q, const Scales& scales, const T* __restrict__ x, int ldx,
+        int M, int N, int K, T* __restrict__ out, int ldo) {
+    constexpr int RPW = MvRows<R>::value, XK = MV_X_HALVES / R;
+    __shared__ uint4 xs[R * MV_PAD(XK) / 8];
+    const int lane = threadIdx.x & 31, n0 = (blockIdx.x * MV_WARPS + (threadIdx.x >> 5)) * RPW;
+    float acc[RPW][R];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+#pragma unroll
+        for (int m = 0; m < R; ++m) acc[r][m] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += XK) {
+        const int width = min(XK, (K - k0 + Kind::UNIT - 1) / Kind::UNIT * Kind::UNIT);
+        __syncthreads();  // every warp is done with the previous tile
+        stage_x<R>(x, ldx, M, K, k0, width, xs);
+        __syncthreads();
+        if (n0 >= N) continue;  // NOTE: after the barriers: the whole block takes every one
+        const int units = width / Kind::UNIT;
+        Fetch cur[RPW], next[RPW];
+        const auto fetch = [&](int u, Fetch (&f)[RPW]) {
+#pragma unroll
+            for (int r = 0; r < RPW; ++r)
+                if (n0 + r < N) fetch_unit<Kind>(q, scales, n0 + r, K, k0 + Kind::UNIT * u, f[r]);
+                else f[r] = Fetch{};  // a row past N: zeros, never written
+        };
+        if (lane < units) fetch(lane, cur);
+        for (int u = lane; u < units; u += 32) {
+            if (u + 32 < units) fetch(u + 32, next);  // PERF: in flight during this unit's math
+            unit_dot<Kind, R, RPW, T>(cur, xs, Kind::UNIT * u, M, scales.bytes, acc);
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) cur[r] = next[r];
+        }
+    }
+    if (n0 >= N) return;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        if (n0 + r >= N) break;  // the warp's: uniform
+        write_rows<R>(acc[r], M, out, ldo, n0 + r);
+    }
+}
+
 // matvec_<kind>_r<R> (fp16 x and out) and matvec_<kind>_r<R>_bf16 (bf16 x and out)
 #define MATVEC_T(KIND, QT, R, T, SUFFIX)                                                           \
-    extern "C" __global__ void __launch_bounds__(QUANT_WARPS * 32, 4) matvec_##KIND##_r##R##SUFFIX( \
+    extern "C" __global__ void __launch_bounds__(MV_WARPS * 32, 4) matvec_##KIND##_r##R##SUFFIX(    \
             WEIGHT_PARAMS(QT), const T* __restrict__ x, int ldx, int M, int N, int K,               \
             T* __restrict__ out, int ldo) {                                                         \
-        matvec<KIND_##KIND, R, T>(q, SCALES, x, ldx, M, N, K, out, ldo);                           \
+        matvec<MV_##KIND, R, T>(reinterpret_cast<const unsigned char*>(q), SCALES, x, ldx, M, N, K, out, ldo); \
     }
 #define MATVEC(KIND, QT, R) MATVEC_T(KIND, QT, R, __half, ) MATVEC_T(KIND, QT, R, __nv_bfloat16, _bf16)
+using MV_u4 = MvU4;
+using MV_i8 = MvI8;
+using MV_bf16 = MvBF16;
 using KIND_u4 = U4;
 using KIND_i8 = I8;
 using KIND_bf16 = BF16;

@@ -195,8 +195,9 @@ class QuantLinear:
         tile = launch.MATVEC_ROWS[-1]
         for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
             m = min(tile, M - lo)
-            self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}{launch.SUFFIXES[str(x.dtype)]}",
-                      launch.matvec_launch(N),
+            variant = launch.matvec_variant(m)
+            self.call(f"matvec_{w.kind}_r{variant}{launch.SUFFIXES[str(x.dtype)]}",
+                      launch.matvec_launch(N, variant),
                       *weight_args(w), x[lo:lo + m], np.int32(ldx), np.int32(m), np.int32(N), np.int32(K),
                       out[lo:lo + m], np.int32(ldo))
 

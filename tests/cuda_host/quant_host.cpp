@@ -13,7 +13,7 @@ using cuda_host::launch;
 #define HOST_MATVEC_T(KIND, QT, R, T, SUFFIX)                                                           \
     extern "C" int launch_matvec_##KIND##_r##R##SUFFIX(const unsigned* dims, HOST_WEIGHT(QT), const T* x, \
                                                        int ldx, int M, int N, int K, T* out, int ldo) {   \
-        return launch(dims, QUANT_WARPS * 32, [=] {  /* its __launch_bounds__ */                         \
+        return launch(dims, MV_WARPS * 32, [=] {  /* its __launch_bounds__ */                            \
             matvec_##KIND##_r##R##SUFFIX(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                   \
         });                                                                                              \
     }
