@@ -231,8 +231,8 @@ def tiny_gguf(folder, layout: str, monkeypatch):
     return resolve_model(str(path))
 
 
-# A prefill of 69 rows (> MATVEC_MAX_ROWS: dequantized chunks + the GEMM), then decodes of 3
-# (the mat-vec kernels).
+# A prefill of 69 rows (> MATVEC_MAX_ROWS: the LARGE_BATCH kernel, or the large_batch asked), then
+# decodes of 3 (the mat-vec kernels).
 PACKED_PROMPTS = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 100))]
 GGUF_LAYOUTS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m"]
 

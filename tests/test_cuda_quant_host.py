@@ -33,8 +33,9 @@ from test_quant_kernels import magnitude
 
 pytestmark = pytest.mark.sim
 GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16")]  # F16, F32: DenseStore's (cuBLAS)
-# matvec r1, r4 (3 of 4 rows), r16; 37: tiles of 16, 16 and 5 (r8); 70 > MATVEC_MAX_ROWS:
-# dequantized chunks + GEMM
+# linear_for's table (mat-vec up to 64 rows, then dequantize + GEMM: every kind's dequant_*_f16;
+# the tiled GEMM has its own tests below): matvec r1, r4 (3 of 4 rows), r16; 37: tiles of 16, 16
+# and 5 (r8); 70: dequantized chunks + GEMM
 ROWS = [1, 3, 16, 37, 70]
 N, K = 13, 2304         # 13: a last block with one warp's row only; K: lanes loop (u4 72, i8 144,
 #                         bf16 288 chunks)
@@ -52,8 +53,11 @@ def quant_kernels(cuda_host):
 
 
 def linear_for(quant_kernels, workspace_elements: int = 4 * K) -> QuantLinear:
-    """The launcher's plan over the host build; a small workspace: several chunks of rows."""
-    return QuantLinear(quant_kernels.call, numpy_gemm, np.full(workspace_elements, np.nan, np.float16))
+    """The launcher's plan over the host build, the mat-vec up to 64 rows and dequantize + GEMM
+    above (the default table's crossover: test_the_crossover_table_picks_one_kernel_per_batch);
+    a small workspace: several chunks of rows."""
+    return QuantLinear(quant_kernels.call, numpy_gemm, np.full(workspace_elements, np.nan, np.float16),
+                       large_batch="dequant", matvec_max_rows=64)
 
 
 def check(got: np.ndarray, x: np.ndarray, w: QuantWeight, reference: np.ndarray) -> None:
@@ -129,10 +133,10 @@ def bf16_gemm(x, w, out):
 @pytest.mark.parametrize("rows", [1, 16, 70])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K", "BF16"])
 def test_quant_linear_with_bf16_activations(quant_kernels, qtype, rows):
-    """bf16 x and out (uint16 bits, as a quantized model served with --dtype bfloat16): the
-    mat-vec's _bf16 instantiations up to 64 rows, above them dequant_*_bf16 chunks into a bf16
-    workspace and the bf16 GEMM. Bound: float32 sums, one bf16 rounding of out, and above 64
-    rows the weights' own rounding to bf16 (2^-9 relative)."""
+    """bf16 x and out (uint16 bits, as a quantized model served with --dtype bfloat16), through
+    the default crossover table: the mat-vec's _bf16 instantiations, above it gemm_*_bf16.
+    Bound: float32 sums, one bf16 rounding of out, and past the mat-vec the weights' own
+    rounding to bf16 (2^-9 relative)."""
     rng = np.random.default_rng(rows + 7)
     raw = random_raw(qtype, (N, K), rng)
     w = repack(raw, qtype, (N, K))
@@ -144,7 +148,8 @@ def test_quant_linear_with_bf16_activations(quant_kernels, qtype, rows):
     reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)
     want = widen(x).astype(np.float64) @ reference.astype(np.float64).T
     scale = np.abs(widen(x)).astype(np.float64) @ magnitude(w).T
-    bound = ((K + 2) * 2.0 ** -23 + (2.0 ** -9 if rows > 64 else 0)) * scale + spacing(want, "bfloat16")
+    rounded = linear.impl_for(rows) != "matvec"  # the tiled GEMM and dequant_*_bf16: bf16 weights
+    bound = ((K + 2) * 2.0 ** -23 + (2.0 ** -9 if rounded else 0)) * scale + spacing(want, "bfloat16")
     err = np.abs(widen(out).astype(np.float64) - want)
     assert np.all(err <= bound), f"{qtype}: {(~(err <= bound)).sum()} off, worst {np.nanmax(err / bound):.3g}"
     assert (buffer[rows:] == 0xFFFF).all(), "a row past M was written"
@@ -286,6 +291,29 @@ def test_bf16_weights_stay_their_bits_on_the_device():
     assert isinstance(narrowed, np.ndarray) and narrowed.dtype == np.float16
     np.testing.assert_array_equal(narrowed, (odd.view(np.uint16).astype(np.uint32) << 16)
                                   .view(np.float32).astype(np.float16))
+
+
+def test_the_crossover_table_picks_one_kernel_per_batch(quant_kernels):
+    """The default table (quant_linear.MATVEC_MAX_ROWS, LARGE_BATCH: a host default until the
+    device's linear table sets it): one launch a linear, the mat-vec up to MATVEC_MAX_ROWS rows
+    (its smallest variant), the tiled GEMM above; the table's entries are what QuantLinear takes."""
+    from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, MATVEC_MAX_ROWS
+    rng = np.random.default_rng(2)
+    raw = random_raw("Q4_K", (N, 512), rng)
+    weight = uploaded("Q4_K", raw, (N, 512))
+    launched: list[str] = []
+    linear = QuantLinear(lambda name, *a: (launched.append(name), quant_kernels.call(name, *a))[1],
+                         numpy_gemm, None)
+    assert (LARGE_BATCH, linear.matvec_max_rows) == ("tiled", MATVEC_MAX_ROWS)
+    for rows, kernel in ((1, "matvec_u4_r1"), (MATVEC_MAX_ROWS, f"matvec_u4_r{MATVEC_MAX_ROWS}"),
+                         (MATVEC_MAX_ROWS + 1, "gemm_u4"), (256, "gemm_u4")):
+        launched.clear()
+        x = rng.standard_normal((rows, 512)).astype(np.float16)
+        out = np.full((rows, N), np.nan, np.float16)
+        linear(x, weight, out)
+        assert launched == [kernel], (rows, launched)
+        assert linear.impl_for(rows) == kernel.split("_")[0].replace("gemm", "tiled")
+    assert QuantLinear(quant_kernels.call, numpy_gemm, None, "dequant", 2).impl_for(3) == "dequant"
 
 
 def test_launch_plan_picks_the_smallest_variant():

@@ -26,27 +26,25 @@ the "bf16" plane here, which the kernels widen to float32 exactly (a quantized m
 fp16; a large batch's chunks are fp16, see quant.cu's dequant_bf16 for why that is exact in
 practice).
 
-A linear with M rows of activations runs:
-- M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R> (bf16 activations: _bf16), dequantized in
-  registers, on tiles of up
-  to 16 rows of x (launch.MATVEC_ROWS): the weight is streamed once per tile (from L2 after
-  the first when a layer's weight fits it);
-- above, by the large_batch policy (LARGE_BATCH, or the constructor's argument):
-  "dequant" (the default): the weight dequantized to the activations' type (fp16, or bf16
-  with --dtype bfloat16) into a static workspace, chunk of rows by chunk of rows, each chunk
-  followed by the cuBLAS GEMM (the GEMMs of the dense path).
-  Static: a CUDA graph captures it as it is. It writes and reads 4 bytes a weight besides the
-  quants (at batch 64-256 about 6x the bytes of Q4_K's quants), which pays only once the
-  GEMM's own work dominates;
-  "tiled": gemm_<kind>, one launch: 64 x 64 tiles of out, each block dequantizing a 64 x 64
-  tile of the weight into shared memory (the same 16-bit values as the workspace) and
-  multiplying on tensor cores (mma.sync m16n8k16, fp32 accumulation), so each quant is read
-  once per 64 rows of x (vLLM's awq_gemm, llama.cpp's MMQ: the same idea). No workspace and
-  no cuBLAS: a graph captures it as it is. bf16 activations: gemm_<kind>_bf16 (mma .bf16).
-Both the crossover and the policy are guesses until a GPU measures them: "dequant" stays the
-default until then (tools/gpu_check.py --table quant: its "quant linear" rows time the mat-vec
-tiles, the tiled GEMM and dequantize + cuBLAS on the 8B MLP shapes at batch 16-256, and its
-decode rows sit at batch 16 and 64, on either side of a 4-tile mat-vec).
+A linear with M rows of activations runs the kernel its crossover table gives for M (QuantLinear
+.impl_for: the mat-vec up to matvec_max_rows, large_batch above):
+- "matvec": matvec_<kind>_r<R> (bf16 activations: _bf16), dequantized in registers, on tiles of
+  up to 16 rows of x (launch.MATVEC_ROWS): one launch a linear up to 16 rows;
+- "tiled": gemm_<kind>, one launch: 64 x 64 tiles of out, each block dequantizing a 64 x 64
+  tile of the weight into shared memory (the same 16-bit values as dequant_*) and multiplying
+  on tensor cores (mma.sync m16n8k16, fp32 accumulation), so each quant is read once per 64
+  rows of x (vLLM's awq_gemm, llama.cpp's MMQ: the same idea). No workspace and no cuBLAS: a
+  graph captures it as it is. bf16 activations: gemm_<kind>_bf16 (mma .bf16);
+- "dequant": the weight dequantized to the activations' type into a static workspace, chunk of
+  rows by chunk of rows, each chunk followed by the cuBLAS GEMM. It writes and reads 4 bytes a
+  weight besides the quants; it never won on the device (600-800 us against the tiled GEMM's
+  116-304 at 16-256 rows, H200, 2026-12-04), so it stays only as a policy gpu_check measures.
+The table (MATVEC_MAX_ROWS, LARGE_BATCH) is a HOST DEFAULT, NOT MEASURED for the kernels as they
+are now: the 2026-12-04 device run measured the previous mat-vec (one 16-byte load a lane a
+trip), which lost to the tiled GEMM at 16 rows in 3 of 4 cases and at 64-256 in all; the
+redesigned mat-vec is expected to hold up to 8 rows. tools/gpu_check.py's linear table (--table
+quant) times every kernel at rows 1, 16, 64, 256 and prints the crossover it implies; set these
+two from it.
 A fused weight whose parts differ in type (llama.cpp's Q4_K_M: Q4_K q/k with Q6_K v) is a
 SplitWeight; each part writes its own columns of out (the kernels take out's row pitch).
 """
@@ -65,12 +63,11 @@ from ringserve.gpu.loader.weights import GGMLTensor
 
 PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; dense F16, F32, BF16 are DenseStore's (cuBLAS)
 WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
-MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; above, LARGE_BATCH's
-# Above MATVEC_MAX_ROWS: "dequant" (the weight to fp16 into the workspace, then cuBLAS) or
-# "tiled" (quant.cu's gemm_*, dequantized into shared memory, tensor cores). "dequant" until a
-# GPU measures both (tools/gpu_check.py --table quant, the "quant linear" rows).
+# The crossover table, rows of x -> kernel (the module doc: a host default, not measured yet):
+# the mat-vec up to MATVEC_MAX_ROWS rows, LARGE_BATCH above.
+MATVEC_MAX_ROWS = 8
 LARGE_BATCH_POLICIES = ("dequant", "tiled")
-LARGE_BATCH = "dequant"
+LARGE_BATCH = "tiled"
 WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16, "bf16": 8}  # weights one 16-byte load of quants holds
 # dequant_*'s output types, by dtype name: the activations' (fp16, bf16 bits) and float32
 DEQUANT_SUFFIXES = {"float16": "f16", "uint16": "bf16", "float32": "f32"}
@@ -153,14 +150,19 @@ class QuantLinear:
     call: launches a quant.cu kernel (np.int32 scalars, arrays, None for a null pointer);
     gemm(x, w, out): out = x @ w.T for 16-bit arrays (CublasGemm on a GPU); workspace: a 1-D
     array in the activations' dtype (fp16, or bf16 bits), allocated once (never during a graph
-    capture); large_batch: LARGE_BATCH_POLICIES, what runs above MATVEC_MAX_ROWS rows."""
+    capture); the crossover table: the mat-vec up to matvec_max_rows rows of x, large_batch
+    (LARGE_BATCH_POLICIES) above."""
 
     def __init__(self, call: Call, gemm: Callable[[Any, Any, Any], None], workspace: Any,
-                 large_batch: str = LARGE_BATCH):
+                 large_batch: str = LARGE_BATCH, matvec_max_rows: int = MATVEC_MAX_ROWS):
         if large_batch not in LARGE_BATCH_POLICIES:
             raise ValueError(f"large_batch {large_batch!r}: {', '.join(LARGE_BATCH_POLICIES)}")
         self.call, self.gemm, self.workspace = call, gemm, workspace
-        self.large_batch = large_batch
+        self.large_batch, self.matvec_max_rows = large_batch, matvec_max_rows
+
+    def impl_for(self, rows: int) -> str:
+        """The kernel the crossover table runs for `rows` rows of x: "matvec", "tiled" or "dequant"."""
+        return "matvec" if rows <= self.matvec_max_rows else self.large_batch
 
     def __call__(self, x, w, out) -> None:
         if isinstance(w, QuantWeight):
@@ -181,15 +183,16 @@ class QuantLinear:
             raise ValueError(f"quant linear: x {x.shape} @ w {w.shape}.T into out {out.shape}")
         if M == 0:
             return
-        if M <= MATVEC_MAX_ROWS:
+        impl = self.impl_for(M)
+        if impl == "matvec":
             self.matvec(x, w, out)
-        elif self.large_batch == "tiled":
+        elif impl == "tiled":
             self.tiled(x, w, out)
         else:
             self.dequant_gemm(x, w, out)
 
     def matvec(self, x, w: QuantWeight, out) -> None:
-        """matvec_<kind>_r<R> on tiles of up to 16 rows of x (any M; the plan for M <= 64)."""
+        """matvec_<kind>_r<R> on tiles of up to 16 rows of x (any M; the table's up to matvec_max_rows)."""
         M, K, N = x.shape[0], x.shape[1], w.shape[0]
         ldx, ldo = _x_pitch(x), _pitch(out, "out")
         tile = launch.MATVEC_ROWS[-1]
