@@ -363,3 +363,32 @@ def test_the_stream_check_finds_an_array_made_outside_the_stream():
                      "    with stream:\n        y = cp.zeros(4)\n    helper()\n"
                      "def helper():\n    return rng.random(3)\n")
     assert _unordered_arrays(racy) == ["3: cp.ones", "8: rng.random"]
+
+
+def linear_rows(times: dict[int, dict[str, float]]) -> list[dict]:
+    """gpu_check's quant linear rows: each of 2 shapes x 2 formats timed as `times` says."""
+    return [dict(linear=lin, format=fmt, batch=b, impl=impl, us=us, GBps=33.0e3 / us, TFLOPs=1.0)
+            for lin in ("8B up", "8B down") for fmt in ("Q4_K", "AWQ")
+            for b, impls in times.items() for impl, us in impls.items()]
+
+
+def test_the_linear_table_prints_the_crossover_it_implies(capsys, tmp_path):
+    """The mat-vec holds up to the last batch where it is the fastest in most cases (and at
+    every batch before it); above, the kernel fastest most often; the table prints it with %copy,
+    and device_run echoes that section of gpu_check.txt into its output."""
+    from ringserve.tools.device_run import quant_tables
+    from ringserve.tools.gpu_check import crossover, print_tables
+    rows = linear_rows({1: dict(matvec=10, tiled=50), 16: dict(matvec=20, tiled=30, dequant=600),
+                        64: dict(matvec=90, tiled=40, dequant=500), 256: dict(tiled=60, dequant=400)})
+    assert crossover(rows) == (16, "tiled")
+    # a batch the mat-vec wins after one it lost does not move the crossover past the loss
+    assert crossover(linear_rows({1: dict(matvec=10, tiled=50), 16: dict(matvec=40, tiled=30, dequant=20),
+                                  64: dict(matvec=10, tiled=40, dequant=500)})) == (1, "dequant")
+    print_tables(dict(device="NVIDIA H200", date="2026-12-05", tests="skipped", copy_GBps=3300.0,
+                      attention=[], rows=[],
+                      quant_linear=rows, skipped=[], phases={}, errors={}))
+    out = capsys.readouterr().out
+    assert "8B up    Q4_K       1 matvec        10.0    3300  100.0      1.0 *" in out
+    assert "crossover these rows imply (gpu/cuda/quant_linear.py): MATVEC_MAX_ROWS = 16" in out
+    echoed = quant_tables(out)
+    assert echoed[0].startswith("quantized linear alone") and echoed[-1].startswith("crossover these rows")

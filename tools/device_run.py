@@ -13,6 +13,7 @@ network, from the checkout's root, in at most --budget-s (530 s) and with at mos
 1. preflight (tools/gpu_preflight.py)                          -> preflight.txt
 2. the `gpu` tests (tests/test_gpu_serve.py, test_gpu_cuda.py, test_gpu_graph_memory.py) -> gpu_tests.txt
 3. gpu_check, fp16 / bf16 and quantized tables (--table all)   -> gpu_check.json, .txt, .log
+   (its quantized linear and decode tables echoed into device_run.txt and the output tail)
 4. the serve sweep (tools/serve_sweep.py: c = 1, 8, 64, 256, ring and HTTP, both models)
                                                                -> serve_sweep.json, .txt
 and device_run.txt: this driver's log (setup, each phase's command, status and seconds).
@@ -226,6 +227,26 @@ def _run_phases(args: argparse.Namespace, chosen: list[Phase], deadline: float, 
     return status
 
 
+# gpu_check.txt's sections that fill docs/deploy.md's device tables (the quantized linear and
+# decode tables): echoed at the end, so that the run's output tail holds them.
+QUANT_SECTIONS = ("quantized linear alone", "quantized weights, decode")
+SECTION_ENDS = ("skipped: ", "failed: ", "phases (s): ")  # gpu_check print_tables' last lines
+
+
+def quant_tables(text: str) -> list[str]:
+    """The lines of QUANT_SECTIONS in gpu_check.txt's text (a section ends at a blank line or
+    at print_tables' closing lines)."""
+    lines, inside = [], False
+    for line in text.splitlines():
+        if line.startswith(QUANT_SECTIONS):
+            inside = True
+        elif not line.strip() or line.startswith(SECTION_ENDS):
+            inside = False
+        if inside:
+            lines.append(line)
+    return lines
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     chosen = [p for p in PHASES if p.name in args.phases]
@@ -241,6 +262,9 @@ def main(argv=None) -> int:
     log = Log(args.out / "device_run.txt")
     log(f"device_run: budget {args.budget_s:.0f} s, phases {', '.join(args.phases)}, out {args.out}")
     status = run_phases(args, chosen, deadline, log)
+    table = args.out / "gpu_check.txt"
+    for line in quant_tables(table.read_text()) if table.is_file() else []:
+        log(line)
     log("device_run: " + "; ".join(f"{k} {v}" for k, v in status.items()))
     if extra := sorted(p.name for p in args.out.iterdir() if p.name not in RESULT_FILES):
         log(f"device_run: files in --out beyond the {len(RESULT_FILES)} expected: {extra}")
