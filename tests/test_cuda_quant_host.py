@@ -94,12 +94,14 @@ LEGACY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 FORMS = {**{t: "int8+super" for t in K_QUANTS}, **{t: "float16" for t in LEGACY}, "BF16": None,
          "AWQ": "float32", "GPTQ": "float16"}
 # Bytes a weight on the device: quants (u4 0.5, i8 1, bf16 2) + scale planes (+ supers, 4 bytes a
-# row's 256 weights each)
+# row's 256 weights each); Q4_0 and GPTQ (zero points all 8) without their offset plane: -8 s is
+# the kernels' (gpu/loader/quant.py as_zero_point), the raw block's bytes
 BYTES_PER_WEIGHT = {"Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q5_K": 1 + 2 / 32 + 8 / 256,
                     "Q6_K": 1 + 1 / 16 + 4 / 256, "Q3_K": 1 + 1 / 16 + 4 / 256, "Q2_K": 1 + 2 / 16 + 8 / 256,
                     "Q8_0": 1 + 2 / 32,
-                    "Q4_0": 0.5 + 4 / 32, "Q4_1": 0.5 + 4 / 32, "Q5_0": 1 + 2 / 32, "Q5_1": 1 + 4 / 32,
-                    "BF16": 2.0, "AWQ": 0.5 + 8 / 128, "GPTQ": 0.5 + 4 / 128}
+                    "Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 4 / 32, "Q5_0": 1 + 2 / 32, "Q5_1": 1 + 4 / 32,
+                    "BF16": 2.0, "AWQ": 0.5 + 8 / 128, "GPTQ": 0.5 + 2 / 128}
+ZERO_POINT = {"Q4_0": 8, "GPTQ": 8}  # the types uploaded without an offset plane
 
 
 def uploaded(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
@@ -206,21 +208,24 @@ def test_the_store_uploads_each_type_in_its_compact_form(qtype):
         raw = random_raw(qtype, (n, k), rng)
         plain, weight = repack(raw, qtype, (n, k)), uploaded(qtype, raw, (n, k))
     assert weight.nbytes == BYTES_PER_WEIGHT[qtype] * n * k, (qtype, weight.nbytes / (n * k))
+    assert weight.zero == ZERO_POINT.get(qtype, 0) and (weight.offset is None) == (qtype in ZERO_POINT
+                                                                                   or plain.offset is None)
     if weight.scale_super is not None:
         assert weight.scale_super.shape == (n, k // 256) and weight.scale_super.dtype == np.float32
     np.testing.assert_array_equal(dequantize(weight).view(np.uint32), dequantize(plain).view(np.uint32))
 
 
 def test_a_plane_that_is_not_exactly_half_stays_float32(quant_kernels):
-    """Q4_0 folds its zero point into an offset -8 d: a block with d = 10000 makes -80000,
-    past fp16's 65504, so both of its planes stay float32 (one scale_bytes for both); a
-    hand-made scale of 0.1 (not a half) too. The kernels read them as float32: dequant_*_f32
-    bit for bit, the mat-vec within its bound."""
+    """A hand-made scale of 0.1 (not a half): the plane stays float32. And Q4_0 with a block
+    whose d is 10000: its folded offset -8 d = -80000 is past fp16's 65504, but the store
+    leaves that plane out (zero point 8: the kernels make -8 d in float32), so the scale is
+    an exact fp16 plane. The kernels read both: dequant_*_f32 bit for bit, the mat-vec within
+    its bound."""
     rng = np.random.default_rng(12)
     raw = random_raw("Q4_0", (N, K), rng)
     raw.reshape(N, K // 32, 18)[3, 5, 0:2] = np.array([10000], np.float16).view(np.uint8)
     big = QuantStore(np).packed([GGMLTensor("Q4_0", (N, K), raw)])
-    assert form(big) == "float32" and big.offset is not None
+    assert form(big) == "float16" and big.offset is None and big.zero == 8 and big.scale[3, 5] == 10000
     q = rng.integers(-128, 128, (N, K), dtype=np.int8)
     scale = np.full((N, K // 32), np.float16(0.25), np.float32)
     scale[7, 2] = 0.1

@@ -117,16 +117,18 @@ __device__ __forceinline__ float plane_at(const void* __restrict__ plane, const 
 }
 
 // A weight's scale and offset planes, as the kernels take them (offset may be null: 0).
+// zero: where the offset plane is left out (null), the quants' zero point: o = -zero * s
+// (exact: gpu/loader/quant.py as_zero_point; Q4_0 and GPTQ keep their raw 0.5625 / 0.516 B/weight).
 struct Scales {
     const void* scale;
     const void* offset;
     const float* scale_super;
     const float* offset_super;
-    int bytes, block;
+    int bytes, block, zero;
     // weight k of row n (K weights a row): its scale s and offset o
     __device__ __forceinline__ void at(size_t n, int K, int k, float& s, float& o) const {
         s = plane_at(scale, scale_super, bytes, n, K, block, k);
-        o = offset ? plane_at(offset, offset_super, bytes, n, K, block, k) : 0.0f;
+        o = offset ? plane_at(offset, offset_super, bytes, n, K, block, k) : (float)-zero * s;
     }
 };
 
@@ -188,8 +190,8 @@ struct BF16 {  // one run of 8: weights 8c..8c + 7
 #define WEIGHT_PARAMS(QT)                                                                          \
     const QT *__restrict__ q, const void *__restrict__ scale, const void *__restrict__ offset,     \
         const float *__restrict__ scale_super, const float *__restrict__ offset_super,             \
-        int scale_bytes, int block
-#define SCALES Scales{scale, offset, scale_super, offset_super, scale_bytes, block}
+        int scale_bytes, int block, int zero
+#define SCALES Scales{scale, offset, scale_super, offset_super, scale_bytes, block, zero}
 
 // ---- matvec_<kind>_r<R>: decode (M <= R rows of x, R in 1, 2, 4, 8, 16), one launch a linear.
 // Why this shape (the first device run, issue 29: one 16-byte load a lane per loop trip, scales
@@ -321,7 +323,7 @@ __device__ __forceinline__ void stage_x(const T* __restrict__ x, int ldx, int M,
 // row of x: acc[r][m] += sum over slots of s * sum(q x) + o * sum(x).
 template <class Kind, int R, int RPW, class T>
 __device__ __forceinline__ void unit_dot(const Fetch (&f)[RPW], const uint4* xs, int k, int M, int bytes,
-                                         float (&acc)[RPW][R]) {
+                                         int zero, float (&acc)[RPW][R]) {
     constexpr int XK = MV_X_HALVES / R;
     float s[RPW][2], o[RPW][2];
 #pragma unroll
@@ -329,7 +331,7 @@ __device__ __forceinline__ void unit_dot(const Fetch (&f)[RPW], const uint4* xs,
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             s[r][j] = Kind::scaled() ? plane_value(f[r].s[j], bytes, f[r].ss) : 1.0f;
-            o[r][j] = Kind::scaled() ? plane_value(f[r].o[j], bytes, f[r].os) : 0.0f;
+            o[r][j] = !Kind::scaled() ? 0.0f : zero ? (float)-zero * s[r][j] : plane_value(f[r].o[j], bytes, f[r].os);
         }
 #pragma unroll
     for (int m = 0; m < R; ++m) {
@@ -392,7 +394,7 @@ __device__ __forceinline__ void matvec(
         if (lane < units) fetch(lane, cur);
         for (int u = lane; u < units; u += 32) {
             if (u + 32 < units) fetch(u + 32, next);  // PERF: in flight during this unit's math
-            unit_dot<Kind, R, RPW, T>(cur, xs, Kind::UNIT * u, M, scales.bytes, acc);
+            unit_dot<Kind, R, RPW, T>(cur, xs, Kind::UNIT * u, M, scales.bytes, scales.zero, acc);
 #pragma unroll
             for (int r = 0; r < RPW; ++r) cur[r] = next[r];
         }

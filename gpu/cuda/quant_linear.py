@@ -58,7 +58,7 @@ import numpy as np
 from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.buffers import DenseStore
-from ringserve.gpu.loader.quant import QuantWeight, as_halves, dequantize
+from ringserve.gpu.loader.quant import QuantWeight, as_halves, as_zero_point, dequantize
 from ringserve.gpu.loader.weights import GGMLTensor
 
 PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; dense F16, F32, BF16 are DenseStore's (cuBLAS)
@@ -125,7 +125,7 @@ class QuantStore:
         assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/loader/quant.py's planes
         if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
             return self.dense.linear([dequantize(w)])
-        w = as_halves(w)  # float32 planes of exact halves as fp16: half their bytes
+        w = as_halves(as_zero_point(w))  # NOTE: no -8 d offset plane (Q4_0, GPTQ); exact halves as fp16
         check_scales(w)
         return replace(w, q=self._device(w.q), scale=self._device(w.scale), offset=self._device(w.offset),
                        scale_super=self._device(w.scale_super), offset_super=self._device(w.offset_super))
@@ -257,9 +257,11 @@ def check_scales(w: QuantWeight) -> None:
 
 def weight_args(w: QuantWeight) -> tuple:
     """quant.cu's WEIGHT_PARAMS for w (QuantStore's: check_scales passed): quants, scale and
-    offset planes (None: a null pointer), super planes, scale_bytes, block (bf16: no scales)."""
+    offset planes (None: a null pointer), super planes, scale_bytes, block (bf16: no scales),
+    zero (the quants' zero point where the offset plane is left out)."""
     scale_bytes = 4 if w.scale is None else w.scale.itemsize  # NOTE: 4, 2, 1: the form (SCALE_FORMS)
-    return (w.q, w.scale, w.offset, w.scale_super, w.offset_super, np.int32(scale_bytes), np.int32(w.block))
+    return (w.q, w.scale, w.offset, w.scale_super, w.offset_super, np.int32(scale_bytes), np.int32(w.block),
+            np.int32(w.zero))
 
 
 def _x_pitch(x: Any) -> int:

@@ -76,6 +76,7 @@ class QuantWeight:
     block: int = 1
     scale_super: np.ndarray | None = None   # float32 [out, in / 256]: factored K-quants' d
     offset_super: np.ndarray | None = None  # float32 [out, in / 256]: their -dmin
+    zero: int = 0  # weight = scale * (q - zero): the offset plane -zero * scale left out (as_zero_point)
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +113,8 @@ def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
 
 def layout(w: QuantWeight) -> tuple:
     """What weights must share to be stacked into one (concat_rows; gpu/cpu/packed.py)."""
-    return (w.qtype, w.kind, w.block, w.shape[1], *(None if a is None else str(a.dtype) for a in w.planes()))
+    return (w.qtype, w.kind, w.block, w.shape[1], w.zero,
+            *(None if a is None else str(a.dtype) for a in w.planes()))
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -318,6 +320,8 @@ def dequantize(w: QuantWeight) -> np.ndarray:
     assert scale is not None  # every quantized kind has scales
     out = scale[..., None] * q
     offset = plane_values(w.offset, w.offset_super, w.block)
+    if w.zero:  # NOTE: the offset plane as_zero_point left out, as the kernels make it (exact)
+        offset = np.float32(-w.zero) * scale
     if offset is not None:
         out = out + offset[..., None]
     return out.reshape(n, k)
@@ -348,6 +352,19 @@ def as_halves(w: QuantWeight) -> QuantWeight:
     if not all(bool((h.astype(np.float32) == a).all()) for h, a in zip(halves, planes, strict=True)):
         return w
     return replace(w, scale=halves[0], offset=halves[1] if w.offset is not None else None)
+
+
+def as_zero_point(w: QuantWeight, zero: int = 8) -> QuantWeight:
+    """w without its offset plane where every offset is exactly -zero * scale (Q4_0's folded
+    -8 d; GPTQ's -8 s when every group's zero point is 8): weight = scale * (q - zero), the raw
+    block's bytes (Q4_0 0.5625 B/weight with fp16 scales, GPTQ 0.516), else w as it is. The
+    values are the same bits: dequantize and the kernels make the offset -zero * scale in
+    float32, exactly the plane's value. Any xp's arrays."""
+    if w.kind != "u4" or w.offset is None or w.scale_super is not None or w.zero:
+        return w
+    if w.offset.dtype != w.scale.dtype or not bool((w.offset == w.scale * -zero).all()):
+        return w
+    return replace(w, offset=None, zero=zero)
 
 
 # Byte offsets of each type's f16 fields in its block (d, dmin, m): the only bytes that can make a

@@ -7,8 +7,8 @@ using cuda_host::launch;
 // quant.cu's WEIGHT_PARAMS, as the kernels take them
 #define HOST_WEIGHT(QT)                                                                                 \
     const QT *q, const void *scale, const void *offset, const float *scale_super,                       \
-        const float *offset_super, int scale_bytes, int block
-#define HOST_WEIGHT_ARGS q, scale, offset, scale_super, offset_super, scale_bytes, block
+        const float *offset_super, int scale_bytes, int block, int zero
+#define HOST_WEIGHT_ARGS q, scale, offset, scale_super, offset_super, scale_bytes, block, zero
 
 #define HOST_MATVEC_T(KIND, QT, R, T, SUFFIX)                                                           \
     extern "C" int launch_matvec_##KIND##_r##R##SUFFIX(const unsigned* dims, HOST_WEIGHT(QT), const T* x, \
