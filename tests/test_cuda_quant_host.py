@@ -95,9 +95,11 @@ FORMS = {**{t: "int8+super" for t in K_QUANTS}, **{t: "float16" for t in LEGACY}
          "AWQ": "float32", "GPTQ": "float16"}
 # Bytes a weight on the device: quants (u4 0.5, i8 1, bf16 2) + scale planes (+ supers, 4 bytes a
 # row's 256 weights each); Q4_0 and GPTQ (zero points all 8) without their offset plane: -8 s is
-# the kernels' (gpu/loader/quant.py as_zero_point), the raw block's bytes
+# the kernels' (gpu/loader/quant.py as_zero_point), the raw block's bytes; Q6_K as the u6 plane
+# (0.75 B/weight of quants: nibbles and 2-bit highs, gpu/loader/quant.py to_u6)
 BYTES_PER_WEIGHT = {"Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q5_K": 1 + 2 / 32 + 8 / 256,
-                    "Q6_K": 1 + 1 / 16 + 4 / 256, "Q3_K": 1 + 1 / 16 + 4 / 256, "Q2_K": 1 + 2 / 16 + 8 / 256,
+                    "Q6_K": 0.75 + 1 / 16 + 4 / 256, "Q3_K": 1 + 1 / 16 + 4 / 256,
+                    "Q2_K": 1 + 2 / 16 + 8 / 256,
                     "Q8_0": 1 + 2 / 32,
                     "Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 4 / 32, "Q5_0": 1 + 2 / 32, "Q5_1": 1 + 4 / 32,
                     "BF16": 2.0, "AWQ": 0.5 + 8 / 128, "GPTQ": 0.5 + 2 / 128}
@@ -323,7 +325,9 @@ def test_the_crossover_table_picks_one_kernel_per_batch(quant_kernels):
 
 def test_launch_plan_picks_the_smallest_variant():
     assert [launch.matvec_variant(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
-    assert launch.matvec_launch(13, 1) == ((2,), (128,)) and launch.matvec_launch(13, 2) == ((4,), (128,))
+    assert launch.matvec_launch(13, "u4", 1) == ((2,), (128,))
+    assert launch.matvec_launch(13, "u4", 2) == ((4,), (128,))
+    assert launch.matvec_launch(13, "u6", 1) == ((4,), (128,))
     assert launch.dequant_launch(10 ** 6, 128)[0] == (65535,)
 
 

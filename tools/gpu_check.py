@@ -128,10 +128,11 @@ FOUR_BIT = ("Q4_K_M", "AWQ")
 # point and the 1B says it (the 8B's 16 GB runner would not fit the 6 minutes).
 FORMAT_MODELS = {"BF16": ("1B",)}
 # (kind, weights per scale, has an offset, quant range, scale form) of each type's planes as
-# the CUDA store uploads them (gpu/loader/quant.py; QuantStore): "super", int8 factors of float32
-# super planes (K-quants); "f16", exact halves (legacy types); "f32" (AWQ: its offsets are no
-# halves); and the scale that gives weights of about 0.02 from random quants of that range
-_PLANES = {"Q4_K": ("u4", 32, True, 16, "super"), "Q6_K": ("i8", 16, False, 64, "super"),
+# the CUDA store uploads them (gpu/loader/quant.py; QuantStore; Q6_K's quants the u6 plane):
+# "super", int8 factors of float32 super planes (K-quants); "f16", exact halves (legacy types);
+# "f32" (AWQ: its offsets are no halves); and the scale that gives weights of about 0.02 from
+# random quants of that range
+_PLANES = {"Q4_K": ("u4", 32, True, 16, "super"), "Q6_K": ("u6", 16, False, 64, "super"),
            "Q8_0": ("i8", 32, False, 256, "f16"), "AWQ": ("u4", 128, True, 16, "f32")}
 
 
@@ -143,7 +144,7 @@ def random_planes(xp, rng, qtype: str, rows: int, cols: int):
         bits = (rng.standard_normal((rows, cols), dtype=xp.float32) * 0.02).view(xp.uint32) >> 16
         return QuantWeight(qtype, (rows, cols), "bf16", bits.astype(xp.uint16))
     kind, block, has_offset, levels, form = _PLANES[qtype]
-    width = cols // 2 if kind == "u4" else cols
+    width = {"u4": cols // 2, "u6": cols // 4 * 3}.get(kind, cols)  # u6: nibbles, then 2-bit highs
     q = rng.integers(0, 256, size=(rows, width), dtype=xp.int32).astype(xp.uint8)
     if kind == "i8":
         q = q.view(xp.int8)

@@ -81,15 +81,16 @@ def matvec_variant(num_rows: int) -> int:
     return next(r for r in MATVEC_ROWS if r >= num_rows)
 
 
-def matvec_rows_per_warp(variant: int) -> int:
-    """Output features a warp of matvec_*_r<variant> computes (quant.cu MvRows): 2 at one row of
-    x, else 1 (its accumulators and fetch buffers within 128 registers)."""
-    return 2 if variant == 1 else 1
+def matvec_rows_per_warp(kind: str, variant: int) -> int:
+    """Output features a warp of matvec_<kind>_r<variant> computes (quant.cu MvRows): 2 at one
+    row of x, except u6 (3 loads a unit), else 1 (its accumulators and fetch buffers within 128
+    registers)."""
+    return 2 if variant == 1 and kind != "u6" else 1
 
 
-def matvec_launch(out_features: int, variant: int) -> tuple[Dims, Dims]:
-    """matvec_*_r<variant>: 4 warps a block, matvec_rows_per_warp(variant) output features each."""
-    per_block = QUANT_THREADS // 32 * matvec_rows_per_warp(variant)
+def matvec_launch(out_features: int, kind: str, variant: int) -> tuple[Dims, Dims]:
+    """matvec_<kind>_r<variant>: 4 warps a block, matvec_rows_per_warp output features each."""
+    per_block = QUANT_THREADS // 32 * matvec_rows_per_warp(kind, variant)
     return (-(-out_features // per_block),), (QUANT_THREADS,)
 
 

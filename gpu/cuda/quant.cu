@@ -132,17 +132,19 @@ struct Scales {
     }
 };
 
-// Each plane kind's 16-byte chunk c of row n: which weights it holds and their values.
-// chunk(bits, c, scales, n, K, use) calls use(k, w) once for each run of RUN weights
-// k..k + RUN - 1 of the chunk, with w their float32 values; the mat-vec and the dequantize
-// kernels share this and differ only in what use() does with them.
+// Each plane kind's 16-byte chunk c of row n (row: its first quant byte): which weights it
+// holds and their values. chunk(row, c, scales, n, K, use) loads the chunk and calls use(k, w)
+// once for each run of RUN weights k..k + RUN - 1 of it, with w their float32 values (the
+// dequantize kernels; the mat-vec and the tiled GEMM read the same planes in units and tiles).
 struct U4 {  // two runs of 16: the low nibbles (weights k_lo..) and the high ones (k_lo + 32..)
     using Q = unsigned char;
     static constexpr int WEIGHTS = 32, RUN = 16;
     static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K / 2; }
     template <class Use>
-    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const Scales& sc, size_t n,
+    static __device__ __forceinline__ void chunk(const unsigned char* row, int c, const Scales& sc, size_t n,
                                                  int K, Use use) {
+        Chunk16 bits;
+        bits.vector = *reinterpret_cast<const uint4*>(row + 16 * c);
         const int k_lo = 64 * (c >> 1) + 16 * (c & 1);
         float w[16];  // NOTE: one nibble half at a time: 16 weights live, not 32 (registers)
 #pragma unroll
@@ -156,13 +158,49 @@ struct U4 {  // two runs of 16: the low nibbles (weights k_lo..) and the high on
     }
 };
 
+// u6 (gpu/loader/quant.py to_u6: Q6_K): the u4 nibble plane of v & 15, then the high bits v >> 4,
+// 16 bytes a 64-weight group (byte i, bits 2j: weight 64 g + 16 j + i); the quant is v - 32.
+__device__ __forceinline__ void dequant16_u6(const Chunk16& lo, const Chunk16& hi, int run, float s, float o,
+                                             float* w) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const int v = ((lo.u[i] >> (4 * (run >> 1))) & 15) | (((hi.u[i] >> (2 * run)) & 3) << 4);
+        w[i] = s * (float)(v - 32) + o;  // NOTE: as the int8 plane's s * q + o: the same bits
+    }
+}
+
+struct U6 {  // U4's chunks and runs, each with its high bits
+    using Q = unsigned char;
+    static constexpr int WEIGHTS = 32, RUN = 16;
+    static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K / 4 * 3; }
+    template <class Use>
+    static __device__ __forceinline__ void chunk(const unsigned char* row, int c, const Scales& sc, size_t n,
+                                                 int K, Use use) {
+        Chunk16 lo, hi;
+        lo.vector = *reinterpret_cast<const uint4*>(row + 16 * c);
+        hi.vector = *reinterpret_cast<const uint4*>(row + K / 2 + 16 * (c >> 1));
+        const int k_lo = 64 * (c >> 1) + 16 * (c & 1);
+        float w[16];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int k = k_lo + 32 * half;
+            float s, o;
+            sc.at(n, K, k, s, o);
+            dequant16_u6(lo, hi, (c & 1) + 2 * half, s, o, w);
+            use(k, w);
+        }
+    }
+};
+
 struct I8 {  // one run of 16: weights 16c..16c + 15
     using Q = signed char;
     static constexpr int WEIGHTS = 16, RUN = 16;
     static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K; }
     template <class Use>
-    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const Scales& sc, size_t n,
+    static __device__ __forceinline__ void chunk(const unsigned char* row, int c, const Scales& sc, size_t n,
                                                  int K, Use use) {
+        Chunk16 bits;
+        bits.vector = *reinterpret_cast<const uint4*>(row + 16 * c);
         const int k = 16 * c;
         float w[16], s, o;
         sc.at(n, K, k, s, o);
@@ -178,8 +216,10 @@ struct BF16 {  // one run of 8: weights 8c..8c + 7
     static constexpr int WEIGHTS = 8, RUN = 8;
     static __device__ __forceinline__ size_t row_bytes(int K) { return 2 * (size_t)K; }
     template <class Use>
-    static __device__ __forceinline__ void chunk(const Chunk16& bits, int c, const Scales&, size_t, int,
+    static __device__ __forceinline__ void chunk(const unsigned char* row, int c, const Scales&, size_t, int,
                                                  Use use) {
+        Chunk16 bits;
+        bits.vector = *reinterpret_cast<const uint4*>(row + 16 * c);
         float w[8];
         widen8_bf16(bits, w);
         use(8 * c, w);
@@ -197,7 +237,7 @@ struct BF16 {  // one run of 8: weights 8c..8c + 7
 // Why this shape (the first device run, issue 29: one 16-byte load a lane per loop trip, scales
 // re-read per 16 weights, x re-read from global by every row: 24-380 GB/s of the card's 4,268):
 // - a lane's unit of work is 32 contiguous quant bytes of one row (two 16-byte loads, one 32-byte
-//   sector: u4 64 weights, i8 32, bf16 16), and a warp computes MvRows<R> rows at once (2 x 2
+//   sector: u4 64 weights, i8 32, bf16 16), and a warp computes MvRows rows at once (2 x 2
 //   loads a trip at batch 1), and the next trip's loads (quants and raw scales) are issued
 //   before this trip's math (Fetch below, double-buffered): 8 16-byte loads in flight a lane
 //   at batch 1, 4 from 2 rows of x (where each load serves R rows);
@@ -216,10 +256,11 @@ struct BF16 {  // one run of 8: weights 8c..8c + 7
 #define MV_X_HALVES 16384  // x staged a block: R rows x MV_X_HALVES / R weights (36 KB with padding)
 #define MV_PAD(k) ((k) + ((k) >> 6) * 8)  // a staged row's half k: 8 halves of padding every 64
 
-// Output rows a warp computes (launch.py matvec_rows_per_warp says the same): 2 at one row of x,
-// else 1: from 2 rows of x each weight load already serves R rows, and two weight rows' fetch
-// buffers with 2 x R accumulators spilled (ptxas sm_90: u4 r2 252 bytes, r4 792).
-template <int R> struct MvRows { static constexpr int value = R == 1 ? 2 : 1; };
+// Output rows a warp computes (launch.py matvec_rows_per_warp says the same): 2 at one row of x
+// for the kinds of 2 chunks a unit, else 1: from 2 rows of x each weight load already serves R
+// rows, and two weight rows' fetch buffers spilled with 2 x R accumulators (ptxas sm_90: u4 r2
+// 252 bytes, r4 792) or with u6's 3 chunks and 4 scale slots (r1: 112).
+template <class Kind, int R> struct MvRows { static constexpr int value = R == 1 && Kind::CHUNKS == 2 ? 2 : 1; };
 
 // v (0 <= v < 2^23) as a float: exact, one OR and one FADD.
 __device__ __forceinline__ float small_float(unsigned v) {
@@ -242,60 +283,97 @@ __device__ __forceinline__ float plane_value(unsigned raw, int bytes, float supe
     return (float)(int)raw * super;
 }
 
-// One unit of one row in flight: its 32 quant bytes and the raw bits of its two scale slots.
+// One unit of one row in flight: its quant chunks and the raw bits of its scale slots.
+template <int CHUNKS, int SLOTS>
 struct Fetch {
-    Chunk16 bits[2];
-    unsigned s[2], o[2];
+    Chunk16 bits[CHUNKS];
+    unsigned s[SLOTS], o[SLOTS];
     float ss, os;  // the super plane values (int8 factors), else 1
 };
 
-// Each plane kind's unit: UNIT weights in 32 bytes; slot j's first weight (SLOT); run j of RUNS
-// (RUN weights each, starting at weight RUN j of the unit): its chunk and scale slot, and its
-// quants as floats.
+// Each plane kind's unit: UNIT weights in CHUNKS 16-byte loads (u4, i8, bf16: 32 contiguous
+// bytes; u6: u4's and 16 bytes of high bits); SLOTS scale slots of SLOT weights each; run r of
+// RUNS (RUN weights each, starting at weight RUN r of the unit): its scale slot and its quants
+// as floats.
 struct MvU4 {  // runs: chunk 0 low, chunk 1 low (slot 0: weights 0-31), chunk 0 high, 1 high (slot 1)
-    static constexpr int UNIT = 64, RUNS = 4, RUN = 16, SLOT = 32;
+    static constexpr int UNIT = 64, CHUNKS = 2, SLOTS = 2, SLOT = 32, RUNS = 4, RUN = 16;
+    using F = Fetch<CHUNKS, SLOTS>;
+    static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K / 2; }
     static __device__ __forceinline__ bool scaled() { return true; }
-    static __device__ __forceinline__ void quants(const Fetch& f, int run, float* q) {
+    static __device__ __forceinline__ void load(const unsigned char* row, int K, int k, F& f) {
+        const unsigned char* p = row + k / 2;
+        f.bits[0].vector = *reinterpret_cast<const uint4*>(p);
+        f.bits[1].vector = *reinterpret_cast<const uint4*>(p + 16);
+    }
+    static __device__ __forceinline__ void quants(const F& f, int run, float* q) {
         const Chunk16& c = f.bits[run & 1];
 #pragma unroll
         for (int i = 0; i < 16; ++i) q[i] = small_float((c.u[i] >> (4 * (run >> 1))) & 15);
     }
     static __device__ __forceinline__ int slot(int run) { return run >> 1; }
 };
-struct MvI8 {  // runs: chunk 0 (slot 0), chunk 1 (slot 1)
-    static constexpr int UNIT = 32, RUNS = 2, RUN = 16, SLOT = 16;
+struct MvU6 {  // MvU4's runs, each its own 16-weight slot (Q6_K), the high bits a third chunk
+    static constexpr int UNIT = 64, CHUNKS = 3, SLOTS = 4, SLOT = 16, RUNS = 4, RUN = 16;
+    using F = Fetch<CHUNKS, SLOTS>;
+    static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K / 4 * 3; }
     static __device__ __forceinline__ bool scaled() { return true; }
-    static __device__ __forceinline__ void quants(const Fetch& f, int run, float* q) {
+    static __device__ __forceinline__ void load(const unsigned char* row, int K, int k, F& f) {
+        const unsigned char* p = row + k / 2;
+        f.bits[0].vector = *reinterpret_cast<const uint4*>(p);
+        f.bits[1].vector = *reinterpret_cast<const uint4*>(p + 16);
+        f.bits[2].vector = *reinterpret_cast<const uint4*>(row + K / 2 + k / 4);
+    }
+    static __device__ __forceinline__ void quants(const F& f, int run, float* q) {
+        const Chunk16 &c = f.bits[run & 1], &h = f.bits[2];
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            q[i] = small_float(((c.u[i] >> (4 * (run >> 1))) & 15) | (((h.u[i] >> (2 * run)) & 3) << 4)) - 32.0f;
+    }
+    static __device__ __forceinline__ int slot(int run) { return run; }
+};
+struct MvI8 {  // runs: chunk 0 (slot 0), chunk 1 (slot 1); the second chunk may be past K
+    static constexpr int UNIT = 32, CHUNKS = 2, SLOTS = 2, SLOT = 16, RUNS = 2, RUN = 16;
+    using F = Fetch<CHUNKS, SLOTS>;
+    static __device__ __forceinline__ size_t row_bytes(int K) { return (size_t)K; }
+    static __device__ __forceinline__ bool scaled() { return true; }
+    static __device__ __forceinline__ void load(const unsigned char* row, int K, int k, F& f) {
+        const unsigned char* p = row + k;
+        f.bits[0].vector = *reinterpret_cast<const uint4*>(p);
+        f.bits[1].vector = k + 16 < K ? *reinterpret_cast<const uint4*>(p + 16) : uint4{0u, 0u, 0u, 0u};
+    }
+    static __device__ __forceinline__ void quants(const F& f, int run, float* q) {
 #pragma unroll
         for (int i = 0; i < 16; ++i) q[i] = small_float(f.bits[run].u[i] ^ 0x80u) - 128.0f;
     }
     static __device__ __forceinline__ int slot(int run) { return run; }
 };
-struct MvBF16 {  // runs: chunk 0, chunk 1, 8 weights each, no scales
-    static constexpr int UNIT = 16, RUNS = 2, RUN = 8, SLOT = 8;
+struct MvBF16 {  // runs: chunk 0, chunk 1, 8 weights each (the second may be past K), no scales
+    static constexpr int UNIT = 16, CHUNKS = 2, SLOTS = 2, SLOT = 8, RUNS = 2, RUN = 8;
+    using F = Fetch<CHUNKS, SLOTS>;
+    static __device__ __forceinline__ size_t row_bytes(int K) { return 2 * (size_t)K; }
     static __device__ __forceinline__ bool scaled() { return false; }
-    static __device__ __forceinline__ void quants(const Fetch& f, int run, float* q) { widen8_bf16(f.bits[run], q); }
+    static __device__ __forceinline__ void load(const unsigned char* row, int K, int k, F& f) {
+        const unsigned char* p = row + 2 * (size_t)k;
+        f.bits[0].vector = *reinterpret_cast<const uint4*>(p);
+        f.bits[1].vector = k + 8 < K ? *reinterpret_cast<const uint4*>(p + 16) : uint4{0u, 0u, 0u, 0u};
+    }
+    static __device__ __forceinline__ void quants(const F& f, int run, float* q) { widen8_bf16(f.bits[run], q); }
     static __device__ __forceinline__ int slot(int run) { return run; }
 };
 
-// Row n's unit at weight k into f: the quant loads, then the raw scale loads (a unit's
-// second chunk past K, which i8 and bf16 rows allow, reads nothing and weighs 0).
+// Row n's unit at weight k into f: the quant loads (Kind::load), then the raw scale loads of its
+// slots (a slot past K, which i8 rows allow, reads nothing and weighs 0).
 template <class Kind>
 __device__ __forceinline__ void fetch_unit(const unsigned char* __restrict__ q, const Scales& sc, size_t n,
-                                           int K, int k, Fetch& f) {
-    // NOTE: a row holds 32 bytes per UNIT weights in every kind (u4 K / 2, i8 K, bf16 2 K)
-    const unsigned char* p = q + (n * (size_t)K + (size_t)k) * 32 / Kind::UNIT;
-    const bool second = k + Kind::UNIT / 2 < K;
-    f.bits[0].vector = *reinterpret_cast<const uint4*>(p);
-    f.bits[1].vector = second ? *reinterpret_cast<const uint4*>(p + 16) : uint4{0u, 0u, 0u, 0u};
+                                           int K, int k, typename Kind::F& f) {
+    Kind::load(q + n * Kind::row_bytes(K), K, k, f);
     if (!Kind::scaled()) return;
-    const size_t groups = (size_t)(K / sc.block), row = n * groups;
+    const size_t row = n * (size_t)(K / sc.block);
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < Kind::SLOTS; ++j) {
         const int kj = k + Kind::SLOT * j;
-        const bool valid = j == 0 || second;  // u4: always (K % 64 == 0)
-        f.s[j] = valid ? plane_raw(sc.scale, sc.bytes, row + kj / sc.block) : 0u;
-        f.o[j] = valid && sc.offset ? plane_raw(sc.offset, sc.bytes, row + kj / sc.block) : 0u;
+        f.s[j] = kj < K ? plane_raw(sc.scale, sc.bytes, row + kj / sc.block) : 0u;
+        f.o[j] = kj < K && sc.offset ? plane_raw(sc.offset, sc.bytes, row + kj / sc.block) : 0u;
     }
     f.ss = f.os = 1.0f;
     if (sc.bytes == 1) {
@@ -322,23 +400,27 @@ __device__ __forceinline__ void stage_x(const T* __restrict__ x, int ldx, int M,
 // The math of one unit (weight k of the staged tile) of the warp's RPW rows f[r], against every
 // row of x: acc[r][m] += sum over slots of s * sum(q x) + o * sum(x).
 template <class Kind, int R, int RPW, class T>
-__device__ __forceinline__ void unit_dot(const Fetch (&f)[RPW], const uint4* xs, int k, int M, int bytes,
-                                         int zero, float (&acc)[RPW][R]) {
-    constexpr int XK = MV_X_HALVES / R;
-    float s[RPW][2], o[RPW][2];
+__device__ __forceinline__ void unit_dot(const typename Kind::F (&f)[RPW], const uint4* xs, int k, int M,
+                                         int bytes, int zero, float (&acc)[RPW][R]) {
+    constexpr int XK = MV_X_HALVES / R, SLOTS = Kind::SLOTS;
+    float s[RPW][SLOTS], o[RPW][SLOTS];
 #pragma unroll
     for (int r = 0; r < RPW; ++r)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < SLOTS; ++j) {
             s[r][j] = Kind::scaled() ? plane_value(f[r].s[j], bytes, f[r].ss) : 1.0f;
             o[r][j] = !Kind::scaled() ? 0.0f : zero ? (float)-zero * s[r][j] : plane_value(f[r].o[j], bytes, f[r].os);
         }
 #pragma unroll
     for (int m = 0; m < R; ++m) {
         if (m >= M) break;
-        float qx[RPW][2], sx[2] = {0.0f, 0.0f};
+        float qx[RPW][SLOTS], sx[SLOTS];
 #pragma unroll
-        for (int r = 0; r < RPW; ++r) qx[r][0] = qx[r][1] = 0.0f;
+        for (int j = 0; j < SLOTS; ++j) {
+            sx[j] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) qx[r][j] = 0.0f;
+        }
 #pragma unroll
         for (int run = 0; run < Kind::RUNS; ++run) {
             float xv[Kind::RUN], q[Kind::RUN];
@@ -359,7 +441,8 @@ __device__ __forceinline__ void unit_dot(const Fetch (&f)[RPW], const uint4* xs,
         }
 #pragma unroll
         for (int r = 0; r < RPW; ++r)
-            acc[r][m] += s[r][0] * qx[r][0] + o[r][0] * sx[0] + s[r][1] * qx[r][1] + o[r][1] * sx[1];
+#pragma unroll
+            for (int j = 0; j < SLOTS; ++j) acc[r][m] += s[r][j] * qx[r][j] + o[r][j] * sx[j];
     }
 }
 
@@ -369,7 +452,7 @@ template <class Kind, int R, class T>
 __device__ __forceinline__ void matvec(
         const unsigned char* __restrict__ q, const Scales& scales, const T* __restrict__ x, int ldx,
         int M, int N, int K, T* __restrict__ out, int ldo) {
-    constexpr int RPW = MvRows<R>::value, XK = MV_X_HALVES / R;
+    constexpr int RPW = MvRows<Kind, R>::value, XK = MV_X_HALVES / R;
     __shared__ uint4 xs[R * MV_PAD(XK) / 8];
     const int lane = threadIdx.x & 31, n0 = (blockIdx.x * MV_WARPS + (threadIdx.x >> 5)) * RPW;
     float acc[RPW][R];
@@ -384,12 +467,12 @@ __device__ __forceinline__ void matvec(
         __syncthreads();
         if (n0 >= N) continue;  // NOTE: after the barriers: the whole block takes every one
         const int units = width / Kind::UNIT;
-        Fetch cur[RPW], next[RPW];
-        const auto fetch = [&](int u, Fetch (&f)[RPW]) {
+        typename Kind::F cur[RPW], next[RPW];
+        const auto fetch = [&](int u, typename Kind::F (&f)[RPW]) {
 #pragma unroll
             for (int r = 0; r < RPW; ++r)
                 if (n0 + r < N) fetch_unit<Kind>(q, scales, n0 + r, K, k0 + Kind::UNIT * u, f[r]);
-                else f[r] = Fetch{};  // a row past N: zeros, never written
+                else f[r] = typename Kind::F{};  // a row past N: zeros, never written
         };
         if (lane < units) fetch(lane, cur);
         for (int u = lane; u < units; u += 32) {
@@ -416,9 +499,11 @@ __device__ __forceinline__ void matvec(
     }
 #define MATVEC(KIND, QT, R) MATVEC_T(KIND, QT, R, __half, ) MATVEC_T(KIND, QT, R, __nv_bfloat16, _bf16)
 using MV_u4 = MvU4;
+using MV_u6 = MvU6;
 using MV_i8 = MvI8;
 using MV_bf16 = MvBF16;
 using KIND_u4 = U4;
+using KIND_u6 = U6;
 using KIND_i8 = I8;
 using KIND_bf16 = BF16;
 MATVEC(u4, unsigned char, 1)
@@ -426,6 +511,11 @@ MATVEC(u4, unsigned char, 2)
 MATVEC(u4, unsigned char, 4)
 MATVEC(u4, unsigned char, 8)
 MATVEC(u4, unsigned char, 16)
+MATVEC(u6, unsigned char, 1)
+MATVEC(u6, unsigned char, 2)
+MATVEC(u6, unsigned char, 4)
+MATVEC(u6, unsigned char, 8)
+MATVEC(u6, unsigned char, 16)
 MATVEC(i8, signed char, 1)
 MATVEC(i8, signed char, 2)
 MATVEC(i8, signed char, 4)
@@ -540,6 +630,41 @@ struct TileU4 {
         store8<T>(lo, w), store8<T>(lo + 4, w + 8);
         dequant16_u4(bits, 1, s_hi, o_hi, w);
         store8<T>(hi, w), store8<T>(hi + 4, w + 8);
+    }
+};
+
+// u6: TileU4's chunks, each with its 64-weight group's 16 bytes of high bits (the two threads of
+// a feature load the same 16), and a scale slot of its own for each 16-weight run (Q6_K's).
+template <class T>
+struct TileU6 {
+    Chunk16 lo, hi;
+    float s_lo, o_lo, s_hi, o_hi;
+    bool valid;
+    __device__ __forceinline__ void fetch(const unsigned char* __restrict__ q, const Scales& sc, int N, int K,
+                                          int n0, int k0) {
+        const int r = threadIdx.x >> 1, c = threadIdx.x & 1, n = n0 + r;
+        valid = n < N;  // K % 64 == 0: every group is whole
+        if (!valid) return;
+        const unsigned char* row = q + (size_t)n * (K / 4 * 3);
+        lo.vector = *reinterpret_cast<const uint4*>(row + k0 / 2 + 16 * c);
+        hi.vector = *reinterpret_cast<const uint4*>(row + K / 2 + k0 / 4);
+        const int k_lo = k0 + 16 * c;
+        sc.at(n, K, k_lo, s_lo, o_lo);
+        sc.at(n, K, k_lo + 32, s_hi, o_hi);
+    }
+    __device__ __forceinline__ void put(unsigned (*w_tile)[GEMM_PITCH]) const {
+        const int r = threadIdx.x >> 1, c = threadIdx.x & 1;
+        unsigned* dlo = &w_tile[r][8 * c];  // weights 16c.. (runs c and 2 + c of the group)
+        unsigned* dhi = dlo + 16;
+        if (!valid) {
+            store_zero8(dlo), store_zero8(dlo + 4), store_zero8(dhi), store_zero8(dhi + 4);
+            return;
+        }
+        float w[16];
+        dequant16_u6(lo, hi, c, s_lo, o_lo, w);
+        store8<T>(dlo, w), store8<T>(dlo + 4, w + 8);
+        dequant16_u6(lo, hi, 2 + c, s_hi, o_hi, w);
+        store8<T>(dhi, w), store8<T>(dhi + 4, w + 8);
     }
 };
 
@@ -698,6 +823,7 @@ __device__ __forceinline__ void gemm_tiles(
     }
 #define GEMM(KIND, QT, TILE) GEMM_T(KIND, QT, TILE, __half, ) GEMM_T(KIND, QT, TILE, __nv_bfloat16, _bf16)
 GEMM(u4, unsigned char, TileU4)
+GEMM(u6, unsigned char, TileU6)
 GEMM(i8, signed char, TileI8)
 GEMM(bf16, unsigned short, TileBF16)
 
@@ -721,11 +847,9 @@ __device__ __forceinline__ void dequant(
          i += (size_t)gridDim.x * blockDim.x) {
         const int r = (int)(i / chunks), c = (int)(i - (size_t)r * chunks);
         const size_t src = ids ? (size_t)ids[r] : (size_t)(row_begin + r);
-        Chunk16 bits;
-        bits.vector = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(q) +
-                                                      src * Kind::row_bytes(K) + 16 * c);
+        const unsigned char* row = reinterpret_cast<const unsigned char*>(q) + src * Kind::row_bytes(K);
         T* o = out + (size_t)r * ldo;
-        Kind::chunk(bits, c, scales, src, K, [&](int k, const float* w) {
+        Kind::chunk(row, c, scales, src, K, [&](int k, const float* w) {
 #pragma unroll
             for (int j = 0; j < Kind::RUN; ++j) put(o + k + j, w[j]);
         });
@@ -741,6 +865,9 @@ __device__ __forceinline__ void dequant(
 DEQUANT(u4, unsigned char, __half, f16)
 DEQUANT(u4, unsigned char, __nv_bfloat16, bf16)
 DEQUANT(u4, unsigned char, float, f32)
+DEQUANT(u6, unsigned char, __half, f16)
+DEQUANT(u6, unsigned char, __nv_bfloat16, bf16)
+DEQUANT(u6, unsigned char, float, f32)
 DEQUANT(i8, signed char, __half, f16)
 DEQUANT(i8, signed char, __nv_bfloat16, bf16)
 DEQUANT(i8, signed char, float, f32)

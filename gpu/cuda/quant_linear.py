@@ -58,17 +58,18 @@ import numpy as np
 from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.buffers import DenseStore
-from ringserve.gpu.loader.quant import QuantWeight, as_halves, as_zero_point, dequantize
+from ringserve.gpu.loader.quant import QuantWeight, as_halves, as_u6, as_zero_point, dequantize
 from ringserve.gpu.loader.weights import GGMLTensor
 
-PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; dense F16, F32, BF16 are DenseStore's (cuBLAS)
+PLANE_KINDS = ("u4", "u6", "i8", "bf16")  # read by quant.cu; dense F16, F32, BF16: DenseStore's (cuBLAS)
 WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
 # The crossover table, rows of x -> kernel (the module doc: a host default, not measured yet):
 # the mat-vec up to MATVEC_MAX_ROWS rows, LARGE_BATCH above.
 MATVEC_MAX_ROWS = 8
 LARGE_BATCH_POLICIES = ("dequant", "tiled")
 LARGE_BATCH = "tiled"
-WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16, "bf16": 8}  # weights one 16-byte load of quants holds
+# weights one 16-byte load of the quants holds (u6: of its nibble plane, a row's first K / 2 bytes)
+WEIGHTS_PER_CHUNK = {"u4": 32, "u6": 32, "i8": 16, "bf16": 8}
 # dequant_*'s output types, by dtype name: the activations' (fp16, bf16 bits) and float32
 DEQUANT_SUFFIXES = {"float16": "f16", "uint16": "bf16", "float32": "f32"}
 # quant.cu's kernels (extern "C"): what gpu/cuda/quant.py loads, tests/test_cuda_compile.py checks.
@@ -125,7 +126,8 @@ class QuantStore:
         assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/loader/quant.py's planes
         if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
             return self.dense.linear([dequantize(w)])
-        w = as_halves(as_zero_point(w))  # NOTE: no -8 d offset plane (Q4_0, GPTQ); exact halves as fp16
+        # NOTE: no -8 d offset plane (Q4_0, GPTQ), Q6_K as u6, exact halves as fp16: fewer bytes
+        w = as_halves(as_zero_point(as_u6(w)))
         check_scales(w)
         return replace(w, q=self._device(w.q), scale=self._device(w.scale), offset=self._device(w.offset),
                        scale_super=self._device(w.scale_super), offset_super=self._device(w.offset_super))
@@ -200,7 +202,7 @@ class QuantLinear:
             m = min(tile, M - lo)
             variant = launch.matvec_variant(m)
             self.call(f"matvec_{w.kind}_r{variant}{launch.SUFFIXES[str(x.dtype)]}",
-                      launch.matvec_launch(N, variant),
+                      launch.matvec_launch(N, w.kind, variant),
                       *weight_args(w), x[lo:lo + m], np.int32(ldx), np.int32(m), np.int32(N), np.int32(K),
                       out[lo:lo + m], np.int32(ldo))
 

@@ -69,7 +69,7 @@ class QuantWeight:
 
     qtype: str                  # GGUF type name: "Q4_K", "F16", ...
     shape: tuple[int, int]      # (out, in): the logical float matrix
-    kind: str                   # "i8" | "u4" | "f16" | "f32" | "bf16"
+    kind: str                   # "i8" | "u4" | "f16" | "f32" | "bf16" | "u6" (the CUDA store's Q6_K)
     q: np.ndarray
     scale: np.ndarray | None = None     # float32, float16, or int8 factors of scale_super
     offset: np.ndarray | None = None    # as scale (int8 factors of offset_super)
@@ -314,6 +314,8 @@ def dequantize(w: QuantWeight) -> np.ndarray:
     if w.kind == "u4":
         g = w.q.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         q = (g & 15).astype(np.float32).reshape(n, -1, w.block)
+    elif w.kind == "u6":
+        q = u6_values(w.q, k).astype(np.float32).reshape(n, -1, w.block)
     else:
         q = w.q.astype(np.float32).reshape(n, -1, w.block)
     scale = plane_values(w.scale, w.scale_super, w.block)
@@ -365,6 +367,40 @@ def as_zero_point(w: QuantWeight, zero: int = 8) -> QuantWeight:
     if w.offset.dtype != w.scale.dtype or not bool((w.offset == w.scale * -zero).all()):
         return w
     return replace(w, offset=None, zero=zero)
+
+
+# The "u6" plane (the CUDA store's Q6_K, 0.75 B/weight of quants instead of int8's 1): uint8
+# [out, 3 in / 4], a row's u4 nibble plane of v & 15 (in / 2 bytes) followed by its high bits v >> 4
+# (in / 4 bytes), where v = q + 32 (0..63). 16 high bytes a 64-weight group g: byte i holds, at bits
+# 2j, the high bits of weight 64 g + 16 j + i (j = 0..3: the group's four 16-weight runs, in the
+# order quant.cu's mat-vec reads the nibble plane: low nibbles of bytes 0-15 and 16-31, then high).
+U6_CENTRE = 32
+
+
+def to_u6(q: np.ndarray) -> np.ndarray:
+    """int8 quants -32..31 [rows, in] (in a multiple of 64) -> the u6 plane [rows, 3 in / 4]."""
+    n, k = q.shape
+    v = (q.astype(np.int16) + U6_CENTRE).astype(np.uint8)
+    high = (v >> 4).reshape(n, -1, 4, 16) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+    return np.concatenate([to_u4(v & 15), np.bitwise_or.reduce(high, axis=2).reshape(n, -1)], axis=1)
+
+
+def u6_values(plane: np.ndarray, k: int) -> np.ndarray:
+    """The u6 plane [rows, 3 k / 4] -> int8 quants -32..31 [rows, k] (to_u6 undone)."""
+    n = plane.shape[0]
+    low = (plane[:, :k // 2].reshape(n, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+    high = (plane[:, k // 2:].reshape(n, -1, 1, 16) >> shifts) & 3
+    v = low.reshape(n, -1) | (high.reshape(n, -1) << 4)
+    return (v.astype(np.int16) - U6_CENTRE).astype(np.int8)
+
+
+def as_u6(w: QuantWeight) -> QuantWeight:
+    """A Q6_K weight's int8 plane as the u6 plane (its scales as they are) where rows are whole
+    64-weight groups, else w as it is: 0.828 B/weight with factored scales, not 1.078."""
+    if w.qtype != "Q6_K" or w.kind != "i8" or w.shape[1] % 64:
+        return w
+    return replace(w, kind="u6", q=to_u6(np.asarray(w.q)))
 
 
 # Byte offsets of each type's f16 fields in its block (d, dmin, m): the only bytes that can make a
