@@ -164,7 +164,7 @@ class QuantLinear:
 
     def impl_for(self, rows: int) -> str:
         """The kernel the crossover table runs for `rows` rows of x: "matvec", "tiled" or "dequant"."""
-        return "matvec" if rows <= self.matvec_max_rows else self.large_batch
+        return impl_for(rows, self.matvec_max_rows, self.large_batch)
 
     def __call__(self, x, w, out) -> None:
         if isinstance(w, QuantWeight):
@@ -200,17 +200,14 @@ class QuantLinear:
         tile = launch.MATVEC_ROWS[-1]
         for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
             m = min(tile, M - lo)
-            variant = launch.matvec_variant(m)
-            self.call(f"matvec_{w.kind}_r{variant}{launch.SUFFIXES[str(x.dtype)]}",
-                      launch.matvec_launch(N, w.kind, variant),
-                      *weight_args(w), x[lo:lo + m], np.int32(ldx), np.int32(m), np.int32(N), np.int32(K),
-                      out[lo:lo + m], np.int32(ldo))
+            self.call(*matvec_kernel(w.kind, m, N, str(x.dtype)), *weight_args(w), x[lo:lo + m],
+                      np.int32(ldx), np.int32(m), np.int32(N), np.int32(K), out[lo:lo + m], np.int32(ldo))
 
     def tiled(self, x, w: QuantWeight, out) -> None:
         """gemm_<kind> (bf16 activations: _bf16): dequantized into shared memory, tensor cores,
         one launch (any M); no workspace."""
         M, K, N = x.shape[0], x.shape[1], w.shape[0]
-        self.call(f"gemm_{w.kind}{launch.SUFFIXES[str(x.dtype)]}", launch.gemm_launch(M, N), *weight_args(w),
+        self.call(*tiled_kernel(w.kind, M, N, str(x.dtype)), *weight_args(w),
                   x, np.int32(_x_pitch(x)), np.int32(M), np.int32(N), np.int32(K), out,
                   np.int32(_pitch(out, "out")))
 
@@ -238,6 +235,23 @@ class QuantLinear:
     def embedding(self, ids, table: QuantWeight, out) -> None:
         """out [T, hidden] = table[ids], dequantized in out's dtype."""
         self.dequantize(table, ids, 0, len(ids), out)
+
+
+def impl_for(rows: int, matvec_max_rows: int = MATVEC_MAX_ROWS, large_batch: str = LARGE_BATCH) -> str:
+    """The crossover table's kernel for `rows` rows of x (QuantLinear's; the census's)."""
+    return "matvec" if rows <= matvec_max_rows else large_batch
+
+
+def matvec_kernel(kind: str, rows: int, out_features: int, dtype: str) -> tuple[str, tuple]:
+    """The mat-vec launch of up to 16 rows of x: (kernel name, (grid, block)); dtype: x's name."""
+    variant = launch.matvec_variant(rows)
+    return (f"matvec_{kind}_r{variant}{launch.SUFFIXES[dtype]}",
+            launch.matvec_launch(out_features, kind, variant))
+
+
+def tiled_kernel(kind: str, rows: int, out_features: int, dtype: str) -> tuple[str, tuple]:
+    """The tiled GEMM's launch: (kernel name, (grid, block))."""
+    return f"gemm_{kind}{launch.SUFFIXES[dtype]}", launch.gemm_launch(rows, out_features)
 
 
 # The forms of the scale and offset planes quant.cu reads (scale_bytes: the planes' itemsize):
