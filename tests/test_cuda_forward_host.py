@@ -281,7 +281,7 @@ def test_a_packed_gguf_served_in_bf16_matches_the_cpu_backend(tmp_path_factory, 
 def test_a_packed_prefill_through_the_tiled_gemm_matches_the_cpu_backend(tmp_path_factory, cuda_host,
                                                                          monkeypatch):
     """The large_batch="tiled" policy: the 69-row prefill of a tiny Q4_K_M GGUF (Q4_K and Q6_K
-    parts: u4 and i8 planes, a fused QKV split in two) through quant.cu's gemm_* on the
+    parts: u4 and u6 planes, a fused QKV split in two) through quant.cu's gemm_* on the
     host's tensor-core emulation, no workspace chunk and no GEMM of dequantized weights; the
     decode after it through the mat-vec; against the CPU backend."""
     model_dir = tiny_gguf(tmp_path_factory.mktemp("gguf-tiled"), "q4_k_m", monkeypatch)
@@ -294,7 +294,7 @@ def test_a_packed_prefill_through_the_tiled_gemm_matches_the_cpu_backend(tmp_pat
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
                       CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
-    assert {"gemm_u4", "gemm_i8"} <= set(launched) and not any(n.startswith("dequant_") and n.endswith("f16")
+    assert {"gemm_u4", "gemm_u6"} <= set(launched) and not any(n.startswith("dequant_") and n.endswith("f16")
                                                                for n in launched)
 
 

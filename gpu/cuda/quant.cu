@@ -2,29 +2,30 @@
 // gpu/cuda/quant_linear.py). The planes are gpu/loader/quant.py's, uploaded as they are:
 //   u4: unsigned char [N, K/2], 4-bit quants in 64-weight groups (byte j of group g: weight
 //       64g + j in its low nibble, 64g + 32 + j in its high one): Q4_0, Q4_1, Q4_K, AWQ, GPTQ;
-//   i8: signed char [N, K], one quant a byte: Q8_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K;
+//   u6: unsigned char [N, 3K/4], Q6_K's v = q + 32: a row's u4 plane of v & 15, then its 2-bit
+//       highs, 16 bytes a 64-weight group (byte i, bits 2j: weight 64g + 16j + i; to_u6);
+//   i8: signed char [N, K], one quant a byte: Q8_0, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K;
 //   scale, offset: [N, K/block] (offset may be null): weight = scale * q + offset, each plane in
 //       one of three forms, scale_bytes says which (both planes share it): 4, float32; 2, fp16
 //       (legacy types, GPTQ: exact halves); 1, int8 factors of the float32 super planes
 //       scale_super, offset_super [N, K/256] (the K-quants: sc * d and m * -dmin, the float32
-//       products gpu/loader/quant.py computes, so bit-identical), all read by plane_at,
+//       products gpu/loader/quant.py computes, so bit-identical), all read by plane_at /
+//       plane_raw; a null offset with zero != 0 is -zero * scale (Q4_0, GPTQ: as_zero_point),
 // so one kernel per plane kind serves every type. Why the compact forms: a batch-1 step streams
-// the planes with the quants, and float32 ones are a quarter of Q4_K's 0.75 B/weight (0.594
-// factored). Why a runtime scale_bytes and not a template parameter: one uniform branch per 16
-// weights in a memory-bound kernel, and the kernel count (compile time) stays; ptxas (sm_80,
-// sm_90): 0 spills, gemm_u4 127 registers of its 128 (125/128 and 128/128 before).
-// Every 16 contiguous weights share one scale (block is a multiple of 16), and every lane
-// reads its 16 quant bytes with one 16-byte load (row pitches K/2 and K are multiples of 16
-// bytes: K % 64 == 0 for u4, K % 16 for i8);
+// the planes with the quants (Q4_K 0.594 B/weight factored, not 0.75; Q6_K 0.828, not 1.078).
+// Why a runtime scale_bytes and not a template parameter: one uniform branch per group in a
+// memory-bound kernel, and the kernel count (compile time) stays. ptxas -v (sm_80, sm_90):
+// docs/deploy.md "Quantized weights" lists each kernel's registers and shared memory; 0 spills.
+// Every 16 contiguous weights share one scale (block is a multiple of 16), and quants are read
+// in 16-byte loads (row pitches K/2, 3K/4 and K are multiples of 16 bytes: K % 64 == 0 for u4
+// and u6, K % 16 for i8);
 //   bf16: unsigned short [N, K], bfloat16 bits (BF16 GGUF tensors, HF bfloat16 checkpoints),
 //       no scale or offset (null, block unused): a weight is the upper half of a float32, so
 //       widening is exact, a shift; a 16-byte load holds 8 weights (K % 8 == 0).
 //
-// matvec_*_r<R>: decode (M <= R rows of x, R in 1, 2, 4, 8, 16). One warp per output row:
-// each lane loads a 16-byte chunk of quants once, dequantizes it in registers and dots it
-// with the matching 16 (i8), 2 x 16 (u4) or 8 (bf16) values of every row of x; float32 sums, a warp
-// shuffle sum at the end, fp16 out[m, n] (row pitch ldo: a fused weight's part writes its
-// own columns).
+// matvec_*_r<R>: decode (M <= R rows of x, R in 1, 2, 4, 8, 16): the design and why, where it
+// is written (below); float32 sums, warp shuffle sums at the end, fp16 out[m, n] (row pitch
+// ldo: a fused weight's part writes its own columns).
 // gemm_*: a large batch (QuantLinear's large_batch "tiled"): 64 x 64 tiles of out, the
 // weight dequantized into shared memory a tile at a time and multiplied on tensor cores
 // (below, after the mat-vecs).
@@ -34,8 +35,9 @@
 // The activations x and out are fp16 (the plain names) or bf16 (matvec_*_bf16, gemm_*_bf16: x
 // and out __nv_bfloat16, elem.cuh, and mma.sync .bf16), a template parameter; the scales stay
 // as the store made them.
-// Both are one template each over a plane-kind policy (U4, I8, BF16 below: what a chunk of
-// 16 bytes holds and its weights' values), so a kind is written once and read by every kernel.
+// Each is one template over a plane-kind policy (U4, U6, I8, BF16 for the dequantize kernels,
+// MvU4.. for the mat-vec's units, TileU4.. for the GEMM's tiles), so a kind is written once per
+// access pattern.
 // NVRTC defines no libc and no stdint: only cuda_fp16.h and cuda_bf16.h are included (elem.cuh).
 #include "elem.cuh"
 

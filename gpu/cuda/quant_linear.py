@@ -11,13 +11,13 @@ type, GPTQ), anything else float32 (AWQ, whose offsets -(z s) are no halves).
 Why: (1) every quant row is 16-byte aligned, so each lane streams its quants with one vector
 load (GGUF blocks are 18, 20, 22, 34, 84, 110, 144, 176 or 210 bytes: no vector load lines up
 with them); (2) one kernel per plane kind serves all ten GGUF types and AWQ/GPTQ int4
-(repacked into the same u4 planes); (3) the planes are the ones tests/test_quant_kernels.py
+(repacked into the same u4 planes; Q6_K's into u6); (3) the planes are the ones tests/test_quant_kernels.py
 proves bit-identical to gguf-py's `dequantize`, in every form. The price is bytes, mostly
-5/6-bit quants widened to int8: B/weight (raw GGUF in brackets) Q4_K 0.594 (0.5625), Q4_0 and
-Q4_1 0.625 (0.5625/0.625), Q8_0 and Q5_0 1.0625 (1.0625/0.6875), Q6_K and Q3_K 1.078
-(0.82/0.43), Q5_K 1.094 (0.69), Q5_1 1.125 (0.75), Q2_K 1.156 (0.33), AWQ 0.5625, GPTQ
-0.531 (float32 scales: 0.75, 1.125, 1.25, 1.25, 1.25, 1.5; AWQ/GPTQ 0.5625). The kernels and
-the GPU check report the bytes actually read (QuantWeight.nbytes).
+5-bit quants widened to int8: B/weight (raw GGUF in brackets) Q4_K 0.594 (0.5625), Q4_0 0.5625
+(0.5625: no offset plane, as_zero_point), Q4_1 0.625 (0.625), Q6_K 0.828 (0.82: the u6 plane,
+nibbles and 2-bit highs, as_u6), Q8_0 and Q5_0 1.0625 (1.0625/0.6875), Q3_K 1.078 (0.43), Q5_K
+1.094 (0.69), Q5_1 1.125 (0.75), Q2_K 1.156 (0.33), AWQ 0.5625, GPTQ 0.516. The kernels and the
+GPU check report the bytes actually read (QuantWeight.nbytes).
 
 16-bit float matrices are dense: DenseStore (gpu/cuda/buffers.py) uploads them in the serving
 dtype (gpu/cuda/dtypes.py: a bfloat16 checkpoint serves in bfloat16, its BF16 bits as they are)

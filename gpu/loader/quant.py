@@ -33,10 +33,12 @@ fewer bytes, and ``dequantize`` reads every form to the same float32 values:
   int8 sub-block factors (sc; m) and ``scale_super`` / ``offset_super`` float32 [out, in / 256]
   the super-block's ``d`` and ``-dmin``: a value is ``factor * super[k // 256]``, the same
   float32 product as ``d * sc`` (and ``m * -dmin == -(dmin * m)`` exactly). Q4_K: 0.5 + 1/32 +
-  1/32 + 8/256 = 0.594 B/weight, Q6_K 1.078, Q5_K 1.094;
+  1/32 + 8/256 = 0.594 B/weight, Q6_K 1.078 (0.828 as the u6 plane, as_u6), Q5_K 1.094;
 - float16 ``scale`` / ``offset`` (``as_halves``, where every value of both planes is exactly a
   half): the legacy types' d and m are GGUF f16 fields, Q4_0's folded ``-8 d`` too unless it
-  overflows (GPTQ's s and -8 s as well). Q4_0/Q4_1 as nibbles 0.625 B/weight, Q8_0 1.0625.
+  overflows (GPTQ's s and -8 s as well). Q4_1 as nibbles 0.625 B/weight, Q8_0 1.0625;
+- no offset plane where every offset is ``-8 * scale`` (``as_zero_point``: Q4_0, GPTQ): the
+  kernels make it, QuantWeight.zero says so. Q4_0 0.5625 B/weight, GPTQ 0.516.
 The CPU backend keeps the float32 planes (its kernels read them; the bytes change nothing there).
 
 Layout choice, measured on the 2-core Zen 5 VM (tools/bench_quant.py, docs/bench_quant.md): 4-bit
