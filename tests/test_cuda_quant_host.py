@@ -592,3 +592,39 @@ def test_matvec_unit_tails_read_nothing_past_the_planes(quant_kernels, qtype, K)
         linear_for(quant_kernels).matvec(x, weight, out)
         check(out, x, repack(raw, qtype, (N, K)), reference)
         assert np.isnan(buffer[:, :3]).all() and np.isnan(buffer[:, 3 + N:]).all(), "written outside out"
+
+
+# quant.cu with one deliberate fault each: the mat-vec's high-nibble runs read the low group's
+# scale (MvU4::slot), and u6's high bits land one run off (dequant16_u6's shift)
+BREAKAGES = {"Q4_K": ("static __device__ __forceinline__ int slot(int run) { return run >> 1; }",
+                      "static __device__ __forceinline__ int slot(int run) { return 0; }"),
+             "Q6_K": ("(((hi.u[i] >> (2 * run)) & 3) << 4)", "(((hi.u[i] >> (2 * (run ^ 1))) & 3) << 4)")}
+
+
+def test_a_deliberately_broken_kernel_is_caught(tmp_path):
+    """The checks above are not vacuous: quant.cu built with each BREAKAGES fault gives results
+    the same check refuses (the mat-vec at batch 1 for Q4_K, the dequantized embedding rows for
+    Q6_K's u6 plane), where the unbroken build passes them (the tests above)."""
+    from cuda_host_kernels import HostBuild, find_gxx
+    gxx = find_gxx()
+    if gxx is None:
+        pytest.skip("g++ not found")
+    build = HostBuild(gxx, tmp_path)
+    source = (tmp_path / "quant.cu").read_text()
+    for good, bad in BREAKAGES.values():
+        assert source.count(good) == 1, good
+        source = source.replace(good, bad)
+    (tmp_path / "quant.cu").write_text(source)
+    broken = build.get("quant.cu")
+    rng = np.random.default_rng(9)
+    raw = random_raw("Q4_K", (N, 512), rng)
+    x = rng.standard_normal((1, 512)).astype(np.float16)
+    out = np.full((1, N), np.nan, np.float16)
+    linear_for(broken)(x, uploaded("Q4_K", raw, (N, 512)), out)
+    with pytest.raises(AssertionError, match="Q4_K/u4"):
+        check(out, x, repack(raw, "Q4_K", (N, 512)), gguf.quants.dequantize(
+            raw, gguf.GGMLQuantizationType.Q4_K).reshape(N, 512))
+    raw = random_raw("Q6_K", (N, 512), rng)
+    rows = np.full((N, 512), np.nan, np.float32)
+    linear_for(broken).dequantize(uploaded("Q6_K", raw, (N, 512)), None, 0, N, rows)
+    assert not np.array_equal(rows, dequantize(repack(raw, "Q6_K", (N, 512))))
