@@ -364,9 +364,10 @@ def as_zero_point(w: QuantWeight, zero: int = 8) -> QuantWeight:
     block's bytes (Q4_0 0.5625 B/weight with fp16 scales, GPTQ 0.516), else w as it is. The
     values are the same bits: dequantize and the kernels make the offset -zero * scale in
     float32, exactly the plane's value. Any xp's arrays."""
-    if w.kind != "u4" or w.offset is None or w.scale_super is not None or w.zero:
+    scale, offset = w.scale, w.offset
+    if w.kind != "u4" or scale is None or offset is None or w.scale_super is not None or w.zero:
         return w
-    if w.offset.dtype != w.scale.dtype or not bool((w.offset == w.scale * -zero).all()):
+    if offset.dtype != scale.dtype or not bool((offset == scale * -zero).all()):
         return w
     return replace(w, offset=None, zero=zero)
 
