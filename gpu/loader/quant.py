@@ -401,9 +401,9 @@ def u6_values(plane: np.ndarray, k: int) -> np.ndarray:
 def as_u6(w: QuantWeight) -> QuantWeight:
     """A Q6_K weight's int8 plane as the u6 plane (its scales as they are) where rows are whole
     64-weight groups, else w as it is: 0.828 B/weight with factored scales, not 1.078."""
-    if w.qtype != "Q6_K" or w.kind != "i8" or w.shape[1] % 64:
-        return w
-    return replace(w, kind="u6", q=to_u6(np.asarray(w.q)))
+    if w.qtype != "Q6_K" or w.kind != "i8" or w.shape[1] % 64 or not isinstance(w.q, np.ndarray):
+        return w  # NOTE: planes already on the device (gpu_check's) are made in their form there
+    return replace(w, kind="u6", q=to_u6(w.q))
 
 
 # Byte offsets of each type's f16 fields in its block (d, dmin, m): the only bytes that can make a
