@@ -150,7 +150,7 @@ def test_quant_gemm_runs_on_tensor_cores(arch):
     for suffix, t in (("", "f16"), ("_bf16", "bf16")):  # gemm_* fp16, gemm_*_bf16 bf16 fragments
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
         counts = {name: body.count(mma) for name, body in bodies.items()}
-        want = {f"gemm_{k}{suffix}": 32 for k in PLANE_KINDS}
+        want = {f"gemm_{k}{rows}{suffix}": 32 for k in PLANE_KINDS for rows in ("", "_m128")}
         assert {n: c for n, c in counts.items() if c} == want
 
 

@@ -294,8 +294,8 @@ def test_a_packed_prefill_through_the_tiled_gemm_matches_the_cpu_backend(tmp_pat
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
                       CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
-    assert {"gemm_u4", "gemm_u6"} <= set(launched) and not any(n.startswith("dequant_") and n.endswith("f16")
-                                                               for n in launched)
+    assert {"gemm_u4_m128", "gemm_u6_m128"} <= set(launched)  # 69 rows: 128 a block
+    assert not any(n.startswith("dequant_") and n.endswith("f16") for n in launched)
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

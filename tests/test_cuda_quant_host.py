@@ -313,7 +313,7 @@ def test_the_crossover_table_picks_one_kernel_per_batch(quant_kernels):
                          numpy_gemm, None)
     assert (LARGE_BATCH, linear.matvec_max_rows) == ("tiled", MATVEC_MAX_ROWS)
     for rows, kernel in ((1, "matvec_u4_r1"), (MATVEC_MAX_ROWS, f"matvec_u4_r{MATVEC_MAX_ROWS}"),
-                         (MATVEC_MAX_ROWS + 1, "gemm_u4"), (256, "gemm_u4")):
+                         (MATVEC_MAX_ROWS + 1, "gemm_u4"), (256, "gemm_u4_m128")):
         launched.clear()
         x = rng.standard_normal((rows, 512)).astype(np.float16)
         out = np.full((rows, N), np.nan, np.float16)
@@ -487,7 +487,7 @@ def test_the_large_batch_policy_picks_the_tiled_gemm_or_dequantize_and_cublas(qu
             out = got[policy] = np.full((rows, GEMM_N), np.nan, np.float16)
             linear(x, weight, out)
             if policy == "tiled":
-                assert launched == [f"gemm_{w.kind}"] and not cublas.calls
+                assert launched == [f"gemm_{w.kind}_m128"] and not cublas.calls  # 70 rows: 128 a block
             else:
                 assert set(launched) == {f"dequant_{w.kind}_f16"} and len(cublas.calls) == len(launched) == 20
         diff = np.abs(got["tiled"].astype(np.float64) - got["dequant"].astype(np.float64))
@@ -498,7 +498,8 @@ def test_the_large_batch_policy_picks_the_tiled_gemm_or_dequantize_and_cublas(qu
 
 def test_gemm_launch_geometry():
     assert launch.gemm_launch(1, 1) == ((1, 1), (128,))
-    assert launch.gemm_launch(130, 14336) == ((3, 224), (128,))
+    assert launch.gemm_launch(64, 14336) == ((1, 224), (128,))
+    assert launch.gemm_launch(130, 14336) == ((2, 224), (256,))  # gemm_*_m128: 128 rows a block
     with pytest.raises(ValueError, match="grid.y"):
         launch.gemm_launch(64, 64 * 65536)
 

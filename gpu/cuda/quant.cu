@@ -733,15 +733,17 @@ struct TileBF16 {
     }
 };
 
-// One K step's x tile: 64 rows x 64 halves = 512 chunks of 8 (16 bytes; ldx % 8 == 0): four a
-// thread, copied as they are.
+// One K step's x tile: ROWS (64 or 128) rows x 64 halves = 8 ROWS chunks of 8 (16 bytes; ldx % 8
+// == 0): four a thread of the block's 2 ROWS, copied as they are.
+template <int ROWS>
 struct TileX {
+    static constexpr int THREADS = 2 * ROWS;
     uint4 bits[4];
     template <class T>
     __device__ __forceinline__ void fetch(const T* __restrict__ x, int ldx, int M, int K, int m0, int k0) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int i = threadIdx.x + GEMM_WARPS * 32 * j, m = m0 + (i >> 3), k = k0 + 8 * (i & 7);
+            const int i = threadIdx.x + THREADS * j, m = m0 + (i >> 3), k = k0 + 8 * (i & 7);
             bits[j] = m < M && k < K ? *reinterpret_cast<const uint4*>(x + (size_t)m * ldx + k)
                                      : uint4{0u, 0u, 0u, 0u};
         }
@@ -749,20 +751,26 @@ struct TileX {
     __device__ __forceinline__ void put(unsigned (*x_tile)[GEMM_PITCH]) const {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int i = threadIdx.x + GEMM_WARPS * 32 * j;
+            const int i = threadIdx.x + THREADS * j;
             *reinterpret_cast<uint4*>(&x_tile[i >> 3][4 * (i & 7)]) = bits[j];
         }
     }
 };
 
-template <class Tile, typename QT, class T>
+// ROWS rows of x a block (64: 4 warps; 128: 8 warps, gemm_*_m128), 64 output features: the
+// weight tile is dequantized once for all ROWS rows (by the first GEMM_WARPS warps: the Tile*
+// loaders' 128 threads), so a batch of up to ROWS rows streams each quant once and 128 rows
+// halve the dequantize work and the weight's reads of a larger batch; each warp's 32 x 32
+// corner, its registers, are the same in both.
+template <class Tile, int ROWS, typename QT, class T>
 __device__ __forceinline__ void gemm_tiles(
         const QT* __restrict__ q, const Scales& scales, const T* __restrict__ x, int ldx, int M, int N,
         int K, T* __restrict__ out, int ldo) {
     // NOTE: words, not halves: the fragments are 32-bit loads of two halves (k, k + 1)
-    __shared__ unsigned x_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
+    __shared__ unsigned x_tile[ROWS][GEMM_PITCH] __attribute__((aligned(16)));
     __shared__ unsigned w_tile[GEMM_TILE][GEMM_PITCH] __attribute__((aligned(16)));
-    const int m0 = blockIdx.x * GEMM_TILE, n0 = blockIdx.y * GEMM_TILE;
+    const int m0 = blockIdx.x * ROWS, n0 = blockIdx.y * GEMM_TILE;
+    const bool loads_w = threadIdx.x < GEMM_WARPS * 32;  // warp-uniform: the first 4 warps
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wm = 32 * (warp >> 1), wn = 32 * (warp & 1);  // the warp's corner of the block tile
     float acc[2][4][4];
@@ -773,16 +781,16 @@ __device__ __forceinline__ void gemm_tiles(
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
     Tile wt;
-    TileX xt;
-    wt.fetch(q, scales, N, K, n0, 0);
+    TileX<ROWS> xt;
+    if (loads_w) wt.fetch(q, scales, N, K, n0, 0);
     xt.fetch(x, ldx, M, K, m0, 0);
     for (int k0 = 0; k0 < K; k0 += GEMM_TILE) {
         __syncthreads();  // every warp is done reading the previous step's tiles
-        wt.put(w_tile);
+        if (loads_w) wt.put(w_tile);
         xt.put(x_tile);
         __syncthreads();
         if (k0 + GEMM_TILE < K) {  // PERF: the next step's global loads in flight during the mma
-            wt.fetch(q, scales, N, K, n0, k0 + GEMM_TILE);
+            if (loads_w) wt.fetch(q, scales, N, K, n0, k0 + GEMM_TILE);
             xt.fetch(x, ldx, M, K, m0, k0 + GEMM_TILE);
         }
 #pragma unroll
@@ -816,12 +824,18 @@ __device__ __forceinline__ void gemm_tiles(
             }
 }
 
-// gemm_<kind> (fp16 x and out, mma .f16) and gemm_<kind>_bf16 (bf16, mma .bf16)
+// gemm_<kind> (fp16 x and out, mma .f16) and gemm_<kind>_bf16 (bf16, mma .bf16), 64 rows a
+// block; gemm_<kind>_m128[_bf16], 128 rows a block (8 warps; 2 blocks an SM keep 128 registers)
 #define GEMM_T(KIND, QT, TILE, T, SUFFIX)                                                          \
     extern "C" __global__ void __launch_bounds__(GEMM_WARPS * 32, 4) gemm_##KIND##SUFFIX(          \
             WEIGHT_PARAMS(QT), const T* __restrict__ x, int ldx, int M, int N, int K,               \
             T* __restrict__ out, int ldo) {                                                         \
-        gemm_tiles<TILE<T>, QT, T>(q, SCALES, x, ldx, M, N, K, out, ldo);                          \
+        gemm_tiles<TILE<T>, 64, QT, T>(q, SCALES, x, ldx, M, N, K, out, ldo);                      \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(2 * GEMM_WARPS * 32, 2) gemm_##KIND##_m128##SUFFIX( \
+            WEIGHT_PARAMS(QT), const T* __restrict__ x, int ldx, int M, int N, int K,               \
+            T* __restrict__ out, int ldo) {                                                         \
+        gemm_tiles<TILE<T>, 128, QT, T>(q, SCALES, x, ldx, M, N, K, out, ldo);                     \
     }
 #define GEMM(KIND, QT, TILE) GEMM_T(KIND, QT, TILE, __half, ) GEMM_T(KIND, QT, TILE, __nv_bfloat16, _bf16)
 GEMM(u4, unsigned char, TileU4)

@@ -77,7 +77,8 @@ DEQUANT_SUFFIXES = {"float16": "f16", "uint16": "bf16", "float32": "f32"}
 KERNELS = tuple(f"matvec_{kind}_r{rows}{suffix}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS
                 for suffix in launch.SUFFIXES.values()) + \
     tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in DEQUANT_SUFFIXES.values()) + \
-    tuple(f"gemm_{kind}{suffix}" for kind in PLANE_KINDS for suffix in launch.SUFFIXES.values())
+    tuple(f"gemm_{kind}{rows}{suffix}" for kind in PLANE_KINDS for rows in ("", "_m128")
+          for suffix in launch.SUFFIXES.values())
 
 
 def _on_planes(kind: str, cols: int) -> bool:
@@ -250,8 +251,9 @@ def matvec_kernel(kind: str, rows: int, out_features: int, dtype: str) -> tuple[
 
 
 def tiled_kernel(kind: str, rows: int, out_features: int, dtype: str) -> tuple[str, tuple]:
-    """The tiled GEMM's launch: (kernel name, (grid, block))."""
-    return f"gemm_{kind}{launch.SUFFIXES[dtype]}", launch.gemm_launch(rows, out_features)
+    """The tiled GEMM's launch: (kernel name, (grid, block)); gemm_<kind>_m128 above 64 rows."""
+    m128 = "_m128" if launch.gemm_rows(rows) > launch.GEMM_TILE else ""
+    return f"gemm_{kind}{m128}{launch.SUFFIXES[dtype]}", launch.gemm_launch(rows, out_features)
 
 
 # The forms of the scale and offset planes quant.cu reads (scale_bytes: the planes' itemsize):

@@ -67,6 +67,12 @@ HOST_DEQUANT(bf16, unsigned short, float, f32)
         return launch(dims, GEMM_WARPS * 32, [=] {  /* its __launch_bounds__ */                          \
             gemm_##KIND##SUFFIX(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                            \
         });                                                                                              \
+    }                                                                                                    \
+    extern "C" int launch_gemm_##KIND##_m128##SUFFIX(const unsigned* dims, HOST_WEIGHT(QT), const T* x,  \
+                                                     int ldx, int M, int N, int K, T* out, int ldo) {      \
+        return launch(dims, 2 * GEMM_WARPS * 32, [=] {                                                   \
+            gemm_##KIND##_m128##SUFFIX(HOST_WEIGHT_ARGS, x, ldx, M, N, K, out, ldo);                     \
+        });                                                                                              \
     }
 #define HOST_GEMM(KIND, QT) HOST_GEMM_T(KIND, QT, __half, ) HOST_GEMM_T(KIND, QT, __nv_bfloat16, _bf16)
 HOST_GEMM(u4, unsigned char)
