@@ -262,10 +262,11 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
 
 def test_a_packed_gguf_served_in_bf16_matches_the_cpu_backend(tmp_path_factory, cuda_host, monkeypatch):
     """A tiny Q4_K_M GGUF with --dtype bfloat16: the packed planes as ever, bf16 activations and
-    KV cache (quant.cu's matvec_*_bf16 for the decodes, dequant_*_bf16 chunks and the bf16 GEMM
-    for the 69-row prefill, the other kernels' _bf16), against the CPU backend."""
+    KV cache (quant.cu's matvec_*_bf16 for the decodes, with large_batch="dequant" dequant_*_bf16
+    chunks and the bf16 GEMM for the 69-row prefill, the other kernels' _bf16), against the CPU
+    backend (the tiled GEMM's bf16 kernels: tests/test_cuda_quant_host.py)."""
     model_dir = tiny_gguf(tmp_path_factory.mktemp("gguf-bf16"), "q4_k_m", monkeypatch)
-    host = HostRunner(model_dir, cuda_host, dtype="bfloat16")
+    host = HostRunner(model_dir, cuda_host, dtype="bfloat16", large_batch="dequant")
     launched = []
     call = host.ops.quant.call
     host.ops.quant.call = lambda name, *args: (launched.append(name), call(name, *args))[1]
@@ -274,7 +275,7 @@ def test_a_packed_gguf_served_in_bf16_matches_the_cpu_backend(tmp_path_factory, 
                       CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
     assert host.caches[0][0].dtype == np.uint16
-    assert {"matvec_u4_r4_bf16", "dequant_u4_bf16", "dequant_i8_bf16"} <= set(launched)
+    assert {"matvec_u4_r4_bf16", "dequant_u4_bf16", "dequant_u6_bf16"} <= set(launched)
     assert not any(n.startswith("matvec_") and not n.endswith("_bf16") for n in launched)
 
 

@@ -30,10 +30,11 @@ A linear with M rows of activations runs the kernel its crossover table gives fo
 .impl_for: the mat-vec up to matvec_max_rows, large_batch above):
 - "matvec": matvec_<kind>_r<R> (bf16 activations: _bf16), dequantized in registers, on tiles of
   up to 16 rows of x (launch.MATVEC_ROWS): one launch a linear up to 16 rows;
-- "tiled": gemm_<kind>, one launch: 64 x 64 tiles of out, each block dequantizing a 64 x 64
-  tile of the weight into shared memory (the same 16-bit values as dequant_*) and multiplying
-  on tensor cores (mma.sync m16n8k16, fp32 accumulation), so each quant is read once per 64
-  rows of x (vLLM's awq_gemm, llama.cpp's MMQ: the same idea). No workspace and no cuBLAS: a
+- "tiled": gemm_<kind> (64 rows of x a block; gemm_<kind>_m128 128 above 64 rows), one launch:
+  each block dequantizing a 64-feature tile of the weight into shared memory once for its
+  rows (the same 16-bit values as dequant_*) and multiplying on tensor cores (mma.sync
+  m16n8k16, fp32 accumulation), so each quant is read once per 64 or 128 rows of x (vLLM's
+  awq_gemm, llama.cpp's MMQ: the same idea). No workspace and no cuBLAS: a
   graph captures it as it is. bf16 activations: gemm_<kind>_bf16 (mma .bf16);
 - "dequant": the weight dequantized to the activations' type into a static workspace, chunk of
   rows by chunk of rows, each chunk followed by the cuBLAS GEMM. It writes and reads 4 bytes a
