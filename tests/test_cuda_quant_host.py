@@ -351,8 +351,8 @@ def test_int4_checkpoint_weights_match_their_format(quant_kernels, method, rows)
 
 # gemm_<kind> (QuantLinear's "tiled" large batch): two K sizes per kind, one with a last K step
 # of 64 that is not whole where the kind allows it (i8: K % 16, bf16: K % 8; u4 is whole
-# 64-weight groups); N = 77: two 64-feature tiles, the second 13 wide; 130 rows: three tiles
-# of 64 rows, the last 2 tall.
+# 64-weight groups); N = 77: two 64-feature tiles, the second 13 wide; up to 64 rows gemm_* (64
+# rows a block), 70 and 130 rows gemm_*_m128 (128 a block: 130 is two, the last 2 tall).
 GEMM_TYPES = {"Q4_K": (256,), "Q4_0": (576,), "GPTQ": (256,), "Q8_0": (96, 512), "Q6_K": (256,),
               "BF16": (72, 320)}
 GEMM_ROWS = [1, 17, 64, 70, 130]

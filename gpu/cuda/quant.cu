@@ -533,12 +533,12 @@ MATVEC(bf16, unsigned short, 16)
 // out[M, N] = x[M, K] @ W[N, K]^T with W dequantized into shared memory a tile at a time, to
 // exactly the values dequant_<kind>_{f16,bf16} writes (the activations' type), and fp32 accumulation by
 // mma.sync.m16n8k16 (sm_80+). Why: dequant_* + cuBLAS writes and re-reads 4 bytes a weight
-// (fp16 out, fp16 in) besides the quants; here each quant is read once per 64-row tile of x
-// (from L2 after the first: the grid's x runs over M, so the M tiles of one weight tile are
-// neighbours). No workspace: a CUDA graph captures it as it is.
-// Block: 128 threads (4 warps, GEMM_WARPS), a 64 x 64 tile of out, K in steps of 64 (one u4
-// group); warp w computes rows 32 (w >> 1).. and columns 32 (w & 1).. of it: 2 x 4 mma tiles
-// of 16 x 8. The next K step's quants and x are loaded into registers before this step's mma
+// (fp16 out, fp16 in) besides the quants; here each quant is read once per 64- or 128-row tile
+// of x (from L2 after the first: the grid's x runs over M, so the M tiles of one weight tile
+// are neighbours). No workspace: a CUDA graph captures it as it is.
+// Block: 128 threads (4 warps, GEMM_WARPS), a 64 x 64 tile of out (gemm_*_m128: 256 threads, 128
+// x 64), K in steps of 64 (one u4 group); warp w computes rows 32 (w >> 1).. and columns
+// 32 (w & 1).. of it: 2 x 4 mma tiles of 16 x 8. The next K step's quants and x are loaded into registers before this step's mma
 // (their global latency hides under the tensor-core work); a tail (rows past M, features past
 // N, weights past K) is stored as zeros, so every mma is whole and only in-range outputs are
 // written. K only needs whole 16-byte chunks: u4 K % 64, i8 K % 16, bf16 K % 8 (the planes').
