@@ -157,7 +157,9 @@ def random_planes(xp, rng, qtype: str, rows: int, cols: int):
         minus = (-(levels // 2) * d).astype(xp.float32)  # offset = factor * -(levels / 2) d: centred
         return QuantWeight(qtype, (rows, cols), kind, q, factors, factors.copy(), block, d, minus)
     scale = (rng.random((rows, cols // block), dtype=xp.float32) * s + s / 2).astype(xp.float32)
-    offset = (-(levels // 2) * scale).astype(xp.float32) if has_offset else None
+    # AWQ's zero points vary (0..15), so its offsets -z s stay a plane (all 8 would be GPTQ's form)
+    zeros = rng.integers(0, levels, size=scale.shape, dtype=xp.int32).astype(xp.float32)
+    offset = (-zeros * scale).astype(xp.float32) if has_offset else None
     if form == "f16":
         scale, offset = scale.astype(xp.float16), None if offset is None else offset.astype(xp.float16)
     return QuantWeight(qtype, (rows, cols), kind, q, scale, offset, block)
