@@ -144,12 +144,13 @@ def test_quant_gemm_runs_on_tensor_cores(arch):
     """quant.cu's gemm_* (the tiled large batch) issue mma.sync m16n8k16 with fp32 accumulation
     (the inline PTX behind #ifdef __CUDACC__, which NVRTC defines): 32 a K step of 64 (2 x 4
     tiles a warp, 4 k16 steps), unrolled; the other kernels none."""
+    from ringserve.gpu.cuda.quant_linear import PLANE_KINDS
     ptx = toolchain.nvrtc_ptx(toolchain.source("quant.cu"), arch, toolchain.options(), "quant.cu")
     bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
     for suffix, t in (("", "f16"), ("_bf16", "bf16")):  # gemm_* fp16, gemm_*_bf16 bf16 fragments
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
         counts = {name: body.count(mma) for name, body in bodies.items()}
-        want = {f"gemm_{k}{suffix}": 32 for k in ("u4", "i8", "bf16")}
+        want = {f"gemm_{k}{rows}{suffix}": 32 for k in PLANE_KINDS for rows in ("", "_m128")}
         assert {n: c for n, c in counts.items() if c} == want
 
 

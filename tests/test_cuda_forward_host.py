@@ -347,8 +347,8 @@ def tiny_gguf(folder, layout: str, monkeypatch):
     return resolve_model(str(path))
 
 
-# A prefill of 69 rows (> MATVEC_MAX_ROWS: dequantized chunks + the GEMM), then decodes of 3
-# (the mat-vec kernels).
+# A prefill of 69 rows (> MATVEC_MAX_ROWS: the LARGE_BATCH kernel, or the large_batch asked), then
+# decodes of 3 (the mat-vec kernels).
 PACKED_PROMPTS = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 100))]
 GGUF_LAYOUTS = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m"]
 
@@ -378,10 +378,11 @@ def test_a_packed_gguf_forward_matches_the_cpu_backend(tmp_path_factory, cuda_ho
 
 def test_a_packed_gguf_served_in_bf16_matches_the_cpu_backend(tmp_path_factory, cuda_host, monkeypatch):
     """A tiny Q4_K_M GGUF with --dtype bfloat16: the packed planes as ever, bf16 activations and
-    KV cache (quant.cu's matvec_*_bf16 for the decodes, dequant_*_bf16 chunks and the bf16 GEMM
-    for the 69-row prefill, the other kernels' _bf16), against the CPU backend."""
+    KV cache (quant.cu's matvec_*_bf16 for the decodes, with large_batch="dequant" dequant_*_bf16
+    chunks and the bf16 GEMM for the 69-row prefill, the other kernels' _bf16), against the CPU
+    backend (the tiled GEMM's bf16 kernels: tests/test_cuda_quant_host.py)."""
     model_dir = tiny_gguf(tmp_path_factory.mktemp("gguf-bf16"), "q4_k_m", monkeypatch)
-    host = HostRunner(model_dir, cuda_host, dtype="bfloat16")
+    host = HostRunner(model_dir, cuda_host, dtype="bfloat16", large_batch="dequant")
     launched = []
     call = host.ops.quant.call
     host.ops.quant.call = lambda name, *args: (launched.append(name), call(name, *args))[1]
@@ -390,14 +391,14 @@ def test_a_packed_gguf_served_in_bf16_matches_the_cpu_backend(tmp_path_factory, 
                       CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
     assert host.caches[0][0].dtype == np.uint16
-    assert {"matvec_u4_r4_bf16", "dequant_u4_bf16", "dequant_i8_bf16"} <= set(launched)
+    assert {"matvec_u4_r4_bf16", "dequant_u4_bf16", "dequant_u6_bf16"} <= set(launched)
     assert not any(n.startswith("matvec_") and not n.endswith("_bf16") for n in launched)
 
 
 def test_a_packed_prefill_through_the_tiled_gemm_matches_the_cpu_backend(tmp_path_factory, cuda_host,
                                                                          monkeypatch):
     """The large_batch="tiled" policy: the 69-row prefill of a tiny Q4_K_M GGUF (Q4_K and Q6_K
-    parts: u4 and i8 planes, a fused QKV split in two) through quant.cu's gemm_* on the
+    parts: u4 and u6 planes, a fused QKV split in two) through quant.cu's gemm_* on the
     host's tensor-core emulation, no workspace chunk and no GEMM of dequantized weights; the
     decode after it through the mat-vec; against the CPU backend."""
     model_dir = tiny_gguf(tmp_path_factory.mktemp("gguf-tiled"), "q4_k_m", monkeypatch)
@@ -410,8 +411,8 @@ def test_a_packed_prefill_through_the_tiled_gemm_matches_the_cpu_backend(tmp_pat
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
                       CacheConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK_SIZE))
     decode_against_cpu(cpu, host, PACKED_PROMPTS, tables, BLOCK_SIZE, 2, graph=True)
-    assert {"gemm_u4", "gemm_i8"} <= set(launched) and not any(n.startswith("dequant_") and n.endswith("f16")
-                                                               for n in launched)
+    assert {"gemm_u4_m128", "gemm_u6_m128"} <= set(launched)  # 69 rows: 128 a block
+    assert not any(n.startswith("dequant_") and n.endswith("f16") for n in launched)
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

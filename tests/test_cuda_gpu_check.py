@@ -212,8 +212,8 @@ def test_the_quantized_weights_plan_as_the_runner_keeps_them(fmt):
     # llama.cpp gives v (and down) Q6_K in layers 0, 3, 6, 7 of 8: QKV mixes Q4_K and Q6_K there
     assert split == ([True, False, False, True, False, False, True, True] if fmt == "Q4_K_M" else [False] * 8)
     # the compact planes (tests/test_cuda_quant_host.py BYTES_PER_WEIGHT): Q4_K 0.59375, Q6_K
-    # 1.078125 (int8 factors, float32 supers), Q8_0 1.0625 (fp16 scales), AWQ float32 planes
-    per_weight = {"Q4_K_M": (0.59375, 1.078125), "Q8_0": (1.0625, 1.0625), "AWQ": (0.5625, 0.5625),
+    # 0.828125 (u6, int8 factors, float32 supers), Q8_0 1.0625 (fp16 scales), AWQ float32 planes
+    per_weight = {"Q4_K_M": (0.59375, 0.828125), "Q8_0": (1.0625, 1.0625), "AWQ": (0.5625, 0.5625),
                   "BF16": (2.0, 2.0)}[fmt]
     from test_cuda_quant_host import FORMS, form
     parts = [p for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -284,9 +284,10 @@ def test_the_quant_linear_table_prints_each_way_and_the_fastest_per_batch(capsys
     out = capsys.readouterr().out
     assert "quantized linear alone" in out
     # 14336 x 4096 x 0.75 B = 44.0 MB in 90 us: 489 GB/s; 2 x 64 x 14336 x 4096 / 90 us: 83.5 TFLOP/s
-    assert "8B up    Q4_K      64 tiled         90.0     489     83.5 *" in out
-    assert "8B up    Q4_K      64 matvec       120.0     367     62.6\n" in out
-    assert "8B up    Q4_K     256 dequant      160.0     275    187.9 *" in out
+    # %copy: of the 4000 GB/s copy
+    assert "8B up    Q4_K      64 tiled         90.0     489   12.2     83.5 *" in out
+    assert "8B up    Q4_K      64 matvec       120.0     367    9.2     62.6\n" in out
+    assert "8B up    Q4_K     256 dequant      160.0     275    6.9    187.9 *" in out
     assert "fastest per batch (of the shapes and formats): 64: tiled 1/1; 256: dequant 1/2, tiled 1/2" in out
 
 
@@ -363,3 +364,32 @@ def test_the_stream_check_finds_an_array_made_outside_the_stream():
                      "    with stream:\n        y = cp.zeros(4)\n    helper()\n"
                      "def helper():\n    return rng.random(3)\n")
     assert _unordered_arrays(racy) == ["3: cp.ones", "8: rng.random"]
+
+
+def linear_rows(times: dict[int, dict[str, float]]) -> list[dict]:
+    """gpu_check's quant linear rows: each of 2 shapes x 2 formats timed as `times` says."""
+    return [dict(linear=lin, format=fmt, batch=b, impl=impl, us=us, GBps=33.0e3 / us, TFLOPs=1.0)
+            for lin in ("8B up", "8B down") for fmt in ("Q4_K", "AWQ")
+            for b, impls in times.items() for impl, us in impls.items()]
+
+
+def test_the_linear_table_prints_the_crossover_it_implies(capsys, tmp_path):
+    """The mat-vec holds up to the last batch where it is the fastest in most cases (and at
+    every batch before it); above, the kernel fastest most often; the table prints it with %copy,
+    and device_run echoes that section of gpu_check.txt into its output."""
+    from ringserve.tools.device_run import quant_tables
+    from ringserve.tools.gpu_check import crossover, print_tables
+    rows = linear_rows({1: dict(matvec=10, tiled=50), 16: dict(matvec=20, tiled=30, dequant=600),
+                        64: dict(matvec=90, tiled=40, dequant=500), 256: dict(tiled=60, dequant=400)})
+    assert crossover(rows) == (16, "tiled")
+    # a batch the mat-vec wins after one it lost does not move the crossover past the loss
+    assert crossover(linear_rows({1: dict(matvec=10, tiled=50), 16: dict(matvec=40, tiled=30, dequant=20),
+                                  64: dict(matvec=10, tiled=40, dequant=500)})) == (1, "dequant")
+    print_tables(dict(device="NVIDIA H200", date="2026-12-05", tests="skipped", copy_GBps=3300.0,
+                      attention=[], rows=[],
+                      quant_linear=rows, skipped=[], phases={}, errors={}))
+    out = capsys.readouterr().out
+    assert "8B up    Q4_K       1 matvec        10.0    3300  100.0      1.0 *" in out
+    assert "crossover these rows imply (gpu/cuda/quant_linear.py): MATVEC_MAX_ROWS = 16" in out
+    echoed = quant_tables(out)
+    assert echoed[0].startswith("quantized linear alone") and echoed[-1].startswith("crossover these rows")

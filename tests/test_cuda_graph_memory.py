@@ -146,16 +146,17 @@ def test_speculative_decodings_verify_graphs_are_held_and_replay(stand_in, tiny_
     assert buf is runner.graphs.graphs[4].buffers and logits.shape == (3, runner.config.vocab_size)
 
 
-def test_a_packed_models_quant_workspace_is_held_by_the_runner(stand_in, tmp_path, monkeypatch):
-    """A tiny Q4_K_M GGUF with graphs up to 72 rows: above 64 the linears dequantize into
-    quant_linear's workspace and GEMM it (the packed parts through quant.cu)."""
+def test_a_packed_models_graphs_hold_every_allocation_they_touch(stand_in, tmp_path, monkeypatch):
+    """A tiny Q4_K_M GGUF with graphs up to 72 rows: the packed parts through quant.cu's
+    crossover table (the mat-vec, above MATVEC_MAX_ROWS the tiled GEMM: no workspace, no cuBLAS
+    for them), every allocation a graph touches held by the runner."""
     from test_cuda_forward_host import tiny_gguf
 
     device, _ = stand_in
     runner = build(stand_in, tiny_gguf(tmp_path, "q4_k_m", monkeypatch),
                    limits=replace(LIMITS, max_num_seqs=72))
     names = {launch.name for graph in device.graphs for launch in graph.launches}
-    assert {"dequant_u4_f16", "matvec_u4_r16", "cublas gemm_ex"} <= names, names
+    assert {"gemm_u4", "gemm_u6", "matvec_u4_r1"} <= names and "dequant_u4_f16" not in names, names
     stray = stray_allocations(runner, device)
     assert not stray, "\n".join(stray)
     logits, _ = runner._launch(decode(70))

@@ -33,8 +33,9 @@ from test_quant_kernels import magnitude
 
 pytestmark = pytest.mark.sim
 GGUF_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16")]  # F16, F32: DenseStore's (cuBLAS)
-# matvec r1, r4 (3 of 4 rows), r16; 37: tiles of 16, 16 and 5 (r8); 70 > MATVEC_MAX_ROWS:
-# dequantized chunks + GEMM
+# linear_for's table (mat-vec up to 64 rows, then dequantize + GEMM: every kind's dequant_*_f16;
+# the tiled GEMM has its own tests below): matvec r1, r4 (3 of 4 rows), r16; 37: tiles of 16, 16
+# and 5 (r8); 70: dequantized chunks + GEMM
 ROWS = [1, 3, 16, 37, 70]
 N, K = 13, 2304         # 13: a last block with one warp's row only; K: lanes loop (u4 72, i8 144,
 #                         bf16 288 chunks)
@@ -52,8 +53,11 @@ def quant_kernels(cuda_host):
 
 
 def linear_for(quant_kernels, workspace_elements: int = 4 * K) -> QuantLinear:
-    """The launcher's plan over the host build; a small workspace: several chunks of rows."""
-    return QuantLinear(quant_kernels.call, numpy_gemm, np.full(workspace_elements, np.nan, np.float16))
+    """The launcher's plan over the host build, the mat-vec up to 64 rows and dequantize + GEMM
+    above (the default table's crossover: test_the_crossover_table_picks_one_kernel_per_batch);
+    a small workspace: several chunks of rows."""
+    return QuantLinear(quant_kernels.call, numpy_gemm, np.full(workspace_elements, np.nan, np.float16),
+                       large_batch="dequant", matvec_max_rows=64)
 
 
 def check(got: np.ndarray, x: np.ndarray, w: QuantWeight, reference: np.ndarray) -> None:
@@ -90,12 +94,16 @@ LEGACY = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 FORMS = {**{t: "int8+super" for t in K_QUANTS}, **{t: "float16" for t in LEGACY}, "BF16": None,
          "AWQ": "float32", "GPTQ": "float16"}
 # Bytes a weight on the device: quants (u4 0.5, i8 1, bf16 2) + scale planes (+ supers, 4 bytes a
-# row's 256 weights each)
+# row's 256 weights each); Q4_0 and GPTQ (zero points all 8) without their offset plane: -8 s is
+# the kernels' (gpu/loader/quant.py as_zero_point), the raw block's bytes; Q6_K as the u6 plane
+# (0.75 B/weight of quants: nibbles and 2-bit highs, gpu/loader/quant.py to_u6)
 BYTES_PER_WEIGHT = {"Q4_K": 0.5 + 2 / 32 + 8 / 256, "Q5_K": 1 + 2 / 32 + 8 / 256,
-                    "Q6_K": 1 + 1 / 16 + 4 / 256, "Q3_K": 1 + 1 / 16 + 4 / 256, "Q2_K": 1 + 2 / 16 + 8 / 256,
+                    "Q6_K": 0.75 + 1 / 16 + 4 / 256, "Q3_K": 1 + 1 / 16 + 4 / 256,
+                    "Q2_K": 1 + 2 / 16 + 8 / 256,
                     "Q8_0": 1 + 2 / 32,
-                    "Q4_0": 0.5 + 4 / 32, "Q4_1": 0.5 + 4 / 32, "Q5_0": 1 + 2 / 32, "Q5_1": 1 + 4 / 32,
-                    "BF16": 2.0, "AWQ": 0.5 + 8 / 128, "GPTQ": 0.5 + 4 / 128}
+                    "Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 4 / 32, "Q5_0": 1 + 2 / 32, "Q5_1": 1 + 4 / 32,
+                    "BF16": 2.0, "AWQ": 0.5 + 8 / 128, "GPTQ": 0.5 + 2 / 128}
+ZERO_POINT = {"Q4_0": 8, "GPTQ": 8}  # the types uploaded without an offset plane
 
 
 def uploaded(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight:
@@ -129,10 +137,10 @@ def bf16_gemm(x, w, out):
 @pytest.mark.parametrize("rows", [1, 16, 70])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q8_0", "Q6_K", "BF16"])
 def test_quant_linear_with_bf16_activations(quant_kernels, qtype, rows):
-    """bf16 x and out (uint16 bits, as a quantized model served with --dtype bfloat16): the
-    mat-vec's _bf16 instantiations up to 64 rows, above them dequant_*_bf16 chunks into a bf16
-    workspace and the bf16 GEMM. Bound: float32 sums, one bf16 rounding of out, and above 64
-    rows the weights' own rounding to bf16 (2^-9 relative)."""
+    """bf16 x and out (uint16 bits, as a quantized model served with --dtype bfloat16), through
+    the default crossover table: the mat-vec's _bf16 instantiations, above it gemm_*_bf16.
+    Bound: float32 sums, one bf16 rounding of out, and past the mat-vec the weights' own
+    rounding to bf16 (2^-9 relative)."""
     rng = np.random.default_rng(rows + 7)
     raw = random_raw(qtype, (N, K), rng)
     w = repack(raw, qtype, (N, K))
@@ -144,7 +152,8 @@ def test_quant_linear_with_bf16_activations(quant_kernels, qtype, rows):
     reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)
     want = widen(x).astype(np.float64) @ reference.astype(np.float64).T
     scale = np.abs(widen(x)).astype(np.float64) @ magnitude(w).T
-    bound = ((K + 2) * 2.0 ** -23 + (2.0 ** -9 if rows > 64 else 0)) * scale + spacing(want, "bfloat16")
+    rounded = linear.impl_for(rows) != "matvec"  # the tiled GEMM and dequant_*_bf16: bf16 weights
+    bound = ((K + 2) * 2.0 ** -23 + (2.0 ** -9 if rounded else 0)) * scale + spacing(want, "bfloat16")
     err = np.abs(widen(out).astype(np.float64) - want)
     assert np.all(err <= bound), f"{qtype}: {(~(err <= bound)).sum()} off, worst {np.nanmax(err / bound):.3g}"
     assert (buffer[rows:] == 0xFFFF).all(), "a row past M was written"
@@ -201,21 +210,24 @@ def test_the_store_uploads_each_type_in_its_compact_form(qtype):
         raw = random_raw(qtype, (n, k), rng)
         plain, weight = repack(raw, qtype, (n, k)), uploaded(qtype, raw, (n, k))
     assert weight.nbytes == BYTES_PER_WEIGHT[qtype] * n * k, (qtype, weight.nbytes / (n * k))
+    assert weight.zero == ZERO_POINT.get(qtype, 0) and (weight.offset is None) == (qtype in ZERO_POINT
+                                                                                   or plain.offset is None)
     if weight.scale_super is not None:
         assert weight.scale_super.shape == (n, k // 256) and weight.scale_super.dtype == np.float32
     np.testing.assert_array_equal(dequantize(weight).view(np.uint32), dequantize(plain).view(np.uint32))
 
 
 def test_a_plane_that_is_not_exactly_half_stays_float32(quant_kernels):
-    """Q4_0 folds its zero point into an offset -8 d: a block with d = 10000 makes -80000,
-    past fp16's 65504, so both of its planes stay float32 (one scale_bytes for both); a
-    hand-made scale of 0.1 (not a half) too. The kernels read them as float32: dequant_*_f32
-    bit for bit, the mat-vec within its bound."""
+    """A hand-made scale of 0.1 (not a half): the plane stays float32. And Q4_0 with a block
+    whose d is 10000: its folded offset -8 d = -80000 is past fp16's 65504, but the store
+    leaves that plane out (zero point 8: the kernels make -8 d in float32), so the scale is
+    an exact fp16 plane. The kernels read both: dequant_*_f32 bit for bit, the mat-vec within
+    its bound."""
     rng = np.random.default_rng(12)
     raw = random_raw("Q4_0", (N, K), rng)
     raw.reshape(N, K // 32, 18)[3, 5, 0:2] = np.array([10000], np.float16).view(np.uint8)
     big = QuantStore(np).packed([GGMLTensor("Q4_0", (N, K), raw)])
-    assert form(big) == "float32" and big.offset is not None
+    assert form(big) == "float16" and big.offset is None and big.zero == 8 and big.scale[3, 5] == 10000
     q = rng.integers(-128, 128, (N, K), dtype=np.int8)
     scale = np.full((N, K // 32), np.float16(0.25), np.float32)
     scale[7, 2] = 0.1
@@ -288,9 +300,34 @@ def test_bf16_weights_stay_their_bits_on_the_device():
                                   .view(np.float32).astype(np.float16))
 
 
+def test_the_crossover_table_picks_one_kernel_per_batch(quant_kernels):
+    """The default table (quant_linear.MATVEC_MAX_ROWS, LARGE_BATCH: a host default until the
+    device's linear table sets it): one launch a linear, the mat-vec up to MATVEC_MAX_ROWS rows
+    (its smallest variant), the tiled GEMM above; the table's entries are what QuantLinear takes."""
+    from ringserve.gpu.cuda.quant_linear import LARGE_BATCH, MATVEC_MAX_ROWS
+    rng = np.random.default_rng(2)
+    raw = random_raw("Q4_K", (N, 512), rng)
+    weight = uploaded("Q4_K", raw, (N, 512))
+    launched: list[str] = []
+    linear = QuantLinear(lambda name, *a: (launched.append(name), quant_kernels.call(name, *a))[1],
+                         numpy_gemm, None)
+    assert (LARGE_BATCH, linear.matvec_max_rows) == ("tiled", MATVEC_MAX_ROWS)
+    for rows, kernel in ((1, "matvec_u4_r1"), (MATVEC_MAX_ROWS, f"matvec_u4_r{MATVEC_MAX_ROWS}"),
+                         (MATVEC_MAX_ROWS + 1, "gemm_u4"), (256, "gemm_u4_m128")):
+        launched.clear()
+        x = rng.standard_normal((rows, 512)).astype(np.float16)
+        out = np.full((rows, N), np.nan, np.float16)
+        linear(x, weight, out)
+        assert launched == [kernel], (rows, launched)
+        assert linear.impl_for(rows) == kernel.split("_")[0].replace("gemm", "tiled")
+    assert QuantLinear(quant_kernels.call, numpy_gemm, None, "dequant", 2).impl_for(3) == "dequant"
+
+
 def test_launch_plan_picks_the_smallest_variant():
     assert [launch.matvec_variant(m) for m in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
-    assert launch.matvec_launch(13) == ((4,), (128,))
+    assert launch.matvec_launch(13, "u4", 1) == ((2,), (128,))
+    assert launch.matvec_launch(13, "u4", 2) == ((4,), (128,))
+    assert launch.matvec_launch(13, "u6", 1) == ((4,), (128,))
     assert launch.dequant_launch(10 ** 6, 128)[0] == (65535,)
 
 
@@ -314,8 +351,8 @@ def test_int4_checkpoint_weights_match_their_format(quant_kernels, method, rows)
 
 # gemm_<kind> (QuantLinear's "tiled" large batch): two K sizes per kind, one with a last K step
 # of 64 that is not whole where the kind allows it (i8: K % 16, bf16: K % 8; u4 is whole
-# 64-weight groups); N = 77: two 64-feature tiles, the second 13 wide; 130 rows: three tiles
-# of 64 rows, the last 2 tall.
+# 64-weight groups); N = 77: two 64-feature tiles, the second 13 wide; up to 64 rows gemm_* (64
+# rows a block), 70 and 130 rows gemm_*_m128 (128 a block: 130 is two, the last 2 tall).
 GEMM_TYPES = {"Q4_K": (256,), "Q4_0": (576,), "GPTQ": (256,), "Q8_0": (96, 512), "Q6_K": (256,),
               "BF16": (72, 320)}
 GEMM_ROWS = [1, 17, 64, 70, 130]
@@ -450,7 +487,7 @@ def test_the_large_batch_policy_picks_the_tiled_gemm_or_dequantize_and_cublas(qu
             out = got[policy] = np.full((rows, GEMM_N), np.nan, np.float16)
             linear(x, weight, out)
             if policy == "tiled":
-                assert launched == [f"gemm_{w.kind}"] and not cublas.calls
+                assert launched == [f"gemm_{w.kind}_m128"] and not cublas.calls  # 70 rows: 128 a block
             else:
                 assert set(launched) == {f"dequant_{w.kind}_f16"} and len(cublas.calls) == len(launched) == 20
         diff = np.abs(got["tiled"].astype(np.float64) - got["dequant"].astype(np.float64))
@@ -461,7 +498,8 @@ def test_the_large_batch_policy_picks_the_tiled_gemm_or_dequantize_and_cublas(qu
 
 def test_gemm_launch_geometry():
     assert launch.gemm_launch(1, 1) == ((1, 1), (128,))
-    assert launch.gemm_launch(130, 14336) == ((3, 224), (128,))
+    assert launch.gemm_launch(64, 14336) == ((1, 224), (128,))
+    assert launch.gemm_launch(130, 14336) == ((2, 224), (256,))  # gemm_*_m128: 128 rows a block
     with pytest.raises(ValueError, match="grid.y"):
         launch.gemm_launch(64, 64 * 65536)
 
@@ -528,3 +566,66 @@ def test_the_host_mma_is_the_ptx_m16n8k16(mma_warp, bf16):
     np.testing.assert_array_equal(D, A @ B + C)
     rc, _, error = mma_warp(31, a, b, c, bf16)
     assert rc == 1 and "not all 32 lanes" in error
+
+
+# The mat-vec's units (32 quant bytes: u4 64 weights, i8 32, bf16 16) at a row tail: i8 K % 32 == 16
+# and bf16 K % 16 == 8 end on half a unit (Q6_K: two 16-weight scale slots a unit); R = 16 stages
+# x in tiles of 1024 weights (3 of them, the last partial), R = 1 in one; 13 rows: the last warp
+# of R = 1 (2 rows a warp) has one.
+@pytest.mark.parametrize("qtype,K", [("Q8_0", 1056), ("Q6_K", 1280), ("BF16", 2312), ("Q4_K", 2304)])
+def test_matvec_unit_tails_read_nothing_past_the_planes(quant_kernels, qtype, K):
+    """Every plane and x end at an inaccessible page (a read past them faults), x's rows are
+    wider than K (NaN past it: read, it would show in out), out is a column slice of a NaN buffer."""
+    rng = np.random.default_rng(K)
+    raw = random_raw(qtype, (N, K), rng)
+    weight = uploaded(qtype, raw, (N, K))
+    weight = dataclasses.replace(
+        weight, q=guarded(weight.q), **{f: guarded(getattr(weight, f), getattr(weight, f).itemsize)
+                                        for f in ("scale", "offset", "scale_super", "offset_super")
+                                        if getattr(weight, f) is not None})
+    reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(N, K)
+    for rows in (1, 2, 16):
+        padded = np.full((rows, K + 8), np.nan, np.float16)
+        padded[:, :K] = rng.standard_normal((rows, K))
+        x = guarded(padded)[:, :K]
+        buffer = np.full((rows, N + 7), np.nan, np.float16)
+        out = buffer[:, 3:3 + N]
+        linear_for(quant_kernels).matvec(x, weight, out)
+        check(out, x, repack(raw, qtype, (N, K)), reference)
+        assert np.isnan(buffer[:, :3]).all() and np.isnan(buffer[:, 3 + N:]).all(), "written outside out"
+
+
+# quant.cu with one deliberate fault each: the mat-vec's high-nibble runs read the low group's
+# scale (MvU4::slot), and u6's high bits land one run off (dequant16_u6's shift)
+BREAKAGES = {"Q4_K": ("static __device__ __forceinline__ int slot(int run) { return run >> 1; }",
+                      "static __device__ __forceinline__ int slot(int run) { return 0; }"),
+             "Q6_K": ("(((hi.u[i] >> (2 * run)) & 3) << 4)", "(((hi.u[i] >> (2 * (run ^ 1))) & 3) << 4)")}
+
+
+def test_a_deliberately_broken_kernel_is_caught(tmp_path):
+    """The checks above are not vacuous: quant.cu built with each BREAKAGES fault gives results
+    the same check refuses (the mat-vec at batch 1 for Q4_K, the dequantized embedding rows for
+    Q6_K's u6 plane), where the unbroken build passes them (the tests above)."""
+    from cuda_host_kernels import HostBuild, find_gxx
+    gxx = find_gxx()
+    if gxx is None:
+        pytest.skip("g++ not found")
+    build = HostBuild(gxx, tmp_path)
+    source = (tmp_path / "quant.cu").read_text()
+    for good, bad in BREAKAGES.values():
+        assert source.count(good) == 1, good
+        source = source.replace(good, bad)
+    (tmp_path / "quant.cu").write_text(source)
+    broken = build.get("quant.cu")
+    rng = np.random.default_rng(9)
+    raw = random_raw("Q4_K", (N, 512), rng)
+    x = rng.standard_normal((1, 512)).astype(np.float16)
+    out = np.full((1, N), np.nan, np.float16)
+    linear_for(broken)(x, uploaded("Q4_K", raw, (N, 512)), out)
+    with pytest.raises(AssertionError, match="Q4_K/u4"):
+        check(out, x, repack(raw, "Q4_K", (N, 512)), gguf.quants.dequantize(
+            raw, gguf.GGMLQuantizationType.Q4_K).reshape(N, 512))
+    raw = random_raw("Q6_K", (N, 512), rng)
+    rows = np.full((N, 512), np.nan, np.float32)
+    linear_for(broken).dequantize(uploaded("Q6_K", raw, (N, 512)), None, 0, N, rows)
+    assert not np.array_equal(rows, dequantize(repack(raw, "Q6_K", (N, 512))))

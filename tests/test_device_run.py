@@ -32,6 +32,7 @@ def test_the_plan_fits_nine_minutes_and_eight_files(tmp_path):
     assert "--concurrency 1,8,64,256" in commands["serve sweep"]
     assert "bench_spec --device cuda --sweep-shape 1B" in commands["spec bench"]
     assert "--concurrency 1 " in commands["spec bench"]
+    assert "--dtypes bfloat16,float16,q4_k_m" in commands["serve sweep"]  # issue 29: a packed model too
     assert all(t in commands["gpu tests"] for t in device_run.GPU_TESTS)
 
 
@@ -57,6 +58,7 @@ def test_the_driver_runs_the_serve_sweep_on_the_cpu(tmp_path):
     wheels.mkdir()
     proc = subprocess.run([sys.executable, str(DRIVER), "--out", str(out), "--phases", "serve sweep",
                            "--device", "cpu", "--shape", "tiny", "--concurrency", "2", "--lens", "16,8",
+                           "--dtypes", "bfloat16,float16",
                            "--wheels", str(wheels), "--models", str(tmp_path / "models"),
                            "--budget-s", "120"],
                           capture_output=True, text=True, timeout=180)
@@ -86,3 +88,18 @@ def test_the_gpu_phase_runs_every_gpu_test_file():
     """A new tests/test_gpu_*.py is run on the device too, not only collected here."""
     files = {p.name for p in (ROOT / "tests").glob("test_gpu_*.py")}
     assert files == {Path(t).name for t in device_run.GPU_TESTS}
+
+
+def test_the_sweeps_q4_k_m_model_is_a_random_gguf_written_once(tmp_path):
+    """serve_sweep's q4_k_m entry: a random GGUF of the shape (tools/random_gguf.py), written
+    under a temporary name and renamed, reused after; device_run writes it in a writer of its own."""
+    import gguf
+
+    from ringserve.tools import serve_sweep
+    assert device_run.GGUF_DTYPES == serve_sweep.GGUF_LAYOUTS
+    path = serve_sweep.model_dir("tiny", "q4_k_m", tmp_path)
+    assert path.name == "llama-tiny-q4_k_m.gguf" and [p.name for p in tmp_path.iterdir()] == [path.name]
+    reader = gguf.GGUFReader(path)
+    assert len(reader.tensors) == 2 + 9 * 2  # embedding, output norm; 9 tensors a layer
+    mtime = path.stat().st_mtime_ns
+    assert serve_sweep.model_dir("tiny", "q4_k_m", tmp_path) == path and path.stat().st_mtime_ns == mtime

@@ -129,3 +129,38 @@ def test_the_cli_shows_a_verify_step(capsys):
     kv_row = 2 * c.num_key_value_heads * c.head_dim * 2
     assert verify.total().kv_read == 4 * (decode.total().kv_read + c.num_hidden_layers * kv_row)
     assert [r.launch.grid for r in verify.rows if r.op == "gather_rows"] == [(4,)]
+
+
+def test_the_q4_k_m_census_lists_quant_launches_and_their_packed_bytes(capsys):
+    """--format q4_k_m: the 8B's linears as quant.cu's launches of the crossover table (batch 1:
+    the mat-vec, Q4_K u4 and Q6_K u6 parts of a split QKV each their own; batch 16: the tiled
+    GEMM), each listing the bytes its planes hold: QuantStore's upload of real GGUF blocks of
+    each type (0.594 and 0.828 bytes a weight), not fp16's 2."""
+    from ringserve.gpu.cuda.quant_linear import QuantStore
+    from ringserve.gpu.loader.quant import random_raw
+    from ringserve.gpu.loader.weights import GGMLTensor
+    from ringserve.tools.gpu_check import quant_type
+    assert step_census.main(["--shape", "8B", "--batch", "1", "--format", "q4_k_m"]) == 0
+    assert "matvec_u6_r1" in capsys.readouterr().out
+    c = step_census.config_for("8B")
+    rng = np.random.default_rng(0)
+    per_weight = {t: QuantStore(np).packed([GGMLTensor(t, (16, 512), random_raw(t, (16, 512), rng))]).nbytes
+                  / (16 * 512) for t in ("Q4_K", "Q6_K")}
+    assert per_weight == {"Q4_K": 0.59375, "Q6_K": 0.828125}
+    packed = step_census.packed_format("Q4_K_M", c)
+    census = census_for(c, batch=1, context=512, dtype="float16", max_model_len=2048, num_sms=132,
+                        packed=packed)
+    want = 0
+    for name, shape in expected_shapes(c).items():
+        parts = name.split(".")
+        if len(parts) > 4 and parts[3] in ("self_attn", "mlp"):
+            qtype = quant_type("Q4_K_M", ".".join(parts[3:5]), int(parts[2]), c.num_hidden_layers)
+            want += per_weight[qtype] * shape[0] * shape[1]
+    linears = [r for r in census.rows if r.op == "linear" and r.layer is not None]
+    assert sum(r.traffic.weights for r in linears) == want
+    assert {r.launch.kernel for r in linears} == {"matvec_u4_r1", "matvec_u6_r1"}
+    assert census.per_layer == 9  # layer 0's QKV: Q4_K q/k and Q6_K v, two launches
+    wide = census_for(c, batch=16, context=512, dtype="float16", max_model_len=2048, num_sms=132,
+                      packed=packed)
+    assert {r.launch.kernel for r in wide.rows if r.op == "linear"} == {"gemm_u4", "gemm_u6"}
+    assert [r.launch.kernel for r in census.rows if r.op == "embedding"] == ["dequant_u4_f32"]  # Q4_K table

@@ -13,7 +13,9 @@ network, from the checkout's root, in at most --budget-s (530 s) and with at mos
 1. preflight (tools/gpu_preflight.py)                          -> preflight.txt
 2. the `gpu` tests (tests/test_gpu_serve.py, test_gpu_cuda.py, test_gpu_graph_memory.py) -> gpu_tests.txt
 3. gpu_check, fp16 / bf16 and quantized tables (--table all)   -> gpu_check.json, .txt, .log
-4. the serve sweep (tools/serve_sweep.py: c = 1, 8, 64, 256, ring and HTTP, both models)
+   (its quantized linear and decode tables echoed into device_run.txt and the output tail)
+4. the serve sweep (tools/serve_sweep.py: c = 1, 8, 64, 256, ring and HTTP; bfloat16, float16 and
+   Q4_K_M models of the shape)
                                                                -> serve_sweep.json, .txt
 5. speculative decoding (tools/bench_spec.py: n-gram, tok/s with and without at c = 1, the
    bfloat16 model)                                             -> device_run.txt
@@ -82,7 +84,7 @@ PHASES = (
         "--table", "all", "--budget-s", str(int(s - 10)))),
     Phase("serve sweep", 90, 40, "device_run.txt", lambda a, s: _py(
         "-m", "ringserve.tools.serve_sweep", "--out", str(a.out), "--device", a.device, "--shape", a.shape,
-        "--dtypes", "bfloat16,float16", "--concurrency", a.concurrency, "--budget-s", str(int(s - 10)),
+        "--dtypes", a.dtypes, "--concurrency", a.concurrency, "--budget-s", str(int(s - 10)),
         "--input-len", str(a.lens[0]), "--output-len", str(a.lens[1]),
         "--serve-flags", "--workers", "2")),
     # two engines of the sweep's model (one process: Numba compiles once), c = 1 only
@@ -178,6 +180,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="the serve sweep's --device")
     ap.add_argument("--shape", default="1B", help="the serve sweep's model shape (tools/serve_sweep.py)")
     ap.add_argument("--concurrency", default="1,8,64,256")
+    ap.add_argument("--dtypes", default="bfloat16,float16,q4_k_m",
+                    help="the serve sweep's models (q4_k_m: a random GGUF, packed on the device)")
     ap.add_argument("--lens", type=lambda s: [int(n) for n in s.split(",")], default=[128, 128],
                     help="the serve sweep's prompt and output tokens")
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
@@ -189,12 +193,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def write_models(args: argparse.Namespace, env: dict) -> subprocess.Popen:
-    """The serve sweep's (and the gpu tests') models, written in the background."""
+GGUF_DTYPES = ("q4_k_m",)  # serve_sweep.GGUF_LAYOUTS (this file imports nothing of ringserve)
+
+
+def write_models(args: argparse.Namespace, env: dict) -> dict[str, subprocess.Popen]:
+    """The serve sweep's (and the gpu tests') models, written in the background: "plain" (the
+    checkpoints the gpu tests use too) and "gguf" (a random GGUF: a 1B Q4_K_M takes about a
+    minute; only the serve sweep waits for it), one process each."""
+    dtypes = args.dtypes.split(",")
+    groups = {"plain": [d for d in dtypes if d not in GGUF_DTYPES],
+              "gguf": [d for d in dtypes if d in GGUF_DTYPES]}
+    writers = {}
     with open(args.out / "device_run.txt", "ab") as f:
-        return subprocess.Popen(_py("-m", "ringserve.tools.serve_sweep", "--out", str(args.out),
-                                    "--shape", args.shape, "--dtypes", "bfloat16,float16", "--write-models"),
-                                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        for name, group in groups.items():
+            if group:
+                writers[name] = subprocess.Popen(
+                    _py("-m", "ringserve.tools.serve_sweep", "--out", str(args.out), "--shape", args.shape,
+                        "--dtypes", ",".join(group), "--write-models"),
+                    stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    return writers
 
 
 def run_phases(args: argparse.Namespace, chosen: list[Phase], deadline: float, log: Log) -> dict[str, str]:
@@ -209,11 +226,13 @@ def run_phases(args: argparse.Namespace, chosen: list[Phase], deadline: float, l
 
 def _run_phases(args: argparse.Namespace, chosen: list[Phase], deadline: float, log: Log,
                 env: dict) -> dict[str, str]:
-    writer = write_models(args, env) if set(MODEL_PHASES) & set(args.phases) else None
+    writers = write_models(args, env) if set(MODEL_PHASES) & set(args.phases) else {}
+    # the phase -> the models it waits for (the spec bench runs the sweep's bfloat16 checkpoint)
+    waits = {"gpu tests": ("plain",), "serve sweep": ("plain", "gguf"), "spec bench": ("plain",)}
     status: dict[str, str] = {}
     try:
         for i, phase in enumerate(chosen):
-            if phase.name in MODEL_PHASES and writer is not None:
+            for writer in (writers[w] for w in waits.get(phase.name, ()) if w in writers):
                 with contextlib.suppress(subprocess.TimeoutExpired):  # a hang shows in the phase
                     writer.wait(timeout=max(1.0, seconds_for(chosen, i, deadline - time.monotonic()) / 2))
             seconds = seconds_for(chosen, i, deadline - time.monotonic())
@@ -227,10 +246,31 @@ def _run_phases(args: argparse.Namespace, chosen: list[Phase], deadline: float, 
             status[phase.name] = run_phase(cmd, args.out / phase.log, seconds, env)
             log(f"{phase.name}: {status[phase.name]} in {time.monotonic() - t:.0f} s")
     finally:
-        if writer is not None and writer.poll() is None:
-            os.killpg(writer.pid, signal.SIGKILL)
-            writer.wait()
+        for writer in writers.values():
+            if writer.poll() is None:
+                os.killpg(writer.pid, signal.SIGKILL)
+                writer.wait()
     return status
+
+
+# gpu_check.txt's sections that fill docs/deploy.md's device tables (the quantized linear and
+# decode tables): echoed at the end, so that the run's output tail holds them.
+QUANT_SECTIONS = ("quantized linear alone", "quantized weights, decode")
+SECTION_ENDS = ("skipped: ", "failed: ", "phases (s): ")  # gpu_check print_tables' last lines
+
+
+def quant_tables(text: str) -> list[str]:
+    """The lines of QUANT_SECTIONS in gpu_check.txt's text (a section ends at a blank line or
+    at print_tables' closing lines)."""
+    lines, inside = [], False
+    for line in text.splitlines():
+        if line.startswith(QUANT_SECTIONS):
+            inside = True
+        elif not line.strip() or line.startswith(SECTION_ENDS):
+            inside = False
+        if inside:
+            lines.append(line)
+    return lines
 
 
 def main(argv=None) -> int:
@@ -248,6 +288,9 @@ def main(argv=None) -> int:
     log = Log(args.out / "device_run.txt")
     log(f"device_run: budget {args.budget_s:.0f} s, phases {', '.join(args.phases)}, out {args.out}")
     status = run_phases(args, chosen, deadline, log)
+    table = args.out / "gpu_check.txt"
+    for line in quant_tables(table.read_text()) if table.is_file() else []:
+        log(line)
     log("device_run: " + "; ".join(f"{k} {v}" for k, v in status.items()))
     if extra := sorted(p.name for p in args.out.iterdir() if p.name not in RESULT_FILES):
         log(f"device_run: files in --out beyond the {len(RESULT_FILES)} expected: {extra}")

@@ -23,9 +23,10 @@
    eager (one runner each: eager is its graphs set aside), tokens/s, % of the weight-streaming
    bound for the bytes a step actually reads, and the ratio to the fp16 rows (ours, graphs).
    `--table quant` runs the fp16 rows it compares with and skips attention and transformers.
-   First in it, the quantized linear alone (8B MLP up and down, Q4_K and Q8_0, batch
-   16/64/128/256): mat-vec tiles, the tiled GEMM and dequantize + cuBLAS, us, GB/s of the
-   quant bytes, TFLOP/s and the fastest per batch: what QuantLinear's LARGE_BATCH should be.
+   First in it, the quantized linear alone (8B MLP up and down, Q4_K, Q6_K, Q8_0 and AWQ, batch
+   1/16/64/256): the mat-vec, the tiled GEMM and dequantize + cuBLAS, us, GB/s of the quant
+   bytes, % of the d2d copy, TFLOP/s, the fastest per batch and the crossover table they imply
+   (QuantLinear's MATVEC_MAX_ROWS and LARGE_BATCH).
 The whole run fits --budget-s (6 minutes) by construction: every phase is timed and has its
 own time limit (SIGALRM, never past the budget's deadline), a phase starts only if its
 estimate fits in what is left (else it is skipped with a message, and the JSON says so), and
@@ -127,10 +128,11 @@ FOUR_BIT = ("Q4_K_M", "AWQ")
 # point and the 1B says it (the 8B's 16 GB runner would not fit the 6 minutes).
 FORMAT_MODELS = {"BF16": ("1B",)}
 # (kind, weights per scale, has an offset, quant range, scale form) of each type's planes as
-# the CUDA store uploads them (gpu/loader/quant.py; QuantStore): "super", int8 factors of float32
-# super planes (K-quants); "f16", exact halves (legacy types); "f32" (AWQ: its offsets are no
-# halves); and the scale that gives weights of about 0.02 from random quants of that range
-_PLANES = {"Q4_K": ("u4", 32, True, 16, "super"), "Q6_K": ("i8", 16, False, 64, "super"),
+# the CUDA store uploads them (gpu/loader/quant.py; QuantStore; Q6_K's quants the u6 plane):
+# "super", int8 factors of float32 super planes (K-quants); "f16", exact halves (legacy types);
+# "f32" (AWQ: its offsets are no halves); and the scale that gives weights of about 0.02 from
+# random quants of that range
+_PLANES = {"Q4_K": ("u4", 32, True, 16, "super"), "Q6_K": ("u6", 16, False, 64, "super"),
            "Q8_0": ("i8", 32, False, 256, "f16"), "AWQ": ("u4", 128, True, 16, "f32")}
 
 
@@ -142,7 +144,7 @@ def random_planes(xp, rng, qtype: str, rows: int, cols: int):
         bits = (rng.standard_normal((rows, cols), dtype=xp.float32) * 0.02).view(xp.uint32) >> 16
         return QuantWeight(qtype, (rows, cols), "bf16", bits.astype(xp.uint16))
     kind, block, has_offset, levels, form = _PLANES[qtype]
-    width = cols // 2 if kind == "u4" else cols
+    width = {"u4": cols // 2, "u6": cols // 4 * 3}.get(kind, cols)  # u6: nibbles, then 2-bit highs
     q = rng.integers(0, 256, size=(rows, width), dtype=xp.int32).astype(xp.uint8)
     if kind == "i8":
         q = q.view(xp.int8)
@@ -155,7 +157,9 @@ def random_planes(xp, rng, qtype: str, rows: int, cols: int):
         minus = (-(levels // 2) * d).astype(xp.float32)  # offset = factor * -(levels / 2) d: centred
         return QuantWeight(qtype, (rows, cols), kind, q, factors, factors.copy(), block, d, minus)
     scale = (rng.random((rows, cols // block), dtype=xp.float32) * s + s / 2).astype(xp.float32)
-    offset = (-(levels // 2) * scale).astype(xp.float32) if has_offset else None
+    # AWQ's zero points vary (0..15), so its offsets -z s stay a plane (all 8 would be GPTQ's form)
+    zeros = rng.integers(0, levels, size=scale.shape, dtype=xp.int32).astype(xp.float32)
+    offset = (-zeros * scale).astype(xp.float32) if has_offset else None
     if form == "f16":
         scale, offset = scale.astype(xp.float16), None if offset is None else offset.astype(xp.float16)
     return QuantWeight(qtype, (rows, cols), kind, q, scale, offset, block)
@@ -545,19 +549,22 @@ def bench_quant(name, shape, rows, deadline) -> None:
             free_device_memory()
 
 
-# The quantized linear alone (the large-batch choice, gpu/cuda/quant_linear.py LARGE_BATCH):
-# the 8B's MLP up (gate and up are each this shape) and down, out_features x in_features.
+# The quantized linear alone (the crossover table, gpu/cuda/quant_linear.py MATVEC_MAX_ROWS and
+# LARGE_BATCH): the 8B's MLP up (gate and up are each this shape) and down, out_features x
+# in_features, in the types a Q4_K_M (Q4_K, its Q6_K down parts), a Q8_0 and an AWQ model hold.
 LINEAR_SHAPES = {"8B up": (14336, 4096), "8B down": (4096, 14336)}
-LINEAR_FORMATS = ("Q4_K", "Q8_0")
-LINEAR_BATCHES = (16, 64, 128, 256)
+LINEAR_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "AWQ")
+LINEAR_BATCHES = (1, 16, 64, 256)
+MATVEC_TIMED_ROWS = 64  # the mat-vec is timed up to here (tiles of 16 above 16 rows)
 
 
 def bench_quant_linear(rows, deadline) -> None:
-    """QuantLinear alone on cupy arrays, each way it can run a batch: the mat-vec tiles (up to
-    MATVEC_MAX_ROWS rows), the tiled GEMM (gemm_*: dequantized into shared memory, tensor
-    cores) and dequantize + cuBLAS (the workspace chunks); each timed as 20 calls captured in
-    a graph (gpu_time), as a decode step's graph replays them. GB/s: the weight's quant bytes
-    (planes as stored) over the time; TFLOP/s: 2 M N K over the time.
+    """QuantLinear alone on cupy arrays, each way it can run a batch: the mat-vec (up to
+    MATVEC_TIMED_ROWS rows), the tiled GEMM (gemm_*: dequantized into shared memory, tensor
+    cores) and dequantize + cuBLAS (the workspace chunks; from 16 rows); each timed as 20 calls
+    captured in a graph (gpu_time), as a decode step's graph replays them. GB/s: the weight's
+    quant bytes (planes as stored) over the time (%copy: of the d2d copy's); TFLOP/s: 2 M N K
+    over the time. print_quant_linear_table prints the crossover table these rows imply.
     NOTE: the calls cycle through copies of the weight that together hold at least twice the
     L2 cache (a Q4_K 14336 x 4096 weight is 44 MB, an H100/H200's L2 50 MB): in a model each
     layer's weight comes from HBM, and so it must here, or GB/s would exceed the HBM's."""
@@ -590,7 +597,6 @@ def _quant_linear_case(rows, linear, rng, name, fmt, N, K, l2_bytes, stream, dea
     False at the deadline. Its weights go when it returns."""
     import cupy as cp
 
-    from ringserve.gpu.cuda.quant_linear import MATVEC_MAX_ROWS
     first = random_planes(cp, rng, fmt, N, K)
     weights = [first] + [random_planes(cp, rng, fmt, N, K)
                          for _ in range(-(-2 * l2_bytes // first.nbytes) - 1)]
@@ -600,8 +606,10 @@ def _quant_linear_case(rows, linear, rng, name, fmt, N, K, l2_bytes, stream, dea
             return False
         x = (rng.standard_normal((B, K), dtype=cp.float32)).astype(cp.float16)
         out = cp.empty((B, N), cp.float16)
-        impls = {"matvec": linear.matvec} if B <= MATVEC_MAX_ROWS else {}
-        impls.update(tiled=linear.tiled, dequant=linear.dequant_gemm)
+        impls = {"matvec": linear.matvec} if B <= MATVEC_TIMED_ROWS else {}
+        impls["tiled"] = linear.tiled
+        if B > 1:  # NOTE: a whole weight dequantized for one row: never a contender
+            impls["dequant"] = linear.dequant_gemm
         for impl, fn in impls.items():
             cycle = itertools.cycle(weights)
 
@@ -660,11 +668,11 @@ def bench_transformers(name, shape, rows, deadline) -> None:
 # Seconds each phase is expected to take at most on an A100/H100-class GPU (weights made on
 # the device, 36 graphs captured per runner); a phase starts only when its estimate fits, and
 # is stopped at LIMIT_FACTOR times it (or at the deadline, whichever comes first).
-# "quant linear" took its 20 s from "quant 8B" (100 before), the last phase of --table quant:
+# "quant linear" took its 30 s from "quant 8B" (100 before), the last phase of --table quant:
 # its loops stop at the deadline, so a short estimate costs at most its last rows.
 ESTIMATES = {"copy": 5, "attention": 30, "ours 1B": 60, "transformers 1B": 45, "ours 8B": 100,
-             "transformers 8B": 70, "quant linear": 20, "quant 1B": 65,  # quant 1B: BF16 too
-             "quant 8B": 80, "bf16 1B": 35, "bf16 8B": 60}  # bf16: graphs only
+             "transformers 8B": 70, "quant linear": 30, "quant 1B": 65,  # quant 1B: BF16 too
+             "quant 8B": 70, "bf16 1B": 35, "bf16 8B": 60}  # bf16: graphs only
 # The phases of each --table: "quant" keeps the fp16 rows it is compared with (ours) and drops
 # attention, transformers and bf16, so that it fits 6 minutes with --skip-tests; "fp16" (the
 # decode table) has the bf16 rows beside fp16's.
@@ -752,17 +760,37 @@ def linear_winners(rows: list[dict]) -> dict[tuple, str]:
     return {k: r["impl"] for k, r in best.items()}
 
 
+def crossover(rows: list[dict]) -> tuple[int, str]:
+    """The crossover table the linear rows imply, quant_linear's (MATVEC_MAX_ROWS, LARGE_BATCH):
+    the largest batch up to which the mat-vec is the fastest in most shapes and formats at
+    every batch timed, and the kernel fastest most often above it."""
+    winners = linear_winners(rows)
+    max_rows, matvec_holds, above = 0, True, {"tiled": 0, "dequant": 0}
+    for b in sorted({batch for _, _, batch in winners}):
+        won = [impl for (_, _, batch), impl in winners.items() if batch == b]
+        matvec_holds = matvec_holds and won.count("matvec") * 2 > len(won)
+        if matvec_holds:
+            max_rows = b
+        for impl in won if not matvec_holds else ():
+            above[impl] = above.get(impl, 0) + 1
+    return max_rows, max(above, key=lambda k: above[k])
+
+
 def print_quant_linear_table(result) -> None:
     rows = result.get("quant_linear") or []
     if not rows:
         return
     winners = linear_winners(rows)
-    print("\nquantized linear alone (graphs of 20 calls; GB/s: the quant bytes; * fastest of its batch)")
-    print(f"{'linear':8} {'format':6} {'batch':>5} {'impl':8} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8}")
+    copy = result.get("copy_GBps")
+    print("\nquantized linear alone (graphs of 20 calls; GB/s: the quant bytes, %copy: of the d2d "
+          "copy's; * fastest of its batch)")
+    print(f"{'linear':8} {'format':6} {'batch':>5} {'impl':8} {'us':>9} {'GB/s':>7} {'%copy':>6} "
+          f"{'TFLOP/s':>8}")
     for r in rows:
         mark = " *" if winners[(r["linear"], r["format"], r["batch"])] == r["impl"] else ""
+        pct = r["GBps"] / copy * 100 if copy else float("nan")
         print(f"{r['linear']:8} {r['format']:6} {r['batch']:>5} {r['impl']:8} {r['us']:>9.1f} "
-              f"{r['GBps']:>7.0f} {r['TFLOPs']:>8.1f}{mark}")
+              f"{r['GBps']:>7.0f} {pct:>6.1f} {r['TFLOPs']:>8.1f}{mark}")
     per_batch: dict[int, dict[str, int]] = {}
     for (_, _, batch), impl in winners.items():
         counts = per_batch.setdefault(batch, {})
@@ -771,6 +799,9 @@ def print_quant_linear_table(result) -> None:
         f"{batch}: " + ", ".join(f"{impl} {n}/{sum(c.values())}"
                                  for impl, n in sorted(c.items(), key=lambda kv: -kv[1]))
         for batch, c in per_batch.items()))
+    max_rows, large = crossover(rows)
+    print(f"crossover these rows imply (gpu/cuda/quant_linear.py): MATVEC_MAX_ROWS = {max_rows} "
+          f"(of the batches timed), LARGE_BATCH = {large!r}")
 
 
 def print_quant_table(result) -> None:

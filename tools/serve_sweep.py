@@ -45,10 +45,35 @@ def default_models_dir() -> Path:
     return Path(os.environ.get("RINGSERVE_SWEEP_MODELS", Path(tempfile.gettempdir()) / "ringserve-sweep"))
 
 
+# --dtypes entries that are GGUF layouts (tools/random_gguf.py), not checkpoint dtypes: the
+# model is a random GGUF of the shape, kept packed on the device (quant.cu)
+GGUF_LAYOUTS = ("q4_k_m",)
+
+
+def gguf_model(shape: str, layout: str, root: Path | None = None) -> Path:
+    """The random GGUF of `shape` in `layout` (a 1B Q4_K_M: about a minute), written as
+    model_dir's models are (a temporary name, then renamed)."""
+    from ringserve.tools.random_gguf import Shape, write_random_gguf
+    root = root or default_models_dir()
+    path = root / f"llama-{shape}-{layout}.gguf"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        s = SHAPES[shape]
+        tmp = root / f".{path.name}-{os.getpid()}"
+        write_random_gguf(tmp, Shape(hidden=s["hidden"], layers=s["num_layers"], heads=s["heads"],
+                                     kv_heads=s["kv_heads"], ffn=s["ffn"], vocab=s["vocab"],
+                                     context=s.get("max_position_embeddings", 8192)), layout, progress=False)
+        tmp.rename(path)
+    return path
+
+
 def model_dir(shape: str, dtype: str, root: Path | None = None) -> Path:
     """The folder of the random model of `shape` in `dtype` (float32, float16 or bfloat16),
-    written on first use (into a temporary name, then renamed: a reader never sees half)."""
+    written on first use (into a temporary name, then renamed: a reader never sees half); a
+    GGUF_LAYOUTS entry: gguf_model's file."""
     from ringserve.tools.tiny_llama import make_tiny_llama
+    if dtype in GGUF_LAYOUTS:
+        return gguf_model(shape, dtype, root)
     root = root or default_models_dir()
     path = root / f"llama-{shape}-{dtype}"
     if not (path / "config.json").exists():
@@ -310,7 +335,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1B")
     ap.add_argument("--dtypes", type=lambda s: s.split(","), default=["bfloat16", "float16"],
-                    help="the checkpoints' dtypes, one server each (float32, float16, bfloat16)")
+                    help="the checkpoints' dtypes, one server each (float32, float16, bfloat16; "
+                         "q4_k_m: a random GGUF of the shape, kept packed)")
     ap.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 64, 256])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)

@@ -4,6 +4,7 @@ model sequence), the bytes each reads and writes, and the step's floor at a copy
 
     python -m ringserve.tools.step_census --shape 8B --batch 1 [--context 512] [--dtype fp16|bf16]
     python -m ringserve.tools.step_census --shape 8B --batch 1 --speculative-tokens 3   # a verify step
+    python -m ringserve.tools.step_census --shape 8B --batch 1 --format q4_k_m          # packed weights
 
 Shapes: gpu_check's 1B and 8B (Llama-3.2-1B, Llama-3-8B) and tools/random_gguf.py's (read as
 Llama-shaped: their dims, head size and rotary size), or --model-dir for a real config.json
@@ -11,7 +12,10 @@ Llama-shaped: their dims, head size and rotary size), or --model-dir for a real 
 graph's (planned for --max-model-len on --num-sms SMs, as CudaModelRunner.capture_graphs).
 --speculative-tokens K: speculative decoding's verify step as its graph replays it (1 + K tokens
 and rows of logits per request: gpu/cuda/plan.py GraphTable.shape).
-Dense fp16 / bf16 weights only: a packed format's launches (quant.cu) are not listed yet.
+--format keeps the linears packed as the CUDA store uploads them (gpu/cuda/quant_linear.py
+QuantStore; each linear's type as tools/gpu_check.py quant_type gives it: Q4_K_M's Q4_K and Q6_K
+mix): each launch is quant.cu's kernel of the crossover table and its weights column the packed
+bytes it reads (the planes' bytes a weight measured on a QuantStore-form weight of each type).
 """
 from __future__ import annotations
 
@@ -19,11 +23,45 @@ import argparse
 import sys
 
 from ringserve.gpu.cuda import launch
-from ringserve.gpu.cuda.census import Census, Row, census_for
+from ringserve.gpu.cuda.census import Census, Packed, Row, census_for
 from ringserve.gpu.loader.config import ModelConfig
 
 COPY_GBPS = 4268.0  # an H200's measured device-to-device copy (issue 28)
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "float16": "float16", "bfloat16": "bfloat16"}
+FORMATS = {"q4_k_m": "Q4_K_M", "q8_0": "Q8_0", "awq": "AWQ"}  # --format -> gpu_check's format
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")
+
+
+def packed_format(fmt: str, c: ModelConfig) -> Packed:
+    """census_for's `packed` for gpu_check's format: each HF linear (and a GGUF format's embedding
+    and lm_head) as (type, plane kind, bytes), the bytes a weight of a 16 x 256 weight of that
+    type in QuantStore's form (gpu_check.random_planes, which makes that form) times its size."""
+    import numpy as np
+
+    from ringserve.tools.gpu_check import quant_type, random_planes
+    per_type: dict[str, tuple[str, float]] = {}
+
+    def form(qtype: str) -> tuple[str, float]:
+        if qtype not in per_type:
+            w = random_planes(np, np.random.default_rng(0), qtype, 16, 256)
+            per_type[qtype] = (w.kind, w.nbytes / (16 * 256))
+        return per_type[qtype]
+
+    def packed(name: str, shape: tuple) -> tuple[str, str, int] | None:
+        parts = name.split(".")
+        if name in ("lm_head.weight", "model.embed_tokens.weight"):
+            if fmt == "AWQ":  # NOTE: AWQ checkpoints keep both fp16
+                return None
+            short, layer = ("lm_head" if name.startswith("lm_head") else "embed"), 0
+        elif len(parts) > 4 and ".".join(parts[3:5]) in _LINEARS:
+            short, layer = ".".join(parts[3:5]), int(parts[2])
+        else:
+            return None
+        qtype = quant_type(fmt, short, layer, c.num_hidden_layers)
+        kind, per_weight = form(qtype)
+        return qtype, kind, round(per_weight * shape[0] * shape[1])
+    return packed
 
 
 def shape_names() -> list[str]:
@@ -101,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=512, help="keys each request attends to (default 512)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    p.add_argument("--format", choices=sorted(FORMATS), default=None,
+                   help="linears kept packed in this format (quant.cu); default: dense fp16/bf16")
     p.add_argument("--max-model-len", type=int, default=2048, help="the graphs' (gpu_check's: 2048)")
     p.add_argument("--num-sms", type=int, default=132, help="the device's SMs (an H200: 132)")
     p.add_argument("--attention-backend", choices=launch.ATTENTION_BACKENDS, default="auto")
@@ -116,8 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     config = ModelConfig.from_dir(a.model_dir) if a.model_dir else config_for(a.shape)
     census = census_for(config, batch=a.batch, context=a.context, dtype=DTYPES[a.dtype],
                         max_model_len=a.max_model_len, num_sms=a.num_sms,
-                        attention_backend=a.attention_backend, speculative_tokens=a.speculative_tokens)
-    print(report(a.model_dir or a.shape, census, a.bandwidth, a.every_layer))
+                        attention_backend=a.attention_backend, speculative_tokens=a.speculative_tokens,
+                        packed=packed_format(FORMATS[a.format], config) if a.format else None)
+    name = (a.model_dir or a.shape) + (f" {a.format}" if a.format else "")
+    print(report(name, census, a.bandwidth, a.every_layer))
     return 0
 
 

@@ -14,7 +14,7 @@ census is the floor a step's time is measured against (tools/step_census.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -69,17 +69,55 @@ class ShapedModule:
         return ShapedModule.empty(shape, dtype)
 
 
+@dataclass(frozen=True)
+class PackedShape(Shaped):
+    """A weight kept packed (QuantStore's planes): its GGUF/checkpoint type, plane kind and the
+    bytes its planes hold (what a step reads of it)."""
+    qtype: str = ""
+    kind: str = ""
+    packed_nbytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed_nbytes
+
+
+@dataclass(frozen=True)
+class SplitShape:
+    """A fused weight whose parts differ in type (QuantStore's SplitWeight): each part its launch."""
+    parts: tuple
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
 class ShapedStore:
-    """model.WeightStore over Shaped: stacked rows in the serving dtype (as DenseStore)."""
+    """model.WeightStore over Shaped: stacked rows in the serving dtype (as DenseStore); a
+    linear with PackedShape parts stacked per run of one type (as QuantStore's fuse_packed)."""
 
     def __init__(self, dtype: np.dtype):
         self.dtype = dtype
 
-    def linear(self, arrays) -> Shaped:
+    def linear(self, arrays) -> Any:
         rows = sum(a.shape[0] for a in arrays)
-        return Shaped((rows, *arrays[0].shape[1:]), self.dtype)
+        if not any(isinstance(a, PackedShape) for a in arrays):
+            return Shaped((rows, *arrays[0].shape[1:]), self.dtype)
+        parts: list = []
+        for a in arrays:
+            last = parts[-1] if parts else None
+            if isinstance(a, PackedShape) and isinstance(last, PackedShape) and last.qtype == a.qtype:
+                parts[-1] = PackedShape((last.shape[0] + a.shape[0], *a.shape[1:]), self.dtype, a.qtype,
+                                        a.kind, last.packed_nbytes + a.packed_nbytes)
+            else:
+                parts.append(a if isinstance(a, PackedShape) else Shaped(a.shape, self.dtype))
+        shape = (rows, *arrays[0].shape[1:])
+        return parts[0] if len(parts) == 1 else SplitShape(tuple(parts), shape, self.dtype)
 
-    vector = linear
+    def vector(self, arrays) -> Shaped:
+        return Shaped((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), self.dtype)
 
 
 @dataclass
@@ -128,6 +166,10 @@ class CensusOps:
 
     def embedding(self, ids, table, out) -> None:
         T, n = out.shape
+        if isinstance(table, PackedShape):  # QuantLinear.embedding: T rows dequantized
+            self._add("embedding", step_plan.quant_embedding(table.kind, T, n, out),
+                      weights=table.nbytes * T // table.shape[0], act_read=ids.nbytes, act_written=out.nbytes)
+            return
         self._add("embedding", step_plan.numba_rows("gather_rows_kernel", T),
                   weights=T * n * table.itemsize, act_read=ids.nbytes, act_written=out.nbytes)
 
@@ -136,8 +178,17 @@ class CensusOps:
             self.layer = self.layer_of[id(weight)]
         elif weight is self.lm_head:
             self.layer = None
-        self._add("linear", step_plan.gemm(), weights=weight.nbytes, act_read=x.nbytes,
-                  act_written=out.nbytes)
+        for part in weight.parts if isinstance(weight, SplitShape) else (weight,):
+            # NOTE: a part of a split weight reads all of x and writes its own columns of out
+            written = out.nbytes * part.shape[0] // weight.shape[0]
+            if not isinstance(part, PackedShape):
+                self._add("linear", step_plan.gemm(), weights=part.nbytes, act_read=x.nbytes,
+                          act_written=written)
+                continue
+            launches = step_plan.quant_linear(part.kind, x, part.shape[0])
+            for i, one in enumerate(launches):  # the weight's bytes once, on its first launch
+                self._add("linear", one, weights=part.nbytes if i == 0 else 0,
+                          act_read=x.nbytes // len(launches), act_written=written // len(launches))
 
     def add_bias(self, x, bias) -> None:
         self._add("add_bias", step_plan.add_bias(x), weights=bias.nbytes, act_read=x.nbytes,
@@ -243,16 +294,25 @@ class Census:
         return t
 
 
+# packed(HF name, shape) -> (type, plane kind, bytes of its planes), or None for a dense weight
+Packed = Callable[[str, tuple], "tuple[str, str, int] | None"]
+
+
 def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtype: str = "float16",
                   attention_backend: str = "rawkernel", max_blocks: int = 1,
-                  speculative_tokens: int = 0, window_splits: dict[int, int] | None = None) -> Census:
+                  speculative_tokens: int = 0, window_splits: dict[int, int] | None = None,
+                  packed: Packed | None = None) -> Census:
     """The launches of one decode step of `batch` requests, each attending to `context` keys,
     as a graph replays it (T = B = batch; splits: the graph's, step_plan.graph_splits), or with
     speculative_tokens K of the verify step as its graph replays it (plan.GraphTable.shape:
-    batch x (1 + K) tokens and rows of logits, batch + 1 request slots)."""
+    batch x (1 + K) tokens and rows of logits, batch + 1 request slots); packed: which weights
+    are kept packed (quant.cu's launches) and their bytes."""
     T, B, R = plan.GraphTable([batch], 1 + speculative_tokens).shape(batch)
     act = np.dtype(SERVING_DTYPES[dtype])
-    hf = {name: Shaped(shape, np.dtype(np.float16)) for name, shape in expected_shapes(c).items()}
+    hf: dict[str, Shaped] = {}
+    for name, shape in expected_shapes(c).items():
+        p = packed(name, shape) if packed else None
+        hf[name] = PackedShape(shape, np.dtype(np.float16), *p) if p else Shaped(shape, np.dtype(np.float16))
     model = model_definition(c)
     weights = model.fuse(c, hf, ShapedStore(act))
     buf = StepBuffers(c, T, B, max_blocks, ShapedModule, act, R)
@@ -268,7 +328,8 @@ def decode_census(c: ModelConfig, *, batch: int, context: int, splits: int, dtyp
 
 
 def census_for(config: ModelConfig, *, batch: int, context: int, dtype: str, max_model_len: int,
-               num_sms: int, attention_backend: str = "auto", speculative_tokens: int = 0) -> Census:
+               num_sms: int, attention_backend: str = "auto", speculative_tokens: int = 0,
+               packed: Packed | None = None) -> Census:
     """The census of the decode graph CudaModelRunner captures for `batch` requests (with
     speculative_tokens K: its verify graph): its attention kernel (launch.attention_backend_for)
     and split counts (step_plan.graph_splits, graph_window_splits)."""
@@ -280,4 +341,4 @@ def census_for(config: ModelConfig, *, batch: int, context: int, dtype: str, max
     raw = backend == "rawkernel"
     return decode_census(config, batch=batch, context=context, dtype=dtype, attention_backend=backend,
                          splits=splits if raw else 1, speculative_tokens=speculative_tokens,
-                         window_splits=windows if raw else {})
+                         window_splits=windows if raw else {}, packed=packed)

@@ -69,11 +69,11 @@ def attention_launch(num_tokens: int, num_kv_heads: int, splits: int) -> tuple[D
     return (num_tokens, num_kv_heads, splits), (ATTENTION_THREADS,)
 
 
-QUANT_THREADS = 128      # quant.cu matvec_*: QUANT_WARPS (4) * 32, one warp per output row
+QUANT_THREADS = 128      # quant.cu matvec_*: MV_WARPS (4) * 32
 MATVEC_ROWS = (1, 2, 4, 8, 16)  # quant.cu's matvec_*_r<R> variants: decode batches up to 16 rows
 DEQUANT_THREADS = 256    # quant.cu dequant_*: its __launch_bounds__
-GEMM_THREADS = 128       # quant.cu gemm_*: GEMM_WARPS (4) * 32, its __launch_bounds__
-GEMM_TILE = 64           # quant.cu GEMM_TILE: rows of x and output features a block computes
+GEMM_THREADS = 128       # quant.cu gemm_*: GEMM_WARPS (4) * 32, its __launch_bounds__ (m128: twice)
+GEMM_TILE = 64           # quant.cu GEMM_TILE: output features (and rows of x; m128: twice) a block computes
 
 
 def matvec_variant(num_rows: int) -> int:
@@ -81,9 +81,17 @@ def matvec_variant(num_rows: int) -> int:
     return next(r for r in MATVEC_ROWS if r >= num_rows)
 
 
-def matvec_launch(out_features: int) -> tuple[Dims, Dims]:
-    """matvec_*: one warp per output feature, 4 a block."""
-    return (-(-out_features // (QUANT_THREADS // 32)),), (QUANT_THREADS,)
+def matvec_rows_per_warp(kind: str, variant: int) -> int:
+    """Output features a warp of matvec_<kind>_r<variant> computes (quant.cu MvRows): 2 at one
+    row of x, except u6 (3 loads a unit), else 1 (its accumulators and fetch buffers within 128
+    registers)."""
+    return 2 if variant == 1 and kind != "u6" else 1
+
+
+def matvec_launch(out_features: int, kind: str, variant: int) -> tuple[Dims, Dims]:
+    """matvec_<kind>_r<variant>: 4 warps a block, matvec_rows_per_warp output features each."""
+    per_block = QUANT_THREADS // 32 * matvec_rows_per_warp(kind, variant)
+    return (-(-out_features // per_block),), (QUANT_THREADS,)
 
 
 def dequant_launch(num_rows: int, chunks_per_row: int) -> tuple[Dims, Dims]:
@@ -92,10 +100,17 @@ def dequant_launch(num_rows: int, chunks_per_row: int) -> tuple[Dims, Dims]:
     return (max(1, min(65535, -(-n // DEQUANT_THREADS))),), (DEQUANT_THREADS,)
 
 
+def gemm_rows(num_rows: int) -> int:
+    """Rows of x a block of the tiled GEMM takes: 64 (gemm_*) up to 64 rows, else 128 (gemm_*_m128:
+    each weight tile dequantized and read once per 128 rows, not 64)."""
+    return GEMM_TILE if num_rows <= GEMM_TILE else 2 * GEMM_TILE
+
+
 def gemm_launch(num_rows: int, out_features: int) -> tuple[Dims, Dims]:
-    """gemm_*: one block per 64 x 64 tile of out; grid.x over the rows of x, so that the blocks
-    that read one weight tile are neighbours (its second read hits L2); grid.y <= 65535."""
+    """gemm_*: one block per gemm_rows x 64 tile of out; grid.x over the rows of x, so that the
+    blocks that read one weight tile are neighbours (its second read hits L2); grid.y <= 65535."""
     tiles_n = -(-out_features // GEMM_TILE)
     if tiles_n > 65535:
         raise ValueError(f"gemm: {out_features} output features exceed grid.y's 65535 tiles of {GEMM_TILE}")
-    return (-(-num_rows // GEMM_TILE), tiles_n), (GEMM_THREADS,)
+    rows = gemm_rows(num_rows)
+    return (-(-num_rows // rows), tiles_n), (GEMM_THREADS * rows // GEMM_TILE,)

@@ -11,13 +11,13 @@ type, GPTQ), anything else float32 (AWQ, whose offsets -(z s) are no halves).
 Why: (1) every quant row is 16-byte aligned, so each lane streams its quants with one vector
 load (GGUF blocks are 18, 20, 22, 34, 84, 110, 144, 176 or 210 bytes: no vector load lines up
 with them); (2) one kernel per plane kind serves all ten GGUF types and AWQ/GPTQ int4
-(repacked into the same u4 planes); (3) the planes are the ones tests/test_quant_kernels.py
+(repacked into the same u4 planes; Q6_K's into u6); (3) the planes are the ones tests/test_quant_kernels.py
 proves bit-identical to gguf-py's `dequantize`, in every form. The price is bytes, mostly
-5/6-bit quants widened to int8: B/weight (raw GGUF in brackets) Q4_K 0.594 (0.5625), Q4_0 and
-Q4_1 0.625 (0.5625/0.625), Q8_0 and Q5_0 1.0625 (1.0625/0.6875), Q6_K and Q3_K 1.078
-(0.82/0.43), Q5_K 1.094 (0.69), Q5_1 1.125 (0.75), Q2_K 1.156 (0.33), AWQ 0.5625, GPTQ
-0.531 (float32 scales: 0.75, 1.125, 1.25, 1.25, 1.25, 1.5; AWQ/GPTQ 0.5625). The kernels and
-the GPU check report the bytes actually read (QuantWeight.nbytes).
+5-bit quants widened to int8: B/weight (raw GGUF in brackets) Q4_K 0.594 (0.5625), Q4_0 0.5625
+(0.5625: no offset plane, as_zero_point), Q4_1 0.625 (0.625), Q6_K 0.828 (0.82: the u6 plane,
+nibbles and 2-bit highs, as_u6), Q8_0 and Q5_0 1.0625 (1.0625/0.6875), Q3_K 1.078 (0.43), Q5_K
+1.094 (0.69), Q5_1 1.125 (0.75), Q2_K 1.156 (0.33), AWQ 0.5625, GPTQ 0.516. The kernels and the
+GPU check report the bytes actually read (QuantWeight.nbytes).
 
 16-bit float matrices are dense: DenseStore (gpu/cuda/buffers.py) uploads them in the serving
 dtype (gpu/cuda/dtypes.py: a bfloat16 checkpoint serves in bfloat16, its BF16 bits as they are)
@@ -26,27 +26,26 @@ the "bf16" plane here, which the kernels widen to float32 exactly (a quantized m
 fp16; a large batch's chunks are fp16, see quant.cu's dequant_bf16 for why that is exact in
 practice).
 
-A linear with M rows of activations runs:
-- M <= MATVEC_MAX_ROWS (decode): matvec_<kind>_r<R> (bf16 activations: _bf16), dequantized in
-  registers, on tiles of up
-  to 16 rows of x (launch.MATVEC_ROWS): the weight is streamed once per tile (from L2 after
-  the first when a layer's weight fits it);
-- above, by the large_batch policy (LARGE_BATCH, or the constructor's argument):
-  "dequant" (the default): the weight dequantized to the activations' type (fp16, or bf16
-  with --dtype bfloat16) into a static workspace, chunk of rows by chunk of rows, each chunk
-  followed by the cuBLAS GEMM (the GEMMs of the dense path).
-  Static: a CUDA graph captures it as it is. It writes and reads 4 bytes a weight besides the
-  quants (at batch 64-256 about 6x the bytes of Q4_K's quants), which pays only once the
-  GEMM's own work dominates;
-  "tiled": gemm_<kind>, one launch: 64 x 64 tiles of out, each block dequantizing a 64 x 64
-  tile of the weight into shared memory (the same 16-bit values as the workspace) and
-  multiplying on tensor cores (mma.sync m16n8k16, fp32 accumulation), so each quant is read
-  once per 64 rows of x (vLLM's awq_gemm, llama.cpp's MMQ: the same idea). No workspace and
-  no cuBLAS: a graph captures it as it is. bf16 activations: gemm_<kind>_bf16 (mma .bf16).
-Both the crossover and the policy are guesses until a GPU measures them: "dequant" stays the
-default until then (tools/gpu_check.py --table quant: its "quant linear" rows time the mat-vec
-tiles, the tiled GEMM and dequantize + cuBLAS on the 8B MLP shapes at batch 16-256, and its
-decode rows sit at batch 16 and 64, on either side of a 4-tile mat-vec).
+A linear with M rows of activations runs the kernel its crossover table gives for M (QuantLinear
+.impl_for: the mat-vec up to matvec_max_rows, large_batch above):
+- "matvec": matvec_<kind>_r<R> (bf16 activations: _bf16), dequantized in registers, on tiles of
+  up to 16 rows of x (launch.MATVEC_ROWS): one launch a linear up to 16 rows;
+- "tiled": gemm_<kind> (64 rows of x a block; gemm_<kind>_m128 128 above 64 rows), one launch:
+  each block dequantizing a 64-feature tile of the weight into shared memory once for its
+  rows (the same 16-bit values as dequant_*) and multiplying on tensor cores (mma.sync
+  m16n8k16, fp32 accumulation), so each quant is read once per 64 or 128 rows of x (vLLM's
+  awq_gemm, llama.cpp's MMQ: the same idea). No workspace and no cuBLAS: a
+  graph captures it as it is. bf16 activations: gemm_<kind>_bf16 (mma .bf16);
+- "dequant": the weight dequantized to the activations' type into a static workspace, chunk of
+  rows by chunk of rows, each chunk followed by the cuBLAS GEMM. It writes and reads 4 bytes a
+  weight besides the quants; it never won on the device (600-800 us against the tiled GEMM's
+  116-304 at 16-256 rows, H200, 2026-12-04), so it stays only as a policy gpu_check measures.
+The table (MATVEC_MAX_ROWS, LARGE_BATCH) is a HOST DEFAULT, NOT MEASURED for the kernels as they
+are now: the 2026-12-04 device run measured the previous mat-vec (one 16-byte load a lane a
+trip), which lost to the tiled GEMM at 16 rows in 3 of 4 cases and at 64-256 in all; the
+redesigned mat-vec is expected to hold up to 8 rows. tools/gpu_check.py's linear table (--table
+quant) times every kernel at rows 1, 16, 64, 256 and prints the crossover it implies; set these
+two from it.
 A fused weight whose parts differ in type (llama.cpp's Q4_K_M: Q4_K q/k with Q6_K v) is a
 SplitWeight; each part writes its own columns of out (the kernels take out's row pitch).
 """
@@ -60,18 +59,18 @@ import numpy as np
 from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.buffers import DenseStore
-from ringserve.gpu.loader.quant import QuantWeight, as_halves, dequantize
+from ringserve.gpu.loader.quant import QuantWeight, as_halves, as_u6, as_zero_point, dequantize
 from ringserve.gpu.loader.weights import GGMLTensor
 
-PLANE_KINDS = ("u4", "i8", "bf16")  # read by quant.cu; dense F16, F32, BF16 are DenseStore's (cuBLAS)
+PLANE_KINDS = ("u4", "u6", "i8", "bf16")  # read by quant.cu; dense F16, F32, BF16: DenseStore's (cuBLAS)
 WORKSPACE_ELEMENTS = 32 << 20   # fp16 elements (64 MiB) a large batch's dequantized chunk takes
-MATVEC_MAX_ROWS = 64            # up to here the mat-vec in tiles of 16 rows; above, LARGE_BATCH's
-# Above MATVEC_MAX_ROWS: "dequant" (the weight to fp16 into the workspace, then cuBLAS) or
-# "tiled" (quant.cu's gemm_*, dequantized into shared memory, tensor cores). "dequant" until a
-# GPU measures both (tools/gpu_check.py --table quant, the "quant linear" rows).
+# The crossover table, rows of x -> kernel (the module doc: a host default, not measured yet):
+# the mat-vec up to MATVEC_MAX_ROWS rows, LARGE_BATCH above.
+MATVEC_MAX_ROWS = 8
 LARGE_BATCH_POLICIES = ("dequant", "tiled")
-LARGE_BATCH = "dequant"
-WEIGHTS_PER_CHUNK = {"u4": 32, "i8": 16, "bf16": 8}  # weights one 16-byte load of quants holds
+LARGE_BATCH = "tiled"
+# weights one 16-byte load of the quants holds (u6: of its nibble plane, a row's first K / 2 bytes)
+WEIGHTS_PER_CHUNK = {"u4": 32, "u6": 32, "i8": 16, "bf16": 8}
 # dequant_*'s output types, by dtype name: the activations' (fp16, bf16 bits) and float32
 DEQUANT_SUFFIXES = {"float16": "f16", "uint16": "bf16", "float32": "f32"}
 # quant.cu's kernels (extern "C"): what gpu/cuda/quant.py loads, tests/test_cuda_compile.py checks.
@@ -79,7 +78,8 @@ DEQUANT_SUFFIXES = {"float16": "f16", "uint16": "bf16", "float32": "f32"}
 KERNELS = tuple(f"matvec_{kind}_r{rows}{suffix}" for kind in PLANE_KINDS for rows in launch.MATVEC_ROWS
                 for suffix in launch.SUFFIXES.values()) + \
     tuple(f"dequant_{kind}_{out}" for kind in PLANE_KINDS for out in DEQUANT_SUFFIXES.values()) + \
-    tuple(f"gemm_{kind}{suffix}" for kind in PLANE_KINDS for suffix in launch.SUFFIXES.values())
+    tuple(f"gemm_{kind}{rows}{suffix}" for kind in PLANE_KINDS for rows in ("", "_m128")
+          for suffix in launch.SUFFIXES.values())
 
 
 def _on_planes(kind: str, cols: int) -> bool:
@@ -128,7 +128,8 @@ class QuantStore:
         assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/loader/quant.py's planes
         if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
             return self.dense.linear([dequantize(w)])
-        w = as_halves(w)  # float32 planes of exact halves as fp16: half their bytes
+        # NOTE: no -8 d offset plane (Q4_0, GPTQ), Q6_K as u6, exact halves as fp16: fewer bytes
+        w = as_halves(as_zero_point(as_u6(w)))
         check_scales(w)
         return replace(w, q=self._device(w.q), scale=self._device(w.scale), offset=self._device(w.offset),
                        scale_super=self._device(w.scale_super), offset_super=self._device(w.offset_super))
@@ -153,14 +154,19 @@ class QuantLinear:
     call: launches a quant.cu kernel (np.int32 scalars, arrays, None for a null pointer);
     gemm(x, w, out): out = x @ w.T for 16-bit arrays (CublasGemm on a GPU); workspace: a 1-D
     array in the activations' dtype (fp16, or bf16 bits), allocated once (never during a graph
-    capture); large_batch: LARGE_BATCH_POLICIES, what runs above MATVEC_MAX_ROWS rows."""
+    capture); the crossover table: the mat-vec up to matvec_max_rows rows of x, large_batch
+    (LARGE_BATCH_POLICIES) above."""
 
     def __init__(self, call: Call, gemm: Callable[[Any, Any, Any], None], workspace: Any,
-                 large_batch: str = LARGE_BATCH):
+                 large_batch: str = LARGE_BATCH, matvec_max_rows: int = MATVEC_MAX_ROWS):
         if large_batch not in LARGE_BATCH_POLICIES:
             raise ValueError(f"large_batch {large_batch!r}: {', '.join(LARGE_BATCH_POLICIES)}")
         self.call, self.gemm, self.workspace = call, gemm, workspace
-        self.large_batch = large_batch
+        self.large_batch, self.matvec_max_rows = large_batch, matvec_max_rows
+
+    def impl_for(self, rows: int) -> str:
+        """The kernel the crossover table runs for `rows` rows of x: "matvec", "tiled" or "dequant"."""
+        return impl_for(rows, self.matvec_max_rows, self.large_batch)
 
     def __call__(self, x, w, out) -> None:
         if isinstance(w, QuantWeight):
@@ -181,30 +187,29 @@ class QuantLinear:
             raise ValueError(f"quant linear: x {x.shape} @ w {w.shape}.T into out {out.shape}")
         if M == 0:
             return
-        if M <= MATVEC_MAX_ROWS:
+        impl = self.impl_for(M)
+        if impl == "matvec":
             self.matvec(x, w, out)
-        elif self.large_batch == "tiled":
+        elif impl == "tiled":
             self.tiled(x, w, out)
         else:
             self.dequant_gemm(x, w, out)
 
     def matvec(self, x, w: QuantWeight, out) -> None:
-        """matvec_<kind>_r<R> on tiles of up to 16 rows of x (any M; the plan for M <= 64)."""
+        """matvec_<kind>_r<R> on tiles of up to 16 rows of x (any M; the table's up to matvec_max_rows)."""
         M, K, N = x.shape[0], x.shape[1], w.shape[0]
         ldx, ldo = _x_pitch(x), _pitch(out, "out")
         tile = launch.MATVEC_ROWS[-1]
         for lo in range(0, M, tile):  # PERF: one launch at decode batches up to 16
             m = min(tile, M - lo)
-            self.call(f"matvec_{w.kind}_r{launch.matvec_variant(m)}{launch.SUFFIXES[str(x.dtype)]}",
-                      launch.matvec_launch(N),
-                      *weight_args(w), x[lo:lo + m], np.int32(ldx), np.int32(m), np.int32(N), np.int32(K),
-                      out[lo:lo + m], np.int32(ldo))
+            self.call(*matvec_kernel(w.kind, m, N, str(x.dtype)), *weight_args(w), x[lo:lo + m],
+                      np.int32(ldx), np.int32(m), np.int32(N), np.int32(K), out[lo:lo + m], np.int32(ldo))
 
     def tiled(self, x, w: QuantWeight, out) -> None:
         """gemm_<kind> (bf16 activations: _bf16): dequantized into shared memory, tensor cores,
         one launch (any M); no workspace."""
         M, K, N = x.shape[0], x.shape[1], w.shape[0]
-        self.call(f"gemm_{w.kind}{launch.SUFFIXES[str(x.dtype)]}", launch.gemm_launch(M, N), *weight_args(w),
+        self.call(*tiled_kernel(w.kind, M, N, str(x.dtype)), *weight_args(w),
                   x, np.int32(_x_pitch(x)), np.int32(M), np.int32(N), np.int32(K), out,
                   np.int32(_pitch(out, "out")))
 
@@ -234,6 +239,24 @@ class QuantLinear:
         self.dequantize(table, ids, 0, len(ids), out)
 
 
+def impl_for(rows: int, matvec_max_rows: int = MATVEC_MAX_ROWS, large_batch: str = LARGE_BATCH) -> str:
+    """The crossover table's kernel for `rows` rows of x (QuantLinear's; the census's)."""
+    return "matvec" if rows <= matvec_max_rows else large_batch
+
+
+def matvec_kernel(kind: str, rows: int, out_features: int, dtype: str) -> tuple[str, tuple]:
+    """The mat-vec launch of up to 16 rows of x: (kernel name, (grid, block)); dtype: x's name."""
+    variant = launch.matvec_variant(rows)
+    return (f"matvec_{kind}_r{variant}{launch.SUFFIXES[dtype]}",
+            launch.matvec_launch(out_features, kind, variant))
+
+
+def tiled_kernel(kind: str, rows: int, out_features: int, dtype: str) -> tuple[str, tuple]:
+    """The tiled GEMM's launch: (kernel name, (grid, block)); gemm_<kind>_m128 above 64 rows."""
+    m128 = "_m128" if launch.gemm_rows(rows) > launch.GEMM_TILE else ""
+    return f"gemm_{kind}{m128}{launch.SUFFIXES[dtype]}", launch.gemm_launch(rows, out_features)
+
+
 # The forms of the scale and offset planes quant.cu reads (scale_bytes: the planes' itemsize):
 # (dtype of both, with super planes)
 SCALE_FORMS = (("float32", False), ("float16", False), ("int8", True))
@@ -253,9 +276,11 @@ def check_scales(w: QuantWeight) -> None:
 
 def weight_args(w: QuantWeight) -> tuple:
     """quant.cu's WEIGHT_PARAMS for w (QuantStore's: check_scales passed): quants, scale and
-    offset planes (None: a null pointer), super planes, scale_bytes, block (bf16: no scales)."""
+    offset planes (None: a null pointer), super planes, scale_bytes, block (bf16: no scales),
+    zero (the quants' zero point where the offset plane is left out)."""
     scale_bytes = 4 if w.scale is None else w.scale.itemsize  # NOTE: 4, 2, 1: the form (SCALE_FORMS)
-    return (w.q, w.scale, w.offset, w.scale_super, w.offset_super, np.int32(scale_bytes), np.int32(w.block))
+    return (w.q, w.scale, w.offset, w.scale_super, w.offset_super, np.int32(scale_bytes), np.int32(w.block),
+            np.int32(w.zero))
 
 
 def _x_pitch(x: Any) -> int:

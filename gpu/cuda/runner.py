@@ -34,7 +34,13 @@ from ringserve.gpu.cuda.buffers import AttentionLaunch, CapturedGraph, PinnedSta
 from ringserve.gpu.cuda.dtypes import SERVING_DTYPES, serving_dtype
 from ringserve.gpu.cuda.fused import FusedKernels
 from ringserve.gpu.cuda.gemm import WORKSPACE_BYTES, CublasGemm
-from ringserve.gpu.cuda.quant_linear import WORKSPACE_ELEMENTS, QuantLinear, QuantStore, keeps_blocks
+from ringserve.gpu.cuda.quant_linear import (
+    LARGE_BATCH,
+    WORKSPACE_ELEMENTS,
+    QuantLinear,
+    QuantStore,
+    keeps_blocks,
+)
 from ringserve.gpu.cuda.sampler import CudaSampler, PendingSample, warmup_metadata
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.quant import QuantWeight
@@ -79,8 +85,8 @@ class CudaOps:
 
     def __init__(self, c: ModelConfig, stream: cp.cuda.Stream, attention_backend: str,
                  packed: bool = False, act_dtype=np.float16):
-        """packed: the model keeps weights packed (quant.cu and its static workspace, in the
-        activations' dtype act_dtype: float16, or uint16 bf16 bits)."""
+        """packed: the model keeps weights packed (quant.cu, and a static workspace in the
+        activations' dtype act_dtype, float16 or uint16 bf16 bits, where LARGE_BATCH is "dequant")."""
         try:
             from nvmath.bindings import cublas
         except ImportError as e:
@@ -95,8 +101,9 @@ class CudaOps:
         self.quant: QuantLinear | None = None
         if packed:
             from ringserve.gpu.cuda.quant import QuantKernels
-            self.quant = QuantLinear(QuantKernels(stream).call, self.gemm,
-                                     cp.empty(WORKSPACE_ELEMENTS, act_dtype))
+            # NOTE: the workspace only where the table runs dequantize + cuBLAS (the tiled GEMM needs none)
+            workspace = cp.empty(WORKSPACE_ELEMENTS, act_dtype) if LARGE_BATCH == "dequant" else None
+            self.quant = QuantLinear(QuantKernels(stream).call, self.gemm, workspace)
         self.paged = PagedAttention(c.head_dim, c.num_attention_heads // c.num_key_value_heads)
         self.attention_backend = attention_backend
         self.scale, self.eps = c.attention_scale, c.rms_norm_eps

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringserve.gpu.cuda import launch, plan
+from ringserve.gpu.cuda import quant_linear as ql
 from ringserve.gpu.cuda.launch import Dims
 
 NUMBA_THREADS = 128  # threads per block of the Numba kernels in the forward
@@ -41,6 +42,31 @@ def numba_rows(name: str, rows: int) -> Launch:
 
 def gemm() -> Launch:
     return Launch(GEMM, (), ())
+
+
+def quant_linear(kind: str, x: Any, out_features: int) -> list[Launch]:
+    """QuantLinear's launches for x @ W.T with W's planes of `kind` (quant_linear's crossover
+    table): one mat-vec launch a tile of 16 rows, or the tiled GEMM, or dequantize + cuBLAS
+    (the dequantize launches per workspace chunk, each with its GEMM: one pair listed)."""
+    rows, dtype = x.shape[0], str(x.dtype)
+    impl = ql.impl_for(rows)
+    if impl == "matvec":
+        return [Launch(*_flat(ql.matvec_kernel(kind, min(16, rows - lo), out_features, dtype)))
+                for lo in range(0, rows, 16)]
+    if impl == "tiled":
+        return [Launch(*_flat(ql.tiled_kernel(kind, rows, out_features, dtype)))]
+    return [Launch(f"dequant_{kind}_f16", (), ()), gemm()]
+
+
+def quant_embedding(kind: str, num_rows: int, hidden: int, out: Any) -> Launch:
+    """QuantLinear.embedding: dequant_<kind>_<out's type> of the ids' rows."""
+    return Launch(f"dequant_{kind}_{ql.DEQUANT_SUFFIXES[str(out.dtype)]}",
+                  *launch.dequant_launch(num_rows, hidden // ql.WEIGHTS_PER_CHUNK[kind]))
+
+
+def _flat(kernel: tuple[str, tuple]) -> tuple:
+    name, (grid, block) = kernel
+    return name, grid, block
 
 
 def add_rms_norm(h: Any, out: Any) -> Launch:

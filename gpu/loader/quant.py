@@ -33,10 +33,12 @@ fewer bytes, and ``dequantize`` reads every form to the same float32 values:
   int8 sub-block factors (sc; m) and ``scale_super`` / ``offset_super`` float32 [out, in / 256]
   the super-block's ``d`` and ``-dmin``: a value is ``factor * super[k // 256]``, the same
   float32 product as ``d * sc`` (and ``m * -dmin == -(dmin * m)`` exactly). Q4_K: 0.5 + 1/32 +
-  1/32 + 8/256 = 0.594 B/weight, Q6_K 1.078, Q5_K 1.094;
+  1/32 + 8/256 = 0.594 B/weight, Q6_K 1.078 (0.828 as the u6 plane, as_u6), Q5_K 1.094;
 - float16 ``scale`` / ``offset`` (``as_halves``, where every value of both planes is exactly a
   half): the legacy types' d and m are GGUF f16 fields, Q4_0's folded ``-8 d`` too unless it
-  overflows (GPTQ's s and -8 s as well). Q4_0/Q4_1 as nibbles 0.625 B/weight, Q8_0 1.0625.
+  overflows (GPTQ's s and -8 s as well). Q4_1 as nibbles 0.625 B/weight, Q8_0 1.0625;
+- no offset plane where every offset is ``-8 * scale`` (``as_zero_point``: Q4_0, GPTQ): the
+  kernels make it, QuantWeight.zero says so. Q4_0 0.5625 B/weight, GPTQ 0.516.
 The CPU backend keeps the float32 planes (its kernels read them; the bytes change nothing there).
 
 Layout choice, measured on the 2-core Zen 5 VM (tools/bench_quant.py, docs/bench_quant.md): 4-bit
@@ -69,13 +71,14 @@ class QuantWeight:
 
     qtype: str                  # GGUF type name: "Q4_K", "F16", ...
     shape: tuple[int, int]      # (out, in): the logical float matrix
-    kind: str                   # "i8" | "u4" | "f16" | "f32" | "bf16"
+    kind: str                   # "i8" | "u4" | "f16" | "f32" | "bf16" | "u6" (the CUDA store's Q6_K)
     q: np.ndarray
     scale: np.ndarray | None = None     # float32, float16, or int8 factors of scale_super
     offset: np.ndarray | None = None    # as scale (int8 factors of offset_super)
     block: int = 1
     scale_super: np.ndarray | None = None   # float32 [out, in / 256]: factored K-quants' d
     offset_super: np.ndarray | None = None  # float32 [out, in / 256]: their -dmin
+    zero: int = 0  # weight = scale * (q - zero): the offset plane -zero * scale left out (as_zero_point)
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +115,8 @@ def take_rows(w: QuantWeight, index: np.ndarray) -> QuantWeight:
 
 def layout(w: QuantWeight) -> tuple:
     """What weights must share to be stacked into one (concat_rows; gpu/cpu/packed.py)."""
-    return (w.qtype, w.kind, w.block, w.shape[1], *(None if a is None else str(a.dtype) for a in w.planes()))
+    return (w.qtype, w.kind, w.block, w.shape[1], w.zero,
+            *(None if a is None else str(a.dtype) for a in w.planes()))
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -312,12 +316,16 @@ def dequantize(w: QuantWeight) -> np.ndarray:
     if w.kind == "u4":
         g = w.q.reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         q = (g & 15).astype(np.float32).reshape(n, -1, w.block)
+    elif w.kind == "u6":
+        q = u6_values(w.q, k).astype(np.float32).reshape(n, -1, w.block)
     else:
         q = w.q.astype(np.float32).reshape(n, -1, w.block)
     scale = plane_values(w.scale, w.scale_super, w.block)
     assert scale is not None  # every quantized kind has scales
     out = scale[..., None] * q
     offset = plane_values(w.offset, w.offset_super, w.block)
+    if w.zero:  # NOTE: the offset plane as_zero_point left out, as the kernels make it (exact)
+        offset = np.float32(-w.zero) * scale
     if offset is not None:
         out = out + offset[..., None]
     return out.reshape(n, k)
@@ -348,6 +356,54 @@ def as_halves(w: QuantWeight) -> QuantWeight:
     if not all(bool((h.astype(np.float32) == a).all()) for h, a in zip(halves, planes, strict=True)):
         return w
     return replace(w, scale=halves[0], offset=halves[1] if w.offset is not None else None)
+
+
+def as_zero_point(w: QuantWeight, zero: int = 8) -> QuantWeight:
+    """w without its offset plane where every offset is exactly -zero * scale (Q4_0's folded
+    -8 d; GPTQ's -8 s when every group's zero point is 8): weight = scale * (q - zero), the raw
+    block's bytes (Q4_0 0.5625 B/weight with fp16 scales, GPTQ 0.516), else w as it is. The
+    values are the same bits: dequantize and the kernels make the offset -zero * scale in
+    float32, exactly the plane's value. Any xp's arrays."""
+    scale, offset = w.scale, w.offset
+    if w.kind != "u4" or scale is None or offset is None or w.scale_super is not None or w.zero:
+        return w
+    if offset.dtype != scale.dtype or not bool((offset == scale * -zero).all()):
+        return w
+    return replace(w, offset=None, zero=zero)
+
+
+# The "u6" plane (the CUDA store's Q6_K, 0.75 B/weight of quants instead of int8's 1): uint8
+# [out, 3 in / 4], a row's u4 nibble plane of v & 15 (in / 2 bytes) followed by its high bits v >> 4
+# (in / 4 bytes), where v = q + 32 (0..63). 16 high bytes a 64-weight group g: byte i holds, at bits
+# 2j, the high bits of weight 64 g + 16 j + i (j = 0..3: the group's four 16-weight runs, in the
+# order quant.cu's mat-vec reads the nibble plane: low nibbles of bytes 0-15 and 16-31, then high).
+U6_CENTRE = 32
+
+
+def to_u6(q: np.ndarray) -> np.ndarray:
+    """int8 quants -32..31 [rows, in] (in a multiple of 64) -> the u6 plane [rows, 3 in / 4]."""
+    n, k = q.shape
+    v = (q.astype(np.int16) + U6_CENTRE).astype(np.uint8)
+    high = (v >> 4).reshape(n, -1, 4, 16) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+    return np.concatenate([to_u4(v & 15), np.bitwise_or.reduce(high, axis=2).reshape(n, -1)], axis=1)
+
+
+def u6_values(plane: np.ndarray, k: int) -> np.ndarray:
+    """The u6 plane [rows, 3 k / 4] -> int8 quants -32..31 [rows, k] (to_u6 undone)."""
+    n = plane.shape[0]
+    low = (plane[:, :k // 2].reshape(n, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+    high = (plane[:, k // 2:].reshape(n, -1, 1, 16) >> shifts) & 3
+    v = low.reshape(n, -1) | (high.reshape(n, -1) << 4)
+    return (v.astype(np.int16) - U6_CENTRE).astype(np.int8)
+
+
+def as_u6(w: QuantWeight) -> QuantWeight:
+    """A Q6_K weight's int8 plane as the u6 plane (its scales as they are) where rows are whole
+    64-weight groups, else w as it is: 0.828 B/weight with factored scales, not 1.078."""
+    if w.qtype != "Q6_K" or w.kind != "i8" or w.shape[1] % 64 or not isinstance(w.q, np.ndarray):
+        return w  # NOTE: planes already on the device (gpu_check's) are made in their form there
+    return replace(w, kind="u6", q=to_u6(w.q))
 
 
 # Byte offsets of each type's f16 fields in its block (d, dmin, m): the only bytes that can make a

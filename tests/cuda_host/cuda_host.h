@@ -51,6 +51,7 @@ __forceinline__ float __half2float(__half h) { return (float)std::bit_cast<_Floa
 __forceinline__ __half __float2half(float f) { return {std::bit_cast<uint16_t>((_Float16)f)}; }
 __forceinline__ float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
 __forceinline__ __half2 __floats2half2_rn(float a, float b) { return {__float2half(a), __float2half(b)}; }
+__forceinline__ __half __ushort_as_half(unsigned short bits) { return {bits}; }
 
 // ---- bf16: the upper half of a float32's bits; narrowing rounds to nearest even (a NaN stays a
 // NaN), as cuda_bf16.h's __float2bfloat16.
