@@ -137,9 +137,14 @@ def test_bench_forward(tiny_model_dir, tmp_path, capsys):
     # one side per weight dtype and activation type (--cpu-activation-dtype), named by both
     bench_forward.main(["--model", str(tiny_model_dir), "--batch", "1", "--steps", "1", "--context", "16",
                         "--prefill-tokens", "16", "--prefill-reps", "1", "--no-peer",
-                        "--activations", "auto", "float32", "--json", str(tmp_path / "g.json")])
+                        "--activations", "auto", "float32", "--op-times", "--json", str(tmp_path / "g.json")])
     row = _doc(tmp_path / "g.json", "bench_forward")["rows"][0]
     assert row["ours_float32_auto_ms"] > 0 and row["ours_float32_float32_ms"] > 0
+    # --op-times: each side's ms per step by op, the step's every op and the Python between them
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("op times")]
+    assert [ln.split(",")[0] for ln in lines] == ["op times float32_auto", "op times float32_float32"]
+    for ln in lines:
+        assert all(f" {op} " in ln for op in ("linear", "attention", "add_rms_norm", "(between ops)"))
 
 
 def test_bench_ipc(tmp_path, capsys):

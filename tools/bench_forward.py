@@ -24,12 +24,15 @@ load during the run hits both sides alike.
 
 The roofline line: a batch-1 decode step must read every weight once; bytes per token over the
 single-thread read bandwidth measured here (a vectorized read of 256 MiB: read_bandwidth) bounds its time.
+--op-times: where our decode steps at the first batch size spend their time, each CpuOps call
+timed (wall clock, so a parallel linear counts once), the rest being Python between the ops.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="what our quantized weights multiply (serve's --cpu-activation-dtype)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--no-peer", action="store_true", help="skip transformers even if installed")
+    ap.add_argument("--op-times", action="store_true",
+                    help="time each op of our decode steps at the first batch size (wall clock)")
     add_json_argument(ap)
     return ap.parse_args(argv)
 
@@ -100,6 +105,7 @@ class Ours:
         self.vocab = self.runner.config.vocab_size
         self.rng = np.random.default_rng(0)
         self.prompt = self.rng.integers(3, self.vocab, args.context)
+        self.op_seconds: dict[str, float] = defaultdict(float)  # --op-times: per op name, all timed steps
 
     def decode(self, b: int) -> float:
         """Median seconds of one decode step of b requests with context-token prompts cached."""
@@ -112,13 +118,36 @@ class Ours:
                 cache.k[tables[r, : len(cached)]] = cache.k[cached]
                 cache.v[tables[r, : len(cached)]] = cache.v[cached]
         runner.execute(decode_batch(0, args.context, tables, bs, self.rng, self.vocab))  # warm-up
+        profile = args.op_times and b == args.batch[0]
+        if profile:
+            self._time_ops()
         times = []
         for step in range(1, args.steps + 1):
             batch = decode_batch(step, args.context, tables, bs, self.rng, self.vocab)
             t0 = time.perf_counter()
             runner.execute(batch)
             times.append(time.perf_counter() - t0)
+        if profile:
+            self.op_seconds["(between ops)"] = sum(times) - sum(self.op_seconds.values())
+            for name in self._timed:
+                delattr(runner.ops, name)  # the class's method again
         return statistics.median(times)
+
+    _timed = ("embedding", "linear", "add_rms_norm", "rms_norm", "qk_norm", "rope_store_kv", "attention",
+              "silu_mul", "gelu_tanh_mul", "gather_rows", "to_float32")
+
+    def _time_ops(self) -> None:
+        """Each op of the runner's CpuOps timed into op_seconds (an instance attribute over the method)."""
+        ops = self.runner.ops
+        for name in self._timed:
+            setattr(ops, name, self._timer(name, getattr(ops, name)))
+
+    def _timer(self, name: str, op: Any) -> Any:
+        def timed(*a: Any) -> None:
+            t0 = time.perf_counter()
+            op(*a)
+            self.op_seconds[name] += time.perf_counter() - t0
+        return timed
 
     def prefill(self) -> float:
         """Median seconds of one prefill-tokens prompt in one step."""
@@ -269,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"roofline {d}: {wb / 1e6:.0f} MB of weights per batch-1 step / {bandwidth / 1e9:.1f} GB/s "
               f"single-thread read = {bound * 1e3:.1f} ms; achieved {achieved * 1e3:.1f} ms "
               f"at batch {args.batch[0]} ({wb / achieved / 1e9:.1f} GB/s)")
+    print_op_times(args, sides)
     if peer:
         print(f"peer: {peer['version']}")
     else:
@@ -279,6 +309,17 @@ def main(argv: list[str] | None = None) -> None:
               read_bandwidth_bytes_per_s=bandwidth,
               weight_bytes_per_step={d: ours[d]["weight_bytes"] for d in names},
               peer=peer["version"] if peer else None)
+
+
+def print_op_times(args: argparse.Namespace, sides: dict[str, Ours | Transformers]) -> None:
+    """--op-times: ms per step by op, largest first."""
+    if not args.op_times:
+        return
+    for d, side in sides.items():
+        if isinstance(side, Ours):
+            spent = sorted(side.op_seconds.items(), key=lambda kv: -kv[1])
+            print(f"op times {d}, batch {args.batch[0]}: " + ", ".join(
+                f"{name} {sec / args.steps * 1e3:.2f}" for name, sec in spent if sec > 0) + " ms/step")
 
 
 if __name__ == "__main__":

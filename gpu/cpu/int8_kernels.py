@@ -38,13 +38,13 @@ import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ringserve.gpu.cpu.linear import TASKS_PER_THREAD, per_thread
+from ringserve.gpu.cpu.linear import per_thread
+from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
 from ringserve.gpu.loader.quant import QuantWeight
 
 TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit register
@@ -394,10 +394,16 @@ def _run(q, s, m, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: no cover 
 
 
 @njit(inline="always")
-def _split(q, s, m, xq, xd, xs, out, tasks, block, vectors):  # pragma: no cover - compiled
+def _split(q, s, m, xq, xd, xs, out, tasks, counter, block, vectors):  # pragma: no cover - compiled
+    """Row tiles in `tasks` runs, claimed by the threads as they come free (gpu/cpu/tasks.py);
+    counter: [0] the next task, [1] the threads to start."""
     n = q.shape[0]
-    for i in prange(tasks):
-        _run(q, s, m, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks, block, vectors)
+    counter[0] = 0
+    for _ in prange(counter[1]):
+        i = claim(counter)
+        while i < tasks:
+            _run(q, s, m, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks, block, vectors)
+            i = claim(counter)
 
 
 # One compiled (and cached) driver per (sub-block size, vectors a step: 16 int8, 8 nibbles). Each
@@ -426,21 +432,21 @@ def _serial_32_8(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - com
 
 
 @_parallel_driver
-def _parallel_16_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no cover - compiled
+def _parallel_16_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, xq, xd, xs16, out, tasks, 16, 16)
+    _split(q, s, m, xq, xd, xs16, out, tasks, counter, 16, 16)
 
 
 @_parallel_driver
-def _parallel_32_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no cover - compiled
+def _parallel_32_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, xq, xd, xs32, out, tasks, 32, 16)
+    _split(q, s, m, xq, xd, xs32, out, tasks, counter, 32, 16)
 
 
 @_parallel_driver
-def _parallel_32_8(x, q, s, m, xq, xd, xs16, xs32, out, tasks):  # pragma: no cover - compiled
+def _parallel_32_8(x, q, s, m, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, xq, xd, xs32, out, tasks, 32, 8)
+    _split(q, s, m, xq, xd, xs32, out, tasks, counter, 32, 8)
 
 
 # (block, vectors) -> (serial, parallel); nibbles come in 32-weight sub-blocks only
@@ -461,7 +467,8 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
     serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
     args = (x, w.q, w.scale, w.offset, rows.q, rows.scale, rows.sum16, rows.sum32, out)
     if parallel:
-        par(*args, min(len(w.q), TASKS_PER_THREAD * numba.get_num_threads()))
+        tasks = num_tasks(len(w.q))
+        par(*args, tasks, task_counter(tasks))
     else:
         serial(*args)
     return out
