@@ -28,42 +28,13 @@ from pathlib import Path
 
 import httpx
 
+from ringserve.server.memory import tree_pss_bytes
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def tree_pss_bytes(pid: int) -> int:
-    """Proportional set size of the tree: what it costs the machine, shared pages once."""
-    total = 0
-    for p in process_tree(pid):
-        try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
 
 
 class PeakMemory:
