@@ -128,9 +128,12 @@ _PACKED_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 1.125, "Q4_0": 0.7
                  "Q5_0": 1.125, "Q5_1": 1.25, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, "Q3_K": 1.25,
                  "Q2_K": 1.5}
 assert set(_PACKED_BYTES) == set(BLOCK_SIZES)
+# The K-quants in the int8 tiles: scales as int8 factors, one float32 (two with a minimum) per 256
+_TILED_K_BYTES = {"Q4_K": 0.594, "Q5_K": 1.094, "Q6_K": 1.078, "Q3_K": 1.078, "Q2_K": 1.156}
 
 
-def packed_nbytes(tensor: Any) -> int:
-    """About what pack(tensor) will hold in memory."""
+def packed_nbytes(tensor: Any, int8: bool = False) -> int:
+    """About what fuse_packed([tensor], int8) will hold in memory."""
     kind = tensor.ggml_type if isinstance(tensor, GGMLTensor) else "F16"
-    return int(np.prod(tensor.shape) * _PACKED_BYTES[kind])
+    per_weight = _TILED_K_BYTES.get(kind, _PACKED_BYTES[kind]) if int8 else _PACKED_BYTES[kind]
+    return int(np.prod(tensor.shape) * per_weight)
