@@ -57,6 +57,23 @@ class PeakMemory:
         return self.peak
 
 
+def memory_parts(url: str) -> dict[str, float]:
+    """ringserve's memory gauges after the sweep (server/metrics.py memory_metrics), by their
+    label: part (weights_packed, weights_float, kv_cache) and process PSS (engine, frontend);
+    {} from a server without them."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    parts = {}
+    for line in text.splitlines():
+        for name, key in (("memory_bytes{", "part"), ("process_memory_pss_bytes{", "process")):
+            if name in line and not line.startswith("#") and f'{key}="' in line:
+                label = line.split(f'{key}="', 1)[1].split('"', 1)[0]
+                parts[label] = parts.get(label, 0.0) + float(line.rsplit(" ", 1)[1])
+    return parts
+
+
 def start(cmd: list[str], url: str, log: Path, timeout: float) -> subprocess.Popen:
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
@@ -101,7 +118,7 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
                         "--output-len", str(args.output_len), "--seed", str(seed), "--no-progress",
                         "--json", str(out)], check=True, stdout=sys.stderr)
         run = json.loads(out.read_text())
-        run["memory"] = {"idle_pss_bytes": idle, "peak_pss_bytes": memory.stop()}
+        run["memory"] = {"idle_pss_bytes": idle, "peak_pss_bytes": memory.stop(), **memory_parts(url)}
         run["command"] = cmd
         return run
     finally:
@@ -115,6 +132,7 @@ def table(ours: dict, theirs: dict | None) -> str:
                  f"{p['summary']['ttft']['median']:.0f} | {p['summary']['tpot']['median']:.1f} |"
                  for p in ours["points"]]
         rows.append(f"\npeak memory (PSS): ringserve {ours['memory']['peak_pss_bytes'] / 1e9:.2f} GB")
+        rows.append(_parts(ours["memory"]))
         return "\n".join(rows)
     rows = ["| concurrency | ringserve tok/s | llama-server tok/s | ratio | ringserve TTFT p50 ms "
             "| llama-server TTFT p50 ms |", "|---:|---:|---:|---:|---:|---:|"]
@@ -127,7 +145,15 @@ def table(ours: dict, theirs: dict | None) -> str:
     mine, peer = ours["memory"]["peak_pss_bytes"], theirs["memory"]["peak_pss_bytes"]
     rows.append(f"\npeak memory (PSS of the process tree): ringserve {mine / 1e9:.2f} GB, "
                 f"llama-server {peer / 1e9:.2f} GB (ratio {mine / max(peer, 1):.2f})")
+    rows.append(_parts(ours["memory"]))
     return "\n".join(rows)
+
+
+def _parts(memory: dict) -> str:
+    """ringserve's memory by part at the end of the sweep (memory_parts), in GB."""
+    keys = ("weights_packed", "weights_float", "kv_cache", "engine", "frontend")
+    return "ringserve at the end (GB): " + ", ".join(
+        f"{k} {memory[k] / 1e9:.3f}" for k in keys if k in memory)
 
 
 def main(argv: list[str] | None = None) -> int:
