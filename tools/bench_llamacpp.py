@@ -65,7 +65,7 @@ def memory_parts(url: str) -> dict[str, float]:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    parts = {}
+    parts: dict[str, float] = {}
     for line in text.splitlines():
         for name, key in (("memory_bytes{", "part"), ("process_memory_pss_bytes{", "process")):
             if name in line and not line.startswith("#") and f'{key}="' in line:

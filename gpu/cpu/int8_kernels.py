@@ -336,8 +336,8 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str):
     step_planes = _plane_reader(form)
 
     def codegen(context, builder, sig, args):
-        q, xq, xd, xs, out, r, t0 = args[0], *args[5:11]
-        qty, xqty, xdty, xsty, outty = sig.args[0], *sig.args[5:9]
+        q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
+        qty, (xqty, xdty, xsty, outty) = sig.args[0], sig.args[5:9]
         k = builder.extract_value(context.make_array(xqty)(context, builder, xq).shape, 1)
         steps = builder.udiv(k, _const(builder, STEP))
         qtile = _row_ptr(context, builder, qty, q, r)
@@ -505,7 +505,8 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
     rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))
     serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
-    args = (x, *w.planes(), rows.q, rows.scale, rows.sum16, rows.sum32, out)
+    args = (x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale, rows.sum16,
+            rows.sum32, out)
     if parallel:
         par(*args, min(len(w.q), TASKS_PER_THREAD * numba.get_num_threads()))
     else:
