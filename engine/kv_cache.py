@@ -10,7 +10,13 @@ written by the same forward pass that may first read them: the runner writes a l
 for the whole step before that layer's attention). A freed block keeps its hash and stays
 findable until it is taken for reuse; the free queue hands out the least recently freed
 block first, and a request's blocks are freed tail first, so a shared prefix outlives the
-tails that hang off it. The last prompt token is always recomputed: its logits are needed.
+tails that hang off it. A freed block without a hash (a partial last block; any block with
+caching off) holds nothing to find: it goes to the head of the queue, reused before a cached
+block is evicted and before a block never used is touched. On the CPU the pool's pages become
+resident only when first written (gpu/cpu/memory.py), so with caching off the resident pool is
+the most blocks ever held at once, as llama.cpp's per-slot cache holds what its slots filled;
+with caching on it grows to the whole pool as cached blocks accumulate (they are the cache).
+The last prompt token is always recomputed: its logits are needed.
 
 With prefix caching off, no block is hashed, except for the n samples of one request, which
 share their prompt's blocks through hashes salted with their request id (Request.cache_salt).
@@ -114,6 +120,8 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
+                if block.block_hash is None:  # NOTE: holds nothing findable: reused first (module doc)
+                    self.free_queue.move_to_end(block.block_id, last=False)
 
     def uncache_block(self, block: KVBlock) -> None:
         """Make a block unfindable by its hash (it is evicted, or its K/V may be wrong)."""

@@ -51,6 +51,7 @@ class AppOptions:
     engine_alive: Callable[[], bool] = lambda: True
     engine_snapshots: Callable[[], list[EngineSnapshot]] = list
     cache_config: Callable[[], CacheConfig | None] = lambda: None
+    resident_memory: Callable[[], dict[str, int]] = dict  # PSS by process kind (server/memory.py)
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # --enable-debug-endpoints: what /debug/engines shows (server/debug.py); None: no such routes
@@ -376,7 +377,8 @@ class Metrics:
     async def on_get(self, req, resp) -> None:
         resp.content_type = CONTENT_TYPE
         resp.data = render(self._ctx.metrics, self._ctx.model_name,
-                           self._options.engine_snapshots(), self._options.cache_config())
+                           self._options.engine_snapshots(), self._options.cache_config(),
+                           self._options.resident_memory())
 
 
 class Load:

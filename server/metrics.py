@@ -12,6 +12,12 @@ Two sources make up one /metrics page:
   and prefix-cache queries/hits) are read at scrape time from the stats every engine publishes
   in shared memory, one sample per engine (label `engine`, as vLLM labels them): a restarted
   engine's counters start again at 0, which rate() reads as a reset of that one series only.
+
+Memory, two ways (docs/bench_quant.md "Where the memory goes" reads them): `memory_bytes{part}`
+is what each engine holds by design (weights_packed: GGUF blocks and 16-bit weights as stored;
+weights_float: float32 weights, norms; kv_cache: the pool, allocated, touched as it fills), and
+`process_memory_pss_bytes{process}` what the machine counts at the scrape (server/memory.py):
+the engines' PSS, and the frontend's (launcher, Gunicorn master and workers).
 """
 from __future__ import annotations
 
@@ -57,6 +63,7 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0     # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0        # of which found
     kv_cache_bytes: int = 0           # the memory it holds, written once at its start
+    pid: int = 0                      # its process (server/memory.py reads its PSS)
     weight_bytes: dict[str, int] | None = None   # by storage type ("Q4_K", "F32", ...)
     # speculative decoding (ipc/stats.py EngineStats.spec_decode): drafts, draft tokens,
     # accepted tokens, steps off by batch size, accepted per position; None: not speculating
@@ -155,8 +162,9 @@ def multiprocess() -> bool:
 
 class _EngineCollector:
     def __init__(self, prefix: str, model_name: str, stats: list[EngineSnapshot],
-                 cache: CacheConfig | None):
+                 cache: CacheConfig | None, resident: dict[str, int]):
         self._prefix, self._model_name, self._stats, self._cache = prefix, model_name, stats, cache
+        self._resident = resident
 
     def collect(self) -> Iterable:
         P = self._prefix
@@ -194,6 +202,7 @@ class _EngineCollector:
             for kind, nbytes in (s.weight_bytes or {}).items():
                 weights.add_metric([*lv, kind], nbytes)
         yield from (running, waiting, usage, preempt, queries, hits, kv_bytes, weights)
+        yield from memory_metrics(P, self._model_name, self._stats, self._resident)
         if any(s.spec_decode is not None for s in self._stats):
             yield from spec_decode_metrics(P, self._model_name, self._stats)
         if self._cache is not None:
@@ -204,11 +213,34 @@ class _EngineCollector:
             yield info
 
 
+def memory_metrics(P: str, model_name: str, stats: list[EngineSnapshot],
+                   resident: dict[str, int]) -> Iterable:
+    """Each engine's bytes by part, and the PSS of the server's processes by kind (the module doc)."""
+    parts = GaugeMetricFamily(P + "memory_bytes", "Memory an engine holds, in bytes, by part: packed "
+                              "and float weights as stored, the KV-cache pool as allocated.",
+                              labels=["model_name", "engine", "part"])
+    for i, s in enumerate(stats):
+        weights = s.weight_bytes or {}
+        floats = sum(n for kind, n in weights.items() if kind == "F32")
+        for part, n in (("weights_packed", sum(weights.values()) - floats), ("weights_float", floats),
+                        ("kv_cache", s.kv_cache_bytes)):
+            parts.add_metric([model_name, str(i), part], n)
+    yield parts
+    if resident:
+        pss = GaugeMetricFamily(P + "process_memory_pss_bytes", "Proportional set size of the "
+                                "server's processes, in bytes, by kind (engine, frontend).",
+                                labels=["model_name", "process"])
+        for kind, n in resident.items():
+            pss.add_metric([model_name, kind], n)
+        yield pss
+
+
 def render(requests: RequestMetrics, model_name: str, engine_stats: list[EngineSnapshot],
-           cache: CacheConfig | None) -> bytes:
-    """The whole /metrics page: every worker's request metrics plus every engine's gauges."""
+           cache: CacheConfig | None, resident: dict[str, int] | None = None) -> bytes:
+    """The whole /metrics page: every worker's request metrics plus every engine's gauges;
+    resident: the processes' PSS by kind (server/memory.py), where known."""
     engines = CollectorRegistry()
-    engines.register(_EngineCollector(requests.prefix, model_name, engine_stats, cache))
+    engines.register(_EngineCollector(requests.prefix, model_name, engine_stats, cache, resident or {}))
     return generate_latest(requests.registry()) + generate_latest(engines)
 
 

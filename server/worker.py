@@ -16,6 +16,7 @@ from ringserve.ipc.stats import (
     NUM_BLOCKS,
     NUM_FREE_BLOCKS,
     NUM_PREEMPTIONS,
+    PID,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
 )
@@ -24,6 +25,7 @@ from ringserve.server.config import WORKER_CONFIG_ENV, StructuredOutputsConfig
 from ringserve.server.context import ServerContext
 from ringserve.server.debug import engine_views
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
+from ringserve.server.memory import server_root, tree_pss_bytes
 from ringserve.server.metrics import CacheConfig, EngineSnapshot, RequestMetrics
 from ringserve.server.protocol import RequestLimits
 from ringserve.server.tokenizer import Tokenizer
@@ -43,9 +45,15 @@ def snapshots(client: EngineClient) -> list[EngineSnapshot]:
         out.append(EngineSnapshot(s.running, s.waiting, usage, num_preemptions=s[NUM_PREEMPTIONS],
                                   prefix_cache_queries=s[PREFIX_CACHE_QUERIES],
                                   prefix_cache_hits=s[PREFIX_CACHE_HITS],
-                                  kv_cache_bytes=s[KV_CACHE_BYTES], weight_bytes=s.weight_bytes(),
+                                  kv_cache_bytes=s[KV_CACHE_BYTES], weight_bytes=s.weight_bytes(), pid=s[PID],
                                   spec_decode=s.spec_decode()))
     return out
+
+
+def resident_memory(engines: list[EngineSnapshot]) -> dict[str, int]:
+    """The PSS of this server's engines and of its frontend (the launcher's tree without them)."""
+    pids = frozenset(s.pid for s in engines if s.pid)
+    return {"engine": sum(tree_pss_bytes(p) for p in pids), "frontend": tree_pss_bytes(server_root(), pids)}
 
 
 def cache_config(client: EngineClient) -> CacheConfig | None:
@@ -84,6 +92,7 @@ def worker_app():
         model_root=cfg["model_dir"],
         engine_alive=lambda: client.num_ready > 0,
         engine_snapshots=lambda: snapshots(client),
+        resident_memory=lambda: resident_memory(snapshots(client)),
         cache_config=lambda: cache_config(client),
         on_startup=[start], on_shutdown=[stop],
         server_info=cfg["server_info"],

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ringserve.tools.bench_llamacpp import process_tree
+from ringserve.server.memory import process_tree
 
 KEY = "sesame-7f3a1c"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -35,7 +35,7 @@ from ringserve.ipc.ring import RECORD_HEADER, TAIL
 from ringserve.ipc.sampling_params import SamplingParams
 from ringserve.ipc.stats import NUM_FREE_BLOCKS
 from ringserve.server.engine_client import EngineClient
-from ringserve.tools.bench_llamacpp import process_tree
+from ringserve.server.memory import process_tree
 
 ctx = mp.get_context("spawn")
 PROMPT = list(range(1, 20))

@@ -76,23 +76,27 @@ def reference(x: np.ndarray, w: QuantWeight) -> tuple[np.ndarray, np.ndarray]:
 def test_every_type_is_dequantize_times_the_int8_activations(qtype):
     rng = np.random.default_rng(7)
     shape = (48, 512)  # 3 tiles of 16 rows: 4 tasks on 1 thread, 8 on 2, never more than tiles
-    w = repack(random_raw(qtype, shape, rng), qtype, shape)
+    raw = random_raw(qtype, shape, rng)
+    w = repack(raw, qtype, shape)
     assert supports(w)
-    tiled = tiles(w)
-    # scales that are GGUF f16 fields (the legacy types) are kept as half: exact, and fewer bytes
+    # scales that are GGUF f16 fields (the legacy types) are kept as half: exact, and fewer bytes;
+    # the K-quants' as their int8 factors of float32 super planes (llama.cpp's compact form)
     half = qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-    assert tiled.scale.dtype == (np.uint16 if half else np.float32)
-    assert (tiled.nbytes < w.nbytes) == half and np.array_equal(dequantize(tiled.rows(np.arange(48))),
-                                                                 dequantize(w))
-    picked = np.array([47, 0, 17, 17])  # an embedding lookup: any rows, repeated
-    assert np.array_equal(dequantize(tiled.rows(picked)), dequantize(w)[picked])
-    for t in TOKENS:
-        x = rng.standard_normal((t, shape[1])).astype(np.float32)
-        want, bound = reference(x, w)
-        for parallel in (False, True):
-            got = int8_linear(x, tiled, parallel=parallel)
-            err = np.abs(got - want)
-            assert np.all(err <= bound), f"{qtype} T={t}: worst {(err / bound).max():.3g} of the bound"
+    forms = [tiles(w)] + ([] if half else [tiles(repack(raw, qtype, shape, factored=True))])
+    for tiled in forms:
+        factored = tiled.scale_super is not None
+        assert tiled.scale.dtype == (np.uint16 if half else np.int8 if factored else np.float32)
+        assert (tiled.nbytes < w.nbytes) == (half or factored)
+        assert np.array_equal(dequantize(tiled.rows(np.arange(48))), dequantize(w))
+        picked = np.array([47, 0, 17, 17])  # an embedding lookup: any rows, repeated
+        assert np.array_equal(dequantize(tiled.rows(picked)), dequantize(w)[picked])
+        for t in TOKENS:
+            x = rng.standard_normal((t, shape[1])).astype(np.float32)
+            want, bound = reference(x, w)
+            for parallel in (False, True):
+                got = int8_linear(x, tiled, parallel=parallel)
+                err = np.abs(got - want)
+                assert np.all(err <= bound), f"{qtype} T={t}: worst {(err / bound).max():.3g} of the bound"
 
 
 def test_rows_that_are_not_whole_tiles_and_float_types_stay_on_the_float_path():

@@ -27,6 +27,7 @@ from ringserve.ipc.stats import (
     STEPS,
 )
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
+from ringserve.server.memory import tree_pss_bytes
 from ringserve.server.metrics import RequestMetrics, render
 from ringserve.server.worker import snapshots
 from ringserve.tools.tiny_llama import make_tiny_llama
@@ -285,6 +286,15 @@ def test_engine_counters_reach_the_metrics_page(engines, long_context_model_dir)
         weight_labels = '{engine="0",model_name="tiny",type="F32"}'
         assert f"ringserve:model_weight_bytes{weight_labels} {float(weights)}" in page
         assert f"ringserve:kv_cache_bytes{labels} {float(kv)}" in page
+        # The same by part, and what the machine counts: the engine's PSS holds its weights
+        engines_now = snapshots(client)
+        page = render(RequestMetrics("tiny", 128), "tiny", engines_now, None,
+                      {"engine": tree_pss_bytes(engines_now[0].pid)}).decode()
+        for part, n in (("weights_packed", 0), ("weights_float", weights), ("kv_cache", kv)):
+            assert f'ringserve:memory_bytes{{engine="0",model_name="tiny",part="{part}"}} {float(n)}' in page
+        pss = [float(line.split()[-1]) for line in page.splitlines()
+               if line.startswith('ringserve:process_memory_pss_bytes{model_name="tiny",process="engine"}')]
+        assert len(pss) == 1 and pss[0] > weights
         await client.close()
 
     asyncio.run(body())

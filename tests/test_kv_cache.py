@@ -187,7 +187,9 @@ def test_a_window_hit_needs_only_the_blocks_inside_the_window():
     assert admit(kv, b) == 16                     # 4 full blocks; 16 on are recomputed, reading 11..
     assert kv.block_ids(b)[:2] == [-1] * 2 and kv.num_held_blocks(b) == 3
     kv.free(b)
-    evict = make_req("x", [90 + i for i in range(12)])   # 3 blocks: the LRU ones, a's 0, 1 among them
+    # 4 blocks: a's partial block and the one never used (no hash: taken first), then the LRU
+    # ones, a's 1 and 0
+    evict = make_req("x", [90 + i for i in range(16)])
     admit(kv, evict)
     assert all(kv.pool.lookup(h, kv._block_key(a, i)) is None for i, h in enumerate(a.block_hashes[:2]))
     c = make_req("c", prompt)
@@ -214,3 +216,29 @@ def test_window_samples_sharing_blocks_free_them_by_reference():
     assert kv.pool.blocks[shared].ref_cnt == 0
     kv.free(s0), kv.free(s1)
     assert kv.num_free_blocks == 16 and all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def test_a_freed_block_without_a_hash_is_reused_first():
+    """Caching off: blocks freed are taken again before a block never used (whose memory the CPU
+    pool has not touched yet), so the pool's touched blocks stay the most ever held at once."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_caching=False)
+    used: set[int] = set()
+    for i in range(20):  # two at a time, 3 blocks each: 6 blocks ever, not 64
+        pair = [make_req(f"r{i}-{j}", list(range(10))) for j in range(2)]
+        for r in pair:
+            admit(kv, r)
+            used.update(kv.block_ids(r))
+        for r in pair:
+            kv.free(r)
+    assert len(used) == 6 and kv.num_free_blocks == 64
+    # Caching on: a request's partial last block is taken again first; its full blocks stay cached
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
+    a = make_req("a", list(range(10)))                  # blocks 0, 1 full (cached), 2 partial
+    admit(kv, a)
+    assert kv.block_ids(a) == [0, 1, 2]
+    kv.free(a)
+    b = make_req("b", [99, 98, 97])
+    admit(kv, b)
+    assert kv.block_ids(b) == [2]
+    kv.free(b)
+    assert admit(kv, make_req("a2", list(range(10)))) == 8   # a's two full blocks, still cached

@@ -3,8 +3,12 @@ kept packed give the float32 path's logits and greedy text, and take a fifth of 
 a fused linear of mixed types (Q4_K_M's Q4_K and Q6_K) runs part by part."""
 from __future__ import annotations
 
+import gc
+import types
+
 import numpy as np
 import pytest
+from numpy.lib.array_utils import byte_bounds
 
 from ringserve.gpu.cpu.int8_kernels import has_vnni
 from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed, packed_linear
@@ -74,3 +78,52 @@ def test_a_fused_linear_of_mixed_types_runs_part_by_part():
         want = x.astype(np.float64) @ want_w.T
         np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
     assert np.array_equal(dequantize(fused.parts[1]), np.asarray(tensors[2]))
+
+
+def held_bytes(*roots) -> int:
+    """Bytes of memory every numpy array reachable from roots spans, overlapping views once: what
+    a widened copy kept anywhere beside the packed weights would add to."""
+    spans, seen, todo = [], set(), list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType, str, bytes)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            spans.append(byte_bounds(obj))
+            continue
+        todo += gc.get_referents(obj)
+    total, end = 0, 0
+    for lo, hi in sorted(spans):
+        total += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    return total
+
+
+@pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU: no int8 activations")
+def test_a_q4_k_m_model_holds_its_weights_in_about_the_gguf_bytes(tmp_path, monkeypatch):
+    """No widened copy beside the packed planes (an embedding or lm_head in float32 would be 3-5x
+    its bytes): everything the runner's weights and ops hold spans at most 1.2x the GGUF's tensor
+    bytes. The K-quants' scales stay llama.cpp's compact form (int8 factors, one float per 256
+    weights): Q4_K 0.594 bytes a weight against the file's 0.5625 (float32 planes were 0.75),
+    Q6_K 1.078 against 0.82 (the 6-bit quants widened to int8)."""
+    from ringserve.gpu.loader.model_store import resolve_model
+    from ringserve.gpu.loader.weights import load_weights
+    from ringserve.tools.random_gguf import Shape, write_random_gguf
+
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "cache"))
+    write_random_gguf(tmp_path / "m.gguf", Shape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512,
+                                                 vocab=1024, context=256), "q4_k_m", progress=False)
+    model = resolve_model(str(tmp_path / "m.gguf"))
+    stored: dict[str, int] = {}
+    for t in load_weights(model).values():
+        kind = getattr(t, "ggml_type", "F32")
+        stored[kind] = stored.get(kind, 0) + int(t.nbytes)
+    runner = ModelRunner(model, DeviceConfig(device="cpu", cpu_threads=1),
+                         CacheConfig(num_gpu_blocks_override=4))
+    by_type = MemoryReport.of(runner).weight_bytes
+    assert set(by_type) == set(stored) == {"Q4_K", "Q6_K", "F32"}
+    held = held_bytes(runner.weights, runner.ops)
+    assert sum(by_type.values()) <= held <= 1.2 * sum(stored.values()), (held, stored)
+    assert by_type["Q4_K"] <= 0.6 / 0.5625 * stored["Q4_K"]
+    assert by_type["Q6_K"] <= 1.08 / 0.82 * stored["Q6_K"]

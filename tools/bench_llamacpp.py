@@ -28,42 +28,13 @@ from pathlib import Path
 
 import httpx
 
+from ringserve.server.memory import tree_pss_bytes
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def tree_pss_bytes(pid: int) -> int:
-    """Proportional set size of the tree: what it costs the machine, shared pages once."""
-    total = 0
-    for p in process_tree(pid):
-        try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total
 
 
 class PeakMemory:
@@ -84,6 +55,23 @@ class PeakMemory:
         self._stop.set()
         self._thread.join()
         return self.peak
+
+
+def memory_parts(url: str) -> dict[str, float]:
+    """ringserve's memory gauges after the sweep (server/metrics.py memory_metrics), by their
+    label: part (weights_packed, weights_float, kv_cache) and process PSS (engine, frontend);
+    {} from a server without them."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    parts: dict[str, float] = {}
+    for line in text.splitlines():
+        for name, key in (("memory_bytes{", "part"), ("process_memory_pss_bytes{", "process")):
+            if name in line and not line.startswith("#") and f'{key}="' in line:
+                label = line.split(f'{key}="', 1)[1].split('"', 1)[0]
+                parts[label] = parts.get(label, 0.0) + float(line.rsplit(" ", 1)[1])
+    return parts
 
 
 def start(cmd: list[str], url: str, log: Path, timeout: float) -> subprocess.Popen:
@@ -130,7 +118,7 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
                         "--output-len", str(args.output_len), "--seed", str(seed), "--no-progress",
                         "--json", str(out)], check=True, stdout=sys.stderr)
         run = json.loads(out.read_text())
-        run["memory"] = {"idle_pss_bytes": idle, "peak_pss_bytes": memory.stop()}
+        run["memory"] = {"idle_pss_bytes": idle, "peak_pss_bytes": memory.stop(), **memory_parts(url)}
         run["command"] = cmd
         return run
     finally:
@@ -144,6 +132,7 @@ def table(ours: dict, theirs: dict | None) -> str:
                  f"{p['summary']['ttft']['median']:.0f} | {p['summary']['tpot']['median']:.1f} |"
                  for p in ours["points"]]
         rows.append(f"\npeak memory (PSS): ringserve {ours['memory']['peak_pss_bytes'] / 1e9:.2f} GB")
+        rows.append(_parts(ours["memory"]))
         return "\n".join(rows)
     rows = ["| concurrency | ringserve tok/s | llama-server tok/s | ratio | ringserve TTFT p50 ms "
             "| llama-server TTFT p50 ms |", "|---:|---:|---:|---:|---:|---:|"]
@@ -156,7 +145,15 @@ def table(ours: dict, theirs: dict | None) -> str:
     mine, peer = ours["memory"]["peak_pss_bytes"], theirs["memory"]["peak_pss_bytes"]
     rows.append(f"\npeak memory (PSS of the process tree): ringserve {mine / 1e9:.2f} GB, "
                 f"llama-server {peer / 1e9:.2f} GB (ratio {mine / max(peer, 1):.2f})")
+    rows.append(_parts(ours["memory"]))
     return "\n".join(rows)
+
+
+def _parts(memory: dict) -> str:
+    """ringserve's memory by part at the end of the sweep (memory_parts), in GB."""
+    keys = ("weights_packed", "weights_float", "kv_cache", "engine", "frontend")
+    return "ringserve at the end (GB): " + ", ".join(
+        f"{k} {memory[k] / 1e9:.3f}" for k in keys if k in memory)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,8 +76,8 @@ def _weights(args: argparse.Namespace, n: int, k: int, rng: np.random.Generator)
                 weights[qtype] = w
             if args.int8_4bit and qtype in FOUR_BIT and "float32" in args.activations:
                 weights[qtype + " i8"] = repack(raw, qtype, (n, k), nibbles=False)
-            if "int8" in args.activations and supports(w):
-                weights[qtype + " x int8"] = tiles(w)
+            if "int8" in args.activations and supports(w):  # as served: K-quants' scales factored
+                weights[qtype + " x int8"] = tiles(repack(raw, qtype, (n, k), factored=True))
     return weights
 
 

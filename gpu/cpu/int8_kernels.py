@@ -45,7 +45,7 @@ from numba.extending import intrinsic
 
 from ringserve.gpu.cpu.linear import per_thread
 from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
-from ringserve.gpu.loader.quant import QuantWeight
+from ringserve.gpu.loader.quant import QK_K, QuantWeight
 
 TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit register
 ACT_BLOCK = 32           # activation weights per int8 scale (llama.cpp's q8_0 / q8_1)
@@ -136,7 +136,11 @@ class Int8Weight:
     u4 plane's bytes, moved). ``scale`` / ``offset``: [out / 16, in / block * 16], read as
     [out / 16, in / block, 16], float32 or, where every value is one exactly (the legacy types'
     scales are GGUF f16 fields), IEEE half bits (uint16): 1/16 byte a weight instead of 1/8 for
-    each plane, widened in the kernel (``vcvtph2ps``, exact)."""
+    each plane, widened in the kernel (``vcvtph2ps``, exact); or, for the K-quants, their int8
+    sub-block factors (sc; m) with ``scale_super`` / ``offset_super`` [out / 16, in / 256, 16]
+    float32 (d; -dmin): llama.cpp's compact form, 1/32 (Q4_K) or 1/16 (Q6_K) byte a weight a
+    plane plus one float per 256 weights, and the same float32 values (``factor * super`` is
+    gpu/loader/quant.py's exact ``d * sc``)."""
 
     qtype: str
     shape: tuple[int, int]
@@ -145,10 +149,15 @@ class Int8Weight:
     scale: np.ndarray
     offset: np.ndarray | None
     block: int
+    scale_super: np.ndarray | None = None    # float32 [out / 16, in / 256 * 16]: factored K-quants' d
+    offset_super: np.ndarray | None = None   # their -dmin
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.q, self.scale, self.offset) if a is not None)
+        return sum(a.nbytes for a in self.planes() if a is not None)
+
+    def planes(self) -> tuple:
+        return self.q, self.scale, self.offset, self.scale_super, self.offset_super
 
     @property
     def dtype(self) -> np.dtype:
@@ -164,10 +173,10 @@ class Int8Weight:
         def plane(a: np.ndarray) -> np.ndarray:
             values = a.reshape(len(a), -1, TILE_ROWS)[tile, :, lane]
             return values.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else values
-        scale = plane(self.scale)
-        offset = None if self.offset is None else plane(self.offset)
-        return QuantWeight(self.qtype, (len(tile), self.shape[1]), self.kind,
-                           np.ascontiguousarray(q), scale, offset, self.block)
+        scale, offset, scale_super, offset_super = (None if a is None else plane(a)
+                                                    for a in self.planes()[1:])
+        return QuantWeight(self.qtype, (len(tile), self.shape[1]), self.kind, np.ascontiguousarray(q),
+                           scale, offset, self.block, scale_super, offset_super)
 
 
 def tiles(w: QuantWeight) -> Int8Weight:
@@ -180,8 +189,9 @@ def tiles(w: QuantWeight) -> Int8Weight:
         q = w.q.reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, 8, 4)
 
     # NOTE: both planes in one dtype (the kernel reads them alike); half only where it is exact
-    half = all(np.array_equal(a.astype(np.float16).astype(np.float32), a)
-               for a in (w.scale, w.offset) if a is not None)
+    # (never int8 factors: they stay bytes)
+    half = w.scale_super is None and all(np.array_equal(a.astype(np.float16).astype(np.float32), a)
+                                         for a in (w.scale, w.offset) if a is not None)
 
     def planes(a: np.ndarray | None) -> np.ndarray | None:
         if a is None:
@@ -192,7 +202,8 @@ def tiles(w: QuantWeight) -> Int8Weight:
     scale = planes(w.scale)
     assert scale is not None
     q = np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(n // TILE_ROWS, -1)
-    return Int8Weight(w.qtype, w.shape, w.kind, q, scale, planes(w.offset), w.block)
+    return Int8Weight(w.qtype, w.shape, w.kind, q, scale, planes(w.offset), w.block,
+                      planes(w.scale_super), planes(w.offset_super))
 
 
 # ---- the tile kernel, in LLVM IR -----------------------------------------------------------------
@@ -276,33 +287,63 @@ def _int_sums(builder, vectors, xbase, block: int) -> list[list[Any]]:
     return sums
 
 
-def _scale_loader(half: bool):
-    """IR loading sub-block ``index``'s 16 row scales (or offsets) of a plane as float32."""
+def _scale_loader(form: str):
+    """IR loading sub-block ``index``'s 16 row scales (or offsets) of a plane as float32. form:
+    "f32"; "f16" (half bits); "i8" (int8 factors: the caller multiplies by the super plane)."""
     v16f = _vec(_F32, 16)
 
     def load(builder, tile, index):
-        if not half:
+        if form == "f32":
             return _load(builder, tile, index, v16f)
+        if form == "i8":  # NOTE: vpmovsxbd + vcvtdq2ps: exact (6-bit or int8 factors)
+            return builder.sitofp(_load(builder, tile, index, _vec(_I8, 16)), v16f)
         bits = _load(builder, tile, index, _vec(ir.IntType(16), 16))
         return builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), 16)), v16f)  # NOTE: vcvtph2ps, exact
     return load
 
 
-def _tile_codegen(kind: str, block: int, tokens: int, with_offset: bool, half: bool):
-    """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens."""
+def _plane_reader(form: str):
+    """IR reading the 16 rows' scale and offset (None without one) of a sub-block as float32,
+    for planes of one form (_scale_loader): step_planes(builder, tiles, g) -> at(index), tiles
+    the scale, offset, and (form "i8") super planes' pointers, g the 64-weight step."""
+    load_plane, v16f = _scale_loader(form), _vec(_F32, 16)
+
+    def step_planes(builder, tiles, g):
+        stile, mtile, sstile, mstile = tiles
+        supers: list[Any] = [None, None]
+        if sstile is not None:  # the 16 rows' d (and -dmin) of the super-block the step is in
+            sup = builder.udiv(g, _const(builder, QK_K // STEP))
+            supers = [_load(builder, t, sup, v16f) if t is not None else None for t in (sstile, mstile)]
+
+        def at(index):
+            values = []
+            for tile, factor in zip((stile, mtile), supers, strict=True):
+                v = None if tile is None else load_plane(builder, tile, index)
+                # NOTE: sc * d, no fast-math: the same float32 product as the float planes' d * sc
+                values.append(v if v is None or factor is None else builder.fmul(v, factor))
+            return values
+        return at
+    return step_planes
+
+
+def _tile_codegen(kind: str, block: int, tokens: int, form: str):
+    """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens.
+    form: the scale planes' (_scale_loader); "i8" reads the super planes too."""
     subs = STEP // block  # sub-blocks a 64-weight step
     v16f = _vec(_F32, 16)
     zero_point = 128.0 if kind == "i8" else 0.0
     fast = ["fast"]
-    load_plane = _scale_loader(half)
+    step_planes = _plane_reader(form)
 
     def codegen(context, builder, sig, args):
-        q, s, m, xq, xd, xs, out, r, t0 = args[:9]
-        qty, sty, mty, xqty, xdty, xsty, outty = sig.args[:7]
+        q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
+        qty, (xqty, xdty, xsty, outty) = sig.args[0], sig.args[5:9]
         k = builder.extract_value(context.make_array(xqty)(context, builder, xq).shape, 1)
         steps = builder.udiv(k, _const(builder, STEP))
-        qtile, stile = _row_ptr(context, builder, qty, q, r), _row_ptr(context, builder, sty, s, r)
-        mtile = _row_ptr(context, builder, mty, m, r) if with_offset else None
+        qtile = _row_ptr(context, builder, qty, q, r)
+        # the scale, offset and super planes' tiles (None where absent)
+        stile, mtile, sstile, mstile = (None if aty == types.none else _row_ptr(context, builder, aty, a, r)
+                                        for aty, a in zip(sig.args[1:5], args[1:5], strict=True))
         rows = [builder.add(t0, _const(builder, t)) for t in range(tokens)]
 
         def per_token(aty, a):
@@ -322,13 +363,14 @@ def _tile_codegen(kind: str, block: int, tokens: int, with_offset: bool, half: b
                  for x in xrow]
         sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
         totals = list(acc)
+        plane_at = step_planes(builder, (stile, mtile, sstile, mstile), g)
         for sb in range(subs):
             index = builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb))
-            scale = load_plane(builder, stile, index)  # the 16 rows' scales
+            scale, offset = plane_at(index)  # the 16 rows' scales (and offsets)
             # (m - z s): the offset term's factor per row, and the zero point of unsigned int8
             mz = builder.fmul(scale, ir.Constant(v16f, [-zero_point] * 16), flags=fast)
-            if mtile is not None:
-                mz = builder.fadd(mz, load_plane(builder, mtile, index), flags=fast)
+            if offset is not None:
+                mz = builder.fadd(mz, offset, flags=fast)
             act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
             for t in range(tokens):
                 dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
@@ -353,19 +395,23 @@ def _tile_codegen(kind: str, block: int, tokens: int, with_offset: bool, half: b
     return codegen
 
 
-def _tile_typing(typingctx, q, s, m, xq, xd, xs, out, r, t0, tokens, block, vectors):
-    """out[t0 + t, 16 r: 16 r + 16] = the tile's 16 rows . x[t0 + t], for t < tokens. q, s, m:
-    Int8Weight's planes as 2-D arrays (one tile a row), m None for none, s and m float32 or
-    both half bits (uint16: a kernel each); xq / xd / xs: Int8Rows' q, scale and the sums at the
-    weight's sub-block size. Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32),
-    vectors (16: int8 bytes, 8: nibbles)."""
+def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors):
+    """out[t0 + t, 16 r: 16 r + 16] = the tile's 16 rows . x[t0 + t], for t < tokens. q, s, m, ss,
+    ms: Int8Weight's planes as 2-D arrays (one tile a row), None for none; s and m float32, both
+    half bits (uint16) or both int8 factors of the float32 super planes ss and ms (a kernel
+    each); xq / xd / xs: Int8Rows' q, scale and the sums at the weight's sub-block size.
+    Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32), vectors (16: int8 bytes,
+    8: nibbles)."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, block, vectors)):
         return None
     kind = "i8" if vectors.literal_value == 16 else "u4"
-    half = s.dtype == types.uint16
-    assert m == types.none or (m.dtype == types.uint16) == half, "scale and offset share a dtype"
-    sig = types.none(q, s, m, xq, xd, xs, out, r, t0, tokens, block, vectors)
-    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, m != types.none, half)
+    form = {types.uint16: "f16", types.int8: "i8"}.get(s.dtype, "f32")
+    assert m == types.none or m.dtype == s.dtype, "scale and offset share a dtype"
+    factored = form == "i8"
+    assert (ss != types.none) == factored and (ms != types.none) == (factored and m != types.none), \
+        "int8 factors come with their super planes"
+    sig = types.none(q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors)
+    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, form)
 
 
 _tile: Any = intrinsic(_tile_typing)
@@ -374,7 +420,7 @@ _tile: Any = intrinsic(_tile_typing)
 # ---- drivers -------------------------------------------------------------------------------------
 
 @njit(inline="always")
-def _run(q, s, m, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: no cover - compiled
+def _run(q, s, m, ss, ms, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: no cover - compiled
     """Row tiles lo..hi against every token, TOKEN_TILE tokens at a time (a tile's bytes, 16 x K,
     stay in L2 across its token tiles; so do the activations, T x K bytes). block and vectors:
     constants of the caller (inlined: the kernel's literals)."""
@@ -382,19 +428,19 @@ def _run(q, s, m, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: no cover 
     for r in range(lo, hi):
         t = 0
         while t + TOKEN_TILE <= num_tokens:  # NOTE: a global int is a literal to Numba, as _tile needs
-            _tile(q, s, m, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors)
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors)
             t += TOKEN_TILE
         left = num_tokens - t  # the tokens left over: one kernel per count below TOKEN_TILE (4)
         if left == 3:
-            _tile(q, s, m, xq, xd, xs, out, r, t, 3, block, vectors)
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 3, block, vectors)
         elif left == 2:
-            _tile(q, s, m, xq, xd, xs, out, r, t, 2, block, vectors)
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 2, block, vectors)
         elif left == 1:
-            _tile(q, s, m, xq, xd, xs, out, r, t, 1, block, vectors)
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 1, block, vectors)
 
 
 @njit(inline="always")
-def _split(q, s, m, xq, xd, xs, out, tasks, counter, block, vectors):  # pragma: no cover - compiled
+def _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, block, vectors):  # pragma: no cover - compiled
     """Row tiles in `tasks` runs, claimed by the threads as they come free (gpu/cpu/tasks.py);
     counter: [0] the next task, [1] the threads to start."""
     n = q.shape[0]
@@ -402,7 +448,7 @@ def _split(q, s, m, xq, xd, xs, out, tasks, counter, block, vectors):  # pragma:
     for _ in prange(counter[1]):
         i = claim(counter)
         while i < tasks:
-            _run(q, s, m, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks, block, vectors)
+            _run(q, s, m, ss, ms, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks, block, vectors)
             i = claim(counter)
 
 
@@ -414,45 +460,44 @@ _parallel_driver = njit(cache=True, nogil=True, error_model="numpy", parallel=Tr
 
 
 @_serial_driver
-def _serial_16_16(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+def _serial_16_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _run(q, s, m, xq, xd, xs16, out, 0, q.shape[0], 16, 16)
+    _run(q, s, m, ss, ms, xq, xd, xs16, out, 0, q.shape[0], 16, 16)
 
 
 @_serial_driver
-def _serial_32_16(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+def _serial_32_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _run(q, s, m, xq, xd, xs32, out, 0, q.shape[0], 32, 16)
+    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 16)
 
 
 @_serial_driver
-def _serial_32_8(x, q, s, m, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+def _serial_32_8(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _run(q, s, m, xq, xd, xs32, out, 0, q.shape[0], 32, 8)
+    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 8)
 
 
 @_parallel_driver
-def _parallel_16_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover - compiled
+def _parallel_16_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, xq, xd, xs16, out, tasks, counter, 16, 16)
+    _split(q, s, m, ss, ms, xq, xd, xs16, out, tasks, counter, 16, 16)
 
 
 @_parallel_driver
-def _parallel_32_16(x, q, s, m, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover - compiled
+def _parallel_32_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, xq, xd, xs32, out, tasks, counter, 32, 16)
+    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 16)
 
 
 @_parallel_driver
-def _parallel_32_8(x, q, s, m, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover - compiled
+def _parallel_32_8(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, xq, xd, xs32, out, tasks, counter, 32, 8)
+    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 8)
 
 
 # (block, vectors) -> (serial, parallel); nibbles come in 32-weight sub-blocks only
 _DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16, _parallel_32_16),
             (32, 8): (_serial_32_8, _parallel_32_8)}
-
 
 
 def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
@@ -465,7 +510,8 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
     rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))
     serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
-    args = (x, w.q, w.scale, w.offset, rows.q, rows.scale, rows.sum16, rows.sum32, out)
+    args = (x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale, rows.sum16,
+            rows.sum32, out)
     if parallel:
         tasks = num_tasks(len(w.q))
         par(*args, tasks, task_counter(tasks))

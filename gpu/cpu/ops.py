@@ -72,7 +72,7 @@ class CpuWeightStore:
         """What memory will hold for one HF tensor once stored (the start-up fit check): a
         matrix as this store keeps linear weights, a vector (norm, bias) as float32."""
         if len(tensor.shape) == 2 and is_packed(tensor) and not self.widen_packed:
-            return packed_nbytes(tensor)
+            return packed_nbytes(tensor, self.int8)
         size = int(np.prod(tensor.shape))
         return size * (2 if self.bfloat16 and len(tensor.shape) == 2 else 4)
 

@@ -9,7 +9,7 @@ own columns of the output.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -22,6 +22,7 @@ from ringserve.gpu.loader.quant import (
     concat_rows,
     dequantize,
     layout,
+    plane_values,
     repack,
     take_rows,
 )
@@ -64,9 +65,10 @@ PackedWeight = QuantWeight | Int8Weight | SplitWeight
 
 def fuse_packed(tensors: Sequence[Any], int8: bool = False, factored: bool = False) -> PackedWeight:
     """Stack HF matrices along rows, each kept in its own type. int8: the integer kinds in the
-    int8-activation kernels' 16-row tiles (gpu/cpu/int8_kernels.py), the others as they are;
-    factored: as pack's."""
-    parts = [pack(t, factored) for t in tensors]
+    int8-activation kernels' 16-row tiles (gpu/cpu/int8_kernels.py), K-quants with their scales
+    factored (llama.cpp's compact form: Q4_K 0.594 bytes a weight, not 0.75), the others as
+    they are; factored: as pack's."""
+    parts = [pack(t, factored or int8) for t in tensors]
     groups: list[list[QuantWeight]] = []
     for p in parts:  # neighbours of one type and layout become one weight
         if groups and _same_layout(groups[-1][0], p):
@@ -75,10 +77,19 @@ def fuse_packed(tensors: Sequence[Any], int8: bool = False, factored: bool = Fal
             groups.append([p])
     stacked: tuple[QuantWeight | Int8Weight, ...] = tuple(
         g[0] if len(g) == 1 else concat_rows(g) for g in groups)
-    if int8:
-        stacked = tuple(tiles(p) if isinstance(p, QuantWeight) and supports(p) else p for p in stacked)
+    if int8:  # NOTE: only the tiles read int8 factors: any other part gets its float32 planes back
+        stacked = tuple(tiles(p) if isinstance(p, QuantWeight) and supports(p) else unfactored(p)
+                        for p in stacked)
     rows = sum(p.shape[0] for p in stacked)
     return stacked[0] if len(stacked) == 1 else SplitWeight(stacked, (rows, stacked[0].shape[1]))
+
+
+def unfactored(w: Any) -> Any:
+    """w with float32 scale planes where it has int8 factors (what gpu/cpu/quant_kernels.py reads)."""
+    if not isinstance(w, QuantWeight) or w.scale_super is None:
+        return w
+    return replace(w, scale=plane_values(w.scale, w.scale_super, w.block), scale_super=None,
+                   offset=plane_values(w.offset, w.offset_super, w.block), offset_super=None)
 
 
 def _same_layout(a: QuantWeight, b: QuantWeight) -> bool:
@@ -117,9 +128,12 @@ _PACKED_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 1.125, "Q4_0": 0.7
                  "Q5_0": 1.125, "Q5_1": 1.25, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, "Q3_K": 1.25,
                  "Q2_K": 1.5}
 assert set(_PACKED_BYTES) == set(BLOCK_SIZES)
+# The K-quants in the int8 tiles: scales as int8 factors, one float32 (two with a minimum) per 256
+_TILED_K_BYTES = {"Q4_K": 0.594, "Q5_K": 1.094, "Q6_K": 1.078, "Q3_K": 1.078, "Q2_K": 1.156}
 
 
-def packed_nbytes(tensor: Any) -> int:
-    """About what pack(tensor) will hold in memory."""
+def packed_nbytes(tensor: Any, int8: bool = False) -> int:
+    """About what fuse_packed([tensor], int8) will hold in memory."""
     kind = tensor.ggml_type if isinstance(tensor, GGMLTensor) else "F16"
-    return int(np.prod(tensor.shape) * _PACKED_BYTES[kind])
+    per_weight = _TILED_K_BYTES.get(kind, _PACKED_BYTES[kind]) if int8 else _PACKED_BYTES[kind]
+    return int(np.prod(tensor.shape) * per_weight)
