@@ -175,13 +175,11 @@ class CpuOps:
     def attention(self, buf: CpuStepBuffers, k_cache, v_cache, launch: None, window: int) -> None:
         args = (buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
                 buf.block_tables, self.scale, window, buf.attn_heads)
-        if not buf.tiled_attention:  # decodes and short chunks: the per-token loop
-            paged_attention(*args)
-            return
-        # PERF: prompt chunks by query tiles (each key read once per tile, not per token, over
-        # all threads), the step's other requests by the loop
-        prefill_attention(*args)
-        paged_attention(*args, TILED_MIN_TOKENS - 1)
+        paged_attention(*args, TILED_MIN_TOKENS - 1)  # decodes and short chunks: the per-token loop
+        if buf.tiled_attention:
+            # PERF: prompt chunks by query tiles over all threads: each key read once per tile,
+            # not once per query token
+            prefill_attention(*args)
 
     def silu_mul(self, gate_up, out) -> None:
         silu_mul(gate_up, out)
