@@ -128,7 +128,7 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
                         "--concurrency", args.concurrency, "--num-prompts", str(args.num_prompts),
                         "--duration", str(args.duration), "--input-len", str(args.input_len),
                         "--output-len", str(args.output_len), "--seed", str(seed), "--no-progress",
-                        "--json", str(out)], check=True, stdout=sys.stderr)
+                        *long_prompt_args(args), "--json", str(out)], check=True, stdout=sys.stderr)
         run = json.loads(out.read_text())
         run["memory"] = {"idle_pss_bytes": idle, "peak_pss_bytes": memory.stop()}
         run["command"] = cmd
@@ -137,7 +137,23 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
         stop(proc)
 
 
+def long_prompt_args(args: argparse.Namespace) -> list[str]:
+    """loadgen's --long-prompt run (tools/loadgen/interference.py) instead of a sweep, if asked."""
+    if args.long_prompt is None:
+        return []
+    return ["--long-prompt", str(args.long_prompt), "--long-output-len", str(args.output_len),
+            "--baseline", str(args.duration)]
+
+
+def long_prompt_table(ours: dict, theirs: dict | None) -> str:
+    from ringserve.tools.loadgen.interference import format_result
+    return "\n\n".join(f"{name}: {format_result(run['long_prompt'])}"
+                        for name, run in (("ringserve", ours), ("llama-server", theirs)) if run)
+
+
 def table(ours: dict, theirs: dict | None) -> str:
+    if "long_prompt" in ours:
+        return long_prompt_table(ours, theirs)
     if theirs is None:  # ringserve alone (another setting of ours against a llama-server run)
         rows = ["| concurrency | ringserve tok/s | TTFT p50 ms | TPOT p50 ms |", "|---:|---:|---:|---:|"]
         rows += [f"| {p['load']['concurrency']} | {p['summary']['output_throughput']:.1f} | "
@@ -175,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, default=None, help="write both runs here")
     p.add_argument("--no-llama-server", action="store_true", help="sweep ringserve only")
+    p.add_argument("--long-prompt", type=int, default=None, metavar="TOKENS",
+                   help="instead of the sweep: --concurrency streams of --input-len / --output-len "
+                        "decode (--duration s alone first) while one TOKENS-token prompt arrives")
     args = p.parse_args(argv)
-    slots = max(int(c) for c in args.concurrency.split(","))
+    slots = max(int(c) for c in args.concurrency.split(",")) + (args.long_prompt is not None)
     # The same KV cache on both: room for every slot's whole context, float16 (llama.cpp's default).
     context = args.max_model_len * slots
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp.") as tmp:
