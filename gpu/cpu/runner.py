@@ -42,8 +42,9 @@ from ringserve.gpu.settings import (
 _BLAS = ThreadpoolController()
 log = logging.getLogger(__name__)
 # A fresh compile of the CPU kernels (an empty Numba cache): the default model's warm-up took
-# 6.3 s on the 2-core dev machine (shared, 2026-12), and the first request 10.7 s in issue 31.
-COMPILE_ESTIMATE_S = 10
+# 6.3 s on the 2-core dev machine (shared, 2026-12), and the first request 10.7 s in issue 31;
+# the tiled prefill attention (a parallel region) adds ~8 s of CPU (2026-12-05).
+COMPILE_ESTIMATE_S = 18
 
 
 class CpuModelRunner:
