@@ -66,6 +66,19 @@ def tree_pss_bytes(pid: int) -> int:
     return total
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the tree's live processes have used: the work a run cost, which a
+    busy machine stretches in wall time but hardly changes (a same-run measure under load)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class PeakMemory:
     """Samples a process tree's PSS every `every` seconds until stopped; keeps the peak."""
 
@@ -120,7 +133,7 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
     print(f"== {name}: {shlex.join(cmd)}", file=sys.stderr)
     proc = start(cmd, url, work / f"{name}.log", args.start_timeout)
     try:
-        idle = tree_pss_bytes(proc.pid)
+        idle, cpu = tree_pss_bytes(proc.pid), tree_cpu_seconds(proc.pid)
         memory = PeakMemory(proc.pid)
         out = work / f"{name}.json"
         subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "loadgen", "--mode", "http",
@@ -131,6 +144,7 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
                         *long_prompt_args(args), "--json", str(out)], check=True, stdout=sys.stderr)
         run = json.loads(out.read_text())
         run["memory"] = {"idle_pss_bytes": idle, "peak_pss_bytes": memory.stop()}
+        run["cpu_seconds"] = tree_cpu_seconds(proc.pid) - cpu  # the load generator's run, warm-up included
         run["command"] = cmd
         return run
     finally:
@@ -151,15 +165,24 @@ def long_prompt_table(ours: dict, theirs: dict | None) -> str:
                         for name, run in (("ringserve", ours), ("llama-server", theirs)) if run)
 
 
+def cpu_line(ours: dict, theirs: dict | None) -> str:
+    text = f"CPU seconds of the run (process tree): ringserve {ours['cpu_seconds']:.1f}"
+    if theirs is not None:
+        text += (f", llama-server {theirs['cpu_seconds']:.1f} "
+                 f"(ratio {ours['cpu_seconds'] / max(theirs['cpu_seconds'], 1e-9):.2f})")
+    return text
+
+
 def table(ours: dict, theirs: dict | None) -> str:
     if "long_prompt" in ours:
-        return long_prompt_table(ours, theirs)
+        return long_prompt_table(ours, theirs) + "\n" + cpu_line(ours, theirs)
     if theirs is None:  # ringserve alone (another setting of ours against a llama-server run)
         rows = ["| concurrency | ringserve tok/s | TTFT p50 ms | TPOT p50 ms |", "|---:|---:|---:|---:|"]
         rows += [f"| {p['load']['concurrency']} | {p['summary']['output_throughput']:.1f} | "
                  f"{p['summary']['ttft']['median']:.0f} | {p['summary']['tpot']['median']:.1f} |"
                  for p in ours["points"]]
         rows.append(f"\npeak memory (PSS): ringserve {ours['memory']['peak_pss_bytes'] / 1e9:.2f} GB")
+        rows.append(cpu_line(ours, None))
         return "\n".join(rows)
     rows = ["| concurrency | ringserve tok/s | llama-server tok/s | ratio | ringserve TTFT p50 ms "
             "| llama-server TTFT p50 ms |", "|---:|---:|---:|---:|---:|---:|"]
@@ -172,6 +195,7 @@ def table(ours: dict, theirs: dict | None) -> str:
     mine, peer = ours["memory"]["peak_pss_bytes"], theirs["memory"]["peak_pss_bytes"]
     rows.append(f"\npeak memory (PSS of the process tree): ringserve {mine / 1e9:.2f} GB, "
                 f"llama-server {peer / 1e9:.2f} GB (ratio {mine / max(peer, 1):.2f})")
+    rows.append(cpu_line(ours, theirs))
     return "\n".join(rows)
 
 
