@@ -132,8 +132,9 @@ class CpuModelRunner:
 
     def _hidden_states(self, batch: Batch) -> np.ndarray:
         """Every token's final-normed hidden state [T, hidden]; writes the step's K/V."""
-        if self.num_threads > 1:
-            numba.set_num_threads(self.num_threads)  # per calling thread in Numba
+        # NOTE: per calling thread in Numba; also at 1: the tiled prefill attention is a parallel
+        # region whatever the setting, and would otherwise take all NUMBA_NUM_THREADS
+        numba.set_num_threads(self.num_threads)
         ropes = self.rope_tables(int(batch.positions.max()))
         buf = CpuStepBuffers(self.config, batch)
         self.model.hidden_states(self.ops, self.weights, buf, self.kv_caches, None, ropes)
