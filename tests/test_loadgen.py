@@ -115,3 +115,30 @@ def test_errors_are_one_line(capsys, tmp_path, unused_port):
     assert capsys.readouterr().err.startswith("error: ")
     assert main(["loadgen", "--goodput", "itl:5"]) == 1
     assert "goodput" in capsys.readouterr().err
+
+
+def test_long_prompt_among_decoding_streams(server_url, tmp_path, capsys, tiny_model_dir):
+    """--long-prompt: two streams decode, one 200-token prompt arrives; the streams' gaps before
+    it, during its prefill and during its decode, and its own, are reported."""
+    doc = _loadgen(tmp_path, "long", "--mode", "http", "--base-url", server_url,
+                   "--tokenizer", str(tiny_model_dir), "--concurrency", "2",
+                   "--input-len", "8", "--output-len", "16", "--long-prompt", "200",
+                   "--long-output-len", "8", "--baseline", "0.5")
+    m = doc["long_prompt"]
+    assert (m["streams"], m["long_prompt_len"]) == (2, 200) and m["long_ttft_ms"] > 0
+    assert m["long_itl_ms"]["count"] <= 7  # a chunk may hold several tokens
+    assert m["streams_itl_baseline_ms"]["count"] > 0
+    assert m["streams_itl_baseline_ms"]["p50"] <= m["streams_itl_baseline_ms"]["p99"]
+    assert "| streams, during its prefill |" in capsys.readouterr().out
+
+
+def test_gaps_are_placed_by_when_they_end():
+    from ringserve.tools.loadgen.interference import gaps_ending_in
+    from ringserve.tools.loadgen.stats import RequestResult
+    # events at 10.5, 11.0, 12.0, 14.0 and, for the second, 11.5 and 11.75
+    a = RequestResult(prompt_len=1, ttft=0.5, itl=[0.5, 1.0, 2.0], sent_at=10.0, success=True)
+    b = RequestResult(prompt_len=1, ttft=1.5, itl=[0.25], sent_at=10.0, success=True)
+    failed = RequestResult(prompt_len=1, ttft=0.1, itl=[0.1], sent_at=11.0)
+    assert sorted(gaps_ending_in([a, b, failed], 11.0, 12.0)) == [0.25, 0.5]
+    assert gaps_ending_in([a, b], 12.0, 14.0) == [1.0]
+    assert gaps_ending_in([a, b], 14.5, 20.0) == []

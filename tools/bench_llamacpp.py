@@ -28,13 +28,26 @@ from pathlib import Path
 
 import httpx
 
-from ringserve.server.memory import tree_pss_bytes
+from ringserve.server.memory import process_tree, tree_pss_bytes
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the tree's live processes have used: the work a run cost, which a
+    busy machine stretches in wall time but hardly changes (a same-run measure under load)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class PeakMemory:
@@ -108,7 +121,7 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
     print(f"== {name}: {shlex.join(cmd)}", file=sys.stderr)
     proc = start(cmd, url, work / f"{name}.log", args.start_timeout)
     try:
-        idle = tree_pss_bytes(proc.pid)
+        idle, cpu = tree_pss_bytes(proc.pid), tree_cpu_seconds(proc.pid)
         memory = PeakMemory(proc.pid)
         out = work / f"{name}.json"
         subprocess.run([sys.executable, "-m", "ringserve.tools.cli", "loadgen", "--mode", "http",
@@ -116,16 +129,41 @@ def sweep(name: str, cmd: list[str], port: int, args: argparse.Namespace, seed: 
                         "--concurrency", args.concurrency, "--num-prompts", str(args.num_prompts),
                         "--duration", str(args.duration), "--input-len", str(args.input_len),
                         "--output-len", str(args.output_len), "--seed", str(seed), "--no-progress",
-                        "--json", str(out)], check=True, stdout=sys.stderr)
+                        *long_prompt_args(args), "--json", str(out)], check=True, stdout=sys.stderr)
         run = json.loads(out.read_text())
         run["memory"] = {"idle_pss_bytes": idle, "peak_pss_bytes": memory.stop(), **memory_parts(url)}
+        run["cpu_seconds"] = tree_cpu_seconds(proc.pid) - cpu  # the load generator's run, warm-up included
         run["command"] = cmd
         return run
     finally:
         stop(proc)
 
 
+def long_prompt_args(args: argparse.Namespace) -> list[str]:
+    """loadgen's --long-prompt run (tools/loadgen/interference.py) instead of a sweep, if asked."""
+    if args.long_prompt is None:
+        return []
+    return ["--long-prompt", str(args.long_prompt), "--long-output-len", str(args.output_len),
+            "--baseline", str(args.duration)]
+
+
+def long_prompt_table(ours: dict, theirs: dict | None) -> str:
+    from ringserve.tools.loadgen.interference import format_result
+    return "\n\n".join(f"{name}: {format_result(run['long_prompt'])}"
+                        for name, run in (("ringserve", ours), ("llama-server", theirs)) if run)
+
+
+def cpu_line(ours: dict, theirs: dict | None) -> str:
+    text = f"CPU seconds of the run (process tree): ringserve {ours['cpu_seconds']:.1f}"
+    if theirs is not None:
+        text += (f", llama-server {theirs['cpu_seconds']:.1f} "
+                 f"(ratio {ours['cpu_seconds'] / max(theirs['cpu_seconds'], 1e-9):.2f})")
+    return text
+
+
 def table(ours: dict, theirs: dict | None) -> str:
+    if "long_prompt" in ours:
+        return long_prompt_table(ours, theirs) + "\n" + cpu_line(ours, theirs)
     if theirs is None:  # ringserve alone (another setting of ours against a llama-server run)
         rows = ["| concurrency | ringserve tok/s | TTFT p50 ms | TPOT p50 ms |", "|---:|---:|---:|---:|"]
         rows += [f"| {p['load']['concurrency']} | {p['summary']['output_throughput']:.1f} | "
@@ -133,6 +171,7 @@ def table(ours: dict, theirs: dict | None) -> str:
                  for p in ours["points"]]
         rows.append(f"\npeak memory (PSS): ringserve {ours['memory']['peak_pss_bytes'] / 1e9:.2f} GB")
         rows.append(_parts(ours["memory"]))
+        rows.append(cpu_line(ours, None))
         return "\n".join(rows)
     rows = ["| concurrency | ringserve tok/s | llama-server tok/s | ratio | ringserve TTFT p50 ms "
             "| llama-server TTFT p50 ms |", "|---:|---:|---:|---:|---:|---:|"]
@@ -146,6 +185,7 @@ def table(ours: dict, theirs: dict | None) -> str:
     rows.append(f"\npeak memory (PSS of the process tree): ringserve {mine / 1e9:.2f} GB, "
                 f"llama-server {peer / 1e9:.2f} GB (ratio {mine / max(peer, 1):.2f})")
     rows.append(_parts(ours["memory"]))
+    rows.append(cpu_line(ours, theirs))
     return "\n".join(rows)
 
 
@@ -172,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, default=None, help="write both runs here")
     p.add_argument("--no-llama-server", action="store_true", help="sweep ringserve only")
+    p.add_argument("--long-prompt", type=int, default=None, metavar="TOKENS",
+                   help="instead of the sweep: --concurrency streams of --input-len / --output-len "
+                        "decode (--duration s alone first) while one TOKENS-token prompt arrives")
     args = p.parse_args(argv)
-    slots = max(int(c) for c in args.concurrency.split(","))
+    slots = max(int(c) for c in args.concurrency.split(",")) + (args.long_prompt is not None)
     # The same KV cache on both: room for every slot's whole context, float16 (llama.cpp's default).
     context = args.max_model_len * slots
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp.") as tmp:

@@ -22,9 +22,11 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
 def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,  # noqa: C901
-                    scale, window, out):  # pragma: no cover - compiled
+                    scale, window, out, max_tokens=2**62):  # pragma: no cover - compiled
     """q [T, H, D], k/v_cache [num_blocks, block_size, KVH, D] in their storage type
-    (gpu/cpu/kv_dtypes.py) -> out [T, H, D] (written). window 0: full causal attention."""
+    (gpu/cpu/kv_dtypes.py) -> out [T, H, D] (written). window 0: full causal attention. A
+    request with more than max_tokens query tokens is left alone (gpu/cpu/prefill_attention.py
+    takes those)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads  # query heads per KV head (GQA)
@@ -35,6 +37,8 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
     scores = np.empty((group, max_len), dtype=np.float32)
     acc = np.empty((group, head_dim), dtype=np.float32)
     for r in range(num_reqs):
+        if query_start_loc[r + 1] - query_start_loc[r] > max_tokens:
+            continue
         for t in range(query_start_loc[r], query_start_loc[r + 1]):
             num_keys = min(positions[t] + 1, seq_lens[r])
             first = 0 if window <= 0 else max(0, positions[t] + 1 - window)  # the window's first key

@@ -32,6 +32,8 @@ from ringserve.gpu.cpu.packed import (
     packed_nbytes,
     packed_rows,
 )
+from ringserve.gpu.cpu.prefill_attention import MIN_TOKENS as TILED_MIN_TOKENS
+from ringserve.gpu.cpu.prefill_attention import prefill_attention
 from ringserve.gpu.loader.config import ModelConfig
 
 F32 = np.float32
@@ -106,6 +108,8 @@ class CpuStepBuffers:
         self.input_ids, self.positions, self.slot_mapping = b.input_ids, b.positions, b.slot_mapping
         self.query_start_loc, self.seq_lens, self.block_tables = (b.query_start_loc, b.seq_lens,
                                                                   b.block_tables)
+        # a request with this many query tokens (a prompt chunk) takes the tiled attention
+        self.tiled_attention = bool((np.diff(b.query_start_loc) >= TILED_MIN_TOKENS).any())
         self.h = np.empty((T, c.hidden_size), F32)       # the residual stream
         self.x = np.empty_like(self.h)                   # the normed input of the next linear
         self.delta = np.empty_like(self.h)               # attention / MLP output, added to h
@@ -167,8 +171,13 @@ class CpuOps:
     def attention(self, buf: CpuStepBuffers, cos, sin, k_cache, v_cache, launch: None, window: int) -> None:
         # PERF: one pass: q rotated into buf.q, k rotated and v copied straight into the cache
         rope_store_kv(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
-        paged_attention(buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
-                        buf.block_tables, self.scale, window, buf.attn_heads)
+        args = (buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
+                buf.block_tables, self.scale, window, buf.attn_heads)
+        paged_attention(*args, TILED_MIN_TOKENS - 1)  # decodes and short chunks: the per-token loop
+        if buf.tiled_attention:
+            # PERF: prompt chunks by query tiles over all threads: each key read once per tile,
+            # not once per query token
+            prefill_attention(*args)
 
     def silu_mul(self, gate_up, out) -> None:
         silu_mul(gate_up, out)

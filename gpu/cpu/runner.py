@@ -42,8 +42,9 @@ from ringserve.gpu.settings import (
 _BLAS = ThreadpoolController()
 log = logging.getLogger(__name__)
 # A fresh compile of the CPU kernels (an empty Numba cache): the default model's warm-up took
-# 6.3 s on the 2-core dev machine (shared, 2026-12), and the first request 10.7 s in issue 31.
-COMPILE_ESTIMATE_S = 10
+# 6.3 s on the 2-core dev machine (shared, 2026-12), and the first request 10.7 s in issue 31;
+# the tiled prefill attention (a parallel region) adds ~8 s of CPU (2026-12-05).
+COMPILE_ESTIMATE_S = 18
 
 
 class CpuModelRunner:
@@ -131,8 +132,9 @@ class CpuModelRunner:
 
     def _hidden_states(self, batch: Batch) -> np.ndarray:
         """Every token's final-normed hidden state [T, hidden]; writes the step's K/V."""
-        if self.num_threads > 1:
-            numba.set_num_threads(self.num_threads)  # per calling thread in Numba
+        # NOTE: per calling thread in Numba; also at 1: the tiled prefill attention is a parallel
+        # region whatever the setting, and would otherwise take all NUMBA_NUM_THREADS
+        numba.set_num_threads(self.num_threads)
         ropes = self.rope_tables(int(batch.positions.max()))
         buf = CpuStepBuffers(self.config, batch)
         self.model.hidden_states(self.ops, self.weights, buf, self.kv_caches, None, ropes)

@@ -43,7 +43,7 @@ class _Timer:
 
     def __init__(self, result: RequestResult):
         self.r = result
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = result.sent_at = time.perf_counter()
         self.events = 0
 
     def event(self) -> None:

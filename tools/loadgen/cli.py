@@ -87,6 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--duration", type=float, default=None, help="seconds per load point to keep issuing")
     a.add_argument("--warmup", type=int, default=1,
                    help="requests sent and discarded before the first point (also checks the set-up)")
+    i = p.add_argument_group("a long prompt among decoding streams (tools/loadgen/interference.py)")
+    i.add_argument("--long-prompt", type=int, default=None, metavar="TOKENS",
+                   help="instead of a sweep: --concurrency N streams decode while one prompt of TOKENS "
+                        "arrives; their inter-token latency during its prefill against before it")
+    i.add_argument("--long-output-len", type=int, default=64, help="tokens the long prompt generates")
+    i.add_argument("--baseline", type=float, default=10.0,
+                   help="seconds the streams decode alone before the long prompt is sent")
     r = p.add_argument_group("report")
     r.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (names: ttft, tpot, e2el)")
@@ -111,6 +118,9 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--dataset jsonl needs --dataset-path")
     if args.max_concurrency is not None and args.request_rate is None:
         raise ValueError("--max-concurrency goes with --request-rate (use --concurrency alone)")
+    if args.long_prompt is not None and (args.request_rate is not None or len(args.concurrency or [1]) > 1
+                                         or args.long_prompt < 1 or args.dataset != "random"):
+        raise ValueError("--long-prompt takes one --concurrency, the random dataset and at least 1 token")
 
 
 def _loads(args: argparse.Namespace):
@@ -177,6 +187,8 @@ async def _run(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, An
                                               progress=False)
             if summary.failed:
                 raise RuntimeError(f"the warm-up request failed: {results[0].error}")
+        if args.long_prompt is not None:
+            return await _long_prompt(args, backend, pool)
         for i, load in enumerate(_loads(args)):
             # Fresh prompts per point: a point must not profit from an earlier one's prefix cache.
             rng = np.random.default_rng([args.seed, i])
@@ -201,6 +213,22 @@ async def _run(args: argparse.Namespace, slos: dict[str, float]) -> dict[str, An
     if len(points) > 1:
         print(sweep_table(doc["points"]))
     return doc
+
+
+async def _long_prompt(args: argparse.Namespace, backend, pool) -> dict[str, Any]:
+    import numpy as np
+
+    from ringserve.tools.loadgen import interference, workload
+    rng = np.random.default_rng([args.seed, 2])
+    long = next(workload.random_requests(pool, args.long_prompt, args.long_output_len, rng))
+    result = await interference.measure(backend, (args.concurrency or [1])[0],
+                                        workload.random_requests(pool, args.input_len, args.output_len, rng),
+                                        long, args.baseline)
+    print(interference.format_result(result), flush=True)
+    return {"format": "ringserve-loadgen-long-prompt/1", "backend": backend.describe(),
+            "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "long_prompt",
+                                                       "long_output_len", "baseline", "seed")},
+            "long_prompt": result, "points": []}
 
 
 def command(args: argparse.Namespace) -> int:

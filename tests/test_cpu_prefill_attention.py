@@ -1,0 +1,121 @@
+"""gpu/cpu/prefill_attention.py: the tiled attention of long prompt chunks is the paged
+attention of gpu/cpu/attention.py's loop and of a float64 reference, for every CPU cache type,
+GQA groups, sliding windows (never reading a block freed before a window) and mixed steps
+(decodes, short chunks and long chunks at any offset in one step), as CpuOps runs them."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from paged_cases import free_before_windows, paged_layout
+from ringserve.gpu.cpu.attention import paged_attention
+from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES, kv_load, kv_store
+from ringserve.gpu.cpu.prefill_attention import KEY_BLOCK, MIN_TOKENS, prefill_attention
+
+# (tokens cached before this step, new tokens): decodes, a short chunk, long chunks from the
+# start and after a cached prefix, one ending mid key block and mid tile
+MIXED = [(40, 1), (0, 5), (0, 150), (97, 1), (203, 77), (3, MIN_TOKENS), (0, 1)]
+
+
+@njit
+def _store(values, out):  # pragma: no cover - compiled
+    for i in range(values.shape[0]):
+        out[i] = kv_store(values[i], out)
+
+
+@njit
+def _load(stored, out):  # pragma: no cover - compiled
+    for i in range(stored.shape[0]):
+        out[i] = kv_load(stored[i])
+
+
+def reference(q, k, v, positions, qsl, seq_lens, tables, scale, window):
+    """Float64 paged attention over the cache's float32 values k, v (widened)."""
+    block_size = k.shape[1]
+    group = q.shape[1] // k.shape[2]
+    out = np.zeros(q.shape, np.float64)
+    for r in range(len(seq_lens)):
+        for t in range(qsl[r], qsl[r + 1]):
+            last = min(int(positions[t]) + 1, int(seq_lens[r]))
+            j = np.arange(0 if window <= 0 else max(0, int(positions[t]) + 1 - window), last)
+            blocks, rows = tables[r, j // block_size], j % block_size
+            kk = np.repeat(k[blocks, rows].astype(np.float64), group, axis=1)  # [n, H, D]
+            vv = np.repeat(v[blocks, rows].astype(np.float64), group, axis=1)
+            s = np.einsum("hd,nhd->hn", q[t].astype(np.float64), kk) * scale
+            p = np.exp(s - s.max(-1, keepdims=True))
+            out[t] = np.einsum("hn,nhd->hd", p / p.sum(-1, keepdims=True), vv)
+    return out
+
+
+def _case(dtype, heads, kv_heads, window, requests=MIXED, block_size=16, head_dim=32, seed=0):
+    rng = np.random.default_rng(seed)
+    layout = paged_layout(rng, requests, block_size=block_size)
+    shape = (layout["num_blocks"], block_size, kv_heads, head_dim)
+    stored, wide = [], []
+    for _ in range(2):  # k, v: stored in the cache's type, and the float32 values that holds
+        x = np.empty(shape, KV_CACHE_DTYPES[dtype])
+        _store((rng.standard_normal(int(np.prod(shape))) * 2).astype(np.float32), x.reshape(-1))
+        w = np.empty(shape, np.float32)
+        _load(x.reshape(-1), w.reshape(-1))
+        stored.append(x)
+        wide.append(w)
+    tables = layout["block_tables"]
+    spare = np.setdiff1d(np.arange(layout["num_blocks"]), tables)[0]
+    for x in stored + wide:   # NOTE: a read of a block freed before a window shows as NaN
+        x[spare] = _nan_of(x.dtype)
+    if window:
+        tables = free_before_windows(tables, requests, block_size=block_size, window=window, null=spare)
+    q = rng.standard_normal((len(layout["positions"]), heads, head_dim)).astype(np.float32)
+    args = (layout["positions"], layout["query_start_loc"], layout["seq_lens"], tables,
+            np.float32(head_dim ** -0.5), window)
+    return q, stored, wide, args
+
+
+def _nan_of(dtype):
+    return {np.float32: np.nan, np.uint16: 0x7FC0, np.int16: 0x7E00}[np.dtype(dtype).type]
+
+
+def _as_ops_runs(q, k, v, args):
+    """CpuOps.attention's two calls for a step with long chunks."""
+    out = np.full_like(q, np.nan)
+    prefill_attention(q, k, v, *args, out)
+    paged_attention(q, k, v, *args, out, MIN_TOKENS - 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", list(KV_CACHE_DTYPES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2)])
+@pytest.mark.parametrize("window", [0, 1, KEY_BLOCK + 3])
+def test_tiled_is_the_loop_and_the_float64_reference(dtype, heads, kv_heads, window):
+    q, (k, v), (wide_k, wide_v), args = _case(dtype, heads, kv_heads, window)
+    got = _as_ops_runs(q, k, v, args)
+    loop = np.empty_like(q)
+    paged_attention(q, k, v, *args, loop)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, loop, rtol=1e-5, atol=1e-5)
+    want = reference(q, wide_k, wide_v, *args)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_only_long_chunks_are_tiled_and_the_loop_leaves_them_alone():
+    q, (k, v), _, args = _case("float32", 4, 2, 0)
+    qsl = args[1]
+    tiled = np.full_like(q, 7.0)
+    prefill_attention(q, k, v, *args, tiled)
+    looped = np.full_like(q, 7.0)
+    paged_attention(q, k, v, *args, looped, MIN_TOKENS - 1)
+    for r, (start, end) in enumerate(zip(qsl[:-1], qsl[1:], strict=True)):
+        long_chunk = end - start >= MIN_TOKENS
+        assert (tiled[start:end] == 7.0).all() != long_chunk, r
+        assert (looped[start:end] == 7.0).all() == long_chunk, r
+
+
+def test_a_large_logit_spread_and_one_request_over_many_key_blocks():
+    """Scores far apart (the running max rises block after block, exp underflows) over a
+    1,000-key context in 32-key blocks: still the reference."""
+    q, (k, v), (wide_k, wide_v), args = _case("float32", 4, 1, 0, requests=[(900, 100)],
+                                              block_size=32, seed=3)
+    k *= np.linspace(0.1, 8, k.shape[0] * k.shape[1], dtype=np.float32).reshape(k.shape[:2])[..., None, None]
+    got = _as_ops_runs(q, k, v, args)
+    np.testing.assert_allclose(got, reference(q, k, v, *args), rtol=1e-5, atol=1e-5)
