@@ -184,8 +184,9 @@ def test_forward_through_the_runners_gemm_matches_the_cpu_backend(tiny_cuda_mode
 
 def test_a_packed_forward_through_the_runners_ops(tmp_path, cuda_host, cuda_ops_class, monkeypatch):
     """CudaOps's own linear and embedding over a tiny Q4_K_M GGUF (a Q6_K embedding, QKV split
-    into Q4_K and Q6_K parts): quant.cu (host build) through QuantLinear, the dequantized chunks
-    of the prefill through CublasGemm over the cuBLAS stand-in, against the CPU backend."""
+    into Q4_K and Q6_K parts): quant.cu (host build) through QuantLinear against the CPU backend;
+    every packed linear stays in quant.cu (quant_linear's crossover: the mat-vec for the decodes,
+    the tiled GEMM for the prefill), none is dequantized into cuBLAS."""
     from ringserve.gpu.cuda.quant_linear import QuantLinear
     model_dir = fwd.tiny_gguf(tmp_path, "q4_k_m", monkeypatch)
     host = fwd.HostRunner(model_dir, cuda_host)
@@ -204,12 +205,11 @@ def test_a_packed_forward_through_the_runners_ops(tmp_path, cuda_host, cuda_ops_
     host.ops = ops_class(c, cuda_host)
     cpu = ModelRunner(model_dir, DeviceConfig(device="cpu"),
                       CacheConfig(num_gpu_blocks_override=fwd.NUM_BLOCKS, block_size=fwd.BLOCK_SIZE))
-    prompts = [[1, 5, 9, 33, 7], [1, 200, 3] + list(range(40, 100))]  # 68 rows: dequantize + GEMM
+    prompts = [[1, 5, 9, 33, 7], [1, 200, 3] + list(range(40, 100))]  # 68 rows: the tiled GEMM
     tables = np.random.default_rng(5).permutation(fwd.NUM_BLOCKS)[:8].reshape(2, 4).astype(np.int32)
     decode_against_cpu(cpu, host, prompts, tables, fwd.BLOCK_SIZE, 2, graph=True)
-    # the prefill (68 rows > 64): packed weights dequantized into workspace chunks, each GEMMed
-    # by cuBLAS's stand-in (checked against x @ chunk.T); the decodes stay in quant.cu
-    assert host.ops.gemm.shapes and all(n * k <= 1 << 16 for n, k in host.ops.gemm.shapes)
+    # the prefill (68 rows) and the decodes alike: no packed weight reaches cuBLAS's stand-in
+    assert not host.ops.gemm.shapes, host.ops.gemm.shapes
 
 
 # What runs inside a capture: CudaOps (runner.py) and the modules it launches through.

@@ -167,13 +167,8 @@ def loadgen(url: str, model: Path, mode: str, concurrency: int, out: Path, *, in
            "--tokenizer", str(model), "--concurrency", str(concurrency), "--num-prompts", str(num_prompts),
            "--input-len", str(input_len), "--output-len", str(output_len), "--warmup", "1",
            "--json", str(out), "--no-progress", "--seed", "0"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"loadgen past its {timeout:.0f} s limit"}
-    if not out.exists():
-        return {"error": f"loadgen exited {proc.returncode}: {proc.stderr.strip()[-500:]}"}
-    return json.loads(out.read_text())["points"][0]["summary"]
+    got = _json_of(cmd, out, timeout, "loadgen")
+    return got if "error" in got else got["points"][0]["summary"]
 
 
 def forward(model: Path, device: str, batches: list[int], context: int, out: Path, timeout: float) -> dict:
@@ -181,12 +176,17 @@ def forward(model: Path, device: str, batches: list[int], context: int, out: Pat
     (its device memory gone before the server starts): {"batch": tok/s}, or {"error": ...}."""
     cmd = [sys.executable, "-m", "ringserve.tools.forward_rate", "--model", str(model), "--device", device,
            "--batches", ",".join(map(str, batches)), "--context", str(context), "--json", str(out)]
+    return _json_of(cmd, out, timeout, "forward_rate")
+
+
+def _json_of(cmd: list[str], out: Path, timeout: float, name: str) -> dict:
+    """Run a tool that writes its result to `out` as JSON: that result, or {"error": ...}."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"forward_rate past its {timeout:.0f} s limit"}
+        return {"error": f"{name} past its {timeout:.0f} s limit"}
     if not out.exists():
-        return {"error": f"forward_rate exited {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+        return {"error": f"{name} exited {proc.returncode}: {proc.stderr.strip()[-500:]}"}
     return json.loads(out.read_text())
 
 

@@ -111,7 +111,9 @@ class CpuModelRunner:
             ids = np.zeros(tokens, np.int32)
             self.execute(Batch(ids, np.arange(tokens, dtype=np.int32), np.full(tokens, -1, np.int32),
                                np.array([0, tokens], np.int32), np.array([tokens], np.int32),
-                               np.zeros((1, 1), np.int32)))
+                               # NOTE: a table as long as the keys read (all block 0): the
+                               # attention reads every key of seq_lens, whatever the block size
+                               np.zeros((1, -(-tokens // self.block_size)), np.int32)))
         log.info("kernels %s in %.2f s", "compiled" if first else "loaded", time.perf_counter() - t0)
 
     @property
