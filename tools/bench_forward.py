@@ -133,7 +133,7 @@ class Ours:
                 delattr(runner.ops, name)  # the class's method again
         return statistics.median(times)
 
-    _timed = ("embedding", "linear", "add_rms_norm", "rms_norm", "qk_norm", "rope_store_kv", "attention",
+    _timed = ("embedding", "linear", "add_rms_norm", "rms_norm", "qk_norm", "attention",
               "silu_mul", "gelu_tanh_mul", "gather_rows", "to_float32")
 
     def _time_ops(self) -> None:

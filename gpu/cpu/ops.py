@@ -32,7 +32,7 @@ from ringserve.gpu.cpu.packed import (
     packed_nbytes,
     packed_rows,
 )
-from ringserve.gpu.cpu.prefill_attention import MIN_TOKENS as TILED_MIN_TOKENS
+from ringserve.gpu.cpu.prefill_attention import SERVED_MIN_TOKENS as TILED_MIN_TOKENS
 from ringserve.gpu.cpu.prefill_attention import prefill_attention
 from ringserve.gpu.loader.config import ModelConfig
 
@@ -177,7 +177,7 @@ class CpuOps:
         if buf.tiled_attention:
             # PERF: prompt chunks by query tiles over all threads: each key read once per tile,
             # not once per query token
-            prefill_attention(*args)
+            prefill_attention(*args, TILED_MIN_TOKENS)
 
     def silu_mul(self, gate_up, out) -> None:
         silu_mul(gate_up, out)

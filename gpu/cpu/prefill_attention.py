@@ -26,6 +26,12 @@ from ringserve.gpu.cpu.kv_dtypes import kv_load
 # A request's chunk of at least this many query tokens takes this path (fewer: attention.py's
 # loop, which a decode step's single queries need and which the tile would only pad).
 MIN_TOKENS = 16
+# The CPU runner sends a request's chunk here only from this many query tokens; below, the
+# per-token loop (attention.py), whose numbers do not depend on how a prompt is chunked or
+# prefix-cached. This kernel's blockwise sums round differently, so a prompt computed here and
+# the same prompt's tail recomputed after a prefix-cache hit can differ at a near-tie: kept to
+# the long chunks where its speed pays (docs/bench_forward.md).
+SERVED_MIN_TOKENS = 256
 TILE_ROWS = 128  # query rows (tokens x grouped heads) of a tile
 KEY_BLOCK = 32   # keys a tile reads at once (with TILE_ROWS: the fastest of 16-64 x 32-256 here)
 _NEG_INF = np.float32(-np.inf)
@@ -33,19 +39,19 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # as attention.py: -inf stay
 
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
-def _tiles(query_start_loc, group):  # pragma: no cover - compiled
+def _tiles(query_start_loc, group, min_tokens):  # pragma: no cover - compiled
     """[n, 3] (request, first query token, tokens) of every tile of the step's long chunks; each
     tile is run once per KV head."""
     tokens_per_tile = max(1, TILE_ROWS // group)
     n = 0
     for r in range(query_start_loc.shape[0] - 1):
         q_len = query_start_loc[r + 1] - query_start_loc[r]
-        if q_len >= MIN_TOKENS:
+        if q_len >= min_tokens:
             n += (q_len + tokens_per_tile - 1) // tokens_per_tile
     tiles = np.empty((n, 3), np.int64)
     i = 0
     for r in range(query_start_loc.shape[0] - 1):
-        if query_start_loc[r + 1] - query_start_loc[r] < MIN_TOKENS:
+        if query_start_loc[r + 1] - query_start_loc[r] < min_tokens:
             continue
         for t0 in range(query_start_loc[r], query_start_loc[r + 1], tokens_per_tile):
             tiles[i, 0], tiles[i, 1] = r, t0
@@ -189,11 +195,11 @@ def _tile(q, k_cache, v_cache, positions, seq_len, block_table, scale, window, k
 
 @njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", parallel=True)
 def prefill_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
-                      scale, window, out):  # pragma: no cover - compiled
-    """attention.py's paged_attention for the requests with MIN_TOKENS or more query tokens in
+                      scale, window, out, min_tokens=MIN_TOKENS):  # pragma: no cover - compiled
+    """attention.py's paged_attention for the requests with min_tokens (MIN_TOKENS) or more query tokens in
     this step (the others' rows of out are left alone), its tiles split over Numba's threads."""
     num_kv_heads = k_cache.shape[2]
-    tiles = _tiles(query_start_loc, q.shape[1] // num_kv_heads)
+    tiles = _tiles(query_start_loc, q.shape[1] // num_kv_heads, min_tokens)
     for w in prange(tiles.shape[0] * num_kv_heads):
         tile, kvh = w // num_kv_heads, w % num_kv_heads
         r = tiles[tile, 0]

@@ -28,9 +28,9 @@ class RequestResult:
     ttft: float = 0.0                 # seconds
     itl: list[float] = field(default_factory=list)  # seconds between consecutive output chunks
     latency: float = 0.0              # E2E seconds
-    sent_at: float = 0.0              # time.perf_counter() when sent: places its events in time
     success: bool = False
     error: str = ""
+    sent_at: float = 0.0              # time.perf_counter() when sent: places its events in time
 
     @property
     def tpot(self) -> float | None:
