@@ -240,4 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # NOTE: a SIGTERM (a timeout, a kill) unwinds like Ctrl-C, so that sweep's `finally` stops the
+    # server it started in its own session; Python's default exits past it and leaves it serving.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main())
