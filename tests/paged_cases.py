@@ -1,9 +1,27 @@
 """The layout of a paged-attention test case: requests of (tokens already cached, new tokens)
 packed into one super-sequence, their blocks shuffled over the pool; shared by the kernel tests
-(tests/test_cuda_sim.py, tests/test_cuda_host.py)."""
+(tests/test_cuda_sim.py, tests/test_cuda_host.py, the CPU ones); and a CPU cache's values moved
+into and out of its storage type (gpu/cpu/kv_dtypes.py)."""
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
+
+from ringserve.gpu.cpu.kv_dtypes import kv_load, kv_store
+
+
+@njit
+def store_all(values, out):  # pragma: no cover - compiled
+    """float32 values -> out, flat, in out's storage type (as the CPU kernels store K/V)."""
+    for i in range(values.shape[0]):
+        out[i] = kv_store(values[i], out)
+
+
+@njit
+def load_all(stored, out):  # pragma: no cover - compiled
+    """Stored values (flat) -> float32 out, widened as the CPU kernels read them."""
+    for i in range(stored.shape[0]):
+        out[i] = kv_load(stored[i])
 
 
 def paged_layout(rng, requests: list[tuple[int, int]], *, block_size: int,

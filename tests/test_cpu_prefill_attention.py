@@ -6,28 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import njit
 
-from paged_cases import free_before_windows, paged_layout
+from paged_cases import free_before_windows, load_all, paged_layout, store_all
 from ringserve.gpu.cpu.attention import paged_attention
-from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES, kv_load, kv_store
+from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.prefill_attention import KEY_BLOCK, MIN_TOKENS, prefill_attention
 
 # (tokens cached before this step, new tokens): decodes, a short chunk, long chunks from the
 # start and after a cached prefix, one ending mid key block and mid tile
 MIXED = [(40, 1), (0, 5), (0, 150), (97, 1), (203, 77), (3, MIN_TOKENS), (0, 1)]
-
-
-@njit
-def _store(values, out):  # pragma: no cover - compiled
-    for i in range(values.shape[0]):
-        out[i] = kv_store(values[i], out)
-
-
-@njit
-def _load(stored, out):  # pragma: no cover - compiled
-    for i in range(stored.shape[0]):
-        out[i] = kv_load(stored[i])
 
 
 def reference(q, k, v, positions, qsl, seq_lens, tables, scale, window):
@@ -55,9 +42,9 @@ def _case(dtype, heads, kv_heads, window, requests=MIXED, block_size=16, head_di
     stored, wide = [], []
     for _ in range(2):  # k, v: stored in the cache's type, and the float32 values that holds
         x = np.empty(shape, KV_CACHE_DTYPES[dtype])
-        _store((rng.standard_normal(int(np.prod(shape))) * 2).astype(np.float32), x.reshape(-1))
+        store_all((rng.standard_normal(int(np.prod(shape))) * 2).astype(np.float32), x.reshape(-1))
         w = np.empty(shape, np.float32)
-        _load(x.reshape(-1), w.reshape(-1))
+        load_all(x.reshape(-1), w.reshape(-1))
         stored.append(x)
         wide.append(w)
     tables = layout["block_tables"]

@@ -88,19 +88,23 @@ def decode(n: int) -> Batch:
                  np.arange(n + 1, dtype=np.int32), np.ones(n, np.int32), np.zeros((n, 1), np.int32))
 
 
-def test_a_failed_size_runs_eager_and_the_others_keep_their_graphs(caplog):
-    stream = StandInStream()
-    table = plan.GraphTable([1, 2, 4, 8])
-
+def capture_failing_at(stream: StandInStream, bad: int):
+    """capture_ladder's capture_size over `stream`: every size captures an empty forward but
+    `bad`, whose forward raises mid-capture (the stream invalidated, as CUDA leaves it)."""
     def capture_size(size):
         def forward():
-            if size == 4:
+            if size == bad:
                 stream.invalidated = True
                 raise RuntimeError("an op that cannot be captured")
         return capture.capture(stream, forward, contextlib.nullcontext)
+    return capture_size
 
+
+def test_a_failed_size_runs_eager_and_the_others_keep_their_graphs(caplog):
+    stream = StandInStream()
+    table = plan.GraphTable([1, 2, 4, 8])
     with caplog.at_level(logging.WARNING, logger="ringserve.gpu.cuda.capture"):
-        failed = capture.capture_ladder(table, capture_size)
+        failed = capture.capture_ladder(table, capture_failing_at(stream, 4))
     assert failed == {4: "RuntimeError: an op that cannot be captured"}
     assert sorted(table.graphs) == [1, 2, 8] and not stream.is_capturing()
     assert "batch size 4 failed, that size runs eager: RuntimeError: an op that cannot" in caplog.text
@@ -137,14 +141,7 @@ def test_speculative_decoding_adds_a_verify_ladder_its_steps_replay():
                                                                    (32, 9, 32)]
     assert plan.shared_shape([decode_table, verify_table]) == (64, 64, 64)
     stream = StandInStream()
-
-    def capture_size(size):
-        def forward():
-            if size == 2:
-                stream.invalidated = True
-                raise RuntimeError("an op that cannot be captured")
-        return capture.capture(stream, forward, contextlib.nullcontext)
-
+    capture_size = capture_failing_at(stream, 2)
     failed = {2: "RuntimeError: an op that cannot be captured"}
     assert capture.capture_ladder(decode_table, capture_size) == failed
     assert capture.capture_ladder(verify_table, capture_size) == failed

@@ -49,20 +49,7 @@ def test_padding_leaves_real_rows_alone_and_writes_nothing():
     assert p.num_real == 3 and np.all(p.slot_mapping[3:] == -1) and np.all(p.seq_lens[3:] == 0)
     device_table = rng.integers(0, 64, (8, 4)).astype(np.int32)  # what earlier steps left
     device_table[:3, :p.block_tables.shape[1]] = p.block_tables
-    H, KVH, D = 2, 1, 4
-    qkv = rng.standard_normal((8, (H + 2 * KVH) * D)).astype(np.float32)
-    k = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
-    v = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
-    k2, v2 = k.copy(), v.copy()
-    ref.store_kv(qkv[:3], b.slot_mapping, k, v, H)
-    ref.store_kv(qkv, p.slot_mapping, k2, v2, H)
-    np.testing.assert_array_equal(k, k2)
-    real = ref.paged_attention(qkv[:3], k, v, b.positions, b.query_start_loc, b.seq_lens,
-                               b.block_tables, H, 0.5)
-    padded = ref.paged_attention(qkv, k2, v2, p.positions, p.query_start_loc, p.seq_lens,
-                                 device_table, H, 0.5)
-    np.testing.assert_array_equal(padded[:3], real)
-    assert np.all(padded[3:] == 0)
+    assert_padding_changes_nothing(b, p, device_table, rng)
 
 
 def test_pad_rejects_prefill_and_overflow():
@@ -123,20 +110,7 @@ def test_a_verify_step_padded_to_its_graph_computes_its_rows_as_eager():
     rng = np.random.default_rng(2)
     device_table = rng.integers(0, 64, (5, 3)).astype(np.int32)  # what earlier steps left
     device_table[:3] = b.block_tables
-    H, KVH, D = 2, 1, 4
-    qkv = rng.standard_normal((16, (H + 2 * KVH) * D)).astype(np.float32)
-    k = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
-    v = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
-    k2, v2 = k.copy(), v.copy()
-    ref.store_kv(qkv[:8], b.slot_mapping, k, v, H)
-    ref.store_kv(qkv, p.slot_mapping, k2, v2, H)
-    np.testing.assert_array_equal(k, k2)
-    real = ref.paged_attention(qkv[:8], k, v, b.positions, b.query_start_loc, b.seq_lens,
-                               b.block_tables, H, 0.5)
-    padded = ref.paged_attention(qkv, k2, v2, p.positions, p.query_start_loc, p.seq_lens,
-                                 device_table, H, 0.5)
-    np.testing.assert_array_equal(padded[:8], real)
-    assert np.all(padded[8:] == 0)
+    assert_padding_changes_nothing(b, p, device_table, rng)
 
 
 def test_verify_graphs_fit_and_refuse():
@@ -199,3 +173,24 @@ def test_a_sliding_window_is_split_for_its_own_keys():
     assert plan.window_splits((65536,), **shape) == {65536: 16}
     launch = AttentionLaunch(16, (None, None, None), window_splits={1024: 2})
     assert (launch.splits_for(0), launch.splits_for(1024), launch.splits_for(4096)) == (16, 2, 16)
+
+
+def assert_padding_changes_nothing(b: Batch, p: Batch, device_table: np.ndarray, rng) -> None:
+    """The padded step p of batch b, over the graph's device table (stale past b's rows), stores
+    the same K/V (padding slots -1 write nothing) and gives b's attention on its real tokens;
+    padding tokens attend to nothing."""
+    n, total = len(b.slot_mapping), len(p.slot_mapping)
+    H, KVH, D = 2, 1, 4
+    qkv = rng.standard_normal((total, (H + 2 * KVH) * D)).astype(np.float32)
+    k = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((64, 4, KVH, D)).astype(np.float32)
+    k2, v2 = k.copy(), v.copy()
+    ref.store_kv(qkv[:n], b.slot_mapping, k, v, H)
+    ref.store_kv(qkv, p.slot_mapping, k2, v2, H)
+    np.testing.assert_array_equal(k, k2)
+    real = ref.paged_attention(qkv[:n], k, v, b.positions, b.query_start_loc, b.seq_lens,
+                               b.block_tables, H, 0.5)
+    padded = ref.paged_attention(qkv, k2, v2, p.positions, p.query_start_loc, p.seq_lens,
+                                 device_table, H, 0.5)
+    np.testing.assert_array_equal(padded[:n], real)
+    assert np.all(padded[n:] == 0)

@@ -7,28 +7,15 @@ import re
 
 import numpy as np
 import pytest
-from numba import njit
 
+from paged_cases import load_all, store_all
 from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.attention import paged_attention
-from ringserve.gpu.cpu.kv_dtypes import kv_load, kv_store
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
 
 STORAGE = {"bfloat16": np.uint16, "float16": np.int16}
-
-
-@njit
-def _store_all(values, out):  # pragma: no cover - compiled
-    for i in range(values.shape[0]):
-        out[i] = kv_store(values[i], out)
-
-
-@njit
-def _load_all(stored, out):  # pragma: no cover - compiled
-    for i in range(stored.shape[0]):
-        out[i] = kv_load(stored[i])
 
 
 def _edge_values() -> np.ndarray:
@@ -45,13 +32,13 @@ def _edge_values() -> np.ndarray:
 def test_float16_store_rounds_as_numpy_and_every_half_reads_back_exactly():
     values = _edge_values()
     stored = np.empty(len(values), np.int16)
-    _store_all(values, stored)
+    store_all(values, stored)
     with np.errstate(over="ignore"):                          # numpy warns as it makes the infs
         want16 = values.astype(np.float16)
     assert np.array_equal(stored.view(np.uint16), want16.view(np.uint16))
     every = np.arange(2 ** 16, dtype=np.uint16)
     back = np.empty(len(every), np.float32)
-    _load_all(every.view(np.int16), back)
+    load_all(every.view(np.int16), back)
     want = every.view(np.float16).astype(np.float32)
     nan = np.isnan(want)
     assert np.array_equal(back[~nan], want[~nan]) and np.isnan(back[nan]).all()
@@ -60,10 +47,10 @@ def test_float16_store_rounds_as_numpy_and_every_half_reads_back_exactly():
 def test_bfloat16_store_rounds_as_torch_and_reads_back_exactly():
     values = _edge_values()[np.isfinite(_edge_values())]
     stored = np.empty(len(values), np.uint16)
-    _store_all(values, stored)
+    store_all(values, stored)
     assert np.array_equal(stored, to_bfloat16(np, values))
     back = np.empty(len(values), np.float32)
-    _load_all(stored, back)
+    load_all(stored, back)
     assert np.array_equal(back, widen_bfloat16(np, stored))
 
 
@@ -74,11 +61,11 @@ def test_attention_over_16_bit_caches_is_attention_over_their_values(dtype):
     k = rng.standard_normal((blocks, bs, kvh, d)).astype(np.float32)
     v = rng.standard_normal((blocks, bs, kvh, d)).astype(np.float32)
     stored_k, stored_v = (np.empty(x.shape, STORAGE[dtype]) for x in (k, v))
-    _store_all(k.ravel(), stored_k.reshape(-1))
-    _store_all(v.ravel(), stored_v.reshape(-1))
+    store_all(k.ravel(), stored_k.reshape(-1))
+    store_all(v.ravel(), stored_v.reshape(-1))
     wide_k, wide_v = (np.empty(x.shape, np.float32) for x in (k, v))
-    _load_all(stored_k.reshape(-1), wide_k.reshape(-1))
-    _load_all(stored_v.reshape(-1), wide_v.reshape(-1))
+    load_all(stored_k.reshape(-1), wide_k.reshape(-1))
+    load_all(stored_v.reshape(-1), wide_v.reshape(-1))
     assert not np.array_equal(wide_k, k)                       # really rounded to 16 bits
     q = rng.standard_normal((3, heads, d)).astype(np.float32)
     args = (np.array([9, 10, 4], np.int32), np.array([0, 2, 3], np.int32), np.array([11, 5], np.int32),

@@ -6,7 +6,7 @@ CPU time).
         cpu_threads=1 kv_cache_dtype=float16 max_num_batched_tokens=15
 
 Trailing NAME=VALUE pairs are engine settings (EngineConfig's flat names). max_num_batched_tokens=15
-prefills in chunks of 15 tokens, below gpu/cpu/prefill_attention.py's MIN_TOKENS: the prompt's
+prefills in chunks of 15 tokens, below gpu/cpu/prefill_attention.py's SERVED_MIN_TOKENS: the prompt's
 attention then runs on the per-token loop, the same tree's baseline for the tiled path.
 """
 from __future__ import annotations

@@ -13,14 +13,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ringserve.gpu.cpu.kernels import fast_exp
+from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
 
-# Reassociation lets LLVM vectorize the dot products; no 'nnan'/'ninf', so -inf stays -inf.
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
-
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,  # noqa: C901
                     scale, window, out, max_tokens=2**62):  # pragma: no cover - compiled
     """q [T, H, D], k/v_cache [num_blocks, block_size, KVH, D] in their storage type

@@ -14,11 +14,12 @@ from numba import njit
 
 from ringserve.gpu.cpu.kv_dtypes import kv_store
 
-# No 'nnan'/'ninf': the kernels rely on inf and -inf behaving as IEEE says.
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+# Every CPU kernel's fastmath flags: reassociation lets LLVM vectorize sums with several
+# accumulators; no 'nnan'/'ninf': the kernels rely on inf and -inf behaving as IEEE says.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def fast_exp(x):  # pragma: no cover - compiled
     """float32 exp that LLVM vectorizes (libm's expf, which np.exp compiles to in Numba, is a
     call per value: it was most of SiLU's and softmax's time). Cody-Waite reduction
@@ -38,7 +39,7 @@ def fast_exp(x):  # pragma: no cover - compiled
     return p * np.int32((np.int32(k) + 127) << 23).view(np.float32)
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _norm_row(h, t, weight, eps, out):  # pragma: no cover - compiled
     n = h.shape[1]
     s = np.float32(0.0)
@@ -49,14 +50,14 @@ def _norm_row(h, t, weight, eps, out):  # pragma: no cover - compiled
         out[t, i] = weight[i] * (h[t, i] * r)
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def rms_norm(h, weight, eps, out):  # pragma: no cover - compiled
     """out [T, n] = RMSNorm(h [T, n]) * weight."""
     for t in range(h.shape[0]):
         _norm_row(h, t, weight, eps, out)
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def add_rms_norm(h, delta, weight, eps, out):  # pragma: no cover - compiled
     """The residual step: h += delta (in place), then out = RMSNorm(h) * weight."""
     for t in range(h.shape[0]):
@@ -65,7 +66,7 @@ def add_rms_norm(h, delta, weight, eps, out):  # pragma: no cover - compiled
         _norm_row(h, t, weight, eps, out)
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def qk_norm(qkv, num_heads, num_kv_heads, weight, eps):  # pragma: no cover - compiled
     """In place in qkv [T, (H + 2 KVH) * D]: each of the H q heads and KVH k heads that follow
     them = RMSNorm(head) * weight (weight [2D]: q's then k's), as HF Qwen3's q_norm / k_norm."""
@@ -81,7 +82,7 @@ def qk_norm(qkv, num_heads, num_kv_heads, weight, eps):  # pragma: no cover - co
                 qkv[t, base + i] = weight[w + i] * (qkv[t, base + i] * r)
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def silu_mul(gate_up, out):  # pragma: no cover - compiled
     """gate_up [T, 2I] (gate then up) -> out [T, I] = silu(gate) * up."""
     inter = out.shape[1]
@@ -91,7 +92,7 @@ def silu_mul(gate_up, out):  # pragma: no cover - compiled
             out[t, i] = g / (np.float32(1.0) + fast_exp(-g)) * gate_up[t, inter + i]
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def gelu_tanh_mul(gate_up, out):  # pragma: no cover - compiled
     """gate_up [T, 2I] (gate then up) -> out [T, I] = gelu_tanh(gate) * up (Gemma 3's MLP:
     transformers' gelu_pytorch_tanh). 0.5 x (1 + tanh(u)) is x / (1 + e^(-2u)): SiLU's form,
@@ -105,7 +106,7 @@ def gelu_tanh_mul(gate_up, out):  # pragma: no cover - compiled
             out[t, i] = g / (np.float32(1.0) + fast_exp(-u)) * gate_up[t, inter + i]
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_out):  # pragma: no cover
     """Split qkv [T, (H + 2 KVH) * D] into q, k, v; rotate q and k by each token's position
     (cos, sin: [max_pos, R/2] tables: the first R = rotary_dim dims of a head rotate as HF's

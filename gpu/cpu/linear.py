@@ -23,6 +23,7 @@ from numba import njit, prange, types
 from numba.extending import overload
 
 from ringserve.gpu.bfloat16 import widen_bfloat16
+from ringserve.gpu.cpu.kernels import FASTMATH
 
 STREAM_ROWS = 4       # up to this many token rows: one pass per weight row
 SMALL_ROWS = 64       # up to this many: 4-row x 2-token tiles (faster than sgemm here); beyond: BLAS
@@ -43,8 +44,6 @@ def per_thread(key: Hashable, make: Callable[[], _T]) -> _T:
     return value
 
 
-# Reassociation lets LLVM vectorize the dot products with several accumulators.
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
 def _load(w, n, k):
@@ -58,7 +57,7 @@ def _load_overload(w, n, k):
     return lambda w, n, k: w[n, k]
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _rows(x, w, out, lo, hi):  # noqa: C901  # pragma: no cover - compiled
     """out[:, lo:hi] for weight rows lo..hi."""
     num_tokens, k_dim = x.shape
@@ -100,12 +99,12 @@ def _rows(x, w, out, lo, hi):  # noqa: C901  # pragma: no cover - compiled
             out[t, i] = acc
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _small(x, w, out):  # pragma: no cover - compiled
     _rows(x, w, out, 0, w.shape[0])
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", parallel=True)
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
 def _small_parallel(x, w, out, tasks):  # pragma: no cover - compiled
     n = w.shape[0]
     for i in prange(tasks):

@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ringserve.gpu.cpu.kernels import fast_exp
+from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
 
-# A request's chunk of at least this many query tokens takes this path (fewer: attention.py's
+# The fewest query tokens of a request's chunk the kernel takes by default (fewer: attention.py's
 # loop, which a decode step's single queries need and which the tile would only pad).
 MIN_TOKENS = 16
 # The CPU runner sends a request's chunk here only from this many query tokens; below, the
@@ -35,10 +35,9 @@ SERVED_MIN_TOKENS = 256
 TILE_ROWS = 128  # query rows (tokens x grouped heads) of a tile
 KEY_BLOCK = 32   # keys a tile reads at once (with TILE_ROWS: the fastest of 16-64 x 32-256 here)
 _NEG_INF = np.float32(-np.inf)
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # as attention.py: -inf stays -inf
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _tiles(query_start_loc, group, min_tokens):  # pragma: no cover - compiled
     """[n, 3] (request, first query token, tokens) of every tile of the step's long chunks; each
     tile is run once per KV head."""
@@ -60,7 +59,7 @@ def _tiles(query_start_loc, group, min_tokens):  # pragma: no cover - compiled
     return tiles
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _load_block(k_cache, v_cache, block_table, kvh, j0, nk, kb, vb):  # pragma: no cover - compiled
     """Keys j0..j0+nk-1 of one KV head as float32 rows of kb, vb [KEY_BLOCK, D]; the rows past
     nk are zero."""
@@ -77,7 +76,7 @@ def _load_block(k_cache, v_cache, block_table, kvh, j0, nk, kb, vb):  # pragma: 
             vb[jj, d] = 0.0
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _scores(qs, kb, s):  # pragma: no cover - compiled
     """s = qs @ kb.T in 2-row x 4-key steps: eight dot products over head_dim, each query and
     key element loaded once for four and two of them (measured: ~1.3x one row x 4 keys)."""
@@ -100,7 +99,7 @@ def _scores(qs, kb, s):  # pragma: no cover - compiled
             s[i + 1, jj], s[i + 1, jj + 1], s[i + 1, jj + 2], s[i + 1, jj + 3] = b0, b1, b2, b3
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _mask(s, i, lo, hi, fill):  # pragma: no cover - compiled
     """Row i's entries outside keys [lo, hi) = fill."""
     for jj in range(0, min(max(lo, 0), KEY_BLOCK)):
@@ -109,7 +108,7 @@ def _mask(s, i, lo, hi, fill):  # pragma: no cover - compiled
         s[i, jj] = fill
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _softmax_step(s, i, row_max, row_sum, acc):  # pragma: no cover - compiled
     """Row i's scores -> probabilities against the row's running max; rescales the row's
     running sum and accumulator acc[i] if the max rose. A key masked to -inf gets ~1e-38 (fast_exp's
@@ -131,7 +130,7 @@ def _softmax_step(s, i, row_max, row_sum, acc):  # pragma: no cover - compiled
     row_sum[i] += total
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _accumulate(s, vb, acc):  # pragma: no cover - compiled
     """acc += s @ vb in 2-row x 4-key steps: each value row loaded once for two accumulator rows,
     each accumulator element read and written once per four keys (measured: ~1.5x 1 x 4)."""
@@ -146,7 +145,7 @@ def _accumulate(s, vb, acc):  # pragma: no cover - compiled
                 acc[i + 1, d] += q0 * v0 + q1 * v1 + q2 * v2 + q3 * v3
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _tile(q, k_cache, v_cache, positions, seq_len, block_table, scale, window, kvh, t0, n_tok,
           out):  # pragma: no cover - compiled
     """One tile: query tokens t0..t0+n_tok-1 of one request, the query heads of KV head kvh."""
@@ -193,7 +192,7 @@ def _tile(q, k_cache, v_cache, positions, seq_len, block_table, scale, window, k
             out[t0 + i // group, h0 + i % group, d] = acc[i, d] * inv
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", parallel=True)
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
 def prefill_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
                       scale, window, out, min_tokens=MIN_TOKENS):  # pragma: no cover - compiled
     """attention.py's paged_attention for the requests with min_tokens (MIN_TOKENS) or more query tokens in

@@ -28,6 +28,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ringserve.gpu.cpu.kernels import FASTMATH
 from ringserve.gpu.cpu.linear import TASKS_PER_THREAD, linear, per_thread
 from ringserve.gpu.loader.quant import QuantWeight
 
@@ -36,7 +37,6 @@ SMALL_ROWS = 64          # up to this many: dequantized tiles (65 G MAC/s vs sge
 TILE_FLOATS = 64 * 1024  # float32 scratch per task for the dequantized tile (256 KB: stays in L2)
 WIDEN_FLOATS = 4 << 20   # weights dequantized per sgemm call (16 MB of float32)
 
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _F16_SCALE = np.float32(2.0 ** 112)  # half bits << 13 read as float32, times 2^112 = the half's value
 
 
@@ -232,7 +232,7 @@ def _dequant_overload(q, s, m, lo, w):
 
 # ---- drivers, shared by every kind ---------------------------------------------------------------
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _tiles(x, w, out, rows):  # noqa: C901 - one fused loop nest on purpose  # pragma: no cover
     """out[:, :rows] = x @ w[:rows].T for a dequantized float32 tile w (L2-resident), in register
     tiles of 4 weight rows x 4 tokens (16 accumulators: 2 FMAs a load), then 4 x 2 and 4 x 1 for
@@ -302,7 +302,7 @@ def _tiles(x, w, out, rows):  # noqa: C901 - one fused loop nest on purpose  # p
             out[t, i] = acc
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _quant_rows(x, q, s, m, out, lo, hi, tile):  # pragma: no cover - compiled
     """out[:, lo:hi] for weight rows lo..hi; tile: this task's float32 scratch [rows, in]."""
     if x.shape[0] <= STREAM_ROWS:
@@ -315,24 +315,24 @@ def _quant_rows(x, q, s, m, out, lo, hi, tile):  # pragma: no cover - compiled
         _tiles(x, tile, out[:, n0:n0 + cnt], cnt)
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _small(x, q, s, m, out, tiles):  # pragma: no cover - compiled
     _quant_rows(x, q, s, m, out, 0, out.shape[1], tiles[0])
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", parallel=True)
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
 def _small_parallel(x, q, s, m, out, tiles):  # pragma: no cover - compiled
     n, tasks = out.shape[1], tiles.shape[0]
     for i in prange(tasks):
         _quant_rows(x, q, s, m, out, i * n // tasks, (i + 1) * n // tasks, tiles[i])
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy")
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _widen(q, s, m, lo, w):  # pragma: no cover - compiled
     _dequant(q, s, m, lo, w)
 
 
-@njit(cache=True, fastmath=_FASTMATH, nogil=True, error_model="numpy", parallel=True)
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
 def _widen_parallel(q, s, m, lo, w, tasks):  # pragma: no cover - compiled
     rows = w.shape[0]
     for i in prange(tasks):
