@@ -32,10 +32,11 @@ from ringserve.gpu.cpu.threading_layer import load_tbb
 # NOTE: at import, before any parallel region: Numba picks its threading layer at the first one
 load_tbb()
 
-# Tasks a thread's share is cut into: more even out a late thread (its last task is the most it
-# can hold the others back) at one atomic add each; fewer keep each task's rows one long
-# stream for the prefetchers (measured in docs/bench_forward.md).
-TASKS_PER_THREAD = 8
+# Claimed tasks a thread's share is cut into (linear.py's TASKS_PER_THREAD is its static ranges):
+# more even out a late thread (its last task is the most it can hold the others back) at one
+# atomic add each; fewer keep each task's rows one long stream for the prefetchers (measured in
+# docs/bench_forward.md).
+CLAIMED_TASKS_PER_THREAD = 8
 
 
 @intrinsic
@@ -73,4 +74,4 @@ def _aligned_line() -> np.ndarray:
 
 def num_tasks(units: int) -> int:
     """Tasks for a parallel linear of `units` independent row blocks (tiles, rows)."""
-    return max(1, min(units, TASKS_PER_THREAD * numba.get_num_threads()))
+    return max(1, min(units, CLAIMED_TASKS_PER_THREAD * numba.get_num_threads()))
