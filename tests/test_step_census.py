@@ -5,6 +5,8 @@ shape must list the same launches in the same order (CUDA C kernels by name, gri
 the GEMMs and the Numba row gathers, whose stand-ins run on the host, by op)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -164,3 +166,14 @@ def test_the_q4_k_m_census_lists_quant_launches_and_their_packed_bytes(capsys):
                       packed=packed)
     assert {r.launch.kernel for r in wide.rows if r.op == "linear"} == {"gemm_u4", "gemm_u6"}
     assert [r.launch.kernel for r in census.rows if r.op == "embedding"] == ["dequant_u4_f32"]  # Q4_K table
+
+
+def test_the_cli_takes_a_gemma3_config(capsys):
+    """--model-dir on a Gemma 3 config: its norms are offset at load (1 + w), which the census's
+    shape-only weights must take, and its extra norms (q/k norms, post-attention and post-MLP)
+    are launches of their own."""
+    gemma = Path(__file__).parent / "data" / "gemma3_tiny"
+    assert step_census.main(["--model-dir", str(gemma), "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    per_layer = int(out.split("launches per layer: ")[1].split(";")[0])
+    assert per_layer > 8  # Llama's 8 plus Gemma's norms

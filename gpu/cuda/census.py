@@ -53,6 +53,12 @@ class Shaped:
     def __setitem__(self, key: Any, value: Any) -> None:
         pass  # no values to set
 
+    def astype(self, dtype: Any) -> Shaped:
+        return Shaped(self.shape, np.dtype(dtype))
+
+    def __add__(self, other: Any) -> Shaped:  # a weight offset at load (Gemma's 1 + w norms)
+        return self
+
 
 class ShapedModule:
     """The few array-module calls StepBuffers makes (numpy's names), returning Shaped."""
