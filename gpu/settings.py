@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ringserve.gpu.cuda.dtypes import CUDA_DTYPES
-from ringserve.gpu.cuda.launch import ATTENTION_BACKENDS
 from ringserve.gpu.devices import DEVICES, cuda_stack_problem, cupy_installed, resolve_device
 
 CPU_KV_CACHE_MEMORY_BYTES = 1 << 30  # the CPU pool when neither its size nor its bytes are given
-# Every dtype some backend takes; each takes a subset (CPU_DTYPES, gpu/cuda/dtypes.py CUDA_DTYPES).
+# Every dtype some backend takes; each takes a subset (CPU_DTYPES, CUDA_DTYPES).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CUDA_DTYPES = ("auto", "float16", "bfloat16")   # --dtype on cuda (float32: no; gpu/cuda/dtypes.py)
+ATTENTION_BACKENDS = ("auto", "rawkernel", "numba")  # --attention-backend (gpu/cuda/launch.py)
 KV_CACHE_DTYPES = DTYPES  # the same names (vLLM's flag; its fp8 types are not here)
 CPU_ACTIVATION_DTYPES = ("auto", "int8", "float32")
 # dtype -> how the CPU backend stores float32 weights; it always computes in float32. "bfloat16"

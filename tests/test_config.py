@@ -145,9 +145,8 @@ def test_the_runners_take_the_configs_whole():
     """The runners take the settings objects, not their fields spread into keywords (no copy
     of a default to drift); EngineConfig's parts are those objects, its step limits the
     scheduler's."""
-    from ringserve.gpu.cuda.dtypes import CUDA_DTYPES
     from ringserve.gpu.runner import ModelRunner
-    from ringserve.gpu.settings import CPU_DTYPES
+    from ringserve.gpu.settings import CPU_DTYPES, CUDA_DTYPES
     params = inspect.signature(ModelRunner).parameters
     assert [(p.name, p.annotation) for p in list(params.values())[1:4]] == [
         ("device", "DeviceConfig | None"), ("cache", "CacheConfig | None"), ("limits", "StepLimits | None")]

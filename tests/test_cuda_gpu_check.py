@@ -198,8 +198,8 @@ def test_the_quantized_weights_plan_as_the_runner_keeps_them(fmt):
     bytes a step reads are those planes (not the untied embedding table)."""
     import numpy as np
 
-    from ringserve.gpu.cpu.packed import SplitWeight
     from ringserve.gpu.cuda.quant_linear import QuantStore
+    from ringserve.gpu.loader.packing import SplitWeight
     from ringserve.gpu.models.llama import LlamaWeights
     from ringserve.tools.gpu_check import random_quant_weights, streamed_bytes
     c = small_config()

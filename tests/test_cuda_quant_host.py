@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 from fp16_checks import narrow, spacing, widen
-from ringserve.gpu.cpu.packed import SplitWeight
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.quant_linear import LARGE_BATCH_POLICIES, QuantLinear, QuantStore
+from ringserve.gpu.loader.packing import SplitWeight
 from ringserve.gpu.loader.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
 from ringserve.gpu.loader.weights import GGMLTensor
 from test_quant_kernels import magnitude

@@ -17,9 +17,10 @@ import pytest
 
 from ringserve.gpu.cpu import int8_kernels as cpu_int8_kernels
 from ringserve.gpu.cpu.int8_kernels import Int8Weight, has_vnni, int8_linear, quantize_rows, supports, tiles
-from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed, packed_linear
+from ringserve.gpu.cpu.packed import fuse_packed, packed_linear
 from ringserve.gpu.cpu.runner import int8_activations
 from ringserve.gpu.errors import ModelError
+from ringserve.gpu.loader.packing import SplitWeight
 from ringserve.gpu.loader.quant import BLOCK_SIZES, QuantWeight, dequantize, random_raw, repack
 from ringserve.gpu.loader.weights import GGMLTensor
 

@@ -11,7 +11,8 @@ import pytest
 from numpy.lib.array_utils import byte_bounds
 
 from ringserve.gpu.cpu.int8_kernels import has_vnni
-from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed, packed_linear
+from ringserve.gpu.cpu.packed import fuse_packed, packed_linear
+from ringserve.gpu.loader.packing import SplitWeight
 from ringserve.gpu.loader.quant import dequantize, random_raw
 from ringserve.gpu.loader.weights import GGMLTensor
 from ringserve.gpu.runner import MemoryReport, ModelRunner

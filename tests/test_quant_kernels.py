@@ -126,7 +126,8 @@ def test_compact_scale_planes(qtype):
 def test_rows_of_compact_weights():
     """take_rows and concat_rows carry the super planes and the fp16 planes; a factored weight
     never stacks with a plain one (concat_rows refuses, fuse_packed keeps them apart)."""
-    from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed
+    from ringserve.gpu.cpu.packed import fuse_packed
+    from ringserve.gpu.loader.packing import SplitWeight
     from ringserve.gpu.loader.quant import concat_rows, take_rows
     from ringserve.gpu.loader.weights import GGMLTensor
     rng = np.random.default_rng(9)

@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.census import Census, Packed, Row, census_for
 from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.settings import ATTENTION_BACKENDS
 
 COPY_GBPS = 4268.0  # an H200's measured device-to-device copy (issue 28)
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "float16": "float16", "bfloat16": "bfloat16"}
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="linears kept packed in this format (quant.cu); default: dense fp16/bf16")
     p.add_argument("--max-model-len", type=int, default=2048, help="the graphs' (gpu_check's: 2048)")
     p.add_argument("--num-sms", type=int, default=132, help="the device's SMs (an H200: 132)")
-    p.add_argument("--attention-backend", choices=launch.ATTENTION_BACKENDS, default="auto")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     p.add_argument("--bandwidth", type=float, default=COPY_GBPS, help="GB/s the floor is taken at")
     p.add_argument("--every-layer", action="store_true", help="list every layer's launches")
     p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",

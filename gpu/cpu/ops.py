@@ -24,17 +24,11 @@ from ringserve.gpu.cpu.kernels import add_rms_norm, gelu_tanh_mul, qk_norm, rms_
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.linear import linear
 from ringserve.gpu.cpu.memory import HugePageArena
-from ringserve.gpu.cpu.packed import (
-    PackedWeight,
-    fuse_packed,
-    is_packed,
-    packed_linear,
-    packed_nbytes,
-    packed_rows,
-)
+from ringserve.gpu.cpu.packed import PackedWeight, fuse_packed, packed_linear, packed_nbytes, packed_rows
 from ringserve.gpu.cpu.prefill_attention import SERVED_MIN_TOKENS as TILED_MIN_TOKENS
 from ringserve.gpu.cpu.prefill_attention import prefill_attention
 from ringserve.gpu.loader.config import ModelConfig
+from ringserve.gpu.loader.packing import is_packed
 
 F32 = np.float32
 # Multiply-adds below which a linear runs on one thread even when the step has several: ~100 us

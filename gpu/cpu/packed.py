@@ -1,87 +1,34 @@
-"""Weights the CPU backend keeps in their stored type: GGUF blocks and 16-bit floats, packed by
-gpu/loader/quant.py and multiplied by gpu/cpu/quant_kernels.py. This module decides how one fused
-linear (the model's QKV or gate-up: several HF tensors stacked along rows) is held, and runs it.
-
-A fused linear whose parts share a type is one QuantWeight (the parts' planes stacked: rows are
-independent in every layout). One whose parts differ, as llama.cpp's Q4_K_M files mix Q4_K and
-Q6_K (v and some down projections in Q6_K), is a SplitWeight: one product per part, each into its
-own columns of the output.
+"""Weights the CPU backend keeps in their stored type: GGUF blocks and 16-bit floats, stacked by
+gpu/loader/packing.py (one QuantWeight a fused linear, or a SplitWeight of parts in different
+types), the integer kinds moved into gpu/cpu/int8_kernels.py's 16-row tiles, the others multiplied
+by gpu/cpu/quant_kernels.py. This module holds one fused linear that way and runs it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from ringserve.gpu.cpu.int8_kernels import Int8Weight, int8_linear, supports, tiles
 from ringserve.gpu.cpu.quant_kernels import quant_linear
-from ringserve.gpu.loader.quant import (
-    BLOCK_SIZES,
-    QuantWeight,
-    concat_rows,
-    dequantize,
-    layout,
-    plane_values,
-    repack,
-    take_rows,
-)
+from ringserve.gpu.loader.packing import SplitWeight, as_fused, stack_packed
+from ringserve.gpu.loader.quant import BLOCK_SIZES, QuantWeight, dequantize, plane_values, take_rows
 from ringserve.gpu.loader.weights import GGMLTensor
-
-
-def is_packed(tensor: Any) -> bool:
-    """Kept in its stored type rather than widened: GGUF blocks, BF16 (a GGMLTensor), F16."""
-    return isinstance(tensor, GGMLTensor) or getattr(tensor, "dtype", None) == np.float16
-
-
-def pack(tensor: Any, factored: bool = False) -> QuantWeight:
-    """One HF matrix as a QuantWeight of its own type (float32 stays float32; a QuantWeight,
-    e.g. an AWQ/GPTQ weight unpacked by gpu/loader/hf_quant.py, as it is). factored: K-quant scales as
-    int8 factors of super planes (gpu/loader/quant.py repack; the CUDA store's, never the CPU's)."""
-    if isinstance(tensor, QuantWeight):
-        return tensor
-    if isinstance(tensor, GGMLTensor):
-        return repack(tensor.raw, tensor.ggml_type, tensor.shape, factored=factored)
-    a = np.ascontiguousarray(tensor)
-    qtype = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32"}.get(a.dtype)
-    if qtype is None or a.ndim != 2:
-        raise ValueError(f"a {a.dtype} tensor of shape {a.shape} cannot be packed")
-    return repack(a, qtype, (a.shape[0], a.shape[1]))
-
-
-@dataclass(frozen=True, eq=False)
-class SplitWeight:
-    """A fused linear whose parts are kept in different types."""
-    parts: tuple[QuantWeight | Int8Weight, ...]
-    shape: tuple[int, int]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
 
 PackedWeight = QuantWeight | Int8Weight | SplitWeight
 
 
-def fuse_packed(tensors: Sequence[Any], int8: bool = False, factored: bool = False) -> PackedWeight:
-    """Stack HF matrices along rows, each kept in its own type. int8: the integer kinds in the
-    int8-activation kernels' 16-row tiles (gpu/cpu/int8_kernels.py), K-quants with their scales
-    factored (llama.cpp's compact form: Q4_K 0.594 bytes a weight, not 0.75), the others as
-    they are; factored: as pack's."""
-    parts = [pack(t, factored or int8) for t in tensors]
-    groups: list[list[QuantWeight]] = []
-    for p in parts:  # neighbours of one type and layout become one weight
-        if groups and _same_layout(groups[-1][0], p):
-            groups[-1].append(p)
-        else:
-            groups.append([p])
-    stacked: tuple[QuantWeight | Int8Weight, ...] = tuple(
-        g[0] if len(g) == 1 else concat_rows(g) for g in groups)
+def fuse_packed(tensors: Sequence[Any], int8: bool = False) -> PackedWeight:
+    """Stack HF matrices along rows, each kept in its own type (gpu/loader/packing.py). int8: the
+    integer kinds in the int8-activation kernels' 16-row tiles (gpu/cpu/int8_kernels.py), K-quants
+    with their scales factored (llama.cpp's compact form: Q4_K 0.594 bytes a weight, not 0.75),
+    the others as they are, with float32 planes."""
+    stacked: tuple[QuantWeight | Int8Weight, ...] = stack_packed(tensors, factored=int8)
     if int8:  # NOTE: only the tiles read int8 factors: any other part gets its float32 planes back
         stacked = tuple(tiles(p) if isinstance(p, QuantWeight) and supports(p) else unfactored(p)
                         for p in stacked)
-    rows = sum(p.shape[0] for p in stacked)
-    return stacked[0] if len(stacked) == 1 else SplitWeight(stacked, (rows, stacked[0].shape[1]))
+    return as_fused(stacked)
 
 
 def unfactored(w: Any) -> Any:
@@ -90,10 +37,6 @@ def unfactored(w: Any) -> Any:
         return w
     return replace(w, scale=plane_values(w.scale, w.scale_super, w.block), scale_super=None,
                    offset=plane_values(w.offset, w.offset_super, w.block), offset_super=None)
-
-
-def _same_layout(a: QuantWeight, b: QuantWeight) -> bool:
-    return layout(a) == layout(b)  # NOTE: planes' dtypes too: a factored weight never joins a plain one
 
 
 def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: bool) -> None:

@@ -23,8 +23,8 @@ from ringserve.gpu.bfloat16 import widen_bfloat16
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.quant import QuantWeight
 from ringserve.gpu.loader.weights import GGMLTensor
+from ringserve.gpu.settings import CUDA_DTYPES
 
-CUDA_DTYPES = ("auto", "float16", "bfloat16")   # --dtype on cuda (float32: no)
 SERVING_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}  # -> device storage
 CHECKPOINT_DTYPES = ("bfloat16", "float16", "float32", "quantized")
 # auto: the serving dtype for each checkpoint dtype

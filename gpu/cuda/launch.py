@@ -5,6 +5,8 @@ Each function returns (grid, block) as CUDA dim tuples, or the scalar a launch p
 """
 from __future__ import annotations
 
+from ringserve.gpu.settings import ATTENTION_BACKENDS
+
 Dims = tuple[int, ...]
 # fused.cu's and attention.cu's kernels are instantiated per element type: fp16 under their plain
 # names, bf16 (its bits in uint16 arrays, gpu/cuda/dtypes.py) with this suffix; by the
@@ -16,7 +18,6 @@ FUSED_KERNELS = ("add_rms_norm", "qk_norm", "rope_store_kv", "silu_mul", "add_bi
 
 ATTENTION_THREADS = 128  # attention.cu: WARPS (4) * 32, one block per (token, KV head, split)
 ATTENTION_HEAD_DIMS = (64, 128, 192, 256)  # attention.cu: 32 lanes x an even number of dims each
-ATTENTION_BACKENDS = ("auto", "rawkernel", "numba")  # --attention-backend
 
 
 def attention_backend_for(requested: str, head_dim: int) -> str:

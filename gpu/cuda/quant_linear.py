@@ -56,9 +56,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ringserve.gpu.cpu.packed import SplitWeight, fuse_packed
 from ringserve.gpu.cuda import launch
 from ringserve.gpu.cuda.buffers import DenseStore
+from ringserve.gpu.loader.packing import SplitWeight, as_fused, stack_packed
 from ringserve.gpu.loader.quant import QuantWeight, as_halves, as_u6, as_zero_point, dequantize
 from ringserve.gpu.loader.weights import GGMLTensor
 
@@ -98,7 +98,7 @@ def keeps_blocks(tensor: Any) -> bool:
 
 
 class QuantStore:
-    """model.WeightStore for the CUDA backend: a linear with a packed part is gpu/cpu/packed.py's
+    """model.WeightStore for the CUDA backend: a linear with a packed part is gpu/loader/packing.py's
     QuantWeight (or SplitWeight of several types) with its planes moved to the device (arrays of
     xp: cupy on a GPU, numpy in CI); every other weight is DenseStore's, in `dtype` (the serving
     dtype: float16 whenever a weight is packed, gpu/cuda/dtypes.py).
@@ -119,13 +119,11 @@ class QuantStore:
         """The arrays as planes on the device whatever their type (a BF16 tensor too: the bf16
         plane; an F16/F32 part, or a bf16 row of odd length, dense): what linear() makes of a
         weight with a packed part, and what the kernel tests and gpu_check make of one."""
-        packed = fuse_packed(arrays, factored=True)  # NOTE: K-quant scales as int8 factors (fewer bytes)
-        if isinstance(packed, SplitWeight):
-            return SplitWeight(tuple(self._upload(p) for p in packed.parts), packed.shape)
-        return self._upload(packed)
+        # NOTE: K-quant scales as int8 factors (fewer bytes)
+        return as_fused([self._upload(p) for p in stack_packed(arrays, factored=True)])
 
     def _upload(self, w: Any) -> Any:
-        assert isinstance(w, QuantWeight)  # fuse_packed without int8=True: gpu/loader/quant.py's planes
+        assert isinstance(w, QuantWeight)  # stack_packed's: gpu/loader/quant.py's planes
         if not _on_planes(w.kind, w.shape[1]):  # F16, F32 parts (a bf16 row of odd length): fp16
             return self.dense.linear([dequantize(w)])
         # NOTE: no -8 d offset plane (Q4_0, GPTQ), Q6_K as u6, exact halves as fp16: fewer bytes
