@@ -232,6 +232,13 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     @property
+    def draft_runner(self):
+        """The draft model's runner (speculative decoding with a draft model), or None."""
+        speculation = self.scheduler.speculation
+        proposer = None if speculation is None else speculation.proposer
+        return proposer.runner if isinstance(proposer, DraftModelProposer) else None
+
+    @property
     def runner_is_asynchronous(self) -> bool:
         """Does runner.submit return before the device is done (so host work can overlap it)?"""
         return getattr(self.runner, "asynchronous", False)

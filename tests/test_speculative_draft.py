@@ -201,8 +201,10 @@ def test_self_draft_is_always_right_through_preemption_prefix_hits_and_abort(def
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
-def test_draft_counters_on_metrics(serve, tiny_model_dir):
-    """A real server with a draft model (the tiny model drafting for itself): vLLM's counters."""
+def test_draft_counters_and_memory_on_metrics(serve, tiny_model_dir):
+    """A real server with a draft model (the tiny model drafting for itself): vLLM's counters,
+    and the draft's weights and KV pool as memory parts of their own, as large as the target's
+    (the same model, a KV pool of the same blocks), in /metrics and in the start-up line."""
     server = serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
                    "--drain-timeout", "2", "--speculative-config",
                    json.dumps({"model": str(tiny_model_dir), "num_speculative_tokens": 2}))
@@ -216,3 +218,9 @@ def test_draft_counters_on_metrics(serve, tiny_model_dir):
         return sum(v for _, v in metric_samples(text, f"ringserve:spec_decode_{name}_total"))
     assert total("num_drafts") > 0 and total("num_draft_tokens") <= 2 * total("num_drafts")
     assert total("num_accepted_tokens") > 0.9 * total("num_draft_tokens")
+
+    parts = {labels.split('part="')[1].split('"')[0]: v
+             for labels, v in metric_samples(text, "ringserve:memory_bytes")}
+    assert parts["draft_weights"] == parts["weights_packed"] + parts["weights_float"] > 0
+    assert parts["draft_kv_cache"] == parts["kv_cache"] > 0
+    assert "draft model weights" in server.log.read_text()
