@@ -313,7 +313,7 @@ def test_sampler_on_device_matches_references():
     for r in range(1, B):
         temperature, top_k, top_p, min_p = rows[r]  # float32 columns: top_k an int again
         probs = ref.sampling_probs(x[r], float(temperature), int(top_k), float(top_p), float(min_p))
-        assert got.token_ids[r] == ref.inverse_cdf(probs, float(u[r]))
+        assert got.token_ids[r] == ref.inverse_cdf(probs, float(u[0, r]))
     expect = sample(x, meta())
     np.testing.assert_array_equal(got.logprobs.token_ids[:, 1:], expect.logprobs.token_ids[:, 1:])
     np.testing.assert_allclose(got.logprobs.logprobs[:, 1:], expect.logprobs.logprobs[:, 1:], atol=1e-4)
