@@ -86,11 +86,12 @@ class InFlightStep:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner=None):
+    def __init__(self, config: EngineConfig, runner=None, draft_runner=None):
         """runner: a ready ModelRunner-like object (submit, config, block_size, num_blocks);
-        None builds the ModelRunner for config.model."""
+        None builds the ModelRunner for config.model. draft_runner: with a draft model in
+        config.speculative, its ready runner (execute, as many blocks as runner's); None builds it."""
         self.config = config
-        draft = None   # a draft model's runner, built beside the target's (CUDA: _make_runners)
+        draft = draft_runner   # a draft model's runner, built beside the target's (CUDA: _make_runners)
         if runner is None:
             runner, draft = _make_runners(config)
         self.runner = runner
