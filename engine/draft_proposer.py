@@ -14,7 +14,8 @@ draft holds at the same slot.
   then the draft's for that real token; a rejected one's is rewritten by the next catch-up
   (which starts at the first position the target rejected) before anything reads it;
 - all k accepted: the last draft's K/V was never written (no forward took it as input), so
-  the next catch-up starts one token earlier (`_lagging`).
+  the next catch-up starts one token earlier (`_lagging`; the entry stays until a catch-up
+  finds the request past it, so a failed step run again starts as early again).
 
 Each draft token is drawn from q, the draft's distribution under the request's own sampling
 parameters as its verify row sees them (penalties over the output plus the drafts before it,
@@ -100,9 +101,13 @@ class DraftModelProposer:
             req = s.request
             end = s.num_computed_tokens + s.num_new_tokens - len(s.draft_token_ids or ())
             start = s.num_computed_tokens
-            lag = self._lagging.pop(req.key, None)
-            if lag is not None and lag[1] == start - 1:   # not when it was preempted since
+            # NOTE: kept, not popped, until a catch-up finds it stale: a step that fails after
+            # this forward runs again (engine/core.py _recover) and must start as early again
+            lag = self._lagging.get(req.key)
+            if lag is not None and lag[1] == start - 1:
                 start -= 1
+            elif lag is not None:   # written by an earlier catch-up, or preempted since
+                del self._lagging[req.key]
             reqs.append(req)
             starts.append(start)
             counts.append(end - start)
