@@ -222,7 +222,7 @@ class CudaModelRunner:
         self.max_blocks = -(-self.max_model_len // block_size)
         # NOTE: one stream for a target and its draft: the draft's forwards, the verify step and
         # the next catch-up are ordered without events
-        self.stream = cp.cuda.Stream(non_blocking=True) if mirror is None else mirror.stream
+        self.stream: cp.cuda.Stream = cp.cuda.Stream(non_blocking=True) if mirror is None else mirror.stream
         packed = any(keeps_blocks(t) for t in weights.values())
         self.ops = CudaOps(c, self.stream, attention_backend, packed=packed, act_dtype=act)
         self.nb_stream = self.ops.nb_stream
@@ -248,7 +248,8 @@ class CudaModelRunner:
         self.enforce_eager = device.enforce_eager
         self.capture_failures: dict[int, str] = {}  # batch size -> why it runs eager
         self.verify_capture_failures: dict[int, str] = {}
-        self.num_blocks, self.kv_caches = 0, []
+        self.num_blocks = 0
+        self.kv_caches: list[tuple] = []   # per layer (k, v): allocate_kv_cache
         # the graphs' one set of step buffers and attention workspace (capture_graphs)
         self._graph_buffers: tuple[StepBuffers, tuple] | None = None
         if defer_kv_cache:

@@ -113,7 +113,7 @@ def pack_draft_probs(meta: SamplingMetadata, num_rows: int) -> tuple[np.ndarray,
     rows = [i for i in range(num_rows) if qs[i] is not None and meta.temperature[i] >= GREEDY_EPS]
     index = np.full(num_rows, -1, np.int32)
     index[rows] = np.arange(len(rows), dtype=np.int32)
-    q = np.zeros((len(rows), len(qs[rows[0]]) if rows else 0), np.float32)
+    q = np.zeros((len(rows), len(cast(np.ndarray, qs[rows[0]])) if rows else 0), np.float32)
     for j, i in enumerate(rows):
         q[j] = qs[i]
     return q, index, np.asarray(drafts, np.int32)
