@@ -208,3 +208,5 @@ def test_a_draft_model_shares_the_targets_stream_and_pool_and_replays_its_decode
     for n, size in ((1, 1), (3, 4)):
         logits, buf = draft._launch(decode(n))
         assert buf is draft.graphs.graphs[size].buffers and logits.shape == (n, draft.config.vocab_size)
+    # the catch-up's logits at the speculating requests' rows only, after a graph's replay
+    assert draft.execute(decode(3), np.array([0, 2])).shape == (2, draft.config.vocab_size)

@@ -438,7 +438,10 @@ class CudaModelRunner:
     def _logits_at(self, x: cp.ndarray, rows: np.ndarray) -> cp.ndarray:
         """float32 logits [len(rows), V] of final hidden states x at `rows` (enqueued)."""
         with self.stream:
-            h = x[cp.asarray(np.asarray(rows, np.int64))]
+            # NOTE: gathered by the runner's own kernel into a buffer of its own (as the forward's
+            # logits rows are), not CuPy's fancy indexing
+            h = cp.empty((len(rows), x.shape[1]), x.dtype)
+            self.ops.gather_rows(x, cp.asarray(np.asarray(rows, np.int32)), h)
             raw = cp.empty((len(rows), self.config.vocab_size), self.act_dtype)
             self.ops.linear(h, self.weights.lm_head, raw)
             out = cp.empty(raw.shape, cp.float32)
