@@ -179,9 +179,10 @@ def resolve_draft(spec: SpeculativeConfig, target: str | None, target_dir: Path 
 
 
 def draft_limits(config: EngineConfig) -> StepLimits:
-    """The draft runner's step limits: the target's, without verify steps (the draft's forwards
-    are the catch-up and one-token draft steps: its decode ladder)."""
-    return replace(config.step_limits, num_speculative_tokens=0, max_num_verify_seqs=0)
+    """The draft runner's step limits: the target's, its "verify" steps of query length 2 (the
+    catch-up: each request's last token, and the one before when its drafts were all accepted;
+    on CUDA graphs of their own), its one-token draft steps decode steps."""
+    return replace(config.step_limits, num_speculative_tokens=1)
 
 
 def check_same_vocabulary(target_dir: Path | None, draft_dir: Path, target_vocab: int,

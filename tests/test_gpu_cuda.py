@@ -484,9 +484,11 @@ def test_speculative_decoding_replays_verify_graphs_and_keeps_greedy_output(tiny
 def test_a_draft_model_on_cuda_keeps_greedy_output_and_replays_its_decode_graphs(tiny_cuda_models):
     """A draft model on CUDA (the target drafting for itself, K = 3): built before its target
     on one stream with as many blocks (the profile sizes blocks for both: each costs the two
-    caches' bytes), its one-token draft steps replay its decode graphs, the target's verify steps its verify
-    graphs; nearly every greedy draft is accepted (fp16: the draft's decode and the target's
-    verify round apart at near-ties), and three greedy requests decode what they decode
+    caches' bytes); its one-token draft steps replay its decode graphs, its catch-up (two
+    tokens a request after all drafts were accepted) its graphs of query length 2, the
+    target's verify steps its verify graphs; nearly every greedy draft is accepted (fp16: the
+    draft's decode and the target's verify round apart at near-ties), and three greedy requests
+    decode what they decode
     without speculation (up to the plain run's first near-tie). Then sampled at temperature
     1 through the device sampler's rejection sampling (q is p: every draft kept)."""
     from fp16_checks import assert_same_generation
@@ -508,16 +510,18 @@ def test_a_draft_model_on_cuda_keeps_greedy_output_and_replays_its_decode_graphs
     own, mirror = core.runner.kv_bytes_per_block, draft.kv_bytes_per_block
     alone, both = (core.runner._profile_num_blocks(512, 8, 0.5, extra) for extra in (0, mirror))
     assert abs(both / alone - own / (own + mirror)) < 0.01, (alone, both)
-    assert sorted(draft.graphs.graphs) == draft.graphs.sizes and draft.verify_graphs.sizes == []
+    assert sorted(draft.graphs.graphs) == draft.graphs.sizes and draft.verify_graphs.query_len == 2
+    assert sorted(draft.verify_graphs.graphs) == draft.verify_graphs.sizes, draft.verify_capture_failures
     replays: list[tuple[str, int]] = []
-    for kind, table in (("draft", draft.graphs), ("verify", core.runner.verify_graphs)):
+    for kind, table in (("draft", draft.graphs), ("catch-up", draft.verify_graphs),
+                        ("verify", core.runner.verify_graphs)):
         for size, captured in table.graphs.items():
             captured.launch = lambda stream, _k=kind, _s=size, _launch=captured.launch: (
                 replays.append((_k, _s)), _launch(stream))
     outs = spec.generate(prompts, [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)] * 3)
     got = [list(o.outputs[0].token_ids) for o in outs]
     stats = core.scheduler.speculation.stats
-    assert {k for k, _ in replays} == {"draft", "verify"}, replays
+    assert {k for k, _ in replays} == {"draft", "catch-up", "verify"}, replays
     assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens >= 0.8 * stats.num_draft_tokens, stats
     compared = [assert_same_generation(g, e, lead) for g, e, lead in zip(got, expect, leads, strict=True)]
     assert sum(compared) >= 10, f"too few clear choices to compare: {compared}"

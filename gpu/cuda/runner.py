@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import cupy as cp
@@ -452,11 +453,11 @@ class CudaModelRunner:
         """float32 logits at rows logits_indices of the super-sequence (default:
         batch.logits_indices, each request's last scheduled token [B, vocab], or a verify step's
         rows); writes K/V."""
+        if logits_indices is not None:  # NOTE: the step (its graph, or eager) computes these rows only
+            batch = replace(batch, sample_indices=np.asarray(logits_indices, np.int32))
         if batch.num_tokens == 0:
             return np.empty((len(batch.logits_indices), self.config.vocab_size), np.float32)
-        logits, buf = self._launch(batch)
-        if logits_indices is not None:
-            logits = self._logits_at(buf.x, logits_indices)
+        logits, _ = self._launch(batch)
         out = logits.get(stream=self.stream)
         self.stream.synchronize()
         return out
