@@ -5,7 +5,7 @@ SchedulerConfig (below: the scheduler takes it whole) and the model fields. The 
 the scheduler's bounds as gpu's own StepLimits (step_limits). `LLM(**kwargs)` takes the flat
 setting names, as vLLM's EngineArgs does (EngineConfig.create sorts them into the parts); the
 launcher builds one from the `ringserve serve` flags of the same names (generated from these
-fields), and the engine process (run_engine) and the runner (engine/core.py _make_runner) are
+fields), and the engine process (run_engine) and the runner (engine/core.py _make_runners) are
 built from it.
 """
 from __future__ import annotations

@@ -73,7 +73,7 @@ def ModelRunner(model_dir: str | Path, device: DeviceConfig | None = None,  # no
                 defer_kv_cache: bool = False) -> Runner:
     """The runner for `device` (named as a class: the engine, LLM and the tools construct it),
     built from the settings objects whole: the engine passes its EngineConfig's parts
-    (engine/core.py _make_runner). device: DeviceConfig(device="cpu") unless given (tests
+    (engine/core.py _make_runners). device: DeviceConfig(device="cpu") unless given (tests
     compare against CPU references); "auto" is cuda when CuPy sees a GPU, else cpu, and
     DeviceConfig.check_backend refuses what the backend cannot serve. cache: CacheConfig()
     unless given. limits: the largest step (the CUDA backend's graph ladder, profiling forward
