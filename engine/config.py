@@ -5,7 +5,7 @@ SchedulerConfig (below: the scheduler takes it whole) and the model fields. The 
 the scheduler's bounds as gpu's own StepLimits (step_limits). `LLM(**kwargs)` takes the flat
 setting names, as vLLM's EngineArgs does (EngineConfig.create sorts them into the parts); the
 launcher builds one from the `ringserve serve` flags of the same names (generated from these
-fields), and the engine process (run_engine) and the runner (engine/core.py _make_runner) are
+fields), and the engine process (run_engine) and the runner (engine/core.py _make_runners) are
 built from it.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field, fields, replace
 
 from ringserve.engine.kv_events import KVEventsConfig, parse_kv_events_config
-from ringserve.engine.speculative import DRAFT_ON_CPU_ONLY, SpeculativeConfig, parse_speculative_config
+from ringserve.engine.speculative import SpeculativeConfig, parse_speculative_config
 from ringserve.gpu.settings import CacheConfig, DeviceConfig, StepLimits
 
 # Tokens per step when max_num_batched_tokens is not given; longer prompts are chunked.
@@ -116,8 +116,7 @@ class EngineConfig:
                 "\"num_speculative_tokens\": K, \"prompt_lookup_max\": N, \"prompt_lookup_min\": M} "
                 "or a draft model sharing the target's vocabulary, {\"model\": PATH_OR_ID, "
                 "\"num_speculative_tokens\": K}; optionally \"disable_by_batch_size\" (default 8: "
-                "no speculation in a step with more running requests); a draft model runs on the "
-                "CPU backend only for now (docs/speculative.md)"})
+                "no speculation in a step with more running requests; docs/speculative.md)"})
     # The parts: settings classes of their own (no flag each; their fields are the flags).
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -133,11 +132,7 @@ class EngineConfig:
                                  "(pip install 'ringserve[kv-events]')") from None
         if isinstance(self.speculative_config, dict):  # LLM(speculative_config={...}), as vLLM
             self.speculative_config = json.dumps(self.speculative_config)
-        spec = parse_speculative_config(self.speculative_config)  # ValueError: one line
-        if spec is not None and spec.model is not None:
-            from ringserve.gpu.devices import resolve_device
-            if resolve_device(self.device_config.device) != "cpu":
-                raise ValueError(DRAFT_ON_CPU_ONLY)
+        parse_speculative_config(self.speculative_config)  # ValueError: one line
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}.")
         if self.scheduler_config.max_num_batched_tokens is None:  # the one place it is resolved

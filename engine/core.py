@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ringserve.engine.config import EngineConfig, fit_max_model_len
-from ringserve.engine.draft_proposer import DraftModelProposer, check_same_vocabulary
+from ringserve.engine.draft_proposer import DraftModelProposer, draft_limits, resolve_draft
 from ringserve.engine.inputs import build_batch, verify_row_starts
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.logprobs import (
@@ -55,7 +55,7 @@ from ringserve.engine.request_checks import check_request
 from ringserve.engine.sampling_metadata import build_sampling_metadata, build_verify_metadata
 from ringserve.engine.scheduler import Scheduler, SchedulerOutput
 from ringserve.engine.speculation import Speculation
-from ringserve.engine.speculative import DRAFT_ON_CPU_ONLY, SpeculativeConfig
+from ringserve.engine.speculative import SpeculativeConfig
 from ringserve.engine.stats import SchedulerStats
 from ringserve.engine.stop import check_stop
 from ringserve.engine.structured_outputs import StructuredOutputs, advance
@@ -86,12 +86,14 @@ class InFlightStep:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner=None):
+    def __init__(self, config: EngineConfig, runner=None, draft_runner=None):
         """runner: a ready ModelRunner-like object (submit, config, block_size, num_blocks);
-        None builds the ModelRunner for config.model."""
+        None builds the ModelRunner for config.model. draft_runner: with a draft model in
+        config.speculative, its ready runner (execute, as many blocks as runner's); None builds it."""
         self.config = config
+        draft = draft_runner   # a draft model's runner, built beside the target's (CUDA: _make_runners)
         if runner is None:
-            runner = _make_runner(config)
+            runner, draft = _make_runners(config)
         self.runner = runner
         model = runner.config
         self.vocab_size = model.vocab_size
@@ -126,36 +128,21 @@ class EngineCore:
         self.structured = StructuredOutputs(tokenizer_dir, self.vocab_size, self.eos_token_ids)
         spec = config.speculative
         if spec is not None:
-            proposer = None if spec.model is None else self._draft_proposer(spec)
+            proposer = None if spec.model is None else self._draft_proposer(spec, draft)
             self.scheduler.speculation = Speculation(spec, self.max_model_len, proposer)
 
-    def _draft_proposer(self, spec: SpeculativeConfig) -> DraftModelProposer:
-        """The draft model's runner on the target's backend and settings, with a KV cache of as
-        many blocks as the target's (engine/draft_proposer.py: the two mirror each other)."""
-        from ringserve.gpu.errors import ModelError
-        from ringserve.gpu.loader.model_store import resolve_model
+    def _draft_proposer(self, spec: SpeculativeConfig, draft) -> DraftModelProposer:
+        """The draft model's runner (engine/draft_proposer.py: its KV cache mirrors the
+        target's blocks): built already (CUDA, _make_runners), or now on the target's backend
+        and settings with as many blocks as the target's."""
         from ringserve.gpu.runner import ModelRunner
 
-        assert spec.model is not None
-        if getattr(self.runner, "device", "cpu") != "cpu":
-            raise ValueError(DRAFT_ON_CPU_ONLY)
-        try:
-            draft_dir = resolve_model(spec.model)
-        except ModelError as e:
-            raise ValueError(f"--speculative-config: the draft model: {e}") from None
-        target = self.config.model or "the default model"
-        draft_config = ModelConfig.from_dir(draft_dir)
-        check_same_vocabulary(getattr(self.runner, "model_dir", None), draft_dir, self.vocab_size,
-                              draft_config.vocab_size, target, spec.model)
-        window = self.runner.config.uniform_window
-        draft_window = draft_config.uniform_window   # 0: none, it reads the whole history
-        if window and not 0 < draft_window <= window:
-            raise ValueError(f"--speculative-config: the draft model {spec.model} reads keys "
-                             f"before the target model {target}'s sliding window of {window}, "
-                             f"whose blocks are freed (the two share block tables)")
-        cache = replace(self.config.cache_config, block_size=self.block_size,
-                        num_gpu_blocks_override=self.runner.num_blocks)
-        draft = ModelRunner(draft_dir, self.config.device_config, cache, self.config.step_limits)
+        if draft is None:
+            draft_dir = resolve_draft(spec, self.config.model, getattr(self.runner, "model_dir", None),
+                                      self.runner.config)
+            cache = replace(self.config.cache_config, block_size=self.block_size,
+                            num_gpu_blocks_override=self.runner.num_blocks)
+            draft = ModelRunner(draft_dir, self.config.device_config, cache, draft_limits(self.config))
         return DraftModelProposer(draft, self.kv, spec.num_speculative_tokens, self.structured)
 
     # -- requests in -------------------------------------------------------------------------
@@ -230,6 +217,13 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def draft_runner(self):
+        """The draft model's runner (speculative decoding with a draft model), or None."""
+        speculation = self.scheduler.speculation
+        proposer = None if speculation is None else speculation.proposer
+        return proposer.runner if isinstance(proposer, DraftModelProposer) else None
 
     @property
     def runner_is_asynchronous(self) -> bool:
@@ -447,9 +441,18 @@ def _failure_of(failed: dict[int, str], starts, j: int) -> str:
     return next(why for row, why in sorted(failed.items()) if starts[j] <= row < end)
 
 
-def _make_runner(config: EngineConfig):
+def _make_runners(config: EngineConfig):
+    """The target's runner, and on CUDA with a draft model the draft's (None: none, or built
+    after the target: the CPU's pool is set bytes). On CUDA the draft comes first, its pool
+    deferred, so that the target's profile sees it and sizes one pool of blocks for both
+    (gpu/cuda/runner.py mirror); the two run on one stream."""
     from ringserve.gpu.loader.model_store import resolve_model
     from ringserve.gpu.runner import ModelRunner
 
     model_dir: Path = resolve_model(config.model)
-    return ModelRunner(model_dir, config.device_config, config.cache_config, config.step_limits)
+    device, cache, spec = config.device_config, config.cache_config, config.speculative
+    if spec is None or spec.model is None or device.check_backend(cache) != "cuda":
+        return ModelRunner(model_dir, device, cache, config.step_limits), None
+    draft_dir = resolve_draft(spec, config.model, model_dir, ModelConfig.from_dir(model_dir))
+    draft = ModelRunner(draft_dir, device, cache, draft_limits(config), defer_kv_cache=True)
+    return ModelRunner(model_dir, device, cache, config.step_limits, mirror=draft), draft

@@ -14,7 +14,8 @@ draft holds at the same slot.
   then the draft's for that real token; a rejected one's is rewritten by the next catch-up
   (which starts at the first position the target rejected) before anything reads it;
 - all k accepted: the last draft's K/V was never written (no forward took it as input), so
-  the next catch-up starts one token earlier (`_lagging`).
+  the next catch-up starts one token earlier (`_lagging`; the entry stays until a catch-up
+  finds the request past it, so a failed step run again starts as early again).
 
 Each draft token is drawn from q, the draft's distribution under the request's own sampling
 parameters as its verify row sees them (penalties over the output plus the drafts before it,
@@ -24,6 +25,7 @@ sampling (gpu/sampling/sampler.py accept_or_resample), so the output follows the
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,10 +35,14 @@ from ringserve.engine.inputs import batch_of
 from ringserve.engine.kv_cache import KVCacheManager
 from ringserve.engine.request import Request
 from ringserve.engine.sampling_metadata import build_ahead_metadata
+from ringserve.engine.speculative import SpeculativeConfig
 from ringserve.engine.structured_outputs import StructuredOutputs
+from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.sampling.sampler import sample_draft
+from ringserve.gpu.settings import StepLimits
 
 if TYPE_CHECKING:
+    from ringserve.engine.config import EngineConfig
     from ringserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -95,9 +101,13 @@ class DraftModelProposer:
             req = s.request
             end = s.num_computed_tokens + s.num_new_tokens - len(s.draft_token_ids or ())
             start = s.num_computed_tokens
-            lag = self._lagging.pop(req.key, None)
-            if lag is not None and lag[1] == start - 1:   # not when it was preempted since
+            # NOTE: kept, not popped, until a catch-up finds it stale: a step that fails after
+            # this forward runs again (engine/core.py _recover) and must start as early again
+            lag = self._lagging.get(req.key)
+            if lag is not None and lag[1] == start - 1:
                 start -= 1
+            elif lag is not None:   # written by an earlier catch-up, or preempted since
+                del self._lagging[req.key]
             reqs.append(req)
             starts.append(start)
             counts.append(end - start)
@@ -141,6 +151,38 @@ def _drop_drafts(sched: SchedulerOutput, s: ScheduledRequest, keep: int) -> None
     s.draft_token_ids = (s.draft_token_ids or [])[:keep]
     s.num_new_tokens -= drop
     sched.num_draft_tokens -= drop
+
+
+def resolve_draft(spec: SpeculativeConfig, target: str | None, target_dir: Path | None,
+                  target_config: ModelConfig) -> Path:
+    """The draft model's folder (resolved as the target's model argument is), after the checks
+    that it can draft for the target: its vocabulary, and a sliding window no wider than the
+    target's; ValueError, one line naming both models, otherwise."""
+    from ringserve.gpu.errors import ModelError
+    from ringserve.gpu.loader.model_store import resolve_model
+
+    assert spec.model is not None
+    try:
+        draft_dir = resolve_model(spec.model)
+    except ModelError as e:
+        raise ValueError(f"--speculative-config: the draft model: {e}") from None
+    name = target or "the default model"
+    draft_config = ModelConfig.from_dir(draft_dir)
+    check_same_vocabulary(target_dir, draft_dir, target_config.vocab_size, draft_config.vocab_size, name,
+                          spec.model)
+    window = target_config.uniform_window
+    if window and not 0 < draft_config.uniform_window <= window:   # 0: none, it reads the whole history
+        raise ValueError(f"--speculative-config: the draft model {spec.model} reads keys before the "
+                         f"target model {name}'s sliding window of {window}, whose blocks are freed "
+                         f"(the two share block tables)")
+    return draft_dir
+
+
+def draft_limits(config: EngineConfig) -> StepLimits:
+    """The draft runner's step limits: the target's, its "verify" steps of query length 2 (the
+    catch-up: each request's last token, and the one before when its drafts were all accepted;
+    on CUDA graphs of their own), its one-token draft steps decode steps."""
+    return replace(config.step_limits, num_speculative_tokens=1)
 
 
 def check_same_vocabulary(target_dir: Path | None, draft_dir: Path, target_vocab: int,

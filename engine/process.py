@@ -124,8 +124,11 @@ class EngineProcess:
         self.stats_segment = Segment.create(stats_size(max_slots))
         self.stats = EngineStats(self.stats_segment.buf)
         memory = MemoryReport.of(core.runner)
+        draft = None if core.draft_runner is None else MemoryReport.of(core.draft_runner)
         self.stats.init(os.getpid(), max_slots, core.kv.num_blocks, core.block_size,
-                        memory.kv_cache_bytes, memory.weight_bytes, core.max_model_len)
+                        memory.kv_cache_bytes, memory.weight_bytes, core.max_model_len,
+                        draft_weight_bytes=0 if draft is None else sum(draft.weight_bytes.values()),
+                        draft_kv_cache_bytes=0 if draft is None else draft.kv_cache_bytes)
         self.stats.publish(0, 0, core.kv.num_free_blocks)
         self.heartbeat = Heartbeat(self.stats)
         self.heartbeat.start()

@@ -24,9 +24,6 @@ MAX_PROMPT_LOOKUP = 64
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 METHODS = ("ngram", "draft_model")
-# The CUDA verify path takes n-gram drafts; a draft model's forwards and q rows are CPU-only.
-DRAFT_ON_CPU_ONLY = ("--speculative-config: a draft model (\"model\") runs on the CPU backend only "
-                     "for now (docs/speculative.md)")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
          "disable_by_batch_size", "model")
 

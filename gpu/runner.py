@@ -69,21 +69,28 @@ class MemoryReport:
 
 def ModelRunner(model_dir: str | Path, device: DeviceConfig | None = None,  # noqa: N802
                 cache: CacheConfig | None = None, limits: StepLimits | None = None, *,
-                widen_packed: bool = False) -> Runner:
+                widen_packed: bool = False, mirror: Runner | None = None,
+                defer_kv_cache: bool = False) -> Runner:
     """The runner for `device` (named as a class: the engine, LLM and the tools construct it),
     built from the settings objects whole: the engine passes its EngineConfig's parts
-    (engine/core.py _make_runner). device: DeviceConfig(device="cpu") unless given (tests
+    (engine/core.py _make_runners). device: DeviceConfig(device="cpu") unless given (tests
     compare against CPU references); "auto" is cuda when CuPy sees a GPU, else cpu, and
     DeviceConfig.check_backend refuses what the backend cannot serve. cache: CacheConfig()
     unless given. limits: the largest step (the CUDA backend's graph ladder, profiling forward
     and block tables); the CPU backend reads only its max_model_len (LongRoPE's factors).
-    widen_packed: the CPU backend's float path for comparisons (gpu/cpu/runner.py)."""
+    widen_packed: the CPU backend's float path for comparisons (gpu/cpu/runner.py).
+    defer_kv_cache, mirror (CUDA): a draft model's runner, its pool left for later, and its
+    target's, which sizes one pool for both and allocates the draft's (gpu/cuda/runner.py); on
+    the CPU the pool is set bytes, so the engine builds the draft after with the target's blocks."""
     device = DeviceConfig(device="cpu") if device is None else device
     cache = CacheConfig() if cache is None else cache
     if device.check_backend(cache) == "cuda":
         if limits is None:
             raise ValueError("the CUDA runner needs its StepLimits (max_num_seqs, max_num_batched_tokens)")
         from ringserve.gpu.cuda.runner import CudaModelRunner
-        return CudaModelRunner.from_dir(model_dir, device, cache, limits)
+        return CudaModelRunner.from_dir(model_dir, device, cache, limits, mirror=mirror,
+                                        defer_kv_cache=defer_kv_cache)
+    if mirror is not None or defer_kv_cache:
+        raise ValueError("mirror and defer_kv_cache are the CUDA runner's")
     from ringserve.gpu.cpu.runner import CpuModelRunner
     return CpuModelRunner(model_dir, device, cache, limits, widen_packed=widen_packed)

@@ -34,8 +34,11 @@ WEIGHT_BYTES = 16  # WEIGHT_BYTES + i: the bytes of the weights of type WEIGHT_T
 SPEC_K, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, SPEC_OFF_STEPS = range(31, 36)
 SPEC_PER_POS = 36
 SPEC_MAX_POS = 32   # engine/speculative.py MAX_SPECULATIVE_TOKENS
+# A draft model's memory (speculative decoding), written once at start: its weights' bytes (all
+# types together) and its KV pool's (0, 0: no draft model).
+DRAFT_WEIGHT_BYTES, DRAFT_KV_CACHE_BYTES = SPEC_PER_POS + SPEC_MAX_POS, SPEC_PER_POS + SPEC_MAX_POS + 1
 BEAT_INTERVAL_S = 0.5  # the heartbeat thread's period
-HEADER_WORDS = SPEC_PER_POS + SPEC_MAX_POS  # then one word per slot: AddRequest records the
+HEADER_WORDS = DRAFT_KV_CACHE_BYTES + 1  # then one word per slot: AddRequest records the
                                             # engine has taken from that slot
 assert WEIGHT_BYTES + len(WEIGHT_TYPES) <= MAX_MODEL_LEN < SPEC_K  # the header's words do not overlap
 
@@ -68,12 +71,13 @@ class EngineStats:
     # -- engine side -----------------------------------------------------------------
     def init(self, pid: int, max_slots: int, num_blocks: int = 0, block_size: int = 0,
              kv_cache_bytes: int = 0, weight_bytes: dict[str, int] | None = None,
-             max_model_len: int = 0) -> None:
+             max_model_len: int = 0, draft_weight_bytes: int = 0, draft_kv_cache_bytes: int = 0) -> None:
         w = self._words
         for i in range(HEADER_WORDS + max_slots):
             w[i] = 0
         w[PID], w[MAX_SLOTS], w[NUM_BLOCKS], w[BLOCK_SIZE] = pid, max_slots, num_blocks, block_size
         w[KV_CACHE_BYTES], w[MAX_MODEL_LEN] = kv_cache_bytes, max_model_len
+        w[DRAFT_WEIGHT_BYTES], w[DRAFT_KV_CACHE_BYTES] = draft_weight_bytes, draft_kv_cache_bytes
         for kind, nbytes in (weight_bytes or {}).items():
             i = WEIGHT_TYPES.index(kind) if kind in WEIGHT_TYPES else len(WEIGHT_TYPES) - 1
             w[WEIGHT_BYTES + i] += nbytes

@@ -35,6 +35,8 @@ from pathlib import Path
 from ringserve.ipc.shm import Segment, remove_stale_segments
 from ringserve.ipc.stats import (
     BLOCK_SIZE,
+    DRAFT_KV_CACHE_BYTES,
+    DRAFT_WEIGHT_BYTES,
     KV_CACHE_BYTES,
     MAX_MODEL_LEN,
     NUM_BLOCKS,
@@ -346,6 +348,10 @@ class Launcher:
                      _size(sum(weights.values())),
                      ", ".join(f"{k} {_size(v)}" for k, v in sorted(weights.items(), key=lambda kv: -kv[1])),
                      blocks, bs, blocks * bs, _size(stats[KV_CACHE_BYTES]))
+            if stats[DRAFT_WEIGHT_BYTES]:  # speculative decoding's draft model, in the same engine
+                log.info("engine %d: draft model weights %s, its KV pool %s (the same %d blocks)",
+                         e.index, _size(stats[DRAFT_WEIGHT_BYTES]), _size(stats[DRAFT_KV_CACHE_BYTES]),
+                         blocks)
         log.info("serving %s (%s) as %s on %s with %d workers, max_model_len %d",
                  self.model_dir.name, self.model_dir,
                  ", ".join(self.server.served_model_name or [self.model_name]),

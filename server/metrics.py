@@ -15,7 +15,8 @@ Two sources make up one /metrics page:
 
 Memory, two ways (docs/bench_quant.md "Where the memory goes" reads them): `memory_bytes{part}`
 is what each engine holds by design (weights_packed: GGUF blocks and 16-bit weights as stored;
-weights_float: float32 weights, norms; kv_cache: the pool, allocated, touched as it fills), and
+weights_float: float32 weights, norms; kv_cache: the pool, allocated, touched as it fills; with a
+draft model for speculative decoding, draft_weights and draft_kv_cache, its own), and
 `process_memory_pss_bytes{process}` what the machine counts at the scrape (server/memory.py):
 the engines' PSS, and the frontend's (launcher, Gunicorn master and workers).
 """
@@ -68,6 +69,8 @@ class EngineSnapshot:
     # speculative decoding (ipc/stats.py EngineStats.spec_decode): drafts, draft tokens,
     # accepted tokens, steps off by batch size, accepted per position; None: not speculating
     spec_decode: tuple[int, int, int, int, list[int]] | None = None
+    draft_weight_bytes: int = 0       # a draft model's (speculative decoding), 0: none
+    draft_kv_cache_bytes: int = 0
 
 
 @dataclass
@@ -225,6 +228,9 @@ def memory_metrics(P: str, model_name: str, stats: list[EngineSnapshot],
         for part, n in (("weights_packed", sum(weights.values()) - floats), ("weights_float", floats),
                         ("kv_cache", s.kv_cache_bytes)):
             parts.add_metric([model_name, str(i), part], n)
+        if s.draft_weight_bytes:  # a draft model (speculative decoding): its own parts
+            parts.add_metric([model_name, str(i), "draft_weights"], s.draft_weight_bytes)
+            parts.add_metric([model_name, str(i), "draft_kv_cache"], s.draft_kv_cache_bytes)
     yield parts
     if resident:
         pss = GaugeMetricFamily(P + "process_memory_pss_bytes", "Proportional set size of the "

@@ -12,6 +12,8 @@ import os
 
 from ringserve.ipc.stats import (
     BLOCK_SIZE,
+    DRAFT_KV_CACHE_BYTES,
+    DRAFT_WEIGHT_BYTES,
     KV_CACHE_BYTES,
     NUM_BLOCKS,
     NUM_FREE_BLOCKS,
@@ -46,7 +48,8 @@ def snapshots(client: EngineClient) -> list[EngineSnapshot]:
                                   prefix_cache_queries=s[PREFIX_CACHE_QUERIES],
                                   prefix_cache_hits=s[PREFIX_CACHE_HITS],
                                   kv_cache_bytes=s[KV_CACHE_BYTES], weight_bytes=s.weight_bytes(), pid=s[PID],
-                                  spec_decode=s.spec_decode()))
+                                  spec_decode=s.spec_decode(), draft_weight_bytes=s[DRAFT_WEIGHT_BYTES],
+                                  draft_kv_cache_bytes=s[DRAFT_KV_CACHE_BYTES]))
     return out
 
 

@@ -150,7 +150,8 @@ def test_the_runners_take_the_configs_whole():
     params = inspect.signature(ModelRunner).parameters
     assert [(p.name, p.annotation) for p in list(params.values())[1:4]] == [
         ("device", "DeviceConfig | None"), ("cache", "CacheConfig | None"), ("limits", "StepLimits | None")]
-    assert list(params) == ["model_dir", "device", "cache", "limits", "widen_packed"]  # no setting spread
+    assert list(params) == ["model_dir", "device", "cache", "limits", "widen_packed", "mirror",
+                            "defer_kv_cache"]  # no setting spread (mirror, defer: a draft and its target)
     c = EngineConfig.create(device="cpu", max_num_seqs=7, block_size=8, max_model_len=64)
     assert (type(c.device_config), type(c.cache_config), type(c.scheduler_config)) == (
         DeviceConfig, CacheConfig, SchedulerConfig)

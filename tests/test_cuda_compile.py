@@ -41,7 +41,8 @@ NUMBA_SIGNATURES = {
     # sampling_kernels: float32 logits (the runner's fp32 logits buffer), 1024 threads per row
     "penalties_kernel": [(f32_2d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d, i32_1d,
                           f32_1d, f32_1d, f32_1d)],
-    "sample_kernel": [(f32_2d, u32_2d, f32_1d, i32_1d, f32_1d, f32_1d, f32_1d, i32_1d)],
+    "sample_kernel": [(f32_2d, u32_2d, f32_1d, i32_1d, f32_1d, f32_1d, f32_1d, f32_2d, i32_1d, i32_1d, f32_1d,
+                       i32_1d)],
     "logprobs_kernel": [(f32_2d, i32_1d, i32_2d, f32_2d, i32_1d)],
     "bitmask_kernel": [(f32_2d, i32_2d, i32_1d)],
 }

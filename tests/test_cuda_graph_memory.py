@@ -175,3 +175,46 @@ def test_the_check_sees_a_workspace_the_runner_let_go(stand_in, tiny_cuda_models
     assert stray and all("attention.py" in line and line.endswith("freed") for line in stray), stray
     with pytest.raises(IllegalAddress, match=r"paged_attention_rope touches .*attention\.py.*, freed since"):
         runner._launch(decode(1))
+
+
+def test_a_draft_model_shares_the_targets_stream_and_pool_and_replays_its_decode_graphs(stand_in,
+                                                                                       tiny_cuda_models):
+    """Speculative decoding with a draft model (engine/core.py _make_runners): the draft built
+    first with its pool deferred (its graphs' step buffers allocated, nothing captured), then
+    the target with mirror=the draft: one stream, the draft's pool as many blocks as the
+    target's, its decode ladder and its catch-up ladder (query length 2) captured over it,
+    everything both runners' graphs touch held; the draft's one-token steps replay its decode
+    graphs, its catch-up its graphs of query length 2."""
+    device, runner_module = stand_in
+    limits = replace(LIMITS, num_speculative_tokens=3, max_num_verify_seqs=4)
+    draft = runner_module.CudaModelRunner.from_dir(   # engine/draft_proposer.py draft_limits
+        tiny_cuda_models("untied-g2"), CUDA, CACHE, replace(limits, num_speculative_tokens=1),
+        defer_kv_cache=True)
+    assert draft.num_blocks == 0 and draft.kv_caches == [] and not device.graphs
+    assert draft._graph_buffers is not None   # allocated before the target's profile
+    target = runner_module.CudaModelRunner.from_dir(tiny_cuda_models("tied-g3"), CUDA, CACHE, limits,
+                                                    mirror=draft)
+    assert target.stream is draft.stream
+    assert draft.num_blocks == target.num_blocks == CACHE.num_gpu_blocks_override
+    assert len(draft.kv_caches) == draft.config.num_hidden_layers and draft._graph_buffers is None
+    assert sorted(draft.graphs.graphs) == draft.graphs.sizes
+    assert draft.verify_graphs.query_len == 2 and sorted(draft.verify_graphs.graphs) == [1, 2, 4]
+    assert len(device.graphs) == sum(len(r.graphs.sizes) + len(r.verify_graphs.sizes)
+                                     for r in (draft, target))
+    gc.collect()
+    held = held_blocks(target, device) | held_blocks(draft, device)
+    stray = {(launch.name, op.block) for graph in device.graphs for launch in graph.launches
+             for op in launch.operands if op.block not in held}
+    assert not stray, stray
+    for n, size in ((1, 1), (3, 4)):
+        logits, buf = draft._launch(decode(n))
+        assert buf is draft.graphs.graphs[size].buffers and logits.shape == (n, draft.config.vocab_size)
+    # the catch-up (a request one token behind: two tokens) replays a graph of query length 2,
+    # logits at the speculating requests' rows only
+    replayed = []
+    for size, captured in draft.verify_graphs.graphs.items():
+        captured.launch = lambda stream, _s=size, _launch=captured.launch: (replayed.append(_s),
+                                                                            _launch(stream))
+    assert draft.execute(verify([1, 0, 1]), np.array([1, 4])).shape == (2, draft.config.vocab_size)
+    assert draft.execute(decode(3), np.array([0, 2])).shape == (2, draft.config.vocab_size)
+    assert replayed == [4]

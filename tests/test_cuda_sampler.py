@@ -56,7 +56,32 @@ if not IN_SIMULATOR:
         meta.generators = [None, shared, shared]
         u = draw_uniforms(meta)
         expect = np.random.default_rng(9).random(2)
-        assert u[0] == 0 and np.allclose(u[1:], expect.astype(np.float32))
+        assert u[0, 0] == 0 and np.allclose(u[0, 1:], expect.astype(np.float32)) and not u[1].any()
+        # a row verifying a draft model's token draws two (accept_or_resample), in row order
+        meta = _meta(rows)
+        meta.generators = [None, shared := np.random.default_rng(9), shared]
+        meta.draft_probs, meta.draft_token_ids = [None, np.ones(3) / 3, None], [-1, 1, -1]
+        u = draw_uniforms(meta)
+        a, b, c = np.random.default_rng(9).random(3).astype(np.float32)
+        assert u[:, 1].tolist() == [a, b] and u[:, 2].tolist() == [c, 0]
+
+    @pytest.mark.parametrize("seed", range(4))
+    def test_rejection_reference_is_the_numpy_samplers_rule(seed):
+        """ref.accept_or_resample (what the kernel is checked against) gives the token
+        gpu/sampling/sampler.accept_or_resample gives with the same two uniform numbers."""
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal(40) * 2
+        p = cpu_sampler.dense_distribution(x, 0.9, 0, 1.0, 0.0)
+        np.testing.assert_allclose(ref.sampling_probs(x, 0.9, 0, 1.0, 0.0), p)
+        q = cpu_sampler.dense_distribution(rng.standard_normal(40) * 2, 1.0, 0, 1.0, 0.0)
+        outcomes = set()
+        for trial in range(50):
+            draft = int(rng.choice(40, p=q))
+            u = np.random.default_rng(trial).random(2)
+            got = cpu_sampler.accept_or_resample(p, draft, q, np.random.default_rng(trial))
+            assert got == ref.accept_or_resample(p, draft, q, *u)
+            outcomes.add(got == draft)
+        assert outcomes == {True, False}  # both the keep and the residual draw were taken
 
     def test_packed_penalties_hold_each_id_once():
         from ringserve.gpu.cuda.sampler import pack_penalties
@@ -141,6 +166,58 @@ else:
         sk.sample(xs, m.temperature, m.top_k, m.top_p, m.min_p, sweep, got, threads=THREADS)
         assert [ref.inverse_cdf(probs, float(s)) for s in sweep] == got.tolist()
         assert len(set(got.tolist())) > 2
+
+    def test_draft_rows_are_rejection_sampled_as_the_reference():
+        """Rows verifying a draft model's token (sample_kernel's draft=): over sweeps of both
+        uniform numbers, every token is ref.accept_or_resample's (gpu/sampling/sampler.py's
+        rule): kept, or drawn from the residual max(p - q, 0), or from p where q is p itself
+        (a residual of rounding only); a row without q (-1) is sampled as before."""
+        rng = np.random.default_rng(15)
+        V = 24
+        params = [(1.0, 0, 1.0, 0.0), (0.8, 5, 0.9, 0.0), (1.2, 0, 1.0, 0.05), (1.0, 0, 1.0, 0.0)]
+        x = _logits(rng, len(params), V)
+        probs = [ref.sampling_probs(x[r], *params[r]) for r in range(len(params))]
+        q = np.stack([ref.sampling_probs(_logits(rng, 1, V)[0], 1.0, 0, 1.0, 0.0),
+                      ref.sampling_probs(_logits(rng, 1, V)[0], 0.7, 0, 1.0, 0.0),
+                      probs[2]]).astype(np.float32)             # row 2: q is p
+        q_rows = np.array([0, 1, 2, -1], np.int32)
+        # drafts with p/q nearest 1/2: kept at a small u, rejected at a large one
+        near_half = [int(np.argmin(np.where(q[r] > 0.01, np.abs(probs[r] / q[r] - 0.5), np.inf)))
+                     for r in range(2)]
+        drafts = np.array([*near_half, int(np.argmax(probs[2])), 0], np.int32)
+        seen = set()
+        for u, u2 in [(0.05, 0.3), (0.5, 0.9), (0.95, 0.1), (0.999, 0.6), (0.7, 0.45)]:
+            m = _meta(params)
+            uniforms = np.full(len(params), u, np.float32)
+            residual = np.full(len(params), u2, np.float32)
+            out = np.full(len(params), -1, np.int32)
+            sk.sample(x, m.temperature, m.top_k, m.top_p, m.min_p, uniforms, out,
+                      draft=(q, q_rows, drafts, residual), threads=THREADS)
+            for r in range(3):
+                want = ref.accept_or_resample(probs[r], int(drafts[r]), q[r].astype(np.float64),
+                                              float(uniforms[r]), float(residual[r]))
+                assert out[r] == want, (r, u, u2)
+                seen.add((r, out[r] == drafts[r]))
+            assert out[3] == ref.inverse_cdf(probs[3], float(u))
+        assert {(0, True), (0, False), (1, False)} <= seen   # kept and resampled (row 1: top-k/p)
+
+    def test_cuda_sampler_verifies_a_draft_models_tokens_as_the_numpy_sampler():
+        """The whole host + device path with a draft model's q (engine/sampling_metadata.
+        build_verify_metadata's draft_probs): the same seeds give the numpy sampler's tokens,
+        both uniform numbers of a row drawn on the host in its order; a greedy row compares."""
+        rng = np.random.default_rng(16)
+        V = 30
+        x = _logits(rng, 5, V)
+        meta = _meta([(1.0, 0, 1.0, 0.0), (0.9, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0),
+                      (1.1, 0, 1.0, 0.0)], seed=21)
+        qs = [cpu_sampler.dense_distribution(_logits(rng, 1, V)[0], 1.0, 0, 1.0, 0.0) for _ in range(3)]
+        meta.draft_probs = [qs[0], qs[1], None, None, qs[2]]   # row 2: the bonus row; 3: greedy
+        meta.draft_token_ids = [int(np.argmax(qs[0])), int(np.argsort(qs[1])[-2]), -1, 4,
+                                int(np.argmax(qs[2]))]
+        want = cpu_sampler.sample(x, _copy_meta(meta, seed=21))
+        got = CudaSampler(threads=THREADS).sample(cuda.to_device(x), _copy_meta(meta, seed=21))
+        np.testing.assert_array_equal(got.token_ids, want.token_ids)
+        assert got.token_ids[3] == x[3].argmax()
 
     def test_cuda_sampler_matches_the_numpy_sampler():
         """The whole host + device path: the same seeds give the same tokens as gpu/sampling/sampler.py

@@ -313,10 +313,26 @@ def test_sampler_on_device_matches_references():
     for r in range(1, B):
         temperature, top_k, top_p, min_p = rows[r]  # float32 columns: top_k an int again
         probs = ref.sampling_probs(x[r], float(temperature), int(top_k), float(top_p), float(min_p))
-        assert got.token_ids[r] == ref.inverse_cdf(probs, float(u[r]))
+        assert got.token_ids[r] == ref.inverse_cdf(probs, float(u[0, r]))
     expect = sample(x, meta())
     np.testing.assert_array_equal(got.logprobs.token_ids[:, 1:], expect.logprobs.token_ids[:, 1:])
     np.testing.assert_allclose(got.logprobs.logprobs[:, 1:], expect.logprobs.logprobs[:, 1:], atol=1e-4)
+    # rows verifying a draft model's token (rejection sampling) at this vocabulary: the reference's
+    qs = [ref.sampling_probs(x[r][::-1].copy(), 1.0, 0, 1.0, 0.0) for r in range(B)]
+    drafts = [int(np.argmax(q)) for q in qs]
+
+    def draft_meta():
+        m = meta()
+        m.draft_probs, m.draft_token_ids = qs, drafts
+        return m
+    got = CudaSampler().sample(cuda.as_cuda_array(cp.asarray(x)), draft_meta())
+    u = draw_uniforms(draft_meta())
+    for r in range(1, B):
+        temperature, top_k, top_p, min_p = rows[r]
+        probs = ref.sampling_probs(x[r], float(temperature), int(top_k), float(top_p), float(min_p))
+        q32 = qs[r].astype(np.float32).astype(np.float64)
+        want = ref.accept_or_resample(probs, drafts[r], q32, float(u[0, r]), float(u[1, r]))
+        assert got.token_ids[r] == want, r
 
 
 def test_submit_samples_on_device(tiny_cuda_model_dir):
@@ -463,6 +479,58 @@ def test_speculative_decoding_replays_verify_graphs_and_keeps_greedy_output(tiny
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0 and replays, (stats, replays)
     compared = [assert_same_generation(g, e, lead) for g, e, lead in zip(got, expect, leads, strict=True)]
     assert sum(compared) >= 10, f"too few clear choices to compare: {compared}"
+
+
+def test_a_draft_model_on_cuda_keeps_greedy_output_and_replays_its_decode_graphs(tiny_cuda_models):
+    """A draft model on CUDA (the target drafting for itself, K = 3): built before its target
+    on one stream with as many blocks (the profile sizes blocks for both: each costs the two
+    caches' bytes); its one-token draft steps replay its decode graphs, its catch-up (two
+    tokens a request after all drafts were accepted) its graphs of query length 2, the
+    target's verify steps its verify graphs; nearly every greedy draft is accepted (fp16: the
+    draft's decode and the target's verify round apart at near-ties), and three greedy requests
+    decode what they decode
+    without speculation (up to the plain run's first near-tie). Then sampled at temperature
+    1 through the device sampler's rejection sampling (q is p: every draft kept)."""
+    from fp16_checks import assert_same_generation
+    from ringserve.ipc.sampling_params import SamplingParams
+    from ringserve.server.llm import LLM
+    model = str(tiny_cuda_models("tied-g3"))
+    prompts = [[1] + [5, 6, 7, 8] * 6, [1, 200, 3] * 5, list(range(3, 40))]
+    common = dict(model=model, device="cuda", max_num_seqs=8, max_model_len=512)
+    done = LLM(**common, num_gpu_blocks_override=256).generate(
+        prompts, [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=2)] * 3)
+    expect = [list(o.outputs[0].token_ids) for o in done]
+    leads = [[_lead(pos) for pos in o.outputs[0].logprobs] for o in done]
+    spec = LLM(**common, num_gpu_blocks_override=256,
+               speculative_config={"model": model, "num_speculative_tokens": 3})
+    core = spec.engine
+    draft = core.draft_runner
+    assert draft is not None and draft.stream is core.runner.stream
+    assert draft.num_blocks == core.runner.num_blocks == core.kv.num_blocks == 256
+    own, mirror = core.runner.kv_bytes_per_block, draft.kv_bytes_per_block
+    alone, both = (core.runner._profile_num_blocks(512, 8, 0.5, extra) for extra in (0, mirror))
+    assert abs(both / alone - own / (own + mirror)) < 0.01, (alone, both)
+    assert sorted(draft.graphs.graphs) == draft.graphs.sizes and draft.verify_graphs.query_len == 2
+    assert sorted(draft.verify_graphs.graphs) == draft.verify_graphs.sizes, draft.verify_capture_failures
+    replays: list[tuple[str, int]] = []
+    for kind, table in (("draft", draft.graphs), ("catch-up", draft.verify_graphs),
+                        ("verify", core.runner.verify_graphs)):
+        for size, captured in table.graphs.items():
+            captured.launch = lambda stream, _k=kind, _s=size, _launch=captured.launch: (
+                replays.append((_k, _s)), _launch(stream))
+    outs = spec.generate(prompts, [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)] * 3)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    stats = core.scheduler.speculation.stats
+    assert {k for k, _ in replays} == {"draft", "catch-up", "verify"}, replays
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens >= 0.8 * stats.num_draft_tokens, stats
+    compared = [assert_same_generation(g, e, lead) for g, e, lead in zip(got, expect, leads, strict=True)]
+    assert sum(compared) >= 10, f"too few clear choices to compare: {compared}"
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    sampled = spec.generate(prompts, [params] * 3)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in sampled)
+    drafted, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    assert drafted > 0 and accepted >= 0.8 * drafted, (drafted, accepted)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",

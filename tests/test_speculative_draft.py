@@ -35,8 +35,9 @@ def test_draft_model_config_as_vllm():
     same = EngineConfig.create(speculative_config={"method": "draft_model", "model": "/m",
                                                    "num_speculative_tokens": 2}, device="cpu")
     assert same.speculative == spec
-    with pytest.raises(ValueError, match="CPU backend only"):   # the CUDA verify path: not yet
-        EngineConfig.create(speculative_config={"model": "/m", "num_speculative_tokens": 2}, device="cuda")
+    on_cuda = EngineConfig.create(speculative_config={"model": "/m", "num_speculative_tokens": 2},
+                                  device="cuda")
+    assert on_cuda.speculative == spec   # a draft runs on CUDA too (docs/speculative.md)
 
 
 @pytest.mark.parametrize("value, field", [
@@ -201,8 +202,54 @@ def test_self_draft_is_always_right_through_preemption_prefix_hits_and_abort(def
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
-def test_draft_counters_on_metrics(serve, tiny_model_dir):
-    """A real server with a draft model (the tiny model drafting for itself): vLLM's counters."""
+def _draft_cache_mirrors_the_target(core, req) -> int:
+    """With a self-draft, the draft's K/V equals the target's at every slot the target holds
+    for req, but the last one when its drafts were all accepted (written by the next catch-up);
+    returns how many slots were compared."""
+    target, draft = core.runner.kv_caches, core.draft_runner.kv_caches
+    blocks, bs = core.kv.block_ids(req), core.block_size
+    n = req.num_computed_tokens - 1
+    for pos in range(n):
+        b, o = blocks[pos // bs], pos % bs
+        for t, d in zip(target, draft, strict=True):
+            np.testing.assert_allclose(d.k[b, o], t.k[b, o], atol=1e-4, err_msg=f"position {pos}")
+            np.testing.assert_allclose(d.v[b, o], t.v[b, o], atol=1e-4, err_msg=f"position {pos}")
+    return n
+
+
+def test_a_step_run_again_after_a_failure_keeps_the_draft_cache_whole(tiny_model_dir):
+    """A step fails in the draft's catch-up, before its forward (a request added with corrupt
+    state: a token that is not one, a temperature that is not a number, so it is found at
+    fault) and the others run it again (engine/core.py _recover): the catch-up of the step run
+    again starts where the failed one would have, one token early for the request whose
+    drafts were all accepted, so the draft's K/V (a self-draft: the target's own) still
+    mirrors the target's at every position, and every greedy draft stays accepted."""
+    llm = LLM(model=str(tiny_model_dir), device="cpu", max_model_len=256, cpu_threads=1,
+              num_gpu_blocks_override=64, speculative_config=_draft(tiny_model_dir))
+    core = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    core.add_request("good", list(range(5, 25)), params)
+    for _ in range(4):
+        core.step()
+    good = core.groups["good"][0]
+    core.add_request("bad", [9, 10, 11], SamplingParams(temperature=0, max_tokens=4))
+    bad = core.groups["bad"][0]
+    bad.params.temperature = "hot"      # corrupt state: at fault (recovery.probe)
+    bad.all_token_ids[1] = "x"          # and the catch-up's token ids raise
+    outs = core.step()
+    assert [o.finish_reason for o in outs if o.request_id == "bad"] == ["error"]
+    core.step()   # "good" runs the failed step again
+    assert _draft_cache_mirrors_the_target(core, good) > 20
+    while core.has_unfinished_requests():
+        core.step()
+    stats = core.scheduler.speculation.stats
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_draft_counters_and_memory_on_metrics(serve, tiny_model_dir):
+    """A real server with a draft model (the tiny model drafting for itself): vLLM's counters,
+    and the draft's weights and KV pool as memory parts of their own, as large as the target's
+    (the same model, a KV pool of the same blocks), in /metrics and in the start-up line."""
     server = serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
                    "--drain-timeout", "2", "--speculative-config",
                    json.dumps({"model": str(tiny_model_dir), "num_speculative_tokens": 2}))
@@ -216,3 +263,9 @@ def test_draft_counters_on_metrics(serve, tiny_model_dir):
         return sum(v for _, v in metric_samples(text, f"ringserve:spec_decode_{name}_total"))
     assert total("num_drafts") > 0 and total("num_draft_tokens") <= 2 * total("num_drafts")
     assert total("num_accepted_tokens") > 0.9 * total("num_draft_tokens")
+
+    parts = {labels.split('part="')[1].split('"')[0]: v
+             for labels, v in metric_samples(text, "ringserve:memory_bytes")}
+    assert parts["draft_weights"] == parts["weights_packed"] + parts["weights_float"] > 0
+    assert parts["draft_kv_cache"] == parts["kv_cache"] > 0
+    assert "draft model weights" in server.log.read_text()

@@ -17,8 +17,9 @@ network, from the checkout's root, in at most --budget-s (530 s) and with at mos
 4. the serve sweep (tools/serve_sweep.py: c = 1, 8, 64, 256, ring and HTTP; bfloat16, float16 and
    Q4_K_M models of the shape)
                                                                -> serve_sweep.json, .txt
-5. speculative decoding (tools/bench_spec.py: n-gram, tok/s with and without at c = 1, the
-   bfloat16 model)                                             -> device_run.txt
+5. speculative decoding (tools/bench_spec.py: n-gram, and the sweep's tiny random model as a
+   draft model: tok/s with and without at c = 1, the bfloat16 model)
+                                                               -> device_run.txt
 and device_run.txt: this driver's log (setup, each phase's command, status and seconds).
 
 Each phase runs in a process session of its own with its own time limit, never past what the
@@ -87,10 +88,12 @@ PHASES = (
         "--dtypes", a.dtypes, "--concurrency", a.concurrency, "--budget-s", str(int(s - 10)),
         "--input-len", str(a.lens[0]), "--output-len", str(a.lens[1]),
         "--serve-flags", "--workers", "2")),
-    # two engines of the sweep's model (one process: Numba compiles once), c = 1 only
+    # three engines of the sweep's model (one process: Numba compiles once; plain, n-gram and a
+    # tiny draft model), c = 1 only, 64 tokens a request to fit the phase
     Phase("spec bench", 60, 30, "device_run.txt", lambda a, s: _py(
         "-m", "ringserve.tools.bench_spec", "--device", a.device, "--sweep-shape", a.shape,
-        "--dtype", "bfloat16", "--concurrency", "1", "--max-tokens", "128")),
+        "--dtype", "bfloat16", "--concurrency", "1", "--max-tokens", "64", "--with-ngram",
+        "--draft-sweep-shape", "tiny")),
 )
 MODEL_PHASES = ("gpu tests", "serve sweep", "spec bench")  # they wait for the models to be written
 

@@ -126,3 +126,14 @@ def inverse_cdf(probs: np.ndarray, u: float) -> int:
     cdf = np.cumsum(probs)
     j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     return int(np.flatnonzero(probs)[-1]) if j >= len(cdf) else j
+
+
+def accept_or_resample(probs: np.ndarray, draft: int, q: np.ndarray, u: float, u_residual: float) -> int:
+    """The token sampling_kernels.sample_kernel gives a row that verifies a draft model's token
+    (gpu/sampling/sampler.accept_or_resample's rule, with its two uniform numbers): the draft
+    when u * q(draft) < p(draft), else the residual normalize(max(p - q, 0)) (p where that is
+    all 0) at u_residual. probs: sampling_probs' p."""
+    if u * q[draft] < probs[draft]:
+        return draft
+    residual = np.maximum(probs - q, 0.0)
+    return inverse_cdf(residual if residual.sum() > 0 else probs, u_residual)

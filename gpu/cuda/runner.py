@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import cupy as cp
@@ -193,7 +194,7 @@ class CudaModelRunner:
     asynchronous = True  # submit() only enqueues the step
 
     def __init__(self, config: ModelConfig, weights: dict, device: DeviceConfig, cache: CacheConfig,
-                 limits: StepLimits):
+                 limits: StepLimits, *, mirror: CudaModelRunner | None = None, defer_kv_cache: bool = False):
         """weights: HF names -> numpy or CuPy arrays (gpu_check makes them on the GPU).
         The settings it reads (gpu/settings.py): device.attention_backend ("rawkernel":
         attention.cu, the fast path; "numba"; "auto": the RawKernel where it handles the head
@@ -202,7 +203,13 @@ class CudaModelRunner:
         dtype: the kernels read the cache in the activations' type), cache.block_size and the
         pool: cache.num_gpu_blocks_override blocks, else what cache.gpu_memory_utilization leaves
         after a profiling forward of limits.max_num_batched_tokens; graphs up to
-        limits.max_num_seqs, block tables for limits.max_model_len."""
+        limits.max_num_seqs, block tables for limits.max_model_len.
+        A draft model for speculative decoding (engine/draft_proposer.py: its KV pool mirrors the
+        target's block ids) is built first with defer_kv_cache (weights and its graphs' step
+        buffers, no pool: allocate_kv_cache later), then the target with mirror=the draft: the
+        target runs on the draft's stream, its profile sees the draft's weights and buffers as
+        used and sizes the pool for both (the two caches' bytes per block), and it allocates the
+        draft's pool of as many blocks."""
         block_size, num_blocks = cache.block_size, cache.num_gpu_blocks_override
         attention_backend = launch.attention_backend_for(device.attention_backend, config.head_dim)
         self.dtype = serving_dtype(device.dtype, weights, config.architecture)
@@ -214,7 +221,9 @@ class CudaModelRunner:
         self.block_size = block_size
         self.max_model_len = limits.max_model_len or c.max_position_embeddings
         self.max_blocks = -(-self.max_model_len // block_size)
-        self.stream = cp.cuda.Stream(non_blocking=True)
+        # NOTE: one stream for a target and its draft: the draft's forwards, the verify step and
+        # the next catch-up are ordered without events
+        self.stream: cp.cuda.Stream = cp.cuda.Stream(non_blocking=True) if mirror is None else mirror.stream
         packed = any(keeps_blocks(t) for t in weights.values())
         self.ops = CudaOps(c, self.stream, attention_backend, packed=packed, act_dtype=act)
         self.nb_stream = self.ops.nb_stream
@@ -237,37 +246,64 @@ class CudaModelRunner:
 
         # CapturedGraph records: decode steps', and speculative decoding's verify steps' (none without it)
         self.graphs, self.verify_graphs = plan.graph_tables(limits)
+        self.enforce_eager = device.enforce_eager
+        self.capture_failures: dict[int, str] = {}  # batch size -> why it runs eager
+        self.verify_capture_failures: dict[int, str] = {}
+        self.num_blocks = 0
+        self.kv_caches: list[tuple] = []   # per layer (k, v): allocate_kv_cache
+        # the graphs' one set of step buffers and attention workspace (capture_graphs)
+        self._graph_buffers: tuple[StepBuffers, tuple] | None = None
+        if defer_kv_cache:
+            if not self.enforce_eager:  # NOTE: now, so that the target's profile counts them
+                self._graph_buffers = self._allocate_graph_buffers()
+            return
         if num_blocks is None:
             rows = 1 if device.enforce_eager else plan.shared_shape([self.graphs, self.verify_graphs])[2]
             num_blocks = self._profile_num_blocks(limits.max_num_batched_tokens, rows,
-                                                  cache.gpu_memory_utilization)
-        self.num_blocks = int(num_blocks)
-        shape = (self.num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+                                                  cache.gpu_memory_utilization,
+                                                  0 if mirror is None else mirror.kv_bytes_per_block)
+        self.allocate_kv_cache(int(num_blocks))
+        if mirror is not None:
+            mirror.allocate_kv_cache(self.num_blocks)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        return plan.kv_bytes_per_block(num_layers=c.num_hidden_layers, block_size=self.block_size,
+                                       num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, itemsize=2)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The KV pool of num_blocks blocks, then the graphs captured over it and every kernel
+        warmed (the end of the set-up; a deferred draft's, once its target sized the pool)."""
+        c = self.config
+        self.num_blocks = num_blocks
+        shape = (num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         with self.stream:
-            self.kv_caches = [(cp.zeros(shape, act), cp.zeros(shape, act))
+            self.kv_caches = [(cp.zeros(shape, self.act_dtype), cp.zeros(shape, self.act_dtype))
                               for _ in range(c.num_hidden_layers)]
         cp.cuda.Device().synchronize()
-        self.capture_failures: dict[int, str] = {}  # batch size -> why it runs eager
-        self.verify_capture_failures: dict[int, str] = {}
-        if not device.enforce_eager:
+        if not self.enforce_eager:
             self.capture_graphs()
         self.warm_up()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, device: DeviceConfig, cache: CacheConfig,
-                 limits: StepLimits) -> CudaModelRunner:
+                 limits: StepLimits, **kw) -> CudaModelRunner:
+        """kw: mirror, defer_kv_cache (a draft model and its target: __init__)."""
         from ringserve.gpu.loader.weights import load_weights
-        runner = cls(ModelConfig.from_dir(model_dir), load_weights(model_dir), device, cache, limits)
+        runner = cls(ModelConfig.from_dir(model_dir), load_weights(model_dir), device, cache, limits, **kw)
         runner.model_dir = Path(model_dir)  # its tokenizer.json: the engine's structured outputs
         return runner
 
     model_dir: Path | None = None  # set by from_dir
 
-    def _profile_num_blocks(self, max_tokens: int, rows: int, utilization: float) -> int:
+    def _profile_num_blocks(self, max_tokens: int, rows: int, utilization: float,
+                            mirror_per_block: int) -> int:
         """Run the largest forward once (over a 1-block cache, writing nothing), with logits at
         as many of its tokens as the graphs' shared buffers have rows (up to `rows`: a verify
         ladder's n x (1 + K) rows of vocab-wide logits are its largest buffers), and give the
-        KV pool what the weights and that forward's peak left of the allowed share."""
+        KV pool what the weights and that forward's peak left of the allowed share (each block
+        also costs mirror_per_block: a draft model's block of the same id)."""
         c = self.config
         T = min(max_tokens, self.max_model_len)
         with self.stream:
@@ -280,11 +316,9 @@ class CudaModelRunner:
         self._eager(batch, tiny)
         self.stream.synchronize()
         free, total = cp.cuda.runtime.memGetInfo()
-        per_block = plan.kv_bytes_per_block(num_layers=c.num_hidden_layers, block_size=self.block_size,
-                                            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                                            itemsize=2)
         return plan.num_kv_blocks(total_bytes=total, used_bytes_after_profile=total - free,
-                                  bytes_per_block=per_block, gpu_memory_utilization=utilization)
+                                  bytes_per_block=self.kv_bytes_per_block + mirror_per_block,
+                                  gpu_memory_utilization=utilization)
 
     def _forward(self, buf: StepBuffers, caches, attention: AttentionLaunch) -> None:
         self.model.forward(self.ops, self.weights, buf, caches, attention, self.ropes)
@@ -311,17 +345,9 @@ class CudaModelRunner:
         attention launch, workspace included: a graph keeps only their addresses."""
         t0 = time.perf_counter()
         c = self.config
-        tables = [self.graphs, self.verify_graphs]
-        splits = {(id(t), size): step_plan.graph_splits(
-            tokens=t.shape(size)[0], num_kv_heads=c.num_key_value_heads, max_model_len=self.max_model_len,
-            num_sms=self.num_sms) for t in tables for size in t.sizes}
-        T_max, B_max, R_max = plan.shared_shape(tables)
-        with self.stream:
-            shared = StepBuffers(c, T_max, B_max, self.max_blocks, cp, self.act_dtype, R_max)
-            # The kernels index the workspace by their own launch's (T, H, splits): any buffer
-            # of at least T * H * splits rows of each size serves them all.
-            ws = self.ops.paged.workspace(T_max, c.num_attention_heads, max(splits.values()))
-        self.stream.synchronize()
+        splits = self._graph_splits()
+        shared, ws = self._graph_buffers or self._allocate_graph_buffers()
+        self._graph_buffers = None  # NOTE: the graphs' records hold them from here
 
         def capture_size(table: plan.GraphTable, size: int):
             buf = shared.leading(*table.shape(size))
@@ -354,6 +380,26 @@ class CudaModelRunner:
                  len(self.graphs.graphs) + len(verify.graphs), sorted(self.graphs.graphs),
                  f"; verify {sorted(verify.graphs)} of {verify.query_len} tokens a request" if verify.sizes
                  else "", time.perf_counter() - t0, f"; eager for {', '.join(failed)}" if failed else "")
+
+    def _graph_splits(self) -> dict[tuple[int, int], int]:
+        """(id(table), size) -> the split-K count its graph's attention is captured with."""
+        c = self.config
+        return {(id(t), size): step_plan.graph_splits(
+            tokens=t.shape(size)[0], num_kv_heads=c.num_key_value_heads, max_model_len=self.max_model_len,
+            num_sms=self.num_sms) for t in (self.graphs, self.verify_graphs) for size in t.sizes}
+
+    def _allocate_graph_buffers(self) -> tuple[StepBuffers, tuple]:
+        """The one set of step buffers every graph takes views of (the largest tokens, requests
+        and rows any size needs) and the one attention workspace."""
+        c = self.config
+        T_max, B_max, R_max = plan.shared_shape([self.graphs, self.verify_graphs])
+        with self.stream:
+            shared = StepBuffers(c, T_max, B_max, self.max_blocks, cp, self.act_dtype, R_max)
+            # The kernels index the workspace by their own launch's (T, H, splits): any buffer
+            # of at least T * H * splits rows of each size serves them all.
+            ws = self.ops.paged.workspace(T_max, c.num_attention_heads, max(self._graph_splits().values()))
+        self.stream.synchronize()
+        return shared, ws
 
     def warm_up(self) -> None:
         """Every kernel compiled (NVRTC modules are at construction; Numba JITs at first launch)
@@ -393,7 +439,10 @@ class CudaModelRunner:
     def _logits_at(self, x: cp.ndarray, rows: np.ndarray) -> cp.ndarray:
         """float32 logits [len(rows), V] of final hidden states x at `rows` (enqueued)."""
         with self.stream:
-            h = x[cp.asarray(np.asarray(rows, np.int64))]
+            # NOTE: gathered by the runner's own kernel into a buffer of its own (as the forward's
+            # logits rows are), not CuPy's fancy indexing
+            h = cp.empty((len(rows), x.shape[1]), x.dtype)
+            self.ops.gather_rows(x, cp.asarray(np.asarray(rows, np.int32)), h)
             raw = cp.empty((len(rows), self.config.vocab_size), self.act_dtype)
             self.ops.linear(h, self.weights.lm_head, raw)
             out = cp.empty(raw.shape, cp.float32)
@@ -404,11 +453,11 @@ class CudaModelRunner:
         """float32 logits at rows logits_indices of the super-sequence (default:
         batch.logits_indices, each request's last scheduled token [B, vocab], or a verify step's
         rows); writes K/V."""
+        if logits_indices is not None:  # NOTE: the step (its graph, or eager) computes these rows only
+            batch = replace(batch, sample_indices=np.asarray(logits_indices, np.int32))
         if batch.num_tokens == 0:
             return np.empty((len(batch.logits_indices), self.config.vocab_size), np.float32)
-        logits, buf = self._launch(batch)
-        if logits_indices is not None:
-            logits = self._logits_at(buf.x, logits_indices)
+        logits, _ = self._launch(batch)
         out = logits.get(stream=self.stream)
         self.stream.synchronize()
         return out

@@ -92,12 +92,31 @@ def pack_penalties(meta: SamplingMetadata, num_rows: int) -> PackedPenalties | N
 
 
 def draw_uniforms(meta: SamplingMetadata) -> np.ndarray:
-    """float32 [B]: one generator.random() per sampled (non-greedy) row, in row order, as
-    gpu/sampling/sampler.sample draws them; 0 for greedy rows (unused)."""
-    u = np.zeros(len(meta.temperature), np.float32)
+    """float32 [2, B]: per sampled (non-greedy) row, in row order, the generator.random()
+    draws gpu/sampling/sampler.sample makes: one, or two for a row that verifies a draft
+    model's token (accept_or_resample: [1] is the residual draw's); 0 where unused."""
+    u = np.zeros((2, len(meta.temperature)), np.float32)
+    qs = meta.draft_probs
     for i in np.flatnonzero(np.asarray(meta.temperature) >= GREEDY_EPS).tolist():
-        u[i] = cast(np.random.Generator, meta.generators[i]).random()  # not greedy: it has one
+        gen = cast(np.random.Generator, meta.generators[i])  # not greedy: it has one
+        u[0, i] = gen.random()
+        if qs is not None and qs[i] is not None:
+            u[1, i] = gen.random()
     return u
+
+
+def pack_draft_probs(meta: SamplingMetadata, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A draft model's q rows for the device (float32 [Q, V]: the rows that verify one, a
+    greedy row's none), each row's index into them (int32 [B], -1: none) and its draft token."""
+    qs, drafts = meta.draft_probs, meta.draft_token_ids
+    assert qs is not None and drafts is not None
+    rows = [i for i in range(num_rows) if qs[i] is not None and meta.temperature[i] >= GREEDY_EPS]
+    index = np.full(num_rows, -1, np.int32)
+    index[rows] = np.arange(len(rows), dtype=np.int32)
+    q = np.zeros((len(rows), len(cast(np.ndarray, qs[rows[0]])) if rows else 0), np.float32)
+    for j, i in enumerate(rows):
+        q[j] = qs[i]
+    return q, index, np.asarray(drafts, np.int32)
 
 
 class _Arena:
@@ -142,8 +161,9 @@ class PendingSample:
 
 def warmup_metadata(vocab_size: int = 32) -> list[SamplingMetadata]:
     """One-row metadata that together launch every sampling kernel (penalties with a ban,
-    sampling with temperature, top-k, top-p and min-p, greedy, logprobs): the runner samples
-    with each at start-up so that no Numba kernel compiles on a request."""
+    sampling with temperature, top-k, top-p and min-p, a draft model's token verified, greedy,
+    logprobs): the runner samples with each at start-up so that no Numba kernel compiles on a
+    request."""
     one = np.ones(1, np.float32)
     greedy = SamplingMetadata(0 * one, np.zeros(1, np.int32), one, 0 * one, [None],
                               max_num_logprobs=2)
@@ -154,7 +174,8 @@ def warmup_metadata(vocab_size: int = 32) -> list[SamplingMetadata]:
                                banned_token_ids=[[1]], max_num_logprobs=2,
                                # allows tokens 0 and 1 (and 1 is banned)
                                allowed_token_bitmask=np.pad(np.full((1, 1), 3, np.int32),
-                                                            ((0, 0), (0, (vocab_size - 1) // 32))))
+                                                            ((0, 0), (0, (vocab_size - 1) // 32))),
+                               draft_token_ids=[0], draft_probs=[np.full(vocab_size, 1.0 / vocab_size)])
     return [greedy, sampled]
 
 
@@ -208,14 +229,27 @@ class CudaSampler:
                 "banned_offsets", "presence", "frequency", "repetition")),
                 threads=min(self.threads, 256), stream=self.stream)
         token_ids = self._dev.get("token_ids", (B,), np.int32)
-        # The five per-row parameters travel as one float32 block (one copy, not five): rows of
-        # B values, flat so that the arena grows with B; top_k's row holds int32 bits.
-        host = np.empty((5, B), np.float32)
-        host[0], host[2], host[3], host[4] = meta.temperature, meta.top_p, meta.min_p, draw_uniforms(meta)
+        # The eight per-row parameters travel as one float32 block (one copy, not eight): rows
+        # of B values, flat so that the arena grows with B; top_k's, q_rows' and drafts' rows
+        # hold int32 bits.
+        host = np.empty((8, B), np.float32)
+        host[0], host[2], host[3] = meta.temperature, meta.top_p, meta.min_p
+        host[4:6] = draw_uniforms(meta)
         host[1].view(np.int32)[:] = meta.top_k
+        q = None
+        if meta.draft_probs is not None:  # a draft model's q rows: only the rows that verify one travel
+            q, host[6].view(np.int32)[:], host[7].view(np.int32)[:] = pack_draft_probs(meta, B)
+        else:
+            host[6].view(np.int32)[:] = -1
+            host[7].view(np.int32)[:] = 0
         flat = self._to_device("sampling_rows", host.reshape(-1))
-        temperature, top_k, top_p, min_p, uniforms = (flat[i * B:(i + 1) * B] for i in range(5))
-        sk.sample(x, temperature, top_k.view(np.int32), top_p, min_p, uniforms, token_ids, **kw)
+        temperature, top_k, top_p, min_p, uniforms, residual, q_rows, drafts = (
+            flat[i * B:(i + 1) * B] for i in range(8))
+        # NOTE: no q rows: an empty view of the arena's buffer (never read: q_rows all -1)
+        q_dev = self._dev.get("draft_probs", (0, V), np.float32) if q is None or not len(q) else \
+            self._to_device("draft_probs", q)
+        sk.sample(x, temperature, top_k.view(np.int32), top_p, min_p, uniforms, token_ids,
+                  draft=(q_dev, q_rows.view(np.int32), drafts.view(np.int32), residual), **kw)
         host_ids = self._host.get("token_ids", (B,), np.int32)
         token_ids.copy_to_host(host_ids, stream=self.stream)
         host_lps = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 from numba import config, cuda, float32, int32, int64
 
 from ringserve.gpu.cuda.block_reduce import block_argmax, block_sum
@@ -97,10 +98,29 @@ def _prob(v, xmax, inv_t):  # pragma: no cover - device code
     return math.exp((v - xmax) * inv_t)
 
 
+@cuda.jit(device=True, inline=True)
+def _weight(x, xbits, row, j, cut, xmax, inv_t, mp, q, qr, inv_z):  # pragma: no cover - device code
+    """Token j's weight in the row's draw: its unnormalized probability if kept (key >= cut,
+    min_p), else 0; with a draft's q (row qr >= 0), the residual max(p - q, 0) of the
+    normalized p (inv_z: 1 / the kept mass)."""
+    p = float32(0.0)
+    if order_key(xbits[row, j]) >= cut:
+        p = _prob(x[row, j], xmax, inv_t)
+        if p < mp:
+            p = float32(0.0)
+    if qr < 0:
+        return p
+    return max(p * inv_z - q[qr, j], float32(0.0))
+
+
 @_kernel(SAMPLE_MAX_THREADS)
-def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  # noqa: C901  # pragma: no cover
+def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, q, q_rows, drafts,  # noqa: C901
+                  residual_uniforms, out):  # pragma: no cover
     """out[row] = the token sampled from x[row] (float32 [B, V]; xbits is the same memory as
-    uint32). grid (B,)."""
+    uint32). grid (B,). A row verifying a draft model's token drafts[row], drawn from q[q_rows[row]]
+    (float32 [Q, V]; q_rows -1: none), is rejection-sampled as gpu/sampling/sampler.py
+    accept_or_resample: kept when uniforms[row] * q(d) < p(d), else drawn from the residual
+    normalize(max(p - q, 0)) (p where that is all 0) at residual_uniforms[row]."""
     fsh = cuda.shared.array(SAMPLE_MAX_THREADS, float32)
     ish = cuda.shared.array(SAMPLE_MAX_THREADS, int32)
     row = cuda.blockIdx.x
@@ -172,24 +192,43 @@ def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  #
                 hi = mid
         cut = lo
 
-    # Inverse CDF over the kept tokens in vocabulary order: each thread sums a contiguous
-    # chunk, thread 0 scans the chunks and walks the one that holds u * total.
+    # Speculative decoding with a draft model: keep the draft, or draw from the residual.
+    qr = q_rows[row]
+    u = uniforms[row]
+    inv_z = float32(1.0)
+    if qr >= 0:
+        z = float32(0.0)
+        for j in range(tid, V, nt):
+            z += _weight(x, xbits, row, j, cut, xmax, inv_t, mp, q, -1, inv_z)
+        inv_z = float32(1.0) / block_sum(z, fsh)
+        d = drafts[row]
+        # NOTE: every thread takes the same branch (block_sum gives every thread the same sum)
+        if u * q[qr, d] < _weight(x, xbits, row, d, cut, xmax, inv_t, mp, q, -1, inv_z) * inv_z:
+            if tid == 0:
+                out[row] = d
+            return
+        r = float32(0.0)
+        for j in range(tid, V, nt):
+            r += _weight(x, xbits, row, j, cut, xmax, inv_t, mp, q, qr, inv_z)
+        if block_sum(r, fsh) <= float32(0.0):  # p == q up to rounding: draw from p
+            qr = -1
+        u = residual_uniforms[row]
+
+    # Inverse CDF over the kept tokens' weights in vocabulary order: each thread sums a
+    # contiguous chunk, thread 0 scans the chunks and walks the one that holds u * total.
     chunk = (V + nt - 1) // nt
     start = tid * chunk
     stop = min(V, start + chunk)
     m = float32(0.0)
     for j in range(start, stop):
-        if order_key(xbits[row, j]) >= cut:
-            p = _prob(x[row, j], xmax, inv_t)
-            if p >= mp:
-                m += p
+        m += _weight(x, xbits, row, j, cut, xmax, inv_t, mp, q, qr, inv_z)
     fsh[tid] = m
     cuda.syncthreads()
     if tid == 0:
         total = float32(0.0)
         for c in range(nt):
             total += fsh[c]
-        target = uniforms[row] * total
+        target = u * total
         acc = float32(0.0)
         last = -1
         c = 0
@@ -205,13 +244,12 @@ def sample_kernel(x, xbits, temperature, top_k, top_p, min_p, uniforms, out):  #
             acc -= fsh[c]
         picked = argmax
         for j in range(c * chunk, min(V, (c + 1) * chunk)):
-            if order_key(xbits[row, j]) >= cut:
-                p = _prob(x[row, j], xmax, inv_t)
-                if p >= mp and p > float32(0.0):
-                    picked = j
-                    acc += p
-                    if acc > target:
-                        break
+            w = _weight(x, xbits, row, j, cut, xmax, inv_t, mp, q, qr, inv_z)
+            if w > float32(0.0):
+                picked = j
+                acc += w
+                if acc > target:
+                    break
         out[row] = picked
 
 
@@ -286,12 +324,23 @@ def penalties(x, seen_ids, seen_offsets, count_ids, counts, count_offsets, banne
             banned_offsets, presence, frequency, repetition)
 
 
-def sample(x, temperature, top_k, top_p, min_p, uniforms, out, *, threads=1024, stream=0):
-    """x float32 [B, V], contiguous (its uint32 view is taken here)."""
+def sample(x, temperature, top_k, top_p, min_p, uniforms, out, *, draft=None, threads=1024, stream=0):
+    """x float32 [B, V], contiguous (its uint32 view is taken here). draft: speculative
+    decoding with a draft model, (q float32 [Q, V], q_rows int32 [B], drafts int32 [B],
+    residual_uniforms float32 [B]) (sample_kernel); None: no row verifies one (q_rows all -1:
+    pass any [B] arrays and a [1, 1] q)."""
     _check_threads(threads)
     if x.shape[0]:
+        q, q_rows, drafts, residual = draft if draft is not None else _no_draft(uniforms)
         sample_kernel[x.shape[0], threads, stream](x, x.view("uint32"), temperature, top_k, top_p,
-                                                   min_p, uniforms, out)
+                                                   min_p, uniforms, q, q_rows, drafts, residual, out)
+
+
+def _no_draft(uniforms):
+    """sample()'s draft arguments when no row verifies a draft: q_rows -1 (host arrays; the
+    tests' calls: CudaSampler passes its own device arrays)."""
+    B = len(uniforms)
+    return np.zeros((1, 1), np.float32), np.full(B, -1, np.int32), np.zeros(B, np.int32), uniforms
 
 
 def logprobs(logits, token_ids, out_ids, out_vals, out_rank, *, threads=1024, stream=0):

@@ -218,9 +218,13 @@ def row_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: 
 
 def draw(ids: np.ndarray, probs: np.ndarray, generator: np.random.Generator) -> int:
     """One token of ids with probabilities probs (not normalized): one uniform number."""
+    return pick(ids, probs, generator.random())
+
+
+def pick(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
+    """The token of ids at u in [0, 1) of the CDF of probs (not normalized), in ids' order."""
     cdf = np.cumsum(probs)
-    u = generator.random() * cdf[-1]
-    j = min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
+    j = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(cdf) - 1)
     return int(ids[j])
 
 
@@ -244,15 +248,18 @@ def accept_or_resample(p: np.ndarray, draft: int, q: np.ndarray,
     """Speculative decoding's rejection sampling (Leviathan et al.; vLLM's RejectionSampler):
     the draft token, drawn from the draft's q, is kept with probability min(1, p/q) at it;
     otherwise a token from normalize(max(p - q, 0)), which is never the draft. The token that
-    comes out follows p whatever q is. p, q: normalized float64 [V]."""
+    comes out follows p whatever q is. p, q: normalized float64 [V]. Two uniform numbers,
+    drawn first whatever the outcome: the device sampler draws a row's numbers on the host
+    before the step (gpu/cuda/sampler.py draw_uniforms), so both backends take the same ones."""
+    u, u_residual = generator.random(), generator.random()
     # NOTE: u * q < p, not u < p / q: q(draft) > 0 (it was drawn), and no division
-    if generator.random() * q[draft] < p[draft]:
+    if u * q[draft] < p[draft]:
         return draft
     residual = np.maximum(p - q, 0.0)
     if residual.sum() <= 0.0:   # p == q up to rounding: the rejection had probability ~0
         residual = p
     nonzero = np.flatnonzero(residual)
-    return draw(nonzero, residual[nonzero], generator)
+    return pick(nonzero, residual[nonzero], u_residual)
 
 
 def processed_logits(logits: np.ndarray, meta: SamplingMetadata, failed: dict[int, str]) -> np.ndarray:
