@@ -53,6 +53,7 @@ STEP = 64                # weights of a row per loop step (16 vectors of int8, 8
 TOKEN_TILE = 4           # token rows sharing each loaded weight vector
 PREFETCH_BYTES = 8192    # how far ahead of its loads the kernel asks for the weight's bytes
 INT8_KINDS = ("i8", "u4")
+AMX_MIN_TOKENS = 16      # token rows from which int8_linear runs on AMX tiles where the CPU has them
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -326,14 +327,39 @@ def _plane_reader(form: str):
     return step_planes
 
 
+def float_terms(builder, form: str, planes, g, sums, totals, drow, srow, block: int, zero_point: float):
+    """totals[t] + step g's float terms for token t, from its int32 sums[t][sub-block]: the one
+    float epilogue of the int8 kernels (VNNI here, AMX in gpu/cpu/amx_kernels.py). The same IR in
+    the same order after the sums, so both kernels round alike, bit for bit: an output must not
+    depend on how many tokens a step holds. planes: the scale, offset and super planes' tile
+    pointers (None where absent); drow / srow: each token's activation scales and block sums."""
+    subs, v16f, fast = STEP // block, _vec(_F32, 16), ["contract"]
+    plane_at = _plane_reader(form)(builder, planes, g)
+    totals = list(totals)
+    for sb in range(subs):
+        index = builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb))
+        scale, offset = plane_at(index)  # the 16 rows' scales (and offsets)
+        # (m - z s): the offset term's factor per row, and the zero point of unsigned int8
+        mz = builder.fmul(scale, ir.Constant(v16f, [-zero_point] * 16), flags=fast)
+        if offset is not None:
+            mz = builder.fadd(mz, offset, flags=fast)
+        act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
+        for t in range(len(totals)):
+            dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
+            part = builder.fmul(builder.sitofp(sums[t][sb], v16f), builder.fmul(scale, dx, flags=fast),
+                                flags=fast)
+            totals[t] = builder.fadd(totals[t], part, flags=fast)
+            if offset is not None or zero_point:  # + (m - z s) * dx * sum(xq)
+                xsum = _splat(builder, _load(builder, srow[t], index, _F32), 16)
+                totals[t] = builder.fadd(totals[t], builder.fmul(mz, xsum, flags=fast), flags=fast)
+    return totals
+
+
 def _tile_codegen(kind: str, block: int, tokens: int, form: str):
     """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens.
     form: the scale planes' (_scale_loader); "i8" reads the super planes too."""
-    subs = STEP // block  # sub-blocks a 64-weight step
     v16f = _vec(_F32, 16)
     zero_point = 128.0 if kind == "i8" else 0.0
-    fast = ["fast"]
-    step_planes = _plane_reader(form)
 
     def codegen(context, builder, sig, args):
         q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
@@ -362,24 +388,8 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str):
         xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
                  for x in xrow]
         sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
-        totals = list(acc)
-        plane_at = step_planes(builder, (stile, mtile, sstile, mstile), g)
-        for sb in range(subs):
-            index = builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb))
-            scale, offset = plane_at(index)  # the 16 rows' scales (and offsets)
-            # (m - z s): the offset term's factor per row, and the zero point of unsigned int8
-            mz = builder.fmul(scale, ir.Constant(v16f, [-zero_point] * 16), flags=fast)
-            if offset is not None:
-                mz = builder.fadd(mz, offset, flags=fast)
-            act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
-            for t in range(tokens):
-                dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
-                part = builder.fmul(builder.sitofp(sums[t][sb], v16f), builder.fmul(scale, dx, flags=fast),
-                                    flags=fast)
-                totals[t] = builder.fadd(totals[t], part, flags=fast)
-                if mtile is not None or zero_point:  # + (m - z s) * dx * sum(xq)
-                    xsum = _splat(builder, _load(builder, srow[t], index, _F32), 16)
-                    totals[t] = builder.fadd(totals[t], builder.fmul(mz, xsum, flags=fast), flags=fast)
+        totals = float_terms(builder, form, (stile, mtile, sstile, mstile), g, sums, list(acc), drow, srow,
+                             block, zero_point)
         for a, total in zip(acc, totals, strict=True):
             a.add_incoming(ir.Constant(v16f, [0.0] * 16), entry)
             a.add_incoming(total, loop)
@@ -508,6 +518,11 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
     if out is None:
         out = np.empty((t, n), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
+    if t >= AMX_MIN_TOKENS:
+        from ringserve.gpu.cpu import amx_kernels  # NOTE: here: it builds on this module's IR
+        if amx_kernels.has_amx():  # the same result, bit for bit (gpu/cpu/amx_kernels.py)
+            amx_kernels.amx_linear(x, w, out, parallel)
+            return out
     rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))
     serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
     args = (x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale, rows.sum16,
