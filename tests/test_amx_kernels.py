@@ -3,8 +3,8 @@
 Both kernels sum the integer products exactly and share one float epilogue (int8_kernels.float_terms),
 so their outputs must be equal, not close: a token's output must not depend on how many tokens a step
 holds (a prefix hit or a preemption recomputes a prompt in other chunks, and CI compares the text).
-The VNNI side is the same rows run fewer than AMX_MIN_TOKENS at a time, which int8_linear keeps on
-VNNI; tests/test_int8_kernels.py checks both against the exact float64 product.
+The VNNI side is int8_linear(amx=False) on the same rows; tests/test_int8_kernels.py checks both
+against the exact float64 product.
 """
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ TOKENS = [1, 15, 16, 17, 100]
 
 
 def on_vnni(x: np.ndarray, w) -> np.ndarray:
-    """x @ W.T from the VNNI kernel: the rows in chunks too small for the AMX path."""
-    step = AMX_MIN_TOKENS - 1
-    return np.concatenate([int8_linear(x[i:i + step], w) for i in range(0, len(x), step)])
+    """x @ W.T from the VNNI kernel, in chunks of up to 4 rows and one call (its remainder kernels)."""
+    whole = int8_linear(x, w, amx=False)
+    parts = np.concatenate([int8_linear(x[i:i + 3], w, amx=False) for i in range(0, len(x), 3)])
+    assert np.array_equal(whole, parts), "the VNNI kernel's result depends on the rows a call holds"
+    return whole
 
 
 @needs_amx
@@ -52,7 +54,7 @@ def test_amx_equals_vnni_bit_for_bit(qtype, factored):
             got = np.full((t, shape[0]), np.nan, np.float32)
             amx_linear(x, w, got, parallel)
             assert np.array_equal(got, want), f"{qtype} factored={factored} T={t} parallel={parallel}"
-        if t >= AMX_MIN_TOKENS:  # and int8_linear takes this path from there
+        if t >= AMX_MIN_TOKENS:  # int8_linear takes this path from there (32-weight sub-blocks)
             assert np.array_equal(int8_linear(x, w, parallel=True), want)
 
 

@@ -53,7 +53,10 @@ STEP = 64                # weights of a row per loop step (16 vectors of int8, 8
 TOKEN_TILE = 4           # token rows sharing each loaded weight vector
 PREFETCH_BYTES = 8192    # how far ahead of its loads the kernel asks for the weight's bytes
 INT8_KINDS = ("i8", "u4")
-AMX_MIN_TOKENS = 16      # token rows from which int8_linear runs on AMX tiles where the CPU has them
+# int8_linear runs on AMX tiles from this many token rows, for these sub-block sizes, where the CPU
+# has them (measured in docs/bench_quant.md: 16-weight sub-blocks, Q6_K's, are slower there)
+AMX_MIN_TOKENS = 16
+AMX_BLOCKS = (32,)
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -511,16 +514,18 @@ _DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16
 
 
 def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
-                parallel: bool = False) -> np.ndarray:
+                parallel: bool = False, amx: bool = True) -> np.ndarray:
     """x float32 [T, in] (C-contiguous), W in tiles [out, in] -> float32 [T, out] (x @ W.T), x
-    quantized to int8 blocks on the way (as quantize_rows)."""
+    quantized to int8 blocks on the way (as quantize_rows). From AMX_MIN_TOKENS rows of 32-weight
+    sub-blocks on AMX tiles where this process has them (gpu/cpu/amx_kernels.py: the same result,
+    bit for bit); amx=False: VNNI whatever the rows (bench_quant's comparison)."""
     t, (n, k) = x.shape[0], w.shape
     if out is None:
         out = np.empty((t, n), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
-    if t >= AMX_MIN_TOKENS:
+    if amx and t >= AMX_MIN_TOKENS and w.block in AMX_BLOCKS:
         from ringserve.gpu.cpu import amx_kernels  # NOTE: here: it builds on this module's IR
-        if amx_kernels.has_amx():  # the same result, bit for bit (gpu/cpu/amx_kernels.py)
+        if amx_kernels.has_amx():
             amx_kernels.amx_linear(x, w, out, parallel)
             return out
     rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))
