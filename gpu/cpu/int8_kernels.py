@@ -30,7 +30,9 @@ chooses the path (docs/bench_quant.md has the measurements).
 
 The kernel is LLVM IR written here (a Numba ``@intrinsic``): LLVM does not form ``vpdpbusd``
 from a Numba loop. It exists only on a CPU with AVX-512 VNNI (``has_vnni``); elsewhere the
-float kernels run.
+float kernels run. From AMX_MIN_TOKENS token rows, on a CPU with AMX-INT8, gpu/cpu/amx_kernels.py
+multiplies the same tiles with ``tdpbsud`` and this module's float epilogue (``float_terms``):
+the same result, bit for bit.
 """
 from __future__ import annotations
 
