@@ -3,7 +3,7 @@
 Both kernels sum the integer products exactly and share one float epilogue (int8_kernels.float_terms),
 so their outputs must be equal, not close: a token's output must not depend on how many tokens a step
 holds (a prefix hit or a preemption recomputes a prompt in other chunks, and CI compares the text).
-The VNNI side is int8_linear(amx=False) on the same rows; tests/test_int8_kernels.py checks both
+The VNNI side is int8_kernels.int8_linear on the same rows, which tests/test_int8_kernels.py checks
 against the exact float64 product.
 """
 from __future__ import annotations
@@ -12,12 +12,19 @@ import numpy as np
 import pytest
 
 from ringserve.gpu.cpu import amx_kernels
-from ringserve.gpu.cpu.amx_kernels import XFEATURE_XTILEDATA, amx_linear, has_amx, request_tile_permission
-from ringserve.gpu.cpu.int8_kernels import AMX_MIN_TOKENS, has_vnni, int8_linear, tiles
+from ringserve.gpu.cpu.amx_kernels import (
+    AMX_MIN_TOKENS,
+    XFEATURE_XTILEDATA,
+    amx_linear,
+    has_amx,
+    request_tile_permission,
+    tiles_linear,
+)
+from ringserve.gpu.cpu.int8_kernels import has_vnni, int8_linear, tiles
 from ringserve.gpu.loader.quant import random_raw, repack
 
 needs_amx = pytest.mark.skipif(not (has_vnni() and has_amx()), reason="this CPU has no AMX-INT8 (or Linux "
-                               "refused its tile state): int8_linear runs every batch on VNNI")
+                               "refused its tile state): tiles_linear runs every batch on VNNI")
 
 # every scale form the tiles hold, with each kind and sub-block size: (type, factored K-quant scales)
 FORMS = [("Q4_0", False),   # u4, 32, half scales and offsets
@@ -33,8 +40,8 @@ TOKENS = [1, 15, 16, 17, 100]
 
 def on_vnni(x: np.ndarray, w) -> np.ndarray:
     """x @ W.T from the VNNI kernel, in chunks of up to 4 rows and one call (its remainder kernels)."""
-    whole = int8_linear(x, w, amx=False)
-    parts = np.concatenate([int8_linear(x[i:i + 3], w, amx=False) for i in range(0, len(x), 3)])
+    whole = int8_linear(x, w)
+    parts = np.concatenate([int8_linear(x[i:i + 3], w) for i in range(0, len(x), 3)])
     assert np.array_equal(whole, parts), "the VNNI kernel's result depends on the rows a call holds"
     return whole
 
@@ -54,8 +61,8 @@ def test_amx_equals_vnni_bit_for_bit(qtype, factored):
             got = np.full((t, shape[0]), np.nan, np.float32)
             amx_linear(x, w, got, parallel)
             assert np.array_equal(got, want), f"{qtype} factored={factored} T={t} parallel={parallel}"
-        if t >= AMX_MIN_TOKENS:  # int8_linear takes this path from there (32-weight sub-blocks)
-            assert np.array_equal(int8_linear(x, w, parallel=True), want)
+        if t >= AMX_MIN_TOKENS:  # what the model calls: this path from there (32-weight sub-blocks)
+            assert np.array_equal(tiles_linear(x, w, parallel=True), want)
 
 
 @needs_amx
@@ -80,6 +87,6 @@ def test_without_the_tile_permission_the_vnni_kernel_runs(monkeypatch):
     x = rng.standard_normal((40, 128)).astype(np.float32)
     want = on_vnni(x, w)
     monkeypatch.setattr(amx_kernels, "has_amx", lambda: False)
-    assert np.array_equal(int8_linear(x, w), want)
+    assert np.array_equal(tiles_linear(x, w), want)
     with pytest.raises(RuntimeError, match="has_amx"):  # never a tile instruction without it (SIGILL)
         amx_linear(x, w, np.empty((40, 16), np.float32), False)

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from ringserve.gpu.cpu.amx_kernels import has_amx
+from ringserve.gpu.cpu.amx_kernels import has_amx, tiles_linear
 from ringserve.gpu.cpu.int8_kernels import Int8Weight, has_vnni, int8_linear, supports, tiles
 from ringserve.gpu.cpu.quant_kernels import quant_linear
 from ringserve.gpu.loader.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, random_raw, repack
@@ -94,7 +94,8 @@ def _weights(args: argparse.Namespace, n: int, k: int, rng: np.random.Generator)
 
 def _call(name: str, w: Weight, x: np.ndarray, out: np.ndarray, threads: int) -> Callable[[], Any]:
     if isinstance(w, Int8Weight):  # as served: the activations quantized in every call
-        return partial(int8_linear, x, w, out, parallel=threads > 1, amx=not name.endswith(VNNI))
+        linear = int8_linear if name.endswith(VNNI) else tiles_linear
+        return partial(linear, x, w, out, parallel=threads > 1)
     if isinstance(w, QuantWeight):
         return partial(quant_linear, x, w, out, parallel=threads > 1)
     return partial(np.matmul, x, w.T, out=out)

@@ -51,11 +51,16 @@ from ringserve.gpu.cpu.int8_kernels import (
     _row_ptr,
     _vec,
     float_terms,
+    int8_linear,
 )
 from ringserve.gpu.cpu.linear import per_thread
 from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
 
 AMX_TOKENS = 16           # token rows a tile multiplies (A's and C's rows)
+# tiles_linear runs on AMX from this many token rows, for these sub-block sizes (docs/bench_quant.md:
+# Q6_K's 16-weight sub-blocks measured slower there, four C tiles a step; decode's 1-4 rows stay on VNNI)
+AMX_MIN_TOKENS = 16
+AMX_BLOCKS = (32,)
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 SYS_ARCH_PRCTL = 158      # x86-64
@@ -122,8 +127,7 @@ def _tile_dot(builder, c: int, a: int, b: int) -> None:
     builder.call(fn, [_tmm(c), _tmm(a), _tmm(b)])
 
 
-@intrinsic
-def _load_config(typingctx, cfg):
+def _load_config_typing(typingctx, cfg):
     """ldtilecfg: this thread's tile shapes (tile_config)."""
     def codegen(context, builder, sig, args):
         data = context.make_array(sig.args[0])(context, builder, args[0]).data
@@ -133,13 +137,16 @@ def _load_config(typingctx, cfg):
     return types.none(cfg), codegen
 
 
-@intrinsic
-def _release(typingctx):
+def _release_typing(typingctx):
     """tilerelease: the thread's tiles back to their initial state (no tile state to save)."""
     def codegen(context, builder, sig, args):
         builder.call(_function(builder, "llvm.x86.tilerelease", ir.FunctionType(_VOID, [])), [])
         return context.get_dummy_value()
     return types.none(), codegen
+
+
+_load_config: Any = intrinsic(_load_config_typing)
+_release: Any = intrinsic(_release_typing)
 
 
 def _unpack_nibbles(builder, qtile, g, scratch) -> None:
@@ -350,3 +357,16 @@ def amx_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray, parallel: bool) ->
         par(*args, tasks, task_counter(tasks))
     else:
         serial(*args)
+
+
+def tiles_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
+                 parallel: bool = False) -> np.ndarray:
+    """int8_kernels.int8_linear (x float32 [T, in] -> x @ W.T, float32 [T, out]), on AMX tiles from
+    AMX_MIN_TOKENS rows of 32-weight sub-blocks where this process has them: the same bits."""
+    if len(x) >= AMX_MIN_TOKENS and w.block in AMX_BLOCKS and has_amx():
+        if out is None:
+            out = np.empty((len(x), w.shape[0]), dtype=np.float32)
+        assert out.strides[1] == 4 and out.shape == (len(x), w.shape[0]), "whole rows of 16 columns"
+        amx_linear(x, w, out, parallel)
+        return out
+    return int8_linear(x, w, out, parallel=parallel)

@@ -30,9 +30,9 @@ chooses the path (docs/bench_quant.md has the measurements).
 
 The kernel is LLVM IR written here (a Numba ``@intrinsic``): LLVM does not form ``vpdpbusd``
 from a Numba loop. It exists only on a CPU with AVX-512 VNNI (``has_vnni``); elsewhere the
-float kernels run. From AMX_MIN_TOKENS token rows, on a CPU with AMX-INT8, gpu/cpu/amx_kernels.py
-multiplies the same tiles with ``tdpbsud`` and this module's float epilogue (``float_terms``):
-the same result, bit for bit.
+float kernels run. On a CPU with AMX-INT8, gpu/cpu/amx_kernels.py multiplies the same tiles for
+many token rows with ``tdpbsud`` and this module's float epilogue (``float_terms``): the same
+result, bit for bit (its ``tiles_linear`` is what the model calls).
 """
 from __future__ import annotations
 
@@ -55,10 +55,6 @@ STEP = 64                # weights of a row per loop step (16 vectors of int8, 8
 TOKEN_TILE = 4           # token rows sharing each loaded weight vector
 PREFETCH_BYTES = 8192    # how far ahead of its loads the kernel asks for the weight's bytes
 INT8_KINDS = ("i8", "u4")
-# int8_linear runs on AMX tiles from this many token rows, for these sub-block sizes, where the CPU
-# has them (measured in docs/bench_quant.md: 16-weight sub-blocks, Q6_K's, are slower there)
-AMX_MIN_TOKENS = 16
-AMX_BLOCKS = (32,)
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -516,20 +512,13 @@ _DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16
 
 
 def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
-                parallel: bool = False, amx: bool = True) -> np.ndarray:
+                parallel: bool = False) -> np.ndarray:
     """x float32 [T, in] (C-contiguous), W in tiles [out, in] -> float32 [T, out] (x @ W.T), x
-    quantized to int8 blocks on the way (as quantize_rows). From AMX_MIN_TOKENS rows of 32-weight
-    sub-blocks on AMX tiles where this process has them (gpu/cpu/amx_kernels.py: the same result,
-    bit for bit); amx=False: VNNI whatever the rows (bench_quant's comparison)."""
+    quantized to int8 blocks on the way (as quantize_rows)."""
     t, (n, k) = x.shape[0], w.shape
     if out is None:
         out = np.empty((t, n), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
-    if amx and t >= AMX_MIN_TOKENS and w.block in AMX_BLOCKS:
-        from ringserve.gpu.cpu import amx_kernels  # NOTE: here: it builds on this module's IR
-        if amx_kernels.has_amx():
-            amx_kernels.amx_linear(x, w, out, parallel)
-            return out
     rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))
     serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
     args = (x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale, rows.sum16,
