@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 import sys
 from typing import Any
 
@@ -71,10 +72,11 @@ _VOID, _PTR = ir.VoidType(), _I8.as_pointer()
 def request_tile_permission(feature: int = XFEATURE_XTILEDATA) -> bool:
     """Ask Linux for this process's permission to use the tile state of `feature` (x86-64 only);
     whether it was granted (or already was). Process-wide, inherited by forked children."""
-    if sys.platform != "linux":
+    if sys.platform != "linux" or platform.machine() != "x86_64":  # NOTE: 158 is arch_prctl on x86-64 only
         return False
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, feature) == 0
+    args = (ctypes.c_long(v) for v in (SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, feature))  # syscall(long, ...)
+    return libc.syscall(*args) == 0
 
 
 @functools.cache
