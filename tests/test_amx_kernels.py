@@ -13,7 +13,7 @@ import pytest
 
 from ringserve.gpu.cpu import amx_kernels
 from ringserve.gpu.cpu.amx_kernels import (
-    AMX_MIN_TOKENS,
+    AMX_TOKENS,
     XFEATURE_XTILEDATA,
     amx_linear,
     has_amx,
@@ -57,23 +57,25 @@ def test_amx_equals_vnni_bit_for_bit(qtype, factored):
     for t in TOKENS:
         x = rng.standard_normal((t, shape[1])).astype(np.float32) * np.float32(4.0)
         want = on_vnni(x, w)
+        whole = t // AMX_TOKENS * AMX_TOKENS
         for parallel in (False, True):
-            got = np.full((t, shape[0]), np.nan, np.float32)
-            amx_linear(x, w, got, parallel)
-            assert np.array_equal(got, want), f"{qtype} factored={factored} T={t} parallel={parallel}"
-        if t >= AMX_MIN_TOKENS:  # what the model calls: this path from there (32-weight sub-blocks)
-            assert np.array_equal(tiles_linear(x, w, parallel=True), want)
+            if whole:  # the tiles alone
+                got = np.full((whole, shape[0]), np.nan, np.float32)
+                amx_linear(x[:whole], w, got, parallel)
+                assert np.array_equal(got, want[:whole]), f"{qtype} factored={factored} T={t} {parallel=}"
+            # what the model calls: whole groups of 16 on the tiles (32-weight sub-blocks), the rest on VNNI
+            assert np.array_equal(tiles_linear(x, w, parallel=parallel), want)
 
 
 @needs_amx
-def test_the_padding_rows_never_reach_the_output():
+def test_the_tiles_take_whole_groups_of_16_rows_only():
     rng = np.random.default_rng(4)
     w = tiles(repack(random_raw("Q4_0", (32, 256), rng), "Q4_0", (32, 256)))
-    big = rng.standard_normal((32, 256)).astype(np.float32) * np.float32(1e3)
-    amx_linear(big, w, np.empty((32, 32), np.float32), False)   # fills a thread's padded rows...
-    x = big[:17].copy()
+    x = rng.standard_normal((17, 256)).astype(np.float32)
+    with pytest.raises(ValueError, match="whole groups of 16"):
+        amx_linear(x, w, np.empty((17, 32), np.float32), False)
     out = np.full((18, 32), -7.0, np.float32)
-    amx_linear(x, w, out[:17], False)                             # ...17 rows: 15 padding rows of 32
+    tiles_linear(x, w, out[:17])                  # 16 rows on the tiles, 1 on VNNI, into a view
     assert np.array_equal(out[:17], on_vnni(x, w)) and np.all(out[17] == -7.0)
 
 

@@ -10,11 +10,12 @@ Int8Weight's tiles are already AMX's B layout: a 64-weight step of a 16-row tile
 4 weights x 16 rows x 4 bytes, 1 KB contiguous, i.e. B rows of 64 bytes (for ``i8``; ``u4``'s
 8 nibble vectors unpack with an AND and a shift into a 1 KB scratch: low nibbles are k 0..31,
 high k 32..63). So no second copy of the weights. A is 16 token rows of the int8 activations
-(stride K; the rows are padded to a multiple of 16). Each sub-block (16 or 32 weights) gets its
-own C tile, so its integer sum stays separate for its float scale; C goes to a stack scratch and
-int8_kernels.float_terms, the VNNI kernel's own epilogue IR, adds the float terms: the integer
-sums are exact in both, and the float ops are the same in the same order, so the result equals
-the VNNI kernel's bit for bit (an output must not change with the tokens a step holds).
+(stride K; tiles_linear hands AMX whole groups of 16 rows, the rest to VNNI). Each sub-block
+(16 or 32 weights) gets its own C tile, so its integer sum stays separate for its float scale;
+C goes to a stack scratch and int8_kernels.float_terms, the VNNI kernel's own epilogue IR, adds
+the float terms: the integer sums are exact in both, and the float ops are the same in the same
+order, so the result equals the VNNI kernel's bit for bit (an output must not change with the
+tokens a step holds).
 
 A process must ask Linux for the tile state before its first tile instruction (else SIGILL):
 ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, once; ``has_amx`` asks. The kernels are
@@ -42,7 +43,6 @@ from ringserve.gpu.cpu.int8_kernels import (
     _I64,
     STEP,
     TILE_ROWS,
-    Int8Rows,
     Int8Weight,
     _const,
     _empty_rows,
@@ -58,9 +58,8 @@ from ringserve.gpu.cpu.linear import per_thread
 from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
 
 AMX_TOKENS = 16           # token rows a tile multiplies (A's and C's rows)
-# tiles_linear runs on AMX from this many token rows, for these sub-block sizes (docs/bench_quant.md:
-# Q6_K's 16-weight sub-blocks measured slower there, four C tiles a step; decode's 1-4 rows stay on VNNI)
-AMX_MIN_TOKENS = 16
+# the sub-block sizes tiles_linear runs on AMX (docs/bench_quant.md: Q6_K's 16-weight sub-blocks
+# measured slower there, four C tiles a step)
 AMX_BLOCKS = (32,)
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
@@ -166,15 +165,14 @@ def _unpack_nibbles(builder, qtile, g, scratch) -> None:
 
 
 def _amx_codegen(kind: str, block: int, form: str):
-    """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < valid (<= 16),
-    reading 16 token rows of xq from t0 (padding rows past valid: any bytes, never used)."""
+    """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < 16."""
     subs = STEP // block
     v16f, v16i = _vec(_F32, 16), _vec(_I32, 16)
     zero_point = 128.0 if kind == "i8" else 0.0
     tile_bytes = AMX_TOKENS * TILE_ROWS * 4
 
     def codegen(context, builder, sig, args):
-        q, (xq, xd, xs, out, r, t0, valid) = args[0], args[5:12]
+        q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
         qty, (xqty, xdty, xsty, outty) = sig.args[0], sig.args[5:9]
         xary = context.make_array(xqty)(context, builder, xq)
         steps = builder.udiv(builder.extract_value(xary.shape, 1), _const(builder, STEP))
@@ -246,21 +244,20 @@ def _amx_codegen(kind: str, block: int, form: str):
         builder.cbranch(builder.icmp_unsigned("<", g_next, steps), loop, done)
 
         builder.position_at_end(done)
-        for t, (o, total) in enumerate(zip(orow, totals, strict=True)):
-            with builder.if_then(builder.icmp_signed(">", valid, _const(builder, t))):
-                dst = builder.gep(o, [builder.mul(r, _const(builder, TILE_ROWS * 4))])
-                builder.store(total, builder.bitcast(dst, v16f.as_pointer()), align=4)
+        for o, total in zip(orow, totals, strict=True):
+            dst = builder.gep(o, [builder.mul(r, _const(builder, TILE_ROWS * 4))])
+            builder.store(total, builder.bitcast(dst, v16f.as_pointer()), align=4)
         return context.get_dummy_value()
     return codegen
 
 
-def _amx_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, valid, block, vectors):
-    """As int8_kernels._tile_typing, for 16 token rows from t0 of which `valid` are stored."""
+def _amx_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, block, vectors):
+    """As int8_kernels._tile_typing, for the 16 token rows from t0."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (block, vectors)):
         return None
     kind = "i8" if vectors.literal_value == 16 else "u4"
     form = {types.uint16: "f16", types.int8: "i8"}.get(s.dtype, "f32")
-    sig = types.none(q, s, m, ss, ms, xq, xd, xs, out, r, t0, valid, block, vectors)
+    sig = types.none(q, s, m, ss, ms, xq, xd, xs, out, r, t0, block, vectors)
     return sig, _amx_codegen(kind, block.literal_value, form)
 
 
@@ -276,7 +273,7 @@ def _run(cfg, q, s, m, ss, ms, xq, xd, xs, out, lo, hi, num_tokens, block, vecto
     _load_config(cfg)
     for r in range(lo, hi):
         for t0 in range(0, num_tokens, AMX_TOKENS):
-            _amx_tile(q, s, m, ss, ms, xq, xd, xs, out, r, t0, num_tokens - t0, block, vectors)
+            _amx_tile(q, s, m, ss, ms, xq, xd, xs, out, r, t0, block, vectors)
     _release()
 
 
@@ -343,14 +340,14 @@ CONFIGS = {block: tile_config(block) for block in (16, 32)}
 
 
 def amx_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray, parallel: bool) -> None:
-    """int8_linear's out = x @ W.T through the tiles: equal to the VNNI kernel's bit for bit."""
+    """int8_linear's out = x @ W.T through the tiles for whole groups of 16 token rows: equal to the
+    VNNI kernel's bit for bit."""
     if not has_amx():  # NOTE: a tile instruction before Linux's permission is a SIGILL
         raise RuntimeError("AMX tiles are not available to this process (has_amx)")
     t, k = x.shape
-    padded = -(-t // AMX_TOKENS) * AMX_TOKENS
-    # NOTE: zeros once: the padding rows are read by the A tiles (their results are never stored)
-    rows = per_thread(("amx int8 rows", padded, k),
-                      lambda: Int8Rows._make(np.zeros_like(a) for a in _empty_rows(padded, k)))
+    if t % AMX_TOKENS:
+        raise ValueError(f"{t} token rows are not whole groups of {AMX_TOKENS} (tiles_linear splits them)")
+    rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))  # NOTE: int8_linear's scratch
     serial, par = DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
     args = (CONFIGS[w.block], x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale,
             rows.sum16, rows.sum32, out)
@@ -363,12 +360,16 @@ def amx_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray, parallel: bool) ->
 
 def tiles_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
                  parallel: bool = False) -> np.ndarray:
-    """int8_kernels.int8_linear (x float32 [T, in] -> x @ W.T, float32 [T, out]), on AMX tiles from
-    AMX_MIN_TOKENS rows of 32-weight sub-blocks where this process has them: the same bits."""
-    if len(x) >= AMX_MIN_TOKENS and w.block in AMX_BLOCKS and has_amx():
-        if out is None:
-            out = np.empty((len(x), w.shape[0]), dtype=np.float32)
-        assert out.strides[1] == 4 and out.shape == (len(x), w.shape[0]), "whole rows of 16 columns"
-        amx_linear(x, w, out, parallel)
-        return out
-    return int8_linear(x, w, out, parallel=parallel)
+    """int8_kernels.int8_linear (x float32 [T, in] -> x @ W.T, float32 [T, out]), its whole groups of
+    16 token rows on AMX tiles where this process has them and W has 32-weight sub-blocks, the
+    rest (fewer than 16) on VNNI: the same bits either way."""
+    whole = len(x) // AMX_TOKENS * AMX_TOKENS
+    if not (whole and w.block in AMX_BLOCKS and has_amx()):
+        return int8_linear(x, w, out, parallel=parallel)
+    if out is None:
+        out = np.empty((len(x), w.shape[0]), dtype=np.float32)
+    assert out.strides[1] == 4 and out.shape == (len(x), w.shape[0]), "whole rows of 16 columns"
+    amx_linear(x[:whole], w, out[:whole], parallel)
+    if whole < len(x):
+        int8_linear(x[whole:], w, out[whole:], parallel=parallel)
+    return out
