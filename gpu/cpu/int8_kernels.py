@@ -334,25 +334,27 @@ def float_terms(builder, form: str, planes, g, sums, totals, drow, srow, block: 
     the same order after the sums, so both kernels round alike, bit for bit: an output must not
     depend on how many tokens a step holds. planes: the scale, offset and super planes' tile
     pointers (None where absent); drow / srow: each token's activation scales and block sums."""
-    subs, v16f, fast = STEP // block, _vec(_F32, 16), ["contract"]
+    # NOTE: contract (fused multiply-adds), not fast: with reassociation LLVM ordered the terms by
+    # the shape of the code around them, and a 1-token kernel rounded unlike a 4-token one
+    subs, v16f, flags = STEP // block, _vec(_F32, 16), ["contract"]
     plane_at = _plane_reader(form)(builder, planes, g)
     totals = list(totals)
     for sb in range(subs):
         index = builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb))
         scale, offset = plane_at(index)  # the 16 rows' scales (and offsets)
         # (m - z s): the offset term's factor per row, and the zero point of unsigned int8
-        mz = builder.fmul(scale, ir.Constant(v16f, [-zero_point] * 16), flags=fast)
+        mz = builder.fmul(scale, ir.Constant(v16f, [-zero_point] * 16), flags=flags)
         if offset is not None:
-            mz = builder.fadd(mz, offset, flags=fast)
+            mz = builder.fadd(mz, offset, flags=flags)
         act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
         for t in range(len(totals)):
             dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
-            part = builder.fmul(builder.sitofp(sums[t][sb], v16f), builder.fmul(scale, dx, flags=fast),
-                                flags=fast)
-            totals[t] = builder.fadd(totals[t], part, flags=fast)
+            part = builder.fmul(builder.sitofp(sums[t][sb], v16f), builder.fmul(scale, dx, flags=flags),
+                                flags=flags)
+            totals[t] = builder.fadd(totals[t], part, flags=flags)
             if offset is not None or zero_point:  # + (m - z s) * dx * sum(xq)
                 xsum = _splat(builder, _load(builder, srow[t], index, _F32), 16)
-                totals[t] = builder.fadd(totals[t], builder.fmul(mz, xsum, flags=fast), flags=fast)
+                totals[t] = builder.fadd(totals[t], builder.fmul(mz, xsum, flags=flags), flags=flags)
     return totals
 
 
