@@ -248,9 +248,10 @@ def test_bench_quant_tool(tmp_path, capsys):
     from ringserve.gpu.cpu.int8_kernels import has_vnni
     if has_vnni():  # 16 rows: one tile of the int8-activation kernels (8 rows are not one)
         bench_quant.main(["--types", "Q4_0", "--shape", "16x64", "--batch", "1", "--activations", "int8",
-                          "--threads", "1", "--repeats", "1", "--rounds", "1", "--json", str(path)])
+                          "vnni", "--threads", "1", "--repeats", "1", "--rounds", "1", "--json", str(path)])
         rows = json.loads(path.read_text())["rows"]
-        assert {(r["type"], r["kind"]) for r in rows} == {("numpy f32", "f32"), ("Q4_0 x int8", "u4x16")}
+        assert {(r["type"], r["kind"]) for r in rows} == {("numpy f32", "f32"), ("Q4_0 x int8", "u4x16"),
+                                                          ("Q4_0 x int8 vnni", "u4x16")}
 
 
 def test_default_model_gguf_packed(default_model_dir):

@@ -1,5 +1,5 @@
 """Quantized linear kernels' speed: ``y = x @ W.T`` per GGUF type (gpu/cpu/quant_kernels.py, and
-gpu/cpu/int8_kernels.py with int8 activations) in G
+gpu/cpu/int8_kernels.py with int8 activations, VNNI or AMX tiles) in G
 weights/s and GB/s of the bytes the packed weight holds, beside float32 through numpy (OpenBLAS
 sgemv / sgemm) in the same run, for several batch sizes, shapes and thread counts.
 
@@ -22,6 +22,7 @@ import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from ringserve.gpu.cpu.amx_kernels import has_amx, tiles_linear
 from ringserve.gpu.cpu.int8_kernels import Int8Weight, has_vnni, int8_linear, supports, tiles
 from ringserve.gpu.cpu.quant_kernels import quant_linear
 from ringserve.gpu.loader.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, random_raw, repack
@@ -29,6 +30,11 @@ from ringserve.tools.bench_report import BenchRun, add_json_argument, markdown_t
 
 NUMPY_F32 = "numpy f32"  # the baseline row: float32 weights through np.matmul (sgemv / sgemm)
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+VNNI = " vnni"  # the suffix of the rows that keep int8 activations on VNNI at every batch
+
+
+def default_activations() -> list[str]:
+    return ["float32"] + (["int8"] if has_vnni() else []) + (["vnni"] if has_vnni() and has_amx() else [])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,11 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--int8-4bit", action="store_true",
                     help="also each 4-bit type repacked as int8 planes (row '<type> i8'), beside its nibbles")
-    ap.add_argument("--activations", nargs="+", choices=["float32", "int8"],
-                    default=["float32", "int8"] if has_vnni() else ["float32"],
+    ap.add_argument("--activations", nargs="+", choices=["float32", "int8", "vnni"],
+                    default=default_activations(),
                     help="what the integer types multiply: float32 (gpu/cpu/quant_kernels.py) and/or "
-                         "int8 blocks through VNNI (gpu/cpu/int8_kernels.py: rows '<type> x int8', the "
-                         "activations' quantization included in the time)")
+                         "int8 blocks as served (gpu/cpu/int8_kernels.py: rows '<type> x int8', VNNI, "
+                         "AMX tiles from 16 rows where the CPU has them; the activations' quantization "
+                         "included in the time), and/or 'vnni': the same on VNNI at every batch (rows "
+                         "'<type> x int8 vnni'; by default where AMX runs)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per cell and round (best kept)")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the whole grid (best kept)")
@@ -76,14 +84,18 @@ def _weights(args: argparse.Namespace, n: int, k: int, rng: np.random.Generator)
                 weights[qtype] = w
             if args.int8_4bit and qtype in FOUR_BIT and "float32" in args.activations:
                 weights[qtype + " i8"] = repack(raw, qtype, (n, k), nibbles=False)
-            if "int8" in args.activations and supports(w):  # as served: K-quants' scales factored
-                weights[qtype + " x int8"] = tiles(repack(raw, qtype, (n, k), factored=True))
+            if supports(w):  # as served: K-quants' scales factored
+                tiled = tiles(repack(raw, qtype, (n, k), factored=True))
+                for activations, name in (("int8", qtype + " x int8"), ("vnni", qtype + " x int8" + VNNI)):
+                    if activations in args.activations:
+                        weights[name] = tiled
     return weights
 
 
-def _call(w: Weight, x: np.ndarray, out: np.ndarray, threads: int) -> Callable[[], Any]:
+def _call(name: str, w: Weight, x: np.ndarray, out: np.ndarray, threads: int) -> Callable[[], Any]:
     if isinstance(w, Int8Weight):  # as served: the activations quantized in every call
-        return partial(int8_linear, x, w, out, parallel=threads > 1)
+        linear = int8_linear if name.endswith(VNNI) else tiles_linear
+        return partial(linear, x, w, out, parallel=threads > 1)
     if isinstance(w, QuantWeight):
         return partial(quant_linear, x, w, out, parallel=threads > 1)
     return partial(np.matmul, x, w.T, out=out)
@@ -108,7 +120,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     for name, w in weights.items():
                         for b, x in xs.items():
                             out = np.empty((b, n), np.float32)
-                            t = best_time(_call(w, x, out, threads), args.repeats)
+                            t = best_time(_call(name, w, x, out, threads), args.repeats)
                             key = (shape_text, threads, name, b)
                             best[key] = min(best.get(key, float("inf")), t)
     rows = []

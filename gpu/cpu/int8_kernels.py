@@ -30,7 +30,9 @@ chooses the path (docs/bench_quant.md has the measurements).
 
 The kernel is LLVM IR written here (a Numba ``@intrinsic``): LLVM does not form ``vpdpbusd``
 from a Numba loop. It exists only on a CPU with AVX-512 VNNI (``has_vnni``); elsewhere the
-float kernels run.
+float kernels run. On a CPU with AMX-INT8, gpu/cpu/amx_kernels.py multiplies the same tiles for
+many token rows with ``tdpbsud`` and this module's float epilogue (``float_terms``): the same
+result, bit for bit (its ``tiles_linear`` is what the model calls).
 """
 from __future__ import annotations
 
@@ -326,14 +328,41 @@ def _plane_reader(form: str):
     return step_planes
 
 
+def float_terms(builder, form: str, planes, g, sums, totals, drow, srow, block: int, zero_point: float):
+    """totals[t] + step g's float terms for token t, from its int32 sums[t][sub-block]: the one
+    float epilogue of the int8 kernels (VNNI here, AMX in gpu/cpu/amx_kernels.py). The same IR in
+    the same order after the sums, so both kernels round alike, bit for bit: an output must not
+    depend on how many tokens a step holds. planes: the scale, offset and super planes' tile
+    pointers (None where absent); drow / srow: each token's activation scales and block sums."""
+    # NOTE: contract (fused multiply-adds), not fast: with reassociation LLVM ordered the terms by
+    # the shape of the code around them, and a 1-token kernel rounded unlike a 4-token one
+    subs, v16f, flags = STEP // block, _vec(_F32, 16), ["contract"]
+    plane_at = _plane_reader(form)(builder, planes, g)
+    totals = list(totals)
+    for sb in range(subs):
+        index = builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb))
+        scale, offset = plane_at(index)  # the 16 rows' scales (and offsets)
+        # (m - z s): the offset term's factor per row, and the zero point of unsigned int8
+        mz = builder.fmul(scale, ir.Constant(v16f, [-zero_point] * 16), flags=flags)
+        if offset is not None:
+            mz = builder.fadd(mz, offset, flags=flags)
+        act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
+        for t in range(len(totals)):
+            dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
+            part = builder.fmul(builder.sitofp(sums[t][sb], v16f), builder.fmul(scale, dx, flags=flags),
+                                flags=flags)
+            totals[t] = builder.fadd(totals[t], part, flags=flags)
+            if offset is not None or zero_point:  # + (m - z s) * dx * sum(xq)
+                xsum = _splat(builder, _load(builder, srow[t], index, _F32), 16)
+                totals[t] = builder.fadd(totals[t], builder.fmul(mz, xsum, flags=flags), flags=flags)
+    return totals
+
+
 def _tile_codegen(kind: str, block: int, tokens: int, form: str):
     """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens.
     form: the scale planes' (_scale_loader); "i8" reads the super planes too."""
-    subs = STEP // block  # sub-blocks a 64-weight step
     v16f = _vec(_F32, 16)
     zero_point = 128.0 if kind == "i8" else 0.0
-    fast = ["fast"]
-    step_planes = _plane_reader(form)
 
     def codegen(context, builder, sig, args):
         q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
@@ -362,24 +391,8 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str):
         xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
                  for x in xrow]
         sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
-        totals = list(acc)
-        plane_at = step_planes(builder, (stile, mtile, sstile, mstile), g)
-        for sb in range(subs):
-            index = builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb))
-            scale, offset = plane_at(index)  # the 16 rows' scales (and offsets)
-            # (m - z s): the offset term's factor per row, and the zero point of unsigned int8
-            mz = builder.fmul(scale, ir.Constant(v16f, [-zero_point] * 16), flags=fast)
-            if offset is not None:
-                mz = builder.fadd(mz, offset, flags=fast)
-            act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
-            for t in range(tokens):
-                dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
-                part = builder.fmul(builder.sitofp(sums[t][sb], v16f), builder.fmul(scale, dx, flags=fast),
-                                    flags=fast)
-                totals[t] = builder.fadd(totals[t], part, flags=fast)
-                if mtile is not None or zero_point:  # + (m - z s) * dx * sum(xq)
-                    xsum = _splat(builder, _load(builder, srow[t], index, _F32), 16)
-                    totals[t] = builder.fadd(totals[t], builder.fmul(mz, xsum, flags=fast), flags=fast)
+        totals = float_terms(builder, form, (stile, mtile, sstile, mstile), g, sums, list(acc), drow, srow,
+                             block, zero_point)
         for a, total in zip(acc, totals, strict=True):
             a.add_incoming(ir.Constant(v16f, [0.0] * 16), entry)
             a.add_incoming(total, loop)

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ringserve.gpu.cpu.int8_kernels import Int8Weight, int8_linear, supports, tiles
+from ringserve.gpu.cpu.amx_kernels import tiles_linear
+from ringserve.gpu.cpu.int8_kernels import Int8Weight, supports, tiles
 from ringserve.gpu.cpu.quant_kernels import quant_linear
 from ringserve.gpu.loader.packing import SplitWeight, as_fused, stack_packed
 from ringserve.gpu.loader.quant import BLOCK_SIZES, QuantWeight, dequantize, plane_values, take_rows
@@ -50,7 +51,7 @@ def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: boo
         # NOTE: a part writes into its own buffer when there are several: the kernels write whole rows
         dst = out if len(parts) == 1 else None
         if isinstance(part, Int8Weight):  # NOTE: each part quantizes x again: T x K values, not T x K x N
-            y = int8_linear(x, part, dst, parallel=parallel)
+            y = tiles_linear(x, part, dst, parallel=parallel)
         else:
             y = quant_linear(x, part, dst, parallel=parallel)
         if dst is None:
