@@ -16,10 +16,13 @@ then per 16 rows and sub-block, a sixteenth of a per-row kernel's. The quants ar
 - ``u4`` (nibbles in 64-weight groups): one AND and one shift unpack a vector of bytes into the
   low- and high-nibble weights, 0..15;
 - ``i8`` (centred int8): stored as ``q + 128`` (0..255); the ``-128 * sum(x)`` this adds is folded
-  into the sub-block's offset term below.
+  into the sub-block's offset term below;
+- ``u6`` (6-bit quants, ``q + 32``: 0..63; Q6_K and the other types whose quants fit 6 bits): the
+  low 4 bits as a ``u4`` nibble plane and the high 2 as a plane of 2-bit fields, unpacked by
+  ``_u6_vectors`` (a shift and an AND-OR a vector) to bytes 0..63: 0.75 bytes a weight, not 1.
 
-For a sub-block of ``b`` weights (16 or 32) with weight = ``s * (u - z) + m`` (z = 128 for i8, 0
-for u4) and an activation block ``x = dx * xq``::
+For a sub-block of ``b`` weights (16 or 32) with weight = ``s * (u - z) + m`` (z = 128 for i8, 32
+for u6, 0 for u4) and an activation block ``x = dx * xq``::
 
     sum(w * x) = s * dx * sum(u * xq) + (m - z * s) * (dx * sum(xq))
 
@@ -53,6 +56,11 @@ STEP = 64                # weights of a row per loop step (16 vectors of int8, 8
 TOKEN_TILE = 4           # token rows sharing each loaded weight vector
 PREFETCH_BYTES = 8192    # how far ahead of its loads the kernel asks for the weight's bytes
 INT8_KINDS = ("i8", "u4")
+# Types whose quants all fit 6 bits (-32..31 centred, or 0..31): tiled as u6, 0.75 B/weight, not 1
+U6_TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q3_K", "Q2_K")
+U6_CENTRE = 32           # the u6 bytes hold q + 32
+ZERO_POINTS = {"i8": 128, "u6": U6_CENTRE, "u4": 0}       # the tile's byte = q + zero point
+VECTORS = {"i8": 16, "u6": 12, "u4": 8}                   # 64-byte vectors a 64-weight step
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -133,8 +141,10 @@ class Int8Weight:
     vectors sum in int32 before any float work: one convert and two multiply-adds per 16 rows
     and sub-block, not per row. ``i8``: V = 16, byte = q + 128 (unsigned); ``u4``: V = 8, each
     byte's low nibble is weight 64g + 4v + j and its high nibble weight 64g + 32 + 4v + j (the
-    u4 plane's bytes, moved). ``scale`` / ``offset``: [out / 16, in / block * 16], read as
-    [out / 16, in / block, 16], float32 or, where every value is one exactly (the legacy types'
+    u4 plane's bytes, moved); ``u6``: V = 12, bytes q + 32 (0..63) split as vectors 0-7 the low 4
+    bits in the u4 layout and vectors 8-11 the high 2 bits (u6_step_vectors, unpack_u6).
+    ``scale`` / ``offset``: [out / 16, in / block * 16], read as [out / 16, in / block, 16],
+    float32 or, where every value is one exactly (the legacy types'
     scales are GGUF f16 fields), IEEE half bits (uint16): 1/16 byte a weight instead of 1/8 for
     each plane, widened in the kernel (``vcvtph2ps``, exact); or, for the K-quants, their int8
     sub-block factors (sc; m) with ``scale_super`` / ``offset_super`` [out / 16, in / 256, 16]
@@ -144,7 +154,7 @@ class Int8Weight:
 
     qtype: str
     shape: tuple[int, int]
-    kind: str                    # "i8" | "u4": how the bytes hold the quants
+    kind: str                    # "i8" | "u4" | "u6": how the bytes hold the quants
     q: np.ndarray
     scale: np.ndarray
     offset: np.ndarray | None
@@ -166,27 +176,59 @@ class Int8Weight:
     def rows(self, index: np.ndarray) -> QuantWeight:
         """W[index] back in gpu/loader/quant.py's layout (an embedding lookup of a tied table)."""
         tile, lane = np.divmod(np.asarray(index), TILE_ROWS)
-        q = self.q.reshape(len(self.q), -1, TILE_ROWS, 4)[tile, :, lane]   # [len, in / 4, 4]
+        steps = self.q.reshape(len(self.q), -1, VECTORS[self.kind], TILE_ROWS, 4)
+        q = steps[tile, :, :, lane]   # [len, in / 64, V, 4]: each row's step vectors
+        kind = "u4" if self.kind == "u4" else "i8"
+        if self.kind == "u6":  # NOTE: back as centred int8 (gpu/loader/quant.py's own u6 is another order)
+            q = (unpack_u6(q).astype(np.int16) - U6_CENTRE).astype(np.int8)
+        elif self.kind == "i8":
+            q = (q ^ np.uint8(0x80)).view(np.int8)
         q = q.reshape(len(tile), -1)
-        q = (q ^ np.uint8(0x80)).view(np.int8) if self.kind == "i8" else q
 
         def plane(a: np.ndarray) -> np.ndarray:
             values = a.reshape(len(a), -1, TILE_ROWS)[tile, :, lane]
             return values.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else values
         scale, offset, scale_super, offset_super = (None if a is None else plane(a)
                                                     for a in self.planes()[1:])
-        return QuantWeight(self.qtype, (len(tile), self.shape[1]), self.kind, np.ascontiguousarray(q),
+        return QuantWeight(self.qtype, (len(tile), self.shape[1]), kind, np.ascontiguousarray(q),
                            scale, offset, self.block, scale_super, offset_super)
 
 
-def tiles(w: QuantWeight) -> Int8Weight:
-    """w's planes in 16-row tiles (supports(w))."""
+def u6_step_vectors(q: np.ndarray) -> np.ndarray:
+    """int8 quants that fit 6 bits [rows, in] -> each row's u6 step vectors [rows, in / 64, 12, 4]:
+    with u = q + 32 (0..63) and weight 64 g + 4 i + j at [g, i, j] (i = 0..15), vector v < 8
+    byte j holds u[v, j] & 15 in its low nibble and u[8 + v, j] & 15 in its high one (the u4
+    layout), and vector 8 + h byte j the high 2 bits of u[4 c + h, j] at bits 2c, c = 0..3."""
+    n, k = q.shape
+    u = (q.astype(np.int16) + U6_CENTRE).astype(np.uint8).reshape(n, k // STEP, 16, 4)
+    nibbles = (u[:, :, :8] & 15) | ((u[:, :, 8:] & 15) << 4)
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)
+    high = np.bitwise_or.reduce((u >> 4).reshape(n, k // STEP, 4, 4, 4) << shifts, axis=2)
+    return np.concatenate([nibbles, high], axis=2)
+
+
+def unpack_u6(vectors: np.ndarray) -> np.ndarray:
+    """u6 step vectors [..., 12, 4] -> the step's bytes 0..63 [..., 16, 4] (u6_step_vectors
+    undone: what _u6_vectors does in the kernel, in numpy)."""
+    nibbles, high = vectors[..., :8, :], vectors[..., 8:, :]
+    low = np.concatenate([nibbles & 15, nibbles >> 4], axis=-2)
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)
+    top = (high[..., None, :, :] >> shifts) & 3                    # [..., c, h, 4]: vector 4 c + h
+    return low | (top.reshape(low.shape) << 4)
+
+
+def tiles(w: QuantWeight, *, six_bit: bool = True) -> Int8Weight:
+    """w's planes in 16-row tiles (supports(w)); six_bit: U6_TYPES as u6 (else int8 bytes)."""
     assert supports(w) and w.scale is not None
     n, k = w.shape
-    if w.kind == "i8":
-        q = (w.q.view(np.uint8) ^ np.uint8(0x80)).reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, 16, 4)
+    kind = "u6" if six_bit and w.kind == "i8" and w.qtype in U6_TYPES else w.kind
+    if kind == "u6":
+        q = u6_step_vectors(w.q)
+    elif kind == "i8":
+        q = w.q.view(np.uint8) ^ np.uint8(0x80)
     else:
-        q = w.q.reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, 8, 4)
+        q = w.q
+    q = q.reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, VECTORS[kind], 4)
 
     # NOTE: both planes in one dtype (the kernel reads them alike); half only where it is exact
     # (never int8 factors: they stay bytes)
@@ -202,7 +244,7 @@ def tiles(w: QuantWeight) -> Int8Weight:
     scale = planes(w.scale)
     assert scale is not None
     q = np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(n // TILE_ROWS, -1)
-    return Int8Weight(w.qtype, w.shape, w.kind, q, scale, planes(w.offset), w.block,
+    return Int8Weight(w.qtype, w.shape, kind, q, scale, planes(w.offset), w.block,
                       planes(w.scale_super), planes(w.offset_super))
 
 
@@ -262,6 +304,14 @@ def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
             _prefetch(builder, qtile, at, v64b)
             out.append((_load(builder, qtile, at, v64b), 4 * v))
         return out
+    if kind == "u6":
+        first = builder.mul(g, _const(builder, 12))
+        packed = []
+        for v in range(12):
+            at = builder.add(first, _const(builder, v))
+            _prefetch(builder, qtile, at, v64b)
+            packed.append(_load(builder, qtile, at, v64b))
+        return [(vec, 4 * u) for u, vec in enumerate(_u6_vectors(builder, packed[:8], packed[8:]))]
     low, out = ir.Constant(v64b, [15] * 64), []
     first = builder.mul(g, _const(builder, 8))
     for v in range(8):
@@ -270,6 +320,29 @@ def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
         packed = _load(builder, qtile, at, v64b)
         out.append((builder.and_(packed, low), 4 * v))
         out.append((builder.and_(builder.lshr(packed, ir.Constant(v64b, [4] * 64)), low), 32 + 4 * v))
+    return out
+
+
+def _u6_vectors(builder, nibbles: list, highs: list) -> list:
+    """A u6 step's 16 byte vectors (vector u: weights 4u..4u + 3 of the 16 rows, bytes 0..63) from
+    its 8 nibble vectors and 4 vectors of high bits (u6_step_vectors' layout; unpack_u6 in numpy).
+    Per vector: the nibble (an AND, or a shift and an AND) and the high bits moved to bits 4-5 (a
+    shift; none for c = 2) merged by an AND-OR (vpternlogd): ~3 instructions per 4 vpdpbusd at
+    TOKEN_TILE tokens."""
+    v64b = _vec(_I8, 64)
+
+    def splat(value: int):
+        return ir.Constant(v64b, [value] * 64)
+    low = [builder.and_(p, splat(15)) for p in nibbles] + [builder.lshr(p, splat(4)) for p in nibbles]
+    out = []
+    for u in range(16):
+        c, h = divmod(u, 4)
+        high = highs[h]  # bits 2c..2c + 1 of each byte: weight vector u's high bits, to bits 4-5
+        if c < 2:
+            high = builder.shl(high, splat(4 - 2 * c))
+        elif c == 3:
+            high = builder.lshr(high, splat(2))
+        out.append(builder.or_(low[u], builder.and_(high, splat(0x30))))
     return out
 
 
@@ -331,7 +404,7 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str):
     form: the scale planes' (_scale_loader); "i8" reads the super planes too."""
     subs = STEP // block  # sub-blocks a 64-weight step
     v16f = _vec(_F32, 16)
-    zero_point = 128.0 if kind == "i8" else 0.0
+    zero_point = float(ZERO_POINTS[kind])
     fast = ["fast"]
     step_planes = _plane_reader(form)
 
@@ -400,11 +473,11 @@ def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, blo
     ms: Int8Weight's planes as 2-D arrays (one tile a row), None for none; s and m float32, both
     half bits (uint16) or both int8 factors of the float32 super planes ss and ms (a kernel
     each); xq / xd / xs: Int8Rows' q, scale and the sums at the weight's sub-block size.
-    Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32), vectors (16: int8 bytes,
-    8: nibbles)."""
+    Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32), vectors (VECTORS: 16 int8
+    bytes, 12 u6, 8 nibbles)."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, block, vectors)):
         return None
-    kind = "i8" if vectors.literal_value == 16 else "u4"
+    kind = {v: k for k, v in VECTORS.items()}[vectors.literal_value]
     form = {types.uint16: "f16", types.int8: "i8"}.get(s.dtype, "f32")
     assert m == types.none or m.dtype == s.dtype, "scale and offset share a dtype"
     factored = form == "i8"
@@ -452,7 +525,7 @@ def _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, block, vectors):  #
             i = claim(counter)
 
 
-# One compiled (and cached) driver per (sub-block size, vectors a step: 16 int8, 8 nibbles). Each
+# One compiled (and cached) driver per (sub-block size, vectors a step: VECTORS). Each
 # quantizes x first, in the same call (PERF: a Numba call costs microseconds; a decode step makes
 # ~120 of these at ~15 us of work each).
 _serial_driver = njit(cache=True, nogil=True, error_model="numpy")
@@ -495,9 +568,34 @@ def _parallel_32_8(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):
     _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 8)
 
 
+@_serial_driver
+def _serial_16_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _run(q, s, m, ss, ms, xq, xd, xs16, out, 0, q.shape[0], 16, 12)
+
+
+@_serial_driver
+def _serial_32_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 12)
+
+
+@_parallel_driver
+def _parallel_16_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
+    _quantize(x, xq, xd, xs16, xs32)
+    _split(q, s, m, ss, ms, xq, xd, xs16, out, tasks, counter, 16, 12)
+
+
+@_parallel_driver
+def _parallel_32_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
+    _quantize(x, xq, xd, xs16, xs32)
+    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 12)
+
+
 # (block, vectors) -> (serial, parallel); nibbles come in 32-weight sub-blocks only
 _DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16, _parallel_32_16),
-            (32, 8): (_serial_32_8, _parallel_32_8)}
+            (32, 8): (_serial_32_8, _parallel_32_8), (16, 12): (_serial_16_12, _parallel_16_12),
+            (32, 12): (_serial_32_12, _parallel_32_12)}
 
 
 def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
@@ -509,7 +607,7 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
         out = np.empty((t, n), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
     rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))
-    serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
+    serial, par = _DRIVERS[(w.block, VECTORS[w.kind])]
     args = (x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale, rows.sum16,
             rows.sum32, out)
     if parallel:
