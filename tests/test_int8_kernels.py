@@ -103,6 +103,7 @@ def test_every_type_is_dequantize_times_the_int8_activations(qtype):
         factored = tiled.scale_super is not None
         assert tiled.kind == kind
         assert tiled.scale.dtype == (np.uint16 if half else np.int8 if factored else np.float32)
+        assert not factored or tiled.scale_super.dtype == np.uint16  # d, -dmin: GGUF's f16 fields
         assert (tiled.nbytes < w.nbytes) == (half or factored or tiled.kind == "u6")
         assert np.array_equal(dequantize(tiled.rows(np.arange(48))), dequantize(w))
         picked = np.array([47, 0, 17, 17])  # an embedding lookup: any rows, repeated

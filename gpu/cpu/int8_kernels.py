@@ -148,9 +148,10 @@ class Int8Weight:
     scales are GGUF f16 fields), IEEE half bits (uint16): 1/16 byte a weight instead of 1/8 for
     each plane, widened in the kernel (``vcvtph2ps``, exact); or, for the K-quants, their int8
     sub-block factors (sc; m) with ``scale_super`` / ``offset_super`` [out / 16, in / 256, 16]
-    float32 (d; -dmin): llama.cpp's compact form, 1/32 (Q4_K) or 1/16 (Q6_K) byte a weight a
-    plane plus one float per 256 weights, and the same float32 values (``factor * super`` is
-    gpu/loader/quant.py's exact ``d * sc``)."""
+    (d; -dmin) as half bits (GGUF's own f16 fields: always exact; float32 where one is not):
+    llama.cpp's compact form, 1/32 (Q4_K) or 1/16 (Q6_K) byte a weight a plane plus one half
+    per 256 weights, and the same float32 values (``factor * super`` is gpu/loader/quant.py's
+    exact ``d * sc``)."""
 
     qtype: str
     shape: tuple[int, int]
@@ -159,7 +160,7 @@ class Int8Weight:
     scale: np.ndarray
     offset: np.ndarray | None
     block: int
-    scale_super: np.ndarray | None = None    # float32 [out / 16, in / 256 * 16]: factored K-quants' d
+    scale_super: np.ndarray | None = None    # [out / 16, in / 256 * 16] half bits or float32: K-quants' d
     offset_super: np.ndarray | None = None   # their -dmin
 
     @property
@@ -232,20 +233,27 @@ def tiles(w: QuantWeight, *, six_bit: bool = True) -> Int8Weight:
 
     # NOTE: both planes in one dtype (the kernel reads them alike); half only where it is exact
     # (never int8 factors: they stay bytes)
-    half = w.scale_super is None and all(np.array_equal(a.astype(np.float16).astype(np.float32), a)
-                                         for a in (w.scale, w.offset) if a is not None)
+    half = w.scale_super is None and all(_exact_half(a) for a in (w.scale, w.offset) if a is not None)
 
-    def planes(a: np.ndarray | None) -> np.ndarray | None:
+    # the super planes (d; -dmin: GGUF f16 fields, so always exact) likewise, on their own
+    half_super = all(_exact_half(a) for a in (w.scale_super, w.offset_super) if a is not None)
+
+    def planes(a: np.ndarray | None, as_half: bool) -> np.ndarray | None:
         if a is None:
             return None
-        a = a.astype(np.float16).view(np.uint16) if half else a
+        a = a.astype(np.float16).view(np.uint16) if as_half else a
         tiled = a.reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(0, 2, 1)
         return np.ascontiguousarray(tiled).reshape(n // TILE_ROWS, -1)
-    scale = planes(w.scale)
+    scale = planes(w.scale, half)
     assert scale is not None
     q = np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(n // TILE_ROWS, -1)
-    return Int8Weight(w.qtype, w.shape, kind, q, scale, planes(w.offset), w.block,
-                      planes(w.scale_super), planes(w.offset_super))
+    return Int8Weight(w.qtype, w.shape, kind, q, scale, planes(w.offset, half), w.block,
+                      planes(w.scale_super, half_super), planes(w.offset_super, half_super))
+
+
+def _exact_half(a: np.ndarray) -> bool:
+    with np.errstate(over="ignore"):  # NOTE: past 65504 a half is inf: inexact, so kept float32
+        return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
 
 
 # ---- the tile kernel, in LLVM IR -----------------------------------------------------------------
@@ -375,18 +383,19 @@ def _scale_loader(form: str):
     return load
 
 
-def _plane_reader(form: str):
+def _plane_reader(form: str, super_form: str):
     """IR reading the 16 rows' scale and offset (None without one) of a sub-block as float32,
-    for planes of one form (_scale_loader): step_planes(builder, tiles, g) -> at(index), tiles
-    the scale, offset, and (form "i8") super planes' pointers, g the 64-weight step."""
-    load_plane, v16f = _scale_loader(form), _vec(_F32, 16)
+    for planes of one form (_scale_loader) and (form "i8") super planes of super_form ("f32",
+    "f16"): step_planes(builder, tiles, g) -> at(index), tiles the scale, offset, and super
+    planes' pointers, g the 64-weight step."""
+    load_plane, load_super = _scale_loader(form), _scale_loader(super_form)
 
     def step_planes(builder, tiles, g):
         stile, mtile, sstile, mstile = tiles
         supers: list[Any] = [None, None]
         if sstile is not None:  # the 16 rows' d (and -dmin) of the super-block the step is in
             sup = builder.udiv(g, _const(builder, QK_K // STEP))
-            supers = [_load(builder, t, sup, v16f) if t is not None else None for t in (sstile, mstile)]
+            supers = [load_super(builder, t, sup) if t is not None else None for t in (sstile, mstile)]
 
         def at(index):
             values = []
@@ -399,14 +408,14 @@ def _plane_reader(form: str):
     return step_planes
 
 
-def _tile_codegen(kind: str, block: int, tokens: int, form: str):
+def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str):
     """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens.
-    form: the scale planes' (_scale_loader); "i8" reads the super planes too."""
+    form: the scale planes' (_scale_loader); "i8" reads the super planes too, of super_form."""
     subs = STEP // block  # sub-blocks a 64-weight step
     v16f = _vec(_F32, 16)
     zero_point = float(ZERO_POINTS[kind])
     fast = ["fast"]
-    step_planes = _plane_reader(form)
+    step_planes = _plane_reader(form, super_form)
 
     def codegen(context, builder, sig, args):
         q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
@@ -471,8 +480,8 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str):
 def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors):
     """out[t0 + t, 16 r: 16 r + 16] = the tile's 16 rows . x[t0 + t], for t < tokens. q, s, m, ss,
     ms: Int8Weight's planes as 2-D arrays (one tile a row), None for none; s and m float32, both
-    half bits (uint16) or both int8 factors of the float32 super planes ss and ms (a kernel
-    each); xq / xd / xs: Int8Rows' q, scale and the sums at the weight's sub-block size.
+    half bits (uint16) or both int8 factors of the super planes ss and ms (float32 or half bits;
+    a kernel each); xq / xd / xs: Int8Rows' q, scale and the sums at the weight's sub-block size.
     Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32), vectors (VECTORS: 16 int8
     bytes, 12 u6, 8 nibbles)."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, block, vectors)):
@@ -483,8 +492,10 @@ def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, blo
     factored = form == "i8"
     assert (ss != types.none) == factored and (ms != types.none) == (factored and m != types.none), \
         "int8 factors come with their super planes"
+    super_form = "f16" if factored and ss.dtype == types.uint16 else "f32"
+    assert ms == types.none or ms.dtype == ss.dtype, "the super planes share a dtype"
     sig = types.none(q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors)
-    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, form)
+    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, form, super_form)
 
 
 _tile: Any = intrinsic(_tile_typing)
