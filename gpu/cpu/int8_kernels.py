@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -300,7 +300,7 @@ def _prefetch(builder, ptr, index, ty: ir.Type) -> None:
     builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
-def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
+def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
     """Step g's weight vectors (16 rows x 4 weights, unsigned bytes), each with the offset in
     the step of its first weight (which activation bytes it meets)."""
     v64b = _vec(_I8, 64)
@@ -319,7 +319,7 @@ def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
             at = builder.add(first, _const(builder, v))
             _prefetch(builder, qtile, at, v64b)
             packed.append(_load(builder, qtile, at, v64b))
-        return [(vec, 4 * u) for u, vec in enumerate(_u6_vectors(builder, packed[:8], packed[8:]))]
+        return ((vec, 4 * u) for u, vec in enumerate(_u6_vectors(builder, packed[:8], packed[8:])))
     low, out = ir.Constant(v64b, [15] * 64), []
     first = builder.mul(g, _const(builder, 8))
     for v in range(8):
@@ -331,27 +331,27 @@ def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
     return out
 
 
-def _u6_vectors(builder, nibbles: list, highs: list) -> list:
+def _u6_vectors(builder, nibbles: list, highs: list) -> Iterator[Any]:
     """A u6 step's 16 byte vectors (vector u: weights 4u..4u + 3 of the 16 rows, bytes 0..63) from
     its 8 nibble vectors and 4 vectors of high bits (u6_step_vectors' layout; unpack_u6 in numpy).
     Per vector: the nibble (an AND, or a shift and an AND) and the high bits moved to bits 4-5 (a
     shift; none for c = 2) merged by an AND-OR (vpternlogd): ~3 instructions per 4 vpdpbusd at
-    TOKEN_TILE tokens."""
+    TOKEN_TILE tokens. A generator: each vector's IR is emitted as the caller takes it, beside
+    its vpdpbusd (PERF: 16 unpacked vectors made at once spill registers)."""
     v64b = _vec(_I8, 64)
 
     def splat(value: int):
         return ir.Constant(v64b, [value] * 64)
-    low = [builder.and_(p, splat(15)) for p in nibbles] + [builder.lshr(p, splat(4)) for p in nibbles]
-    out = []
     for u in range(16):
         c, h = divmod(u, 4)
+        packed = nibbles[u % 8]
+        low = builder.and_(packed, splat(15)) if u < 8 else builder.lshr(packed, splat(4))
         high = highs[h]  # bits 2c..2c + 1 of each byte: weight vector u's high bits, to bits 4-5
         if c < 2:
             high = builder.shl(high, splat(4 - 2 * c))
         elif c == 3:
             high = builder.lshr(high, splat(2))
-        out.append(builder.or_(low[u], builder.and_(high, splat(0x30))))
-    return out
+        yield builder.or_(low, builder.and_(high, splat(0x30)))
 
 
 def _int_sums(builder, vectors, xbase, block: int) -> list[list[Any]]:
