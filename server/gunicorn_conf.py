@@ -6,7 +6,7 @@ one place the Gunicorn side of the deployment is written down.
 import logging
 import os
 
-from ringserve.server.config import ServerConfig
+from ringserve.server.config import WORKER_CONFIG_ENV, ServerConfig
 from ringserve.server.metrics import mark_process_dead
 from ringserve.server.supervision import LAUNCHER_PID_ENV, die_with_parent
 
@@ -52,6 +52,9 @@ def on_starting(server):
     if launcher:
         die_with_parent(int(launcher))
     server.log.error_log.addFilter(_ListenAddress(server.cfg.bind))
+    if os.environ.get(WORKER_CONFIG_ENV):  # the workers' imports and tokenizer, shared by the fork
+        from ringserve.server.worker import preload
+        preload()
 
 
 def post_fork(server, worker):

@@ -16,7 +16,18 @@ import numpy as np
 import pytest
 
 from ringserve.gpu.cpu import int8_kernels as cpu_int8_kernels
-from ringserve.gpu.cpu.int8_kernels import Int8Weight, has_vnni, int8_linear, quantize_rows, supports, tiles
+from ringserve.gpu.cpu.int8_kernels import (
+    U6_TYPES,
+    ZERO_POINTS,
+    Int8Weight,
+    has_vnni,
+    int8_linear,
+    quantize_rows,
+    supports,
+    tiles,
+    u6_step_vectors,
+    unpack_u6,
+)
 from ringserve.gpu.cpu.packed import fuse_packed, packed_linear
 from ringserve.gpu.cpu.runner import int8_activations
 from ringserve.gpu.errors import ModelError
@@ -58,14 +69,15 @@ def test_activations_quantize_as_numpy_does():
                                rtol=1e-6)
 
 
-def reference(x: np.ndarray, w: QuantWeight) -> tuple[np.ndarray, np.ndarray]:
-    """(the float64 product of the dequantized int8 activations and weights, its error bound)."""
+def reference(x: np.ndarray, w: QuantWeight, tiled_kind: str = "i8") -> tuple[np.ndarray, np.ndarray]:
+    """(the float64 product of the dequantized int8 activations and weights, its error bound for
+    tiles of tiled_kind: its zero point enters the bound)."""
     rows = quantize_rows(x)
     xd = (rows.q.reshape(len(x), -1, 32) * rows.scale[..., None].astype(np.float64)).reshape(x.shape)
     want = xd @ dequantize(w).astype(np.float64).T
     unscaled = np.abs(dequantize(dataclasses.replace(w, offset=None))).astype(np.float64)
     assert w.scale is not None
-    zero_point = 128.0 if w.kind == "i8" else 0.0
+    zero_point = float(ZERO_POINTS[tiled_kind if w.kind == "i8" else w.kind])
     per_weight = unscaled + np.repeat(zero_point * np.abs(w.scale), w.block, axis=1)
     if w.offset is not None:
         per_weight += np.repeat(np.abs(w.offset), w.block, axis=1)
@@ -83,21 +95,39 @@ def test_every_type_is_dequantize_times_the_int8_activations(qtype):
     # scales that are GGUF f16 fields (the legacy types) are kept as half: exact, and fewer bytes;
     # the K-quants' as their int8 factors of float32 super planes (llama.cpp's compact form)
     half = qtype in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-    forms = [tiles(w)] + ([] if half else [tiles(repack(raw, qtype, shape, factored=True))])
-    for tiled in forms:
+    # quants that fit 6 bits as u6 (0.75 B/weight), and as their int8 bytes (six_bit=False)
+    kind = "u6" if qtype in U6_TYPES else w.kind
+    forms = [(tiles(w), kind)] + ([] if half else [(tiles(repack(raw, qtype, shape, factored=True)), kind)])
+    if qtype in U6_TYPES:
+        forms.append((tiles(w, six_bit=False), "i8"))
+    for tiled, kind in forms:
         factored = tiled.scale_super is not None
+        assert tiled.kind == kind
         assert tiled.scale.dtype == (np.uint16 if half else np.int8 if factored else np.float32)
-        assert (tiled.nbytes < w.nbytes) == (half or factored)
+        assert not factored or tiled.scale_super.dtype == np.uint16  # d, -dmin: GGUF's f16 fields
+        assert (tiled.nbytes < w.nbytes) == (half or factored or tiled.kind == "u6")
         assert np.array_equal(dequantize(tiled.rows(np.arange(48))), dequantize(w))
         picked = np.array([47, 0, 17, 17])  # an embedding lookup: any rows, repeated
         assert np.array_equal(dequantize(tiled.rows(picked)), dequantize(w)[picked])
         for t in TOKENS:
             x = rng.standard_normal((t, shape[1])).astype(np.float32)
-            want, bound = reference(x, w)
+            want, bound = reference(x, w, tiled.kind)
             for parallel in (False, True):
                 got = int8_linear(x, tiled, parallel=parallel)
                 err = np.abs(got - want)
                 assert np.all(err <= bound), f"{qtype} T={t}: worst {(err / bound).max():.3g} of the bound"
+
+
+def test_u6_vectors_hold_each_weights_six_bits_where_the_kernel_reads_them():
+    rng = np.random.default_rng(3)
+    q = rng.integers(-32, 32, (2, 128)).astype(np.int8)
+    vectors = u6_step_vectors(q)
+    assert vectors.shape == (2, 2, 12, 4) and vectors.dtype == np.uint8
+    u = (q.astype(np.int16) + 32).reshape(2, 2, 16, 4)  # weight 64 g + 4 i + j at [row, g, i, j]
+    assert np.array_equal(vectors[:, :, 3] & 15, u[:, :, 3] & 15)     # low nibble: vector i
+    assert np.array_equal(vectors[:, :, 3] >> 4, u[:, :, 11] & 15)    # high nibble: vector 8 + i
+    assert np.array_equal((vectors[:, :, 9] >> 4) & 3, u[:, :, 9] >> 4)  # bits 2c of vector 8 + h: 4c + h
+    assert np.array_equal(unpack_u6(vectors), u)
 
 
 def test_rows_that_are_not_whole_tiles_and_float_types_stay_on_the_float_path():

@@ -125,9 +125,8 @@ def test_compact_scale_planes(qtype):
 
 def test_rows_of_compact_weights():
     """take_rows and concat_rows carry the super planes and the fp16 planes; a factored weight
-    never stacks with a plain one (concat_rows refuses, fuse_packed keeps them apart)."""
-    from ringserve.gpu.cpu.packed import fuse_packed
-    from ringserve.gpu.loader.packing import SplitWeight
+    never stacks with a plain one (concat_rows refuses, stack_packed keeps them apart)."""
+    from ringserve.gpu.loader.packing import SplitWeight, as_fused, stack_packed
     from ringserve.gpu.loader.quant import concat_rows, take_rows
     from ringserve.gpu.loader.weights import GGMLTensor
     rng = np.random.default_rng(9)
@@ -144,9 +143,9 @@ def test_rows_of_compact_weights():
     factored, plain = repack(raw, "Q4_K", (4, 512), factored=True), repack(raw, "Q4_K", (4, 512))
     with pytest.raises(ValueError, match="cannot stack"):
         concat_rows([factored, plain])
-    split = fuse_packed([factored, GGMLTensor("Q4_K", (4, 512), raw)])
+    split = as_fused(stack_packed([factored, GGMLTensor("Q4_K", (4, 512), raw)]))
     assert isinstance(split, SplitWeight) and [p.scale.dtype for p in split.parts] == [np.int8, np.float32]
-    fused = fuse_packed([GGMLTensor("Q4_K", (4, 512), raw)] * 2, factored=True)
+    fused = as_fused(stack_packed([GGMLTensor("Q4_K", (4, 512), raw)] * 2, factored=True))
     assert isinstance(fused, QuantWeight) and fused.scale_super.shape == (8, 2)
 
 

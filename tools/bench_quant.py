@@ -23,7 +23,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ringserve.gpu.cpu.amx_kernels import has_amx, tiles_linear
-from ringserve.gpu.cpu.int8_kernels import Int8Weight, has_vnni, int8_linear, supports, tiles
+from ringserve.gpu.cpu.int8_kernels import U6_TYPES, Int8Weight, has_vnni, int8_linear, supports, tiles
 from ringserve.gpu.cpu.quant_kernels import quant_linear
 from ringserve.gpu.loader.quant import BLOCK_SIZES, SUPPORTED_TYPES, QuantWeight, random_raw, repack
 from ringserve.tools.bench_report import BenchRun, add_json_argument, markdown_table, read_bandwidth
@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--int8-4bit", action="store_true",
                     help="also each 4-bit type repacked as int8 planes (row '<type> i8'), beside its nibbles")
+    ap.add_argument("--int8-6bit", action="store_true",
+                    help="also each u6 type tiled in int8 bytes (row '<type> x int8 i8'), beside its u6")
     ap.add_argument("--activations", nargs="+", choices=["float32", "int8", "vnni"],
                     default=default_activations(),
                     help="what the integer types multiply: float32 (gpu/cpu/quant_kernels.py) and/or "
@@ -85,10 +87,13 @@ def _weights(args: argparse.Namespace, n: int, k: int, rng: np.random.Generator)
             if args.int8_4bit and qtype in FOUR_BIT and "float32" in args.activations:
                 weights[qtype + " i8"] = repack(raw, qtype, (n, k), nibbles=False)
             if supports(w):  # as served: K-quants' scales factored
-                tiled = tiles(repack(raw, qtype, (n, k), factored=True))
+                factored = repack(raw, qtype, (n, k), factored=True)
+                tiled = tiles(factored)
                 for activations, name in (("int8", qtype + " x int8"), ("vnni", qtype + " x int8" + VNNI)):
                     if activations in args.activations:
                         weights[name] = tiled
+                if "int8" in args.activations and args.int8_6bit and qtype in U6_TYPES:
+                    weights[qtype + " x int8 i8"] = tiles(factored, six_bit=False)
     return weights
 
 

@@ -61,6 +61,7 @@ AMX_TOKENS = 16           # token rows a tile multiplies (A's and C's rows)
 # the sub-block sizes tiles_linear runs on AMX (docs/bench_quant.md: Q6_K's 16-weight sub-blocks
 # measured slower there, four C tiles a step)
 AMX_BLOCKS = (32,)
+AMX_KINDS = ("i8", "u4")  # u6 (6-bit quants: nibbles + 2-bit plane) stays on VNNI: not unpacked here
 ARCH_REQ_XCOMP_PERM = 0x1023
 XFEATURE_XTILEDATA = 18
 SYS_ARCH_PRCTL = 158      # x86-64
@@ -164,7 +165,7 @@ def _unpack_nibbles(builder, qtile, g, scratch) -> None:
         builder.store(high, builder.gep(rows, [_const(builder, 8 + v)]), align=64)
 
 
-def _amx_codegen(kind: str, block: int, form: str):
+def _amx_codegen(kind: str, block: int, form: str, super_form: str):
     """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < 16."""
     subs = STEP // block
     v16f, v16i = _vec(_F32, 16), _vec(_I32, 16)
@@ -236,7 +237,8 @@ def _amx_codegen(kind: str, block: int, form: str):
         # every sum loaded before the float terms, as the VNNI kernel's come before them
         sums = [[_load(builder, ready, _const(builder, sb * AMX_TOKENS + t), v16i) for sb in range(subs)]
                 for t in range(AMX_TOKENS)]
-        totals = float_terms(builder, form, planes, g, sums, list(acc), drow, srow, block, zero_point)
+        totals = float_terms(builder, form, super_form, planes, g, sums, list(acc), drow, srow, block,
+                             zero_point)
         for a_, total in zip(acc, totals, strict=True):
             a_.add_incoming(ir.Constant(v16f, [0.0] * 16), entry)
             a_.add_incoming(total, loop)
@@ -257,8 +259,9 @@ def _amx_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, block, vecto
         return None
     kind = "i8" if vectors.literal_value == 16 else "u4"
     form = {types.uint16: "f16", types.int8: "i8"}.get(s.dtype, "f32")
+    super_form = "f16" if ss != types.none and ss.dtype == types.uint16 else "f32"
     sig = types.none(q, s, m, ss, ms, xq, xd, xs, out, r, t0, block, vectors)
-    return sig, _amx_codegen(kind, block.literal_value, form)
+    return sig, _amx_codegen(kind, block.literal_value, form, super_form)
 
 
 _amx_tile: Any = intrinsic(_amx_typing)
@@ -345,6 +348,8 @@ def amx_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray, parallel: bool) ->
     if not has_amx():  # NOTE: a tile instruction before Linux's permission is a SIGILL
         raise RuntimeError("AMX tiles are not available to this process (has_amx)")
     t, k = x.shape
+    if w.kind not in AMX_KINDS or w.block not in AMX_BLOCKS:
+        raise ValueError(f"{w.kind} tiles of {w.block}-weight sub-blocks are not read by the AMX kernel")
     if t % AMX_TOKENS:
         raise ValueError(f"{t} token rows are not whole groups of {AMX_TOKENS} (tiles_linear splits them)")
     rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))  # NOTE: int8_linear's scratch
@@ -364,7 +369,7 @@ def tiles_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
     16 token rows on AMX tiles where this process has them and W has 32-weight sub-blocks, the
     rest (fewer than 16) on VNNI: the same bits either way."""
     whole = len(x) // AMX_TOKENS * AMX_TOKENS
-    if not (whole and w.block in AMX_BLOCKS and has_amx()):
+    if not (whole and w.block in AMX_BLOCKS and w.kind in AMX_KINDS and has_amx()):
         return int8_linear(x, w, out, parallel=parallel)
     if out is None:
         out = np.empty((len(x), w.shape[0]), dtype=np.float32)

@@ -16,10 +16,13 @@ then per 16 rows and sub-block, a sixteenth of a per-row kernel's. The quants ar
 - ``u4`` (nibbles in 64-weight groups): one AND and one shift unpack a vector of bytes into the
   low- and high-nibble weights, 0..15;
 - ``i8`` (centred int8): stored as ``q + 128`` (0..255); the ``-128 * sum(x)`` this adds is folded
-  into the sub-block's offset term below.
+  into the sub-block's offset term below;
+- ``u6`` (6-bit quants, ``q + 32``: 0..63; Q6_K and the other types whose quants fit 6 bits): the
+  low 4 bits as a ``u4`` nibble plane and the high 2 as a plane of 2-bit fields, unpacked by
+  ``_u6_vectors`` (a shift and an AND-OR a vector) to bytes 0..63: 0.75 bytes a weight, not 1.
 
-For a sub-block of ``b`` weights (16 or 32) with weight = ``s * (u - z) + m`` (z = 128 for i8, 0
-for u4) and an activation block ``x = dx * xq``::
+For a sub-block of ``b`` weights (16 or 32) with weight = ``s * (u - z) + m`` (z = 128 for i8, 32
+for u6, 0 for u4) and an activation block ``x = dx * xq``::
 
     sum(w * x) = s * dx * sum(u * xq) + (m - z * s) * (dx * sum(xq))
 
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -55,6 +58,11 @@ STEP = 64                # weights of a row per loop step (16 vectors of int8, 8
 TOKEN_TILE = 4           # token rows sharing each loaded weight vector
 PREFETCH_BYTES = 8192    # how far ahead of its loads the kernel asks for the weight's bytes
 INT8_KINDS = ("i8", "u4")
+# Types whose quants all fit 6 bits (-32..31 centred, or 0..31): tiled as u6, 0.75 B/weight, not 1
+U6_TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q3_K", "Q2_K")
+U6_CENTRE = 32           # the u6 bytes hold q + 32
+ZERO_POINTS = {"i8": 128, "u6": U6_CENTRE, "u4": 0}       # the tile's byte = q + zero point
+VECTORS = {"i8": 16, "u6": 12, "u4": 8}                   # 64-byte vectors a 64-weight step
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -135,23 +143,26 @@ class Int8Weight:
     vectors sum in int32 before any float work: one convert and two multiply-adds per 16 rows
     and sub-block, not per row. ``i8``: V = 16, byte = q + 128 (unsigned); ``u4``: V = 8, each
     byte's low nibble is weight 64g + 4v + j and its high nibble weight 64g + 32 + 4v + j (the
-    u4 plane's bytes, moved). ``scale`` / ``offset``: [out / 16, in / block * 16], read as
-    [out / 16, in / block, 16], float32 or, where every value is one exactly (the legacy types'
+    u4 plane's bytes, moved); ``u6``: V = 12, bytes q + 32 (0..63) split as vectors 0-7 the low 4
+    bits in the u4 layout and vectors 8-11 the high 2 bits (u6_step_vectors, unpack_u6).
+    ``scale`` / ``offset``: [out / 16, in / block * 16], read as [out / 16, in / block, 16],
+    float32 or, where every value is one exactly (the legacy types'
     scales are GGUF f16 fields), IEEE half bits (uint16): 1/16 byte a weight instead of 1/8 for
     each plane, widened in the kernel (``vcvtph2ps``, exact); or, for the K-quants, their int8
     sub-block factors (sc; m) with ``scale_super`` / ``offset_super`` [out / 16, in / 256, 16]
-    float32 (d; -dmin): llama.cpp's compact form, 1/32 (Q4_K) or 1/16 (Q6_K) byte a weight a
-    plane plus one float per 256 weights, and the same float32 values (``factor * super`` is
-    gpu/loader/quant.py's exact ``d * sc``)."""
+    (d; -dmin) as half bits (GGUF's own f16 fields: always exact; float32 where one is not):
+    llama.cpp's compact form, 1/32 (Q4_K) or 1/16 (Q6_K) byte a weight a plane plus one half
+    per 256 weights, and the same float32 values (``factor * super`` is gpu/loader/quant.py's
+    exact ``d * sc``)."""
 
     qtype: str
     shape: tuple[int, int]
-    kind: str                    # "i8" | "u4": how the bytes hold the quants
+    kind: str                    # "i8" | "u4" | "u6": how the bytes hold the quants
     q: np.ndarray
     scale: np.ndarray
     offset: np.ndarray | None
     block: int
-    scale_super: np.ndarray | None = None    # float32 [out / 16, in / 256 * 16]: factored K-quants' d
+    scale_super: np.ndarray | None = None    # [out / 16, in / 256 * 16] half bits or float32: K-quants' d
     offset_super: np.ndarray | None = None   # their -dmin
 
     @property
@@ -168,44 +179,83 @@ class Int8Weight:
     def rows(self, index: np.ndarray) -> QuantWeight:
         """W[index] back in gpu/loader/quant.py's layout (an embedding lookup of a tied table)."""
         tile, lane = np.divmod(np.asarray(index), TILE_ROWS)
-        q = self.q.reshape(len(self.q), -1, TILE_ROWS, 4)[tile, :, lane]   # [len, in / 4, 4]
+        steps = self.q.reshape(len(self.q), -1, VECTORS[self.kind], TILE_ROWS, 4)
+        q = steps[tile, :, :, lane]   # [len, in / 64, V, 4]: each row's step vectors
+        kind = "u4" if self.kind == "u4" else "i8"
+        if self.kind == "u6":  # NOTE: back as centred int8 (gpu/loader/quant.py's own u6 is another order)
+            q = (unpack_u6(q).astype(np.int16) - U6_CENTRE).astype(np.int8)
+        elif self.kind == "i8":
+            q = (q ^ np.uint8(0x80)).view(np.int8)
         q = q.reshape(len(tile), -1)
-        q = (q ^ np.uint8(0x80)).view(np.int8) if self.kind == "i8" else q
 
         def plane(a: np.ndarray) -> np.ndarray:
             values = a.reshape(len(a), -1, TILE_ROWS)[tile, :, lane]
             return values.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else values
         scale, offset, scale_super, offset_super = (None if a is None else plane(a)
                                                     for a in self.planes()[1:])
-        return QuantWeight(self.qtype, (len(tile), self.shape[1]), self.kind, np.ascontiguousarray(q),
+        return QuantWeight(self.qtype, (len(tile), self.shape[1]), kind, np.ascontiguousarray(q),
                            scale, offset, self.block, scale_super, offset_super)
 
 
-def tiles(w: QuantWeight) -> Int8Weight:
-    """w's planes in 16-row tiles (supports(w))."""
+def u6_step_vectors(q: np.ndarray) -> np.ndarray:
+    """int8 quants that fit 6 bits [rows, in] -> each row's u6 step vectors [rows, in / 64, 12, 4]:
+    with u = q + 32 (0..63) and weight 64 g + 4 i + j at [g, i, j] (i = 0..15), vector v < 8
+    byte j holds u[v, j] & 15 in its low nibble and u[8 + v, j] & 15 in its high one (the u4
+    layout), and vector 8 + h byte j the high 2 bits of u[4 c + h, j] at bits 2c, c = 0..3."""
+    n, k = q.shape
+    u = (q.astype(np.int16) + U6_CENTRE).astype(np.uint8).reshape(n, k // STEP, 16, 4)
+    nibbles = (u[:, :, :8] & 15) | ((u[:, :, 8:] & 15) << 4)
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)
+    high = np.bitwise_or.reduce((u >> 4).reshape(n, k // STEP, 4, 4, 4) << shifts, axis=2)
+    return np.concatenate([nibbles, high], axis=2)
+
+
+def unpack_u6(vectors: np.ndarray) -> np.ndarray:
+    """u6 step vectors [..., 12, 4] -> the step's bytes 0..63 [..., 16, 4] (u6_step_vectors
+    undone: what _u6_vectors does in the kernel, in numpy)."""
+    nibbles, high = vectors[..., :8, :], vectors[..., 8:, :]
+    low = np.concatenate([nibbles & 15, nibbles >> 4], axis=-2)
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)
+    top = (high[..., None, :, :] >> shifts) & 3                    # [..., c, h, 4]: vector 4 c + h
+    return low | (top.reshape(low.shape) << 4)
+
+
+def tiles(w: QuantWeight, *, six_bit: bool = True) -> Int8Weight:
+    """w's planes in 16-row tiles (supports(w)); six_bit: U6_TYPES as u6 (else int8 bytes)."""
     assert supports(w) and w.scale is not None
     n, k = w.shape
-    if w.kind == "i8":
-        q = (w.q.view(np.uint8) ^ np.uint8(0x80)).reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, 16, 4)
+    kind = "u6" if six_bit and w.kind == "i8" and w.qtype in U6_TYPES else w.kind
+    if kind == "u6":
+        q = u6_step_vectors(w.q)
+    elif kind == "i8":
+        q = w.q.view(np.uint8) ^ np.uint8(0x80)
     else:
-        q = w.q.reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, 8, 4)
+        q = w.q
+    q = q.reshape(n // TILE_ROWS, TILE_ROWS, k // STEP, VECTORS[kind], 4)
 
     # NOTE: both planes in one dtype (the kernel reads them alike); half only where it is exact
     # (never int8 factors: they stay bytes)
-    half = w.scale_super is None and all(np.array_equal(a.astype(np.float16).astype(np.float32), a)
-                                         for a in (w.scale, w.offset) if a is not None)
+    half = w.scale_super is None and all(_exact_half(a) for a in (w.scale, w.offset) if a is not None)
 
-    def planes(a: np.ndarray | None) -> np.ndarray | None:
+    # the super planes (d; -dmin: GGUF f16 fields, so always exact) likewise, on their own
+    half_super = all(_exact_half(a) for a in (w.scale_super, w.offset_super) if a is not None)
+
+    def planes(a: np.ndarray | None, as_half: bool) -> np.ndarray | None:
         if a is None:
             return None
-        a = a.astype(np.float16).view(np.uint16) if half else a
+        a = a.astype(np.float16).view(np.uint16) if as_half else a
         tiled = a.reshape(n // TILE_ROWS, TILE_ROWS, -1).transpose(0, 2, 1)
         return np.ascontiguousarray(tiled).reshape(n // TILE_ROWS, -1)
-    scale = planes(w.scale)
+    scale = planes(w.scale, half)
     assert scale is not None
     q = np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(n // TILE_ROWS, -1)
-    return Int8Weight(w.qtype, w.shape, w.kind, q, scale, planes(w.offset), w.block,
-                      planes(w.scale_super), planes(w.offset_super))
+    return Int8Weight(w.qtype, w.shape, kind, q, scale, planes(w.offset, half), w.block,
+                      planes(w.scale_super, half_super), planes(w.offset_super, half_super))
+
+
+def _exact_half(a: np.ndarray) -> bool:
+    with np.errstate(over="ignore"):  # NOTE: past 65504 a half is inf: inexact, so kept float32
+        return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
 
 
 # ---- the tile kernel, in LLVM IR -----------------------------------------------------------------
@@ -252,7 +302,7 @@ def _prefetch(builder, ptr, index, ty: ir.Type) -> None:
     builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
-def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
+def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
     """Step g's weight vectors (16 rows x 4 weights, unsigned bytes), each with the offset in
     the step of its first weight (which activation bytes it meets)."""
     v64b = _vec(_I8, 64)
@@ -264,6 +314,14 @@ def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
             _prefetch(builder, qtile, at, v64b)
             out.append((_load(builder, qtile, at, v64b), 4 * v))
         return out
+    if kind == "u6":
+        first = builder.mul(g, _const(builder, 12))
+        packed = []
+        for v in range(12):
+            at = builder.add(first, _const(builder, v))
+            _prefetch(builder, qtile, at, v64b)
+            packed.append(_load(builder, qtile, at, v64b))
+        return ((vec, 4 * u) for u, vec in enumerate(_u6_vectors(builder, packed[:8], packed[8:])))
     low, out = ir.Constant(v64b, [15] * 64), []
     first = builder.mul(g, _const(builder, 8))
     for v in range(8):
@@ -273,6 +331,29 @@ def _weight_vectors(builder, kind: str, qtile, g) -> list[tuple[Any, int]]:
         out.append((builder.and_(packed, low), 4 * v))
         out.append((builder.and_(builder.lshr(packed, ir.Constant(v64b, [4] * 64)), low), 32 + 4 * v))
     return out
+
+
+def _u6_vectors(builder, nibbles: list, highs: list) -> Iterator[Any]:
+    """A u6 step's 16 byte vectors (vector u: weights 4u..4u + 3 of the 16 rows, bytes 0..63) from
+    its 8 nibble vectors and 4 vectors of high bits (u6_step_vectors' layout; unpack_u6 in numpy).
+    Per vector: the nibble (an AND, or a shift and an AND) and the high bits moved to bits 4-5 (a
+    shift; none for c = 2) merged by an AND-OR (vpternlogd): ~3 instructions per 4 vpdpbusd at
+    TOKEN_TILE tokens. A generator: each vector's IR is emitted as the caller takes it, beside
+    its vpdpbusd (PERF: 16 unpacked vectors made at once spill registers)."""
+    v64b = _vec(_I8, 64)
+
+    def splat(value: int):
+        return ir.Constant(v64b, [value] * 64)
+    for u in range(16):
+        c, h = divmod(u, 4)
+        packed = nibbles[u % 8]
+        low = builder.and_(packed, splat(15)) if u < 8 else builder.lshr(packed, splat(4))
+        high = highs[h]  # bits 2c..2c + 1 of each byte: weight vector u's high bits, to bits 4-5
+        if c < 2:
+            high = builder.shl(high, splat(4 - 2 * c))
+        elif c == 3:
+            high = builder.lshr(high, splat(2))
+        yield builder.or_(low, builder.and_(high, splat(0x30)))
 
 
 def _int_sums(builder, vectors, xbase, block: int) -> list[list[Any]]:
@@ -304,18 +385,19 @@ def _scale_loader(form: str):
     return load
 
 
-def _plane_reader(form: str):
+def _plane_reader(form: str, super_form: str):
     """IR reading the 16 rows' scale and offset (None without one) of a sub-block as float32,
-    for planes of one form (_scale_loader): step_planes(builder, tiles, g) -> at(index), tiles
-    the scale, offset, and (form "i8") super planes' pointers, g the 64-weight step."""
-    load_plane, v16f = _scale_loader(form), _vec(_F32, 16)
+    for planes of one form (_scale_loader) and (form "i8") super planes of super_form ("f32",
+    "f16"): step_planes(builder, tiles, g) -> at(index), tiles the scale, offset, and super
+    planes' pointers, g the 64-weight step."""
+    load_plane, load_super = _scale_loader(form), _scale_loader(super_form)
 
     def step_planes(builder, tiles, g):
         stile, mtile, sstile, mstile = tiles
         supers: list[Any] = [None, None]
         if sstile is not None:  # the 16 rows' d (and -dmin) of the super-block the step is in
             sup = builder.udiv(g, _const(builder, QK_K // STEP))
-            supers = [_load(builder, t, sup, v16f) if t is not None else None for t in (sstile, mstile)]
+            supers = [load_super(builder, t, sup) if t is not None else None for t in (sstile, mstile)]
 
         def at(index):
             values = []
@@ -328,16 +410,18 @@ def _plane_reader(form: str):
     return step_planes
 
 
-def float_terms(builder, form: str, planes, g, sums, totals, drow, srow, block: int, zero_point: float):
+def float_terms(builder, form: str, super_form: str, planes, g, sums, totals, drow, srow, block: int,
+                zero_point: float):
     """totals[t] + step g's float terms for token t, from its int32 sums[t][sub-block]: the one
     float epilogue of the int8 kernels (VNNI here, AMX in gpu/cpu/amx_kernels.py). The same IR in
     the same order after the sums, so both kernels round alike, bit for bit: an output must not
     depend on how many tokens a step holds. planes: the scale, offset and super planes' tile
-    pointers (None where absent); drow / srow: each token's activation scales and block sums."""
+    pointers (None where absent), of _plane_reader's forms form and super_form; drow / srow:
+    each token's activation scales and block sums."""
     # NOTE: contract (fused multiply-adds), not fast: with reassociation LLVM ordered the terms by
     # the shape of the code around them, and a 1-token kernel rounded unlike a 4-token one
     subs, v16f, flags = STEP // block, _vec(_F32, 16), ["contract"]
-    plane_at = _plane_reader(form)(builder, planes, g)
+    plane_at = _plane_reader(form, super_form)(builder, planes, g)
     totals = list(totals)
     for sb in range(subs):
         index = builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb))
@@ -358,11 +442,11 @@ def float_terms(builder, form: str, planes, g, sums, totals, drow, srow, block: 
     return totals
 
 
-def _tile_codegen(kind: str, block: int, tokens: int, form: str):
+def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str):
     """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens.
-    form: the scale planes' (_scale_loader); "i8" reads the super planes too."""
+    form: the scale planes' (_scale_loader); "i8" reads the super planes too, of super_form."""
     v16f = _vec(_F32, 16)
-    zero_point = 128.0 if kind == "i8" else 0.0
+    zero_point = float(ZERO_POINTS[kind])
 
     def codegen(context, builder, sig, args):
         q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
@@ -391,8 +475,8 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str):
         xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
                  for x in xrow]
         sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
-        totals = float_terms(builder, form, (stile, mtile, sstile, mstile), g, sums, list(acc), drow, srow,
-                             block, zero_point)
+        totals = float_terms(builder, form, super_form, (stile, mtile, sstile, mstile), g, sums, list(acc),
+                             drow, srow, block, zero_point)
         for a, total in zip(acc, totals, strict=True):
             a.add_incoming(ir.Constant(v16f, [0.0] * 16), entry)
             a.add_incoming(total, loop)
@@ -411,20 +495,22 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str):
 def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors):
     """out[t0 + t, 16 r: 16 r + 16] = the tile's 16 rows . x[t0 + t], for t < tokens. q, s, m, ss,
     ms: Int8Weight's planes as 2-D arrays (one tile a row), None for none; s and m float32, both
-    half bits (uint16) or both int8 factors of the float32 super planes ss and ms (a kernel
-    each); xq / xd / xs: Int8Rows' q, scale and the sums at the weight's sub-block size.
-    Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32), vectors (16: int8 bytes,
-    8: nibbles)."""
+    half bits (uint16) or both int8 factors of the super planes ss and ms (float32 or half bits;
+    a kernel each); xq / xd / xs: Int8Rows' q, scale and the sums at the weight's sub-block size.
+    Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32), vectors (VECTORS: 16 int8
+    bytes, 12 u6, 8 nibbles)."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, block, vectors)):
         return None
-    kind = "i8" if vectors.literal_value == 16 else "u4"
+    kind = {v: k for k, v in VECTORS.items()}[vectors.literal_value]
     form = {types.uint16: "f16", types.int8: "i8"}.get(s.dtype, "f32")
     assert m == types.none or m.dtype == s.dtype, "scale and offset share a dtype"
     factored = form == "i8"
     assert (ss != types.none) == factored and (ms != types.none) == (factored and m != types.none), \
         "int8 factors come with their super planes"
+    super_form = "f16" if factored and ss.dtype == types.uint16 else "f32"
+    assert ms == types.none or ms.dtype == ss.dtype, "the super planes share a dtype"
     sig = types.none(q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors)
-    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, form)
+    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, form, super_form)
 
 
 _tile: Any = intrinsic(_tile_typing)
@@ -465,7 +551,7 @@ def _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, block, vectors):  #
             i = claim(counter)
 
 
-# One compiled (and cached) driver per (sub-block size, vectors a step: 16 int8, 8 nibbles). Each
+# One compiled (and cached) driver per (sub-block size, vectors a step: VECTORS). Each
 # quantizes x first, in the same call (PERF: a Numba call costs microseconds; a decode step makes
 # ~120 of these at ~15 us of work each).
 _serial_driver = njit(cache=True, nogil=True, error_model="numpy")
@@ -508,9 +594,34 @@ def _parallel_32_8(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):
     _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 8)
 
 
+@_serial_driver
+def _serial_16_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _run(q, s, m, ss, ms, xq, xd, xs16, out, 0, q.shape[0], 16, 12)
+
+
+@_serial_driver
+def _serial_32_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
+    _quantize(x, xq, xd, xs16, xs32)
+    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 12)
+
+
+@_parallel_driver
+def _parallel_16_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
+    _quantize(x, xq, xd, xs16, xs32)
+    _split(q, s, m, ss, ms, xq, xd, xs16, out, tasks, counter, 16, 12)
+
+
+@_parallel_driver
+def _parallel_32_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
+    _quantize(x, xq, xd, xs16, xs32)
+    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 12)
+
+
 # (block, vectors) -> (serial, parallel); nibbles come in 32-weight sub-blocks only
 _DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16, _parallel_32_16),
-            (32, 8): (_serial_32_8, _parallel_32_8)}
+            (32, 8): (_serial_32_8, _parallel_32_8), (16, 12): (_serial_16_12, _parallel_16_12),
+            (32, 12): (_serial_32_12, _parallel_32_12)}
 
 
 def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
@@ -522,7 +633,7 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
         out = np.empty((t, n), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
     rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))
-    serial, par = _DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
+    serial, par = _DRIVERS[(w.block, VECTORS[w.kind])]
     args = (x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale, rows.sum16,
             rows.sum32, out)
     if parallel:

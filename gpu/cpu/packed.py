@@ -23,8 +23,8 @@ PackedWeight = QuantWeight | Int8Weight | SplitWeight
 def fuse_packed(tensors: Sequence[Any], int8: bool = False) -> PackedWeight:
     """Stack HF matrices along rows, each kept in its own type (gpu/loader/packing.py). int8: the
     integer kinds in the int8-activation kernels' 16-row tiles (gpu/cpu/int8_kernels.py), K-quants
-    with their scales factored (llama.cpp's compact form: Q4_K 0.594 bytes a weight, not 0.75),
-    the others as they are, with float32 planes."""
+    with their scales factored (llama.cpp's compact form: Q4_K 0.578 bytes a weight, not 0.75) and
+    6-bit quants as u6 (Q6_K 0.820, not 1.078), the others as they are, with float32 planes."""
     stacked: tuple[QuantWeight | Int8Weight, ...] = stack_packed(tensors, factored=int8)
     if int8:  # NOTE: only the tiles read int8 factors: any other part gets its float32 planes back
         stacked = tuple(tiles(p) if isinstance(p, QuantWeight) and supports(p) else unfactored(p)
@@ -72,12 +72,14 @@ _PACKED_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 1.125, "Q4_0": 0.7
                  "Q5_0": 1.125, "Q5_1": 1.25, "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, "Q3_K": 1.25,
                  "Q2_K": 1.5}
 assert set(_PACKED_BYTES) == set(BLOCK_SIZES)
-# The K-quants in the int8 tiles: scales as int8 factors, one float32 (two with a minimum) per 256
-_TILED_K_BYTES = {"Q4_K": 0.594, "Q5_K": 1.094, "Q6_K": 1.078, "Q3_K": 1.078, "Q2_K": 1.156}
+# In the int8 tiles: the K-quants' scales as int8 factors, one half (two with a minimum) per 256;
+# quants that fit 6 bits as u6 (0.75 B/weight; int8_kernels.U6_TYPES), Q5_0/Q5_1's scales as halves
+_TILED_BYTES = {"Q4_K": 0.578, "Q5_K": 0.828, "Q6_K": 0.820, "Q3_K": 0.820, "Q2_K": 0.891, "Q5_0": 0.813,
+                "Q5_1": 0.875}
 
 
 def packed_nbytes(tensor: Any, int8: bool = False) -> int:
     """About what fuse_packed([tensor], int8) will hold in memory."""
     kind = tensor.ggml_type if isinstance(tensor, GGMLTensor) else "F16"
-    per_weight = _TILED_K_BYTES.get(kind, _PACKED_BYTES[kind]) if int8 else _PACKED_BYTES[kind]
+    per_weight = _TILED_BYTES.get(kind, _PACKED_BYTES[kind]) if int8 else _PACKED_BYTES[kind]
     return int(np.prod(tensor.shape) * per_weight)

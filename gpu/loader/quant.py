@@ -47,7 +47,9 @@ an 8B Q4_K_M model fit beside llama.cpp's footprint) and the fastest at batch 4 
 weights/s on one thread: the tile dequantizes at 12 G/s against 8), but slower at batch 1 (14.7
 vs 18-21 G/s: unpacking costs more than the bytes it saves; ``nibbles=False`` gives int8 planes).
 Nibbles in 32-weight groups (Q4_0's own order) streamed at 10 and dequantized at 4 G/s. 5- and
-6-bit quants are widened to int8: their split high bits would cost more to gather than they save.
+6-bit quants are widened to int8 here (the float32-activation kernels: their split high bits would
+cost more to gather than they save); the int8-activation tiles hold them in 6 bits again
+(gpu/cpu/int8_kernels.py's u6, unpacked in registers).
 """
 from __future__ import annotations
 
