@@ -10,7 +10,7 @@ the weight; rotate_half over two halves of a head).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from ringserve.gpu.cpu.kv_dtypes import kv_store
 
@@ -106,8 +106,7 @@ def gelu_tanh_mul(gate_up, out):  # pragma: no cover - compiled
             out[t, i] = g / (np.float32(1.0) + fast_exp(-u)) * gate_up[t, inter + i]
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
-def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_out):  # pragma: no cover
+def _rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_out):  # pragma: no cover
     """Split qkv [T, (H + 2 KVH) * D] into q, k, v; rotate q and k by each token's position
     (cos, sin: [max_pos, R/2] tables: the first R = rotary_dim dims of a head rotate as HF's
     rotate_half over them, the rest pass through) into q_out [T, H, D] and into the cache at the
@@ -118,7 +117,7 @@ def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_ou
     half = cos.shape[1]
     k_off = num_heads * head_dim
     v_off = k_off + num_kv_heads * head_dim
-    for t in range(qkv.shape[0]):
+    for t in prange(qkv.shape[0]):  # NOTE: each token its own rows and slot (a range where not parallel)
         p = positions[t]
         for h in range(num_heads):
             base = h * head_dim
@@ -142,3 +141,11 @@ def rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_ou
                 k_cache[block, row, h, i] = kv_store(qkv[t, base + i], k_cache)
             for i in range(head_dim):
                 v_cache[block, row, h, i] = kv_store(qkv[t, v_off + h * head_dim + i], v_cache)
+
+
+# One serial kernel (decodes, short chunks: a parallel region's fork and join cost more than the
+# work) and one over the step's threads for long prefill chunks (13 ms a 512-token chunk on one
+# thread at the 1B shape); the same arithmetic per token.
+rope_store_kv = njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")(_rope_store_kv)
+rope_store_kv_parallel = njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy",
+                              parallel=True)(_rope_store_kv)

@@ -20,7 +20,15 @@ import numpy as np
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.attention import paged_attention
-from ringserve.gpu.cpu.kernels import add_rms_norm, gelu_tanh_mul, qk_norm, rms_norm, rope_store_kv, silu_mul
+from ringserve.gpu.cpu.kernels import (
+    add_rms_norm,
+    gelu_tanh_mul,
+    qk_norm,
+    rms_norm,
+    rope_store_kv,
+    rope_store_kv_parallel,
+    silu_mul,
+)
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.linear import linear
 from ringserve.gpu.cpu.memory import HugePageArena
@@ -34,6 +42,7 @@ F32 = np.float32
 # Multiply-adds below which a linear runs on one thread even when the step has several: ~100 us
 # of one thread's work (int8 kernels at batch 1), against a parallel region's fork and join.
 PARALLEL_MIN_MACS = 4 << 20
+PARALLEL_ROPE_TOKENS = 64  # tokens from which RoPE and the K/V write run over the step's threads
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
@@ -163,8 +172,11 @@ class CpuOps:
         qk_norm(qkv, self.num_heads, self.num_kv_heads, weight, self.eps)
 
     def attention(self, buf: CpuStepBuffers, cos, sin, k_cache, v_cache, launch: None, window: int) -> None:
-        # PERF: one pass: q rotated into buf.q, k rotated and v copied straight into the cache
-        rope_store_kv(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
+        # PERF: one pass: q rotated into buf.q, k rotated and v copied straight into the cache; over
+        # the threads for a long chunk
+        long_chunk = self.parallel and len(buf.positions) >= PARALLEL_ROPE_TOKENS
+        rope = rope_store_kv_parallel if long_chunk else rope_store_kv
+        rope(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
         args = (buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
                 buf.block_tables, self.scale, window, buf.attn_heads)
         paged_attention(*args, TILED_MIN_TOKENS - 1)  # decodes and short chunks: the per-token loop

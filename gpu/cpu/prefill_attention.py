@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ringserve.gpu.cpu.fma_tiles import SCORE_ROWS, scores_tile, update_tile
 from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
 
@@ -33,7 +34,8 @@ MIN_TOKENS = 16
 # the long chunks where its speed pays (docs/bench_forward.md).
 SERVED_MIN_TOKENS = 256
 TILE_ROWS = 128  # query rows (tokens x grouped heads) of a tile
-KEY_BLOCK = 32   # keys a tile reads at once (with TILE_ROWS: the fastest of 16-64 x 32-256 here)
+KEY_BLOCK = 32   # keys a tile reads at once: two vectors of 16 in gpu/cpu/fma_tiles.py's scores step
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head sizes it takes (_accumulate's literal kernels)
 _NEG_INF = np.float32(-np.inf)
 
 
@@ -60,43 +62,56 @@ def _tiles(query_start_loc, group, min_tokens):  # pragma: no cover - compiled
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _load_block(k_cache, v_cache, block_table, kvh, j0, nk, kb, vb):  # pragma: no cover - compiled
-    """Keys j0..j0+nk-1 of one KV head as float32 rows of kb, vb [KEY_BLOCK, D]; the rows past
-    nk are zero."""
+def _load_block(k_cache, v_cache, block_table, kvh, j0, nk, kt, vb):  # pragma: no cover - compiled
+    """Keys j0..j0+nk-1 of one KV head as float32: the keys transposed into kt [D, KEY_BLOCK]
+    (the scores step streams a head_dim element's 32 keys as two vectors), the values as rows
+    of vb [KEY_BLOCK, D]; the keys past nk are zero."""
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     for jj in range(nk):
         j = j0 + jj
         block, row = block_table[j // block_size], j % block_size
         for d in range(head_dim):
-            kb[jj, d] = kv_load(k_cache[block, row, kvh, d])
+            kt[d, jj] = kv_load(k_cache[block, row, kvh, d])
             vb[jj, d] = kv_load(v_cache[block, row, kvh, d])
     for jj in range(nk, KEY_BLOCK):
         for d in range(head_dim):
-            kb[jj, d] = 0.0
+            kt[d, jj] = 0.0
             vb[jj, d] = 0.0
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _scores(qs, kb, s):  # pragma: no cover - compiled
-    """s = qs @ kb.T in 2-row x 4-key steps: eight dot products over head_dim, each query and
-    key element loaded once for four and two of them (measured: ~1.3x one row x 4 keys)."""
-    head_dim = qs.shape[1]
-    for i in range(0, qs.shape[0], 2):
-        for jj in range(0, KEY_BLOCK, 4):
-            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
-            for d in range(head_dim):  # PERF: vectorized over head_dim, eight accumulators
-                x, y = qs[i, d], qs[i + 1, d]
-                k0, k1, k2, k3 = kb[jj, d], kb[jj + 1, d], kb[jj + 2, d], kb[jj + 3, d]
-                a0 += x * k0
-                a1 += x * k1
-                a2 += x * k2
-                a3 += x * k3
-                b0 += y * k0
-                b1 += y * k1
-                b2 += y * k2
-                b3 += y * k3
-            s[i, jj], s[i, jj + 1], s[i, jj + 2], s[i, jj + 3] = a0, a1, a2, a3
-            s[i + 1, jj], s[i + 1, jj + 1], s[i + 1, jj + 2], s[i + 1, jj + 3] = b0, b1, b2, b3
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _scores(qs, kt, s):  # pragma: no cover - compiled
+    """s = qs @ kt, SCORE_ROWS rows a step (gpu/cpu/fma_tiles.py)."""
+    for i in range(0, qs.shape[0], SCORE_ROWS):
+        scores_tile(qs, kt, s, i, SCORE_ROWS)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _accumulate(s, vb, acc):  # noqa: C901 - one literal kernel a head size  # pragma: no cover - compiled
+    """acc += s @ vb (gpu/cpu/fma_tiles.py): as many rows a step as 16 vectors hold at head_dim
+    / 16 vectors a row, at most SCORE_ROWS (one literal kernel per head size of HEAD_DIMS)."""
+    vectors, n = vb.shape[1] // 16, acc.shape[0]
+    if vectors == 4:
+        for i in range(0, n, 4):
+            update_tile(s, vb, acc, i, 4, 4)
+    elif vectors == 8:
+        for i in range(0, n, 2):
+            update_tile(s, vb, acc, i, 2, 8)
+    elif vectors == 2:
+        for i in range(0, n, 4):
+            update_tile(s, vb, acc, i, 4, 2)
+    elif vectors == 16:
+        for i in range(n):
+            update_tile(s, vb, acc, i, 1, 16)
+    elif vectors == 6:
+        for i in range(0, n, 2):
+            update_tile(s, vb, acc, i, 2, 6)
+    elif vectors == 5:
+        for i in range(0, n, 2):
+            update_tile(s, vb, acc, i, 2, 5)
+    else:  # 1: head_dim 16
+        for i in range(0, n, 4):
+            update_tile(s, vb, acc, i, 4, 1)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
@@ -130,21 +145,6 @@ def _softmax_step(s, i, row_max, row_sum, acc):  # pragma: no cover - compiled
     row_sum[i] += total
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _accumulate(s, vb, acc):  # pragma: no cover - compiled
-    """acc += s @ vb in 2-row x 4-key steps: each value row loaded once for two accumulator rows,
-    each accumulator element read and written once per four keys (measured: ~1.5x 1 x 4)."""
-    head_dim = vb.shape[1]
-    for i in range(0, acc.shape[0], 2):
-        for jj in range(0, KEY_BLOCK, 4):
-            p0, p1, p2, p3 = s[i, jj], s[i, jj + 1], s[i, jj + 2], s[i, jj + 3]
-            q0, q1, q2, q3 = s[i + 1, jj], s[i + 1, jj + 1], s[i + 1, jj + 2], s[i + 1, jj + 3]
-            for d in range(head_dim):  # PERF: vectorized over head_dim
-                v0, v1, v2, v3 = vb[jj, d], vb[jj + 1, d], vb[jj + 2, d], vb[jj + 3, d]
-                acc[i, d] += p0 * v0 + p1 * v1 + p2 * v2 + p3 * v3
-                acc[i + 1, d] += q0 * v0 + q1 * v1 + q2 * v2 + q3 * v3
-
-
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _tile(q, k_cache, v_cache, positions, seq_len, block_table, scale, window, kvh, t0, n_tok,
           out):  # pragma: no cover - compiled
@@ -152,7 +152,8 @@ def _tile(q, k_cache, v_cache, positions, seq_len, block_table, scale, window, k
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[2]
     h0, rows = kvh * group, n_tok * group
-    padded = (rows + 1) // 2 * 2  # the 2-row steps of _scores, _accumulate; a padding row sees no key
+    # whole steps of _scores and _accumulate (SCORE_ROWS); a padding row sees no key
+    padded = (rows + SCORE_ROWS - 1) // SCORE_ROWS * SCORE_ROWS
     qs = np.zeros((padded, head_dim), np.float32)
     first = np.zeros(padded, np.int64)  # per row: its query's first key ...
     last = np.zeros(padded, np.int64)   # ... and one past its last (a padding row: none)
@@ -167,12 +168,12 @@ def _tile(q, k_cache, v_cache, positions, seq_len, block_table, scale, window, k
     row_max = np.full(padded, _NEG_INF, np.float32)
     row_sum = np.zeros(padded, np.float32)
     acc = np.zeros((padded, head_dim), np.float32)
-    kb = np.empty((KEY_BLOCK, head_dim), np.float32)
+    kt = np.empty((head_dim, KEY_BLOCK), np.float32)
     vb = np.empty((KEY_BLOCK, head_dim), np.float32)
     s = np.empty((padded, KEY_BLOCK), np.float32)
     for j0 in range(lo_key, hi_key, KEY_BLOCK):
-        _load_block(k_cache, v_cache, block_table, kvh, j0, min(KEY_BLOCK, hi_key - j0), kb, vb)
-        _scores(qs, kb, s)
+        _load_block(k_cache, v_cache, block_table, kvh, j0, min(KEY_BLOCK, hi_key - j0), kt, vb)
+        _scores(qs, kt, s)
         # NOTE: only the blocks at the tile's causal edge (or window edge) have masked keys
         masked = j0 + KEY_BLOCK > last_min or j0 < first_max
         for i in range(padded):
