@@ -6,16 +6,15 @@ horizontal sums for every eight dot products, and every operand loaded for at mo
 multiply-adds. Here each product keeps 16 vectors of 16 float32 accumulators in registers (a
 BLAS micro-kernel's shape) and streams the other operand past them:
 
-- scores ``s[i, :] = qs[i] . kt`` (kt the key block transposed, [head_dim, KEY_BLOCK = 32]): 4 query
-  rows x the block's 32 keys (two vectors a row), the even and the odd head_dim elements in sums
-  of their own (added at the end: half the rounding of one running sum, as the loop kernel's
-  vector lanes have); per element, two key vectors and 4 broadcast query values make 8 fused
-  multiply-adds;
-- update ``acc[i] += s[i, :] @ vb`` (vb [KEY_BLOCK, head_dim]): 16 / (head_dim / 16) accumulator
+- scores ``st[j, :] = kb[j] . qt`` (qt the tile's queries transposed, [head_dim, rows]): SCORE_KEYS
+  (4) keys x 32 query rows (two vectors), the even and the odd head_dim elements in sums of their
+  own (added at the end: half the rounding of one running sum); per element, two query vectors
+  and 4 broadcast key values make 8 fused multiply-adds. The scores come out a key a row, so the
+  softmax after them runs along the query rows: vectors of 16 rows, no horizontal max or sum;
+- update ``acc[i] += st[:, i] @ vb`` (vb [KEY_BLOCK, head_dim]): 16 / (head_dim / 16) accumulator
   rows x head_dim; per key, head_dim / 16 value vectors and one broadcast probability a row.
 
-Both are bound by the multiply-add units, not by loads.
-"""
+Both are bound by the multiply-add units, not by loads."""
 from __future__ import annotations
 
 from typing import Any
@@ -27,7 +26,9 @@ from numba.extending import intrinsic
 from ringserve.gpu.cpu.int8_kernels import _const, _function, _load, _row_ptr, _splat, _vec
 
 LANES = 16               # float32 lanes of a 512-bit vector
-SCORE_ROWS = 4           # query rows a scores step keeps in registers (x 2 vectors of keys x 2 sums)
+SCORE_KEYS = 4           # keys a scores step keeps in registers ...
+ROW_VECTORS = 2          # ... against 32 query rows (x 2 sums: 16 accumulators)
+SCORE_ROWS = ROW_VECTORS * LANES
 ACCUMULATORS = 16        # vectors an update step keeps in registers
 KEY_VECTORS = 2          # KEY_BLOCK (32) keys as vectors of 16
 
@@ -65,46 +66,45 @@ def _counted_loop(builder, count, body) -> None:
     body.result = out
 
 
-def _scores_codegen(rows: int):
+def _scores_codegen():
     def codegen(context, builder, sig, args):
-        qs, kt, s, i0 = args[:4]
-        qty, ktty, sty = sig.args[:3]
-        head_dim = builder.extract_value(context.make_array(qty)(context, builder, qs).shape, 1)
-        qrow = [builder.bitcast(_row_ptr(context, builder, qty, qs, builder.add(i0, _const(builder, r))),
-                                _F32.as_pointer()) for r in range(rows)]
-        width = rows * KEY_VECTORS
+        kb, qt, st, j0, i0 = args
+        kbty, qtty, stty = sig.args[:3]
+        head_dim = builder.extract_value(context.make_array(qtty)(context, builder, qt).shape, 0)
+        krow = [builder.bitcast(_row_ptr(context, builder, kbty, kb, builder.add(j0, _const(builder, k))),
+                                _F32.as_pointer()) for k in range(SCORE_KEYS)]
+        width = SCORE_KEYS * ROW_VECTORS
+        i0_bytes = builder.mul(i0, _const(builder, 4))
 
         def body(n, acc):
             out = list(acc)
             for half in range(2):  # NOTE: even and odd elements in sums of their own (halves the rounding)
                 d = builder.add(builder.mul(n, _const(builder, 2)), _const(builder, half))
-                krow = _row_ptr(context, builder, ktty, kt, d)
-                keys = [_load(builder, krow, _const(builder, v), _V16F) for v in range(KEY_VECTORS)]
-                for r in range(rows):
-                    x = _splat(builder, builder.load(builder.gep(qrow[r], [d]), align=4), LANES)
-                    for v in range(KEY_VECTORS):
-                        at = half * width + r * KEY_VECTORS + v
-                        out[at] = _fma(builder, x, keys[v], acc[at])
+                qrow = builder.gep(_row_ptr(context, builder, qtty, qt, d), [i0_bytes])
+                queries = [_load(builder, qrow, _const(builder, v), _V16F) for v in range(ROW_VECTORS)]
+                for k in range(SCORE_KEYS):
+                    x = _splat(builder, builder.load(builder.gep(krow[k], [d]), align=4), LANES)
+                    for v in range(ROW_VECTORS):
+                        at = half * width + k * ROW_VECTORS + v
+                        out[at] = _fma(builder, x, queries[v], acc[at])
             return out
         body.initial = [ir.Constant(_V16F, [0.0] * LANES)] * (2 * width)  # type: ignore[attr-defined]
         _counted_loop(builder, builder.udiv(head_dim, _const(builder, 2)), body)
         sums = body.result  # type: ignore[attr-defined]
-        for r in range(rows):
-            srow = _row_ptr(context, builder, sty, s, builder.add(i0, _const(builder, r)))
-            for v in range(KEY_VECTORS):
-                dst = builder.gep(builder.bitcast(srow, _V16F.as_pointer()), [_const(builder, v)])
-                builder.store(builder.fadd(sums[r * KEY_VECTORS + v], sums[width + r * KEY_VECTORS + v]), dst,
-                              align=4)
+        for k in range(SCORE_KEYS):
+            srow = _row_ptr(context, builder, stty, st, builder.add(j0, _const(builder, k)))
+            dst = builder.bitcast(builder.gep(srow, [i0_bytes]), _V16F.as_pointer())
+            for v in range(ROW_VECTORS):
+                value = builder.fadd(sums[k * ROW_VECTORS + v], sums[width + k * ROW_VECTORS + v])
+                builder.store(value, builder.gep(dst, [_const(builder, v)]), align=4)
         return context.get_dummy_value()
     return codegen
 
 
-def _scores_typing(typingctx, qs, kt, s, i0, rows):
-    """s[i0 + r, :32] = qs[i0 + r] . kt[:, :32] for r < rows (a literal). qs float32 [R, D], kt
-    float32 [D, 32], s float32 [R, 32], all C-contiguous rows."""
-    if not isinstance(rows, types.IntegerLiteral):
-        return None
-    return types.none(qs, kt, s, i0, rows), _scores_codegen(rows.literal_value)
+def _scores_typing(typingctx, kb, qt, st, j0, i0):
+    """st[j0 + k, i0: i0 + 32] = kb[j0 + k] . qt[:, i0: i0 + 32] for k < SCORE_KEYS: kb float32
+    [keys, D], qt float32 [D, P] (the tile's queries transposed), st float32 [keys, P]."""
+    return types.none(kb, qt, st, j0, i0), _scores_codegen()
 
 
 def _update_codegen(rows: int, vectors: int):
@@ -114,8 +114,7 @@ def _update_codegen(rows: int, vectors: int):
         keys = builder.extract_value(context.make_array(vbty)(context, builder, vb).shape, 0)
         arow = [builder.bitcast(_row_ptr(context, builder, accty, acc, builder.add(i0, _const(builder, r))),
                                 _V16F.as_pointer()) for r in range(rows)]
-        srow = [builder.bitcast(_row_ptr(context, builder, sty, s, builder.add(i0, _const(builder, r))),
-                                _F32.as_pointer()) for r in range(rows)]
+        i0_bytes = builder.mul(i0, _const(builder, 4))
         initial = [builder.load(builder.gep(arow[r], [_const(builder, v)]), align=4)
                    for r in range(rows) for v in range(vectors)]
 
@@ -123,8 +122,10 @@ def _update_codegen(rows: int, vectors: int):
             vrow = _row_ptr(context, builder, vbty, vb, j)
             values = [_load(builder, vrow, _const(builder, v), _V16F) for v in range(vectors)]
             out = list(a)
+            prow = builder.bitcast(builder.gep(_row_ptr(context, builder, sty, s, j), [i0_bytes]),
+                                   _F32.as_pointer())
             for r in range(rows):
-                p = _splat(builder, builder.load(builder.gep(srow[r], [j]), align=4), LANES)
+                p = _splat(builder, builder.load(builder.gep(prow, [_const(builder, r)]), align=4), LANES)
                 for v in range(vectors):
                     out[r * vectors + v] = _fma(builder, p, values[v], a[r * vectors + v])
             return out
@@ -139,8 +140,9 @@ def _update_codegen(rows: int, vectors: int):
 
 
 def _update_typing(typingctx, s, vb, acc, i0, rows, vectors):
-    """acc[i0 + r] += s[i0 + r, :K] @ vb for r < rows, K = vb.shape[0]; vectors = head_dim / 16
-    (literals both). s float32 [R, >= K], vb float32 [K, D], acc float32 [R, D]."""
+    """acc[i0 + r] += s[:K, i0 + r] @ vb for r < rows, K = vb.shape[0]; vectors = head_dim / 16
+    (literals both). s float32 [K, R] (the probabilities, a key a row), vb float32 [K, D], acc
+    float32 [R, D]."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (rows, vectors)):
         return None
     sig = types.none(s, vb, acc, i0, rows, vectors)

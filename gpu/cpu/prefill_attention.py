@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ringserve.gpu.cpu.fma_tiles import SCORE_ROWS, scores_tile, update_tile
+from ringserve.gpu.cpu.fma_tiles import SCORE_KEYS, SCORE_ROWS, scores_tile, update_tile
 from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
 
@@ -34,7 +34,7 @@ MIN_TOKENS = 16
 # the long chunks where its speed pays (docs/bench_forward.md).
 SERVED_MIN_TOKENS = 256
 TILE_ROWS = 128  # query rows (tokens x grouped heads) of a tile
-KEY_BLOCK = 32   # keys a tile reads at once: two vectors of 16 in gpu/cpu/fma_tiles.py's scores step
+KEY_BLOCK = 32   # keys a tile reads at once
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head sizes it takes (_accumulate's literal kernels)
 _NEG_INF = np.float32(-np.inf)
 
@@ -62,28 +62,29 @@ def _tiles(query_start_loc, group, min_tokens):  # pragma: no cover - compiled
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _load_block(k_cache, v_cache, block_table, kvh, j0, nk, kt, vb):  # pragma: no cover - compiled
-    """Keys j0..j0+nk-1 of one KV head as float32: the keys transposed into kt [D, KEY_BLOCK]
-    (the scores step streams a head_dim element's 32 keys as two vectors), the values as rows
-    of vb [KEY_BLOCK, D]; the keys past nk are zero."""
+def _load_block(k_cache, v_cache, block_table, kvh, j0, nk, kb, vb):  # pragma: no cover - compiled
+    """Keys j0..j0+nk-1 of one KV head as float32 rows of kb, vb [KEY_BLOCK, D]; the rows past
+    nk are zero."""
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     for jj in range(nk):
         j = j0 + jj
         block, row = block_table[j // block_size], j % block_size
         for d in range(head_dim):
-            kt[d, jj] = kv_load(k_cache[block, row, kvh, d])
+            kb[jj, d] = kv_load(k_cache[block, row, kvh, d])
             vb[jj, d] = kv_load(v_cache[block, row, kvh, d])
     for jj in range(nk, KEY_BLOCK):
         for d in range(head_dim):
-            kt[d, jj] = 0.0
+            kb[jj, d] = 0.0
             vb[jj, d] = 0.0
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _scores(qs, kt, s):  # pragma: no cover - compiled
-    """s = qs @ kt, SCORE_ROWS rows a step (gpu/cpu/fma_tiles.py)."""
-    for i in range(0, qs.shape[0], SCORE_ROWS):
-        scores_tile(qs, kt, s, i, SCORE_ROWS)
+def _scores(kb, qt, st):  # pragma: no cover - compiled
+    """st = kb @ qt: the block's scores, a key a row, the tile's query rows along it
+    (gpu/cpu/fma_tiles.py: SCORE_KEYS keys x SCORE_ROWS rows a step)."""
+    for j0 in range(0, KEY_BLOCK, SCORE_KEYS):
+        for i0 in range(0, qt.shape[1], SCORE_ROWS):
+            scores_tile(kb, qt, st, j0, i0)
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -115,34 +116,36 @@ def _accumulate(s, vb, acc):  # noqa: C901 - one literal kernel a head size  # p
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _mask(s, i, lo, hi, fill):  # pragma: no cover - compiled
-    """Row i's entries outside keys [lo, hi) = fill."""
-    for jj in range(0, min(max(lo, 0), KEY_BLOCK)):
-        s[i, jj] = fill
-    for jj in range(max(hi, lo, 0), KEY_BLOCK):
-        s[i, jj] = fill
-
-
-@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _softmax_step(s, i, row_max, row_sum, acc):  # pragma: no cover - compiled
-    """Row i's scores -> probabilities against the row's running max; rescales the row's
-    running sum and accumulator acc[i] if the max rose. A key masked to -inf gets ~1e-38 (fast_exp's
-    floor): the caller zeroes those."""
-    m_new = row_max[i]
-    for jj in range(KEY_BLOCK):  # PERF: whole rows, no per-key test: vectorized
-        m_new = max(m_new, s[i, jj])
-    total = np.float32(0.0)
+def _softmax_block(st, lo, hi, masked, row_max, row_sum, alpha):  # pragma: no cover - compiled
+    """The block's scores st [KEY_BLOCK, P] -> probabilities against each row's running max, in
+    place; the running sums rescaled and alpha[i] the factor the row's accumulator must take
+    (1 where its max did not rise). Row i sees keys lo[i]..hi[i]-1 of the block (masked: some
+    row does not see them all); a key it does not see gets probability 0. Every loop runs along
+    the rows: vectors of 16 rows, no horizontal sums."""
+    n = st.shape[1]
+    if masked:
+        for jj in range(KEY_BLOCK):
+            for i in range(n):
+                if jj < lo[i] or jj >= hi[i]:
+                    st[jj, i] = _NEG_INF
+    m_new = row_max.copy()
     for jj in range(KEY_BLOCK):
-        p = fast_exp(s[i, jj] - m_new)
-        s[i, jj] = p
-        total += p
-    if m_new > row_max[i]:
-        alpha = fast_exp(row_max[i] - m_new)  # NOTE: a first block's (max -inf) ~1e-38 meets sum = acc = 0
-        row_sum[i] *= alpha
-        for d in range(acc.shape[1]):
-            acc[i, d] *= alpha
-        row_max[i] = m_new
-    row_sum[i] += total
+        for i in range(n):
+            m_new[i] = max(m_new[i], st[jj, i])
+    # NOTE: a row that has seen no key yet keeps max -inf: subtract 0 from its -inf scores, not -inf
+    base = np.where(m_new > _NEG_INF, m_new, np.float32(0.0))
+    total = np.zeros(n, np.float32)
+    for jj in range(KEY_BLOCK):
+        for i in range(n):
+            x = st[jj, i]
+            p = fast_exp(x - base[i]) if x > _NEG_INF else np.float32(0.0)
+            st[jj, i] = p
+            total[i] += p
+    for i in range(n):
+        # NOTE: a first block's (max -inf) factor is ~1e-38 and meets sum = acc = 0
+        alpha[i] = fast_exp(row_max[i] - base[i]) if m_new[i] > row_max[i] else np.float32(1.0)
+        row_sum[i] = row_sum[i] * alpha[i] + total[i]
+        row_max[i] = m_new[i]
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
@@ -154,7 +157,7 @@ def _tile(q, k_cache, v_cache, positions, seq_len, block_table, scale, window, k
     h0, rows = kvh * group, n_tok * group
     # whole steps of _scores and _accumulate (SCORE_ROWS); a padding row sees no key
     padded = (rows + SCORE_ROWS - 1) // SCORE_ROWS * SCORE_ROWS
-    qs = np.zeros((padded, head_dim), np.float32)
+    qt = np.zeros((head_dim, padded), np.float32)  # the queries transposed: a row along a vector
     first = np.zeros(padded, np.int64)  # per row: its query's first key ...
     last = np.zeros(padded, np.int64)   # ... and one past its last (a padding row: none)
     for i in range(rows):
@@ -162,31 +165,27 @@ def _tile(q, k_cache, v_cache, positions, seq_len, block_table, scale, window, k
         last[i] = min(positions[t] + 1, seq_len)
         first[i] = 0 if window <= 0 else max(0, positions[t] + 1 - window)
         for d in range(head_dim):
-            qs[i, d] = q[t, h0 + i % group, d] * scale
+            qt[d, i] = q[t, h0 + i % group, d] * scale
     lo_key, hi_key = first[:rows].min(), last[:rows].max()
     first_max, last_min = first[:rows].max(), last[:rows].min()
     row_max = np.full(padded, _NEG_INF, np.float32)
     row_sum = np.zeros(padded, np.float32)
+    alpha = np.ones(padded, np.float32)
     acc = np.zeros((padded, head_dim), np.float32)
-    kt = np.empty((head_dim, KEY_BLOCK), np.float32)
+    kb = np.empty((KEY_BLOCK, head_dim), np.float32)
     vb = np.empty((KEY_BLOCK, head_dim), np.float32)
-    s = np.empty((padded, KEY_BLOCK), np.float32)
+    st = np.empty((KEY_BLOCK, padded), np.float32)
     for j0 in range(lo_key, hi_key, KEY_BLOCK):
-        _load_block(k_cache, v_cache, block_table, kvh, j0, min(KEY_BLOCK, hi_key - j0), kt, vb)
-        _scores(qs, kt, s)
+        _load_block(k_cache, v_cache, block_table, kvh, j0, min(KEY_BLOCK, hi_key - j0), kb, vb)
+        _scores(kb, qt, st)
         # NOTE: only the blocks at the tile's causal edge (or window edge) have masked keys
         masked = j0 + KEY_BLOCK > last_min or j0 < first_max
+        _softmax_block(st, first - j0, last - j0, masked, row_max, row_sum, alpha)
         for i in range(padded):
-            lo, hi = first[i] - j0, last[i] - j0
-            if hi <= max(lo, 0) or lo >= KEY_BLOCK:  # none of its keys here (a padding row: never)
-                _mask(s, i, 0, 0, np.float32(0.0))
-                continue
-            if masked:
-                _mask(s, i, lo, hi, _NEG_INF)
-            _softmax_step(s, i, row_max, row_sum, acc)
-            if masked:
-                _mask(s, i, lo, hi, np.float32(0.0))
-        _accumulate(s, vb, acc)
+            if alpha[i] != 1:
+                for d in range(head_dim):
+                    acc[i, d] *= alpha[i]
+        _accumulate(st, vb, acc)
     for i in range(rows):
         inv = np.float32(1.0) / row_sum[i] if row_sum[i] > 0 else np.float32(0.0)
         for d in range(head_dim):
