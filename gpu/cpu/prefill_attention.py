@@ -37,6 +37,10 @@ TILE_ROWS = 128  # query rows (tokens x grouped heads) of a tile
 KEY_BLOCK = 32   # keys a tile reads at once
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head sizes it takes (_accumulate's literal kernels)
 _NEG_INF = np.float32(-np.inf)
+# A probability below e^-64 (~1.6e-28 of the row's largest, whose is 1) is 0 here: it cannot move a
+# float32 sum, and its products with the values were subnormal numbers, which cost Intel cores a
+# microcode assist each (one layer of a random 1B took 270 ms a chunk instead of 70)
+_NEGLIGIBLE = np.float32(-64.0)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
@@ -118,10 +122,10 @@ def _accumulate(s, vb, acc):  # noqa: C901 - one literal kernel a head size  # p
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
 def _softmax_block(st, lo, hi, masked, row_max, row_sum, alpha):  # pragma: no cover - compiled
     """The block's scores st [KEY_BLOCK, P] -> probabilities against each row's running max, in
-    place; the running sums rescaled and alpha[i] the factor the row's accumulator must take
-    (1 where its max did not rise). Row i sees keys lo[i]..hi[i]-1 of the block (masked: some
-    row does not see them all); a key it does not see gets probability 0. Every loop runs along
-    the rows: vectors of 16 rows, no horizontal sums."""
+    place (below _NEGLIGIBLE: 0); the running sums rescaled and alpha[i] the factor the row's
+    accumulator must take (1 where its max did not rise). Row i sees keys lo[i]..hi[i]-1 of the
+    block (masked: some row does not see them all); a key it does not see gets probability 0.
+    Every loop runs along the rows: vectors of 16 rows, no horizontal sums."""
     n = st.shape[1]
     if masked:
         for jj in range(KEY_BLOCK):
@@ -137,13 +141,14 @@ def _softmax_block(st, lo, hi, masked, row_max, row_sum, alpha):  # pragma: no c
     total = np.zeros(n, np.float32)
     for jj in range(KEY_BLOCK):
         for i in range(n):
-            x = st[jj, i]
-            p = fast_exp(x - base[i]) if x > _NEG_INF else np.float32(0.0)
+            x = st[jj, i] - base[i]  # a masked key: -inf
+            p = fast_exp(x) if x > _NEGLIGIBLE else np.float32(0.0)
             st[jj, i] = p
             total[i] += p
     for i in range(n):
-        # NOTE: a first block's (max -inf) factor is ~1e-38 and meets sum = acc = 0
-        alpha[i] = fast_exp(row_max[i] - base[i]) if m_new[i] > row_max[i] else np.float32(1.0)
+        x = row_max[i] - base[i]  # a first block's: -inf (its sum and accumulator are 0)
+        rose = m_new[i] > row_max[i]
+        alpha[i] = (fast_exp(x) if x > _NEGLIGIBLE else np.float32(0.0)) if rose else np.float32(1.0)
         row_sum[i] = row_sum[i] * alpha[i] + total[i]
         row_max[i] = m_new[i]
 
