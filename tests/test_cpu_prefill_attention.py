@@ -1,14 +1,15 @@
 """gpu/cpu/prefill_attention.py: the tiled attention of long prompt chunks is the paged
 attention of gpu/cpu/attention.py's loop and of a float64 reference, for every CPU cache type,
 GQA groups, sliding windows (never reading a block freed before a window) and mixed steps
-(decodes, short chunks and long chunks at any offset in one step), as CpuOps runs them."""
+(decodes, short chunks and long chunks at any offset in one step), as CpuOps runs them; and the
+loop's driver over the threads is its one-thread driver (within float32 rounding)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from paged_cases import free_before_windows, load_all, paged_layout, store_all
-from ringserve.gpu.cpu.attention import paged_attention
+from ringserve.gpu.cpu.attention import paged_attention, paged_attention_parallel
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.prefill_attention import KEY_BLOCK, MIN_TOKENS, prefill_attention
 
@@ -106,3 +107,16 @@ def test_a_large_logit_spread_and_one_request_over_many_key_blocks():
     k *= np.linspace(0.1, 8, k.shape[0] * k.shape[1], dtype=np.float32).reshape(k.shape[:2])[..., None, None]
     got = _as_ops_runs(q, k, v, args)
     np.testing.assert_allclose(got, reference(q, k, v, *args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", list(KV_CACHE_DTYPES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("window", [0, 1, KEY_BLOCK + 3])
+def test_the_loop_over_threads_is_the_loop(dtype, heads, kv_heads, window):
+    q, (k, v), _, args = _case(dtype, heads, kv_heads, window)
+    for max_tokens in (2**62, MIN_TOKENS - 1):  # every request; only decodes and short chunks
+        one, many = np.full_like(q, 7.0), np.full_like(q, 7.0)
+        paged_attention(q, k, v, *args, one, max_tokens)
+        paged_attention_parallel(q, k, v, *args, many, max_tokens)
+        assert ((many == 7.0) == (one == 7.0)).all()  # the same rows left alone
+        np.testing.assert_allclose(many, one, rtol=1e-6, atol=1e-6)

@@ -2,12 +2,15 @@
 the tiled prefill attention (gpu/cpu/prefill_attention.py) on the same inputs, one layer.
 
     python -m ringserve.tools.bench_attention --heads 32 --kv-heads 8 --context 4000 --chunk 512
+    python -m ringserve.tools.bench_attention --decode 1 --context 4000 --kv-cache-dtype float16 --threads 2
 
 A chunk of --chunk query tokens at the end of a --context-token request (the last chunk of a
 chunked prompt: the costliest), its keys in a shuffled paged cache of --kv-cache-dtype. Each
 kernel runs once to compile, then --reps times; best wall time and CPU time (process time:
 what a busy shared machine stretches least), GFLOP/s of Q K^T and P V, and the largest
-difference between the two outputs.
+difference between the two outputs. With --decode N: N requests decoding one token each at
+--context, the loop on one thread against the loop over --threads threads
+(attention.py's two drivers), and the K/V bytes a layer reads per second.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import time
 import numba
 import numpy as np
 
-from ringserve.gpu.cpu.attention import paged_attention
+from ringserve.gpu.cpu.attention import paged_attention, paged_attention_parallel
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.prefill_attention import prefill_attention
 
@@ -40,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=1, help="the tiled kernel's threads (the loop has one)")
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--decode", type=int, default=0, metavar="N",
+                   help="instead: N decoding requests at --context, the loop's two drivers")
     args = p.parse_args(argv)
     numba.set_num_threads(args.threads)
+    if args.decode:
+        return _decode(args)
     rng = np.random.default_rng(0)
     blocks = -(-args.context // args.block_size)
     shape = (blocks + 1, args.block_size, args.kv_heads, args.head_dim)
@@ -64,6 +71,39 @@ def main(argv: list[str] | None = None) -> int:
             wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
         print(f"{name:<30} wall {wall * 1e3:8.1f} ms  cpu {cpu * 1e3:8.1f} ms  "
               f"{flops / cpu / 1e9:6.1f} GFLOP/s of CPU time")
+        outs.append(out)
+    print(f"largest difference: {np.abs(outs[0] - outs[1]).max():.2e}")
+    return 0
+
+
+def _timed(kernel, q, k, v, kernel_args, out, reps: int) -> tuple[float, float]:
+    kernel(q, k, v, *kernel_args, out)  # compile
+    wall = cpu = float("inf")
+    for _ in range(reps):
+        t, c = time.perf_counter(), time.process_time()
+        kernel(q, k, v, *kernel_args, out)
+        wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
+    return wall, cpu
+
+
+def _decode(args) -> int:
+    rng = np.random.default_rng(0)
+    n, blocks = args.decode, -(-args.context // args.block_size)
+    shape = (n * blocks, args.block_size, args.kv_heads, args.head_dim)
+    k, v = _cache(rng, shape, args.kv_cache_dtype), _cache(rng, shape, args.kv_cache_dtype)
+    q = rng.standard_normal((n, args.heads, args.head_dim)).astype(np.float32)
+    kernel_args = (np.full(n, args.context - 1, np.int32), np.arange(n + 1, dtype=np.int32),
+                   np.full(n, args.context, np.int32),
+                   rng.permutation(n * blocks).reshape(n, blocks).astype(np.int32),
+                   np.float32(args.head_dim ** -0.5), 0)
+    kv_bytes = 2 * n * args.context * args.kv_heads * args.head_dim * k.itemsize
+    outs = []
+    for name, kernel in (("loop, one thread", paged_attention),
+                         (f"loop, {args.threads} thread(s)", paged_attention_parallel)):
+        out = np.empty_like(q)
+        wall, cpu = _timed(kernel, q, k, v, kernel_args, out, args.reps)
+        print(f"{name:<22} wall {wall * 1e3:8.2f} ms  cpu {cpu * 1e3:8.2f} ms  "
+              f"K/V read {kv_bytes / wall / 1e9:6.1f} GB/s")
         outs.append(out)
     print(f"largest difference: {np.abs(outs[0] - outs[1]).max():.2e}")
     return 0

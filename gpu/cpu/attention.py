@@ -7,73 +7,133 @@ requests. A window reads no block wholly before it: engine/kv_cache.py frees tho
 entries then name a placeholder block), and the cost per token is O(w), not O(p). One compiled loop for the
 whole step instead of a dozen numpy calls per request and layer, which dominated decode
 steps with many requests. Softmax in float32 with the max subtracted.
+
+Two drivers of the same per-(token, KV head) body: `paged_attention` on the calling thread (a
+decode step at short contexts: a parallel region's fork and join cost more than the work) and
+`paged_attention_parallel`, the (token, KV head) pairs over Numba's threads, for a step whose
+tokens read many keys (a long context: 4,000 keys x 8 KV heads are ~3 ms a layer on one thread).
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
 
+# A step whose per-token loop reads at least this many (key, token) pairs takes the parallel driver
+# (~20 ns a pair and KV head on one thread; a TBB fork and join is ~10-20 us)
+PARALLEL_KEY_READS = 2048
+
+
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
+def _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_table, scale, scores, acc, row_f,  # noqa: C901
+            out):  # pragma: no cover - compiled
+    """Token t's query heads of KV head kvh over keys first..num_keys-1 -> out[t, heads]."""
+    head_dim, block_size = q.shape[2], k_cache.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
+    h0 = kvh * group
+    n = num_keys - first
+    start = first - first % block_size  # NOTE: from the window's first block, never before it
+    for j0 in range(start, num_keys, block_size):  # block by block: no division per key
+        block = block_table[j0 // block_size]
+        for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
+            for d in range(head_dim):  # PERF: the key widened once, not once per query head
+                row_f[d] = kv_load(k_cache[block, row, kvh, d])
+            for g in range(group):
+                s = np.float32(0.0)
+                for d in range(head_dim):
+                    s += q[t, h0 + g, d] * row_f[d]
+                scores[g, j0 + row - first] = s * scale
+    for g in range(group):
+        m = scores[g, 0]
+        for j in range(1, n):
+            m = max(m, scores[g, j])
+        total = np.float32(0.0)
+        for j in range(n):
+            e = fast_exp(scores[g, j] - m)
+            scores[g, j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for j in range(n):
+            scores[g, j] *= inv
+    acc[:, :] = 0.0
+    for j0 in range(start, num_keys, block_size):
+        block = block_table[j0 // block_size]
+        for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
+            for d in range(head_dim):
+                row_f[d] = kv_load(v_cache[block, row, kvh, d])
+            for g in range(group):
+                w = scores[g, j0 + row - first]
+                for d in range(head_dim):
+                    acc[g, d] += w * row_f[d]
+    for g in range(group):
+        for d in range(head_dim):
+            out[t, h0 + g, d] = acc[g, d]
+
+
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
+def _key_range(positions, seq_len, window, t):  # pragma: no cover - compiled
+    """(num_keys, first): token t sees keys first..num_keys-1."""
+    num_keys = min(positions[t] + 1, seq_len)
+    first = 0 if window <= 0 else max(0, positions[t] + 1 - window)  # the window's first key
+    return num_keys, first
+
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
-def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,  # noqa: C901
+def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, block_tables,
                     scale, window, out, max_tokens=2**62):  # pragma: no cover - compiled
     """q [T, H, D], k/v_cache [num_blocks, block_size, KVH, D] in their storage type
     (gpu/cpu/kv_dtypes.py) -> out [T, H, D] (written). window 0: full causal attention. A
     request with more than max_tokens query tokens is left alone (gpu/cpu/prefill_attention.py
     takes those)."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads  # query heads per KV head (GQA)
+    num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
+    group = q.shape[1] // num_kv_heads
     num_reqs = seq_lens.shape[0]
     max_len = 1
     for r in range(num_reqs):
         max_len = max(max_len, seq_lens[r])
     scores = np.empty((group, max_len), dtype=np.float32)
     acc = np.empty((group, head_dim), dtype=np.float32)
+    row_f = np.empty(head_dim, dtype=np.float32)
     for r in range(num_reqs):
         if query_start_loc[r + 1] - query_start_loc[r] > max_tokens:
             continue
         for t in range(query_start_loc[r], query_start_loc[r + 1]):
-            num_keys = min(positions[t] + 1, seq_lens[r])
-            first = 0 if window <= 0 else max(0, positions[t] + 1 - window)  # the window's first key
-            n = num_keys - first
-            if n <= 0:
+            num_keys, first = _key_range(positions, seq_lens[r], window, t)
+            if num_keys <= first:
                 out[t, :, :] = 0.0
                 continue
-            start = first - first % block_size  # NOTE: from the window's first block, never before it
             for kvh in range(num_kv_heads):
-                h0 = kvh * group
-                for j0 in range(start, num_keys, block_size):  # block by block: no division per key
-                    block = block_tables[r, j0 // block_size]
-                    for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
-                        for g in range(group):
-                            s = np.float32(0.0)
-                            for d in range(head_dim):
-                                s += q[t, h0 + g, d] * kv_load(k_cache[block, row, kvh, d])
-                            scores[g, j0 + row - first] = s * scale
-                for g in range(group):
-                    m = scores[g, 0]
-                    for j in range(1, n):
-                        m = max(m, scores[g, j])
-                    total = np.float32(0.0)
-                    for j in range(n):
-                        e = fast_exp(scores[g, j] - m)
-                        scores[g, j] = e
-                        total += e
-                    inv = np.float32(1.0) / total
-                    for j in range(n):
-                        scores[g, j] *= inv
-                acc[:, :] = 0.0
-                for j0 in range(start, num_keys, block_size):
-                    block = block_tables[r, j0 // block_size]
-                    for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
-                        for g in range(group):
-                            w = scores[g, j0 + row - first]
-                            for d in range(head_dim):
-                                acc[g, d] += w * kv_load(v_cache[block, row, kvh, d])
-                for g in range(group):
-                    for d in range(head_dim):
-                        out[t, h0 + g, d] = acc[g, d]
+                _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_tables[r], scale,
+                        scores, acc, row_f, out)
+
+
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
+def paged_attention_parallel(q, k_cache, v_cache, positions, query_start_loc, seq_lens,
+                             block_tables, scale, window, out,
+                             max_tokens=2**62):  # pragma: no cover - compiled
+    """paged_attention with its (token, KV head) pairs over Numba's threads (each its own
+    scratch); the same arithmetic, equal within float32 rounding (LLVM may vectorize the sums
+    of the two compiled loops differently under fastmath)."""
+    num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
+    group = q.shape[1] // num_kv_heads
+    num_reqs = seq_lens.shape[0]
+    owner = np.full(q.shape[0], -1, np.int64)  # each token's request; -1: not this kernel's
+    for r in range(num_reqs):
+        if query_start_loc[r + 1] - query_start_loc[r] <= max_tokens:
+            owner[query_start_loc[r]:query_start_loc[r + 1]] = r
+    for w in prange(q.shape[0] * num_kv_heads):
+        t, kvh = w // num_kv_heads, w % num_kv_heads
+        r = owner[t]
+        if r < 0:
+            continue
+        num_keys, first = _key_range(positions, seq_lens[r], window, t)
+        if num_keys <= first:
+            out[t, kvh * group:(kvh + 1) * group, :] = 0.0
+            continue
+        scores = np.empty((group, num_keys - first), dtype=np.float32)
+        acc = np.empty((group, head_dim), dtype=np.float32)
+        row_f = np.empty(head_dim, dtype=np.float32)
+        _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_tables[r], scale, scores,
+                acc, row_f, out)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
-from ringserve.gpu.cpu.attention import paged_attention
+from ringserve.gpu.cpu.attention import PARALLEL_KEY_READS, paged_attention, paged_attention_parallel
 from ringserve.gpu.cpu.kernels import (
     add_rms_norm,
     gelu_tanh_mul,
@@ -111,8 +111,12 @@ class CpuStepBuffers:
         self.input_ids, self.positions, self.slot_mapping = b.input_ids, b.positions, b.slot_mapping
         self.query_start_loc, self.seq_lens, self.block_tables = (b.query_start_loc, b.seq_lens,
                                                                   b.block_tables)
-        # a request with this many query tokens (a prompt chunk) takes the tiled attention
-        self.tiled_attention = bool((np.diff(b.query_start_loc) >= TILED_MIN_TOKENS).any())
+        # a request with this many query tokens (a prompt chunk) takes the tiled attention; the
+        # others' tokens the per-token loop, which reads ~key_reads (token, key) pairs a layer
+        num_tokens = np.diff(b.query_start_loc)
+        looped = num_tokens < TILED_MIN_TOKENS
+        self.tiled_attention = not looped.all()
+        self.key_reads = int(num_tokens[looped] @ b.seq_lens[looped].astype(np.int64))
         self.h = np.empty((T, c.hidden_size), F32)       # the residual stream
         self.x = np.empty_like(self.h)                   # the normed input of the next linear
         self.delta = np.empty_like(self.h)               # attention / MLP output, added to h
@@ -179,7 +183,10 @@ class CpuOps:
         rope(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
         args = (buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
                 buf.block_tables, self.scale, window, buf.attn_heads)
-        paged_attention(*args, TILED_MIN_TOKENS - 1)  # decodes and short chunks: the per-token loop
+        # decodes and short chunks: the per-token loop, over the threads where they read many keys
+        loop = (paged_attention_parallel if self.parallel and buf.key_reads >= PARALLEL_KEY_READS
+                else paged_attention)
+        loop(*args, TILED_MIN_TOKENS - 1)
         if buf.tiled_attention:
             # PERF: prompt chunks by query tiles over all threads: each key read once per tile,
             # not once per query token
