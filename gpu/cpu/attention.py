@@ -26,7 +26,10 @@ from ringserve.gpu.cpu.kv_dtypes import kv_load
 PARALLEL_KEY_READS = 2048
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
+# NOTE: not inlined into the drivers: compiled once, so that both run the same machine code for a
+# pair (a step's driver depends on the batch, so a difference would make greedy tokens depend on
+# what else ran; an inlined build once gave 1-ulp differences, not reproduced since)
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_table, scale, scores, acc, row_f,  # noqa: C901
             out):  # pragma: no cover - compiled
     """Token t's query heads of KV head kvh over keys first..num_keys-1 -> out[t, heads]."""
@@ -114,8 +117,7 @@ def paged_attention_parallel(q, k_cache, v_cache, positions, query_start_loc, se
                              block_tables, scale, window, out,
                              max_tokens=2**62):  # pragma: no cover - compiled
     """paged_attention with its (token, KV head) pairs over Numba's threads (each its own
-    scratch); the same arithmetic, equal within float32 rounding (LLVM may vectorize the sums
-    of the two compiled loops differently under fastmath)."""
+    scratch): the same compiled body per pair, so the same result bit for bit."""
     num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
     group = q.shape[1] // num_kv_heads
     num_reqs = seq_lens.shape[0]
