@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -31,16 +32,17 @@ def chromium(url: str, profile: Path, *action: str) -> subprocess.CompletedProce
 class Load:
     """Streams of long greedy requests from a few threads until stopped (keeps blocks held)."""
 
-    def __init__(self, url: str, threads: int = 8):
+    def __init__(self, url: str, threads: int = 8, max_tokens: int = 200):
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(url, i), daemon=True)
+        self._threads = [threading.Thread(target=self._run, args=(url, i, max_tokens), daemon=True)
                          for i in range(threads)]
         for t in self._threads:
             t.start()
 
-    def _run(self, url: str, i: int) -> None:
+    def _run(self, url: str, i: int, max_tokens: int) -> None:
         # 8 x ~230 tokens do not fit a pool of 64 x 4: requests wait, and some are preempted.
-        body = {"prompt": f"request {i} " * 6, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": f"request {i} " * 6, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}
         with httpx.Client(timeout=60) as client:
             while not self._stop.is_set():
                 assert client.post(url + "/v1/completions", json=body).status_code == 200
@@ -88,9 +90,17 @@ def test_dashboard_draws_engines_pool_and_steps(tiny_server, tmp_path):
 
 def test_dashboard_says_when_a_queue_table_is_cut(tiny_server, tmp_path):
     """16 requests running on one engine, 12 rows a table: the table says it shows 12 of them."""
-    url = tiny_server("--enable-debug-endpoints", "--max-num-seqs", "64")
-    load = Load(url, threads=16)
+    url = tiny_server("--enable-debug-endpoints", "--max-num-seqs", "64", "--max-model-len", "2048")
+    # NOTE: requests that outlast the test: streams of 200 tokens ended together every ~0.6 s,
+    # and the engine's snapshot (what the page reads) then showed an idle engine
+    load = Load(url, threads=16, max_tokens=1900)
     try:
+        # the page reads the snapshot at once (virtual time): wait until it holds more than 12
+        deadline = time.monotonic() + 30
+        while (httpx.get(url + "/debug/engines").json()["engines"][0]["snapshot"] or
+               {"num_running": 0})["num_running"] <= 12:
+            assert time.monotonic() < deadline, "16 streams never ran at once"
+            time.sleep(0.05)
         dom = chromium(url + "/dashboard", tmp_path / "profile-cut", "--dump-dom")
     finally:
         load.stop()
