@@ -167,3 +167,10 @@ def test_bench_ipc(tmp_path, capsys):
     out = capsys.readouterr().out
     assert [c[0] for c in _table_rows(out, "transport")] == kinds * 2
     assert [c[0] for c in _table_rows(out, "codec")] == ["ring wire", "msgspec", "pickle"] * 2
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--prefill-reps", "--prefill-tokens"])
+def test_bench_forward_refuses_zero_runs_in_one_line(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_forward.main([flag, "0"])
+    assert e.value.code == 2 and f"{flag} must be at least 1" in capsys.readouterr().err

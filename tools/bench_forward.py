@@ -63,7 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--op-times", action="store_true",
                     help="time each op of our decode steps at the first batch size (wall clock)")
     add_json_argument(ap)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for name in ("steps", "prefill_reps", "prefill_tokens"):  # each is a median of timed runs
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
 
 
 # -- ours ----------------------------------------------------------------------------------
