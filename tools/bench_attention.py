@@ -23,6 +23,7 @@ import numpy as np
 from ringserve.gpu.cpu.attention import paged_attention, paged_attention_parallel
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.prefill_attention import prefill_attention
+from ringserve.gpu.cpu.tasks import task_counter
 
 
 def _cache(rng, shape, dtype: str) -> np.ndarray:
@@ -76,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _timed(kernel, q, k, v, kernel_args, out, reps: int) -> tuple[float, float]:
-    kernel(q, k, v, *kernel_args, out)  # compile
+def _timed(kernel, q, k, v, kernel_args, out, reps: int, more=()) -> tuple[float, float]:
+    kernel(q, k, v, *kernel_args, out, *more)  # compile
     wall = cpu = float("inf")
     for _ in range(reps):
         t, c = time.perf_counter(), time.process_time()
-        kernel(q, k, v, *kernel_args, out)
+        kernel(q, k, v, *kernel_args, out, *more)
         wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
     return wall, cpu
 
@@ -97,11 +98,13 @@ def _decode(args) -> int:
                    rng.permutation(n * blocks).reshape(n, blocks).astype(np.int32),
                    np.float32(args.head_dim ** -0.5), 0)
     kv_bytes = 2 * n * args.context * args.kv_heads * args.head_dim * k.itemsize
+    counter = task_counter(n * args.kv_heads)
     outs = []
-    for name, kernel in (("loop, one thread", paged_attention),
-                         (f"loop, {args.threads} thread(s)", paged_attention_parallel)):
+    for name, kernel, more in (("loop, one thread", paged_attention, ()),
+                               (f"loop, {args.threads} thread(s)", paged_attention_parallel,
+                                (2**62, counter))):
         out = np.empty_like(q)
-        wall, cpu = _timed(kernel, q, k, v, kernel_args, out, args.reps)
+        wall, cpu = _timed(kernel, q, k, v, kernel_args, out, args.reps, more)
         print(f"{name:<22} wall {wall * 1e3:8.2f} ms  cpu {cpu * 1e3:8.2f} ms  "
               f"K/V read {kv_bytes / wall / 1e9:6.1f} GB/s")
         outs.append(out)

@@ -20,10 +20,12 @@ from numba import njit, prange
 
 from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
+from ringserve.gpu.cpu.tasks import claim
 
 # A step whose per-token loop reads at least this many (key, token) pairs takes the parallel driver
-# (~20 ns a pair and KV head on one thread; a TBB fork and join is ~10-20 us)
-PARALLEL_KEY_READS = 2048
+# (~20 ns a pair and KV head on one thread; a TBB fork and join is ~10-20 us): one decode at 256
+# keys of the 1B shape, 0.09 -> 0.05 ms a layer (docs/bench_forward.md)
+PARALLEL_KEY_READS = 256
 
 
 # NOTE: not inlined into the drivers: compiled once, so that both run the same machine code for a
@@ -112,30 +114,47 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
                         scores, acc, row_f, out)
 
 
-@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
-def paged_attention_parallel(q, k_cache, v_cache, positions, query_start_loc, seq_lens,
-                             block_tables, scale, window, out,
-                             max_tokens=2**62):  # pragma: no cover - compiled
-    """paged_attention with its (token, KV head) pairs over Numba's threads (each its own
-    scratch): the same compiled body per pair, so the same result bit for bit."""
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
+def _claimed_pairs(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
+                   owner, max_len, counter):  # pragma: no cover - compiled
+    """One thread's share of paged_attention_parallel: pairs claimed until none is left, with
+    scratch of its own. NOTE: a function of its own, not the prange body: Numba hoists a
+    loop-invariant np.empty out of a prange loop, and the threads would share the scratch."""
     num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
     group = q.shape[1] // num_kv_heads
-    num_reqs = seq_lens.shape[0]
-    owner = np.full(q.shape[0], -1, np.int64)  # each token's request; -1: not this kernel's
-    for r in range(num_reqs):
-        if query_start_loc[r + 1] - query_start_loc[r] <= max_tokens:
-            owner[query_start_loc[r]:query_start_loc[r + 1]] = r
-    for w in prange(q.shape[0] * num_kv_heads):
+    scores = np.empty((group, max_len), dtype=np.float32)
+    acc = np.empty((group, head_dim), dtype=np.float32)
+    row_f = np.empty(head_dim, dtype=np.float32)
+    pairs = q.shape[0] * num_kv_heads
+    w = claim(counter)
+    while w < pairs:
         t, kvh = w // num_kv_heads, w % num_kv_heads
         r = owner[t]
-        if r < 0:
-            continue
-        num_keys, first = _key_range(positions, seq_lens[r], window, t)
-        if num_keys <= first:
-            out[t, kvh * group:(kvh + 1) * group, :] = 0.0
-            continue
-        scores = np.empty((group, num_keys - first), dtype=np.float32)
-        acc = np.empty((group, head_dim), dtype=np.float32)
-        row_f = np.empty(head_dim, dtype=np.float32)
-        _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_tables[r], scale, scores,
-                acc, row_f, out)
+        if r >= 0:
+            num_keys, first = _key_range(positions, seq_lens[r], window, t)
+            if num_keys <= first:
+                out[t, kvh * group:(kvh + 1) * group, :] = 0.0
+            else:
+                _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_tables[r], scale,
+                        scores, acc, row_f, out)
+        w = claim(counter)
+
+
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
+def paged_attention_parallel(q, k_cache, v_cache, positions, query_start_loc, seq_lens,
+                             block_tables, scale, window, out, max_tokens,
+                             counter):  # pragma: no cover - compiled
+    """paged_attention with its (token, KV head) pairs claimed by Numba's threads one at a time
+    (gpu/cpu/tasks.py: a descheduled thread holds back one pair, not half the step; counter:
+    task_counter(tokens x KV heads)), each thread its own scratch: the same compiled body per
+    pair, so the same result bit for bit."""
+    owner = np.full(q.shape[0], -1, np.int64)  # each token's request; -1: not this kernel's
+    max_len = 1
+    for r in range(seq_lens.shape[0]):
+        if query_start_loc[r + 1] - query_start_loc[r] <= max_tokens:
+            owner[query_start_loc[r]:query_start_loc[r + 1]] = r
+            max_len = max(max_len, seq_lens[r])
+    counter[0] = 0
+    for _ in prange(counter[1]):
+        _claimed_pairs(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
+                       owner, max_len, counter)

@@ -35,6 +35,7 @@ from ringserve.gpu.cpu.memory import HugePageArena
 from ringserve.gpu.cpu.packed import PackedWeight, fuse_packed, packed_linear, packed_nbytes, packed_rows
 from ringserve.gpu.cpu.prefill_attention import SERVED_MIN_TOKENS as TILED_MIN_TOKENS
 from ringserve.gpu.cpu.prefill_attention import prefill_attention
+from ringserve.gpu.cpu.tasks import task_counter
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.packing import is_packed
 
@@ -184,9 +185,11 @@ class CpuOps:
         args = (buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
                 buf.block_tables, self.scale, window, buf.attn_heads)
         # decodes and short chunks: the per-token loop, over the threads where they read many keys
-        loop = (paged_attention_parallel if self.parallel and buf.key_reads >= PARALLEL_KEY_READS
-                else paged_attention)
-        loop(*args, TILED_MIN_TOKENS - 1)
+        if self.parallel and buf.key_reads >= PARALLEL_KEY_READS:
+            paged_attention_parallel(*args, TILED_MIN_TOKENS - 1,
+                                     task_counter(len(buf.positions) * k_cache.shape[2]))
+        else:
+            paged_attention(*args, TILED_MIN_TOKENS - 1)
         if buf.tiled_attention:
             # PERF: prompt chunks by query tiles over all threads: each key read once per tile,
             # not once per query token
