@@ -2,8 +2,8 @@
 attention of gpu/cpu/attention.py's loop and of a float64 reference, for every CPU cache type,
 GQA groups, sliding windows (never reading a block freed before a window) and mixed steps
 (decodes, short chunks and long chunks at any offset in one step), as CpuOps runs them; and the
-loop's driver over the threads is its one-thread driver, bit for bit (which one a step takes
-depends on the batch: a token's result must not)."""
+loop's driver CpuOps runs gives the same bits on one thread as on all (how many a step takes
+depends on the batch: a token's result must not), and the one-thread reference loop's values."""
 from __future__ import annotations
 
 import numpy as np
@@ -70,7 +70,7 @@ def _as_ops_runs(q, k, v, args):
     """CpuOps.attention's two calls for a step with long chunks."""
     out = np.full_like(q, np.nan)
     prefill_attention(q, k, v, *args, out)
-    paged_attention(q, k, v, *args, out, MIN_TOKENS - 1)
+    paged_attention_parallel(q, k, v, *args, out, MIN_TOKENS - 1, task_counter(q.shape[0] * k.shape[2]))
     return out
 
 
@@ -120,9 +120,14 @@ def test_the_loop_over_threads_is_the_loop(dtype, heads, kv_heads, window):
     requests = MIXED + [(191, 1)] * 16 + [(900, 1), (3999, 1), (1500, 3)]
     q, (k, v), _, args = _case(dtype, heads, kv_heads, window, requests=requests, head_dim=64)
     for max_tokens in (2**62, MIN_TOKENS - 1):  # every request; only decodes and short chunks
-        one, many = np.full_like(q, 7.0), np.full_like(q, 7.0)
-        paged_attention(q, k, v, *args, one, max_tokens)
+        one, many, loop = np.full_like(q, 7.0), np.full_like(q, 7.0), np.full_like(q, 7.0)
+        counter = task_counter(q.shape[0] * k.shape[2])
+        counter[1] = 1  # as CpuOps runs a small step
+        paged_attention_parallel(q, k, v, *args, one, max_tokens, counter)
         for _ in range(5):  # NOTE: a race (threads sharing scratch) shows in some runs only
             paged_attention_parallel(q, k, v, *args, many, max_tokens,
                                      task_counter(q.shape[0] * k.shape[2]))
             np.testing.assert_array_equal(many, one)
+        paged_attention(q, k, v, *args, loop, max_tokens)
+        assert ((loop == 7.0) == (one == 7.0)).all()  # the same rows left alone
+        np.testing.assert_allclose(one, loop, rtol=1e-5, atol=1e-5)

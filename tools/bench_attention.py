@@ -64,12 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, kernel in (("loop (attention.py)", paged_attention), ("tiled (prefill_attention.py)",
                                                                     prefill_attention)):
         out = np.empty_like(q)
-        kernel(q, k, v, *kernel_args, out)
-        wall = cpu = float("inf")
-        for _ in range(args.reps):
-            t, c = time.perf_counter(), time.process_time()
-            kernel(q, k, v, *kernel_args, out)
-            wall, cpu = min(wall, time.perf_counter() - t), min(cpu, time.process_time() - c)
+        wall, cpu = _timed(kernel, q, k, v, kernel_args, out, args.reps)
         print(f"{name:<30} wall {wall * 1e3:8.1f} ms  cpu {cpu * 1e3:8.1f} ms  "
               f"{flops / cpu / 1e9:6.1f} GFLOP/s of CPU time")
         outs.append(out)
@@ -78,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _timed(kernel, q, k, v, kernel_args, out, reps: int, more=()) -> tuple[float, float]:
+    """Best wall and CPU seconds of reps calls, after one that compiles."""
     kernel(q, k, v, *kernel_args, out, *more)  # compile
     wall = cpu = float("inf")
     for _ in range(reps):

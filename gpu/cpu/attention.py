@@ -8,10 +8,14 @@ entries then name a placeholder block), and the cost per token is O(w), not O(p)
 whole step instead of a dozen numpy calls per request and layer, which dominated decode
 steps with many requests. Softmax in float32 with the max subtracted.
 
-Two drivers of the same per-(token, KV head) body: `paged_attention` on the calling thread (a
-decode step at short contexts: a parallel region's fork and join cost more than the work) and
-`paged_attention_parallel`, the (token, KV head) pairs over Numba's threads, for a step whose
-tokens read many keys (a long context: 4,000 keys x 8 KV heads are ~3 ms a layer on one thread).
+Two drivers of the same per-(token, KV head) body: `paged_attention`, the readable one-thread
+reference (tests, the CUDA reference), and `paged_attention_parallel`, which CpuOps runs for
+every step: its (token, KV head) pairs over Numba's threads for a step whose tokens read many keys
+(4,000 keys x 8 KV heads are ~3 ms a layer on one thread), on one thread otherwise. NOTE: one
+driver in the engine, because the two drivers' copies of `_attend` are optimized apart (LLVM
+inlines it into each, and a driver loaded from Numba's cache was compiled in another process):
+they agree within float32 rounding, not bit for bit, and a token's result must not depend on the
+batch it ran in.
 """
 from __future__ import annotations
 
@@ -28,9 +32,6 @@ from ringserve.gpu.cpu.tasks import claim
 PARALLEL_KEY_READS = 256
 
 
-# NOTE: not inlined into the drivers: compiled once, so that both run the same machine code for a
-# pair (a step's driver depends on the batch, so a difference would make greedy tokens depend on
-# what else ran; an inlined build once gave 1-ulp differences, not reproduced since)
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_table, scale, scores, acc, row_f,  # noqa: C901
             out):  # pragma: no cover - compiled
@@ -118,8 +119,8 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
 def _claimed_pairs(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
                    owner, max_len, counter):  # pragma: no cover - compiled
     """One thread's share of paged_attention_parallel: pairs claimed until none is left, with
-    scratch of its own. NOTE: a function of its own, not the prange body: Numba hoists a
-    loop-invariant np.empty out of a prange loop, and the threads would share the scratch."""
+    scratch of its own. NOTE: a function of its own, not the prange body, so that the scratch is
+    per thread by construction, whatever Numba's parfor pass decides to hoist out of a loop."""
     num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
     group = q.shape[1] // num_kv_heads
     scores = np.empty((group, max_len), dtype=np.float32)
@@ -146,8 +147,8 @@ def paged_attention_parallel(q, k_cache, v_cache, positions, query_start_loc, se
                              counter):  # pragma: no cover - compiled
     """paged_attention with its (token, KV head) pairs claimed by Numba's threads one at a time
     (gpu/cpu/tasks.py: a descheduled thread holds back one pair, not half the step; counter:
-    task_counter(tokens x KV heads)), each thread its own scratch: the same compiled body per
-    pair, so the same result bit for bit."""
+    task_counter(tokens x KV heads); counter[1] = 1: on the calling thread alone), each thread
+    its own scratch: the same result bit for bit whatever the number of threads."""
     owner = np.full(q.shape[0], -1, np.int64)  # each token's request; -1: not this kernel's
     max_len = 1
     for r in range(seq_lens.shape[0]):
