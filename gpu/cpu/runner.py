@@ -16,7 +16,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from ringserve.gpu.batch import Batch
-from ringserve.gpu.cpu.attention import paged_attention
+from ringserve.gpu.cpu.attention import paged_attention_parallel
 from ringserve.gpu.cpu.int8_kernels import has_vnni
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
 from ringserve.gpu.cpu.ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
@@ -179,7 +179,7 @@ def kernels_cached() -> bool:
     """Whether Numba's on-disk cache holds the CPU kernels (the attention kernel's index file
     stands for them all): false on a machine's first start, or after the kernels changed."""
     # NOTE: Numba has no public way to ask; its FunctionCache's index path is read where it exists.
-    cache_file = getattr(getattr(paged_attention, "_cache", None), "_cache_file", None)
+    cache_file = getattr(getattr(paged_attention_parallel, "_cache", None), "_cache_file", None)
     index = getattr(cache_file, "_index_path", None)
     return index is not None and os.path.exists(index)
 
