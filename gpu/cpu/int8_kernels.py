@@ -57,6 +57,12 @@ ACT_BLOCK = 32           # activation weights per int8 scale (llama.cpp's q8_0 /
 STEP = 64                # weights of a row per loop step (16 vectors of int8, 8 of nibbles)
 TOKEN_TILE = 4           # token rows sharing each loaded weight vector
 PREFETCH_BYTES = 8192    # how far ahead of its loads the kernel asks for the weight's bytes
+# llvm.prefetch's locality a kind's weight lines are asked for with: 3 (prefetcht0, into L1) or 2
+# (prefetcht1, into L2). PERF, AMD EPYC Zen 4 VM, six alternating runs each (docs/bench_forward.md,
+# "Prefetch locality"): u6 into L1 held its DRAM stream to ~16 GB/s a thread against ~25 into
+# L2, and the 1B shape's decode step (41 % of its bytes u6) went 34.4 -> 31.3 ms at batch 1, 118
+# -> 111 at 16; u4 into L2 made the default model's batch-1 step 5.8 -> 6.2 ms, so u4 stays in L1
+PREFETCH_LOCALITY = {"i8": 3, "u6": 2, "u4": 3}
 INT8_KINDS = ("i8", "u4")
 # Types whose quants all fit 6 bits (-32..31 centred, or 0..31): tiled as u6, 0.75 B/weight, not 1
 U6_TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q3_K", "Q2_K")
@@ -290,16 +296,16 @@ def _function(builder, name: str, fnty: ir.FunctionType):
     return fn if fn is not None else ir.Function(builder.module, fnty, name)
 
 
-def _prefetch(builder, ptr, index, ty: ir.Type) -> None:
-    """Ask for the line PREFETCH_BYTES past the index-th ty after ptr (llvm.prefetch: read, keep in
-    all levels). A weight streams once, in order: the hardware prefetchers ramp up anew for
-    every matrix and stop at page ends, and a small model's 0.1-1 MB matrices never reach full
+def _prefetch(builder, ptr, index, ty: ir.Type, kind: str) -> None:
+    """Ask for the line PREFETCH_BYTES past the index-th ty after ptr (llvm.prefetch: read, into
+    L2: PREFETCH_LOCALITY). A weight streams once, in order: the hardware prefetchers ramp up anew
+    for every matrix and stop at page ends, and a small model's 0.1-1 MB matrices never reach full
     speed; the kernel has issue slots to spare at batch 1 (it runs at ~110 G weights/s from L2)."""
     fn = _function(builder, "llvm.prefetch.p0i8", ir.FunctionType(ir.VoidType(), [
         _I8.as_pointer(), _I32, _I32, _I32]))
     at = builder.gep(builder.bitcast(builder.gep(builder.bitcast(ptr, ty.as_pointer()), [index]),
                                      _I8.as_pointer()), [_const(builder, PREFETCH_BYTES)])
-    builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+    builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, PREFETCH_LOCALITY[kind]), ir.Constant(_I32, 1)])
 
 
 def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
@@ -311,7 +317,7 @@ def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
         out = []
         for v in range(16):
             at = builder.add(first, _const(builder, v))
-            _prefetch(builder, qtile, at, v64b)
+            _prefetch(builder, qtile, at, v64b, kind)
             out.append((_load(builder, qtile, at, v64b), 4 * v))
         return out
     if kind == "u6":
@@ -319,14 +325,14 @@ def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
         packed = []
         for v in range(12):
             at = builder.add(first, _const(builder, v))
-            _prefetch(builder, qtile, at, v64b)
+            _prefetch(builder, qtile, at, v64b, kind)
             packed.append(_load(builder, qtile, at, v64b))
         return ((vec, 4 * u) for u, vec in enumerate(_u6_vectors(builder, packed[:8], packed[8:])))
     low, out = ir.Constant(v64b, [15] * 64), []
     first = builder.mul(g, _const(builder, 8))
     for v in range(8):
         at = builder.add(first, _const(builder, v))
-        _prefetch(builder, qtile, at, v64b)
+        _prefetch(builder, qtile, at, v64b, kind)
         packed = _load(builder, qtile, at, v64b)
         out.append((builder.and_(packed, low), 4 * v))
         out.append((builder.and_(builder.lshr(packed, ir.Constant(v64b, [4] * 64)), low), 32 + 4 * v))
