@@ -11,6 +11,7 @@ scale, zero point, sub-block or token row lands at O(1) of the bound.
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -116,6 +117,37 @@ def test_every_type_is_dequantize_times_the_int8_activations(qtype):
                 got = int8_linear(x, tiled, parallel=parallel)
                 err = np.abs(got - want)
                 assert np.all(err <= bound), f"{qtype} T={t}: worst {(err / bound).max():.3g} of the bound"
+
+
+def test_the_activations_scratch_does_not_grow_with_every_step_size():
+    """A server runs steps of every token count up to max_num_batched_tokens: the int8 rows are one
+    scratch a width, grown to the largest count and read as its first rows (one per count held
+    ~2 GB after counts 1..512 on the 1B shape's widths). Counts in falling and mixed order: a
+    step reads the rows it quantized, never a larger step's left in the scratch."""
+    rng = np.random.default_rng(11)
+    shape = (32, 1024)
+    raw = random_raw("Q4_K", shape, rng)
+    w = repack(raw, "Q4_K", shape)
+    tiled = tiles(repack(raw, "Q4_K", shape, factored=True))
+    counts = [200, 3, 1, 57, 7, 130, 2, 199]
+    xs = {t: rng.standard_normal((t, shape[1])).astype(np.float32) for t in counts}
+    for t in counts:  # every kernel compiled (or loaded) and the scratch at its largest first
+        int8_linear(xs[t], tiled)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for t in list(range(1, 201)) + counts:
+            got = int8_linear(xs[t] if t in xs else rng.standard_normal((t, shape[1])).astype(np.float32),
+                              tiled)
+            if t in xs:
+                want, bound = reference(xs[t], w, tiled.kind)
+                assert np.all(np.abs(got - want) <= bound), f"T={t}"
+            del got
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # one per count would hold sum(1..200) x 1024 x 1.5 bytes = 31 MB; the one scratch: 0.3 MB
+    assert held < 1 << 20, f"{held / 2**20:.1f} MiB still held after steps of 1..200 rows"
 
 
 def test_u6_vectors_hold_each_weights_six_bits_where_the_kernel_reads_them():

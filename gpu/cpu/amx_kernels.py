@@ -45,7 +45,6 @@ from ringserve.gpu.cpu.int8_kernels import (
     TILE_ROWS,
     Int8Weight,
     _const,
-    _empty_rows,
     _function,
     _load,
     _quantize,
@@ -53,8 +52,8 @@ from ringserve.gpu.cpu.int8_kernels import (
     _vec,
     float_terms,
     int8_linear,
+    scratch_rows,
 )
-from ringserve.gpu.cpu.linear import per_thread
 from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
 
 AMX_TOKENS = 16           # token rows a tile multiplies (A's and C's rows)
@@ -352,7 +351,7 @@ def amx_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray, parallel: bool) ->
         raise ValueError(f"{w.kind} tiles of {w.block}-weight sub-blocks are not read by the AMX kernel")
     if t % AMX_TOKENS:
         raise ValueError(f"{t} token rows are not whole groups of {AMX_TOKENS} (tiles_linear splits them)")
-    rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))  # NOTE: int8_linear's scratch
+    rows = scratch_rows(t, k)  # NOTE: int8_linear's scratch
     serial, par = DRIVERS[(w.block, 16 if w.kind == "i8" else 8)]
     args = (CONFIGS[w.block], x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale,
             rows.sum16, rows.sum32, out)

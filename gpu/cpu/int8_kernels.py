@@ -48,7 +48,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from ringserve.gpu.cpu.linear import per_thread
+from ringserve.gpu.cpu.linear import per_thread_rows
 from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
 from ringserve.gpu.loader.quant import QK_K, QuantWeight
 
@@ -95,6 +95,15 @@ class Int8Rows(NamedTuple):
     scale: np.ndarray   # float32 [T, K / 32]: dx = max|x| / 127 of the block
     sum16: np.ndarray   # float32 [T, K / 16]: dx * sum(q) over each 16 (offset terms of 16-weight sub-blocks)
     sum32: np.ndarray   # float32 [T, K / 32]: the same over each 32
+
+    def head(self, t: int) -> Int8Rows:
+        """The first t token rows (views: C-contiguous, as the kernels take them)."""
+        return Int8Rows(*(a[:t] for a in self))
+
+
+def scratch_rows(t: int, k: int) -> Int8Rows:
+    """The calling thread's Int8Rows for t token rows of width k (reused across steps)."""
+    return per_thread_rows(("int8 rows", k), t, lambda n: _empty_rows(n, k), lambda r: len(r.q)).head(t)
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -305,7 +314,8 @@ def _prefetch(builder, ptr, index, ty: ir.Type, kind: str) -> None:
         _I8.as_pointer(), _I32, _I32, _I32]))
     at = builder.gep(builder.bitcast(builder.gep(builder.bitcast(ptr, ty.as_pointer()), [index]),
                                      _I8.as_pointer()), [_const(builder, PREFETCH_BYTES)])
-    builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, PREFETCH_LOCALITY[kind]), ir.Constant(_I32, 1)])
+    locality = ir.Constant(_I32, PREFETCH_LOCALITY[kind])
+    builder.call(fn, [at, ir.Constant(_I32, 0), locality, ir.Constant(_I32, 1)])
 
 
 def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
@@ -638,7 +648,7 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
     if out is None:
         out = np.empty((t, n), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
-    rows = per_thread(("int8 rows", t, k), lambda: _empty_rows(t, k))
+    rows = scratch_rows(t, k)
     serial, par = _DRIVERS[(w.block, VECTORS[w.kind])]
     args = (x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale, rows.sum16,
             rows.sum32, out)

@@ -36,11 +36,25 @@ _per_thread = threading.local()
 
 def per_thread(key: Hashable, make: Callable[[], _T]) -> _T:
     """The calling thread's scratch for key, made once and reused by every later call: a fresh
-    array per call would page-fault on every step (the kernels' tiles, int8 rows)."""
+    array per call would page-fault on every step (the kernels' tiles). A key must come from a
+    bounded set (weight shapes); scratch that scales with a step's token rows is per_thread_rows'."""
     cache = _per_thread.__dict__.setdefault("scratch", {})
     value = cache.get(key)
     if value is None:
         value = cache[key] = make()
+    return value
+
+
+def per_thread_rows(key: Hashable, rows: int, make: Callable[[int], _T], size: Callable[[_T], int]) -> _T:
+    """The calling thread's scratch for key with room for at least `rows` token rows (size(value)),
+    made anew only when a step brings more rows than any before it; callers take its first rows.
+    NOTE: one per key, not one per row count: a server runs steps of every count up to
+    max_num_batched_tokens, and a scratch kept for each (int8 rows, keyed by T) grew by ~2 GB
+    on the 1B shape's two widths (tests/test_int8_kernels.py)."""
+    cache = _per_thread.__dict__.setdefault("scratch", {})
+    value = cache.get(key)
+    if value is None or size(value) < rows:
+        value = cache[key] = make(rows)
     return value
 
 
