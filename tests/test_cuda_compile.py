@@ -6,6 +6,8 @@ NVRTC, NVVM and ptxas come from the wheels numba-cuda[cu12] pulls in (the `test`
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 from numba import cuda, types
 from numba.cuda.dispatcher import CUDADispatcher
@@ -64,6 +66,23 @@ LAUNCH_THREADS = {"sample_kernel": 1024, "logprobs_kernel": 1024, "penalties_ker
 REGISTERS_PER_SM = 65536
 
 
+def _ptx(name: str, arch: str, defines: tuple = ()) -> str:
+    """NVRTC's PTX of a source with -D defines (sorted items), once a process: quant.cu alone
+    takes ~10 s a compile, and four tests read the same default build."""
+    return _compiled(name, arch, defines)[0]
+
+
+def _report(name: str, arch: str, defines: tuple = ()) -> dict:
+    """ptxas -v's report of that PTX (read, never changed, by the tests)."""
+    return _compiled(name, arch, defines)[1]
+
+
+@functools.cache
+def _compiled(name: str, arch: str, defines: tuple) -> tuple[str, dict]:
+    ptx = toolchain.nvrtc_ptx(toolchain.source(name), arch, toolchain.options(dict(defines)), name)
+    return ptx, toolchain.ptxas_report(ptx, arch)
+
+
 def check_resources(report, where, threads=128):
     assert report, f"{where}: ptxas reported no kernel"
     for k in report.values():
@@ -109,10 +128,10 @@ def test_numba_kernel_compiles(name, arch):
 @pytest.mark.parametrize("name", sorted(CUDA_C_VARIANTS))
 def test_cuda_c_compiles_with_nvrtc(name, arch):
     for defines in CUDA_C_VARIANTS[name]:
-        ptx = toolchain.nvrtc_ptx(toolchain.source(name), arch, toolchain.options(defines), name)
+        items = tuple(sorted(defines.items()))
         where = f"{name} {defines} {arch}"
-        assert ".f64" not in ptx, f"{where}: float64 in the PTX"
-        report = toolchain.ptxas_report(ptx, arch)
+        assert ".f64" not in _ptx(name, arch, items), f"{where}: float64 in the PTX"
+        report = _report(name, arch, items)
         check_resources(report, where)  # both element types' instantiations within budget
         if name != "quant.cu":  # fused.cu, attention.cu: every kernel in fp16 and in bf16 (_bf16)
             fp16 = {k for k in report if not k.endswith("_bf16")}
@@ -123,9 +142,9 @@ def test_fused_cu_defines_every_kernel_in_both_element_types():
     """gpu/cuda/fused.py gets each kernel by name in fp16 (plain) and bf16 (_bf16); the bf16
     ones read and write bf16 (cvt.rn.bf16.f32: round to nearest even; widening is a shift)."""
     from ringserve.gpu.cuda.launch import FUSED_KERNELS, SUFFIXES
-    ptx = toolchain.nvrtc_ptx(toolchain.source("fused.cu"), "sm_80", toolchain.options(), "fused.cu")
+    ptx = _ptx("fused.cu", "sm_80")
     names = {k + s for k in FUSED_KERNELS for s in SUFFIXES.values()}
-    assert set(toolchain.ptxas_report(ptx, "sm_80")) == names
+    assert set(_report("fused.cu", "sm_80")) == names
     bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
     for name in ("add_rms_norm", "rope_store_kv", "silu_mul", "add_bias", "gelu_tanh_mul", "rms_norm"):
         assert ".bf16" in bodies[name + "_bf16"] and ".bf16" not in bodies[name], name
@@ -136,8 +155,7 @@ def test_quant_cu_defines_every_kernel_its_launcher_loads():
     row tile, a dequant per kind and output dtype): a kind without its kernels fails here, not
     at a GPU's first load."""
     from ringserve.gpu.cuda.quant_linear import KERNELS
-    ptx = toolchain.nvrtc_ptx(toolchain.source("quant.cu"), "sm_90", toolchain.options(), "quant.cu")
-    assert set(toolchain.ptxas_report(ptx, "sm_90")) == set(KERNELS)
+    assert set(_report("quant.cu", "sm_90")) == set(KERNELS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -146,8 +164,7 @@ def test_quant_gemm_runs_on_tensor_cores(arch):
     (the inline PTX behind #ifdef __CUDACC__, which NVRTC defines): 32 a K step of 64 (2 x 4
     tiles a warp, 4 k16 steps), unrolled; the other kernels none."""
     from ringserve.gpu.cuda.quant_linear import PLANE_KINDS
-    ptx = toolchain.nvrtc_ptx(toolchain.source("quant.cu"), arch, toolchain.options(), "quant.cu")
-    bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in ptx.split(".entry ")[1:]}
+    bodies = {chunk.split("(", 1)[0].strip(): chunk for chunk in _ptx("quant.cu", arch).split(".entry ")[1:]}
     for suffix, t in (("", "f16"), ("_bf16", "bf16")):  # gemm_* fp16, gemm_*_bf16 bf16 fragments
         mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
         counts = {name: body.count(mma) for name, body in bodies.items()}
