@@ -19,6 +19,7 @@ import pytest
 from ringserve.gpu.cpu import int8_kernels as cpu_int8_kernels
 from ringserve.gpu.cpu.int8_kernels import (
     U6_TYPES,
+    WIDE_TILE_TOKENS,
     ZERO_POINTS,
     Int8Weight,
     has_vnni,
@@ -40,8 +41,9 @@ pytestmark = pytest.mark.skipif(not has_vnni(), reason="this CPU has no AVX-512 
                                 "kernels do not exist here and the float32 kernels run instead")
 
 INTEGER_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16", "BF16")]
-# 1-4: one token tile; 5, 6, 7: a tile of 4 and 1, 2, 3 left over; 17, 70: many tiles
-TOKENS = [1, 2, 3, 4, 5, 6, 7, 17, 70]
+# 1-3: one short tile; 4: a tile of 4; 5-7: 4 and 1-3 left over; 8: one tile of 8 (TOKEN_TILE);
+# 12: 8 and 4; 15: 8, 4 and 3; 17, 70: many tiles
+TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 17, 70]
 
 
 def numpy_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -117,6 +119,23 @@ def test_every_type_is_dequantize_times_the_int8_activations(qtype):
                 got = int8_linear(x, tiled, parallel=parallel)
                 err = np.abs(got - want)
                 assert np.all(err <= bound), f"{qtype} T={t}: worst {(err / bound).max():.3g} of the bound"
+
+
+@pytest.mark.parametrize("qtype,six_bit", [("Q4_K", True), ("Q6_K", True), ("Q6_K", False), ("Q8_0", True)])
+def test_a_tokens_result_does_not_depend_on_the_rows_beside_it(qtype, six_bit):
+    """Bit for bit: a token row's output is the same alone, in a tile of 4 or 8, or left over
+    after them, in a step short enough for tiles of 8 or longer (each token's terms are summed
+    in one order whatever its tile): a request's tokens must not change with the batch it ran in."""
+    rng = np.random.default_rng(5)
+    shape = (32, 512)
+    tiled = tiles(repack(random_raw(qtype, shape, rng), qtype, shape, factored=True), six_bit=six_bit)
+    x = rng.standard_normal((WIDE_TILE_TOKENS + 6, shape[1])).astype(np.float32)
+    whole = int8_linear(x, tiled)  # longer than WIDE_TILE_TOKENS: tiles of 4
+    alone = np.concatenate([int8_linear(x[i:i + 1], tiled) for i in range(len(x))])
+    assert np.array_equal(whole, alone)
+    for lo, hi in ((0, 8), (3, 15), (5, 17), (1, 29), (6, WIDE_TILE_TOKENS + 6)):
+        for parallel in (False, True):
+            assert np.array_equal(int8_linear(x[lo:hi], tiled, parallel=parallel), whole[lo:hi]), (lo, hi)
 
 
 def test_the_activations_scratch_does_not_grow_with_every_step_size():

@@ -55,7 +55,8 @@ from ringserve.gpu.loader.quant import QK_K, QuantWeight
 TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit register
 ACT_BLOCK = 32           # activation weights per int8 scale (llama.cpp's q8_0 / q8_1)
 STEP = 64                # weights of a row per loop step (16 vectors of int8, 8 of nibbles)
-TOKEN_TILE = 4           # token rows sharing each loaded weight vector
+TOKEN_TILE = 8           # token rows sharing each loaded weight vector (then 4, then 1-3 left over)
+WIDE_TILE_TOKENS = 64    # steps of up to this many rows take tiles of TOKEN_TILE; longer ones 4 (_run)
 PREFETCH_BYTES = 8192    # how far ahead of its loads the kernel asks for the weight's bytes
 # llvm.prefetch's locality a kind's weight lines are asked for with: 3 (prefetcht0, into L1) or 2
 # (prefetcht1, into L2). PERF, AMD EPYC Zen 4 VM, six alternating runs each (docs/bench_forward.md,
@@ -538,14 +539,24 @@ _tile: Any = intrinsic(_tile_typing)
 def _run(q, s, m, ss, ms, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: no cover - compiled
     """Row tiles lo..hi against every token, TOKEN_TILE tokens at a time (a tile's bytes, 16 x K,
     stay in L2 across its token tiles; so do the activations, T x K bytes). block and vectors:
-    constants of the caller (inlined: the kernel's literals)."""
+    constants of the caller (inlined: the kernel's literals). Each token's terms are summed in
+    the same order whatever tile it is in: its result does not depend on the step's row count.
+    PERF: up to WIDE_TILE_TOKENS rows (decode batches, mixed steps) 8 tokens a tile: a step's
+    unpacking and scale loads are shared by twice the tokens (1 thread, Zen 4, 16-64 rows: Q4_K
+    121-135 -> 130-147 G MAC/s, Q6_K 94-97 -> 100-107, Q8_0 132-146 -> 144-152); at 512 rows
+    (prefill) Q4_K ran slower that way (134 -> 126-129), so longer steps keep 4 a tile. A
+    remainder takes one tile of 4, then one of 1-3 (5 kernels a driver, not 8)."""
     num_tokens = xq.shape[0]
     for r in range(lo, hi):
         t = 0
-        while t + TOKEN_TILE <= num_tokens:  # NOTE: a global int is a literal to Numba, as _tile needs
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors)
-            t += TOKEN_TILE
-        left = num_tokens - t  # the tokens left over: one kernel per count below TOKEN_TILE (4)
+        if num_tokens <= WIDE_TILE_TOKENS:
+            while t + TOKEN_TILE <= num_tokens:  # NOTE: a global int is a literal to Numba, as _tile needs
+                _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors)
+                t += TOKEN_TILE
+        while t + 4 <= num_tokens:
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 4, block, vectors)
+            t += 4
+        left = num_tokens - t  # the tokens left over: one kernel per count below 4
         if left == 3:
             _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 3, block, vectors)
         elif left == 2:
