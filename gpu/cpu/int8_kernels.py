@@ -70,6 +70,7 @@ U6_TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q3_K", "Q2_K")
 U6_CENTRE = 32           # the u6 bytes hold q + 32
 ZERO_POINTS = {"i8": 128, "u6": U6_CENTRE, "u4": 0}       # the tile's byte = q + zero point
 VECTORS = {"i8": 16, "u6": 12, "u4": 8}                   # 64-byte vectors a 64-weight step
+U6_VECTORS = VECTORS["u6"]  # NOTE: an int global is a constant to Numba; a dict is not
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -543,13 +544,15 @@ def _run(q, s, m, ss, ms, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: n
     the same order whatever tile it is in: its result does not depend on the step's row count.
     PERF: up to WIDE_TILE_TOKENS rows (decode batches, mixed steps) 8 tokens a tile: a step's
     unpacking and scale loads are shared by twice the tokens (1 thread, Zen 4, 16-64 rows: Q4_K
-    121-135 -> 130-147 G MAC/s, Q6_K 94-97 -> 100-107, Q8_0 132-146 -> 144-152); at 512 rows
-    (prefill) Q4_K ran slower that way (134 -> 126-129), so longer steps keep 4 a tile. A
-    remainder takes one tile of 4, then one of 1-3 (5 kernels a driver, not 8)."""
+    121-135 -> 130-147 G MAC/s, Q6_K 94-97 -> 100-107, Q8_0 132-146 -> 144-152). Longer steps
+    (prefill chunks) keep 4 a tile for u4 and i8 (Q4_K at 512 rows: 265 -> 260 G MAC/s on two
+    threads with 8), but u6, whose unpacking is the dearest, takes 8 at every count (Q6_K at
+    128-512 rows: 186 -> 199 on two threads). A remainder takes one tile of 4, then one of 1-3
+    (5 kernels a driver, not 8)."""
     num_tokens = xq.shape[0]
     for r in range(lo, hi):
         t = 0
-        if num_tokens <= WIDE_TILE_TOKENS:
+        if num_tokens <= WIDE_TILE_TOKENS or vectors == U6_VECTORS:  # NOTE: constants: folded
             while t + TOKEN_TILE <= num_tokens:  # NOTE: a global int is a literal to Numba, as _tile needs
                 _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors)
                 t += TOKEN_TILE
