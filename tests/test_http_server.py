@@ -362,6 +362,12 @@ def test_killing_a_worker_leaves_other_streams_running(server):
     assert r.status_code == 200
 
 
+# NOTE: greedy, the default model answers this with all 400 tokens it may (status "incomplete"):
+# the kill below lands mid-stream. "Count from 1 to 300, one number a line." got a 9-token answer,
+# and a fast enough engine ended it between the client's first delta and the kill (a CI flake).
+LONG_ANSWER = "Write a long story about a cat who travels the world, with many chapters."
+
+
 def test_engine_death_fails_streams_then_recovers(server):
     """An engine killed mid-stream: its streams end with an error event (never a hang), the
     launcher restarts it, and the workers reconnect and serve again. A Responses stream ends as
@@ -372,8 +378,8 @@ def test_engine_death_fails_streams_then_recovers(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         with c.stream("POST", "/v1/completions", json={
                 "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r, \
-                client.responses.create(model="smol", input="Count from 1 to 300, one number a line.",
-                                        max_output_tokens=400, temperature=0, stream=True) as responses:
+                client.responses.create(model="smol", input=LONG_ANSWER, max_output_tokens=400,
+                                        temperature=0, stream=True) as responses:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
             events = []
