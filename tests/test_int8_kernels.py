@@ -130,7 +130,7 @@ def test_a_tokens_result_does_not_depend_on_the_rows_beside_it(qtype, six_bit):
     shape = (32, 512)
     tiled = tiles(repack(random_raw(qtype, shape, rng), qtype, shape, factored=True), six_bit=six_bit)
     x = rng.standard_normal((WIDE_TILE_TOKENS + 6, shape[1])).astype(np.float32)
-    whole = int8_linear(x, tiled)  # longer than WIDE_TILE_TOKENS: tiles of 4
+    whole = int8_linear(x, tiled)  # longer than WIDE_TILE_TOKENS: tiles of 4 (u6 weights: of 8)
     alone = np.concatenate([int8_linear(x[i:i + 1], tiled) for i in range(len(x))])
     assert np.array_equal(whole, alone)
     for lo, hi in ((0, 8), (3, 15), (5, 17), (1, 29), (6, WIDE_TILE_TOKENS + 6)):
