@@ -10,6 +10,7 @@ import pytest
 
 from reference_llama import reference_logits  # pytest puts tests/ on sys.path
 from ringserve.gpu.batch import Batch
+from ringserve.gpu.cpu import ops as cpu_ops
 from ringserve.gpu.devices import cupy_installed
 from ringserve.gpu.loader.weights import load_weights
 from ringserve.gpu.runner import ModelRunner
@@ -118,6 +119,16 @@ def test_block_ids_do_not_matter(make_runner, seqs):
     _, shuffled = two_steps(make_runner(), seqs, scattered)
     for name in in_order:
         np.testing.assert_allclose(shuffled[name], in_order[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_the_mlp_in_row_blocks_gives_the_step_in_one(make_runner, seqs, monkeypatch):
+    """The CPU runs a step's MLP in blocks of MLP_ROWS token rows (CpuStepBuffers.mlp_rows,
+    models/ops.gated_mlp); blocks that end inside a request's rows give what one block gives."""
+    _, whole = two_steps(make_runner(), seqs, list(range(64)))  # (BLAS rounds by row count: 1e-5)
+    monkeypatch.setattr(cpu_ops, "MLP_ROWS", 5)  # step 2's 24 rows: 5 blocks, the last of 4
+    _, blocks = two_steps(make_runner(), seqs, list(range(64)))
+    for name in whole:
+        np.testing.assert_allclose(blocks[name], whole[name], rtol=0, atol=1e-5, err_msg=name)
 
 
 def test_default_block_size(tiny_model_dir, weights, make_runner, seqs):

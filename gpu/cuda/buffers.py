@@ -152,6 +152,12 @@ class StepBuffers:
         self.logits16 = xp.empty((R, c.vocab_size), dtype)
         self.logits = xp.empty((R, c.vocab_size), xp.float32)
 
+    @property
+    def mlp_rows(self) -> tuple[slice, ...]:
+        """The MLP runs over all T rows at once (models/ops.gated_mlp): its [T, 2 I] activations
+        are small beside a GPU's memory, and one launch per linear is what a graph wants."""
+        return (slice(0, self.x.shape[0]),)
+
     def leading(self, T: int, B: int, R: int | None = None) -> StepBuffers:
         """Views of the first T tokens, B requests and R rows of logits (None: B). Every graph
         (decode and verify sizes) takes its buffers from one set, the largest of each: graphs

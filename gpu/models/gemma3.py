@@ -19,7 +19,7 @@ from typing import Any
 
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import check_weights
-from ringserve.gpu.models.ops import ModelOps, WeightStore, storage
+from ringserve.gpu.models.ops import ModelOps, WeightStore, gated_mlp, storage
 
 
 @dataclass
@@ -102,9 +102,7 @@ def gemma3_hidden_states(ops: ModelOps, w: Gemma3Weights, buf, caches, attention
         ops.linear(buf.attn, layer.o, buf.delta)
         ops.rms_norm(buf.delta, layer.post_attention_norm)
         ops.add_rms_norm(buf.h, buf.delta, layer.pre_feedforward_norm, buf.x)
-        ops.linear(buf.x, layer.gate_up, buf.gate_up)
-        ops.gelu_tanh_mul(buf.gate_up, buf.act)
-        ops.linear(buf.act, layer.down, buf.delta)
+        gated_mlp(ops, buf, layer, ops.gelu_tanh_mul)
         ops.rms_norm(buf.delta, layer.post_feedforward_norm)
         # the next layer's input norm, or the final norm: buf.x is then the final hidden state
         norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm

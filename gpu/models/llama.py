@@ -10,7 +10,7 @@ from typing import Any
 
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.loader.weights import check_weights
-from ringserve.gpu.models.ops import ModelOps, WeightStore, storage
+from ringserve.gpu.models.ops import ModelOps, WeightStore, gated_mlp, storage
 
 
 @dataclass
@@ -95,9 +95,7 @@ def hidden_states(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, s
         ops.attention(buf, cos, sin, k_cache, v_cache, attention, layer.sliding_window)
         ops.linear(buf.attn, layer.o, buf.delta)
         ops.add_rms_norm(buf.h, buf.delta, layer.post_norm, buf.x)
-        ops.linear(buf.x, layer.gate_up, buf.gate_up)
-        ops.silu_mul(buf.gate_up, buf.act)
-        ops.linear(buf.act, layer.down, buf.delta)
+        gated_mlp(ops, buf, layer, ops.silu_mul)
         # the next layer's input norm, or the final norm: buf.x is then the final hidden state
         norm = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else w.final_norm
         ops.add_rms_norm(buf.h, buf.delta, norm, buf.x)

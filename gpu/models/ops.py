@@ -9,7 +9,9 @@ What a backend decides, through its objects, and the sequence never sees:
 - WeightStore: how a (fused) weight is kept: float32 or bfloat16 bits on the CPU, fp16 or bf16 bits on CUDA;
   a quantized format (packed blocks) is another store plus an ops.linear that reads it.
 - step buffers (`buf`): every activation of one step, in the backend's dtypes (the residual
-  stream h is float32 on both).
+  stream h is float32 on both), and the row blocks the MLP runs in (`buf.mlp_rows`: one block
+  on CUDA; blocks of a few hundred token rows on the CPU, whose memory a long step's
+  [T, 2 I] activations would otherwise hold).
 - which ops it fuses: attention's RoPE and K/V write are one Numba pass on the CPU (rotated q
   to its own buffer, k/v straight into the cache) before its attention kernel; on CUDA one
   fused.cu kernel (q rotated in place, k/v into the cache) before attention.cu's, or, for a
@@ -95,6 +97,18 @@ class ModelOps(Protocol):
 
     def to_float32(self, src, out) -> None:
         """out = src as float32 (nothing where src is out)."""
+
+
+def gated_mlp(ops: ModelOps, buf, layer, activation) -> None:
+    """buf.delta = layer.down(activation(layer.gate_up(buf.x))), row block by row block of
+    buf.mlp_rows: buf.gate_up and buf.act hold one block (activation: ops.silu_mul or
+    ops.gelu_tanh_mul)."""
+    for rows in buf.mlp_rows:
+        n = rows.stop - rows.start
+        gate_up, act = buf.gate_up[:n], buf.act[:n]
+        ops.linear(buf.x[rows], layer.gate_up, gate_up)
+        activation(gate_up, act)
+        ops.linear(act, layer.down, buf.delta[rows])
 
 
 def compute_logits(ops: ModelOps, w: Any, x, rows, last, raw, out) -> None:
