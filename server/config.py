@@ -35,9 +35,11 @@ class ParallelConfig:
                 "--engines / --data-parallel-size, or servers behind a router: docs/scale-out.md)"})
     pipeline_parallel_size: int = field(default=1, metadata={
         "aliases": ("-pp",), "help": "vLLM's flag, 1 only, as --tensor-parallel-size"})
-    workers: int = field(default_factory=lambda: os.cpu_count() or 1, metadata={
-        "help": "Gunicorn workers: HTTP, tokenization and detokenization (default: the core "
-                "count)"})
+    # NOTE: half the cores this process may use: the engines need the rest (a CPU engine's
+    # threads, a CUDA engine's loop), and each worker is a Python process with its own tokenizer
+    workers: int = field(default_factory=lambda: max(1, len(os.sched_getaffinity(0)) // 2), metadata={
+        "help": "Gunicorn workers: HTTP, tokenization and detokenization (default: half the "
+                "cores, at least 1)"})
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "engines", "workers")
