@@ -66,3 +66,33 @@ def test_the_mappings_are_advised_huge():
     flags = [next(f for lo, hi, f in vmas if lo <= x.ctypes.data < hi) for x in (a, b)]
     if Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().find("[never]") < 0:
         assert all("hg" in f for f in flags), flags
+
+
+_FREED_BLOCK = """
+import sys
+from pathlib import Path
+import numpy as np
+from ringserve.gpu.cpu.memory import map_large_blocks
+if sys.argv[1] == "set":
+    assert map_large_blocks()
+def resident():  # this process's anonymous resident bytes
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("RssAnon:"))
+    return int(line.split()[1]) << 10
+del_me = np.ones(31 << 20, np.uint8)  # mapped, as any block >= 128 KiB at first ...
+del del_me                           # ... and freed: glibc's own threshold rises to 31 MiB
+step = np.ones(6 << 20, np.uint8)     # a 512-token step's activation, every page touched
+before = resident()
+del step
+print(before - resident() >= 5 << 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, /proc/self/status")
+def test_a_freed_step_sized_block_goes_back_to_the_system():
+    """memory.map_large_blocks: after a 31 MiB block was freed, glibc's own (dynamic) threshold
+    puts a 6 MiB block on the heap, whose pages stay resident once it is freed; with the fixed
+    4 MiB threshold the block is a mapping of its own, and free unmaps it."""
+    import subprocess
+    returned = [subprocess.run([sys.executable, "-c", _FREED_BLOCK, arg], capture_output=True,
+                               text=True, check=True).stdout.split() for arg in ("default", "set")]
+    assert returned == [["False"], ["True"]]

@@ -11,6 +11,7 @@ the mappings are plain anonymous memory, which is what malloc would have given.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import mmap
 from typing import Any
@@ -82,3 +83,24 @@ class HugePageArena:
                     changes[f.name] = new
             return dataclasses.replace(value, **changes) if changes else value
         return value
+
+
+M_MMAP_THRESHOLD = -3           # glibc's mallopt parameter (malloc.h)
+STEP_MMAP_THRESHOLD = 4 << 20   # a block at least this large gets a mapping of its own
+
+
+def map_large_blocks() -> bool:
+    """glibc's malloc, for this process from now on: every block of at least
+    STEP_MMAP_THRESHOLD bytes a mapping of its own, unmapped when freed. glibc's own threshold
+    starts at 128 KiB and rises to the largest block freed so far (up to 32 MiB), so after one
+    long prefill the activations of every later step (a 512-token step's are 4-8 MB each) come
+    from the heap, and what they leave free there stays resident, scattered between live blocks:
+    a 1B serving engine held ~60 MB of such heap after mixed step sizes (docs/bench_quant.md).
+    Decode steps' activations are smaller and stay on the heap, where mapping them per step
+    would cost page faults. False where the C library has no mallopt (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD) == 1

@@ -19,6 +19,7 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.cpu.attention import paged_attention_parallel
 from ringserve.gpu.cpu.int8_kernels import has_vnni
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
+from ringserve.gpu.cpu.memory import map_large_blocks
 from ringserve.gpu.cpu.ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
 from ringserve.gpu.devices import cpu_threads_per_engine, host_memory_available
 from ringserve.gpu.errors import ModelError
@@ -63,6 +64,7 @@ class CpuModelRunner:
         max_position_embeddings) only picks LongRoPE's factors (gpu/rope.py). widen_packed: GGUF blocks and
         16-bit weights widened to dtype as well (the float path, for comparisons), not kept
         packed."""
+        map_large_blocks()  # NOTE: freed step activations go back to the system (memory.py)
         self.kv_cache_dtype = CPU_KV_CACHE_DTYPES[cache.kv_cache_dtype]
         block_size, num_blocks, num_threads = cache.block_size, cache.num_gpu_blocks_override, \
             device.cpu_threads
