@@ -131,19 +131,3 @@ def test_the_loop_over_threads_is_the_loop(dtype, heads, kv_heads, window):
         paged_attention(q, k, v, *args, loop, max_tokens)
         assert ((loop == 7.0) == (one == 7.0)).all()  # the same rows left alone
         np.testing.assert_allclose(one, loop, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("head_dim", [16, 48, 80, 96, 128, 256])
-@pytest.mark.parametrize("dtype", list(KV_CACHE_DTYPES))
-def test_decodes_of_every_head_size_are_the_float64_reference(head_dim, dtype):
-    """The decode loop's micro-kernels (gpu/cpu/fma_tiles.py key_scores, head_update,
-    widen_rows: one a head_dim / 16) and the scalar loop a head size without one takes (48):
-    7 query heads a KV head (padded to whole register steps), contexts ending inside and on a
-    16-key step, a window."""
-    requests = [(40, 1), (15, 1), (31, 1), (200, 1), (0, 1)]
-    for window in (0, 21):
-        q, (k, v), (wide_k, wide_v), args = _case(dtype, 7, 1, window, requests=requests,
-                                                  head_dim=head_dim, seed=head_dim)
-        out = np.full_like(q, 7.0)
-        paged_attention_parallel(q, k, v, *args, out, 2**62, task_counter(q.shape[0] * k.shape[2]))
-        np.testing.assert_allclose(out, reference(q, wide_k, wide_v, *args), rtol=1e-5, atol=1e-5)

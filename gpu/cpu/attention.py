@@ -6,11 +6,7 @@ block_size], row j % block_size), so attention is causal within a request and bl
 requests. A window reads no block wholly before it: engine/kv_cache.py frees those (their table
 entries then name a placeholder block), and the cost per token is O(w), not O(p). One compiled loop for the
 whole step instead of a dozen numpy calls per request and layer, which dominated decode
-steps with many requests. Softmax in float32 with the max subtracted. For the head sizes of
-gpu/cpu/fma_tiles.py's decode micro-kernels (head_dim / 16 in 1, 2, 4, 5, 6, 8, 16) a (token, KV
-head) pair takes 16 keys at a time: widened from the cache by vector (vcvtph2ps for float16; the
-next 16 rows prefetched), scored for each query head with one transpose-sum, and added into an
-accumulator held in registers; other head sizes take the scalar loop.
+steps with many requests. Softmax in float32 with the max subtracted.
 
 Two drivers of the same per-(token, KV head) body: `paged_attention`, the readable one-thread
 reference (tests, the CUDA reference), and `paged_attention_parallel`, which CpuOps runs for
@@ -26,7 +22,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ringserve.gpu.cpu.fma_tiles import KEY_ROWS, head_update, key_scores, widen_rows
 from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
 from ringserve.gpu.cpu.tasks import claim
@@ -37,156 +32,11 @@ from ringserve.gpu.cpu.tasks import claim
 PARALLEL_KEY_READS = 256
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _head_rows(vectors):  # pragma: no cover - compiled
-    """Query heads a head_update step keeps in registers: 16 accumulators at most."""
-    return 1 if vectors == 16 else (2 if vectors >= 5 else 4)
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def attention_scratch(group, max_len, head_dim):  # pragma: no cover - compiled
-    """One thread's scratch for _attend over at most max_len keys: scores [heads, keys] and the
-    accumulator [heads, head_dim] (heads padded to whole head_update steps, keys to whole
-    KEY_ROWS), rows [2 KEY_ROWS + heads, head_dim]: widened keys, widened values, the scaled
-    queries; and the byte offsets of the KEY_ROWS cache rows being widened and of those prefetched."""
-    heads = -(-group // 4) * 4  # NOTE: a multiple of every _head_rows
-    keys = -(-max(max_len, 1) // KEY_ROWS) * KEY_ROWS
-    return (np.zeros((heads, keys), np.float32), np.zeros((heads, head_dim), np.float32),
-            np.zeros((2 * KEY_ROWS + heads, head_dim), np.float32), np.zeros(2 * KEY_ROWS, np.int64))
-
-
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _widen_step(cache, block_table, kvh, j0, num_keys, rows, d0, offsets, ahead, ahead_j0):  # noqa: C901 - a literal kernel a head size  # pragma: no cover - compiled
-    """rows[d0 + i] = key (or value) j0 + i as float32 for i < KEY_ROWS (past num_keys the last
-    key again: finite, and its probability is 0), and rows ahead_j0.. of the cache `ahead`
-    prefetched (the step after this one)."""
-    block_size, vectors = cache.shape[1], cache.shape[3] // 16
-    s0, s1, s2 = cache.strides[0], cache.strides[1], cache.strides[2]
-    for i in range(KEY_ROWS):
-        j = min(j0 + i, num_keys - 1)
-        offsets[i] = block_table[j // block_size] * s0 + (j % block_size) * s1 + kvh * s2
-        j = min(ahead_j0 + i, num_keys - 1)
-        offsets[KEY_ROWS + i] = block_table[j // block_size] * s0 + (j % block_size) * s1 + kvh * s2
-    if vectors == 4:
-        widen_rows(cache, ahead, offsets, rows, d0, 4)
-    elif vectors == 8:
-        widen_rows(cache, ahead, offsets, rows, d0, 8)
-    elif vectors == 2:
-        widen_rows(cache, ahead, offsets, rows, d0, 2)
-    elif vectors == 16:
-        widen_rows(cache, ahead, offsets, rows, d0, 16)
-    elif vectors == 6:
-        widen_rows(cache, ahead, offsets, rows, d0, 6)
-    elif vectors == 5:
-        widen_rows(cache, ahead, offsets, rows, d0, 5)
-    else:
-        widen_rows(cache, ahead, offsets, rows, d0, 1)
-
-
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _scores_step(rows, scores, g, c, vectors):  # noqa: C901 - a literal kernel a head size  # pragma: no cover - compiled
-    """scores[g, c: c + 16] = the widened keys (rows[:16]) . the scaled query (rows[32 + g])."""
-    qs = rows[2 * KEY_ROWS:]
-    if vectors == 4:
-        key_scores(rows, qs, scores, g, c, 4)
-    elif vectors == 8:
-        key_scores(rows, qs, scores, g, c, 8)
-    elif vectors == 2:
-        key_scores(rows, qs, scores, g, c, 2)
-    elif vectors == 16:
-        key_scores(rows, qs, scores, g, c, 16)
-    elif vectors == 6:
-        key_scores(rows, qs, scores, g, c, 6)
-    elif vectors == 5:
-        key_scores(rows, qs, scores, g, c, 5)
-    else:
-        key_scores(rows, qs, scores, g, c, 1)
-
-
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _update_step(rows, scores, acc, group, c, vectors):  # noqa: C901 - a literal kernel a head size  # pragma: no cover - compiled
-    """acc[g] += scores[g, c: c + 16] @ the widened values (rows[16:32]) for every head g."""
-    vb = rows[KEY_ROWS:2 * KEY_ROWS]
-    step = _head_rows(vectors)
-    for g0 in range(0, group, step):
-        if vectors == 4:
-            head_update(scores, vb, acc, g0, c, 4, 4)
-        elif vectors == 8:
-            head_update(scores, vb, acc, g0, c, 2, 8)
-        elif vectors == 2:
-            head_update(scores, vb, acc, g0, c, 4, 2)
-        elif vectors == 16:
-            head_update(scores, vb, acc, g0, c, 1, 16)
-        elif vectors == 6:
-            head_update(scores, vb, acc, g0, c, 2, 6)
-        elif vectors == 5:
-            head_update(scores, vb, acc, g0, c, 2, 5)
-        else:
-            head_update(scores, vb, acc, g0, c, 4, 1)
-
-
-@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _softmax_heads(scores, group, n):  # pragma: no cover - compiled
-    """scores[g, :n] -> probabilities for g < group; the last 16-key step's keys past n get 0."""
-    for g in range(group):
-        m = scores[g, 0]
-        for j in range(1, n):
-            m = max(m, scores[g, j])
-        total = np.float32(0.0)
-        for j in range(n):
-            e = fast_exp(scores[g, j] - m)
-            scores[g, j] = e
-            total += e
-        inv = np.float32(1.0) / total
-        for j in range(n):
-            scores[g, j] *= inv
-        for j in range(n, -(-n // KEY_ROWS) * KEY_ROWS):
-            scores[g, j] = 0.0
-
-
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
-def _attend_tiles(q, k_cache, v_cache, t, kvh, num_keys, first, block_table, scale, scratch,
-                  out):  # pragma: no cover - compiled
-    """_attend for a head_dim of HEAD_DIMS: KEY_ROWS keys at a time widened into rows, scored by
-    key_scores (every head, vectors along head_dim, one transpose-sum a head) and added into the
-    accumulator by head_update (acc rows in registers), gpu/cpu/fma_tiles.py."""
-    scores, acc, rows, offsets = scratch
-    head_dim = q.shape[2]
-    group = q.shape[1] // k_cache.shape[2]
-    h0, vectors, n = kvh * group, head_dim // 16, num_keys - first
-    for g in range(group):
-        for d in range(head_dim):
-            rows[2 * KEY_ROWS + g, d] = q[t, h0 + g, d] * scale
-    for c in range(0, n, KEY_ROWS):
-        if c + KEY_ROWS < n:  # the next keys ahead; after the last, the first values
-            _widen_step(k_cache, block_table, kvh, first + c, num_keys, rows, 0, offsets, k_cache,
-                        first + c + KEY_ROWS)
-        else:
-            _widen_step(k_cache, block_table, kvh, first + c, num_keys, rows, 0, offsets, v_cache, first)
-        for g in range(group):
-            _scores_step(rows, scores, g, c, vectors)
-    _softmax_heads(scores, group, n)
-    acc[:, :] = 0.0
-    for c in range(0, n, KEY_ROWS):
-        _widen_step(v_cache, block_table, kvh, first + c, num_keys, rows, KEY_ROWS, offsets, v_cache,
-                    first + c + KEY_ROWS)
-        _update_step(rows, scores, acc, group, c, vectors)
-    for g in range(group):
-        for d in range(head_dim):
-            out[t, h0 + g, d] = acc[g, d]
-
-
-@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
-def _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_table, scale, scratch,  # noqa: C901
+def _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_table, scale, scores, acc, row_f,  # noqa: C901
             out):  # pragma: no cover - compiled
-    """Token t's query heads of KV head kvh over keys first..num_keys-1 -> out[t, heads]
-    (scratch: attention_scratch's)."""
+    """Token t's query heads of KV head kvh over keys first..num_keys-1 -> out[t, heads]."""
     head_dim, block_size = q.shape[2], k_cache.shape[1]
-    if head_dim % 16 == 0 and head_dim // 16 in (1, 2, 4, 5, 6, 8, 16):
-        _attend_tiles(q, k_cache, v_cache, t, kvh, num_keys, first, block_table, scale, scratch, out)
-        return
-    scores, acc, rows = scratch[0], scratch[1], scratch[2]
-    row_f = rows[0]
     group = q.shape[1] // k_cache.shape[2]
     h0 = kvh * group
     n = num_keys - first
@@ -249,7 +99,9 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
     max_len = 1
     for r in range(num_reqs):
         max_len = max(max_len, seq_lens[r])
-    scratch = attention_scratch(group, max_len, head_dim)
+    scores = np.empty((group, max_len), dtype=np.float32)
+    acc = np.empty((group, head_dim), dtype=np.float32)
+    row_f = np.empty(head_dim, dtype=np.float32)
     for r in range(num_reqs):
         if query_start_loc[r + 1] - query_start_loc[r] > max_tokens:
             continue
@@ -260,7 +112,7 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
                 continue
             for kvh in range(num_kv_heads):
                 _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_tables[r], scale,
-                        scratch, out)
+                        scores, acc, row_f, out)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
@@ -271,7 +123,9 @@ def _claimed_pairs(q, k_cache, v_cache, positions, seq_lens, block_tables, scale
     per thread by construction, whatever Numba's parfor pass decides to hoist out of a loop."""
     num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
     group = q.shape[1] // num_kv_heads
-    scratch = attention_scratch(group, max_len, head_dim)
+    scores = np.empty((group, max_len), dtype=np.float32)
+    acc = np.empty((group, head_dim), dtype=np.float32)
+    row_f = np.empty(head_dim, dtype=np.float32)
     pairs = q.shape[0] * num_kv_heads
     w = claim(counter)
     while w < pairs:
@@ -283,7 +137,7 @@ def _claimed_pairs(q, k_cache, v_cache, positions, seq_lens, block_tables, scale
                 out[t, kvh * group:(kvh + 1) * group, :] = 0.0
             else:
                 _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_tables[r], scale,
-                        scratch, out)
+                        scores, acc, row_f, out)
         w = claim(counter)
 
 

@@ -14,14 +14,7 @@ BLAS micro-kernel's shape) and streams the other operand past them:
 - update ``acc[i] += st[:, i] @ vb`` (vb [KEY_BLOCK, head_dim]): 16 / (head_dim / 16) accumulator
   rows x head_dim; per key, head_dim / 16 value vectors and one broadcast probability a row.
 
-Both are bound by the multiply-add units, not by loads.
-
-A decode (one query token: a KV head's few query heads) has no rows to fill those vectors, so
-gpu/cpu/attention.py's loop takes three kernels of its own, KEY_ROWS (16) keys a step:
-``widen_rows`` (the keys' or values' cache rows as float32 vectors, the next step's rows
-prefetched), ``key_scores`` (one query head: 16 partial-product vectors along head_dim, summed
-across by one transpose-sum, _transpose_sums) and ``head_update`` (the update above, the
-probabilities a head a row)."""
+Both are bound by the multiply-add units, not by loads."""
 from __future__ import annotations
 
 from typing import Any
@@ -38,7 +31,6 @@ ROW_VECTORS = 2          # ... against 32 query rows (x 2 sums: 16 accumulators)
 SCORE_ROWS = ROW_VECTORS * LANES
 ACCUMULATORS = 16        # vectors an update step keeps in registers
 KEY_VECTORS = 2          # KEY_BLOCK (32) keys as vectors of 16
-KEY_ROWS = LANES         # keys a decode's key_scores / head_update step takes (one vector of scores)
 
 _F32 = ir.FloatType()
 _V16F = _vec(_F32, LANES)
@@ -157,147 +149,5 @@ def _update_typing(typingctx, s, vb, acc, i0, rows, vectors):
     return sig, _update_codegen(rows.literal_value, vectors.literal_value)
 
 
-def _transpose_sums(builder, partials: list) -> Any:
-    """One vector whose lane j is the sum of partials[j]'s 16 lanes (LANES vectors): halving
-    rounds of two two-source shuffles and an add, 45 instructions for 16 horizontal sums (each
-    alone: 4 shuffles and 4 adds), the keys' order kept."""
-    vectors, width = list(partials), LANES
-    while width > 1:
-        half, segments = width // 2, LANES // width
-        lo = [seg * width + i for seg in range(segments) for i in range(half)]
-        hi = [i + half for i in lo]
-        vectors = [builder.fadd(builder.shuffle_vector(a, b, ir.Constant(_vec(ir.IntType(32), LANES),
-                                                                         lo + [i + LANES for i in lo])),
-                                builder.shuffle_vector(a, b, ir.Constant(_vec(ir.IntType(32), LANES),
-                                                                         hi + [i + LANES for i in hi])))
-                   for a, b in zip(vectors[0::2], vectors[1::2], strict=True)]
-        width = half
-    return vectors[0]
-
-
-def _key_scores_codegen(vectors: int):
-    def codegen(context, builder, sig, args):
-        kb, q, st, g, c0 = args[:5]
-        kbty, qty, stty = sig.args[:3]
-        qrow = _row_ptr(context, builder, qty, q, g)
-        queries = [_load(builder, qrow, _const(builder, v), _V16F) for v in range(vectors)]
-        partials = []
-        for j in range(KEY_ROWS):
-            krow = _row_ptr(context, builder, kbty, kb, _const(builder, j))
-            p = builder.fmul(queries[0], _load(builder, krow, _const(builder, 0), _V16F))
-            for v in range(1, vectors):
-                p = _fma(builder, queries[v], _load(builder, krow, _const(builder, v), _V16F), p)
-            partials.append(p)
-        srow = builder.bitcast(_row_ptr(context, builder, stty, st, g), _F32.as_pointer())
-        dst = builder.bitcast(builder.gep(srow, [c0]), _V16F.as_pointer())
-        builder.store(_transpose_sums(builder, partials), dst, align=4)
-        return context.get_dummy_value()
-    return codegen
-
-
-def _key_scores_typing(typingctx, kb, q, st, g, c0, vectors):
-    """st[g, c0: c0 + 16] = kb[:16] @ q[g]: one query head against KEY_ROWS keys (a decode's
-    scores). kb float32 [>= 16, D], q float32 [G, D], st float32 [G, N]; vectors = D / 16, a
-    literal."""
-    if not isinstance(vectors, types.IntegerLiteral):
-        return None
-    return types.none(kb, q, st, g, c0, vectors), _key_scores_codegen(vectors.literal_value)
-
-
-def _head_update_codegen(rows: int, vectors: int):
-    def codegen(context, builder, sig, args):
-        st, vb, acc, g0, c0 = args[:5]
-        stty, vbty, accty = sig.args[:3]
-        arow = [builder.bitcast(_row_ptr(context, builder, accty, acc, builder.add(g0, _const(builder, r))),
-                                _V16F.as_pointer()) for r in range(rows)]
-        prow = [builder.gep(builder.bitcast(_row_ptr(context, builder, stty, st,
-                                                     builder.add(g0, _const(builder, r))), _F32.as_pointer()),
-                            [c0]) for r in range(rows)]
-        sums = [builder.load(builder.gep(arow[r], [_const(builder, v)]), align=4)
-                for r in range(rows) for v in range(vectors)]
-        for j in range(KEY_ROWS):
-            vrow = _row_ptr(context, builder, vbty, vb, _const(builder, j))
-            values = [_load(builder, vrow, _const(builder, v), _V16F) for v in range(vectors)]
-            for r in range(rows):
-                p = _splat(builder, builder.load(builder.gep(prow[r], [_const(builder, j)]), align=4), LANES)
-                for v in range(vectors):
-                    sums[r * vectors + v] = _fma(builder, p, values[v], sums[r * vectors + v])
-        for r in range(rows):
-            for v in range(vectors):
-                builder.store(sums[r * vectors + v], builder.gep(arow[r], [_const(builder, v)]), align=4)
-        return context.get_dummy_value()
-    return codegen
-
-
-def _head_update_typing(typingctx, st, vb, acc, g0, c0, rows, vectors):
-    """acc[g0 + r] += st[g0 + r, c0: c0 + 16] @ vb[:16] for r < rows (a decode's P V, the
-    probabilities a head a row): st float32 [G, N], vb float32 [>= 16, D], acc float32 [G, D];
-    rows and vectors = D / 16 literals (rows x vectors accumulators in registers)."""
-    if not all(isinstance(a, types.IntegerLiteral) for a in (rows, vectors)):
-        return None
-    sig = types.none(st, vb, acc, g0, c0, rows, vectors)
-    return sig, _head_update_codegen(rows.literal_value, vectors.literal_value)
-
-
-def _widen_codegen(kind: str, vectors: int):
-    i16 = ir.IntType(16)
-
-    item = 4 if kind == "f32" else 2
-    lines = max(1, vectors * LANES * item // 64)  # cache lines a row
-
-    def codegen(context, builder, sig, args):
-        cache, ahead, offsets, dst, d0 = args[:5]
-        cachety, aheadty, offty, dstty = sig.args[:4]
-        def data(aty, a, ty):
-            return builder.bitcast(context.make_array(aty)(context, builder, a).data, ty.as_pointer())
-        base, later = data(cachety, cache, ir.IntType(8)), data(aheadty, ahead, ir.IntType(8))
-        offs = data(offty, offsets, ir.IntType(64))
-        i32 = ir.IntType(32)
-        prefetch = _function(builder, "llvm.prefetch.p0i8", ir.FunctionType(ir.VoidType(), [
-            ir.IntType(8).as_pointer(), i32, i32, i32]))
-        for i in range(KEY_ROWS):
-            # PERF: the rows of the step after this one, asked for now: a KV head's rows are a
-            # cache row apart (1 KiB on the 1B shape), 4 to a page, and the hardware prefetchers
-            # stop at page ends: unasked, every few rows waited for DRAM (3-8 GB/s)
-            at = builder.gep(later, [builder.load(builder.gep(offs, [_const(builder, KEY_ROWS + i)]))])
-            for line in range(lines):
-                builder.call(prefetch, [builder.gep(at, [_const(builder, 64 * line)]), ir.Constant(i32, 0),
-                                        ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            src = builder.gep(base, [builder.load(builder.gep(offs, [_const(builder, i)]))])
-            drow = _row_ptr(context, builder, dstty, dst, builder.add(d0, _const(builder, i)))
-            for v in range(vectors):
-                if kind == "f32":
-                    x = _load(builder, src, _const(builder, v), _V16F)
-                else:
-                    bits = _load(builder, src, _const(builder, v), _vec(i16, LANES))
-                    if kind == "f16":  # NOTE: vcvtph2ps: exact, subnormals, inf and nan included
-                        x = builder.fpext(builder.bitcast(bits, _vec(ir.HalfType(), LANES)), _V16F)
-                    else:  # bfloat16: the upper half of a float32
-                        wide = builder.shl(builder.zext(bits, _vec(ir.IntType(32), LANES)),
-                                           ir.Constant(_vec(ir.IntType(32), LANES), [16] * LANES))
-                        x = builder.bitcast(wide, _V16F)
-                builder.store(x, builder.gep(builder.bitcast(drow, _V16F.as_pointer()), [_const(builder, v)]),
-                              align=4)
-        return context.get_dummy_value()
-    return codegen
-
-
-def _widen_typing(typingctx, cache, ahead, offsets, dst, d0, vectors):
-    """dst[d0 + i, :16 vectors] = the cache row at byte offset offsets[i] as float32, for i <
-    KEY_ROWS: a decode's keys or values widened from the cache's storage (gpu/cpu/kv_dtypes.py:
-    float32, bfloat16 bits in uint16, float16 bits in int16; vcvtph2ps for float16), 16
-    elements a vector; and the rows of `ahead` (a cache of the same shape) at offsets[KEY_ROWS +
-    i] prefetched. vectors: head_dim / 16, a literal."""
-    if not isinstance(vectors, types.IntegerLiteral):
-        return None
-    kind = {types.float32: "f32", types.uint16: "bf16", types.int16: "f16"}.get(cache.dtype)
-    if kind is None:
-        return None
-    return types.none(cache, ahead, offsets, dst, d0, vectors), _widen_codegen(kind, vectors.literal_value)
-
-
 scores_tile: Any = intrinsic(_scores_typing)
 update_tile: Any = intrinsic(_update_typing)
-key_scores: Any = intrinsic(_key_scores_typing)
-head_update: Any = intrinsic(_head_update_typing)
-widen_rows: Any = intrinsic(_widen_typing)
