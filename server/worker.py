@@ -28,7 +28,7 @@ from ringserve.server.config import WORKER_CONFIG_ENV, StructuredOutputsConfig
 from ringserve.server.context import ServerContext
 from ringserve.server.debug import engine_views
 from ringserve.server.engine_client import EngineClient, EngineUnavailable
-from ringserve.server.memory import server_root, tree_pss_bytes
+from ringserve.server.memory import release_free_heap, server_root, tree_pss_bytes
 from ringserve.server.metrics import CacheConfig, EngineSnapshot, RequestMetrics
 from ringserve.server.protocol import RequestLimits
 from ringserve.server.tokenizer import Tokenizer
@@ -87,6 +87,7 @@ def preload() -> None:
         _tokenizer_of(json.loads(os.environ[WORKER_CONFIG_ENV]))
     except Exception:  # NOTE: each worker then makes it and reports the error as it always has
         log.debug("the tokenizer was not preloaded", exc_info=True)
+    release_free_heap()  # NOTE: before the fork, so that no worker inherits the parse's garbage
 
 
 def worker_app():
@@ -112,6 +113,7 @@ def worker_app():
             await client.wait_ready(timeout=30.0)
         except EngineUnavailable as exc:  # one is restarting: answer 503 until it is back
             log.warning("%s", exc)
+        release_free_heap()  # what building the app and connecting left freed (server/memory.py)
 
     options = AppOptions(
         api_key=cfg.get("api_key"), max_body_bytes=cfg["max_body_bytes"],
