@@ -3,6 +3,7 @@ dtype and shape, sit 64-byte aligned, never overlap, and the mappings carry the 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import sys
 from pathlib import Path
 
@@ -92,7 +93,6 @@ def test_a_freed_step_sized_block_goes_back_to_the_system():
     """memory.map_large_blocks: after a 31 MiB block was freed, glibc's own (dynamic) threshold
     puts a 6 MiB block on the heap, whose pages stay resident once it is freed; with the fixed
     4 MiB threshold the block is a mapping of its own, and free unmaps it."""
-    import subprocess
     returned = [subprocess.run([sys.executable, "-c", _FREED_BLOCK, arg], capture_output=True,
                                text=True, check=True).stdout.split() for arg in ("default", "set")]
     assert returned == [["False"], ["True"]]

@@ -103,9 +103,9 @@ class KVCache(NamedTuple):
 
 
 # Token rows of one MLP block (CpuStepBuffers.mlp_rows). PERF: blocks re-read the MLP's weights
-# (each block is still bound by the int8 multiply-adds, not by that read); 128 rows keep the
-# 4-row tiles of tiles_linear and cut the 512-token step's MLP activations from 48 to 12 MB on
-# Llama-3.2-1B.
+# (each block is still bound by the int8 multiply-adds, not by that read); 128 rows are over
+# int8_kernels.WIDE_TILE_TOKENS, so a block takes the tiles a 512-row step takes, and the
+# 512-token step's MLP activations are 12 MB on Llama-3.2-1B, not 48.
 MLP_ROWS = 128
 
 
