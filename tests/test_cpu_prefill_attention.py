@@ -2,15 +2,16 @@
 attention of gpu/cpu/attention.py's loop and of a float64 reference, for every CPU cache type,
 GQA groups, sliding windows (never reading a block freed before a window) and mixed steps
 (decodes, short chunks and long chunks at any offset in one step), as CpuOps runs them; and the
-loop's driver CpuOps runs gives the same bits on one thread as on all (how many a step takes
-depends on the batch: a token's result must not), and the one-thread reference loop's values."""
+loop's driver CpuOps runs gives the same bits on one thread as on all and in tasks of one KV head
+or a run of them (how many threads and heads a task takes depends on the batch: a token's result
+must not), and the one-thread reference loop's values."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from paged_cases import free_before_windows, load_all, paged_layout, store_all
-from ringserve.gpu.cpu.attention import paged_attention, paged_attention_parallel
+from ringserve.gpu.cpu.attention import attention_tasks, paged_attention, paged_attention_parallel
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.prefill_attention import KEY_BLOCK, MIN_TOKENS, prefill_attention
 from ringserve.gpu.cpu.tasks import task_counter
@@ -70,7 +71,8 @@ def _as_ops_runs(q, k, v, args):
     """CpuOps.attention's two calls for a step with long chunks."""
     out = np.full_like(q, np.nan)
     prefill_attention(q, k, v, *args, out)
-    paged_attention_parallel(q, k, v, *args, out, MIN_TOKENS - 1, task_counter(q.shape[0] * k.shape[2]))
+    kv_per_task, tasks = attention_tasks(q.shape[0], k.shape[2])
+    paged_attention_parallel(q, k, v, *args, out, MIN_TOKENS - 1, kv_per_task, task_counter(tasks))
     return out
 
 
@@ -119,15 +121,28 @@ def test_the_loop_over_threads_is_the_loop(dtype, heads, kv_heads, window):
     # many vector steps
     requests = MIXED + [(191, 1)] * 16 + [(900, 1), (3999, 1), (1500, 3)]
     q, (k, v), _, args = _case(dtype, heads, kv_heads, window, requests=requests, head_dim=64)
+    runs = sorted({1, 3 % kv_heads or kv_heads, kv_heads})  # heads a task: one, uneven runs, all
     for max_tokens in (2**62, MIN_TOKENS - 1):  # every request; only decodes and short chunks
-        one, many, loop = np.full_like(q, 7.0), np.full_like(q, 7.0), np.full_like(q, 7.0)
-        counter = task_counter(q.shape[0] * k.shape[2])
+        one, loop = np.full_like(q, 7.0), np.full_like(q, 7.0)
+        counter = task_counter(q.shape[0])
         counter[1] = 1  # as CpuOps runs a small step
-        paged_attention_parallel(q, k, v, *args, one, max_tokens, counter)
-        for _ in range(5):  # NOTE: a race (threads sharing scratch) shows in some runs only
-            paged_attention_parallel(q, k, v, *args, many, max_tokens,
-                                     task_counter(q.shape[0] * k.shape[2]))
-            np.testing.assert_array_equal(many, one)
+        paged_attention_parallel(q, k, v, *args, one, max_tokens, kv_heads, counter)
+        for kv_per_task in runs:
+            many = np.full_like(q, 7.0)
+            tasks = q.shape[0] * -(-kv_heads // kv_per_task)
+            for _ in range(3):  # NOTE: a race (threads sharing scratch) shows in some runs only
+                paged_attention_parallel(q, k, v, *args, many, max_tokens, kv_per_task,
+                                         task_counter(tasks))
+                np.testing.assert_array_equal(many, one, err_msg=f"{kv_per_task} KV heads a task")
         paged_attention(q, k, v, *args, loop, max_tokens)
         assert ((loop == 7.0) == (one == 7.0)).all()  # the same rows left alone
         np.testing.assert_allclose(one, loop, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,kv_heads,threads,want", [
+    (1, 8, 2, (1, 8)), (1, 8, 16, (1, 8)), (3, 8, 16, (1, 24)), (2, 8, 2, (8, 2)),
+    (16, 8, 2, (8, 16)), (1, 1, 2, (1, 1)), (16, 6, 16, (6, 16)), (5, 2, 1, (2, 5))])
+def test_fewer_tokens_than_threads_take_a_kv_head_a_task_more_a_token_a_task(tokens, kv_heads, threads, want,
+                                                                   monkeypatch):
+    monkeypatch.setattr("numba.get_num_threads", lambda: threads)
+    assert attention_tasks(tokens, kv_heads) == want

@@ -8,17 +8,20 @@ entries then name a placeholder block), and the cost per token is O(w), not O(p)
 whole step instead of a dozen numpy calls per request and layer, which dominated decode
 steps with many requests. Softmax in float32 with the max subtracted.
 
-Two drivers of the same per-(token, KV head) body: `paged_attention`, the readable one-thread
-reference (tests, the CUDA reference), and `paged_attention_parallel`, which CpuOps runs for
-every step: its (token, KV head) pairs over Numba's threads for a step whose tokens read many keys
-(4,000 keys x 8 KV heads are ~3 ms a layer on one thread), on one thread otherwise. NOTE: one
-driver in the engine, because the two drivers' copies of `_attend` are optimized apart (LLVM
-inlines it into each, and a driver loaded from Numba's cache was compiled in another process):
-they agree within float32 rounding, not bit for bit, and a token's result must not depend on the
-batch it ran in.
+Two drivers of the same body (a token and a run of adjacent KV heads): `paged_attention`, the
+readable one-thread reference (tests, the CUDA reference), a token's heads in one run, and
+`paged_attention_parallel`, which CpuOps runs for every step: its tasks over Numba's threads for
+a step whose tokens read many keys (4,000 keys x 8 KV heads are ~3 ms a layer on one thread), on
+one thread otherwise. A task is a whole token where the step has a token for every thread (a
+cache row [KV heads, head_dim] read in one sweep, not one head's slice of every row), one KV
+head where it has fewer (a decode's heads over the threads). NOTE: one driver in the engine,
+because the two drivers' copies of `_attend` are optimized apart (LLVM inlines it into each, and
+a driver loaded from Numba's cache was compiled in another process): they agree within float32
+rounding, not bit for bit, and a token's result must not depend on the batch it ran in.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -33,49 +36,59 @@ PARALLEL_KEY_READS = 256
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
-def _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_table, scale, scores, acc, row_f,  # noqa: C901
-            out):  # pragma: no cover - compiled
-    """Token t's query heads of KV head kvh over keys first..num_keys-1 -> out[t, heads]."""
+def _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_table, scale, scores, acc,  # noqa: C901
+            row_f, out):  # pragma: no cover - compiled
+    """Token t's query heads of KV heads kvh0..kvh1-1 over keys first..num_keys-1 -> out[t, heads].
+    PERF: a cache row holds its KV heads side by side, so the heads of one task are read in one
+    sweep of each row (contiguous bytes the hardware prefetcher follows), not one head's 128 bytes
+    every 1 KiB; each (head, key) is the same arithmetic in the same order whatever the run."""
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
-    h0 = kvh * group
+    h0 = kvh0 * group
+    heads = (kvh1 - kvh0) * group
     n = num_keys - first
     start = first - first % block_size  # NOTE: from the window's first block, never before it
     for j0 in range(start, num_keys, block_size):  # block by block: no division per key
         block = block_table[j0 // block_size]
         for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
-            for d in range(head_dim):  # PERF: the key widened once, not once per query head
-                row_f[d] = kv_load(k_cache[block, row, kvh, d])
-            for g in range(group):
-                s = np.float32(0.0)
-                for d in range(head_dim):
-                    s += q[t, h0 + g, d] * row_f[d]
-                scores[g, j0 + row - first] = s * scale
-    for g in range(group):
-        m = scores[g, 0]
+            j = j0 + row - first
+            for kvh in range(kvh0, kvh1):
+                for d in range(head_dim):  # PERF: the key widened once, not once per query head
+                    row_f[d] = kv_load(k_cache[block, row, kvh, d])
+                for g in range(group):
+                    h = kvh * group + g
+                    s = np.float32(0.0)
+                    for d in range(head_dim):
+                        s += q[t, h, d] * row_f[d]
+                    scores[h - h0, j] = s * scale
+    for hl in range(heads):
+        m = scores[hl, 0]
         for j in range(1, n):
-            m = max(m, scores[g, j])
+            m = max(m, scores[hl, j])
         total = np.float32(0.0)
         for j in range(n):
-            e = fast_exp(scores[g, j] - m)
-            scores[g, j] = e
+            e = fast_exp(scores[hl, j] - m)
+            scores[hl, j] = e
             total += e
         inv = np.float32(1.0) / total
         for j in range(n):
-            scores[g, j] *= inv
-    acc[:, :] = 0.0
+            scores[hl, j] *= inv
+    acc[:heads, :] = 0.0
     for j0 in range(start, num_keys, block_size):
         block = block_table[j0 // block_size]
         for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
-            for d in range(head_dim):
-                row_f[d] = kv_load(v_cache[block, row, kvh, d])
-            for g in range(group):
-                w = scores[g, j0 + row - first]
+            j = j0 + row - first
+            for kvh in range(kvh0, kvh1):
                 for d in range(head_dim):
-                    acc[g, d] += w * row_f[d]
-    for g in range(group):
+                    row_f[d] = kv_load(v_cache[block, row, kvh, d])
+                for g in range(group):
+                    hl = (kvh - kvh0) * group + g
+                    w = scores[hl, j]
+                    for d in range(head_dim):
+                        acc[hl, d] += w * row_f[d]
+    for hl in range(heads):
         for d in range(head_dim):
-            out[t, h0 + g, d] = acc[g, d]
+            out[t, h0 + hl, d] = acc[hl, d]
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
@@ -94,13 +107,12 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
     request with more than max_tokens query tokens is left alone (gpu/cpu/prefill_attention.py
     takes those)."""
     num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
-    group = q.shape[1] // num_kv_heads
     num_reqs = seq_lens.shape[0]
     max_len = 1
     for r in range(num_reqs):
         max_len = max(max_len, seq_lens[r])
-    scores = np.empty((group, max_len), dtype=np.float32)
-    acc = np.empty((group, head_dim), dtype=np.float32)
+    scores = np.empty((q.shape[1], max_len), dtype=np.float32)
+    acc = np.empty((q.shape[1], head_dim), dtype=np.float32)
     row_f = np.empty(head_dim, dtype=np.float32)
     for r in range(num_reqs):
         if query_start_loc[r + 1] - query_start_loc[r] > max_tokens:
@@ -110,45 +122,48 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
             if num_keys <= first:
                 out[t, :, :] = 0.0
                 continue
-            for kvh in range(num_kv_heads):
-                _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_tables[r], scale,
-                        scores, acc, row_f, out)
+            _attend(q, k_cache, v_cache, t, 0, num_kv_heads, num_keys, first, block_tables[r],
+                    scale, scores, acc, row_f, out)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
-def _claimed_pairs(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
-                   owner, max_len, counter):  # pragma: no cover - compiled
-    """One thread's share of paged_attention_parallel: pairs claimed until none is left, with
+def _claimed_tasks(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
+                   owner, max_len, kv_per_task, counter):  # pragma: no cover - compiled
+    """One thread's share of paged_attention_parallel: tasks claimed until none is left, with
     scratch of its own. NOTE: a function of its own, not the prange body, so that the scratch is
     per thread by construction, whatever Numba's parfor pass decides to hoist out of a loop."""
     num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
     group = q.shape[1] // num_kv_heads
-    scores = np.empty((group, max_len), dtype=np.float32)
-    acc = np.empty((group, head_dim), dtype=np.float32)
+    scores = np.empty((kv_per_task * group, max_len), dtype=np.float32)
+    acc = np.empty((kv_per_task * group, head_dim), dtype=np.float32)
     row_f = np.empty(head_dim, dtype=np.float32)
-    pairs = q.shape[0] * num_kv_heads
+    runs = (num_kv_heads + kv_per_task - 1) // kv_per_task  # runs of KV heads a token
+    tasks = q.shape[0] * runs
     w = claim(counter)
-    while w < pairs:
-        t, kvh = w // num_kv_heads, w % num_kv_heads
+    while w < tasks:
+        t = w // runs
+        kvh0 = (w % runs) * kv_per_task
+        kvh1 = min(kvh0 + kv_per_task, num_kv_heads)
         r = owner[t]
         if r >= 0:
             num_keys, first = _key_range(positions, seq_lens[r], window, t)
             if num_keys <= first:
-                out[t, kvh * group:(kvh + 1) * group, :] = 0.0
+                out[t, kvh0 * group:kvh1 * group, :] = 0.0
             else:
-                _attend(q, k_cache, v_cache, t, kvh, num_keys, first, block_tables[r], scale,
-                        scores, acc, row_f, out)
+                _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_tables[r],
+                        scale, scores, acc, row_f, out)
         w = claim(counter)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
 def paged_attention_parallel(q, k_cache, v_cache, positions, query_start_loc, seq_lens,
-                             block_tables, scale, window, out, max_tokens,
+                             block_tables, scale, window, out, max_tokens, kv_per_task,
                              counter):  # pragma: no cover - compiled
-    """paged_attention with its (token, KV head) pairs claimed by Numba's threads one at a time
-    (gpu/cpu/tasks.py: a descheduled thread holds back one pair, not half the step; counter:
-    task_counter(tokens x KV heads); counter[1] = 1: on the calling thread alone), each thread
-    its own scratch: the same result bit for bit whatever the number of threads."""
+    """paged_attention with its tasks (a token and a run of kv_per_task adjacent KV heads,
+    attention_tasks) claimed by Numba's threads one at a time (gpu/cpu/tasks.py: a descheduled
+    thread holds back one task, not half the step; counter[1] = 1: on the calling thread alone),
+    each thread its own scratch: the same result bit for bit whatever the number of threads or
+    the length of the runs."""
     owner = np.full(q.shape[0], -1, np.int64)  # each token's request; -1: not this kernel's
     max_len = 1
     for r in range(seq_lens.shape[0]):
@@ -157,5 +172,15 @@ def paged_attention_parallel(q, k_cache, v_cache, positions, query_start_loc, se
             max_len = max(max_len, seq_lens[r])
     counter[0] = 0
     for _ in prange(counter[1]):
-        _claimed_pairs(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
-                       owner, max_len, counter)
+        _claimed_tasks(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
+                       owner, max_len, kv_per_task, counter)
+
+
+def attention_tasks(tokens: int, num_kv_heads: int) -> tuple[int, int]:
+    """(KV heads a task, tasks) for paged_attention_parallel: a token's KV heads in one task where
+    there are at least as many tokens as threads (each row of the cache read in one sweep), else one
+    KV head a task. NOTE: not a token's heads in runs over the threads: two threads sweeping halves
+    of the same rows at once took 2.5x as long as one thread sweeping them whole (the 1B at 4,000
+    keys, docs/bench_forward.md)."""
+    kv_per_task = num_kv_heads if tokens >= numba.get_num_threads() else 1
+    return kv_per_task, tokens * (num_kv_heads // kv_per_task)
