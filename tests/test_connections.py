@@ -360,14 +360,21 @@ def test_a_response_nobody_reads_is_cut(server):
     close would wait forever for the flush)."""
     before = _metrics(server)
     s = _connect(server, rcvbuf=4096)
-    with s:  # n=2 x 12,000 tokens with 20 logprobs: ~8 MB of JSON, twice what the kernel holds
-        s.sendall(_post("/v1/completions", {"prompt": "hello", "max_tokens": 12000, "n": 2,
-                                            "ignore_eos": True, "logprobs": 20}))
+    # n=2 x a 12,000-token prompt echoed with 20 logprobs a token: ~8 MB of JSON, twice what the
+    # kernel holds. PERF: the prompt's logprobs come from one prefill, where 12,000 generated
+    # tokens took ~30 s of decode steps
+    with s:
+        s.sendall(_post("/v1/completions", {"prompt": [7] * 12000, "max_tokens": 1, "n": 2,
+                                            "echo": True, "logprobs": 20}))
         workers = _descendants(server.proc.pid)
         _wait_for("the worker to hold it", lambda: sum(_connections_per_process(
             server.port, workers).values()) >= 1)
         _wait_for("the worker to let it go", lambda: sum(_connections_per_process(
             server.port, workers).values()) == 0, timeout=10 * WAIT_S)
+        head = _read_to_eof(s)  # what the kernel had buffered before the cut
+    assert head.startswith(b"HTTP/1.1 200 "), head[:300]
+    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+    assert length > 4 * 2**20 > len(head), (length, len(head))  # more than the kernel holds, cut
     assert _metrics(server)["aborted"] == before["aborted"]  # it was answered in full
     _completes(server)
 
