@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from paged_cases import free_before_windows, load_all, paged_layout, store_all
-from ringserve.gpu.cpu.attention import attention_tasks, paged_attention, paged_attention_parallel
+from ringserve.gpu.cpu.attention import paged_attention, paged_attention_parallel, plan_tasks
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.prefill_attention import KEY_BLOCK, MIN_TOKENS, prefill_attention
 from ringserve.gpu.cpu.tasks import task_counter
@@ -71,8 +71,7 @@ def _as_ops_runs(q, k, v, args):
     """CpuOps.attention's two calls for a step with long chunks."""
     out = np.full_like(q, np.nan)
     prefill_attention(q, k, v, *args, out)
-    kv_per_task, tasks = attention_tasks(q.shape[0], k.shape[2])
-    paged_attention_parallel(q, k, v, *args, out, MIN_TOKENS - 1, kv_per_task, task_counter(tasks))
+    paged_attention_parallel(q, k, v, *args, out, MIN_TOKENS - 1, task_counter(q.shape[0] * k.shape[2]))
     return out
 
 
@@ -121,28 +120,38 @@ def test_the_loop_over_threads_is_the_loop(dtype, heads, kv_heads, window):
     # many vector steps
     requests = MIXED + [(191, 1)] * 16 + [(900, 1), (3999, 1), (1500, 3)]
     q, (k, v), _, args = _case(dtype, heads, kv_heads, window, requests=requests, head_dim=64)
-    runs = sorted({1, 3 % kv_heads or kv_heads, kv_heads})  # heads a task: one, uneven runs, all
     for max_tokens in (2**62, MIN_TOKENS - 1):  # every request; only decodes and short chunks
         one, loop = np.full_like(q, 7.0), np.full_like(q, 7.0)
-        counter = task_counter(q.shape[0])
-        counter[1] = 1  # as CpuOps runs a small step
-        paged_attention_parallel(q, k, v, *args, one, max_tokens, kv_heads, counter)
-        for kv_per_task in runs:
+        counter = task_counter(q.shape[0] * kv_heads)
+        counter[1] = 1  # as CpuOps runs a small step: every token one task
+        paged_attention_parallel(q, k, v, *args, one, max_tokens, counter)
+        # 2 and 16 threads' plans (the 3,999-key decode split into its KV heads; at 16 more
+        # tokens are), on as many threads as there are here
+        for threads in (2, 16):
             many = np.full_like(q, 7.0)
-            tasks = q.shape[0] * -(-kv_heads // kv_per_task)
             for _ in range(3):  # NOTE: a race (threads sharing scratch) shows in some runs only
-                paged_attention_parallel(q, k, v, *args, many, max_tokens, kv_per_task,
-                                         task_counter(tasks))
-                np.testing.assert_array_equal(many, one, err_msg=f"{kv_per_task} KV heads a task")
+                counter = task_counter(q.shape[0] * kv_heads)
+                counter[1] = threads
+                paged_attention_parallel(q, k, v, *args, many, max_tokens, counter)
+                np.testing.assert_array_equal(many, one, err_msg=f"planned for {threads} threads")
         paged_attention(q, k, v, *args, loop, max_tokens)
         assert ((loop == 7.0) == (one == 7.0)).all()  # the same rows left alone
         np.testing.assert_allclose(one, loop, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens,kv_heads,threads,want", [
-    (1, 8, 2, (1, 8)), (1, 8, 16, (1, 8)), (3, 8, 16, (1, 24)), (2, 8, 2, (8, 2)),
-    (16, 8, 2, (8, 16)), (1, 1, 2, (1, 1)), (16, 6, 16, (6, 16)), (5, 2, 1, (2, 5))])
-def test_fewer_tokens_than_threads_take_a_kv_head_a_task_more_a_token_a_task(tokens, kv_heads, threads, want,
-                                                                   monkeypatch):
-    monkeypatch.setattr("numba.get_num_threads", lambda: threads)
-    assert attention_tasks(tokens, kv_heads) == want
+def test_a_token_with_more_than_a_threads_share_of_keys_is_split_into_its_kv_heads_first():
+    # decodes at 100, 3,000, 10 and 1,000 keys (4,110 in all); token 4 is no request's (-1)
+    positions = np.array([99, 2999, 9, 999, 0], np.int64)
+    seq_lens = np.array([100, 3000, 10, 1000], np.int32)
+    owner = np.array([0, 1, 2, 3, -1], np.int64)
+    whole = [[t, 0, 4] for t in range(4)]
+    assert plan_tasks(positions, seq_lens, 0, owner, 4, 1).tolist() == whole
+    assert plan_tasks(positions, seq_lens, 0, owner, 4, 2).tolist() == (  # 3,000 x 2 > 4,110
+        [[1, h, h + 1] for h in range(4)] + [[0, 0, 4], [2, 0, 4], [3, 0, 4]])
+    assert plan_tasks(positions, seq_lens, 0, owner, 4, 5).tolist() == (  # 1,000 x 5 > 4,110 too
+        [[1, h, h + 1] for h in range(4)] + [[3, h, h + 1] for h in range(4)] + [[0, 0, 4], [2, 0, 4]])
+    # a window of 50 keys: every token reads 50 (token 2: 10) of 160; none has more than half
+    assert plan_tasks(positions, seq_lens, 50, owner, 4, 2).tolist() == whole
+    # one decode alone on 2 threads: its heads over them
+    assert plan_tasks(positions[:1], seq_lens[:1], 0, owner[:1], 8, 2).tolist() == [
+        [0, h, h + 1] for h in range(8)]

@@ -20,7 +20,7 @@ import time
 import numba
 import numpy as np
 
-from ringserve.gpu.cpu.attention import attention_tasks, paged_attention, paged_attention_parallel
+from ringserve.gpu.cpu.attention import paged_attention, paged_attention_parallel
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.prefill_attention import prefill_attention
 from ringserve.gpu.cpu.tasks import task_counter
@@ -94,12 +94,11 @@ def _decode(args) -> int:
                    rng.permutation(n * blocks).reshape(n, blocks).astype(np.int32),
                    np.float32(args.head_dim ** -0.5), 0)
     kv_bytes = 2 * n * args.context * args.kv_heads * args.head_dim * k.itemsize
-    kv_per_task, tasks = attention_tasks(n, args.kv_heads)  # as CpuOps takes them
-    counter = task_counter(tasks)
+    counter = task_counter(n * args.kv_heads)
     outs = []
     for name, kernel, more in (("loop, one thread", paged_attention, ()),
                                (f"loop, {args.threads} thread(s)", paged_attention_parallel,
-                                (2**62, kv_per_task, counter))):
+                                (2**62, counter))):
         out = np.empty_like(q)
         wall, cpu = _timed(kernel, q, k, v, kernel_args, out, args.reps, more)
         print(f"{name:<22} wall {wall * 1e3:8.2f} ms  cpu {cpu * 1e3:8.2f} ms  "

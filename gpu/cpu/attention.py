@@ -12,16 +12,16 @@ Two drivers of the same body (a token and a run of adjacent KV heads): `paged_at
 readable one-thread reference (tests, the CUDA reference), a token's heads in one run, and
 `paged_attention_parallel`, which CpuOps runs for every step: its tasks over Numba's threads for
 a step whose tokens read many keys (4,000 keys x 8 KV heads are ~3 ms a layer on one thread), on
-one thread otherwise. A task is a whole token where the step has a token for every thread (a
-cache row [KV heads, head_dim] read in one sweep, not one head's slice of every row), one KV
-head where it has fewer (a decode's heads over the threads). NOTE: one driver in the engine,
+one thread otherwise. A task is a whole token (a cache row [KV heads, head_dim] read in one
+sweep, not one head's slice of every row), or one KV head of a token that has more than a
+thread's share of the step's keys (`plan_tasks`: a decode alone, a long context among short
+ones). NOTE: one driver in the engine,
 because the two drivers' copies of `_attend` are optimized apart (LLVM inlines it into each, and
 a driver loaded from Numba's cache was compiled in another process): they agree within float32
 rounding, not bit for bit, and a token's result must not depend on the batch it ran in.
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -126,61 +126,78 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
                     scale, scores, acc, row_f, out)
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def plan_tasks(positions, seq_lens, window, owner, num_kv_heads, threads):  # pragma: no cover
+    """The step's tasks [n, 3] (token, first KV head, end KV head), heaviest first: a token whose
+    keys are more than a thread's share of the step's (a decode alone, a long context among short
+    ones) one task per KV head, so its heads spread over the threads; every other token one
+    task for all its heads (each cache row read in one sweep). NOTE: never a token's heads in
+    runs swept side by side: two threads sweeping halves of the same rows took 2.5x as long as
+    one sweeping them whole (docs/bench_forward.md)."""
+    total = 0
+    for t in range(owner.shape[0]):
+        if owner[t] >= 0:
+            num_keys, first = _key_range(positions, seq_lens[owner[t]], window, t)
+            total += max(num_keys - first, 0)
+    tasks = np.empty((owner.shape[0] * num_kv_heads, 3), np.int64)
+    n = 0
+    for split in (True, False):
+        for t in range(owner.shape[0]):
+            if owner[t] < 0:
+                continue
+            num_keys, first = _key_range(positions, seq_lens[owner[t]], window, t)
+            if ((num_keys - first) * threads > total) != split:
+                continue
+            for kvh0 in range(0, num_kv_heads, 1 if split else num_kv_heads):
+                tasks[n, 0] = t
+                tasks[n, 1] = kvh0
+                tasks[n, 2] = kvh0 + 1 if split else num_kv_heads
+                n += 1
+    return tasks[:n]
+
+
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _claimed_tasks(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
-                   owner, max_len, kv_per_task, counter):  # pragma: no cover - compiled
+                   owner, max_len, tasks, counter):  # pragma: no cover - compiled
     """One thread's share of paged_attention_parallel: tasks claimed until none is left, with
     scratch of its own. NOTE: a function of its own, not the prange body, so that the scratch is
     per thread by construction, whatever Numba's parfor pass decides to hoist out of a loop."""
-    num_kv_heads, head_dim = k_cache.shape[2], q.shape[2]
-    group = q.shape[1] // num_kv_heads
-    scores = np.empty((kv_per_task * group, max_len), dtype=np.float32)
-    acc = np.empty((kv_per_task * group, head_dim), dtype=np.float32)
+    head_dim = q.shape[2]
+    group = q.shape[1] // k_cache.shape[2]
+    scores = np.empty((q.shape[1], max_len), dtype=np.float32)
+    acc = np.empty((q.shape[1], head_dim), dtype=np.float32)
     row_f = np.empty(head_dim, dtype=np.float32)
-    runs = (num_kv_heads + kv_per_task - 1) // kv_per_task  # runs of KV heads a token
-    tasks = q.shape[0] * runs
     w = claim(counter)
-    while w < tasks:
-        t = w // runs
-        kvh0 = (w % runs) * kv_per_task
-        kvh1 = min(kvh0 + kv_per_task, num_kv_heads)
+    while w < tasks.shape[0]:
+        t, kvh0, kvh1 = tasks[w, 0], tasks[w, 1], tasks[w, 2]
         r = owner[t]
-        if r >= 0:
-            num_keys, first = _key_range(positions, seq_lens[r], window, t)
-            if num_keys <= first:
-                out[t, kvh0 * group:kvh1 * group, :] = 0.0
-            else:
-                _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_tables[r],
-                        scale, scores, acc, row_f, out)
+        num_keys, first = _key_range(positions, seq_lens[r], window, t)
+        if num_keys <= first:
+            out[t, kvh0 * group:kvh1 * group, :] = 0.0
+        else:
+            _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_tables[r],
+                    scale, scores, acc, row_f, out)
         w = claim(counter)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
 def paged_attention_parallel(q, k_cache, v_cache, positions, query_start_loc, seq_lens,
-                             block_tables, scale, window, out, max_tokens, kv_per_task,
+                             block_tables, scale, window, out, max_tokens,
                              counter):  # pragma: no cover - compiled
-    """paged_attention with its tasks (a token and a run of kv_per_task adjacent KV heads,
-    attention_tasks) claimed by Numba's threads one at a time (gpu/cpu/tasks.py: a descheduled
-    thread holds back one task, not half the step; counter[1] = 1: on the calling thread alone),
-    each thread its own scratch: the same result bit for bit whatever the number of threads or
-    the length of the runs."""
+    """paged_attention with its tasks (plan_tasks: a token, or one KV head of a token that has
+    more than a thread's share of the keys) claimed by Numba's threads one at a time
+    (gpu/cpu/tasks.py: a descheduled thread holds back one task, not half the step; counter:
+    task_counter(tokens x KV heads); counter[1] = 1: on the calling thread alone, every token
+    whole), each thread its own scratch: the same result bit for bit whatever the threads and
+    however a token's heads were split."""
     owner = np.full(q.shape[0], -1, np.int64)  # each token's request; -1: not this kernel's
     max_len = 1
     for r in range(seq_lens.shape[0]):
         if query_start_loc[r + 1] - query_start_loc[r] <= max_tokens:
             owner[query_start_loc[r]:query_start_loc[r + 1]] = r
             max_len = max(max_len, seq_lens[r])
+    tasks = plan_tasks(positions, seq_lens, window, owner, k_cache.shape[2], counter[1])
     counter[0] = 0
     for _ in prange(counter[1]):
         _claimed_tasks(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
-                       owner, max_len, kv_per_task, counter)
-
-
-def attention_tasks(tokens: int, num_kv_heads: int) -> tuple[int, int]:
-    """(KV heads a task, tasks) for paged_attention_parallel: a token's KV heads in one task where
-    there are at least as many tokens as threads (each row of the cache read in one sweep), else one
-    KV head a task. NOTE: not a token's heads in runs over the threads: two threads sweeping halves
-    of the same rows at once took 2.5x as long as one thread sweeping them whole (the 1B at 4,000
-    keys, docs/bench_forward.md)."""
-    kv_per_task = num_kv_heads if tokens >= numba.get_num_threads() else 1
-    return kv_per_task, tokens * (num_kv_heads // kv_per_task)
+                       owner, max_len, tasks, counter)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ringserve.gpu.batch import Batch
 from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
-from ringserve.gpu.cpu.attention import PARALLEL_KEY_READS, attention_tasks, paged_attention_parallel
+from ringserve.gpu.cpu.attention import PARALLEL_KEY_READS, paged_attention_parallel
 from ringserve.gpu.cpu.kernels import (
     add_rms_norm,
     gelu_tanh_mul,
@@ -197,11 +197,10 @@ class CpuOps:
         # decodes and short chunks: the per-token loop, over the threads where they read many keys.
         # NOTE: one compiled driver for every step, on one thread or more: a token's result must not
         # depend on the batch (two drivers' copies of the same body, optimized apart, differed)
-        kv_per_task, tasks = attention_tasks(len(buf.positions), k_cache.shape[2])
-        counter = task_counter(tasks)
+        counter = task_counter(len(buf.positions) * k_cache.shape[2])
         if not (self.parallel and buf.key_reads >= PARALLEL_KEY_READS):
             counter[1] = 1  # PERF: a region of one thread costs ~3 us, a fork and join 10-20
-        paged_attention_parallel(*args, TILED_MIN_TOKENS - 1, kv_per_task, counter)
+        paged_attention_parallel(*args, TILED_MIN_TOKENS - 1, counter)
         if buf.tiled_attention:
             # PERF: prompt chunks by query tiles over all threads: each key read once per tile,
             # not once per query token
