@@ -45,6 +45,7 @@ from ringserve.ipc.stats import (
     hang_reason,
 )
 from ringserve.server.config import WORKER_CONFIG_ENV
+from ringserve.server.memory import release_free_heap
 from ringserve.server.supervision import (
     LAUNCHER_PID_ENV,
     die_with_parent,
@@ -358,6 +359,7 @@ class Launcher:
                  self.url, self.parallel.workers, self.max_model_len)
         if self.server.enable_debug_endpoints:
             log.info("dashboard: %s/dashboard (engines: /debug/engines)", self.url)
+        release_free_heap()  # what reading the model's metadata and starting the rest left freed
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
