@@ -119,12 +119,45 @@ def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, 
     from ringserve.engine.kv_events import KVEventsError
     from ringserve.engine.process import serve_engine, start_engine
     from ringserve.gpu.errors import ModelError
+    if config.device_config.device == "cpu":
+        _compile_apart(config, log_level)
     try:
         engine = start_engine(config, control_path, **kwargs)
     except (ModelError, KVEventsError, ValueError) as e:  # cannot serve: its one line, no traceback
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
     serve_engine(engine)
+
+
+def _compile_apart(config, log_level: str) -> None:
+    """A CPU engine's first start (Numba's cache without its kernels) compiles them in a process
+    of its own, which exits, and then loads them from the cache as a later start does: a process
+    that compiled a kernel keeps the compiler's module of it (Numba keeps them to link later
+    kernels against) for as long as it lives, ~100 MB on the 1B shape, which one that loaded it
+    does not hold. What fails there is the engine's own to report: it then starts as before."""
+    from ringserve.gpu.cpu.runner import kernels_cached
+    if kernels_cached():
+        return
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_compile_main, args=(config, os.getpid(), log_level), name="ringserve-compile")
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0:
+        log.warning("compiling the kernels apart failed (exit code %s): the engine compiles them",
+                    proc.exitcode)
+
+
+def _compile_main(config, engine_pid: int, log_level: str) -> None:
+    """The compile process: the engine's model and step kernels built (the runner's warm-up
+    compiles them into Numba's cache), then gone."""
+    _configure_logging(log_level)
+    die_with_parent(engine_pid)
+    from ringserve.engine.core import EngineCore
+    try:
+        EngineCore(config)
+    except Exception as exc:  # noqa: BLE001 - the engine reports it, in its own words
+        log.debug("compile process: %s", exc)
+        sys.exit(1)
 
 
 class Launcher:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -83,21 +82,39 @@ def test_disable_log_requests_drops_the_access_lines(servers):
     assert "/v1/completions" not in text and "Listening at: http://" in text
 
 
-def test_the_first_start_says_it_compiles(tmp_path, tiny_model_dir):
-    """An empty Numba cache: the runner says it compiles before it does; the next start loads."""
-    code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(message)s');"
-            "from ringserve.gpu.cpu.runner import CpuModelRunner;"
-            "from ringserve.gpu.settings import CacheConfig, DeviceConfig;"
-            f"CpuModelRunner({str(tiny_model_dir)!r}, DeviceConfig(device='cpu', cpu_threads=1), "
-            "CacheConfig(num_gpu_blocks_override=4))")
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+def test_the_first_start_compiles_apart_and_the_engine_loads(tmp_path, tiny_model_dir):
+    """An empty Numba cache: the server says it compiles before it does, in a process of its own
+    (the engine's child, gone once the server is up: the compiler's modules go with it), and the
+    engine loads the kernels from the cache that filled; then it serves."""
+    started: list = []
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    try:
+        server = start_serve(tiny_model_dir, ("--workers", "1", "--device", "cpu", "--max-model-len",
+                                              "256"), tmp_path / "serve.log", started, 300.0, env=env)
+        engines = [c for c in _children(server.proc.pid) if b"spawn_main" in _cmdline(c)]
+        assert len(engines) == 1 and not [c for c in _children(engines[0]) if _cmdline(c)]
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        for s in started:
+            text = s.stop()
+    said = [line.split(" INFO ", 1)[1] for line in text.splitlines()
+            if "ringserve.gpu.cpu.runner INFO" in line]
+    assert [m.split(" (")[0].split(" in ")[0] for m in said] == [
+        "compiling kernels", "kernels compiled", "kernels loaded"], said
+    assert said[0].startswith("compiling kernels (first start only, ~")
 
-    def start() -> list[str]:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             timeout=300)
-        assert out.returncode == 0, out.stderr
-        return out.stderr.splitlines()
-    first = start()
-    assert first[0].startswith("compiling kernels (first start only, ~") and first[1].startswith(
-        "kernels compiled in"), first
-    assert start()[0].startswith("kernels loaded in")
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(p) for p in (task / "children").read_text().split()]
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:  # gone meanwhile
+        return b""
