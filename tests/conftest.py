@@ -17,6 +17,37 @@ import pytest
 from ringserve.tools.tiny_llama import make_tiny_llama
 
 
+def child_pids(pid: int) -> list[int]:
+    """pid's children now (every thread's, /proc/PID/task/*/children); [] once it is gone."""
+    out: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                out += [int(p) for p in (task / "children").read_text().split()]
+            except OSError:  # the thread ended meanwhile
+                pass
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of pid now (a server's: engines, the Gunicorn master, its workers)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def cmdline(pid: int) -> str:
+    """pid's command line, its arguments joined by spaces; "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama (2 layers, hidden 64, GQA 4/2, vocab 384) in an HF-layout folder."""

@@ -13,11 +13,11 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from conftest import child_pids, cmdline, descendants
 from ringserve.ipc.structured import StructuredOutputsParams as S
 from ringserve.server.config import StructuredOutputsConfig
 
@@ -150,30 +150,9 @@ def _compiler(default_model_dir, **cfg):
     return GrammarCompiler(tok.to_json(), None, [tok.eos_token_id], StructuredOutputsConfig(**cfg))
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            out += map(int, Path(f"/proc/{pid}/task/{task}/children").read_text().split())
-        except OSError:
-            pass
-    return out
-
-
-def _tree(pid: int) -> list[int]:
-    return [p for c in _children(pid) for p in (c, *_tree(c))]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def compiler_processes(root: int) -> list[int]:
     """The grammar-compiler processes under `root`."""
-    return [p for p in _tree(root) if "ringserve.server.grammar_compiler" in _cmdline(p)]
+    return [p for p in descendants(root) if "ringserve.server.grammar_compiler" in cmdline(p)]
 
 
 def test_compiler_caches_kills_slow_compiles_and_survives_a_crash(default_model_dir):
@@ -244,10 +223,10 @@ def server(serve, default_model_dir, no_segment_left_behind):
 
 def worker_pids(server) -> list[int]:
     """The Gunicorn workers: processes whose parent is the Gunicorn master."""
-    tree = _tree(server.proc.pid)
-    masters = [p for p in tree if "gunicorn" in _cmdline(p)
-               and not any(p in _children(q) for q in tree if "gunicorn" in _cmdline(q))]
-    return sorted(c for m in masters for c in _children(m) if "gunicorn" in _cmdline(c))
+    tree = descendants(server.proc.pid)
+    masters = [p for p in tree if "gunicorn" in cmdline(p)
+               and not any(p in child_pids(q) for q in tree if "gunicorn" in cmdline(q))]
+    return sorted(c for m in masters for c in child_pids(m) if "gunicorn" in cmdline(c))
 
 
 async def _stream(c: httpx.AsyncClient, tokens: int, i: int) -> tuple[list[float], bool]:

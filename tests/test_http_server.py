@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ServeProcess
+from conftest import ServeProcess, child_pids, cmdline
 
 pytestmark = pytest.mark.slow
 
@@ -28,15 +28,15 @@ class Server(ServeProcess):
 
     def gunicorn_workers(self) -> list[int]:
         """Pids of the Gunicorn workers (grandchildren of the launcher)."""
-        for child in _children(self.proc.pid):
-            if b"gunicorn" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return _children(child)
+        for child in child_pids(self.proc.pid):
+            if "gunicorn" in cmdline(child):
+                return child_pids(child)
         raise AssertionError("no gunicorn master under the launcher")
 
     def engine_pids(self) -> list[int]:
         """The engine processes: the launcher's multiprocessing-spawned children."""
-        return [pid for pid in _children(self.proc.pid)
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        return [pid for pid in child_pids(self.proc.pid)
+                if "spawn_main" in cmdline(pid)]
 
     def kv_usage(self) -> float:
         return sum(v for _, v in metric_samples(httpx.get(self.url + "/metrics").text,
@@ -54,13 +54,6 @@ class Server(ServeProcess):
                 return
             time.sleep(0.2)
         raise AssertionError(f"the engine did not become idle: {text}")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(p) for p in (task / "children").read_text().split()]
-    return out
 
 
 def metric_samples(text: str, name: str) -> list[tuple[str, float]]:

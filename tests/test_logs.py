@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import re
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import start_serve
+from conftest import child_pids, cmdline, start_serve
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +90,8 @@ def test_the_first_start_compiles_apart_and_the_engine_loads(tmp_path, tiny_mode
     try:
         server = start_serve(tiny_model_dir, ("--workers", "1", "--device", "cpu", "--max-model-len",
                                               "256"), tmp_path / "serve.log", started, 300.0, env=env)
-        engines = [c for c in _children(server.proc.pid) if b"spawn_main" in _cmdline(c)]
-        assert len(engines) == 1 and not [c for c in _children(engines[0]) if _cmdline(c)]
+        engines = [c for c in child_pids(server.proc.pid) if "spawn_main" in cmdline(c)]
+        assert len(engines) == 1 and not [c for c in child_pids(engines[0]) if cmdline(c)]
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200, r.text
@@ -105,16 +104,3 @@ def test_the_first_start_compiles_apart_and_the_engine_loads(tmp_path, tiny_mode
         "compiling kernels", "kernels compiled", "kernels loaded"], said
     assert said[0].startswith("compiling kernels (first start only, ~")
 
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(p) for p in (task / "children").read_text().split()]
-    return out
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:  # gone meanwhile
-        return b""

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServeProcess, start_serve
+from conftest import ServeProcess, child_pids, cmdline, descendants, start_serve
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
 from ringserve.ipc.sampling_params import SamplingParams
@@ -31,26 +31,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_segment_left_behind"
 # -- helpers -------------------------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            out += [int(p) for p in (task / "children").read_text().split()]
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def _tree(pid: int) -> list[int]:
-    """Every descendant of `pid` (engines, the Gunicorn master, its workers)."""
-    out, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        out += kids
-        todo += kids
-    return out
-
-
 def _running(pid: int) -> bool:
     """Exists and is not a zombie (an orphan's zombie waits for a reaper we do not control)."""
     try:
@@ -60,12 +40,8 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def _cmdline(pid: int) -> bytes:
-    return Path(f"/proc/{pid}/cmdline").read_bytes()
-
-
 def _engines(pid: int) -> list[int]:
-    return [c for c in _children(pid) if b"spawn_main" in _cmdline(c)]
+    return [c for c in child_pids(pid) if "spawn_main" in cmdline(c)]
 
 
 def _runtime_dirs(launcher_pid: int) -> list[Path]:
@@ -86,7 +62,7 @@ def launch(tmp_path):
     yield start
     for server in started:
         if server.proc.poll() is None:
-            tree = _tree(server.proc.pid)
+            tree = descendants(server.proc.pid)
             for pid in tree:  # a test may have stopped one
                 if _running(pid):
                     os.kill(pid, signal.SIGCONT)
@@ -270,7 +246,7 @@ def test_signal_to_the_whole_group_drains_open_streams(launch, default_model_dir
     stream completes normally, then everything exits 0 and cleans up after itself."""
     server = launch(default_model_dir, "--workers", "2", "--max-model-len", "512",
                     "--drain-timeout", "120")
-    tree = _tree(server.proc.pid)
+    tree = descendants(server.proc.pid)
     (runtime,) = _runtime_dirs(server.proc.pid)
     streams = Streams(server.url, 4, prompt="Count:", max_tokens=40, ignore_eos=True)
     streams.wait_started()
@@ -297,7 +273,7 @@ def test_killed_launcher_takes_its_tree_and_the_next_start_cleans_up(launch, tin
     seconds; its runtime folder and segments stay behind until the next start removes them."""
     flags = ("--workers", "2", "--max-model-len", "256", "--device", "cpu")
     first = launch(tiny_model_dir, *flags)
-    engines, tree = _engines(first.proc.pid), _tree(first.proc.pid)
+    engines, tree = _engines(first.proc.pid), descendants(first.proc.pid)
     assert len(engines) == 1 and len(tree) >= 4  # engine, master, 2 workers
     (runtime,) = _runtime_dirs(first.proc.pid)
     # NOTE: a slot's segment is unlinked once its worker has attached (ipc/control.py): wait
@@ -315,7 +291,7 @@ def test_killed_launcher_takes_its_tree_and_the_next_start_cleans_up(launch, tin
     first.proc.wait()
     deadline = time.monotonic() + 10
     while any(_running(p) for p in tree):
-        assert time.monotonic() < deadline, {p: _cmdline(p) for p in tree if _running(p)}
+        assert time.monotonic() < deadline, {p: cmdline(p) for p in tree if _running(p)}
         time.sleep(0.1)
     assert runtime.exists() and all(p.exists() for p in segments)  # left behind
 
