@@ -42,11 +42,20 @@ class SchedulerConfig:
                 f"(default: {CUDA_MAX_NUM_BATCHED_TOKENS} on cuda, {CPU_MAX_NUM_BATCHED_TOKENS} "
                 f"on cpu, where it keeps a step short: docs/engine.md)"})
 
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "most tokens one request's prompt chunk takes in a step (vLLM's flag); 0: as many "
+                "as max_num_batched_tokens leaves. A smaller cap keeps the steps short while a "
+                "long prompt is prefilled, so the running streams get their tokens more often "
+                "(cpu: below 256 a chunk attends key by key, not in tiles: docs/engine.md)"})
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be at least 0 (0: no cap), "
+                             f"got {self.long_prefill_token_threshold}.")
 
     @property
     def token_budget(self) -> int:

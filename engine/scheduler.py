@@ -59,6 +59,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.token_budget
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold  # 0: no cap
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []     # admission order: the last one is the newest
         self.speculation: Speculation | None = None   # set by EngineCore with --speculative-config
@@ -82,7 +83,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            n = self._chunk(len(req.all_token_ids) - req.num_computed_tokens, budget)
             drafts: list[int] = []
             if spec is not None and n == 1 and req.num_computed_tokens == len(req.all_token_ids) - 1:
                 drafts = spec.propose(req, budget - 1)
@@ -103,7 +104,7 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit_tokens, budget)
+            n = self._chunk(req.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break                             # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -115,6 +116,13 @@ class Scheduler:
             self._add_scheduled(out, req, n)
             budget -= n
         return out
+
+    def _chunk(self, needed: int, budget: int) -> int:
+        """The tokens a request computes this step: what it needs, within the step's budget
+        and, for a prompt chunk, long_prefill_token_threshold (vLLM's rule: a decode's one
+        token is never capped)."""
+        cap = self.long_prefill_token_threshold
+        return min(needed, budget, cap) if 0 < cap < needed else min(needed, budget)
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, n: int,
                        drafts: list[int] | None = None) -> None:

@@ -6,6 +6,7 @@ in the cache, and a request whose last token was computed gets one new token.
 import random
 from collections.abc import Callable
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,9 +21,10 @@ from ringserve.ipc.sampling_params import SamplingParams
 
 
 def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, caching=False,
-               window=0):
+               window=0, long_prefill_token_threshold=0):
     kv = KVCacheManager(num_blocks, block_size, caching, sliding_window=window)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             long_prefill_token_threshold=long_prefill_token_threshold)
     return Scheduler(kv, config)
 
 
@@ -70,6 +72,40 @@ def test_decode_goes_before_prefill_and_a_long_prompt_is_chunked():
     assert b.num_output_tokens == 1
     assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 2
     assert plan(run_step(sched)) == [("a", 1), ("b", 1)]
+
+
+def test_long_prefill_token_threshold_caps_each_prompt_chunk_not_decodes():
+    """vLLM's long_prefill_token_threshold: a prompt (or a recompute) takes at most that many
+    tokens a step, whether it is admitted now or already running; decodes are never capped, and
+    what the cap leaves of the budget goes to the next waiting request."""
+    sched = make_sched(max_num_batched_tokens=20, long_prefill_token_threshold=6)
+    a, b = make_req("a", 3), make_req("b", 15)
+    sched.add(a)
+    sched.add(b)
+    assert plan(run_step(sched)) == [("a", 3), ("b", 6)]     # a fits under the cap whole
+    c = make_req("c", 9)
+    sched.add(c)
+    assert plan(run_step(sched)) == [("a", 1), ("b", 6), ("c", 6)]
+    out = run_step(sched)
+    assert plan(out) == [("a", 1), ("b", 3), ("c", 3)] and all(s.samples_token for s in out.scheduled)
+    assert plan(run_step(sched)) == [("a", 1), ("b", 1), ("c", 1)]
+
+
+@pytest.mark.parametrize("threshold", [0, 6, 7, 10**9])
+def test_with_or_without_the_cap_a_prompt_is_computed_once_whole(threshold):
+    sched = make_sched(max_num_batched_tokens=7, long_prefill_token_threshold=threshold)
+    a = make_req("a", 23, max_tokens=2)
+    sched.add(a)
+    chunks = []
+    while a.num_output_tokens == 0:
+        chunks += [n for _, n in plan(run_step(sched))]
+    assert sum(chunks) == 23 and max(chunks) == min(7, threshold or 7)
+
+
+@pytest.mark.parametrize("value", [-1, -(2**31)])
+def test_a_negative_long_prefill_token_threshold_is_refused(value):
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be at least 0"):
+        SchedulerConfig(long_prefill_token_threshold=value)
 
 
 def test_max_num_seqs_bounds_the_running_set_and_waiting_is_fcfs():
@@ -147,6 +183,7 @@ workloads = st.fixed_dictionaries({
                          min_size=1, max_size=14),
     "seed": st.integers(0, 2**16),
     "drafts": st.integers(0, 4),   # speculative decoding: n-gram drafts up to this many (0: off)
+    "long_prefill": st.sampled_from([0, 0, 1, 3, 8]),   # long_prefill_token_threshold (0: none)
 })
 
 
@@ -154,7 +191,7 @@ workloads = st.fixed_dictionaries({
 @given(workloads)
 def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
     sched = make_sched(w["num_blocks"], w["block_size"], w["max_num_seqs"],
-                       w["max_num_batched_tokens"], w["caching"], w["window"])
+                       w["max_num_batched_tokens"], w["caching"], w["window"], w["long_prefill"])
     kv, rng = sched.kv, random.Random(w["seed"])
     if w["drafts"]:
         sched.speculation = Speculation(parse_speculative_config(
@@ -178,9 +215,7 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
             if step == req_abort(w, req) and not req.is_finished:
                 sched.finish(req, "abort")
         out = sched.schedule()
-        assert out.total_num_scheduled_tokens <= w["max_num_batched_tokens"]
-        assert len(out.scheduled) <= w["max_num_seqs"] and len(sched.running) <= w["max_num_seqs"]
-        assert len({s.request.key for s in out.scheduled}) == len(out.scheduled)
+        check_budgets(out, sched, w)
         check_ownership(sched)
         if out.scheduled:
             check_slots(out, kv)
@@ -194,6 +229,17 @@ def test_budgets_ownership_and_a_free_pool_over_random_workloads(w):
     assert all(r.is_finished for r in live)
     assert kv.num_free_blocks == kv.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+
+
+def check_budgets(out: SchedulerOutput, sched: Scheduler, w: dict) -> None:
+    """The step within max_num_batched_tokens and max_num_seqs, each request once, and every
+    prompt chunk within long_prefill_token_threshold (a verify row is 1 + drafts: not a chunk)."""
+    assert out.total_num_scheduled_tokens <= w["max_num_batched_tokens"]
+    assert len(out.scheduled) <= w["max_num_seqs"] and len(sched.running) <= w["max_num_seqs"]
+    assert len({s.request.key for s in out.scheduled}) == len(out.scheduled)
+    if w["long_prefill"]:
+        assert all(s.num_new_tokens <= w["long_prefill"] for s in out.scheduled
+                   if not s.draft_token_ids), plan(out)
 
 
 def accept(sched: Scheduler, out: SchedulerOutput, rng: random.Random) -> None:

@@ -48,6 +48,8 @@ def errors(done: subprocess.CompletedProcess) -> list[str]:
     (("--tokenizer", "./no-such-folder"), "--tokenizer ./no-such-folder: not found"),
     (("--generation-config", "no-such-folder"), "--generation-config no-such-folder: no such folder"),
     (("--allow-credentials",), "--allow-credentials needs --allowed-origins: without it there is no CORS"),
+    (("--long-prefill-token-threshold", "-1"), "long_prefill_token_threshold must be at least 0 (0: no "
+                                               "cap), got -1."),
     (("--kv-cache-memory-bytes", "1000"), "the KV cache holds no block: 0 blocks of 737280 bytes; give "
                                           "--kv-cache-memory-bytes at least 737280"),
     (("--kv-cache-memory-bytes", "2000000", "--max-model-len", "2000"),
