@@ -15,10 +15,10 @@ a step whose tokens read many keys (4,000 keys x 8 KV heads are ~3 ms a layer on
 one thread otherwise. A task is a whole token (a cache row [KV heads, head_dim] read in one
 sweep, not one head's slice of every row), or one KV head of a token that has more than a
 thread's share of the step's keys (`plan_tasks`: a decode alone, a long context among short
-ones). NOTE: one driver in the engine,
-because the two drivers' copies of `_attend` are optimized apart (LLVM inlines it into each, and
-a driver loaded from Numba's cache was compiled in another process): they agree within float32
-rounding, not bit for bit, and a token's result must not depend on the batch it ran in.
+ones). NOTE: one driver in the engine, because the two drivers' copies of `_attend` are
+optimized apart (LLVM inlines it into each, and a driver loaded from Numba's cache was compiled
+in another process): they agree within float32 rounding, not bit for bit, and a token's result
+must not depend on the batch it ran in.
 """
 from __future__ import annotations
 
