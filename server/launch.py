@@ -1,6 +1,6 @@
 """`ringserve serve`: resolve the model once, start the engine process(es), then Gunicorn.
 
-Process tree:  launcher ─┬─ engine 0..E-1   (multiprocessing spawn: an engine on a control socket)
+Process tree:  launcher ─┬─ engine 0..E-1   (a Python of its own: an engine on a control socket)
                          └─ gunicorn master ── W Uvicorn workers (the Falcon app, one engine client each)
 
 The launcher is the only process that resolves (downloads/converts) the model; workers get the
@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -29,7 +29,6 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from ringserve.ipc.shm import Segment, remove_stale_segments
@@ -93,7 +92,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 class _Engine:
     index: int
     control_path: str
-    process: BaseProcess  # a spawn-context Process
+    process: subprocess.Popen  # _start_python("_engine_main", ...)
     segment: Segment | None = None    # its stats segment, attached once it is ready
     stats: EngineStats | None = None  # a view of it: what the hang check reads
 
@@ -103,6 +102,29 @@ class _Engine:
         if self.segment is not None:
             self.segment.close()
         self.stats = self.segment = None
+
+
+def _start_python(entry: str, *args, **kwargs) -> subprocess.Popen:
+    """A fresh Python running this module's function `entry`(*args, **kwargs) (its command line
+    names it, for ps), the arguments pickled through its stdin; stdout and stderr are ours.
+    NOTE: not multiprocessing (spawn, since a process that may hold CUDA is never forked): its
+    spawn starts a resource-tracker process (~9 MB) that nothing here needs, for the server's
+    lifetime, and re-runs the launcher's main module in every child."""
+    proc = subprocess.Popen([sys.executable, "-c", "from ringserve.server.launch import _python_entry;"
+                             " _python_entry()", entry], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    with proc.stdin:
+        pickle.dump((args, kwargs), proc.stdin)
+    return proc
+
+
+def _python_entry() -> None:
+    """The child's side of _start_python: the call read from stdin, which is then /dev/null."""
+    args, kwargs = pickle.load(sys.stdin.buffer)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    {"_engine_main": _engine_main, "_compile_main": _compile_main}[sys.argv[1]](*args, **kwargs)
 
 
 def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, log_level: str,
@@ -138,13 +160,10 @@ def _compile_apart(config, log_level: str) -> None:
     from ringserve.gpu.cpu.runner import kernels_cached
     if kernels_cached():
         return
-    proc = multiprocessing.get_context("spawn").Process(
-        target=_compile_main, args=(config, os.getpid(), log_level), name="ringserve-compile")
-    proc.start()
-    proc.join()
-    if proc.exitcode != 0:
+    code = _start_python("_compile_main", config, os.getpid(), log_level).wait()
+    if code != 0:
         log.warning("compiling the kernels apart failed (exit code %s): the engine compiles them",
-                    proc.exitcode)
+                    code)
 
 
 def _compile_main(config, engine_pid: int, log_level: str) -> None:
@@ -211,7 +230,6 @@ class Launcher:
         self.engines: list[_Engine] = []
         self.gunicorn: subprocess.Popen | None = None
         self._stopping = False
-        self._mp = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA
 
     # -- engines -----------------------------------------------------------------------------
     def _debug_path(self, index: int) -> str | None:
@@ -222,14 +240,10 @@ class Launcher:
 
     def _start_engine(self, index: int) -> _Engine:
         path = str(self.runtime / f"engine-{index}.sock")
-        proc = self._mp.Process(target=_engine_main,
-                                args=(self.engine_gpus[index], self.engine_config, path,
-                                      os.getpid(), self.server.log_level),
-                                kwargs={"max_slots": max(64, 2 * self.parallel.workers),
-                                        "debug_path": self._debug_path(index),
-                                        "data_parallel_rank": index},
-                                name=f"ringserve-engine-{index}", daemon=False)
-        proc.start()
+        proc = _start_python("_engine_main", self.engine_gpus[index], self.engine_config, path,
+                             os.getpid(), self.server.log_level,
+                             max_slots=max(64, 2 * self.parallel.workers),
+                             debug_path=self._debug_path(index), data_parallel_rank=index)
         return _Engine(index, path, proc)
 
     def _wait_ready(self, engine: _Engine) -> EngineStats:
@@ -238,11 +252,10 @@ class Launcher:
         from ringserve.ipc import control
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while True:
-            if not engine.process.is_alive():
-                if engine.process.exitcode == EXIT_REFUSED:  # it said why, in one line
+            if (code := engine.process.poll()) is not None:
+                if code == EXIT_REFUSED:  # it said why, in one line
                     raise EngineRefused(f"engine {engine.index} refused to start (its error above)")
-                raise RuntimeError(f"engine {engine.index} exited with code "
-                                   f"{engine.process.exitcode} while starting")
+                raise RuntimeError(f"engine {engine.index} exited with code {code} while starting")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engine {engine.index} did not start in {ENGINE_START_TIMEOUT_S} s")
             if os.path.exists(engine.control_path):
@@ -430,9 +443,8 @@ class Launcher:
             for i, e in enumerate(self.engines):
                 if self._stopping:
                     break
-                if not e.process.is_alive():
-                    log.error("engine %d died (exit code %s); restarting it", e.index,
-                              e.process.exitcode)
+                if (code := e.process.poll()) is not None:
+                    log.error("engine %d died (exit code %s); restarting it", e.index, code)
                 elif e.stats is not None and (why := hang_reason(e.stats, self.server.engine_hang_timeout)):
                     # SIGKILL works on a stopped process too. Its control sockets close: the
                     # workers fail its open requests and reconnect to the new one.
@@ -440,7 +452,7 @@ class Launcher:
                               "killing and restarting it", e.index, e.process.pid, why,
                               self.server.engine_hang_timeout)
                     e.process.kill()
-                    e.process.join()
+                    e.process.wait()
                 else:
                     continue
                 e.detach()
@@ -467,13 +479,14 @@ class Launcher:
                 self.gunicorn.kill()
                 self.gunicorn.wait()
         for e in self.engines:
-            if e.process.is_alive():
+            if e.process.poll() is None:
                 e.process.terminate()
         for e in self.engines:
-            e.process.join(10)
-            if e.process.is_alive():
+            try:
+                e.process.wait(10)
+            except subprocess.TimeoutExpired:
                 e.process.kill()
-                e.process.join()
+                e.process.wait()
             e.detach()
         remove_stale_segments()
         shutil.rmtree(self.runtime, ignore_errors=True)

@@ -34,9 +34,9 @@ class Server(ServeProcess):
         raise AssertionError("no gunicorn master under the launcher")
 
     def engine_pids(self) -> list[int]:
-        """The engine processes: the launcher's multiprocessing-spawned children."""
+        """The engine processes: the launcher's children running _engine_main."""
         return [pid for pid in child_pids(self.proc.pid)
-                if "spawn_main" in cmdline(pid)]
+                if "_engine_main" in cmdline(pid)]
 
     def kv_usage(self) -> float:
         return sum(v for _, v in metric_samples(httpx.get(self.url + "/metrics").text,

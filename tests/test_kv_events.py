@@ -248,7 +248,7 @@ def test_a_restarted_engine_says_its_pool_is_empty(server):
     first = {rank: _replay(e)[0] for rank, e in replay.items()}  # each one's seq 0 (its own ts)
     engines = [pid for task in os.listdir(f"/proc/{launcher}/task")
                for pid in map(int, open(f"/proc/{launcher}/task/{task}/children").read().split())
-               if b"spawn_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+               if b"_engine_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
     assert len(engines) == 2
     os.kill(engines[0], signal.SIGKILL)
     deadline = time.monotonic() + 120

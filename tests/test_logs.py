@@ -90,7 +90,7 @@ def test_the_first_start_compiles_apart_and_the_engine_loads(tmp_path, tiny_mode
     try:
         server = start_serve(tiny_model_dir, ("--workers", "1", "--device", "cpu", "--max-model-len",
                                               "256"), tmp_path / "serve.log", started, 300.0, env=env)
-        engines = [c for c in child_pids(server.proc.pid) if "spawn_main" in cmdline(c)]
+        engines = [c for c in child_pids(server.proc.pid) if "_engine_main" in cmdline(c)]
         assert len(engines) == 1 and not [c for c in child_pids(engines[0]) if cmdline(c)]
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4},
                        timeout=60)

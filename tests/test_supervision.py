@@ -41,7 +41,7 @@ def _running(pid: int) -> bool:
 
 
 def _engines(pid: int) -> list[int]:
-    return [c for c in child_pids(pid) if "spawn_main" in cmdline(c)]
+    return [c for c in child_pids(pid) if "_engine_main" in cmdline(c)]
 
 
 def _runtime_dirs(launcher_pid: int) -> list[Path]:

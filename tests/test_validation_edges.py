@@ -46,7 +46,7 @@ def body_bytes(body: dict) -> bytes:
 
 
 def engine_pids(launcher_pid: int) -> set[int]:
-    """The launcher's engine processes (multiprocessing spawn children)."""
+    """The launcher's engine processes (its children running _engine_main)."""
     pids = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -54,7 +54,7 @@ def engine_pids(launcher_pid: int) -> set[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == launcher_pid and b"spawn_main" in cmdline:
+        if ppid == launcher_pid and b"_engine_main" in cmdline:
             pids.add(int(stat.parent.name))
     return pids
 
