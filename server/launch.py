@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -124,7 +125,8 @@ def _python_entry() -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    {"_engine_main": _engine_main, "_compile_main": _compile_main}[sys.argv[1]](*args, **kwargs)
+    entries: dict[str, Callable[..., None]] = {"_engine_main": _engine_main, "_compile_main": _compile_main}
+    entries[sys.argv[1]](*args, **kwargs)
 
 
 def _engine_main(gpu: str | None, config, control_path: str, launcher_pid: int, log_level: str,
