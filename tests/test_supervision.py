@@ -273,8 +273,12 @@ def test_killed_launcher_takes_its_tree_and_the_next_start_cleans_up(launch, tin
     seconds; its runtime folder and segments stay behind until the next start removes them."""
     flags = ("--workers", "2", "--max-model-len", "256", "--device", "cpu")
     first = launch(tiny_model_dir, *flags)
-    engines, tree = _engines(first.proc.pid), descendants(first.proc.pid)
-    assert len(engines) == 1 and len(tree) >= 4  # engine, master, 2 workers
+    deadline = time.monotonic() + 60  # NOTE: /health answers once one worker is up
+    while len(tree := descendants(first.proc.pid)) < 4:  # engine, master, 2 workers
+        assert time.monotonic() < deadline, {p: cmdline(p) for p in tree}
+        time.sleep(0.1)
+    engines = _engines(first.proc.pid)
+    assert len(engines) == 1
     (runtime,) = _runtime_dirs(first.proc.pid)
     # NOTE: a slot's segment is unlinked once its worker has attached (ipc/control.py): wait
     # until the engine's segments hold still, or one a worker was still attaching to vanishes
