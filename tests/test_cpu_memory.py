@@ -1,5 +1,6 @@
 """gpu/cpu/memory.py: weights and the KV pool moved onto huge-page mappings keep every value,
-dtype and shape, sit 64-byte aligned, never overlap, and the mappings carry the huge-page advice."""
+dtype and shape, sit 64-byte aligned, never overlap, and the mappings carry the huge-page advice;
+a library's code paged out leaves the process's memory and still runs."""
 from __future__ import annotations
 
 import dataclasses
@@ -96,3 +97,51 @@ def test_a_freed_step_sized_block_goes_back_to_the_system():
     returned = [subprocess.run([sys.executable, "-c", _FREED_BLOCK, arg], capture_output=True,
                                text=True, check=True).stdout.split() for arg in ("default", "set")]
     assert returned == [["False"], ["True"]]
+
+
+_PAGED_OUT = """
+import ctypes, os, shutil, sys, zlib
+from ringserve.gpu.cpu.memory import page_out_library
+# a private copy of zlib's library: no other process maps its pages (a shared page stays)
+real = next(line.split()[5] for line in open("/proc/self/maps") if "/libz.so" in line)
+shutil.copy(real, sys.argv[1])
+with open(sys.argv[1], "rb+") as f:
+    os.fsync(f.fileno())  # NOTE: a dirty page of the file would wait for its write-back
+lib = ctypes.CDLL(sys.argv[1])
+lib.crc32.restype = ctypes.c_ulong
+def mappings():  # (start, end, writable, resident bytes) of the copy's mappings
+    out, cur = [], None
+    for line in open("/proc/self/smaps"):
+        f = line.split()
+        if "-" in f[0] and not f[0].endswith(":"):
+            cur = None
+            if len(f) > 5 and f[5] == sys.argv[1]:
+                lo, hi = (int(v, 16) for v in f[0].split("-"))
+                cur = [lo, hi, "w" in f[1], 0]
+                out.append(cur)
+        elif cur is not None and f[0] == "Rss:":
+            cur[3] = int(f[1]) << 10
+    return out
+read_only = [(lo, hi) for lo, hi, w, _ in mappings() if not w]
+for lo, hi in read_only:
+    ctypes.string_at(lo, hi - lo)   # every page resident
+before = sum(r for _, _, w, r in mappings() if not w)
+advised = page_out_library("libpageout.so")
+after = sum(r for _, _, w, r in mappings() if not w)
+works = lib.crc32(0, b"ringserve", 9) == zlib.crc32(b"ringserve")  # faulted back in as needed
+print(advised == sum(hi - lo for lo, hi in read_only), before, after, works)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, /proc/self/smaps")
+def test_a_library_paged_out_leaves_resident_memory_and_still_runs(tmp_path):
+    """memory.page_out_library (libllvmlite once the kernels are loaded): every read-only mapping
+    of the named file is advised, its resident pages go, and a call into it faults back what
+    it needs."""
+    out = subprocess.run([sys.executable, "-c", _PAGED_OUT, str(tmp_path / "libpageout.so")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    advised_all, before, after, works = out[0] == "True", int(out[1]), int(out[2]), out[3] == "True"
+    if not advised_all and after == before:
+        pytest.skip("this kernel has no MADV_PAGEOUT (Linux < 5.4)")
+    assert advised_all and works
+    assert before >= 32 << 10 and after <= before // 4, (before, after)

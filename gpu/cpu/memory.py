@@ -104,3 +104,34 @@ def map_large_blocks() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, STEP_MMAP_THRESHOLD) == 1
+
+
+MADV_PAGEOUT = 21   # Linux 5.4+ (asm-generic/mman-common.h); older kernels answer EINVAL
+
+
+def page_out_library(filename: str) -> int:
+    """Ask the kernel to reclaim the resident pages of this process's read-only mappings of the
+    shared library named `filename` (its code and constants: clean pages of the file, nothing
+    to write back), now. For libllvmlite once a runner's kernels are loaded: loading Numba's
+    cache runs LLVM's static constructors, which are spread over its whole text, and ~68 MB of
+    it stays resident for the engine's life although nothing calls LLVM again unless a kernel
+    must be compiled, which faults what it needs back in. Pages that another process maps too
+    (a second engine) stay. The bytes of the mappings advised; 0 where madvise is missing or
+    refuses (not Linux, a kernel before 5.4)."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    advised = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            # NOTE: only mappings without "w": a written private page is the process's own
+            # copy, which paging out would send to swap, not drop
+            if len(fields) < 6 or "w" in fields[1] or not fields[5].endswith("/" + filename):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if madvise(start, end - start, MADV_PAGEOUT) == 0:
+                advised += end - start
+    return advised

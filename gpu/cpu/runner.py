@@ -19,7 +19,7 @@ from ringserve.gpu.batch import Batch
 from ringserve.gpu.cpu.attention import paged_attention_parallel
 from ringserve.gpu.cpu.int8_kernels import has_vnni
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
-from ringserve.gpu.cpu.memory import map_large_blocks
+from ringserve.gpu.cpu.memory import map_large_blocks, page_out_library
 from ringserve.gpu.cpu.ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
 from ringserve.gpu.devices import cpu_threads_per_engine, host_memory_available
 from ringserve.gpu.errors import ModelError
@@ -117,6 +117,7 @@ class CpuModelRunner:
                                # attention reads every key of seq_lens, whatever the block size
                                np.zeros((1, -(-tokens // self.block_size)), np.int32)))
         log.info("kernels %s in %.2f s", "compiled" if first else "loaded", time.perf_counter() - t0)
+        page_out_library("libllvmlite.so")  # NOTE: LLVM's code, idle from here on (memory.py)
 
     @property
     def bytes_per_block(self) -> int:
