@@ -23,6 +23,11 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
+# The most bytes one logprob entry takes in an output as ipc/messages.py encodes it: a 3-array
+# (1) of an int32 id (5), a float64 (9) and a rank (5), plus its position's list header (3). The
+# frontend bounds an answer's entries (--max-response-logprobs) so that its outputs always fit
+# one ring message.
+MAX_LOGPROB_ENTRY_BYTES = 23
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38   # the largest finite float32

@@ -109,10 +109,6 @@ class EngineOutput(msgspec.Struct, array_like=True, gc=False):
 
 
 MAX_REQUEST_ID = 1024  # characters: ours are "cmpl-<32 hex>-<choice>"
-# The most bytes one logprob entry takes in an encoded output: a 3-array (1) of an int32 id (5),
-# a float64 (9) and a rank (5), plus its position's list header (3). The frontend bounds an
-# answer's entries (--max-response-logprobs) so that its outputs always fit one ring message.
-MAX_LOGPROB_ENTRY_BYTES = 23
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(AddRequest | Abort).decode

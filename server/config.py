@@ -4,10 +4,11 @@ becomes command-line flags (add_arguments, from_args).
 Every setting is a dataclass field that holds its default, its help text (metadata "help") and
 its choices (metadata "choices"), and its class checks it in __post_init__. `ringserve serve`'s
 flags are generated from these classes, engine/config.py's EngineConfig and its parts
-(DeviceConfig, CacheConfig, SchedulerConfig) and server/protocol.py's RequestLimits
-(server/launch.py add_serve_arguments): the flag of field `max_num_seqs` is `--max-num-seqs`.
-The server modules take their defaults from here. This module imports nothing of ringserve: a
-worker may import it.
+(DeviceConfig, CacheConfig, SchedulerConfig) and RequestLimits (server/launch.py
+add_serve_arguments): the flag of field `max_num_seqs` is `--max-num-seqs`. The server modules
+take their defaults from here. This module imports nothing of ringserve but two constants of
+ipc/ (and no numpy): a worker may import it, and the launcher, which lives as long as the
+server, builds its settings with nothing else of the frontend imported.
 """
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import json
 import os
 import typing
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+
+from ringserve.ipc.limits import MAX_LOGPROB_ENTRY_BYTES
+from ringserve.ipc.ring import DEFAULT_MAX_MESSAGE
 
 API_KEY_ENV = "RINGSERVE_API_KEY"  # --api-key's default
 WORKER_CONFIG_ENV = "RINGSERVE_WORKER_CONFIG"  # the JSON a worker builds its app from (worker.py)
@@ -235,6 +239,43 @@ class StructuredOutputsConfig:
         if not 0 < self.grammar_compile_timeout <= 3600:
             raise ValueError(f"--grammar-compile-timeout must be in (0, 3600] seconds, got "
                              f"{self.grammar_compile_timeout}")
+
+
+def _limit(default: int, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for: each field is the `ringserve serve` flag of its name
+    (server/config.py add_arguments), with a default no real client reaches. Each bounds work
+    or memory that a small body could otherwise multiply."""
+    max_logprobs: int = _limit(20, "most logprobs / top_logprobs a request may ask for "
+                                   "(vLLM's flag and default)")
+    max_choices_per_request: int = _limit(1024, "most engine requests one request may start: "
+                                                "prompts x n")
+    max_stop_strings: int = _limit(64, "most stop strings per request (each is searched at "
+                                       "every token)")
+    max_stop_bytes: int = _limit(4096, "most UTF-8 bytes of a request's stop strings together")
+    max_stop_token_ids: int = _limit(1024, "most stop_token_ids per request")
+    # n=3 x 8k tokens x 21 fits. Each entry is ~25 B of JSON and ~120 B of worker memory at
+    # the answer's peak, which the worker keeps as its high-water mark: 2^21 entries made a
+    # 51.5 MB answer and left a worker at 542 MB (from 182); at 2^19 it is ~13 MB and ~+90 MB.
+    max_response_logprobs: int = _limit(1 << 19, "most logprob entries one answer may hold: "
+                                                 "choices x tokens (echoed prompt included) x "
+                                                 "(1 + logprobs)")
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < (0 if name == "max_logprobs" else 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be at least "
+                                 f"{0 if name == 'max_logprobs' else 1}, got {value}")
+        # An answer's logprobs (an echoed prompt's come in one engine output) must fit one
+        # ring message, so that no output is ever too large to send (docs/ipc.md).
+        most = DEFAULT_MAX_MESSAGE // MAX_LOGPROB_ENTRY_BYTES
+        if self.max_response_logprobs > most:
+            raise ValueError(f"--max-response-logprobs must be at most {most} (one engine "
+                             f"message of {DEFAULT_MAX_MESSAGE} bytes), got {self.max_response_logprobs}")
 
 
 def _chat_template_text(value: str) -> str:

@@ -5,12 +5,11 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
-from ringserve.server.config import StructuredOutputsConfig
+from ringserve.server.config import RequestLimits, StructuredOutputsConfig
 from ringserve.server.errors import bad_request
 from ringserve.server.generate import Engine
 from ringserve.server.grammar_compiler import GrammarCompiler
 from ringserve.server.metrics import RequestMetrics
-from ringserve.server.protocol import RequestLimits
 
 # Work on more than this many bytes of client text (tokenizing, rendering) runs in a thread:
 # ~10 ms at most on the loop, and no thread hop for the usual small request.

@@ -73,8 +73,7 @@ def serve_sections() -> list[tuple[str, type]]:
     neither numba nor CuPy; the engine process does)."""
     from ringserve.engine.config import EngineConfig, SchedulerConfig
     from ringserve.gpu.settings import CacheConfig, DeviceConfig
-    from ringserve.server.config import ParallelConfig, ServerConfig, StructuredOutputsConfig
-    from ringserve.server.protocol import RequestLimits
+    from ringserve.server.config import ParallelConfig, RequestLimits, ServerConfig, StructuredOutputsConfig
     return [("model", EngineConfig), ("device", DeviceConfig), ("KV cache", CacheConfig),
             ("scheduler", SchedulerConfig), ("processes", ParallelConfig), ("server", ServerConfig),
             ("per-request limits (400 above them)", RequestLimits),
@@ -192,11 +191,11 @@ class Launcher:
         from ringserve.gpu.loader.model_store import served_model_name
         from ringserve.server.config import (
             ParallelConfig,
+            RequestLimits,
             ServerConfig,
             StructuredOutputsConfig,
             from_args,
         )
-        from ringserve.server.protocol import RequestLimits
         self.model_dir = model_dir
         self.tokenizer_dir = tokenizer_dir  # --tokenizer, resolved (None: the model's)
         self.model_name = served_model_name(args.model, model_dir)  # when --served-model-name is not given
@@ -527,7 +526,6 @@ def serve_command(args: argparse.Namespace) -> int:
     from ringserve.gpu.errors import ModelError
     from ringserve.gpu.loader.config import ModelConfig
     from ringserve.gpu.loader.model_store import resolve_model, resolve_tokenizer
-    from ringserve.gpu.loader.weights import check_quantization
     from ringserve.server.config import ParallelConfig, ServerConfig, from_args
     try:  # the frontend's settings first: a refused flag must not wait for a model's download
         from_args(ServerConfig, args)
@@ -538,7 +536,9 @@ def serve_command(args: argparse.Namespace) -> int:
     try:
         model_dir = Path(resolve_model(args.model, revision=args.revision, download_dir=args.download_dir))
         model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
-        check_quantization(args.quantization, model_dir)
+        if args.quantization is not None:  # NOTE: weights.py imports numpy, which the launcher
+            from ringserve.gpu.loader.weights import check_quantization  # would keep for life
+            check_quantization(args.quantization, model_dir)
         tokenizer_dir = (None if args.tokenizer is None
                          else resolve_tokenizer(args.tokenizer, args.download_dir))
     except ModelError as exc:

@@ -4,17 +4,15 @@ Decoding a body with `decode_request` checks types (msgspec's message names the 
 becomes OpenAI's `param`); `sampling_params` builds the request's SamplingParams, whose own
 `validate` checks every sampling value (ipc/sampling_params.py, the check the engine applies
 again); `check_*` checks the rest: the model name, empty prompts, context length, and the
-per-request limits (`RequestLimits`) that keep a small body from costing the server much more
+per-request limits (server/config.py `RequestLimits`) that keep a small body from costing the server much more
 than its size. Every failure is an `APIError(400)`.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _pkg_version
 from typing import Annotated, Any, Iterator, Literal, TypeVar, Union, cast
@@ -23,54 +21,16 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from ringserve.ipc import limits
-from ringserve.ipc.messages import MAX_LOGPROB_ENTRY_BYTES
-from ringserve.ipc.ring import DEFAULT_MAX_MESSAGE
 from ringserve.ipc.sampling_params import SamplingParams, SamplingParamsError
 from ringserve.ipc.structured import StructuredOutputsParams
 from ringserve.server import json_text
+from ringserve.server.config import RequestLimits
 from ringserve.server.errors import APIError, bad_request, from_validation_error
 from ringserve.server.structured_outputs import ResponseFormat
 
 # Ranges of sampling values are checked by SamplingParams.validate, not by the types; a token
 # id's lower bound is here so that msgspec names the item (`prompt[3]`).
 TokenId = Annotated[int, Meta(ge=limits.TOKEN_ID.lo)]
-
-
-def _limit(default: int, help: str):
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may ask for: each field is the `ringserve serve` flag of its name
-    (server/config.py add_arguments), with a default no real client reaches. Each bounds work
-    or memory that a small body could otherwise multiply."""
-    max_logprobs: int = _limit(20, "most logprobs / top_logprobs a request may ask for "
-                                   "(vLLM's flag and default)")
-    max_choices_per_request: int = _limit(1024, "most engine requests one request may start: "
-                                                "prompts x n")
-    max_stop_strings: int = _limit(64, "most stop strings per request (each is searched at "
-                                       "every token)")
-    max_stop_bytes: int = _limit(4096, "most UTF-8 bytes of a request's stop strings together")
-    max_stop_token_ids: int = _limit(1024, "most stop_token_ids per request")
-    # n=3 x 8k tokens x 21 fits. Each entry is ~25 B of JSON and ~120 B of worker memory at
-    # the answer's peak, which the worker keeps as its high-water mark: 2^21 entries made a
-    # 51.5 MB answer and left a worker at 542 MB (from 182); at 2^19 it is ~13 MB and ~+90 MB.
-    max_response_logprobs: int = _limit(1 << 19, "most logprob entries one answer may hold: "
-                                                 "choices x tokens (echoed prompt included) x "
-                                                 "(1 + logprobs)")
-
-    def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if value < (0 if name == "max_logprobs" else 1):
-                raise ValueError(f"--{name.replace('_', '-')} must be at least "
-                                 f"{0 if name == 'max_logprobs' else 1}, got {value}")
-        # An answer's logprobs (an echoed prompt's come in one engine output) must fit one
-        # ring message, so that no output is ever too large to send (docs/ipc.md).
-        most = DEFAULT_MAX_MESSAGE // MAX_LOGPROB_ENTRY_BYTES
-        if self.max_response_logprobs > most:
-            raise ValueError(f"--max-response-logprobs must be at most {most} (one engine "
-                             f"message of {DEFAULT_MAX_MESSAGE} bytes), got {self.max_response_logprobs}")
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):

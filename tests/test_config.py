@@ -21,8 +21,13 @@ from ringserve.engine.config import (
     SchedulerConfig,
 )
 from ringserve.gpu.settings import DTYPES, CacheConfig, DeviceConfig, StepLimits
-from ringserve.server.config import ParallelConfig, ServerConfig, StructuredOutputsConfig, setting_fields
-from ringserve.server.protocol import RequestLimits
+from ringserve.server.config import (
+    ParallelConfig,
+    RequestLimits,
+    ServerConfig,
+    StructuredOutputsConfig,
+    setting_fields,
+)
 
 # Every settings class of `serve`, written out here (not taken from the launcher): a class the
 # launcher forgot, or a flag it adds by hand, makes the comparison below fail.

@@ -15,8 +15,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.loader.config import ModelConfig
-from ringserve.gpu.loader.hf_quant import GROUP_SIZE, int4_scheme, unpack_awq, unpack_gptq
+from ringserve.gpu.loader.config import INT4_GROUP_SIZE, ModelConfig, int4_scheme
+from ringserve.gpu.loader.hf_quant import unpack_awq, unpack_gptq
 from ringserve.gpu.loader.quant import QuantWeight, dequantize
 from ringserve.gpu.loader.weights import load_weights
 from ringserve.tools.tiny_llama import make_tiny_llama
@@ -55,17 +55,18 @@ def random_int4(n: int, k: int, rng: np.random.Generator, method: str) -> tuple[
     """One random linear W [n, k] in `method`'s tensors, and its float32 values by the format's
     formula ((q - z) * s)."""
     q = rng.integers(0, 16, (k, n), dtype=np.uint8)
-    s = (rng.random((k // GROUP_SIZE, n)) * 0.004 + 0.001).astype(np.float16)
+    s = (rng.random((k // INT4_GROUP_SIZE, n)) * 0.004 + 0.001).astype(np.float16)
     if method == "awq":
-        z = rng.integers(0, 16, (k // GROUP_SIZE, n), dtype=np.uint8)
+        z = rng.integers(0, 16, (k // INT4_GROUP_SIZE, n), dtype=np.uint8)
         qweight, qzeros = pack_awq(q, z)
         tensors = {"qweight": qweight, "qzeros": qzeros, "scales": s}
     else:
-        z = np.full((k // GROUP_SIZE, n), 8, np.uint8)
-        zeros_minus_one = pack_awq(np.zeros((1, n), np.uint8), np.full((k // GROUP_SIZE, n), 7, np.uint8))[1]
+        z = np.full((k // INT4_GROUP_SIZE, n), 8, np.uint8)
+        zeros_minus_one = pack_awq(np.zeros((1, n), np.uint8),
+                                   np.full((k // INT4_GROUP_SIZE, n), 7, np.uint8))[1]
         tensors = {"qweight": pack_gptq(q), "qzeros": zeros_minus_one, "scales": s,
-                   "g_idx": (np.arange(k) // GROUP_SIZE).astype(np.int32)}
-    group = np.arange(k) // GROUP_SIZE
+                   "g_idx": (np.arange(k) // INT4_GROUP_SIZE).astype(np.int32)}
+    group = np.arange(k) // INT4_GROUP_SIZE
     w = (q.astype(np.float32) - z[group].astype(np.float32)) * s[group].astype(np.float32)
     return tensors, np.ascontiguousarray(w.T)
 
@@ -76,7 +77,7 @@ def test_unpacked_planes_dequantize_exactly_as_the_format(method):
     tensors, want = random_int4(24, 384, rng, method)
     w = (unpack_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"]) if method == "awq"
          else unpack_gptq(tensors["qweight"], tensors["scales"], tensors["g_idx"]))
-    assert (w.kind, w.block, w.shape) == ("u4", GROUP_SIZE, (24, 384))
+    assert (w.kind, w.block, w.shape) == ("u4", INT4_GROUP_SIZE, (24, 384))
     np.testing.assert_array_equal(dequantize(w), want)
 
 

@@ -84,7 +84,8 @@ def test_disable_log_requests_drops_the_access_lines(servers):
 def test_the_first_start_compiles_apart_and_the_engine_loads(tmp_path, tiny_model_dir):
     """An empty Numba cache: the server says it compiles before it does, in a process of its own
     (the engine's child, gone once the server is up: the compiler's modules go with it), and the
-    engine loads the kernels from the cache that filled; then it serves."""
+    engine loads the kernels from the cache that filled; then it serves (LLVM's code paged out
+    of the engine by then: gpu/cpu/memory.py). The launcher has imported no numpy."""
     started: list = []
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     try:
@@ -92,6 +93,9 @@ def test_the_first_start_compiles_apart_and_the_engine_loads(tmp_path, tiny_mode
                                               "256"), tmp_path / "serve.log", started, 300.0, env=env)
         engines = [c for c in child_pids(server.proc.pid) if "_engine_main" in cmdline(c)]
         assert len(engines) == 1 and not [c for c in child_pids(engines[0]) if cmdline(c)]
+        # the launcher lives as long as the server and holds no numpy (tools/cli.py, launch.py)
+        with open(f"/proc/{server.proc.pid}/maps") as maps:
+            assert "_multiarray_umath" not in maps.read()
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200, r.text

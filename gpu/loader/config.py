@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from ringserve.gpu.errors import ModelError
-from ringserve.gpu.loader.hf_quant import int4_scheme
 
 # Architectures whose forward is the Llama one (Qwen2 adds a bias on q/k/v; Qwen3 an RMSNorm over
 # each head's q and k before RoPE, and often a head_dim other than hidden / heads; Phi-3 stores
@@ -189,6 +188,34 @@ class ModelConfig:
 # --generation-config auto): generation_config.json name -> the request's name. max_new_tokens
 # becomes max_tokens, which the server applies as vLLM does: a cap on every request's
 # max_tokens (server/protocol.py check_length), not only a default.
+INT4_GROUP_SIZE = 128   # AWQ's and GPTQ's group: gpu/loader/hf_quant.py unpacks them
+INT4_SUPPORTED = ("AWQ (version gemm, bits 4, group_size 128, zero_point true); "
+             "GPTQ (bits 4, group_size 128, sym true, desc_act false)")
+
+
+@dataclass(frozen=True)
+class Int4Scheme:
+    method: str          # "awq" | "gptq"
+    group_size: int
+
+
+def int4_scheme(cfg: Any) -> Int4Scheme | None:
+    """config.json's quantization_config -> the scheme (None: not quantized); anything we do
+    not compute exactly is a ModelError naming it."""
+    if cfg is None:
+        return None
+    if isinstance(cfg, dict) and cfg.get("bits") == 4 and cfg.get("group_size") == INT4_GROUP_SIZE:
+        method = cfg.get("quant_method")
+        if (method == "awq" and cfg.get("zero_point", True) is True
+                and str(cfg.get("version", "gemm")).lower() == "gemm"):
+            return Int4Scheme("awq", INT4_GROUP_SIZE)
+        if (method == "gptq" and cfg.get("desc_act", False) is False and cfg.get("sym", True) is True
+                and cfg.get("checkpoint_format", "gptq") == "gptq"):
+            return Int4Scheme("gptq", INT4_GROUP_SIZE)
+    raise ModelError(f"config.json: quantization_config {json.dumps(cfg, sort_keys=True)} is not "
+                     f"supported (supported: {INT4_SUPPORTED})")
+
+
 GENERATION_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                               "min_p": "min_p", "repetition_penalty": "repetition_penalty",
                               "max_new_tokens": "max_tokens"}

@@ -20,45 +20,17 @@ dequantize bit-identically to the formulas above (tests/test_hf_quant.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ringserve.gpu.errors import ModelError
+from ringserve.gpu.loader.config import INT4_GROUP_SIZE, int4_scheme
 from ringserve.gpu.loader.quant import QuantWeight, to_u4
 
-GROUP_SIZE = 128
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # AutoAWQ: nibble i of a word holds column ORDER[i]
 AWQ_UNPACK = tuple(int(i) for i in np.argsort(AWQ_PACK_ORDER))  # column j is nibble UNPACK[j]
-SUPPORTED = ("AWQ (version gemm, bits 4, group_size 128, zero_point true); "
-             "GPTQ (bits 4, group_size 128, sym true, desc_act false)")
-
-
-@dataclass(frozen=True)
-class Int4Scheme:
-    method: str          # "awq" | "gptq"
-    group_size: int
-
-
-def int4_scheme(cfg: Any) -> Int4Scheme | None:
-    """config.json's quantization_config -> the scheme (None: not quantized); anything we do
-    not compute exactly is a ModelError naming it."""
-    if cfg is None:
-        return None
-    if isinstance(cfg, dict) and cfg.get("bits") == 4 and cfg.get("group_size") == GROUP_SIZE:
-        method = cfg.get("quant_method")
-        if (method == "awq" and cfg.get("zero_point", True) is True
-                and str(cfg.get("version", "gemm")).lower() == "gemm"):
-            return Int4Scheme("awq", GROUP_SIZE)
-        if (method == "gptq" and cfg.get("desc_act", False) is False and cfg.get("sym", True) is True
-                and cfg.get("checkpoint_format", "gptq") == "gptq"):
-            return Int4Scheme("gptq", GROUP_SIZE)
-    raise ModelError(f"config.json: quantization_config {json.dumps(cfg, sort_keys=True)} is not "
-                     f"supported (supported: {SUPPORTED})")
-
-
 def _nibbles(words: np.ndarray) -> np.ndarray:
     """int32 [..., c] -> uint8 [..., c, 8]: nibble i (bits 4i..4i+3) of each word."""
     shifts = np.arange(0, 32, 4, dtype=np.uint32)
@@ -68,11 +40,12 @@ def _nibbles(words: np.ndarray) -> np.ndarray:
 def _planes(qtype: str, q: np.ndarray, zeros: np.ndarray, scales: np.ndarray) -> QuantWeight:
     """q uint8 [N, K] (0..15), zeros [N, K/g], scales fp16 [N, K/g] -> the u4 QuantWeight."""
     n, k = q.shape
-    if k % GROUP_SIZE or scales.shape != (n, k // GROUP_SIZE):
-        raise ModelError(f"{qtype}: weight [{n}, {k}] with scales {scales.shape} is not group {GROUP_SIZE}")
+    if k % INT4_GROUP_SIZE or scales.shape != (n, k // INT4_GROUP_SIZE):
+        raise ModelError(f"{qtype}: weight [{n}, {k}] with scales {scales.shape} "
+                         f"is not group {INT4_GROUP_SIZE}")
     scale = np.ascontiguousarray(scales, dtype=np.float32)
     offset = -(zeros.astype(np.float32) * scale)   # NOTE: exact (module doc)
-    return QuantWeight(qtype, (n, k), "u4", to_u4(q), scale, np.ascontiguousarray(offset), GROUP_SIZE)
+    return QuantWeight(qtype, (n, k), "u4", to_u4(q), scale, np.ascontiguousarray(offset), INT4_GROUP_SIZE)
 
 
 def unpack_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray) -> QuantWeight:
@@ -85,7 +58,7 @@ def unpack_awq(qweight: np.ndarray, qzeros: np.ndarray, scales: np.ndarray) -> Q
 def unpack_gptq(qweight: np.ndarray, scales: np.ndarray, g_idx: np.ndarray | None) -> QuantWeight:
     k8, n = qweight.shape
     q = _nibbles(qweight).transpose(0, 2, 1).reshape(k8 * 8, n)     # [K, N]: input row 8r + i
-    if g_idx is not None and not np.array_equal(np.asarray(g_idx), np.arange(k8 * 8) // GROUP_SIZE):
+    if g_idx is not None and not np.array_equal(np.asarray(g_idx), np.arange(k8 * 8) // INT4_GROUP_SIZE):
         raise ModelError("GPTQ: g_idx is not k // group_size (an act-order checkpoint: desc_act true)")
     s = np.asarray(scales).T
     return _planes("GPTQ", np.ascontiguousarray(q.T), np.full(s.shape, 8, np.uint8), s)
