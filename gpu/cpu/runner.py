@@ -20,7 +20,8 @@ from ringserve.gpu.cpu.attention import paged_attention_parallel
 from ringserve.gpu.cpu.int8_kernels import has_vnni
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
 from ringserve.gpu.cpu.memory import map_large_blocks, page_out_library
-from ringserve.gpu.cpu.ops import CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
+from ringserve.gpu.cpu.ops import PARALLEL_ROPE_TOKENS, CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
+from ringserve.gpu.cpu.prefill_attention import SERVED_MIN_TOKENS
 from ringserve.gpu.devices import cpu_threads_per_engine, host_memory_available
 from ringserve.gpu.errors import ModelError
 from ringserve.gpu.loader.config import ModelConfig
@@ -109,15 +110,28 @@ class CpuModelRunner:
             log.info("compiling kernels (first start only, ~%d s; later starts load them from "
                      "Numba's cache)", COMPILE_ESTIMATE_S)
         t0 = time.perf_counter()
-        for tokens in (1, 16):  # a decode and a prefill: linears pick their kernels by size
-            ids = np.zeros(tokens, np.int32)
-            self.execute(Batch(ids, np.arange(tokens, dtype=np.int32), np.full(tokens, -1, np.int32),
-                               np.array([0, tokens], np.int32), np.array([tokens], np.int32),
-                               # NOTE: a table as long as the keys read (all block 0): the
-                               # attention reads every key of seq_lens, whatever the block size
-                               np.zeros((1, -(-tokens // self.block_size)), np.int32)))
+        # a decode and a prefill: linears pick their kernels by size, and RoPE from
+        # PARALLEL_ROPE_TOKENS on takes its parallel kernel (loaded later, it would fault
+        # LLVM's pages back in after page_out_library below)
+        for tokens in (1, PARALLEL_ROPE_TOKENS):
+            self.execute(self._warm_up_batch(tokens))
+        # the tiled prefill attention (a prompt chunk of SERVED_MIN_TOKENS or more) by itself on
+        # one layer's cache: a whole forward that long would take seconds on an 8B
+        buf = CpuStepBuffers(self.config, self._warm_up_batch(SERVED_MIN_TOKENS))
+        buf.qkv.fill(0)
+        cos, sin = next(iter(self.rope_tables(SERVED_MIN_TOKENS).values()))
+        self.ops.attention(buf, cos, sin, *self.kv_caches[0], None, 0)
         log.info("kernels %s in %.2f s", "compiled" if first else "loaded", time.perf_counter() - t0)
         page_out_library("libllvmlite.so")  # NOTE: LLVM's code, idle from here on (memory.py)
+
+    def _warm_up_batch(self, tokens: int) -> Batch:
+        """A prompt of `tokens` tokens whose slots are -1: a forward over it writes nothing."""
+        return Batch(np.zeros(tokens, np.int32), np.arange(tokens, dtype=np.int32),
+                     np.full(tokens, -1, np.int32), np.array([0, tokens], np.int32),
+                     np.array([tokens], np.int32),
+                     # NOTE: a table as long as the keys read (all block 0): the attention
+                     # reads every key of seq_lens, whatever the block size
+                     np.zeros((1, -(-tokens // self.block_size)), np.int32))
 
     @property
     def bytes_per_block(self) -> int:
