@@ -521,11 +521,28 @@ def _configure_logging(level: str) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
+def _model_folder(args: argparse.Namespace) -> Path | None:
+    """The model's folder (gpu/loader/model_store.py resolve_model). Anything but a folder is
+    resolved by `ringserve download` in a child process (its progress and errors on our
+    stderr; None where it failed): a download imports huggingface_hub (~13 MB) and a GGUF
+    conversion gguf and numpy, which the launcher would keep for the server's lifetime. A
+    folder is checked here (a ModelError if it holds no model)."""
+    from ringserve.gpu.loader.model_store import resolve_model
+    if args.model is not None and Path(args.model).expanduser().is_dir():
+        return resolve_model(args.model)
+    cmd = [sys.executable, "-m", "ringserve.tools.cli", "download"]
+    cmd += [] if args.revision is None else ["--revision", args.revision]
+    cmd += [] if args.download_dir is None else ["--download-dir", args.download_dir]
+    cmd += [] if args.model is None else ["--", args.model]  # NOTE: a name may start with "-"
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    return Path(done.stdout.splitlines()[-1]) if done.returncode == 0 else None
+
+
 def serve_command(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     from ringserve.gpu.errors import ModelError
     from ringserve.gpu.loader.config import ModelConfig
-    from ringserve.gpu.loader.model_store import resolve_model, resolve_tokenizer
+    from ringserve.gpu.loader.model_store import resolve_tokenizer
     from ringserve.server.config import ParallelConfig, ServerConfig, from_args
     try:  # the frontend's settings first: a refused flag must not wait for a model's download
         from_args(ServerConfig, args)
@@ -534,7 +551,8 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        model_dir = Path(resolve_model(args.model, revision=args.revision, download_dir=args.download_dir))
+        if (model_dir := _model_folder(args)) is None:
+            return 1  # `ringserve download` said why
         model_len = ModelConfig.from_dir(model_dir).max_position_embeddings
         if args.quantization is not None:  # NOTE: weights.py imports numpy, which the launcher
             from ringserve.gpu.loader.weights import check_quantization  # would keep for life

@@ -231,6 +231,10 @@ def test_family_is_served(family, arch, serve, tmp_path, monkeypatch):
     path, folder = family(arch)
     server = serve(path, "--workers", "1", "--max-model-len", "128", "--device", "cpu",
                    "--drain-timeout", "2", timeout=300)
+    # converted by `ringserve download`'s process: the launcher, alive as long as the server,
+    # imported neither gguf nor numpy (server/launch.py _model_folder)
+    with open(f"/proc/{server.proc.pid}/maps") as maps:
+        assert "_multiarray_umath" not in maps.read()
     model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
         "model": model, "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 3,
