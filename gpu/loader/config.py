@@ -184,13 +184,9 @@ class ModelConfig:
         )
 
 
-# generation_config.json's sampling fields a request inherits when it leaves them out (vLLM's
-# --generation-config auto): generation_config.json name -> the request's name. max_new_tokens
-# becomes max_tokens, which the server applies as vLLM does: a cap on every request's
-# max_tokens (server/protocol.py check_length), not only a default.
 INT4_GROUP_SIZE = 128   # AWQ's and GPTQ's group: gpu/loader/hf_quant.py unpacks them
 INT4_SUPPORTED = ("AWQ (version gemm, bits 4, group_size 128, zero_point true); "
-             "GPTQ (bits 4, group_size 128, sym true, desc_act false)")
+                  "GPTQ (bits 4, group_size 128, sym true, desc_act false)")
 
 
 @dataclass(frozen=True)
@@ -216,6 +212,10 @@ def int4_scheme(cfg: Any) -> Int4Scheme | None:
                      f"supported (supported: {INT4_SUPPORTED})")
 
 
+# generation_config.json's sampling fields a request inherits when it leaves them out (vLLM's
+# --generation-config auto): generation_config.json name -> the request's name. max_new_tokens
+# becomes max_tokens, which the server applies as vLLM does: a cap on every request's
+# max_tokens (server/protocol.py check_length), not only a default.
 GENERATION_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                               "min_p": "min_p", "repetition_penalty": "repetition_penalty",
                               "max_new_tokens": "max_tokens"}
