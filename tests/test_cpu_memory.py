@@ -100,9 +100,10 @@ def test_a_freed_step_sized_block_goes_back_to_the_system():
 
 
 _PAGED_OUT = """
-import ctypes, os, shutil, sys, zlib
+import ctypes, ctypes.util, os, shutil, sys, zlib
 from ringserve.gpu.cpu.memory import page_out_library
 # a private copy of zlib's library: no other process maps its pages (a shared page stays)
+ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")
 real = next(line.split()[5] for line in open("/proc/self/maps") if "/libz.so" in line)
 shutil.copy(real, sys.argv[1])
 with open(sys.argv[1], "rb+") as f:
