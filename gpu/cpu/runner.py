@@ -45,8 +45,10 @@ _BLAS = ThreadpoolController()
 log = logging.getLogger(__name__)
 # A fresh compile of the CPU kernels (an empty Numba cache): the default model's warm-up took
 # 6.3 s on the 2-core dev machine (shared, 2026-12), and the first request 10.7 s in issue 31;
-# the tiled prefill attention (a parallel region) adds ~8 s of CPU (2026-12-05).
-COMPILE_ESTIMATE_S = 18
+# the tiled prefill attention (a parallel region) adds ~8 s of CPU (2026-12-05). Since the
+# warm-up compiles it and RoPE's parallel kernel too (rather than the first long prompt, in the
+# serving engine): 23.5 s on the 1B shape's Q4_K_M, the first start ready after 45 s (2026-12-06).
+COMPILE_ESTIMATE_S = 25
 
 
 class CpuModelRunner:
