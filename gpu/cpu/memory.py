@@ -123,15 +123,19 @@ def page_out_library(filename: str) -> int:
     except (OSError, AttributeError):
         return 0
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:  # NOTE: not Linux
+        return 0
     advised = 0
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            # NOTE: only mappings without "w": a written private page is the process's own
-            # copy, which paging out would send to swap, not drop
-            if len(fields) < 6 or "w" in fields[1] or not fields[5].endswith("/" + filename):
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if madvise(start, end - start, MADV_PAGEOUT) == 0:
-                advised += end - start
+    for line in lines:
+        fields = line.split(maxsplit=5)  # the path last, spaces and all
+        # NOTE: only mappings without "w": a written private page is the process's own
+        # copy, which paging out would send to swap, not drop
+        if len(fields) < 6 or "w" in fields[1] or not fields[5].rstrip("\n").endswith("/" + filename):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if madvise(start, end - start, MADV_PAGEOUT) == 0:
+            advised += end - start
     return advised
