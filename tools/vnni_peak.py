@@ -1,0 +1,121 @@
+"""The ceiling of the CPU's int8 GEMM: how many 512-bit `vpdpbusd` (64 int8 multiply-adds each)
+a core retires a second with nothing else to do, on one thread and on every core at once.
+
+    python -m ringserve.tools.vnni_peak [--chains 12] [--seconds 1]
+
+A loop of `chains` independent accumulator chains (enough to hide the instruction's latency),
+compiled by LLVM (llvmlite, Numba's) for this CPU and called through ctypes, which releases the
+GIL: the threads run at once. gpu/cpu/int8_kernels.py's tiles do the same multiply-adds plus
+the nibble unpacking and the per-sub-block float epilogue, on the same vector pipes; their
+G multiply-adds/s over this figure is how much of the ceiling they reach (docs/bench_quant.md).
+Only where `has_vnni` (AVX-512 VNNI): elsewhere it says so and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+MACS_PER_INSTRUCTION = 64   # 16 int32 lanes x 4 byte products
+
+
+def compile_probe(chains: int) -> Callable[[int], int]:
+    """run(n): n iterations of `chains` vpdpbusd, each on its own accumulator."""
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    v16 = ir.VectorType(i32, 16)
+    module = ir.Module()
+    module.triple = llvm.get_process_triple()
+    vpdpbusd = ir.Function(module, ir.FunctionType(v16, [v16, v16, v16]), "llvm.x86.avx512.vpdpbusd.512")
+    fn = ir.Function(module, ir.FunctionType(i32, [i64]), "run")
+    entry, loop, done = (fn.append_basic_block(name) for name in ("entry", "loop", "done"))
+    b = ir.IRBuilder(entry)
+    b.branch(loop)
+    b.position_at_end(loop)
+    count = b.phi(i64)
+    count.add_incoming(ir.Constant(i64, 0), entry)
+    weights = ir.Constant(v16, [0x01020304] * 16)
+    accs = []
+    for k in range(chains):
+        acc = b.phi(v16)
+        acc.add_incoming(ir.Constant(v16, [k] * 16), entry)
+        accs.append(acc)
+    # NOTE: each chain's activations differ, so that LLVM cannot merge the chains
+    sums = [b.call(vpdpbusd, [acc, weights, ir.Constant(v16, [k + 3] * 16)]) for k, acc in enumerate(accs)]
+    for acc, s in zip(accs, sums, strict=True):
+        acc.add_incoming(s, loop)
+    nxt = b.add(count, ir.Constant(i64, 1))
+    count.add_incoming(nxt, loop)
+    b.cbranch(b.icmp_unsigned("<", nxt, fn.args[0]), loop, done)
+    b.position_at_end(done)
+    total = sums[0]
+    for s in sums[1:]:
+        total = b.add(total, s)
+    b.ret(b.extract_element(total, ir.Constant(i32, 0)))
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
+    parsed = llvm.parse_assembly(str(module))
+    parsed.verify()
+    engine = llvm.create_mcjit_compiler(parsed, machine)
+    engine.finalize_object()
+    run = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)(engine.get_function_address("run"))
+    run.engine = engine  # type: ignore[attr-defined]  # NOTE: the code lives as long as the engine
+    return run
+
+
+def rates(run: Callable[[int], int], chains: int, threads: int, seconds: float) -> list[float]:
+    """G multiply-adds/s of each of `threads` threads running the probe at once for ~seconds."""
+    t = time.perf_counter()
+    run(100_000)
+    per_second = 100_000 / max(time.perf_counter() - t, 1e-6)
+    n = max(int(per_second * seconds), 1)
+    out = [0.0] * threads
+    start = threading.Barrier(threads)
+
+    def one(i: int) -> None:
+        start.wait()
+        t0 = time.perf_counter()
+        run(n)
+        out[i] = n * chains * MACS_PER_INSTRUCTION / (time.perf_counter() - t0) / 1e9
+
+    workers = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ringserve.tools.vnni_peak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chains", type=int, default=12, help="independent accumulators (default 12)")
+    p.add_argument("--seconds", type=float, default=1.0, help="each measurement's length")
+    args = p.parse_args(argv)
+    if args.chains < 1 or not 0 < args.seconds <= 60:
+        p.error("--chains must be >= 1 and --seconds in (0, 60]")
+    from ringserve.gpu.cpu.int8_kernels import has_vnni
+    if not has_vnni():
+        print("this CPU has no AVX-512 VNNI: the int8 kernels do not run here", file=sys.stderr)
+        return 1
+    run = compile_probe(args.chains)
+    cores = len(os.sched_getaffinity(0))
+    one = rates(run, args.chains, 1, args.seconds)[0]
+    every = rates(run, args.chains, cores, args.seconds)
+    print("| threads | G vpdpbusd/s a thread | G int8 multiply-adds/s a thread | all threads |")
+    print("|---:|---:|---:|---:|")
+    print(f"| 1 | {one / MACS_PER_INSTRUCTION:.2f} | {one:.0f} | {one:.0f} |")
+    print(f"| {cores} | {min(every) / MACS_PER_INSTRUCTION:.2f}-{max(every) / MACS_PER_INSTRUCTION:.2f} "
+          f"| {min(every):.0f}-{max(every):.0f} | {sum(every):.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
