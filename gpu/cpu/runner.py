@@ -64,7 +64,8 @@ class CpuModelRunner:
         AVX-512 VNNI; "float32" exactly; "auto": int8 where the CPU can); cache.block_size,
         cache.kv_cache_dtype (gpu/cpu/kv_dtypes.py) and the pool: cache.num_gpu_blocks_override
         blocks, else as many as cache.kv_cache_memory_bytes holds; limits.max_model_len (None:
-        max_position_embeddings) only picks LongRoPE's factors (gpu/rope.py). widen_packed: GGUF blocks and
+        max_position_embeddings) picks LongRoPE's factors (gpu/rope.py), and with
+        limits.max_num_batched_tokens which kernels the warm-up loads. widen_packed: GGUF blocks and
         16-bit weights widened to dtype as well (the float path, for comparisons), not kept
         packed."""
         map_large_blocks()  # NOTE: freed step activations go back to the system (memory.py)
@@ -99,6 +100,7 @@ class CpuModelRunner:
         self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype, store.arena)
                           for _ in range(c.num_hidden_layers)]
         self.max_model_len = (limits and limits.max_model_len) or c.max_position_embeddings
+        self.max_step_tokens = limits.max_num_batched_tokens if limits else None  # None: no bound
         self._ropes = rope_tables_by_type(c, 0, self.max_model_len)
         self.warm_up()
 
@@ -112,17 +114,19 @@ class CpuModelRunner:
             log.info("compiling kernels (first start only, ~%d s; later starts load them from "
                      "Numba's cache)", COMPILE_ESTIMATE_S)
         t0 = time.perf_counter()
-        # a decode and a prefill: linears pick their kernels by size, and RoPE from
-        # PARALLEL_ROPE_TOKENS on takes its parallel kernel (loaded later, it would fault
-        # LLVM's pages back in after page_out_library below)
-        for tokens in (1, PARALLEL_ROPE_TOKENS):
+        # Every kernel a step of this server can take (one loaded later would fault LLVM's pages
+        # back in after page_out_library below): a decode and a prefill (linears pick their
+        # kernels by size; RoPE from PARALLEL_ROPE_TOKENS on takes its parallel kernel) ...
+        step = min(self.max_step_tokens or PARALLEL_ROPE_TOKENS, PARALLEL_ROPE_TOKENS)
+        for tokens in sorted({1, step}):
             self.execute(self._warm_up_batch(tokens))
-        # the tiled prefill attention (a prompt chunk of SERVED_MIN_TOKENS or more) by itself on
-        # one layer's cache: a whole forward that long would take seconds on an 8B
-        buf = CpuStepBuffers(self.config, self._warm_up_batch(SERVED_MIN_TOKENS))
-        buf.qkv.fill(0)
-        cos, sin = next(iter(self.rope_tables(SERVED_MIN_TOKENS).values()))
-        self.ops.attention(buf, cos, sin, *self.kv_caches[0], None, 0)
+        # ... and the tiled prefill attention, where a prompt chunk can reach SERVED_MIN_TOKENS,
+        # by itself on one layer's cache (a whole forward that long would take seconds on an 8B)
+        if min(self.max_model_len, self.max_step_tokens or self.max_model_len) >= SERVED_MIN_TOKENS:
+            buf = CpuStepBuffers(self.config, self._warm_up_batch(SERVED_MIN_TOKENS))
+            buf.qkv.fill(0)
+            cos, sin = next(iter(self.rope_tables(SERVED_MIN_TOKENS).values()))
+            self.ops.attention(buf, cos, sin, *self.kv_caches[0], None, 0)
         log.info("kernels %s in %.2f s", "compiled" if first else "loaded", time.perf_counter() - t0)
         page_out_library("libllvmlite.so")  # NOTE: LLVM's code, idle from here on (memory.py)
 
