@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print("this CPU has no AVX-512 VNNI: the int8 kernels do not run here", file=sys.stderr)
         return 1
     run = compile_probe(args.chains)
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     one = rates(run, args.chains, 1, args.seconds)[0]
     every = rates(run, args.chains, cores, args.seconds)
     print("| threads | G vpdpbusd/s a thread | G int8 multiply-adds/s a thread | all threads |")
