@@ -90,7 +90,7 @@ def preload() -> None:
     release_free_heap()  # NOTE: before the fork, so that no worker inherits the parse's garbage
     # NOTE: what exists now out of the cyclic collector's reach: a worker's collections would
     # otherwise write to every inherited object's header and copy its page (CPython's gc docs;
-    # master + worker 117 -> 107 MB PSS after a c=16 run on the 1B)
+    # master + worker 117 -> 108 MB PSS after a c=16 run on the 1B)
     gc.freeze()
 
 

@@ -48,6 +48,13 @@ def cmdline(pid: int) -> str:
     except OSError:
         return ""
 
+
+def engine_pids(launcher_pid: int) -> list[int]:
+    """A server's engine processes: its launcher's children running _engine_main (server/launch.py
+    _start_python names the function on their command line)."""
+    return [c for c in child_pids(launcher_pid) if "_engine_main" in cmdline(c)]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama (2 layers, hidden 64, GQA 4/2, vocab 384) in an HF-layout folder."""

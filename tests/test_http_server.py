@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ServeProcess, child_pids, cmdline
+from conftest import ServeProcess, child_pids, cmdline, engine_pids
 
 pytestmark = pytest.mark.slow
 
@@ -34,9 +34,7 @@ class Server(ServeProcess):
         raise AssertionError("no gunicorn master under the launcher")
 
     def engine_pids(self) -> list[int]:
-        """The engine processes: the launcher's children running _engine_main."""
-        return [pid for pid in child_pids(self.proc.pid)
-                if "_engine_main" in cmdline(pid)]
+        return engine_pids(self.proc.pid)
 
     def kv_usage(self) -> float:
         return sum(v for _, v in metric_samples(httpx.get(self.url + "/metrics").text,

@@ -20,7 +20,7 @@ import httpx
 import msgspec
 import pytest
 
-from conftest import free_port
+from conftest import engine_pids, free_port
 from ringserve.engine.kv_cache import hash_block, root_hash
 from ringserve.engine.kv_events import offset_endpoint
 
@@ -246,9 +246,7 @@ def test_a_restarted_engine_says_its_pool_is_empty(server):
     url, config, launcher = server
     replay = {rank: offset_endpoint(config["replay_endpoint"], rank) for rank in (0, 1)}
     first = {rank: _replay(e)[0] for rank, e in replay.items()}  # each one's seq 0 (its own ts)
-    engines = [pid for task in os.listdir(f"/proc/{launcher}/task")
-               for pid in map(int, open(f"/proc/{launcher}/task/{task}/children").read().split())
-               if b"_engine_main" in open(f"/proc/{pid}/cmdline", "rb").read()]
+    engines = engine_pids(launcher)
     assert len(engines) == 2
     os.kill(engines[0], signal.SIGKILL)
     deadline = time.monotonic() + 120

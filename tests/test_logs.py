@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from conftest import child_pids, cmdline, start_serve
+from conftest import child_pids, cmdline, engine_pids, start_serve
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +93,7 @@ def test_the_first_start_compiles_apart_and_the_engine_loads(tmp_path, tiny_mode
         # (~8 s of CPU) the warm-up then skips
         server = start_serve(tiny_model_dir, ("--workers", "1", "--device", "cpu", "--max-model-len",
                                               "128"), tmp_path / "serve.log", started, 300.0, env=env)
-        engines = [c for c in child_pids(server.proc.pid) if "_engine_main" in cmdline(c)]
+        engines = engine_pids(server.proc.pid)
         assert len(engines) == 1 and not [c for c in child_pids(engines[0]) if cmdline(c)]
         # the launcher lives as long as the server and holds no numpy (tools/cli.py, launch.py)
         with open(f"/proc/{server.proc.pid}/maps") as maps:

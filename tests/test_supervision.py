@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import ServeProcess, child_pids, cmdline, descendants, start_serve
+from conftest import ServeProcess, cmdline, descendants, engine_pids, start_serve
 from ringserve.engine.config import EngineConfig
 from ringserve.engine.process import run_engine
 from ringserve.ipc.sampling_params import SamplingParams
@@ -38,10 +38,6 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
-
-
-def _engines(pid: int) -> list[int]:
-    return [c for c in child_pids(pid) if "_engine_main" in cmdline(c)]
 
 
 def _runtime_dirs(launcher_pid: int) -> list[Path]:
@@ -175,7 +171,7 @@ def test_long_prompt_under_default_flags_fails_no_stream(launch, default_model_d
     into short steps) the open streams keep getting tokens during its prefill, so they end
     before it does. With one step for the whole prompt they would end after it."""
     server = launch(default_model_dir, timeout=300)
-    (engine,) = _engines(server.proc.pid)
+    (engine,) = engine_pids(server.proc.pid)
     tok = httpx.post(server.url + "/tokenize", json={"prompt": "word " * 9000}, timeout=60).json()
     prompt = tok["tokens"][:8000]
     ended: dict[str, float] = {}
@@ -200,7 +196,7 @@ def test_long_prompt_under_default_flags_fails_no_stream(launch, default_model_d
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert r.json()["usage"]["prompt_tokens"] == 8000
     assert streams_ended < ended["long"], "the open streams waited for the whole prompt"
-    assert _engines(server.proc.pid) == [engine]
+    assert engine_pids(server.proc.pid) == [engine]
     text = server.stop()
     assert "died" not in text and "hung" not in text, text
 
@@ -210,7 +206,7 @@ def test_stopped_engine_is_killed_restarted_and_its_streams_fail_clearly(launch,
     a new one; the streams open on it end with an error event; then the server serves again."""
     server = launch(default_model_dir, "--workers", "2", "--max-model-len", "512",
                     "--engine-hang-timeout", "3")
-    (engine,) = _engines(server.proc.pid)
+    (engine,) = engine_pids(server.proc.pid)
     streams = Streams(server.url, 3, prompt="Count:", max_tokens=400, ignore_eos=True)
     streams.wait_started()
     os.kill(engine, signal.SIGSTOP)
@@ -230,7 +226,7 @@ def test_stopped_engine_is_killed_restarted_and_its_streams_fail_clearly(launch,
         assert set(codes) <= {200, 503}, codes
         assert time.monotonic() < deadline, server.log.read_text()
         time.sleep(0.5)
-    new = _engines(server.proc.pid)
+    new = engine_pids(server.proc.pid)
     assert len(new) == 1 and new != [engine]
     assert httpx.get(server.url + "/health").status_code == 200
     text = server.stop()
@@ -277,7 +273,7 @@ def test_killed_launcher_takes_its_tree_and_the_next_start_cleans_up(launch, tin
     while len(tree := descendants(first.proc.pid)) < 4:  # engine, master, 2 workers
         assert time.monotonic() < deadline, {p: cmdline(p) for p in tree}
         time.sleep(0.1)
-    engines = _engines(first.proc.pid)
+    engines = engine_pids(first.proc.pid)
     assert len(engines) == 1
     (runtime,) = _runtime_dirs(first.proc.pid)
     # NOTE: a slot's segment is unlinked once its worker has attached (ipc/control.py): wait

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from conftest import engine_pids
 
 VOCAB = 384  # the tiny model's (tests/conftest.py tiny_model_dir)
 RAW = "@@RAW@@"  # json.dumps(f"{RAW}NaN") -> the raw token NaN in the body
@@ -45,29 +46,15 @@ def body_bytes(body: dict) -> bytes:
     return re.sub(f'"{RAW}([^"]*)"', r"\1", json.dumps(body)).encode()
 
 
-def engine_pids(launcher_pid: int) -> set[int]:
-    """The launcher's engine processes (its children running _engine_main)."""
-    pids = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == launcher_pid and b"_engine_main" in cmdline:
-            pids.add(int(stat.parent.name))
-    return pids
-
-
 @pytest.fixture(scope="module")
 def server(serve, tiny_model_dir, no_segment_left_behind):
     s = serve(tiny_model_dir, "--workers", "1", "--max-model-len", "256", "--device", "cpu",
               "--drain-timeout", "2")
-    pids = engine_pids(s.proc.pid)
+    pids = set(engine_pids(s.proc.pid))
     assert len(pids) == 1
     with httpx.Client(base_url=s.url, timeout=60) as client:
         yield s, client
-    assert engine_pids(s.proc.pid) == pids, "the engine was restarted"
+    assert set(engine_pids(s.proc.pid)) == pids, "the engine was restarted"
     s.stop()
 
 
