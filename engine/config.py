@@ -178,4 +178,5 @@ class EngineConfig:
                           max_num_batched_tokens=self.scheduler_config.token_budget,
                           max_model_len=self.max_model_len,
                           num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                          max_num_verify_seqs=spec.disable_by_batch_size if spec else 0)
+                          max_num_verify_seqs=spec.disable_by_batch_size if spec else 0,
+                          long_prefill_token_threshold=self.scheduler_config.long_prefill_token_threshold)

@@ -133,14 +133,23 @@ class StepLimits:
     block tables for max_model_len (None: the model's max_position_embeddings). With speculative
     decoding (num_speculative_tokens K > 0) it also captures verify graphs, 1 + K tokens and rows
     of logits per request, for steps of up to max_num_verify_seqs requests (the engine's
-    disable_by_batch_size: larger steps do not speculate). The CPU runner reads only
-    max_model_len (which LongRoPE factors, gpu/rope.py)."""
+    disable_by_batch_size: larger steps do not speculate). The CPU runner reads max_model_len
+    (which LongRoPE factors, gpu/rope.py) and max_chunk_tokens (which kernels its warm-up loads).
+    long_prefill_token_threshold: the scheduler's cap on one request's prompt chunk (0: none)."""
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int | None = None
     num_speculative_tokens: int = 0
     max_num_verify_seqs: int = 0
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
-        _at_least(self, 0, "num_speculative_tokens", "max_num_verify_seqs")
+        _at_least(self, 0, "num_speculative_tokens", "max_num_verify_seqs", "long_prefill_token_threshold")
+
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The most tokens one request computes in a step: a prompt chunk within the step's
+        budget, the cap, and the context (engine/scheduler.py _chunk)."""
+        budget = self.max_num_batched_tokens
+        return min(budget, self.long_prefill_token_threshold or budget, self.max_model_len or budget)

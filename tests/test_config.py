@@ -165,6 +165,20 @@ def test_the_runners_take_the_configs_whole():
     assert set(CPU_DTYPES) | set(CUDA_DTYPES) == set(DTYPES)
 
 
+def test_step_limits_bound_one_requests_chunk_as_the_scheduler_does():
+    """max_chunk_tokens (what the CPU runner's warm-up decides the tiled prefill attention by):
+    the step's budget, the long-prefill cap and the context, whichever is least."""
+    def chunk(**kwargs) -> int:
+        return EngineConfig.create(device="cpu", **kwargs).step_limits.max_chunk_tokens
+    assert chunk(max_num_batched_tokens=512, max_model_len=2048) == 512
+    assert chunk(max_num_batched_tokens=512, max_model_len=2048, long_prefill_token_threshold=100) == 100
+    assert chunk(max_num_batched_tokens=512, max_model_len=2048, long_prefill_token_threshold=4096) == 512
+    assert chunk(max_num_batched_tokens=512, max_model_len=64, long_prefill_token_threshold=100) == 64
+    assert StepLimits(max_num_seqs=1, max_num_batched_tokens=300).max_chunk_tokens == 300
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be at least 0"):
+        StepLimits(max_num_seqs=1, max_num_batched_tokens=8, long_prefill_token_threshold=-1)
+
+
 def test_the_flag_table_in_docs_lists_every_flag():
     from pathlib import Path
     rows = [line for line in (Path(__file__).parent.parent / "docs" / "serving.md").read_text()

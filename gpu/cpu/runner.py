@@ -100,7 +100,9 @@ class CpuModelRunner:
         self.kv_caches = [KVCache.allocate(self.num_blocks, block_size, c, self.kv_cache_dtype, store.arena)
                           for _ in range(c.num_hidden_layers)]
         self.max_model_len = (limits and limits.max_model_len) or c.max_position_embeddings
-        self.max_step_tokens = limits.max_num_batched_tokens if limits else None  # None: no bound
+        # the most tokens in a step, and of one request in a step (None: no bound)
+        self.max_step_tokens = limits.max_num_batched_tokens if limits else None
+        self.max_chunk_tokens = limits.max_chunk_tokens if limits else None
         self._ropes = rope_tables_by_type(c, 0, self.max_model_len)
         self.warm_up()
 
@@ -122,7 +124,7 @@ class CpuModelRunner:
             self.execute(self._warm_up_batch(tokens))
         # ... and the tiled prefill attention, where a prompt chunk can reach SERVED_MIN_TOKENS,
         # by itself on one layer's cache (a whole forward that long would take seconds on an 8B)
-        if min(self.max_model_len, self.max_step_tokens or self.max_model_len) >= SERVED_MIN_TOKENS:
+        if min(self.max_model_len, self.max_chunk_tokens or self.max_model_len) >= SERVED_MIN_TOKENS:
             buf = CpuStepBuffers(self.config, self._warm_up_batch(SERVED_MIN_TOKENS))
             buf.qkv.fill(0)
             cos, sin = next(iter(self.rope_tables(SERVED_MIN_TOKENS).values()))
