@@ -222,3 +222,41 @@ def cuda_host(tmp_path_factory):
     if gxx is None:
         pytest.skip("g++ not found: the CUDA C host tests compile the .cu files with it")
     return HostBuild(gxx, tmp_path_factory.mktemp("cuda_host"))
+
+
+SIMULATOR_LAUNCHER = "test_simulator_tests_pass_in_their_own_process"
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    # Numba's simulator runs a block's threads as Python threads while its BlockManager polls
+    # them holding the GIL, so each barrier waits out switch intervals: at the default 5 ms the
+    # simulator tests ran ~2.5x longer. The same kernels run; only the GIL changes hands sooner.
+    sys.setswitchinterval(1e-4)
+
+
+@pytest.fixture(scope="session")
+def simulator_tests(request):
+    """Call it with a test file's path: that file's simulator tests (which need
+    NUMBA_ENABLE_CUDASIM=1 before numba is first imported) must all pass, none skipped, in a
+    pytest process of their own. One process runs `-m sim` over every collected file with a
+    SIMULATOR_LAUNCHER test (tests/test_cuda_sim.py, tests/test_cuda_sampler.py), on the first
+    call: one interpreter and one numba import for them all; each file run alone runs its own."""
+    root = request.config.rootpath
+    files = sorted({item.nodeid.split("::")[0] for item in request.session.items
+                    if item.name == SIMULATOR_LAUNCHER})
+    run: list[subprocess.CompletedProcess] = []
+
+    def check(test_file: str) -> None:
+        path = Path(test_file).resolve().relative_to(root).as_posix()
+        assert path in files, f"{path}: no {SIMULATOR_LAUNCHER} collected from it"
+        if not run:
+            env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+            run.append(subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", "sim",
+                 *files], cwd=root, env=env, capture_output=True, text=True, timeout=600))
+        proc = run[0]
+        out = proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert proc.returncode in (0, 1), out  # 1: some test failed; anything else: no results
+        summary = proc.stdout.partition("short test summary info")[2].splitlines()
+        lines = [line for line in summary if f" {path}:" in line]
+        assert lines and all(line.startswith("PASSED ") for line in lines), out
+    return check

@@ -5,8 +5,6 @@ gpu/sampling/sampler.py and the references. The compile checks are in tests/test
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -41,12 +39,8 @@ def _penalty_meta(rng, B, V):
 
 if not IN_SIMULATOR:
     @pytest.mark.sim
-    def test_simulator_tests_pass_in_their_own_process():
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               __file__], env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+    def test_simulator_tests_pass_in_their_own_process(simulator_tests):
+        simulator_tests(__file__)
 
     def test_uniforms_are_the_numpy_samplers_draws():
         from ringserve.gpu.cuda.sampler import draw_uniforms

@@ -2,14 +2,13 @@
 
 The simulator must be switched on before numba is first imported, so these tests run in a
 pytest process of their own: in the main run, the one test below launches this file again
-with NUMBA_ENABLE_CUDASIM=1. The simulator runs ~1 ms per thread per barrier: 32-thread
-blocks and tiny sizes.
+with NUMBA_ENABLE_CUDASIM=1 (with tests/test_cuda_sampler.py's, in one process: conftest.py
+simulator_tests). The simulator runs a Python thread per CUDA thread, each barrier a round
+of thread switches: 32-thread blocks and tiny sizes.
 """
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,13 +18,8 @@ IN_SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 THREADS = 32
 
 if not IN_SIMULATOR:
-    def test_simulator_tests_pass_in_their_own_process():
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               "-m", "sim", __file__], env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+    def test_simulator_tests_pass_in_their_own_process(simulator_tests):
+        simulator_tests(__file__)
 
 else:
     from numba import config as numba_config
