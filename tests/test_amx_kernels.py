@@ -18,6 +18,7 @@ from ringserve.gpu.cpu.amx_kernels import (
     XFEATURE_XTILEDATA,
     amx_linear,
     has_amx,
+    on_amx,
     request_tile_permission,
     tiles_linear,
 )
@@ -40,9 +41,13 @@ TOKENS = [1, 15, 16, 17, 100]
 
 
 def on_vnni(x: np.ndarray, w) -> np.ndarray:
-    """x @ W.T from the VNNI kernel, in chunks of up to 4 rows and one call (its remainder kernels)."""
-    whole = int8_linear(x, w)
-    parts = np.concatenate([int8_linear(x[i:i + 3], w) for i in range(0, len(x), 3)])
+    """x @ W.T from the VNNI kernel, in chunks of up to 4 rows and one call (its remainder kernels),
+    with the activations' blocks tiles_linear gives W (of 32 where the tiles take W's rows: K-quants
+    too; else the K-quants' 256)."""
+    super_blocks = not on_amx(w)
+    whole = int8_linear(x, w, super_blocks=super_blocks)
+    parts = np.concatenate([int8_linear(x[i:i + 3], w, super_blocks=super_blocks)
+                            for i in range(0, len(x), 3)])
     assert np.array_equal(whole, parts), "the VNNI kernel's result depends on the rows a call holds"
     return whole
 

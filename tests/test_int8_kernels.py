@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from ringserve.gpu.cpu import int8_kernels as cpu_int8_kernels
+from ringserve.gpu.cpu.amx_kernels import AMX_BLOCKS, AMX_KINDS, on_amx
 from ringserve.gpu.cpu.int8_kernels import (
     U6_TYPES,
     WIDE_TILE_TOKENS,
@@ -25,6 +26,8 @@ from ringserve.gpu.cpu.int8_kernels import (
     has_vnni,
     int8_linear,
     quantize_rows,
+    quantize_super_rows,
+    super_activations,
     supports,
     tiles,
     u6_step_vectors,
@@ -46,9 +49,10 @@ INTEGER_TYPES = [t for t in BLOCK_SIZES if t not in ("F32", "F16", "BF16")]
 TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 17, 70]
 
 
-def numpy_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp's q8 activations in numpy: per 32, d = max|x| / 127, q = round-half-away(x / d)."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+def numpy_quantize(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's q8 activations in numpy: per 32, d = max|x| / 127, q = round-half-away(x / d);
+    block 256: its q8_K (the K-quants')."""
+    blocks = x.reshape(x.shape[0], -1, block)
     d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
     v = blocks / np.where(d > 0, d, np.float32(1))[..., None]
     return np.trunc(v + np.copysign(np.float32(0.5), v)).astype(np.int8).reshape(x.shape), d
@@ -72,11 +76,31 @@ def test_activations_quantize_as_numpy_does():
                                rtol=1e-6)
 
 
-def reference(x: np.ndarray, w: QuantWeight, tiled_kind: str = "i8") -> tuple[np.ndarray, np.ndarray]:
-    """(the float64 product of the dequantized int8 activations and weights, its error bound for
-    tiles of tiled_kind: its zero point enters the bound)."""
-    rows = quantize_rows(x)
-    xd = (rows.q.reshape(len(x), -1, 32) * rows.scale[..., None].astype(np.float64)).reshape(x.shape)
+def test_activations_quantize_in_blocks_of_256_as_numpy_does():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((4, 512)).astype(np.float32) * np.float32(3.0)
+    x[1, :256] = 0.0                        # an all-zero block: scale 0, quants 0
+    x[2, 256:] *= np.float32(1e30)          # huge but finite
+    x[3, :256] = np.float32(1e-40)          # subnormal
+    x[0, 300] = np.float32(-50.0)           # one outlier: the block's other quants shrink
+    for sub, zero_point in ((16, 32), (32, 0), (32, 128)):
+        rows = quantize_super_rows(x, sub, zero_point)
+        q, d = numpy_quantize(x, 256)
+        assert np.array_equal(rows.q, q) and np.array_equal(rows.scale, d)
+        assert rows.q[0, 300] == -127 and np.all(rows.q[1, :256] == 0)
+        sums = q.astype(np.int64).reshape(4, -1, sub).sum(-1)
+        n = 512 // sub
+        assert np.array_equal(rows.sums[:, :n], -zero_point * sums)   # the vpdpbusd sums' start
+        assert np.array_equal(rows.fsums[:, n:], sums.astype(np.float32))
+
+
+def reference(x: np.ndarray, w: QuantWeight, tiled_kind: str = "i8",
+              super_blocks: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(the float64 product of the dequantized int8 activations (blocks of 32, or of 256 for
+    super_blocks) and weights, its error bound for tiles of tiled_kind: its zero point enters
+    the bound)."""
+    q, d = numpy_quantize(x, 256 if super_blocks else 32)
+    xd = (q.reshape(len(x), d.shape[1], -1) * d[..., None].astype(np.float64)).reshape(x.shape)
     want = xd @ dequantize(w).astype(np.float64).T
     unscaled = np.abs(dequantize(dataclasses.replace(w, offset=None))).astype(np.float64)
     assert w.scale is not None
@@ -112,30 +136,41 @@ def test_every_type_is_dequantize_times_the_int8_activations(qtype):
         assert np.array_equal(dequantize(tiled.rows(np.arange(48))), dequantize(w))
         picked = np.array([47, 0, 17, 17])  # an embedding lookup: any rows, repeated
         assert np.array_equal(dequantize(tiled.rows(picked)), dequantize(w)[picked])
-        for t in TOKENS:
-            x = rng.standard_normal((t, shape[1])).astype(np.float32)
-            want, bound = reference(x, w, tiled.kind)
-            for parallel in (False, True):
-                got = int8_linear(x, tiled, parallel=parallel)
-                err = np.abs(got - want)
-                assert np.all(err <= bound), f"{qtype} T={t}: worst {(err / bound).max():.3g} of the bound"
+        # Q4_K, Q5_K and Q6_K's factored tiles take activations in blocks of 256, and of 32 where
+        # AMX multiplies them (super_blocks=False: the kinds and sub-blocks it takes)
+        amx_form = factored and tiled.kind in AMX_KINDS and tiled.block in AMX_BLOCKS
+        for super_blocks in (True, False) if amx_form else (True,):
+            for t in TOKENS:
+                x = rng.standard_normal((t, shape[1])).astype(np.float32)
+                want, bound = reference(x, w, tiled.kind, super_blocks and super_activations(tiled))
+                for parallel in (False, True):
+                    got = int8_linear(x, tiled, parallel=parallel, super_blocks=super_blocks)
+                    err = np.abs(got - want)
+                    assert np.all(err <= bound), \
+                        f"{qtype} {super_blocks=} T={t}: worst {(err / bound).max():.3g} of the bound"
 
 
-@pytest.mark.parametrize("qtype,six_bit", [("Q4_K", True), ("Q6_K", True), ("Q6_K", False), ("Q8_0", True)])
-def test_a_tokens_result_does_not_depend_on_the_rows_beside_it(qtype, six_bit):
+@pytest.mark.parametrize("qtype,six_bit,super_blocks", [
+    ("Q4_K", True, True), ("Q4_K", True, False), ("Q6_K", True, True), ("Q6_K", False, True),
+    ("Q8_0", True, True)])
+def test_a_tokens_result_does_not_depend_on_the_rows_beside_it(qtype, six_bit, super_blocks):
     """Bit for bit: a token row's output is the same alone, in a tile of 4 or 8, or left over
     after them, in a step short enough for tiles of 8 or longer (each token's terms are summed
-    in one order whatever its tile): a request's tokens must not change with the batch it ran in."""
+    in one order whatever its tile): a request's tokens must not change with the batch it ran in.
+    The K-quants both ways: activations in blocks of 256, and of 32 (on a CPU with AMX)."""
     rng = np.random.default_rng(5)
     shape = (32, 512)
     tiled = tiles(repack(random_raw(qtype, shape, rng), qtype, shape, factored=True), six_bit=six_bit)
     x = rng.standard_normal((WIDE_TILE_TOKENS + 6, shape[1])).astype(np.float32)
-    whole = int8_linear(x, tiled)  # longer than WIDE_TILE_TOKENS: tiles of 4 (u6 weights: of 8)
-    alone = np.concatenate([int8_linear(x[i:i + 1], tiled) for i in range(len(x))])
+
+    def linear(rows: np.ndarray, parallel: bool = False) -> np.ndarray:
+        return int8_linear(rows, tiled, parallel=parallel, super_blocks=super_blocks)
+    whole = linear(x)  # longer than WIDE_TILE_TOKENS: tiles of 4 (u6 weights: of 8)
+    alone = np.concatenate([linear(x[i:i + 1]) for i in range(len(x))])
     assert np.array_equal(whole, alone)
     for lo, hi in ((0, 8), (3, 15), (5, 17), (1, 29), (6, WIDE_TILE_TOKENS + 6)):
         for parallel in (False, True):
-            assert np.array_equal(int8_linear(x[lo:hi], tiled, parallel=parallel), whole[lo:hi]), (lo, hi)
+            assert np.array_equal(linear(x[lo:hi], parallel), whole[lo:hi]), (lo, hi)
 
 
 def test_the_activations_scratch_does_not_grow_with_every_step_size():
@@ -159,7 +194,7 @@ def test_the_activations_scratch_does_not_grow_with_every_step_size():
             got = int8_linear(xs[t] if t in xs else rng.standard_normal((t, shape[1])).astype(np.float32),
                               tiled)
             if t in xs:
-                want, bound = reference(xs[t], w, tiled.kind)
+                want, bound = reference(xs[t], w, tiled.kind, super_activations(tiled))
                 assert np.all(np.abs(got - want) <= bound), f"T={t}"
             del got
         held = tracemalloc.get_traced_memory()[0] - before
@@ -203,8 +238,10 @@ def test_a_mixed_fused_linear_quantizes_once_and_runs_each_part_on_its_path():
     x = rng.standard_normal((3, 512)).astype(np.float32)
     out = np.empty((3, 392), np.float32)
     packed_linear(x, fused, out, parallel=False)
-    for part, lo, hi in ((plain.parts[0], 0, 256), (plain.parts[1], 256, 384)):
-        want, bound = reference(x, part)
+    for i, (lo, hi) in enumerate(((0, 256), (256, 384))):
+        part = fused.parts[i]
+        assert isinstance(part, Int8Weight)
+        want, bound = reference(x, plain.parts[i], super_blocks=super_activations(part) and not on_amx(part))
         assert np.all(np.abs(out[:, lo:hi] - want) <= bound)
     f16_want = x.astype(np.float64) @ np.asarray(tensors[2], dtype=np.float64).T
     np.testing.assert_allclose(out[:, 384:], f16_want, rtol=1e-4, atol=1e-4 * np.abs(f16_want).max())

@@ -362,18 +362,27 @@ def amx_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray, parallel: bool) ->
         serial(*args)
 
 
+def on_amx(w: Int8Weight) -> bool:
+    """W's groups of 16 token rows run on AMX tiles in this process (tiles_linear); then all its
+    rows take activations in blocks of 32, K-quants too."""
+    return w.block in AMX_BLOCKS and w.kind in AMX_KINDS and has_amx()
+
+
 def tiles_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
                  parallel: bool = False) -> np.ndarray:
     """int8_kernels.int8_linear (x float32 [T, in] -> x @ W.T, float32 [T, out]), its whole groups of
     16 token rows on AMX tiles where this process has them and W has 32-weight sub-blocks, the
-    rest (fewer than 16) on VNNI: the same bits either way."""
+    rest (fewer than 16) on VNNI: the same bits either way. Such a W's activations are blocks of
+    32 on both (the tiles' epilogue is float_terms), also for the K-quants, which VNNI alone
+    multiplies by blocks of 256: a token's result must not depend on the rows beside it."""
+    amx = on_amx(w)
     whole = len(x) // AMX_TOKENS * AMX_TOKENS
-    if not (whole and w.block in AMX_BLOCKS and w.kind in AMX_KINDS and has_amx()):
-        return int8_linear(x, w, out, parallel=parallel)
+    if not (amx and whole):
+        return int8_linear(x, w, out, parallel=parallel, super_blocks=not amx)
     if out is None:
         out = np.empty((len(x), w.shape[0]), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (len(x), w.shape[0]), "whole rows of 16 columns"
     amx_linear(x[:whole], w, out[:whole], parallel)
     if whole < len(x):
-        int8_linear(x[whole:], w, out[whole:], parallel=parallel)
+        int8_linear(x[whole:], w, out[whole:], parallel=parallel, super_blocks=False)
     return out

@@ -31,6 +31,12 @@ rounding (tests/test_int8_kernels.py checks it in float64), and differs from the
 by the activations' int8 rounding, as llama.cpp's does. DeviceConfig ``cpu_activation_dtype``
 chooses the path (docs/bench_quant.md has the measurements).
 
+Q4_K, Q5_K and Q6_K (int8 sub-block factors under a float d and dmin per 256 weights) take
+activations in blocks of 256 instead (SuperRows, llama.cpp's q8_K): the factors then multiply the exact
+integer sums and the float work is once per 256 weights and token (_super_codegen): Q6_K's tiles
+~20-25 % faster at 16-512 token rows, Q4_K's ~8-11 % (docs/bench_quant.md). The rounding is
+llama.cpp's for those types (docs/quality.md measures what it costs).
+
 The kernel is LLVM IR written here (a Numba ``@intrinsic``): LLVM does not form ``vpdpbusd``
 from a Numba loop. It exists only on a CPU with AVX-512 VNNI (``has_vnni``); elsewhere the
 float kernels run. On a CPU with AMX-INT8, gpu/cpu/amx_kernels.py multiplies the same tiles for
@@ -71,6 +77,11 @@ U6_CENTRE = 32           # the u6 bytes hold q + 32
 ZERO_POINTS = {"i8": 128, "u6": U6_CENTRE, "u4": 0}       # the tile's byte = q + zero point
 VECTORS = {"i8": 16, "u6": 12, "u4": 8}                   # 64-byte vectors a 64-weight step
 U6_VECTORS = VECTORS["u6"]  # NOTE: an int global is a constant to Numba; a dict is not
+# K-quants whose tiles take activations in blocks of 256 (SuperRows, _super_codegen): the types of
+# the Q4_K_M / Q5_K_M / Q6_K files people run. Int8 activations cost their perplexity 0.37-0.49 %
+# that way (0.25-0.39 % in blocks of 32; llama.cpp's own on the Q4_K file 0.46 %); Q3_K's and
+# Q2_K's 0.78 % and 1.80 % (0.42 %, 0.92 %), so those keep blocks of 32 (docs/quality.md).
+SUPER_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -133,6 +144,67 @@ def _quantize(x, q, scale, sum16, sum32):  # pragma: no cover - compiled
             sum16[t, 2 * b] = d * np.float32(s0)
             sum16[t, 2 * b + 1] = d * np.float32(s1)
             sum32[t, b] = d * np.float32(s0 + s1)
+
+
+class SuperRows(NamedTuple):
+    """Token rows x [T, K] as int8 blocks of 256 (llama.cpp's q8_K, what its K-quant kernels
+    take): x ~= scale * q, one scale per 256 weights, so the K-quants' integer sub-block factors
+    apply to the int32 sums and the float work is one step per 256 weights and token (_super_codegen).
+    sums: int32 [T, 2 K / sub] for the weight's sub-blocks of `sub` weights: the first K / sub
+    hold -z * sum(q) over each (z the tile's zero point: the sums' starting value), the rest sum(q)
+    as float32 (``fsums``, the same bytes: the minimums' term)."""
+    q: np.ndarray       # int8 [T, K]
+    scale: np.ndarray   # float32 [T, K / 256]
+    sums: np.ndarray    # int32 [T, 2 K / sub]
+    fsums: np.ndarray   # sums' bytes as float32
+
+    def head(self, t: int) -> SuperRows:
+        return SuperRows(*(a[:t] for a in self))
+
+
+def super_scratch_rows(t: int, k: int, sub: int) -> SuperRows:
+    """The calling thread's SuperRows for t token rows of width k, sub-blocks of sub."""
+    return per_thread_rows(("super rows", k, sub), t, lambda n: _empty_super_rows(n, k, sub),
+                           lambda r: len(r.q)).head(t)
+
+
+def _empty_super_rows(t: int, k: int, sub: int) -> SuperRows:
+    sums = np.empty((t, 2 * k // sub), np.int32)
+    return SuperRows(np.empty((t, k), np.int8), np.empty((t, k // QK_K), np.float32), sums,
+                     sums.view(np.float32))
+
+
+def quantize_super_rows(x: np.ndarray, sub: int, zero_point: int) -> SuperRows:
+    """float32 [T, K] (K a multiple of 256) -> its int8 blocks of 256 (what int8_linear multiplies
+    K-quant tiles by)."""
+    t, k = x.shape
+    rows = _empty_super_rows(t, k, sub)
+    _quantize_super(np.ascontiguousarray(x, dtype=np.float32), *rows, sub, zero_point)
+    return rows
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _quantize_super(x, q, scale, sums, fsums, sub, zero_point):  # pragma: no cover - compiled
+    subs = x.shape[1] // sub
+    for t in range(x.shape[0]):
+        for b in range(scale.shape[1]):
+            lo = b * QK_K
+            amax = np.float32(0.0)
+            for j in range(QK_K):
+                amax = max(amax, abs(x[t, lo + j]))
+            d = amax / np.float32(127.0)
+            div = d if d > 0 else np.float32(1.0)  # NOTE: a division, as _quantize's
+            for i in range(QK_K // sub):
+                total = np.int32(0)
+                for j in range(lo + i * sub, lo + (i + 1) * sub):
+                    v = x[t, j] / div
+                    r = np.int32(v + np.float32(0.5)) if v >= 0 else -np.int32(np.float32(0.5) - v)
+                    q[t, j] = r
+                    total += r
+                index = lo // sub + i
+                sums[t, index] = -zero_point * total
+                fsums[t, subs + index] = np.float32(total)
+            scale[t, b] = d
 
 
 def _empty_rows(t: int, k: int) -> Int8Rows:
@@ -374,12 +446,12 @@ def _u6_vectors(builder, nibbles: list, highs: list) -> Iterator[Any]:
         yield builder.or_(low, builder.and_(high, splat(0x30)))
 
 
-def _int_sums(builder, vectors, xbase, block: int) -> list[list[Any]]:
+def _int_sums(builder, vectors, xbase, block: int, start: list[list[Any]] | None = None) -> list[list[Any]]:
     """[token][sub-block] int32 sums of the step: one vpdpbusd per weight vector and token, the
-    activation's 4 bytes broadcast to the 16 lanes."""
+    activation's 4 bytes broadcast to the 16 lanes; from start[token][sub-block] (else 0)."""
     v16i, v64b = _vec(_I32, 16), _vec(_I8, 64)
     vpdpbusd = _function(builder, "llvm.x86.avx512.vpdpbusd.512", ir.FunctionType(v16i, [v16i, v64b, v64b]))
-    sums: list[list[Any]] = [[ir.Constant(v16i, [0] * 16)] * (STEP // block) for _ in xbase]
+    sums: list[list[Any]] = start or [[ir.Constant(v16i, [0] * 16)] * (STEP // block) for _ in xbase]
     for vec, at in vectors:
         for t, base in enumerate(xbase):
             x4 = builder.load(builder.gep(base, [_const(builder, at // 4)]), align=1)
@@ -510,11 +582,123 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str
     return codegen
 
 
+def _super_codegen(kind: str, block: int, tokens: int, super_form: str):
+    """IR for the K-quant tiles (int8 factors) against SuperRows: out[t0 + t, 16 r: 16 r + 16] =
+    W[16 r: 16 r + 16] . x[t0 + t] for t < tokens. With one activation scale per 256 weights
+    (a super-block: 4 steps), the sub-block factors sc (and minimums m) multiply the exact
+    integer sums inside it, and the float scales once per super-block::
+
+        sum(w * x) = d * dx * sum_sb sc_sb sum(u_sb * xq_sb - z xq_sb) - dmin * dx * sum_sb m_sb sum(xq_sb)
+
+    the zero point's part is the vpdpbusd sums' starting value (-z sum(xq), SuperRows.sums):
+    no instruction. Per sub-block and token a convert and a fused multiply-add (and one more for
+    the minimums), against float_terms' four; per super-block and token two or four."""
+    v16f = _vec(_F32, 16)
+
+    def codegen(context, builder, sig, args):
+        q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
+        qty, (xqty, xdty, xsty, outty) = sig.args[0], sig.args[5:9]
+        k = builder.extract_value(context.make_array(xqty)(context, builder, xq).shape, 1)
+        qtile = _row_ptr(context, builder, qty, q, r)
+        planes = tuple(None if aty == types.none else _row_ptr(context, builder, aty, a, r)
+                       for aty, a in zip(sig.args[1:5], args[1:5], strict=True))
+        rows = [builder.add(t0, _const(builder, t)) for t in range(tokens)]
+
+        def per_token(aty, a):
+            return [_row_ptr(context, builder, aty, a, i) for i in rows]
+        token_rows = per_token(xqty, xq), per_token(xdty, xd), per_token(xsty, xs)
+        orow = per_token(outty, out)
+
+        entry = builder.block
+        outer = builder.append_basic_block("super_block")
+        done = builder.append_basic_block("super_done")
+        builder.branch(outer)
+        builder.position_at_end(outer)
+        sup = builder.phi(_I64)
+        sup.add_incoming(_const(builder, 0), entry)
+        acc = [builder.phi(v16f) for _ in range(tokens)]
+        totals = _super_block(builder, kind, block, super_form, qtile, planes, token_rows, sup, k, acc)
+        for a, total in zip(acc, totals, strict=True):
+            a.add_incoming(ir.Constant(v16f, [0.0] * 16), entry)
+            a.add_incoming(total, builder.block)
+        sup_next = builder.add(sup, _const(builder, 1))
+        sup.add_incoming(sup_next, builder.block)
+        supers = builder.udiv(k, _const(builder, QK_K))
+        builder.cbranch(builder.icmp_unsigned("<", sup_next, supers), outer, done)
+
+        builder.position_at_end(done)
+        for o, total in zip(orow, totals, strict=True):
+            dst = builder.gep(o, [builder.mul(r, _const(builder, TILE_ROWS * 4))])
+            builder.store(total, builder.bitcast(dst, v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes, token_rows, sup, k,
+                 totals: list) -> list:
+    """totals[t] + super-block sup's terms for each token (_super_codegen): its 4 steps' integer
+    sums scaled by the sub-block factors in float32 (a loop: one step's IR, as _tile_codegen's),
+    then d * dx (and -dmin * dx) once. Leaves the builder in the block after the loop."""
+    v16f, flags = _vec(_F32, 16), ["contract"]  # NOTE: fused multiply-adds, no reassociation (float_terms)
+    stile, mtile, sstile, mstile = planes
+    xrow, drow, srow = token_rows
+    subs, zero_point = STEP // block, ZERO_POINTS[kind]
+    load_factor, load_super = _scale_loader("i8"), _scale_loader(super_form)
+    float_sums = builder.udiv(k, _const(builder, block))  # where SuperRows.fsums begin in a row
+    zero = ir.Constant(v16f, [0.0] * 16)
+
+    def add(total, a, b):
+        return builder.fadd(total, builder.fmul(a, b, flags=flags), flags=flags)
+
+    before = builder.block
+    step = builder.append_basic_block("super_step")
+    flush = builder.append_basic_block("super_flush")
+    builder.branch(step)
+    builder.position_at_end(step)
+    i = builder.phi(_I64)
+    i.add_incoming(_const(builder, 0), before)
+    scaled_in = [builder.phi(v16f) for _ in srow]    # sum_sb sc_sb * isum_sb, a token's, as float32
+    mins_in = [builder.phi(v16f) for _ in srow] if mtile is not None else []  # sum_sb m_sb * sum(xq_sb)
+    scaled, mins = list(scaled_in), list(mins_in)
+    g = builder.add(builder.mul(sup, _const(builder, QK_K // STEP)), i)
+    xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
+             for x in xrow]
+    indices = [builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb)) for sb in range(subs)]
+    start = None if not zero_point else [
+        [_splat(builder, _load(builder, row, index, _I32), 16) for index in indices] for row in srow]
+    sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block, start)
+    for sb, index in enumerate(indices):
+        factor = load_factor(builder, stile, index)
+        minimum = None if mtile is None else load_factor(builder, mtile, index)
+        for t, row in enumerate(srow):
+            scaled[t] = add(scaled[t], builder.sitofp(sums[t][sb], v16f), factor)
+            if minimum is not None:
+                xsum = _load(builder, row, builder.add(float_sums, index), _F32)
+                mins[t] = add(mins[t], minimum, _splat(builder, xsum, 16))
+    for phi, value in zip(scaled_in + mins_in, scaled + mins, strict=True):
+        phi.add_incoming(zero, before)
+        phi.add_incoming(value, step)
+    i_next = builder.add(i, _const(builder, 1))
+    i.add_incoming(i_next, step)
+    builder.cbranch(builder.icmp_unsigned("<", i_next, _const(builder, QK_K // STEP)), step, flush)
+
+    builder.position_at_end(flush)
+    d = load_super(builder, sstile, sup)
+    dmin = None if mstile is None else load_super(builder, mstile, sup)  # -dmin
+    out = []
+    for t, row in enumerate(drow):
+        dx = _splat(builder, _load(builder, row, sup, _F32), 16)
+        total = add(totals[t], scaled[t], builder.fmul(d, dx, flags=flags))
+        out.append(total if dmin is None else add(total, mins[t], builder.fmul(dmin, dx, flags=flags)))
+    return out
+
+
 def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors):
     """out[t0 + t, 16 r: 16 r + 16] = the tile's 16 rows . x[t0 + t], for t < tokens. q, s, m, ss,
     ms: Int8Weight's planes as 2-D arrays (one tile a row), None for none; s and m float32, both
     half bits (uint16) or both int8 factors of the super planes ss and ms (float32 or half bits;
-    a kernel each); xq / xd / xs: Int8Rows' q, scale and the sums at the weight's sub-block size.
+    a kernel each); xq / xd / xs: Int8Rows' q, scale and the sums at the weight's sub-block size,
+    or SuperRows' q, scale and sums (int32: the K-quants' kernel, _super_codegen).
     Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32), vectors (VECTORS: 16 int8
     bytes, 12 u6, 8 nibbles)."""
     if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, block, vectors)):
@@ -528,6 +712,9 @@ def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, blo
     super_form = "f16" if factored and ss.dtype == types.uint16 else "f32"
     assert ms == types.none or ms.dtype == ss.dtype, "the super planes share a dtype"
     sig = types.none(q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors)
+    if xs.dtype == types.int32:  # SuperRows: one activation scale per 256
+        assert factored, "activations in blocks of 256 meet the K-quants' int8 factors only"
+        return sig, _super_codegen(kind, block.literal_value, tokens.literal_value, super_form)
     return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, form, super_form)
 
 
@@ -654,18 +841,98 @@ _DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16
             (32, 12): (_serial_32_12, _parallel_32_12)}
 
 
+# The K-quants' drivers: x quantized in blocks of 256 (SuperRows, _super_codegen), one a (block,
+# vectors) as above; the tiles' zero point (ZERO_POINTS: i8 128, u6 32, u4 0) a constant of each.
+@_serial_driver
+def _super_serial_16_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
+    _quantize_super(x, xq, xd, xs, xf, 16, 128)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 16, 16)
+
+
+@_serial_driver
+def _super_serial_32_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
+    _quantize_super(x, xq, xd, xs, xf, 32, 128)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 32, 16)
+
+
+@_serial_driver
+def _super_serial_32_8(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
+    _quantize_super(x, xq, xd, xs, xf, 32, 0)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 32, 8)
+
+
+@_serial_driver
+def _super_serial_16_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
+    _quantize_super(x, xq, xd, xs, xf, 16, 32)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 16, 12)
+
+
+@_serial_driver
+def _super_serial_32_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
+    _quantize_super(x, xq, xd, xs, xf, 32, 32)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 32, 12)
+
+
+@_parallel_driver
+def _super_parallel_16_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
+    _quantize_super(x, xq, xd, xs, xf, 16, 128)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 16)
+
+
+@_parallel_driver
+def _super_parallel_32_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
+    _quantize_super(x, xq, xd, xs, xf, 32, 128)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 16)
+
+
+@_parallel_driver
+def _super_parallel_32_8(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
+    _quantize_super(x, xq, xd, xs, xf, 32, 0)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 8)
+
+
+@_parallel_driver
+def _super_parallel_16_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
+    _quantize_super(x, xq, xd, xs, xf, 16, 32)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 12)
+
+
+@_parallel_driver
+def _super_parallel_32_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
+    _quantize_super(x, xq, xd, xs, xf, 32, 32)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 12)
+
+
+_SUPER_DRIVERS = {(16, 16): (_super_serial_16_16, _super_parallel_16_16),
+                  (32, 16): (_super_serial_32_16, _super_parallel_32_16),
+                  (32, 8): (_super_serial_32_8, _super_parallel_32_8),
+                  (16, 12): (_super_serial_16_12, _super_parallel_16_12),
+                  (32, 12): (_super_serial_32_12, _super_parallel_32_12)}
+
+
+def super_activations(w: Int8Weight) -> bool:
+    """W's tiles take activations in blocks of 256 (SuperRows): SUPER_BLOCK_TYPES' factored tiles."""
+    return w.scale_super is not None and w.qtype in SUPER_BLOCK_TYPES
+
+
 def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
-                parallel: bool = False) -> np.ndarray:
+                parallel: bool = False, super_blocks: bool = True) -> np.ndarray:
     """x float32 [T, in] (C-contiguous), W in tiles [out, in] -> float32 [T, out] (x @ W.T), x
-    quantized to int8 blocks on the way (as quantize_rows)."""
+    quantized to int8 blocks on the way: of 256 (quantize_super_rows) for SUPER_BLOCK_TYPES' factored
+    tiles unless super_blocks is False (gpu/cpu/amx_kernels.py, whose tiles take blocks of 32),
+    else of 32 (quantize_rows)."""
     t, (n, k) = x.shape[0], w.shape
     if out is None:
         out = np.empty((t, n), dtype=np.float32)
     assert out.strides[1] == 4 and out.shape == (t, n), "the kernels store 16 columns at a time"
-    rows = scratch_rows(t, k)
-    serial, par = _DRIVERS[(w.block, VECTORS[w.kind])]
-    args = (x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale, rows.sum16,
-            rows.sum32, out)
+    weights = (w.q, w.scale, w.offset, w.scale_super, w.offset_super)
+    if super_blocks and super_activations(w):
+        serial, par = _SUPER_DRIVERS[(w.block, VECTORS[w.kind])]
+        args = (x, *weights, *super_scratch_rows(t, k, w.block), out)
+    else:
+        rows = scratch_rows(t, k)
+        serial, par = _DRIVERS[(w.block, VECTORS[w.kind])]
+        args = (x, *weights, rows.q, rows.scale, rows.sum16, rows.sum32, out)
     if parallel:
         tasks = num_tasks(len(w.q))
         par(*args, tasks, task_counter(tasks))
