@@ -532,74 +532,20 @@ def float_terms(builder, form: str, super_form: str, planes, g, sums, totals, dr
     return totals
 
 
-def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str):
-    """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens.
-    form: the scale planes' (_scale_loader); "i8" reads the super planes too, of super_form."""
+def _tile_frame(body, tokens: int, per_loop: int):
+    """A tile kernel's IR around its loop body: the weight tile's and planes' pointers, each
+    token's rows, a loop over the row's K / per_loop iterations summing a vector of 16 outputs per
+    token, and the stores: out[t0 + t, 16 r: 16 r + 16] for t < tokens. body(builder, i, acc,
+    qtile, planes, token_rows, k) -> acc + iteration i's terms, leaving the builder in the loop's
+    last block (_tile_typing's arguments: q, s, m, ss, ms, xq, xd, xs, out, r, t0, ...)."""
     v16f = _vec(_F32, 16)
-    zero_point = float(ZERO_POINTS[kind])
 
     def codegen(context, builder, sig, args):
         q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
         qty, (xqty, xdty, xsty, outty) = sig.args[0], sig.args[5:9]
         k = builder.extract_value(context.make_array(xqty)(context, builder, xq).shape, 1)
-        steps = builder.udiv(k, _const(builder, STEP))
         qtile = _row_ptr(context, builder, qty, q, r)
         # the scale, offset and super planes' tiles (None where absent)
-        stile, mtile, sstile, mstile = (None if aty == types.none else _row_ptr(context, builder, aty, a, r)
-                                        for aty, a in zip(sig.args[1:5], args[1:5], strict=True))
-        rows = [builder.add(t0, _const(builder, t)) for t in range(tokens)]
-
-        def per_token(aty, a):
-            return [_row_ptr(context, builder, aty, a, i) for i in rows]
-        xrow, drow, srow = per_token(xqty, xq), per_token(xdty, xd), per_token(xsty, xs)
-        orow = per_token(outty, out)
-
-        entry = builder.block
-        loop = builder.append_basic_block("int8_tile_step")
-        done = builder.append_basic_block("int8_tile_done")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        g = builder.phi(_I64)
-        g.add_incoming(_const(builder, 0), entry)
-        acc = [builder.phi(v16f) for _ in range(tokens)]
-        xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
-                 for x in xrow]
-        sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
-        totals = float_terms(builder, form, super_form, (stile, mtile, sstile, mstile), g, sums, list(acc),
-                             drow, srow, block, zero_point)
-        for a, total in zip(acc, totals, strict=True):
-            a.add_incoming(ir.Constant(v16f, [0.0] * 16), entry)
-            a.add_incoming(total, loop)
-        g_next = builder.add(g, _const(builder, 1))
-        g.add_incoming(g_next, loop)
-        builder.cbranch(builder.icmp_unsigned("<", g_next, steps), loop, done)
-
-        builder.position_at_end(done)
-        for o, total in zip(orow, totals, strict=True):
-            dst = builder.gep(o, [builder.mul(r, _const(builder, TILE_ROWS * 4))])
-            builder.store(total, builder.bitcast(dst, v16f.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return codegen
-
-
-def _super_codegen(kind: str, block: int, tokens: int, super_form: str):
-    """IR for the K-quant tiles (int8 factors) against SuperRows: out[t0 + t, 16 r: 16 r + 16] =
-    W[16 r: 16 r + 16] . x[t0 + t] for t < tokens. With one activation scale per 256 weights
-    (a super-block: 4 steps), the sub-block factors sc (and minimums m) multiply the exact
-    integer sums inside it, and the float scales once per super-block::
-
-        sum(w * x) = d * dx * sum_sb sc_sb sum(u_sb * xq_sb - z xq_sb) - dmin * dx * sum_sb m_sb sum(xq_sb)
-
-    the zero point's part is the vpdpbusd sums' starting value (-z sum(xq), SuperRows.sums):
-    no instruction. Per sub-block and token a convert and a fused multiply-add (and one more for
-    the minimums), against float_terms' four; per super-block and token two or four."""
-    v16f = _vec(_F32, 16)
-
-    def codegen(context, builder, sig, args):
-        q, (xq, xd, xs, out, r, t0) = args[0], args[5:11]
-        qty, (xqty, xdty, xsty, outty) = sig.args[0], sig.args[5:9]
-        k = builder.extract_value(context.make_array(xqty)(context, builder, xq).shape, 1)
-        qtile = _row_ptr(context, builder, qty, q, r)
         planes = tuple(None if aty == types.none else _row_ptr(context, builder, aty, a, r)
                        for aty, a in zip(sig.args[1:5], args[1:5], strict=True))
         rows = [builder.add(t0, _const(builder, t)) for t in range(tokens)]
@@ -610,21 +556,21 @@ def _super_codegen(kind: str, block: int, tokens: int, super_form: str):
         orow = per_token(outty, out)
 
         entry = builder.block
-        outer = builder.append_basic_block("super_block")
-        done = builder.append_basic_block("super_done")
-        builder.branch(outer)
-        builder.position_at_end(outer)
-        sup = builder.phi(_I64)
-        sup.add_incoming(_const(builder, 0), entry)
+        loop = builder.append_basic_block("tile_loop")
+        done = builder.append_basic_block("tile_done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        i = builder.phi(_I64)
+        i.add_incoming(_const(builder, 0), entry)
         acc = [builder.phi(v16f) for _ in range(tokens)]
-        totals = _super_block(builder, kind, block, super_form, qtile, planes, token_rows, sup, k, acc)
+        totals = body(builder, i, acc, qtile, planes, token_rows, k)
         for a, total in zip(acc, totals, strict=True):
             a.add_incoming(ir.Constant(v16f, [0.0] * 16), entry)
             a.add_incoming(total, builder.block)
-        sup_next = builder.add(sup, _const(builder, 1))
-        sup.add_incoming(sup_next, builder.block)
-        supers = builder.udiv(k, _const(builder, QK_K))
-        builder.cbranch(builder.icmp_unsigned("<", sup_next, supers), outer, done)
+        i_next = builder.add(i, _const(builder, 1))
+        i.add_incoming(i_next, builder.block)
+        count = builder.udiv(k, _const(builder, per_loop))
+        builder.cbranch(builder.icmp_unsigned("<", i_next, count), loop, done)
 
         builder.position_at_end(done)
         for o, total in zip(orow, totals, strict=True):
@@ -632,6 +578,38 @@ def _super_codegen(kind: str, block: int, tokens: int, super_form: str):
             builder.store(total, builder.bitcast(dst, v16f.as_pointer()), align=4)
         return context.get_dummy_value()
     return codegen
+
+
+def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str):
+    """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens, a
+    64-weight step a loop iteration. form: the scale planes' (_scale_loader); "i8" reads the super
+    planes too, of super_form."""
+    zero_point = float(ZERO_POINTS[kind])
+
+    def step(builder, g, acc, qtile, planes, token_rows, k):
+        xrow, drow, srow = token_rows
+        xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
+                 for x in xrow]
+        sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
+        return float_terms(builder, form, super_form, planes, g, sums, list(acc), drow, srow, block,
+                           zero_point)
+    return _tile_frame(step, tokens, STEP)
+
+
+def _super_codegen(kind: str, block: int, tokens: int, super_form: str):
+    """IR for the K-quant tiles (int8 factors) against SuperRows, as _tile_codegen's, a super-block
+    of 256 weights (4 steps) a loop iteration. With one activation scale per super-block, the
+    sub-block factors sc (and minimums m) multiply the exact integer sums inside it, and the
+    float scales once per super-block::
+
+        sum(w * x) = d * dx * sum_sb sc_sb sum(u_sb * xq_sb - z xq_sb) - dmin * dx * sum_sb m_sb sum(xq_sb)
+
+    the zero point's part is the vpdpbusd sums' starting value (-z sum(xq), SuperRows.sums):
+    no instruction. Per sub-block and token a convert and a fused multiply-add (and one more for
+    the minimums), against float_terms' four; per super-block and token two or four."""
+    def super_block(builder, sup, acc, qtile, planes, token_rows, k):
+        return _super_block(builder, kind, block, super_form, qtile, planes, token_rows, sup, k, acc)
+    return _tile_frame(super_block, tokens, QK_K)
 
 
 def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes, token_rows, sup, k,
