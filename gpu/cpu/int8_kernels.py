@@ -34,7 +34,7 @@ chooses the path (docs/bench_quant.md has the measurements).
 Q4_K, Q5_K and Q6_K (int8 sub-block factors under a float d and dmin per 256 weights) take
 activations in blocks of 256 instead (SuperRows, llama.cpp's q8_K): the factors then multiply the exact
 integer sums and the float work is once per 256 weights and token (_super_codegen): Q6_K's tiles
-~20-25 % faster at 16-512 token rows, Q4_K's ~8-11 % (docs/bench_quant.md). The rounding is
+23-28 % faster at 16-512 token rows on two threads, Q4_K's 5-16 % (docs/bench_quant.md). The rounding is
 llama.cpp's for those types (docs/quality.md measures what it costs).
 
 The kernel is LLVM IR written here (a Numba ``@intrinsic``): LLVM does not form ``vpdpbusd``
