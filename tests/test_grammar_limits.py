@@ -371,7 +371,8 @@ def test_a_slow_compile_never_stalls_the_other_streams(server):
     """Three streams, then one schema that compiles for longer than the budget (8,000 optional
     properties: ~10 s; on the event loop every stream would freeze that long): its 400 comes at
     the budget, and the streams' largest gap while it compiles stays under twice their largest
-    gap in the 3 s before (or half a second, a quarter of the shortest stall). The refusal is cached: the same schema again is answered at once."""
+    gap in the 3 s before (or half a second, a quarter of the shortest stall). The refusal is
+    cached: the same schema again is answered at once."""
     slow = {"prompt": "x", "max_tokens": 4, "guided_json": optional_properties(8000, "s")}
     times: list[list[float]] = [[], [], []]
 
