@@ -7,10 +7,12 @@ import re
 
 import numpy as np
 import pytest
+from numba import njit
 
 from paged_cases import load_all, store_all
 from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.attention import paged_attention
+from ringserve.gpu.cpu.kv_dtypes import HARDWARE_HALF, float_to_half, half_to_float
 from ringserve.gpu.loader.config import ModelConfig
 from ringserve.gpu.runner import ModelRunner
 from ringserve.gpu.settings import CacheConfig, DeviceConfig
@@ -42,6 +44,29 @@ def test_float16_store_rounds_as_numpy_and_every_half_reads_back_exactly():
     want = every.view(np.float16).astype(np.float32)
     nan = np.isnan(want)
     assert np.array_equal(back[~nan], want[~nan]) and np.isnan(back[nan]).all()
+
+
+@njit
+def _bit_arithmetic(values, bits, stored, back):  # pragma: no cover - compiled
+    for i in range(values.shape[0]):
+        stored[i] = float_to_half(values[i])
+    for i in range(bits.shape[0]):
+        back[i] = half_to_float(bits[i])
+
+
+def test_the_bit_arithmetic_fallback_converts_as_the_hardware():
+    """Where the CPU has no half conversions (no F16C) kv_load / kv_store are bit arithmetic: the
+    same bits as numpy both ways, as the test above checks of whichever path this CPU takes."""
+    values = _edge_values()
+    every = np.arange(2 ** 16, dtype=np.uint16).view(np.int16)
+    stored, back = np.empty(len(values), np.int16), np.empty(len(every), np.float32)
+    _bit_arithmetic(values, every, stored, back)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(stored.view(np.uint16), values.astype(np.float16).view(np.uint16))
+    want = every.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(back[~nan], want[~nan]) and np.isnan(back[nan]).all()
+    print("this CPU's kernels convert halves with", "F16C" if HARDWARE_HALF else "the bit arithmetic")
 
 
 def test_bfloat16_store_rounds_as_torch_and_reads_back_exactly():

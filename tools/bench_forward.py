@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weight dtype(s) of ours; the peer is always float32")
     ap.add_argument("--activations", nargs="+", default=["auto"], choices=["auto", "int8", "float32"],
                     help="what our quantized weights multiply (serve's --cpu-activation-dtype)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="our KV cache's storage (serve's --kv-cache-dtype; bench_llamacpp serves float16, "
+                         "as llama-server's cache)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--no-peer", action="store_true", help="skip transformers even if installed")
     ap.add_argument("--op-times", action="store_true",
@@ -102,7 +105,8 @@ class Ours:
         device = DeviceConfig(device="cpu", dtype=dtype, cpu_threads=args.threads,
                               cpu_activation_dtype=activations)
         num_blocks = max(max(args.batch) * self.per_req, len(self.prefill_blocks))
-        cache = CacheConfig(block_size=self.bs, num_gpu_blocks_override=num_blocks)
+        cache = CacheConfig(block_size=self.bs, num_gpu_blocks_override=num_blocks,
+                            kv_cache_dtype=args.kv_cache_dtype)
         runner = ModelRunner(model_dir, device, cache)
         assert isinstance(runner, CpuModelRunner)  # device "cpu": its caches and weights are read here
         self.runner = runner
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
     print(run.header())
     print(f"model {model_dir.name}, {args.threads} thread(s), context {args.context}, "
-          f"median of {args.steps} decode steps")
+          f"KV cache {args.kv_cache_dtype}, median of {args.steps} decode steps")
     print(table(rows, columns(list(names), peer is not None)))
     n = args.prefill_tokens
     cols = [f"ours {d}" for d in names] + (["transformers float32"] if peer else [])

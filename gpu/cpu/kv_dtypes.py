@@ -7,12 +7,23 @@ float16 as IEEE half bits in int16. The kernels (gpu/cpu/kernels.py rope_store_k
 gpu/cpu/attention.py) read an element with `kv_load` and write one with `kv_store`; for float32
 both are the identity and compile to the same code as before. Rounding is to nearest, ties to
 even, as numpy's astype(float16) and torch's bfloat16 round; reads are exact.
+
+Where the CPU converts halves itself (x86's F16C: every AVX2 and AVX-512 core), float16 is
+LLVM's `half` type: a load is `fpext` and a store `fptrunc`, one `vcvtph2ps` / `vcvtps2ph` for 16
+values once the loops vectorize (PERF: the bit arithmetic below, branches for inf and the sign,
+kept attention's loops scalar: a decode over a float16 cache took twice a float32 one's time).
+Both are exact the same way (IEEE conversions, round to nearest even); the bit arithmetic is
+the fallback elsewhere.
 """
 from __future__ import annotations
 
+from typing import Any
+
+import llvmlite.binding as llvm
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 KV_CACHE_DTYPES = {"float32": np.float32, "bfloat16": np.uint16, "float16": np.int16}
 _HALF_SCALE = np.float32(2.0 ** 112)   # (half bits & 0x7fff) << 13 read as float32, times this
@@ -55,11 +66,47 @@ def float_to_half(v):  # pragma: no cover - compiled
     return np.int16(np.uint16(sign | h))
 
 
+def _has_f16c() -> bool:
+    llvm.initialize_native_target()
+    return bool(llvm.get_host_cpu_features().get("f16c", False))
+
+
+# NOTE: elsewhere LLVM would lower half conversions to compiler-rt calls, which Numba's JIT
+# does not link
+HARDWARE_HALF = _has_f16c()
+
+
+def _half_load_typing(typingctx, h):
+    """IEEE half bits (int16) -> float32 by LLVM's fpext (F16C's vcvtph2ps)."""
+    if h != types.int16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(h), codegen
+
+
+def _half_store_typing(typingctx, v):
+    """float32 -> IEEE half bits (int16) by LLVM's fptrunc (F16C's vcvtps2ph), nearest even."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.int16(v), codegen
+
+
+_half_load: Any = intrinsic(_half_load_typing)
+_half_store: Any = intrinsic(_half_store_typing)
+
+
 @overload(kv_load, inline="always")
 def _kv_load(x):
     if x == types.uint16:    # bfloat16 bits
         return lambda x: np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
     if x == types.int16:     # float16 bits
+        if HARDWARE_HALF:
+            return lambda x: _half_load(x)
         return lambda x: half_to_float(x)
     return lambda x: x
 
@@ -73,5 +120,7 @@ def _kv_store(v, like):
                              >> np.uint32(16))
         return bf16
     if like.dtype == types.int16:
+        if HARDWARE_HALF:
+            return lambda v, like: _half_store(np.float32(v))
         return lambda v, like: float_to_half(v)
     return lambda v, like: v
