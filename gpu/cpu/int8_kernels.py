@@ -617,13 +617,13 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
                  totals: list) -> list:
     """totals[t] + super-block sup's terms for each token (_super_codegen): its 4 steps' integer
     sums scaled by the sub-block factors in float32 (a loop: one step's IR, as _tile_codegen's),
-    then d * dx (and -dmin * dx) once. Leaves the builder in the block after the loop."""
+    then the minimums' sum and d * dx (and -dmin * dx) once. Leaves the builder in the block after
+    the loop."""
     v16f, flags = _vec(_F32, 16), ["contract"]  # NOTE: fused multiply-adds, no reassociation (float_terms)
     stile, mtile, sstile, mstile = planes
     xrow, drow, srow = token_rows
     subs, zero_point = STEP // block, ZERO_POINTS[kind]
     load_factor, load_super = _scale_loader("i8"), _scale_loader(super_form)
-    float_sums = builder.udiv(k, _const(builder, block))  # where SuperRows.fsums begin in a row
     zero = ir.Constant(v16f, [0.0] * 16)
 
     def add(total, a, b):
@@ -637,8 +637,7 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     i = builder.phi(_I64)
     i.add_incoming(_const(builder, 0), before)
     scaled_in = [builder.phi(v16f) for _ in srow]    # sum_sb sc_sb * isum_sb, a token's, as float32
-    mins_in = [builder.phi(v16f) for _ in srow] if mtile is not None else []  # sum_sb m_sb * sum(xq_sb)
-    scaled, mins = list(scaled_in), list(mins_in)
+    scaled = list(scaled_in)
     g = builder.add(builder.mul(sup, _const(builder, QK_K // STEP)), i)
     xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
              for x in xrow]
@@ -648,13 +647,9 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block, start)
     for sb, index in enumerate(indices):
         factor = load_factor(builder, stile, index)
-        minimum = None if mtile is None else load_factor(builder, mtile, index)
-        for t, row in enumerate(srow):
+        for t in range(len(srow)):
             scaled[t] = add(scaled[t], builder.sitofp(sums[t][sb], v16f), factor)
-            if minimum is not None:
-                xsum = _load(builder, row, builder.add(float_sums, index), _F32)
-                mins[t] = add(mins[t], minimum, _splat(builder, xsum, 16))
-    for phi, value in zip(scaled_in + mins_in, scaled + mins, strict=True):
+    for phi, value in zip(scaled_in, scaled, strict=True):
         phi.add_incoming(zero, before)
         phi.add_incoming(value, step)
     i_next = builder.add(i, _const(builder, 1))
@@ -662,6 +657,21 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     builder.cbranch(builder.icmp_unsigned("<", i_next, _const(builder, QK_K // STEP)), step, flush)
 
     builder.position_at_end(flush)
+    # PERF: the minimums' terms (sum_sb m_sb * sum(xq_sb)) need no weight quant: summed here, after
+    # the loop, they keep no accumulator per token live beside the loop's int32 sums (at 8 tokens a
+    # tile those filled the 32 vector registers); the same adds in the same order as in the loop
+    mins = []
+    if mtile is not None:
+        float_sums = builder.udiv(k, _const(builder, block))  # where SuperRows.fsums begin in a row
+        first = builder.mul(sup, _const(builder, QK_K // block))
+        minimums = [load_factor(builder, mtile, builder.add(first, _const(builder, sb)))
+                    for sb in range(QK_K // block)]
+        for row in srow:
+            total = zero
+            for sb, minimum in enumerate(minimums):
+                at = builder.add(float_sums, builder.add(first, _const(builder, sb)))
+                total = add(total, minimum, _splat(builder, _load(builder, row, at, _F32), 16))
+            mins.append(total)
     d = load_super(builder, sstile, sup)
     dmin = None if mstile is None else load_super(builder, mstile, sup)  # -dmin
     out = []
