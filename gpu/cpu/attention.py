@@ -29,6 +29,9 @@ from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
 from ringserve.gpu.cpu.tasks import claim
 
+# NOTE: kv_load is compiled into these kernels, and Numba's cache keys on this file alone: a change
+# to gpu/cpu/kv_dtypes.py (2026-12-06: F16C's conversions) comes with an edit here, or old caches stay
+
 # A step whose per-token loop reads at least this many (key, token) pairs takes the parallel driver
 # (~20 ns a pair and KV head on one thread; a TBB fork and join is ~10-20 us): one decode at 256
 # keys of the 1B shape, 0.09 -> 0.05 ms a layer (docs/bench_forward.md)

@@ -14,6 +14,9 @@ from numba import njit, prange
 
 from ringserve.gpu.cpu.kv_dtypes import kv_store
 
+# NOTE: kv_store is compiled into these kernels, and Numba's cache keys on this file alone: a change
+# to gpu/cpu/kv_dtypes.py (2026-12-06: F16C's conversions) comes with an edit here, or old caches stay
+
 # Every CPU kernel's fastmath flags: reassociation lets LLVM vectorize sums with several
 # accumulators; no 'nnan'/'ninf': the kernels rely on inf and -inf behaving as IEEE says.
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
