@@ -10,7 +10,14 @@ import sys
 
 import pytest
 
-from ringserve.tools import bench_engine, bench_forward, bench_ipc, bench_structured, bench_trace
+from ringserve.tools import (
+    bench_engine,
+    bench_forward,
+    bench_ipc,
+    bench_llamacpp,
+    bench_structured,
+    bench_trace,
+)
 from ringserve.tools.bench_report import FORMAT, BenchRun, Column, markdown_table, table
 
 
@@ -174,3 +181,25 @@ def test_bench_forward_refuses_zero_runs_in_one_line(flag, capsys):
     with pytest.raises(SystemExit) as e:
         bench_forward.main([flag, "0"])
     assert e.value.code == 2 and f"{flag} must be at least 1" in capsys.readouterr().err
+
+
+def _served(tok_s: float, peak: float) -> dict:
+    return {"points": [{"load": {"concurrency": 1}, "summary": {"output_throughput": tok_s}}],
+            "memory": {"peak_pss_bytes": peak}}
+
+
+def test_bench_llamacpp_rounds_give_each_ratio_and_their_median():
+    """--rounds: each round's ratio and the median of them; the peak memory is each server's most."""
+    rounds = [{"ringserve": _served(a, 1.2e9), "llama-server": _served(b, m)}
+              for a, b, m in ((30.0, 24.0, 1.3e9), (26.0, 26.0, 1.1e9), (33.0, 22.0, 1.0e9))]
+    text = bench_llamacpp.rounds_table(rounds)
+    assert _table_rows(text, "concurrency") == [
+        ["1", "30.0 / 26.0 / 33.0", "24.0 / 26.0 / 22.0", "1.25 / 1.00 / 1.50", "**1.25**"]]
+    assert "ringserve 1.20 GB, llama-server 1.30 GB (ratio 0.92)" in text
+
+
+@pytest.mark.parametrize("rounds", ["0", "-1"])
+def test_bench_llamacpp_refuses_no_rounds(rounds, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_llamacpp.main(["--gguf", "m.gguf", "--rounds", rounds])
+    assert e.value.code == 2 and "--rounds must be at least 1" in capsys.readouterr().err

