@@ -371,8 +371,8 @@ def test_a_slow_compile_never_stalls_the_other_streams(server):
     """Three streams, then one schema that compiles for longer than the budget (8,000 optional
     properties: ~10 s; on the event loop every stream would freeze that long): its 400 comes at
     the budget, and the streams' largest gap while it compiles stays under twice their largest
-    gap in the 3 s before (or half a second, a quarter of the shortest stall). The refusal is
-    cached: the same schema again is answered at once."""
+    gap in the 3 s before (or a third of the compile's time, which a stall would last). The
+    refusal is cached: the same schema again is answered at once."""
     slow = {"prompt": "x", "max_tokens": 4, "guided_json": optional_properties(8000, "s")}
     times: list[list[float]] = [[], [], []]
 
@@ -414,11 +414,13 @@ def test_a_slow_compile_never_stalls_the_other_streams(server):
         before += [g for at, g in gaps if sent - 3 < at <= sent]
         during += [g for at, g in gaps if sent < at <= answered + 0.3]
     assert before and during
-    # NOTE: twice the baseline, but never under 0.5 s: here a step is ~12 ms, and on 2 shared
-    # cores the compiler process's start and the 240 KB body's parse and bounds walk move a gap
-    # by tens of ms (CI saw 100 ms once). A compile on the event loop would stall every stream
-    # for all of it: >= 2 s (asserted above), and the stall this guards against was 8-10 s.
-    assert max(during) < max(2 * max(before), 0.5), (max(during), max(before))
+    # NOTE: a compile on the event loop would stall every stream for all of it (answered - sent,
+    # >= 2 s, asserted above; the stall this guards against was 8-10 s). The streams may see a
+    # gap of up to a third of that: on 2 shared cores the compiler process's start, its work at
+    # nice 19 and the 240 KB body's parse move a gap by tens of ms here (60-80 ms, ~1.7 s into a
+    # 2.5 s compile), and CI's runs saw 0.10 and 0.56 s once each
+    compile_s = answered - sent
+    assert max(during) < max(2 * max(before), compile_s / 3), (max(during), max(before), compile_s)
 
 
 def test_a_compiler_crash_is_a_400_and_the_worker_goes_on(server):
