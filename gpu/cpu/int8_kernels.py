@@ -151,12 +151,13 @@ class SuperRows(NamedTuple):
     take): x ~= scale * q, one scale per 256 weights, so the K-quants' integer sub-block factors
     apply to the int32 sums and the float work is one step per 256 weights and token (_super_codegen).
     sums: int32 [T, 2 K / sub] for the weight's sub-blocks of `sub` weights: the first K / sub
-    hold -z * sum(q) over each (z the tile's zero point: the sums' starting value), the rest sum(q)
-    as float32 (``fsums``, the same bytes: the minimums' term)."""
-    q: np.ndarray       # int8 [T, K]
-    scale: np.ndarray   # float32 [T, K / 256]
-    sums: np.ndarray    # int32 [T, 2 K / sub]
-    fsums: np.ndarray   # sums' bytes as float32
+    hold -z * sum(q) over each (z the tile's zero point: the sums' starting value); after them
+    sum(q) of each as int16 (``half_sums``, the same bytes: int16 [T, 4 K / sub], from 2 K / sub),
+    two sub-blocks a 32-bit word, what `vpdpwssd` multiplies by the minimums' factors."""
+    q: np.ndarray          # int8 [T, K]
+    scale: np.ndarray      # float32 [T, K / 256]
+    sums: np.ndarray       # int32 [T, 2 K / sub]
+    half_sums: np.ndarray  # sums' bytes as int16
 
     def head(self, t: int) -> SuperRows:
         return SuperRows(*(a[:t] for a in self))
@@ -171,7 +172,7 @@ def super_scratch_rows(t: int, k: int, sub: int) -> SuperRows:
 def _empty_super_rows(t: int, k: int, sub: int) -> SuperRows:
     sums = np.empty((t, 2 * k // sub), np.int32)
     return SuperRows(np.empty((t, k), np.int8), np.empty((t, k // QK_K), np.float32), sums,
-                     sums.view(np.float32))
+                     sums.view(np.int16))
 
 
 def quantize_super_rows(x: np.ndarray, sub: int, zero_point: int) -> SuperRows:
@@ -184,8 +185,8 @@ def quantize_super_rows(x: np.ndarray, sub: int, zero_point: int) -> SuperRows:
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _quantize_super(x, q, scale, sums, fsums, sub, zero_point):  # pragma: no cover - compiled
-    subs = x.shape[1] // sub
+def _quantize_super(x, q, scale, sums, half_sums, sub, zero_point):  # pragma: no cover - compiled
+    halves = 2 * (x.shape[1] // sub)  # where sum(q) begins in half_sums (int16) units
     for t in range(x.shape[0]):
         for b in range(scale.shape[1]):
             lo = b * QK_K
@@ -204,7 +205,7 @@ def _quantize_super(x, q, scale, sums, fsums, sub, zero_point):  # pragma: no co
                 for j in range(index * sub, (index + 1) * sub):
                     total += np.int32(q[t, j])
                 sums[t, index] = -zero_point * total
-                fsums[t, subs + index] = np.float32(total)
+                half_sums[t, halves + index] = np.int16(total)  # |total| <= 256 * 127: an int16
             scale[t, b] = d
 
 
@@ -606,8 +607,9 @@ def _super_codegen(kind: str, block: int, tokens: int, super_form: str):
         sum(w * x) = d * dx * sum_sb sc_sb sum(u_sb * xq_sb - z xq_sb) - dmin * dx * sum_sb m_sb sum(xq_sb)
 
     the zero point's part is the vpdpbusd sums' starting value (-z sum(xq), SuperRows.sums):
-    no instruction. Per sub-block and token a convert and a fused multiply-add (and one more for
-    the minimums), against float_terms' four; per super-block and token two or four."""
+    no instruction. Per sub-block and token a convert and a fused multiply-add (and half a
+    `vpdpwssd` for the minimums), against float_terms' four; per super-block and token two or
+    four."""
     def super_block(builder, sup, acc, qtile, planes, token_rows, k):
         return _super_block(builder, kind, block, super_form, qtile, planes, token_rows, sup, k, acc)
     return _tile_frame(super_block, tokens, QK_K)
@@ -659,19 +661,28 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     builder.position_at_end(flush)
     # PERF: the minimums' terms (sum_sb m_sb * sum(xq_sb)) need no weight quant: summed here, after
     # the loop, they keep no accumulator per token live beside the loop's int32 sums (at 8 tokens a
-    # tile those filled the 32 vector registers); the same adds in the same order as in the loop
+    # tile those filled the 32 vector registers), and in integers: a vpdpwssd takes two sub-blocks
+    # (the 6-bit factors widened to int16 pairs, once for all tokens; sum(xq) pairs from
+    # SuperRows), 4 a super-block and token against 8 float multiply-adds. Exact: the same value
+    # the float sums had (every product and partial sum an integer under 2^24).
     mins = []
     if mtile is not None:
-        float_sums = builder.udiv(k, _const(builder, block))  # where SuperRows.fsums begin in a row
-        first = builder.mul(sup, _const(builder, QK_K // block))
-        minimums = [load_factor(builder, mtile, builder.add(first, _const(builder, sb)))
-                    for sb in range(QK_K // block)]
-        for row in srow:
-            total = zero
-            for sb, minimum in enumerate(minimums):
-                at = builder.add(float_sums, builder.add(first, _const(builder, sb)))
-                total = add(total, minimum, _splat(builder, _load(builder, row, at, _F32), 16))
-            mins.append(total)
+        v16i, v32b, v32w = _vec(_I32, 16), _vec(_I8, 32), _vec(ir.IntType(16), 32)
+        vpdpwssd = _function(builder, "llvm.x86.avx512.vpdpwssd.512",
+                             ir.FunctionType(v16i, [v16i, v16i, v16i]))
+        half_sums = builder.udiv(k, _const(builder, block))  # where they begin in a SuperRows.sums row
+        # the plane holds each sub-block's 16 rows apart: [row 0: sb 2p, sb 2p + 1; row 1: ...]
+        interleave = ir.Constant(_vec(_I32, 32), [i // 2 + 16 * (i % 2) for i in range(32)])
+        ints = [ir.Constant(v16i, [0] * 16) for _ in srow]
+        for p in range(QK_K // block // 2):
+            # pair p of the super-block: the m plane's 32-byte unit, the int16 sums' 32-bit word
+            pair = builder.add(builder.mul(sup, _const(builder, QK_K // block // 2)), _const(builder, p))
+            two = _load(builder, mtile, pair, v32b)
+            factors = builder.bitcast(builder.sext(builder.shuffle_vector(two, two, interleave), v32w), v16i)
+            for t, row in enumerate(srow):
+                xsums = _splat(builder, _load(builder, row, builder.add(half_sums, pair), _I32), 16)
+                ints[t] = builder.call(vpdpwssd, [ints[t], factors, xsums])
+        mins = [builder.sitofp(total, v16f) for total in ints]
     d = load_super(builder, sstile, sup)
     dmin = None if mstile is None else load_super(builder, mstile, sup)  # -dmin
     out = []
