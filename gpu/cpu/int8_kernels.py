@@ -83,7 +83,7 @@ U6_VECTORS = VECTORS["u6"]  # NOTE: an int global is a constant to Numba; a dict
 # Q2_K's 0.78 % and 1.80 % (0.42 %, 0.92 %), so those keep blocks of 32 (docs/quality.md).
 SUPER_BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
-_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
 
 @functools.cache
@@ -150,13 +150,13 @@ class SuperRows(NamedTuple):
     """Token rows x [T, K] as int8 blocks of 256 (llama.cpp's q8_K, what its K-quant kernels
     take): x ~= scale * q, one scale per 256 weights, so the K-quants' integer sub-block factors
     apply to the int32 sums and the float work is one step per 256 weights and token (_super_codegen).
-    sums: int32 [T, 2 K / sub] for the weight's sub-blocks of `sub` weights: the first K / sub
+    sums: int32 [T, 3 K / (2 sub)] for the weight's sub-blocks of `sub` weights: the first K / sub
     hold -z * sum(q) over each (z the tile's zero point: the sums' starting value); after them
-    sum(q) of each as int16 (``half_sums``, the same bytes: int16 [T, 4 K / sub], from 2 K / sub),
+    sum(q) of each as int16 (``half_sums``, the same bytes: int16 [T, 3 K / sub], from 2 K / sub),
     two sub-blocks a 32-bit word, what `vpdpwssd` multiplies by the minimums' factors."""
     q: np.ndarray          # int8 [T, K]
     scale: np.ndarray      # float32 [T, K / 256]
-    sums: np.ndarray       # int32 [T, 2 K / sub]
+    sums: np.ndarray       # int32 [T, 3 K / (2 sub)]
     half_sums: np.ndarray  # sums' bytes as int16
 
     def head(self, t: int) -> SuperRows:
@@ -170,7 +170,7 @@ def super_scratch_rows(t: int, k: int, sub: int) -> SuperRows:
 
 
 def _empty_super_rows(t: int, k: int, sub: int) -> SuperRows:
-    sums = np.empty((t, 2 * k // sub), np.int32)
+    sums = np.empty((t, k // sub + k // (2 * sub)), np.int32)
     return SuperRows(np.empty((t, k), np.int8), np.empty((t, k // QK_K), np.float32), sums,
                      sums.view(np.int16))
 
@@ -667,7 +667,7 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     # the float sums had (every product and partial sum an integer under 2^24).
     mins = []
     if mtile is not None:
-        v16i, v32b, v32w = _vec(_I32, 16), _vec(_I8, 32), _vec(ir.IntType(16), 32)
+        v16i, v32b, v32w = _vec(_I32, 16), _vec(_I8, 32), _vec(_I16, 32)
         vpdpwssd = _function(builder, "llvm.x86.avx512.vpdpwssd.512",
                              ir.FunctionType(v16i, [v16i, v16i, v16i]))
         half_sums = builder.udiv(k, _const(builder, block))  # where they begin in a SuperRows.sums row
