@@ -32,15 +32,23 @@ def _edge_values() -> np.ndarray:
 
 
 def test_float16_store_rounds_as_numpy_and_every_half_reads_back_exactly():
-    values = _edge_values()
-    stored = np.empty(len(values), np.int16)
+    values, every = _edge_values(), _every_half()
+    stored, back = np.empty(len(values), np.int16), np.empty(len(every), np.float32)
     store_all(values, stored)
+    load_all(every, back)
+    _assert_numpy_halves(values, stored, every, back)
+
+
+def _every_half() -> np.ndarray:
+    return np.arange(2 ** 16, dtype=np.uint16).view(np.int16)
+
+
+def _assert_numpy_halves(values, stored, every, back) -> None:
+    """stored: values as half bits, rounded as numpy rounds; back: every half bit pattern read as
+    float32, exactly (any NaN for a NaN)."""
     with np.errstate(over="ignore"):                          # numpy warns as it makes the infs
         want16 = values.astype(np.float16)
     assert np.array_equal(stored.view(np.uint16), want16.view(np.uint16))
-    every = np.arange(2 ** 16, dtype=np.uint16)
-    back = np.empty(len(every), np.float32)
-    load_all(every.view(np.int16), back)
     want = every.view(np.float16).astype(np.float32)
     nan = np.isnan(want)
     assert np.array_equal(back[~nan], want[~nan]) and np.isnan(back[nan]).all()
@@ -57,15 +65,10 @@ def _bit_arithmetic(values, bits, stored, back):  # pragma: no cover - compiled
 def test_the_bit_arithmetic_fallback_converts_as_the_hardware():
     """Where the CPU has no half conversions (no F16C) kv_load / kv_store are bit arithmetic: the
     same bits as numpy both ways, as the test above checks of whichever path this CPU takes."""
-    values = _edge_values()
-    every = np.arange(2 ** 16, dtype=np.uint16).view(np.int16)
+    values, every = _edge_values(), _every_half()
     stored, back = np.empty(len(values), np.int16), np.empty(len(every), np.float32)
     _bit_arithmetic(values, every, stored, back)
-    with np.errstate(over="ignore"):
-        assert np.array_equal(stored.view(np.uint16), values.astype(np.float16).view(np.uint16))
-    want = every.view(np.float16).astype(np.float32)
-    nan = np.isnan(want)
-    assert np.array_equal(back[~nan], want[~nan]) and np.isnan(back[nan]).all()
+    _assert_numpy_halves(values, stored, every, back)
     print("this CPU's kernels convert halves with", "F16C" if HARDWARE_HALF else "the bit arithmetic")
 
 
