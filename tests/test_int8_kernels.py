@@ -20,7 +20,6 @@ from ringserve.gpu.cpu import int8_kernels as cpu_int8_kernels
 from ringserve.gpu.cpu.amx_kernels import AMX_BLOCKS, AMX_KINDS, on_amx
 from ringserve.gpu.cpu.int8_kernels import (
     U6_TYPES,
-    WIDE_TILE_TOKENS,
     ZERO_POINTS,
     Int8Weight,
     has_vnni,
@@ -155,20 +154,20 @@ def test_every_type_is_dequantize_times_the_int8_activations(qtype):
     ("Q8_0", True, True)])
 def test_a_tokens_result_does_not_depend_on_the_rows_beside_it(qtype, six_bit, super_blocks):
     """Bit for bit: a token row's output is the same alone, in a tile of 4 or 8, or left over
-    after them, in a step short enough for tiles of 8 or longer (each token's terms are summed
-    in one order whatever its tile): a request's tokens must not change with the batch it ran in.
+    after them, in a short step or a long one (each token's terms are summed in one order
+    whatever its tile): a request's tokens must not change with the batch it ran in.
     The K-quants both ways: activations in blocks of 256, and of 32 (on a CPU with AMX)."""
     rng = np.random.default_rng(5)
     shape = (32, 512)
     tiled = tiles(repack(random_raw(qtype, shape, rng), qtype, shape, factored=True), six_bit=six_bit)
-    x = rng.standard_normal((WIDE_TILE_TOKENS + 6, shape[1])).astype(np.float32)
+    x = rng.standard_normal((70, shape[1])).astype(np.float32)
 
     def linear(rows: np.ndarray, parallel: bool = False) -> np.ndarray:
         return int8_linear(rows, tiled, parallel=parallel, super_blocks=super_blocks)
-    whole = linear(x)  # longer than WIDE_TILE_TOKENS: tiles of 4 (u6 weights: of 8)
+    whole = linear(x)  # 8 tiles of 8, one of 4, 2 left over
     alone = np.concatenate([linear(x[i:i + 1]) for i in range(len(x))])
     assert np.array_equal(whole, alone)
-    for lo, hi in ((0, 8), (3, 15), (5, 17), (1, 29), (6, WIDE_TILE_TOKENS + 6)):
+    for lo, hi in ((0, 8), (3, 15), (5, 17), (1, 29), (6, 70)):
         for parallel in (False, True):
             assert np.array_equal(linear(x[lo:hi], parallel), whole[lo:hi]), (lo, hi)
 

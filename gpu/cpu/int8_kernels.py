@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -62,7 +62,6 @@ TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit 
 ACT_BLOCK = 32           # activation weights per int8 scale (llama.cpp's q8_0 / q8_1)
 STEP = 64                # weights of a row per loop step (16 vectors of int8, 8 of nibbles)
 TOKEN_TILE = 8           # token rows sharing each loaded weight vector (then 4, then 1-3 left over)
-WIDE_TILE_TOKENS = 64    # steps of up to this many rows take tiles of TOKEN_TILE; longer ones 4 (_run)
 PREFETCH_BYTES = 8192    # how far ahead of its loads the kernel asks for the weight's bytes
 # llvm.prefetch's locality a kind's weight lines are asked for with: 3 (prefetcht0, into L1) or 2
 # (prefetcht1, into L2). PERF, AMD EPYC Zen 4 VM, six alternating runs each (docs/bench_forward.md,
@@ -76,7 +75,6 @@ U6_TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q3_K", "Q2_K")
 U6_CENTRE = 32           # the u6 bytes hold q + 32
 ZERO_POINTS = {"i8": 128, "u6": U6_CENTRE, "u4": 0}       # the tile's byte = q + zero point
 VECTORS = {"i8": 16, "u6": 12, "u4": 8}                   # 64-byte vectors a 64-weight step
-U6_VECTORS = VECTORS["u6"]  # NOTE: an int global is a constant to Numba; a dict is not
 # K-quants whose tiles take activations in blocks of 256 (SuperRows, _super_codegen): the types of
 # the Q4_K_M / Q5_K_M / Q6_K files people run. Int8 activations cost their perplexity 0.37-0.49 %
 # that way (0.25-0.39 % in blocks of 32; llama.cpp's own on the Q4_K file 0.46 %); Q3_K's and
@@ -394,9 +392,12 @@ def _prefetch(builder, ptr, index, ty: ir.Type, kind: str) -> None:
     builder.call(fn, [at, ir.Constant(_I32, 0), locality, ir.Constant(_I32, 1)])
 
 
-def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
+def _weight_vectors(builder, kind: str, qtile, g, *,
+                    high_in_place: bool = False) -> Iterable[tuple[Any, int]]:
     """Step g's weight vectors (16 rows x 4 weights, unsigned bytes), each with the offset in
-    the step of its first weight (which activation bytes it meets)."""
+    the step of its first weight (which activation bytes it meets). high_in_place (u4): the
+    high nibbles left where they are, 16 times their value (an AND, not a shift and an AND):
+    the sums of the step's second half are 16 times theirs, for the caller to scale back."""
     v64b = _vec(_I8, 64)
     if kind == "i8":
         first = builder.mul(g, _const(builder, 16))
@@ -421,7 +422,9 @@ def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
         _prefetch(builder, qtile, at, v64b, kind)
         packed = _load(builder, qtile, at, v64b)
         out.append((builder.and_(packed, low), 4 * v))
-        out.append((builder.and_(builder.lshr(packed, ir.Constant(v64b, [4] * 64)), low), 32 + 4 * v))
+        high = (builder.and_(packed, ir.Constant(v64b, [0xF0] * 64)) if high_in_place else
+                builder.and_(builder.lshr(packed, ir.Constant(v64b, [4] * 64)), low))
+        out.append((high, 32 + 4 * v))
     return out
 
 
@@ -439,26 +442,43 @@ def _u6_vectors(builder, nibbles: list, highs: list) -> Iterator[Any]:
     for u in range(16):
         c, h = divmod(u, 4)
         packed = nibbles[u % 8]
-        low = builder.and_(packed, splat(15)) if u < 8 else builder.lshr(packed, splat(4))
+        low = builder.and_(packed if u < 8 else _word_shift(builder, "lshr", packed, 4), splat(15))
         high = highs[h]  # bits 2c..2c + 1 of each byte: weight vector u's high bits, to bits 4-5
         if c < 2:
-            high = builder.shl(high, splat(4 - 2 * c))
+            high = _word_shift(builder, "shl", high, 4 - 2 * c)
         elif c == 3:
-            high = builder.lshr(high, splat(2))
+            high = _word_shift(builder, "lshr", high, 2)
         yield builder.or_(low, builder.and_(high, splat(0x30)))
 
 
-def _int_sums(builder, vectors, xbase, block: int, start: list[list[Any]] | None = None) -> list[list[Any]]:
+def _word_shift(builder, op: str, vec, bits: int):
+    """A 64-byte vector shifted as 32 words (vpsllw / vpsrlw): the bits crossing from the next
+    byte are the caller's to mask off. PERF: a byte shift (there is no such instruction) becomes
+    gf2p8affineqb, which takes the pipes vpdpbusd runs on (each one a vpdpbusd's slot on Zen 4);
+    word shifts run beside them (a probe of 12 vpdpbusd chains with 8 shifts: no slower)."""
+    words = _vec(_I16, 32)
+    shifted = getattr(builder, op)(builder.bitcast(vec, words), ir.Constant(words, [bits] * 32))
+    return builder.bitcast(shifted, vec.type)
+
+
+def _int_sums(builder, vectors, xbase, block: int, start: list[list[Any]] | None = None,
+              done: Callable[[int, list[Any]], None] | None = None) -> list[list[Any]]:
     """[token][sub-block] int32 sums of the step: one vpdpbusd per weight vector and token, the
-    activation's 4 bytes broadcast to the 16 lanes; from start[token][sub-block] (else 0)."""
+    activation's 4 bytes broadcast to the 16 lanes; from start[token][sub-block] (else 0).
+    done(sub-block, its sums a token) is called as each sub-block's last vector is in."""
     v16i, v64b = _vec(_I32, 16), _vec(_I8, 64)
     vpdpbusd = _function(builder, "llvm.x86.avx512.vpdpbusd.512", ir.FunctionType(v16i, [v16i, v64b, v64b]))
     sums: list[list[Any]] = start or [[ir.Constant(v16i, [0] * 16)] * (STEP // block) for _ in xbase]
+    left = [block // 4] * (STEP // block)  # vectors still to come, a sub-block
     for vec, at in vectors:
+        sb = at // block
         for t, base in enumerate(xbase):
             x4 = builder.load(builder.gep(base, [_const(builder, at // 4)]), align=1)
-            sums[t][at // block] = builder.call(vpdpbusd, [sums[t][at // block], vec,
-                                                           builder.bitcast(_splat(builder, x4, 16), v64b)])
+            x4 = builder.bitcast(_splat(builder, x4, 16), v64b)
+            sums[t][sb] = builder.call(vpdpbusd, [sums[t][sb], vec, x4])
+        left[sb] -= 1
+        if done is not None and not left[sb]:
+            done(sb, [row[sb] for row in sums])
     return sums
 
 
@@ -627,6 +647,11 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     subs, zero_point = STEP // block, ZERO_POINTS[kind]
     load_factor, load_super = _scale_loader("i8"), _scale_loader(super_form)
     zero = ir.Constant(v16f, [0.0] * 16)
+    # PERF: u4's high nibbles in place (_weight_vectors): a byte shift is gf2p8affineqb, which
+    # takes a vpdpbusd slot on Zen 4 (_word_shift). The second half's sums are then 16 times
+    # theirs and its factors a sixteenth: sc / 16 is exact, so is sitofp(16 isum) (|16 isum| <=
+    # 16 x 32 x 15 x 127 < 2^24), and each product the same float32 as before, bit for bit.
+    high_in_place = kind == "u4"
 
     def add(total, a, b):
         return builder.fadd(total, builder.fmul(a, b, flags=flags), flags=flags)
@@ -646,11 +671,18 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     indices = [builder.add(builder.mul(g, _const(builder, subs)), _const(builder, sb)) for sb in range(subs)]
     start = None if not zero_point else [
         [_splat(builder, _load(builder, row, index, _I32), 16) for index in indices] for row in srow]
-    sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block, start)
-    for sb, index in enumerate(indices):
-        factor = load_factor(builder, stile, index)
-        for t in range(len(srow)):
-            scaled[t] = add(scaled[t], builder.sitofp(sums[t][sb], v16f), factor)
+
+    # PERF: a sub-block's terms as soon as its sums are done (the same adds in the same order):
+    # at 8 tokens and sub-blocks of 16 (Q6_K), the step's 32 int32 sums all live at once spilled
+    # registers. (Summing sc * isum in int32, vpmulld, one convert a super-block: no faster.)
+    def scale(sb: int, done: list) -> None:
+        factor = load_factor(builder, stile, indices[sb])
+        if high_in_place and sb >= subs // 2:
+            factor = builder.fmul(factor, ir.Constant(v16f, [1 / 16] * 16))
+        for t, isum in enumerate(done):
+            scaled[t] = add(scaled[t], builder.sitofp(isum, v16f), factor)
+    _int_sums(builder, _weight_vectors(builder, kind, qtile, g, high_in_place=high_in_place),
+              xbase, block, start, scale)
     for phi, value in zip(scaled_in, scaled, strict=True):
         phi.add_incoming(zero, before)
         phi.add_incoming(value, step)
@@ -729,21 +761,18 @@ def _run(q, s, m, ss, ms, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: n
     stay in L2 across its token tiles; so do the activations, T x K bytes). block and vectors:
     constants of the caller (inlined: the kernel's literals). Each token's terms are summed in
     the same order whatever tile it is in: its result does not depend on the step's row count.
-    PERF: up to WIDE_TILE_TOKENS rows (decode batches, mixed steps) 8 tokens a tile: a step's
-    unpacking and scale loads are shared by twice the tokens (1 thread, Zen 4, 16-64 rows: Q4_K
-    121-135 -> 130-147 G MAC/s, Q6_K 94-97 -> 100-107, Q8_0 132-146 -> 144-152). Longer steps
-    (prefill chunks) keep 4 a tile for u4 and i8 (Q4_K at 512 rows: 265 -> 260 G MAC/s on two
-    threads with 8), but u6, whose unpacking is the dearest, takes 8 at every count (Q6_K at
-    128-512 rows: 186 -> 199 on two threads). A remainder takes one tile of 4, then one of 1-3
-    (5 kernels a driver, not 8)."""
+    PERF: 8 tokens a tile share each step's unpacking and scale loads (1 thread, Zen 4, 16-64
+    rows: Q4_K 121-135 -> 130-147 G MAC/s against 4, Q6_K 94-97 -> 100-107, Q8_0 132-146 ->
+    144-152); prefill's long steps too, since the nibbles' high halves are ANDed in place (two
+    threads at 128 rows: Q4_K +5 %, Q4_0 +5 %, Q8_0 +2-4 %; at 512 equal or better). A remainder
+    takes one tile of 4, then one of 1-3 (5 kernels a driver, not 8)."""
     num_tokens = xq.shape[0]
     for r in range(lo, hi):
         t = 0
-        if num_tokens <= WIDE_TILE_TOKENS or vectors == U6_VECTORS:  # NOTE: constants: folded
-            while t + TOKEN_TILE <= num_tokens:  # NOTE: a global int is a literal to Numba, as _tile needs
-                _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors)
-                t += TOKEN_TILE
-        while t + 4 <= num_tokens:
+        while t + TOKEN_TILE <= num_tokens:  # NOTE: a global int is a literal to Numba, as _tile needs
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors)
+            t += TOKEN_TILE
+        if t + 4 <= num_tokens:
             _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 4, block, vectors)
             t += 4
         left = num_tokens - t  # the tokens left over: one kernel per count below 4

@@ -103,9 +103,8 @@ class KVCache(NamedTuple):
 
 
 # Token rows of one MLP block (CpuStepBuffers.mlp_rows). PERF: blocks re-read the MLP's weights
-# (each block is still bound by the int8 multiply-adds, not by that read); 128 rows are over
-# int8_kernels.WIDE_TILE_TOKENS, so a block takes the tiles a 512-row step takes, and the
-# 512-token step's MLP activations are 12 MB on Llama-3.2-1B, not 48.
+# (each block is still bound by the int8 multiply-adds, not by that read), and the 512-token
+# step's MLP activations are 12 MB on Llama-3.2-1B, not 48.
 MLP_ROWS = 128
 
 
