@@ -61,6 +61,7 @@ def test_activations_quantize_as_numpy_does():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((5, 256)).astype(np.float32) * np.float32(3.0)
     x[1, :32] = 0.0                       # an all-zero block: scale 0, quants 0
+    x[1, 7] = np.float32(-0.0)            # (max|x| is taken on the bits, sign cleared: -0 is 0)
     x[2, 32:64] *= np.float32(1e30)       # huge but finite
     x[3, 64:96] = np.float32(-7.5)        # ties: every value is max|x|, so exactly -127
     x[4, 96:128] = np.float32(1e-40)      # subnormal: max|x| / 127 too (1 / d would be inf)
@@ -79,6 +80,7 @@ def test_activations_quantize_in_blocks_of_256_as_numpy_does():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((4, 512)).astype(np.float32) * np.float32(3.0)
     x[1, :256] = 0.0                        # an all-zero block: scale 0, quants 0
+    x[1, 9] = np.float32(-0.0)
     x[2, 256:] *= np.float32(1e30)          # huge but finite
     x[3, :256] = np.float32(1e-40)          # subnormal
     x[0, 300] = np.float32(-50.0)           # one outlier: the block's other quants shrink

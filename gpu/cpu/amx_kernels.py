@@ -56,6 +56,9 @@ from ringserve.gpu.cpu.int8_kernels import (
 )
 from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
 
+# NOTE: _quantize is compiled into the drivers below, and Numba's cache keys on this file alone: a
+# change to it (2026-12-06: its loops vectorized) comes with an edit here, or old caches stay
+
 AMX_TOKENS = 16           # token rows a tile multiplies (A's and C's rows)
 # the sub-block sizes tiles_linear runs on AMX (docs/bench_quant.md: Q6_K's 16-weight sub-blocks
 # measured slower there, four C tiles a step)

@@ -118,27 +118,40 @@ def scratch_rows(t: int, k: int) -> Int8Rows:
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _amax(bits, top):  # pragma: no cover - compiled
+    """max |x| of a block of float32 read as its int32 bits (x.view(np.int32)); top: an int32
+    scratch of one. PERF: the sign bit cleared, the bits of non-negative floats order as their
+    values, and an integer max is a vector loop, where a float max (no fast-math: NaN) stayed a
+    scalar chain. With 1-D slices for the loops (below), blocks of 256 took 1.1 -> 0.3 ns a value
+    on Zen 4, blocks of 32 0.95 -> 0.5 (the same int8 values and scales, bit for bit)."""
+    m = np.int32(0)
+    for j in range(bits.shape[0]):
+        m = max(m, bits[j] & np.int32(0x7FFFFFFF))
+    top[0] = m
+    return top.view(np.float32)[0]
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _quantize(x, q, scale, sum16, sum32):  # pragma: no cover - compiled
+    bits, top = x.view(np.int32), np.empty(1, np.int32)
+    divs = np.empty(x.shape[1], np.float32)  # each value's block divisor: one flat loop a row
     for t in range(x.shape[0]):
+        xr, qr = x[t], q[t]  # NOTE: 1-D rows indexed from 0: LLVM vectorizes what x[t, j] kept scalar
         for b in range(scale.shape[1]):
-            lo = b * ACT_BLOCK
-            amax = np.float32(0.0)
-            for j in range(ACT_BLOCK):
-                amax = max(amax, abs(x[t, lo + j]))
-            d = amax / np.float32(127.0)
-            # NOTE: a division, not a multiply by 1 / d: that overflows to inf for a subnormal d
-            div = d if d > 0 else np.float32(1.0)
-            s0 = s1 = np.int32(0)
-            for j in range(ACT_BLOCK):
-                v = x[t, lo + j] / div
-                # NOTE: round half away from zero, as llama.cpp's roundf (|v| <= 127: no overflow)
-                r = np.int32(v + np.float32(0.5)) if v >= 0 else -np.int32(np.float32(0.5) - v)
-                q[t, lo + j] = r
-                if j < 16:
-                    s0 += r
-                else:
-                    s1 += r
+            d = _amax(bits[t, b * ACT_BLOCK:(b + 1) * ACT_BLOCK], top) / np.float32(127.0)
             scale[t, b] = d
+            # NOTE: a division, not a multiply by 1 / d: that overflows to inf for a subnormal d
+            divs[b * ACT_BLOCK:(b + 1) * ACT_BLOCK] = d if d > 0 else np.float32(1.0)
+        for j in range(xr.shape[0]):
+            v = xr[j] / divs[j]
+            # NOTE: round half away from zero, as llama.cpp's roundf (|v| <= 127: no overflow)
+            qr[j] = np.int32(v + np.copysign(np.float32(0.5), v))
+        for b in range(scale.shape[1]):
+            s0 = s1 = np.int32(0)
+            for j in range(16):
+                s0 += np.int32(qr[b * ACT_BLOCK + j])
+                s1 += np.int32(qr[b * ACT_BLOCK + 16 + j])
+            d = scale[t, b]
             sum16[t, 2 * b] = d * np.float32(s0)
             sum16[t, 2 * b + 1] = d * np.float32(s1)
             sum32[t, b] = d * np.float32(s0 + s1)
@@ -185,25 +198,24 @@ def quantize_super_rows(x: np.ndarray, sub: int, zero_point: int) -> SuperRows:
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _quantize_super(x, q, scale, sums, half_sums, sub, zero_point):  # pragma: no cover - compiled
     halves = 2 * (x.shape[1] // sub)  # where sum(q) begins in half_sums (int16) units
+    bits, top = x.view(np.int32), np.empty(1, np.int32)
     for t in range(x.shape[0]):
         for b in range(scale.shape[1]):
             lo = b * QK_K
-            amax = np.float32(0.0)
-            for j in range(QK_K):
-                amax = max(amax, abs(x[t, lo + j]))
-            d = amax / np.float32(127.0)
+            xb, qb = x[t, lo:lo + QK_K], q[t, lo:lo + QK_K]  # NOTE: 1-D slices, as _quantize's
+            d = _amax(bits[t, lo:lo + QK_K], top) / np.float32(127.0)
             div = d if d > 0 else np.float32(1.0)  # NOTE: a division, as _quantize's
             # PERF: one flat loop (vectorized), then the sub-blocks' sums from q (in L1): the sums
             # inside it made it a loop of sub-blocks, twice the time
-            for j in range(lo, lo + QK_K):
-                v = x[t, j] / div  # NOTE: round half away from zero, branch-free: _quantize's bits
-                q[t, j] = np.int32(v + np.copysign(np.float32(0.5), v))
-            for index in range(lo // sub, (lo + QK_K) // sub):
+            for j in range(QK_K):
+                v = xb[j] / div  # NOTE: round half away from zero, as _quantize's
+                qb[j] = np.int32(v + np.copysign(np.float32(0.5), v))
+            for i in range(QK_K // sub):
                 total = np.int32(0)
-                for j in range(index * sub, (index + 1) * sub):
-                    total += np.int32(q[t, j])
-                sums[t, index] = -zero_point * total
-                half_sums[t, halves + index] = np.int16(total)  # |total| <= 256 * 127: an int16
+                for j in range(sub):
+                    total += np.int32(qb[i * sub + j])
+                sums[t, lo // sub + i] = -zero_point * total
+                half_sums[t, halves + lo // sub + i] = np.int16(total)  # |total| <= 256 * 127: an int16
             scale[t, b] = d
 
 
