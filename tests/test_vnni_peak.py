@@ -25,3 +25,18 @@ def test_the_probe_runs_on_one_thread_and_on_every_core(capsys):
     assert vnni_peak.main(["--seconds", "0.05"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| threads |") and len(table) == 4
+
+
+@pytest.mark.skipif(not has_vnni(), reason="this CPU has no AVX-512 VNNI")
+def test_each_instruction_beside_compiles_and_prints_its_row(capsys):
+    """--beside: every BESIDE kind compiles into the loop (the same sums for the same work) and
+    gets a row of slots; an unknown kind is refused by argparse, not compiled."""
+    for kind in vnni_peak.BESIDE:
+        run = vnni_peak.compile_probe(12, kind, 4)
+        assert run(10) == run(10), kind
+    assert vnni_peak.main(["--seconds", "0.03", "--beside", "fma", "word-shift"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith(("| fma |", "| word-shift |"))]
+    assert len(rows) == 2 and all(len(r.split("|")) == 6 for r in rows), out
+    with pytest.raises(SystemExit):
+        vnni_peak.main(["--beside", "divide"])

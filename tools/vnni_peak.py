@@ -9,6 +9,15 @@ GIL: the threads run at once. gpu/cpu/int8_kernels.py's tiles do the same multip
 the nibble unpacking and the per-sub-block float epilogue, on the same vector pipes; their
 G multiply-adds/s over this figure is how much of the ceiling they reach (docs/bench_quant.md).
 Only where `has_vnni` (AVX-512 VNNI): elsewhere it says so and exits 1.
+
+    python -m ringserve.tools.vnni_peak --beside all
+
+also measures what the tiles' other vector instructions cost beside `vpdpbusd`: the same loop
+with 4 and then 8 chains of one 512-bit instruction each (BESIDE) added to the 12 `vpdpbusd`,
+and the extra time per added instruction in `vpdpbusd` slots (the base loop's time / 12). 1.0:
+it takes the pipes `vpdpbusd` runs on; 0: it runs beside them. On the Zen 4 VM of
+docs/bench_quant.md a byte shift (LLVM's gf2p8affineqb) and a float multiply-add take a slot
+each; word shifts and integer adds none.
 """
 from __future__ import annotations
 
@@ -21,10 +30,47 @@ import time
 from collections.abc import Callable
 
 MACS_PER_INSTRUCTION = 64   # 16 int32 lanes x 4 byte products
+# One 512-bit instruction of each kind the int8 tiles run beside vpdpbusd (--beside): name ->
+# IR of x -> x' on a vector of 16 int32, so that each added chain is one instruction an iteration
+BESIDE = {
+    "byte-shift": "a byte shift (x86 has none: LLVM's gf2p8affineqb)",
+    "word-shift": "vpsrlw",
+    "add": "vpaddd (as the ANDs and adds of the unpacking)",
+    "fma": "vfmadd (the float epilogue)",
+    "convert": "vcvtdq2ps",
+    "mulld": "vpmulld",
+}
 
 
-def compile_probe(chains: int) -> Callable[[int], int]:
-    """run(n): n iterations of `chains` vpdpbusd, each on its own accumulator."""
+def _beside_op(b, kind: str, x):
+    """One instruction of kind (BESIDE) on x, a <16 x i32>: its result, of x's type."""
+    from llvmlite import ir
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    v16, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+
+    def as_(ty, value):
+        return b.bitcast(value, ty)
+    if kind == "byte-shift":
+        v64b = ir.VectorType(i8, 64)
+        return as_(v16, b.lshr(as_(v64b, x), ir.Constant(v64b, [1] * 64)))
+    if kind == "word-shift":
+        v32w = ir.VectorType(i16, 32)
+        return as_(v16, b.lshr(as_(v32w, x), ir.Constant(v32w, [1] * 32)))
+    if kind == "add":
+        return b.add(x, ir.Constant(v16, [1] * 16))
+    if kind == "fma":
+        product = b.fmul(as_(v16f, x), ir.Constant(v16f, [0.5] * 16), flags=["contract"])
+        return as_(v16, b.fadd(product, ir.Constant(v16f, [1.0] * 16), flags=["contract"]))
+    if kind == "convert":
+        return as_(v16, b.sitofp(x, v16f))
+    if kind == "mulld":
+        return b.mul(x, ir.Constant(v16, [3] * 16))
+    raise ValueError(f"unknown instruction {kind!r}: one of {', '.join(BESIDE)}")
+
+
+def compile_probe(chains: int, beside: str | None = None, count: int = 0) -> Callable[[int], int]:
+    """run(n): n iterations of `chains` vpdpbusd, each on its own accumulator, and `count`
+    chains of one `beside` instruction (BESIDE) each."""
     import llvmlite.binding as llvm
     from llvmlite import ir
     llvm.initialize_native_target()
@@ -39,24 +85,27 @@ def compile_probe(chains: int) -> Callable[[int], int]:
     b = ir.IRBuilder(entry)
     b.branch(loop)
     b.position_at_end(loop)
-    count = b.phi(i64)
-    count.add_incoming(ir.Constant(i64, 0), entry)
+    i = b.phi(i64)
+    i.add_incoming(ir.Constant(i64, 0), entry)
     weights = ir.Constant(v16, [0x01020304] * 16)
-    accs = []
-    for k in range(chains):
+    accs, others = [], []
+    for k in range(chains + count):  # NOTE: each chain starts apart, so LLVM cannot merge them
         acc = b.phi(v16)
         acc.add_incoming(ir.Constant(v16, [k] * 16), entry)
-        accs.append(acc)
-    # NOTE: each chain's activations differ, so that LLVM cannot merge the chains
-    sums = [b.call(vpdpbusd, [acc, weights, ir.Constant(v16, [k + 3] * 16)]) for k, acc in enumerate(accs)]
-    for acc, s in zip(accs, sums, strict=True):
+        (accs if k < chains else others).append(acc)
+    # NOTE: three activation vectors, not one a chain: the registers then hold every chain (a
+    # spill to the stack would be timed with the instruction beside)
+    activations = [ir.Constant(v16, [k + 3] * 16) for k in range(3)]
+    sums = [b.call(vpdpbusd, [acc, weights, activations[k % 3]]) for k, acc in enumerate(accs)]
+    sums += [_beside_op(b, beside or "", x) for x in others]
+    for acc, s in zip(accs + others, sums, strict=True):
         acc.add_incoming(s, loop)
-    nxt = b.add(count, ir.Constant(i64, 1))
-    count.add_incoming(nxt, loop)
+    nxt = b.add(i, ir.Constant(i64, 1))
+    i.add_incoming(nxt, loop)
     b.cbranch(b.icmp_unsigned("<", nxt, fn.args[0]), loop, done)
     b.position_at_end(done)
-    total = sums[0]
-    for s in sums[1:]:
+    total = ir.Constant(v16, [0] * 16)
+    for s in sums:
         total = b.add(total, s)
     b.ret(b.extract_element(total, ir.Constant(i32, 0)))
     machine = llvm.Target.from_default_triple().create_target_machine(
@@ -93,11 +142,23 @@ def rates(run: Callable[[int], int], chains: int, threads: int, seconds: float) 
     return out
 
 
+def slots_beside(chains: int, kind: str, count: int, seconds: float) -> float:
+    """vpdpbusd slots each of `count` added `kind` instructions takes beside `chains` vpdpbusd
+    chains (one thread): the extra time per added instruction over the base loop's per vpdpbusd.
+    The best of three runs each (a slow moment of the machine is not an instruction's cost)."""
+    def best(run: Callable[[int], int]) -> float:
+        return max(rates(run, chains, 1, seconds / 3)[0] for _ in range(3))
+    base, with_ = best(compile_probe(chains)), best(compile_probe(chains, kind, count))
+    return (base / with_ - 1) * chains / count
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ringserve.tools.vnni_peak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chains", type=int, default=12, help="independent accumulators (default 12)")
     p.add_argument("--seconds", type=float, default=1.0, help="each measurement's length")
+    p.add_argument("--beside", nargs="+", choices=[*BESIDE, "all"], default=[],
+                   help="also: what each of these instructions costs beside vpdpbusd (one thread)")
     args = p.parse_args(argv)
     if args.chains < 1 or not 0 < args.seconds <= 60:
         p.error("--chains must be >= 1 and --seconds in (0, 60]")
@@ -114,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| 1 | {one / MACS_PER_INSTRUCTION:.2f} | {one:.0f} | {one:.0f} |")
     print(f"| {cores} | {min(every) / MACS_PER_INSTRUCTION:.2f}-{max(every) / MACS_PER_INSTRUCTION:.2f} "
           f"| {min(every):.0f}-{max(every):.0f} | {sum(every):.0f} |")
+    kinds = list(BESIDE) if "all" in args.beside else args.beside
+    if kinds:
+        print(f"\n| beside {args.chains} vpdpbusd chains | instruction | vpdpbusd slots each, 4 added "
+              "| 8 added |")
+        print("|---|---|---:|---:|")
+    for kind in kinds:
+        four, eight = (slots_beside(args.chains, kind, n, args.seconds) for n in (4, 8))
+        print(f"| {kind} | {BESIDE[kind]} | {four:.2f} | {eight:.2f} |")
     return 0
 
 

@@ -14,7 +14,8 @@ no float work in between. The float work (one convert, a scale multiply, two mul
 then per 16 rows and sub-block, a sixteenth of a per-row kernel's. The quants are unsigned:
 
 - ``u4`` (nibbles in 64-weight groups): one AND and one shift unpack a vector of bytes into the
-  low- and high-nibble weights, 0..15;
+  low- and high-nibble weights, 0..15 (the K-quants' kernel ANDs the high nibbles in place,
+  16 times their value, and takes a sixteenth of their factors: _super_block);
 - ``i8`` (centred int8): stored as ``q + 128`` (0..255); the ``-128 * sum(x)`` this adds is folded
   into the sub-block's offset term below;
 - ``u6`` (6-bit quants, ``q + 32``: 0..63; Q6_K and the other types whose quants fit 6 bits): the
