@@ -88,7 +88,8 @@ def compile_probe(chains: int, beside: str | None = None, count: int = 0) -> Cal
     i = b.phi(i64)
     i.add_incoming(ir.Constant(i64, 0), entry)
     weights = ir.Constant(v16, [0x01020304] * 16)
-    accs, others = [], []
+    accs: list = []
+    others: list = []
     for k in range(chains + count):  # NOTE: each chain starts apart, so LLVM cannot merge them
         acc = b.phi(v16)
         acc.add_incoming(ir.Constant(v16, [k] * 16), entry)

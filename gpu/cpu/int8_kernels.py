@@ -538,13 +538,15 @@ def _plane_reader(form: str, super_form: str):
 
 
 def float_terms(builder, form: str, super_form: str, planes, g, sums, totals, drow, srow, block: int,
-                zero_point: float):
+                zero_point: float, high_in_place: bool = False):
     """totals[t] + step g's float terms for token t, from its int32 sums[t][sub-block]: the one
     float epilogue of the int8 kernels (VNNI here, AMX in gpu/cpu/amx_kernels.py). The same IR in
     the same order after the sums, so both kernels round alike, bit for bit: an output must not
     depend on how many tokens a step holds. planes: the scale, offset and super planes' tile
     pointers (None where absent), of _plane_reader's forms form and super_form; drow / srow:
-    each token's activation scales and block sums."""
+    each token's activation scales and block sums. high_in_place: the step's second half summed
+    16 times over (u4's nibbles in place, _weight_vectors), its scale taken a sixteenth: the
+    same products, bit for bit (a power of two; unless scale * dx is subnormal)."""
     # NOTE: contract (fused multiply-adds), not fast: with reassociation LLVM ordered the terms by
     # the shape of the code around them, and a 1-token kernel rounded unlike a 4-token one
     subs, v16f, flags = STEP // block, _vec(_F32, 16), ["contract"]
@@ -558,6 +560,8 @@ def float_terms(builder, form: str, super_form: str, planes, g, sums, totals, dr
         if offset is not None:
             mz = builder.fadd(mz, offset, flags=flags)
         act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
+        if high_in_place and sb >= subs // 2:
+            scale = builder.fmul(scale, ir.Constant(v16f, [1 / 16] * 16))  # NOTE: after mz, which is unscaled
         for t in range(len(totals)):
             dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
             part = builder.fmul(builder.sitofp(sums[t][sb], v16f), builder.fmul(scale, dx, flags=flags),
@@ -622,14 +626,16 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str
     64-weight step a loop iteration. form: the scale planes' (_scale_loader); "i8" reads the super
     planes too, of super_form."""
     zero_point = float(ZERO_POINTS[kind])
+    high_in_place = kind == "u4"  # PERF: no byte shift (_super_block's note), as the K-quants'
 
     def step(builder, g, acc, qtile, planes, token_rows, k):
         xrow, drow, srow = token_rows
         xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
                  for x in xrow]
-        sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
+        sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g, high_in_place=high_in_place),
+                         xbase, block)
         return float_terms(builder, form, super_form, planes, g, sums, list(acc), drow, srow, block,
-                           zero_point)
+                           zero_point, high_in_place)
     return _tile_frame(step, tokens, STEP)
 
 
