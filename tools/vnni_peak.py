@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable
 
 MACS_PER_INSTRUCTION = 64   # 16 int32 lanes x 4 byte products
-# One 512-bit instruction of each kind the int8 tiles run beside vpdpbusd (--beside): name ->
-# IR of x -> x' on a vector of 16 int32, so that each added chain is one instruction an iteration
+# The 512-bit instructions the int8 tiles run beside vpdpbusd (--beside): name -> what it is
+# (_beside_op writes each as one instruction a chain and iteration)
 BESIDE = {
     "byte-shift": "a byte shift (x86 has none: LLVM's gf2p8affineqb)",
     "word-shift": "vpsrlw",

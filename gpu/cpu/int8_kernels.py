@@ -13,9 +13,9 @@ bytes broadcast to every lane advances all 16 rows, and a sub-block's vectors su
 no float work in between. The float work (one convert, a scale multiply, two multiply-adds) is
 then per 16 rows and sub-block, a sixteenth of a per-row kernel's. The quants are unsigned:
 
-- ``u4`` (nibbles in 64-weight groups): one AND and one shift unpack a vector of bytes into the
-  low- and high-nibble weights, 0..15 (the K-quants' kernel ANDs the high nibbles in place,
-  16 times their value, and takes a sixteenth of their factors: _super_block);
+- ``u4`` (nibbles in 64-weight groups): an AND each takes a vector of bytes' low nibbles (the
+  weights 0..15) and its high ones in place (16 times the weights: their sub-block's scale is
+  taken a sixteenth, _second_half_scale);
 - ``i8`` (centred int8): stored as ``q + 128`` (0..255); the ``-128 * sum(x)`` this adds is folded
   into the sub-block's offset term below;
 - ``u6`` (6-bit quants, ``q + 32``: 0..63; Q6_K and the other types whose quants fit 6 bits): the
@@ -407,12 +407,12 @@ def _prefetch(builder, ptr, index, ty: ir.Type, kind: str) -> None:
     builder.call(fn, [at, ir.Constant(_I32, 0), locality, ir.Constant(_I32, 1)])
 
 
-def _weight_vectors(builder, kind: str, qtile, g, *,
-                    high_in_place: bool = False) -> Iterable[tuple[Any, int]]:
+def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
     """Step g's weight vectors (16 rows x 4 weights, unsigned bytes), each with the offset in
-    the step of its first weight (which activation bytes it meets). high_in_place (u4): the
-    high nibbles left where they are, 16 times their value (an AND, not a shift and an AND):
-    the sums of the step's second half are 16 times theirs, for the caller to scale back."""
+    the step of its first weight (which activation bytes it meets). u4's high nibbles stay where
+    they are, 16 times their value: the step's second half sums 16 times over, and its scales
+    are taken a sixteenth (_second_half_scale). PERF: an AND, not a byte shift and an AND: x86
+    has no byte shift, and LLVM's gf2p8affineqb takes a vpdpbusd slot (_word_shift)."""
     v64b = _vec(_I8, 64)
     if kind == "i8":
         first = builder.mul(g, _const(builder, 16))
@@ -437,9 +437,7 @@ def _weight_vectors(builder, kind: str, qtile, g, *,
         _prefetch(builder, qtile, at, v64b, kind)
         packed = _load(builder, qtile, at, v64b)
         out.append((builder.and_(packed, low), 4 * v))
-        high = (builder.and_(packed, ir.Constant(v64b, [0xF0] * 64)) if high_in_place else
-                builder.and_(builder.lshr(packed, ir.Constant(v64b, [4] * 64)), low))
-        out.append((high, 32 + 4 * v))
+        out.append((builder.and_(packed, ir.Constant(v64b, [0xF0] * 64)), 32 + 4 * v))
     return out
 
 
@@ -469,11 +467,22 @@ def _u6_vectors(builder, nibbles: list, highs: list) -> Iterator[Any]:
 def _word_shift(builder, op: str, vec, bits: int):
     """A 64-byte vector shifted as 32 words (vpsllw / vpsrlw): the bits crossing from the next
     byte are the caller's to mask off. PERF: a byte shift (there is no such instruction) becomes
-    gf2p8affineqb, which takes the pipes vpdpbusd runs on (each one a vpdpbusd's slot on Zen 4);
-    word shifts run beside them (a probe of 12 vpdpbusd chains with 8 shifts: no slower)."""
+    gf2p8affineqb, which takes the pipes vpdpbusd runs on (a vpdpbusd's slot each on Zen 4);
+    word shifts run beside them (`python -m ringserve.tools.vnni_peak --beside all`)."""
     words = _vec(_I16, 32)
     shifted = getattr(builder, op)(builder.bitcast(vec, words), ir.Constant(words, [bits] * 32))
     return builder.bitcast(shifted, vec.type)
+
+
+def _second_half_scale(builder, kind: str | None, sb: int, subs: int, value):
+    """Sub-block sb's scale (or factor), 16 rows as float32, for sums of kind's _weight_vectors
+    (None: another unpacking's, amx_kernels'): u4's second half sums 16 times over, so its
+    scale is taken a sixteenth. Exact (a power of two): each product is the same float32 as the
+    shifted nibbles', bit for bit (unless scale * dx is subnormal), and 16 x its sum converts
+    exactly (|16 isum| <= 16 x 32 x 15 x 127 < 2^24)."""
+    if kind != "u4" or sb < subs // 2:
+        return value
+    return builder.fmul(value, ir.Constant(value.type, [1 / 16] * 16))
 
 
 def _int_sums(builder, vectors, xbase, block: int, start: list[list[Any]] | None = None,
@@ -538,15 +547,14 @@ def _plane_reader(form: str, super_form: str):
 
 
 def float_terms(builder, form: str, super_form: str, planes, g, sums, totals, drow, srow, block: int,
-                zero_point: float, high_in_place: bool = False):
+                zero_point: float, vectors_kind: str | None = None):
     """totals[t] + step g's float terms for token t, from its int32 sums[t][sub-block]: the one
     float epilogue of the int8 kernels (VNNI here, AMX in gpu/cpu/amx_kernels.py). The same IR in
     the same order after the sums, so both kernels round alike, bit for bit: an output must not
     depend on how many tokens a step holds. planes: the scale, offset and super planes' tile
     pointers (None where absent), of _plane_reader's forms form and super_form; drow / srow:
-    each token's activation scales and block sums. high_in_place: the step's second half summed
-    16 times over (u4's nibbles in place, _weight_vectors), its scale taken a sixteenth: the
-    same products, bit for bit (a power of two; unless scale * dx is subnormal)."""
+    each token's activation scales and block sums. vectors_kind: the kind whose _weight_vectors
+    gave the sums (None: another unpacking's, AMX's), for _second_half_scale."""
     # NOTE: contract (fused multiply-adds), not fast: with reassociation LLVM ordered the terms by
     # the shape of the code around them, and a 1-token kernel rounded unlike a 4-token one
     subs, v16f, flags = STEP // block, _vec(_F32, 16), ["contract"]
@@ -560,8 +568,7 @@ def float_terms(builder, form: str, super_form: str, planes, g, sums, totals, dr
         if offset is not None:
             mz = builder.fadd(mz, offset, flags=flags)
         act = builder.udiv(builder.mul(index, _const(builder, block)), _const(builder, ACT_BLOCK))
-        if high_in_place and sb >= subs // 2:
-            scale = builder.fmul(scale, ir.Constant(v16f, [1 / 16] * 16))  # NOTE: after mz, which is unscaled
+        scale = _second_half_scale(builder, vectors_kind, sb, subs, scale)  # NOTE: after mz: unscaled there
         for t in range(len(totals)):
             dx = _splat(builder, _load(builder, drow[t], act, _F32), 16)
             part = builder.fmul(builder.sitofp(sums[t][sb], v16f), builder.fmul(scale, dx, flags=flags),
@@ -626,16 +633,14 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str
     64-weight step a loop iteration. form: the scale planes' (_scale_loader); "i8" reads the super
     planes too, of super_form."""
     zero_point = float(ZERO_POINTS[kind])
-    high_in_place = kind == "u4"  # PERF: no byte shift (_super_block's note), as the K-quants'
 
     def step(builder, g, acc, qtile, planes, token_rows, k):
         xrow, drow, srow = token_rows
         xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
                  for x in xrow]
-        sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g, high_in_place=high_in_place),
-                         xbase, block)
+        sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
         return float_terms(builder, form, super_form, planes, g, sums, list(acc), drow, srow, block,
-                           zero_point, high_in_place)
+                           zero_point, kind)
     return _tile_frame(step, tokens, STEP)
 
 
@@ -668,11 +673,6 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     subs, zero_point = STEP // block, ZERO_POINTS[kind]
     load_factor, load_super = _scale_loader("i8"), _scale_loader(super_form)
     zero = ir.Constant(v16f, [0.0] * 16)
-    # PERF: u4's high nibbles in place (_weight_vectors): a byte shift is gf2p8affineqb, which
-    # takes a vpdpbusd slot on Zen 4 (_word_shift). The second half's sums are then 16 times
-    # theirs and its factors a sixteenth: sc / 16 is exact, so is sitofp(16 isum) (|16 isum| <=
-    # 16 x 32 x 15 x 127 < 2^24), and each product the same float32 as before, bit for bit.
-    high_in_place = kind == "u4"
 
     def add(total, a, b):
         return builder.fadd(total, builder.fmul(a, b, flags=flags), flags=flags)
@@ -697,13 +697,10 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     # at 8 tokens and sub-blocks of 16 (Q6_K), the step's 32 int32 sums all live at once spilled
     # registers. (Summing sc * isum in int32, vpmulld, one convert a super-block: no faster.)
     def scale(sb: int, done: list) -> None:
-        factor = load_factor(builder, stile, indices[sb])
-        if high_in_place and sb >= subs // 2:
-            factor = builder.fmul(factor, ir.Constant(v16f, [1 / 16] * 16))
+        factor = _second_half_scale(builder, kind, sb, subs, load_factor(builder, stile, indices[sb]))
         for t, isum in enumerate(done):
             scaled[t] = add(scaled[t], builder.sitofp(isum, v16f), factor)
-    _int_sums(builder, _weight_vectors(builder, kind, qtile, g, high_in_place=high_in_place),
-              xbase, block, start, scale)
+    _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block, start, scale)
     for phi, value in zip(scaled_in, scaled, strict=True):
         phi.add_incoming(zero, before)
         phi.add_incoming(value, step)
