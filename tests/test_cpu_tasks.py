@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numba import njit, prange
 
-from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
+from ringserve.gpu.cpu.tasks import claim, linear_tasks, num_tasks, task_counter
 
 
 @njit(parallel=True, nogil=True)
@@ -48,6 +48,15 @@ def test_num_tasks_never_exceeds_the_row_blocks():
     assert num_tasks(1) == 1
     assert num_tasks(3) == 3
     assert num_tasks(10_000) == 8 * numba.get_num_threads()
+
+
+def test_a_linears_tasks_and_counter_are_num_tasks_and_task_counters():
+    threads = numba.get_num_threads()
+    for units in (1, 3, 10_000):
+        tasks, counter = linear_tasks(units)
+        assert tasks == num_tasks(units)
+        assert counter is task_counter(tasks) and counter[1] == min(threads, tasks)
+    assert task_counter(50, 1)[1] == 1 and task_counter(1, 8)[1] == 1  # never more than asked, or than tasks
 
 
 def _tbb_installed() -> bool:

@@ -177,14 +177,15 @@ def test_a_tokens_result_does_not_depend_on_the_rows_beside_it(qtype, six_bit, s
 def test_the_activations_scratch_does_not_grow_with_every_step_size():
     """A server runs steps of every token count up to max_num_batched_tokens: the int8 rows are one
     scratch a width, grown to the largest count and read as its first rows (one per count held
-    ~2 GB after counts 1..512 on the 1B shape's widths). Counts in falling and mixed order: a
-    step reads the rows it quantized, never a larger step's left in the scratch."""
+    ~2 GB after counts 1..512 on the 1B shape's widths). Counts in falling and mixed order, and
+    repeated (the last count's rows are kept, per_thread_rows): a step reads the rows it
+    quantized, never a larger step's left in the scratch."""
     rng = np.random.default_rng(11)
     shape = (32, 1024)
     raw = random_raw("Q4_K", shape, rng)
     w = repack(raw, "Q4_K", shape)
     tiled = tiles(repack(raw, "Q4_K", shape, factored=True))
-    counts = [200, 3, 1, 57, 7, 130, 2, 199]
+    counts = [200, 3, 3, 1, 57, 7, 7, 130, 2, 199, 199]
     xs = {t: rng.standard_normal((t, shape[1])).astype(np.float32) for t in counts}
     for t in counts:  # every kernel compiled (or loaded) and the scratch at its largest first
         int8_linear(xs[t], tiled)

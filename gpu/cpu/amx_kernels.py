@@ -54,7 +54,7 @@ from ringserve.gpu.cpu.int8_kernels import (
     int8_linear,
     scratch_rows,
 )
-from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
+from ringserve.gpu.cpu.tasks import claim, linear_tasks
 
 # NOTE: _quantize is compiled into the drivers below, and Numba's cache keys on this file alone: a
 # change to it (2026-12-06: its loops vectorized) comes with an edit here, or old caches stay
@@ -359,8 +359,7 @@ def amx_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray, parallel: bool) ->
     args = (CONFIGS[w.block], x, w.q, w.scale, w.offset, w.scale_super, w.offset_super, rows.q, rows.scale,
             rows.sum16, rows.sum32, out)
     if parallel:
-        tasks = num_tasks(len(w.q))
-        par(*args, tasks, task_counter(tasks))
+        par(*args, *linear_tasks(len(w.q)))
     else:
         serial(*args)
 

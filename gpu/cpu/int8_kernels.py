@@ -56,7 +56,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ringserve.gpu.cpu.linear import per_thread_rows
-from ringserve.gpu.cpu.tasks import claim, num_tasks, task_counter
+from ringserve.gpu.cpu.tasks import claim, linear_tasks
 from ringserve.gpu.loader.quant import QK_K, QuantWeight
 
 TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit register
@@ -115,7 +115,8 @@ class Int8Rows(NamedTuple):
 
 def scratch_rows(t: int, k: int) -> Int8Rows:
     """The calling thread's Int8Rows for t token rows of width k (reused across steps)."""
-    return per_thread_rows(("int8 rows", k), t, lambda n: _empty_rows(n, k), lambda r: len(r.q)).head(t)
+    return per_thread_rows(("int8 rows", k), t, lambda n: _empty_rows(n, k), lambda r: len(r.q),
+                           Int8Rows.head)
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -180,7 +181,7 @@ class SuperRows(NamedTuple):
 def super_scratch_rows(t: int, k: int, sub: int) -> SuperRows:
     """The calling thread's SuperRows for t token rows of width k, sub-blocks of sub."""
     return per_thread_rows(("super rows", k, sub), t, lambda n: _empty_super_rows(n, k, sub),
-                           lambda r: len(r.q)).head(t)
+                           lambda r: len(r.q), SuperRows.head)
 
 
 def _empty_super_rows(t: int, k: int, sub: int) -> SuperRows:
@@ -981,8 +982,7 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
         serial, par = _DRIVERS[(w.block, VECTORS[w.kind])]
         args = (x, *weights, rows.q, rows.scale, rows.sum16, rows.sum32, out)
     if parallel:
-        tasks = num_tasks(len(w.q))
-        par(*args, tasks, task_counter(tasks))
+        par(*args, *linear_tasks(len(w.q)))
     else:
         serial(*args)
     return out

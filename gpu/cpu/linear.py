@@ -45,17 +45,23 @@ def per_thread(key: Hashable, make: Callable[[], _T]) -> _T:
     return value
 
 
-def per_thread_rows(key: Hashable, rows: int, make: Callable[[int], _T], size: Callable[[_T], int]) -> _T:
-    """The calling thread's scratch for key with room for at least `rows` token rows (size(value)),
-    made anew only when a step brings more rows than any before it; callers take its first rows.
+def per_thread_rows(key: Hashable, rows: int, make: Callable[[int], _T], size: Callable[[_T], int],
+                    head: Callable[[_T, int], _T]) -> _T:
+    """head(scratch, rows): the first `rows` token rows of the calling thread's scratch for key,
+    which is made anew only when a step brings more rows than any before it.
     NOTE: one per key, not one per row count: a server runs steps of every count up to
     max_num_batched_tokens, and a scratch kept for each (int8 rows, keyed by T) grew by ~2 GB
-    on the 1B shape's two widths (tests/test_int8_kernels.py)."""
+    on the 1B shape's two widths (tests/test_int8_kernels.py). PERF: the last head is kept (a
+    decode step asks for the same rows ~70 times; slicing four arrays was ~1/3 of a batch-1
+    linear's Python time), and dropped with the scratch it views."""
     cache = _per_thread.__dict__.setdefault("scratch", {})
-    value = cache.get(key)
-    if value is None or size(value) < rows:
-        value = cache[key] = make(rows)
-    return value
+    entry = cache.get(key)
+    if entry is None or size(entry[0]) < rows:
+        scratch = make(rows)
+        entry = cache[key] = [scratch, rows, head(scratch, rows)]
+    elif entry[1] != rows:
+        entry[1], entry[2] = rows, head(entry[0], rows)
+    return entry[2]
 
 
 

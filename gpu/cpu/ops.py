@@ -196,9 +196,9 @@ class CpuOps:
         # decodes and short chunks: the per-token loop, over the threads where they read many keys.
         # NOTE: one compiled driver for every step, on one thread or more: a token's result must not
         # depend on the batch (two drivers' copies of the same body, optimized apart, differed)
-        counter = task_counter(len(buf.positions) * k_cache.shape[2])
-        if not (self.parallel and buf.key_reads >= PARALLEL_KEY_READS):
-            counter[1] = 1  # PERF: a region of one thread costs ~3 us, a fork and join 10-20
+        # PERF: a region of one thread costs ~3 us, a fork and join 10-20
+        threads = None if self.parallel and buf.key_reads >= PARALLEL_KEY_READS else 1
+        counter = task_counter(len(buf.positions) * k_cache.shape[2], threads)
         paged_attention_parallel(*args, TILED_MIN_TOKENS - 1, counter)
         if buf.tiled_attention:
             # PERF: prompt chunks by query tiles over all threads: each key read once per tile,

@@ -55,13 +55,14 @@ def _fetch_add(typingctx, counter):
 claim: Any = _fetch_add
 
 
-def task_counter(tasks: int) -> np.ndarray:
+def task_counter(tasks: int, threads: int | None = None) -> np.ndarray:
     """The calling thread's counter (one region at a time per calling thread: the step's), [1]
-    set to the threads a region of `tasks` tasks starts: no more than there are tasks."""
+    set to the threads a region of `tasks` tasks starts: no more than there are tasks. threads:
+    numba.get_num_threads(), where the caller has it already."""
     # NOTE: given, not asked for in the region: numba.get_num_threads() in compiled code is a
     # call through a pointer that keeps Numba from caching the function
     counter = per_thread("task counter", _aligned_line)
-    counter[1] = min(numba.get_num_threads(), tasks)
+    counter[1] = min(numba.get_num_threads() if threads is None else threads, tasks)
     return counter
 
 
@@ -72,6 +73,16 @@ def _aligned_line() -> np.ndarray:
     return buf[first:first + 8]
 
 
-def num_tasks(units: int) -> int:
+def num_tasks(units: int, threads: int | None = None) -> int:
     """Tasks for a parallel linear of `units` independent row blocks (tiles, rows)."""
-    return max(1, min(units, CLAIMED_TASKS_PER_THREAD * numba.get_num_threads()))
+    threads = numba.get_num_threads() if threads is None else threads
+    return max(1, min(units, CLAIMED_TASKS_PER_THREAD * threads))
+
+
+def linear_tasks(units: int) -> tuple[int, np.ndarray]:
+    """(num_tasks, task_counter) of a parallel linear of `units` row blocks. PERF: one read of
+    the thread count (numba.get_num_threads takes two locks, ~1-2 us: a batch-1 decode step
+    makes ~70 of these calls)."""
+    threads = numba.get_num_threads()
+    tasks = num_tasks(units, threads)
+    return tasks, task_counter(tasks, threads)
