@@ -184,8 +184,8 @@ def test_bench_forward_refuses_zero_runs_in_one_line(flag, capsys):
 
 
 def _served(tok_s: float, peak: float) -> dict:
-    return {"points": [{"load": {"concurrency": 1}, "summary": {"output_throughput": tok_s}}],
-            "memory": {"peak_pss_bytes": peak}}
+    summary = {"output_throughput": tok_s, "ttft": {"median": 1e4 / tok_s}, "tpot": {"median": 1e3 / tok_s}}
+    return {"points": [{"load": {"concurrency": 1}, "summary": summary}], "memory": {"peak_pss_bytes": peak}}
 
 
 def test_bench_llamacpp_rounds_give_each_ratio_and_their_median():
@@ -195,6 +195,8 @@ def test_bench_llamacpp_rounds_give_each_ratio_and_their_median():
     text = bench_llamacpp.rounds_table(rounds)
     assert _table_rows(text, "concurrency") == [
         ["1", "30.0 / 26.0 / 33.0", "24.0 / 26.0 / 22.0", "1.25 / 1.00 / 1.50", "**1.25**"]]
+    assert _table_rows(text, "concurrency | TTFT") == [[
+        "1", "333 vs 417 / 385 vs 385 / 303 vs 455", "33 vs 42 / 38 vs 38 / 30 vs 45"]]
     assert "ringserve 1.20 GB, llama-server 1.30 GB (ratio 0.92)" in text
 
 

@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def rounds_table(rounds: list[dict]) -> str:
     """Output tokens/s at each concurrency in every round (the order swapped each round) and the
-    ratio ringserve / llama-server of each round, with the median; peak memory over the rounds."""
+    ratio ringserve / llama-server of each round, with the median; each round's TTFT and TPOT
+    medians of both; peak memory over the rounds."""
     peer = "llama-server" in rounds[0]
     if not peer or "long_prompt" in rounds[0]["ringserve"]:
         return "\n\n".join(table(r["ringserve"], r.get("llama-server")) for r in rounds)
@@ -278,6 +279,14 @@ def rounds_table(rounds: list[dict]) -> str:
         rows.append(f"| {point['load']['concurrency']} | {' / '.join(f'{x:.1f}' for x in ours)} | "
                     f"{' / '.join(f'{x:.1f}' for x in theirs)} | {' / '.join(f'{x:.2f}' for x in ratios)} | "
                     f"**{statistics.median(ratios):.2f}** |")
+    # the latencies behind each ratio: at one stream, output tok/s is 1 / (TTFT + n * TPOT) of both
+    rows += ["", "| concurrency | TTFT p50 ms, ringserve / llama-server, each round "
+             "| TPOT p50 ms, ringserve / llama-server, each round |", "|---:|---|---|"]
+    for i, point in enumerate(rounds[0]["ringserve"]["points"]):
+        cells = [" / ".join(f"{r['ringserve']['points'][i]['summary'][m]['median']:.0f} vs "
+                            f"{r['llama-server']['points'][i]['summary'][m]['median']:.0f}" for r in rounds)
+                 for m in ("ttft", "tpot")]
+        rows.append(f"| {point['load']['concurrency']} | {cells[0]} | {cells[1]} |")
     mine = max(r["ringserve"]["memory"]["peak_pss_bytes"] for r in rounds)
     theirs_peak = max(r["llama-server"]["memory"]["peak_pss_bytes"] for r in rounds)
     rows.append(f"\n(rounds alternate: odd rounds ringserve first, even rounds llama-server first)\n"
