@@ -57,8 +57,8 @@ claim: Any = _fetch_add
 
 def task_counter(tasks: int, threads: int | None = None) -> np.ndarray:
     """The calling thread's counter (one region at a time per calling thread: the step's), [1]
-    set to the threads a region of `tasks` tasks starts: no more than there are tasks. threads:
-    numba.get_num_threads(), where the caller has it already."""
+    set to the threads a region of `tasks` tasks starts: no more than there are tasks, nor than
+    `threads` (by default numba.get_num_threads(); 1: the region on the calling thread alone)."""
     # NOTE: given, not asked for in the region: numba.get_num_threads() in compiled code is a
     # call through a pointer that keeps Numba from caching the function
     counter = per_thread("task counter", _aligned_line)
