@@ -9,6 +9,7 @@ import threading
 import httpx
 import pytest
 
+from conftest import free_port
 from ringserve.tools import step_mix
 
 
@@ -82,3 +83,16 @@ def test_a_server_without_debug_endpoints_is_told_how_to_serve(tiny_server):
     url = tiny_server()
     with pytest.raises(SystemExit, match="--enable-debug-endpoints"):
         step_mix.main(["--base-url", url, "--duration", "1"])
+
+
+def test_a_server_that_is_not_there_is_one_line():
+    port = free_port()  # nothing listens on it
+    with pytest.raises(SystemExit, match=f"GET http://127.0.0.1:{port}/debug/engines: "):
+        step_mix.main(["--base-url", f"http://127.0.0.1:{port}", "--duration", "1"])
+
+
+def test_a_server_with_a_key_needs_it(tiny_server):
+    url = tiny_server("--enable-debug-endpoints", "--api-key", "k3y")
+    with pytest.raises(SystemExit, match="401; give the server's key"):
+        step_mix.main(["--base-url", url, "--duration", "1", "--api-key", ""])
+    assert step_mix.main(["--base-url", url, "--duration", "0.5", "--api-key", "k3y"]) == 1  # idle: no steps

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Iterable
@@ -32,19 +33,26 @@ GROUPS = (("decodes only", 0, 0), ("prompt tokens 1-63", 1, 63), ("prompt tokens
           ("prompt tokens 256-1023", 256, 1023), ("prompt tokens 1024+", 1024, 1 << 62))
 
 
-def poll(url: str, duration: float, every: float) -> tuple[dict[tuple[int, int], dict], int]:
+def poll(url: str, duration: float, every: float, api_key: str | None = None
+         ) -> tuple[dict[tuple[int, int], dict], int]:
     """Every engine's steps seen in `duration` seconds, by (engine pid, step), and the polls made.
-    Ctrl-C ends it early."""
+    Ctrl-C ends it early; a server that refuses or cannot be reached ends it with one line."""
     steps: dict[tuple[int, int], dict] = {}
     polls = 0
     end = time.monotonic() + duration
-    with httpx.Client(timeout=30) as client:
+    where = url.rstrip("/") + "/debug/engines"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=30, headers=headers) as client:
         try:
             while True:
-                r = client.get(url.rstrip("/") + "/debug/engines")
+                try:
+                    r = client.get(where)
+                except httpx.HTTPError as e:
+                    raise SystemExit(f"GET {where}: {e}") from None
                 if r.status_code != 200:
-                    raise SystemExit(f"GET /debug/engines: {r.status_code}; "
-                                     "serve with --enable-debug-endpoints")
+                    hint = {404: "serve with --enable-debug-endpoints",
+                            401: "give the server's key (--api-key)"}.get(r.status_code, r.text[:200])
+                    raise SystemExit(f"GET {where}: {r.status_code}; {hint}")
                 polls += 1
                 for engine in r.json()["engines"]:
                     snapshot = engine.get("snapshot") or {}
@@ -115,6 +123,8 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="seconds to poll (Ctrl-C ends it early)")
     p.add_argument("--every", type=float, default=2.0, help="seconds between polls")
     p.add_argument("--json", type=Path, help="also write the summary here")
+    p.add_argument("--api-key", help="the server's --api-key, if it has one",
+                   default=os.environ.get("RINGSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     args = p.parse_args(None if argv is None else list(argv))
     for name in ("duration", "every"):
         value = getattr(args, name)
@@ -125,7 +135,7 @@ def parse_args(argv: Iterable[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Iterable[str] | None = None) -> int:
     args = parse_args(argv)
-    steps, polls = poll(args.base_url, args.duration, args.every)
+    steps, polls = poll(args.base_url, args.duration, args.every, args.api_key)
     if not steps:
         print(f"no steps in {polls} poll(s): was the server under load?", file=sys.stderr)
         return 1
