@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def summarize(steps: dict[tuple[int, int], dict]) -> dict[str, Any]:
     missed = 0
     for ss in by_engine.values():
         ss.sort(key=lambda s: s["step"])
-        for a, b in zip(ss, ss[1:], strict=False):  # consecutive pairs
+        for a, b in pairwise(ss):
             if b["step"] == a["step"] + 1:
                 idle += b["start"] - a["end"]
             else:
