@@ -143,14 +143,15 @@ def rates(run: Callable[[int], int], chains: int, threads: int, seconds: float) 
     return out
 
 
-def slots_beside(chains: int, kind: str, count: int, seconds: float) -> float:
-    """vpdpbusd slots each of `count` added `kind` instructions takes beside `chains` vpdpbusd
-    chains (one thread): the extra time per added instruction over the base loop's per vpdpbusd.
-    The best of three runs each (a slow moment of the machine is not an instruction's cost)."""
+def slots_beside(chains: int, kind: str, counts: tuple[int, ...], seconds: float) -> list[float]:
+    """vpdpbusd slots each added `kind` instruction (BESIDE) takes beside `chains` vpdpbusd chains
+    (one thread), with each of `counts` of them added: the extra time per added instruction over
+    the base loop's per vpdpbusd, against one base measured beside them. The best of three runs
+    each (a slow moment of the machine is not an instruction's cost)."""
     def best(run: Callable[[int], int]) -> float:
         return max(rates(run, chains, 1, seconds / 3)[0] for _ in range(3))
-    base, with_ = best(compile_probe(chains)), best(compile_probe(chains, kind, count))
-    return (base / with_ - 1) * chains / count
+    base = best(compile_probe(chains))
+    return [(base / best(compile_probe(chains, kind, n)) - 1) * chains / n for n in counts]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
               "| 8 added |")
         print("|---|---|---:|---:|")
     for kind in kinds:
-        four, eight = (slots_beside(args.chains, kind, n, args.seconds) for n in (4, 8))
+        four, eight = slots_beside(args.chains, kind, (4, 8), args.seconds)
         print(f"| {kind} | {BESIDE[kind]} | {four:.2f} | {eight:.2f} |")
     return 0
 
