@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 from paged_cases import free_before_windows, load_all, paged_layout, store_all
 from ringserve.gpu.cpu.attention import paged_attention, paged_attention_parallel, plan_tasks
+from ringserve.gpu.cpu.fma_tiles import KEYS, key_scores
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.prefill_attention import KEY_BLOCK, MIN_TOKENS, prefill_attention
 from ringserve.gpu.cpu.tasks import task_counter
@@ -137,6 +139,39 @@ def test_the_loop_over_threads_is_the_loop(dtype, heads, kv_heads, window):
         paged_attention(q, k, v, *args, loop, max_tokens)
         assert ((loop == 7.0) == (one == 7.0)).all()  # the same rows left alone
         np.testing.assert_allclose(one, loop, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 48, 80, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(3, 1), (7, 1), (9, 3), (14, 2)])
+def test_the_loop_takes_any_head_size_and_group(head_dim, heads, kv_heads):
+    """The loop's micro-kernels take head_dim in whole vectors of 16 and query heads in runs of
+    ROWS: a head size or a group that is not a multiple (rows and columns padded with zeros) is
+    still the reference, with a window and over one and many KEYS runs."""
+    for window in (0, KEY_BLOCK + 3):
+        q, (k, v), (wide_k, wide_v), args = _case("float16", heads, kv_heads, window,
+                                                  requests=MIXED[:2] + [(300, 1), (17, 15)],
+                                                  head_dim=head_dim, seed=head_dim)
+        out = np.full_like(q, np.nan)
+        paged_attention_parallel(q, k, v, *args, out, 2**62, task_counter(q.shape[0] * kv_heads))
+        np.testing.assert_allclose(out, reference(q, wide_k, wide_v, *args), rtol=2e-5, atol=2e-5)
+
+
+def test_key_scores_sums_each_key_in_its_lane():
+    """fma_tiles.key_scores: lane j of the written run is key j's dot product with the query
+    row (a float64 check over head sizes of 1-4 vectors), and nothing past the run is written."""
+    rng = np.random.default_rng(5)
+    for head_dim in (16, 32, 64, 128):
+        kb = rng.standard_normal((KEYS, head_dim)).astype(np.float32)
+        qm = rng.standard_normal((3, head_dim)).astype(np.float32)
+        st = np.full((2, 3 * KEYS), 7.0, np.float32)
+        _scores_run(kb, qm, st, 2, 1, KEYS)
+        np.testing.assert_allclose(st[1, KEYS:2 * KEYS], kb.astype(np.float64) @ qm[2], rtol=1e-5, atol=1e-5)
+        assert (st[0] == 7.0).all() and (st[1, :KEYS] == 7.0).all() and (st[1, 2 * KEYS:] == 7.0).all()
+
+
+@njit(cache=True)
+def _scores_run(kb, qm, st, qrow, srow, o):  # pragma: no cover - compiled
+    key_scores(kb, qm, st, qrow, srow, o)
 
 
 def test_a_token_with_more_than_a_threads_share_of_keys_is_split_into_its_kv_heads_first():

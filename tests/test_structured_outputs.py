@@ -122,12 +122,13 @@ name: /[A-Z][a-z]{1,8}/
             r = c.post(path, json=dict(body, max_tokens=120, temperature=0.7, seed=1))
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]
-        # OpenAI's json_object (any object). NOTE: greedy, and a prompt that asks for an object:
-        # sampled, the small model can ramble inside one string until max_tokens (a valid
-        # prefix that is not yet a document; which seed does so changes with the CPU's float
-        # kernels)
+        # OpenAI's json_object (any object). NOTE: greedy, and a prompt that names the object's
+        # fields: sampled, or asked only to "describe a person as JSON", the small model can
+        # ramble inside one string until max_tokens (a valid prefix that is not yet a document;
+        # whether it does follows near-ties that the CPU's float kernels decide: 2026-12-07's
+        # attention kernel tipped that prompt, and this one closes under both kernels)
         r = c.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+            "messages": [{"role": "user", "content": "Give a JSON object with a person's name and age."}],
             "response_format": {"type": "json_object"}, "max_tokens": 200, "temperature": 0})
         assert r.status_code == 200, r.text
         got = r.json()["choices"][0]

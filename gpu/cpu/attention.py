@@ -11,10 +11,12 @@ steps with many requests. Softmax in float32 with the max subtracted.
 Two drivers of the same body (a token and a run of adjacent KV heads): `paged_attention`, the
 readable one-thread reference (tests, the CUDA reference), a token's heads in one run, and
 `paged_attention_parallel`, which CpuOps runs for every step: its tasks over Numba's threads for
-a step whose tokens read many keys (4,000 keys x 8 KV heads are ~3 ms a layer on one thread), on
-one thread otherwise. A task is a whole token (a cache row [KV heads, head_dim] read in one
-sweep, not one head's slice of every row), or one KV head of a token that has more than a
-thread's share of the step's keys (`plan_tasks`: a decode alone, a long context among short
+a step whose tokens read many keys (4,000 keys x 8 KV heads are ~1 ms a layer on one thread), on
+one thread otherwise. The body scores and sums 16 keys at a time in gpu/cpu/fma_tiles.py's
+register-held micro-kernels, and asks for the next block's rows while it reads a block's (the
+blocks of a request lie anywhere in the pool). A task is a whole token (a cache row [KV heads,
+head_dim] read in one sweep, not one head's slice of every row), or one KV head of a token that
+has more than a thread's share of the step's keys (`plan_tasks`: a decode alone, a long context among short
 ones). NOTE: one driver in the engine, because the two drivers' copies of `_attend` are
 optimized apart (LLVM inlines it into each, and a driver loaded from Numba's cache was compiled
 in another process): they agree within float32 rounding, not bit for bit, and a token's result
@@ -25,73 +27,119 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ringserve.gpu.cpu.fma_tiles import KEYS, ROWS, accumulate_rows, key_scores, prefetch_heads
 from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
 from ringserve.gpu.cpu.tasks import claim
 
-# NOTE: kv_load is compiled into these kernels, and Numba's cache keys on this file alone: a change
-# to gpu/cpu/kv_dtypes.py (2026-12-06: F16C's conversions) comes with an edit here, or old caches stay
+# NOTE: kv_load and fma_tiles' micro-kernels are compiled into these kernels, and Numba's cache keys
+# on this file alone: a change to gpu/cpu/kv_dtypes.py or gpu/cpu/fma_tiles.py (2026-12-07: the
+# 16-key micro-kernels) comes with an edit here, or old caches stay
 
 # A step whose per-token loop reads at least this many (key, token) pairs takes the parallel driver
-# (~20 ns a pair and KV head on one thread; a TBB fork and join is ~10-20 us): one decode at 256
+# (~30 ns a key and KV head on one thread; a TBB fork and join is ~10-20 us): one decode at 256
 # keys of the 1B shape, 0.09 -> 0.05 ms a layer (docs/bench_forward.md)
 PARALLEL_KEY_READS = 256
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def attention_scratch(num_heads, num_kv_heads, head_dim, max_len):  # pragma: no cover - compiled
+    """One thread's scratch for _attend: (qs, scores, totals, probs, acc, kb, vb). KV head i's
+    query heads are rows i * gpad + g, g < group, of runs of gpad rows (the group rounded up to
+    ROWS; the rows past the group stay zero, as the columns past head_dim: the micro-kernels take
+    whole steps of ROWS rows and 16 columns)."""
+    group = num_heads // num_kv_heads
+    gpad = (group + ROWS - 1) // ROWS * ROWS
+    dpad = (head_dim + 15) // 16 * 16
+    rows, keys = num_kv_heads * gpad, max_len + KEYS
+    return (np.zeros((rows, dpad), np.float32), np.empty((rows, keys), np.float32),
+            np.empty(rows, np.float32), np.zeros((keys, rows), np.float32),
+            np.zeros((rows, dpad), np.float32), np.zeros((num_kv_heads, KEYS, dpad), np.float32),
+            np.zeros((num_kv_heads, KEYS, dpad), np.float32))
+
+
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
+def _gather_keys(cache, block, row, kvh0, kvh1, fill, dst):  # pragma: no cover - compiled
+    """Cache row [block, row]'s KV heads kvh0..kvh1-1 widened into dst[:kvh1 - kvh0, fill] (one
+    sweep of the row's bytes)."""
+    for i in range(kvh1 - kvh0):
+        for d in range(cache.shape[3]):
+            dst[i, fill, d] = kv_load(cache[block, row, kvh0 + i, d])
+
+
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
-def _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_table, scale, scores, acc,  # noqa: C901
-            row_f, out):  # pragma: no cover - compiled
+def _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_table, scale, scratch,  # noqa: C901
+            out):  # pragma: no cover - compiled
     """Token t's query heads of KV heads kvh0..kvh1-1 over keys first..num_keys-1 -> out[t, heads].
-    PERF: a cache row holds its KV heads side by side, so the heads of one task are read in one
-    sweep of each row (contiguous bytes the hardware prefetcher follows), not one head's 128 bytes
-    every 1 KiB; each (head, key) is the same arithmetic in the same order whatever the run."""
+    Scores KEYS keys at a time (fma_tiles.key_scores: head_dim in the lanes, a fixed tree to one
+    lane a key), an exact softmax over all of them, then the values KEYS keys at a time into
+    register-held accumulators (accumulate_rows). PERF: the keys and values are widened KEYS
+    cache rows at a time, each row's KV heads in one sweep (contiguous bytes the hardware
+    prefetcher follows); the query heads of a KV head share each widened key. Every (head, key)
+    takes the same arithmetic in the same order whatever the run, the batch or the threads."""
+    qs, scores, totals, probs, acc, kb, vb = scratch
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
-    h0 = kvh0 * group
-    heads = (kvh1 - kvh0) * group
+    gpad = (group + ROWS - 1) // ROWS * ROWS
+    nk = kvh1 - kvh0
     n = num_keys - first
+    for i in range(nk):  # the queries, scaled, in zero-padded rows
+        for g in range(group):
+            for d in range(head_dim):
+                qs[i * gpad + g, d] = q[t, (kvh0 + i) * group + g, d] * scale
     start = first - first % block_size  # NOTE: from the window's first block, never before it
+    fill, o = 0, 0
     for j0 in range(start, num_keys, block_size):  # block by block: no division per key
         block = block_table[j0 // block_size]
+        last = j0 + block_size >= num_keys  # then the values' first block is the one to ask for
+        ahead = block_table[start // block_size] if last else block_table[j0 // block_size + 1]
         for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
-            j = j0 + row - first
-            for kvh in range(kvh0, kvh1):
-                for d in range(head_dim):  # PERF: the key widened once, not once per query head
-                    row_f[d] = kv_load(k_cache[block, row, kvh, d])
-                for g in range(group):
-                    h = kvh * group + g
-                    s = np.float32(0.0)
-                    for d in range(head_dim):
-                        s += q[t, h, d] * row_f[d]
-                    scores[h - h0, j] = s * scale
-    for hl in range(heads):
-        m = scores[hl, 0]
-        for j in range(1, n):
-            m = max(m, scores[hl, j])
-        total = np.float32(0.0)
-        for j in range(n):
-            e = fast_exp(scores[hl, j] - m)
-            scores[hl, j] = e
-            total += e
-        inv = np.float32(1.0) / total
-        for j in range(n):
-            scores[hl, j] *= inv
-    acc[:heads, :] = 0.0
+            prefetch_heads(v_cache if last else k_cache, np.int64(ahead), np.int64(row), np.int64(kvh0),
+                           np.int64(kvh1))
+            _gather_keys(k_cache, block, row, kvh0, kvh1, fill, kb)
+            fill += 1
+            if fill == KEYS or o + fill == n:
+                for i in range(nk):
+                    kb[i, fill:, :] = 0.0  # a last, partial run: finite lanes, ignored below
+                    for g in range(group):
+                        key_scores(kb[i], qs, scores, i * gpad + g, i * gpad + g, o)
+                o += fill
+                fill = 0
+    for i in range(nk):
+        for g in range(group):
+            r = i * gpad + g
+            m = scores[r, 0]
+            for j in range(1, n):
+                m = max(m, scores[r, j])
+            total = np.float32(0.0)
+            for j in range(n):
+                e = fast_exp(scores[r, j] - m)
+                scores[r, j] = e
+                total += e
+            totals[r] = total
+            for j in range(n):  # NOTE: apart: a strided store in the loop above kept it scalar
+                probs[j, r] = scores[r, j]
+    acc[:nk * gpad, :] = 0.0
+    fill, o = 0, 0
     for j0 in range(start, num_keys, block_size):
         block = block_table[j0 // block_size]
+        ahead = block_table[j0 // block_size + 1] if j0 + block_size < num_keys else block
         for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
-            j = j0 + row - first
-            for kvh in range(kvh0, kvh1):
-                for d in range(head_dim):
-                    row_f[d] = kv_load(v_cache[block, row, kvh, d])
-                for g in range(group):
-                    hl = (kvh - kvh0) * group + g
-                    w = scores[hl, j]
-                    for d in range(head_dim):
-                        acc[hl, d] += w * row_f[d]
-    for hl in range(heads):
-        for d in range(head_dim):
-            out[t, h0 + hl, d] = acc[hl, d]
+            prefetch_heads(v_cache, np.int64(ahead), np.int64(row), np.int64(kvh0), np.int64(kvh1))
+            _gather_keys(v_cache, block, row, kvh0, kvh1, fill, vb)
+            fill += 1
+            if fill == KEYS or o + fill == n:
+                for i in range(nk):
+                    rows = slice(i * gpad, (i + 1) * gpad)
+                    accumulate_rows(probs[o:o + fill, rows], vb[i, :fill], acc[rows])
+                o += fill
+                fill = 0
+    for i in range(nk):
+        for g in range(group):
+            r = i * gpad + g
+            inv = np.float32(1.0) / totals[r]
+            for d in range(head_dim):
+                out[t, (kvh0 + i) * group + g, d] = acc[r, d] * inv
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
@@ -114,9 +162,7 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
     max_len = 1
     for r in range(num_reqs):
         max_len = max(max_len, seq_lens[r])
-    scores = np.empty((q.shape[1], max_len), dtype=np.float32)
-    acc = np.empty((q.shape[1], head_dim), dtype=np.float32)
-    row_f = np.empty(head_dim, dtype=np.float32)
+    scratch = attention_scratch(q.shape[1], num_kv_heads, head_dim, max_len)
     for r in range(num_reqs):
         if query_start_loc[r + 1] - query_start_loc[r] > max_tokens:
             continue
@@ -126,7 +172,7 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
                 out[t, :, :] = 0.0
                 continue
             _attend(q, k_cache, v_cache, t, 0, num_kv_heads, num_keys, first, block_tables[r],
-                    scale, scores, acc, row_f, out)
+                    scale, scratch, out)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -165,11 +211,8 @@ def _claimed_tasks(q, k_cache, v_cache, positions, seq_lens, block_tables, scale
     """One thread's share of paged_attention_parallel: tasks claimed until none is left, with
     scratch of its own. NOTE: a function of its own, not the prange body, so that the scratch is
     per thread by construction, whatever Numba's parfor pass decides to hoist out of a loop."""
-    head_dim = q.shape[2]
     group = q.shape[1] // k_cache.shape[2]
-    scores = np.empty((q.shape[1], max_len), dtype=np.float32)
-    acc = np.empty((q.shape[1], head_dim), dtype=np.float32)
-    row_f = np.empty(head_dim, dtype=np.float32)
+    scratch = attention_scratch(q.shape[1], k_cache.shape[2], q.shape[2], max_len)
     w = claim(counter)
     while w < tasks.shape[0]:
         t, kvh0, kvh1 = tasks[w, 0], tasks[w, 1], tasks[w, 2]
@@ -179,7 +222,7 @@ def _claimed_tasks(q, k_cache, v_cache, positions, seq_lens, block_tables, scale
             out[t, kvh0 * group:kvh1 * group, :] = 0.0
         else:
             _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_tables[r],
-                    scale, scores, acc, row_f, out)
+                    scale, scratch, out)
         w = claim(counter)
 
 

@@ -14,13 +14,19 @@ BLAS micro-kernel's shape) and streams the other operand past them:
 - update ``acc[i] += st[:, i] @ vb`` (vb [KEY_BLOCK, head_dim]): 16 / (head_dim / 16) accumulator
   rows x head_dim; per key, head_dim / 16 value vectors and one broadcast probability a row.
 
-Both are bound by the multiply-add units, not by loads."""
+Both are bound by the multiply-add units, not by loads.
+
+The per-token attention (gpu/cpu/attention.py: decodes and short prompt chunks, one query row a
+head) takes two more: ``key_scores`` (a query against KEYS keys: head_dim in the lanes, one
+accumulator a key, then a transpose-and-add tree puts key j's sum in lane j) and
+``accumulate_rows`` (update_tile over a whole head_dim in column chunks of at most 4 vectors, so
+four literal kernels serve every head size)."""
 from __future__ import annotations
 
 from typing import Any
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from ringserve.gpu.cpu.int8_kernels import _const, _function, _load, _row_ptr, _splat, _vec
@@ -31,6 +37,8 @@ ROW_VECTORS = 2          # ... against 32 query rows (x 2 sums: 16 accumulators)
 SCORE_ROWS = ROW_VECTORS * LANES
 ACCUMULATORS = 16        # vectors an update step keeps in registers
 KEY_VECTORS = 2          # KEY_BLOCK (32) keys as vectors of 16
+KEYS = LANES             # keys a key_scores call scores: one lane each
+ROWS = 4                 # accumulator rows an accumulate_rows step keeps (x at most 4 vectors)
 
 _F32 = ir.FloatType()
 _V16F = _vec(_F32, LANES)
@@ -149,5 +157,98 @@ def _update_typing(typingctx, s, vb, acc, i0, rows, vectors):
     return sig, _update_codegen(rows.literal_value, vectors.literal_value)
 
 
+def _lane_tree_sum(builder, vectors: list) -> Any:
+    """KEYS vectors -> one whose lane j holds the sum of vector j's lanes: at each level, pairs
+    (a, b) become blend(a, b) + the same blend of each one's lanes swapped across the level's bit
+    (a transpose-and-add: 15 blends, 15 shuffles and 15 adds, not 16 horizontal sums)."""
+    bit = LANES // 2
+    while len(vectors) > 1:
+        half = len(vectors) // 2
+        own = ir.Constant(_vec(ir.IntType(32), LANES), [LANES + i if i & bit else i for i in range(LANES)])
+        swapped = ir.Constant(_vec(ir.IntType(32), LANES),
+                              [LANES + (i ^ bit) if i & bit else i ^ bit for i in range(LANES)])
+        vectors = [builder.fadd(builder.shuffle_vector(a, b, own), builder.shuffle_vector(a, b, swapped))
+                   for a, b in zip(vectors[:half], vectors[half:], strict=True)]
+        bit //= 2
+    return vectors[0]
+
+
+def _key_scores_codegen():
+    def codegen(context, builder, sig, args):
+        kb, qm, st, qrow, srow, o = args
+        kbty, qmty, stty = sig.args[:3]
+        head_dim = builder.extract_value(context.make_array(kbty)(context, builder, kb).shape, 1)
+        krow = [_row_ptr(context, builder, kbty, kb, _const(builder, j)) for j in range(KEYS)]
+        qptr = _row_ptr(context, builder, qmty, qm, qrow)
+
+        def body(c, acc):
+            query = _load(builder, qptr, c, _V16F)
+            return [_fma(builder, _load(builder, krow[j], c, _V16F), query, acc[j]) for j in range(KEYS)]
+        body.initial = [ir.Constant(_V16F, [0.0] * LANES)] * KEYS  # type: ignore[attr-defined]
+        _counted_loop(builder, builder.udiv(head_dim, _const(builder, LANES)), body)
+        total = _lane_tree_sum(builder, body.result)  # type: ignore[attr-defined]
+        dst = builder.gep(_row_ptr(context, builder, stty, st, srow), [builder.mul(o, _const(builder, 4))])
+        builder.store(total, builder.bitcast(dst, _V16F.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _key_scores_typing(typingctx, kb, qm, st, qrow, srow, o):
+    """st[srow, o: o + KEYS] = kb[:KEYS] @ qm[qrow]: kb float32 [KEYS, D], qm float32 [R, D], st
+    float32 [S, >= o + KEYS], D a multiple of 16 (the rows padded with zeros); qrow, srow, o int64.
+    Each sum: lane-wise fused multiply-adds over D / 16 chunks, then _lane_tree_sum's fixed tree."""
+    if not all(a == types.int64 for a in (qrow, srow, o)):
+        return None
+    return types.none(kb, qm, st, qrow, srow, o), _key_scores_codegen()
+
+
+def _prefetch_heads_codegen(context, builder, sig, args):
+    cache, block, row, kvh0, kvh1 = args
+    ary = context.make_array(sig.args[0])(context, builder, cache)
+    s0, s1, s2 = (builder.extract_value(ary.strides, i) for i in range(3))
+    first = builder.add(builder.add(builder.mul(block, s0), builder.mul(row, s1)), builder.mul(kvh0, s2))
+    base = builder.gep(builder.bitcast(ary.data, ir.IntType(8).as_pointer()), [first])
+    nbytes = builder.mul(builder.sub(kvh1, kvh0), s2)
+    fn = _function(builder, "llvm.prefetch.p0i8", ir.FunctionType(ir.VoidType(), [
+        ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(32), ir.IntType(32)]))
+    i32 = ir.IntType(32)
+
+    def body(n, carried):
+        at = builder.gep(base, [builder.mul(n, _const(builder, 64))])
+        builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return carried
+    body.initial = []  # type: ignore[attr-defined]
+    _counted_loop(builder, builder.udiv(builder.add(nbytes, _const(builder, 63)), _const(builder, 64)), body)
+    return context.get_dummy_value()
+
+
+def _prefetch_heads_typing(typingctx, cache, block, row, kvh0, kvh1):
+    """Ask for cache[block, row, kvh0:kvh1]'s bytes (a 4-D cache, kvh1 > kvh0) into L2:
+    attention asks for the next block's row while it reads this one, as a request's blocks lie
+    anywhere in the pool and the hardware prefetchers stop at each block's end."""
+    if not all(a == types.int64 for a in (block, row, kvh0, kvh1)):
+        return None
+    return types.none(cache, block, row, kvh0, kvh1), _prefetch_heads_codegen
+
+
 scores_tile: Any = intrinsic(_scores_typing)
+prefetch_heads: Any = intrinsic(_prefetch_heads_typing)
+key_scores: Any = intrinsic(_key_scores_typing)
 update_tile: Any = intrinsic(_update_typing)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def accumulate_rows(s, vb, acc):  # pragma: no cover - compiled
+    """acc += s[:K] @ vb, K = vb.shape[0], acc [R, D] with R a multiple of ROWS and D of 16 (s
+    [>= K, R]): update_tile over ROWS rows and column chunks of 4 vectors (a tail of 1-3)."""
+    full = vb.shape[1] // 64 * 64
+    for i in range(0, acc.shape[0], ROWS):
+        for c in range(0, full, 64):
+            update_tile(s, vb[:, c:c + 64], acc[:, c:c + 64], i, 4, 4)
+        tail = (vb.shape[1] - full) // 16
+        if tail == 3:
+            update_tile(s, vb[:, full:], acc[:, full:], i, 4, 3)
+        elif tail == 2:
+            update_tile(s, vb[:, full:], acc[:, full:], i, 4, 2)
+        elif tail == 1:
+            update_tile(s, vb[:, full:], acc[:, full:], i, 4, 1)

@@ -24,8 +24,9 @@ from ringserve.gpu.cpu.fma_tiles import SCORE_KEYS, SCORE_ROWS, scores_tile, upd
 from ringserve.gpu.cpu.kernels import FASTMATH, fast_exp
 from ringserve.gpu.cpu.kv_dtypes import kv_load
 
-# NOTE: kv_load is compiled into these kernels, and Numba's cache keys on this file alone: a change
-# to gpu/cpu/kv_dtypes.py (2026-12-06: F16C's conversions) comes with an edit here, or old caches stay
+# NOTE: kv_load and fma_tiles' micro-kernels are compiled into these kernels, and Numba's cache keys
+# on this file alone: a change to gpu/cpu/kv_dtypes.py or gpu/cpu/fma_tiles.py (2026-12-07: new
+# kernels beside this file's) comes with an edit here, or old caches stay
 
 # The fewest query tokens of a request's chunk the kernel takes by default (fewer: attention.py's
 # loop, which a decode step's single queries need and which the tile would only pad).
