@@ -34,7 +34,7 @@ from ringserve.gpu.cpu.tasks import claim
 
 # NOTE: kv_load and fma_tiles' micro-kernels are compiled into these kernels, and Numba's cache keys
 # on this file alone: a change to gpu/cpu/kv_dtypes.py or gpu/cpu/fma_tiles.py (2026-12-07: the
-# 16-key micro-kernels) comes with an edit here, or old caches stay
+# 16-key micro-kernels, two update kernels) comes with an edit here, or old caches stay
 
 # A step whose per-token loop reads at least this many (key, token) pairs takes the parallel driver
 # (~30 ns a key and KV head on one thread; a TBB fork and join is ~10-20 us): one decode at 256

@@ -19,8 +19,8 @@ Both are bound by the multiply-add units, not by loads.
 The per-token attention (gpu/cpu/attention.py: decodes and short prompt chunks, one query row a
 head) takes two more: ``key_scores`` (a query against KEYS keys: head_dim in the lanes, one
 accumulator a key, then a transpose-and-add tree puts key j's sum in lane j) and
-``accumulate_rows`` (update_tile over a whole head_dim in column chunks of at most 4 vectors, so
-four literal kernels serve every head size)."""
+``accumulate_rows`` (update_tile over a whole head_dim in column chunks of 4 vectors, then single
+vectors, so two literal kernels serve every head size)."""
 from __future__ import annotations
 
 from typing import Any
@@ -240,15 +240,11 @@ update_tile: Any = intrinsic(_update_typing)
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def accumulate_rows(s, vb, acc):  # pragma: no cover - compiled
     """acc += s[:K] @ vb, K = vb.shape[0], acc [R, D] with R a multiple of ROWS and D of 16 (s
-    [>= K, R]): update_tile over ROWS rows and column chunks of 4 vectors (a tail of 1-3)."""
+    [>= K, R]): update_tile over ROWS rows and column chunks of 4 vectors, then single vectors
+    (two literal kernels for every head size: each one compiled costs ~1 s a driver)."""
     full = vb.shape[1] // 64 * 64
     for i in range(0, acc.shape[0], ROWS):
         for c in range(0, full, 64):
             update_tile(s, vb[:, c:c + 64], acc[:, c:c + 64], i, 4, 4)
-        tail = (vb.shape[1] - full) // 16
-        if tail == 3:
-            update_tile(s, vb[:, full:], acc[:, full:], i, 4, 3)
-        elif tail == 2:
-            update_tile(s, vb[:, full:], acc[:, full:], i, 4, 2)
-        elif tail == 1:
-            update_tile(s, vb[:, full:], acc[:, full:], i, 4, 1)
+        for c in range(full, vb.shape[1], 16):
+            update_tile(s, vb[:, c:c + 16], acc[:, c:c + 16], i, 4, 1)
