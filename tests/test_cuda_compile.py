@@ -7,6 +7,8 @@ NVRTC, NVVM and ptxas come from the wheels numba-cuda[cu12] pulls in (the `test`
 from __future__ import annotations
 
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from numba import cuda, types
@@ -83,6 +85,18 @@ def _compiled(name: str, arch: str, defines: tuple) -> tuple[str, dict]:
     return ptx, toolchain.ptxas_report(ptx, arch)
 
 
+@pytest.fixture(scope="module")
+def compiled_sources() -> None:
+    """Every CUDA C variant's compile (_compiled), on as many threads as there are cores: NVRTC
+    releases the GIL, and quant.cu's ~10-17 s compiles for two architectures took the 2-core CI
+    twice as long one after the other (ptxas is a process of its own)."""
+    jobs = [(name, arch, tuple(sorted(d.items())))
+            for name, variants in CUDA_C_VARIANTS.items() for d in variants for arch in ARCHS]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        for _ in pool.map(lambda job: _compiled(*job), jobs):
+            pass
+
+
 def check_resources(report, where, threads=128):
     assert report, f"{where}: ptxas reported no kernel"
     for k in report.values():
@@ -126,7 +140,7 @@ def test_numba_kernel_compiles(name, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", sorted(CUDA_C_VARIANTS))
-def test_cuda_c_compiles_with_nvrtc(name, arch):
+def test_cuda_c_compiles_with_nvrtc(name, arch, compiled_sources):
     for defines in CUDA_C_VARIANTS[name]:
         items = tuple(sorted(defines.items()))
         where = f"{name} {defines} {arch}"
@@ -138,7 +152,7 @@ def test_cuda_c_compiles_with_nvrtc(name, arch):
             assert set(report) == fp16 | {k + "_bf16" for k in fp16}, f"{where}: {sorted(report)}"
 
 
-def test_fused_cu_defines_every_kernel_in_both_element_types():
+def test_fused_cu_defines_every_kernel_in_both_element_types(compiled_sources):
     """gpu/cuda/fused.py gets each kernel by name in fp16 (plain) and bf16 (_bf16); the bf16
     ones read and write bf16 (cvt.rn.bf16.f32: round to nearest even; widening is a shift)."""
     from ringserve.gpu.cuda.launch import FUSED_KERNELS, SUFFIXES
@@ -150,7 +164,7 @@ def test_fused_cu_defines_every_kernel_in_both_element_types():
         assert ".bf16" in bodies[name + "_bf16"] and ".bf16" not in bodies[name], name
 
 
-def test_quant_cu_defines_every_kernel_its_launcher_loads():
+def test_quant_cu_defines_every_kernel_its_launcher_loads(compiled_sources):
     """gpu/cuda/quant.py gets each of quant_linear.KERNELS by name (a matvec per plane kind and
     row tile, a dequant per kind and output dtype): a kind without its kernels fails here, not
     at a GPU's first load."""
@@ -159,7 +173,7 @@ def test_quant_cu_defines_every_kernel_its_launcher_loads():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_quant_gemm_runs_on_tensor_cores(arch):
+def test_quant_gemm_runs_on_tensor_cores(arch, compiled_sources):
     """quant.cu's gemm_* (the tiled large batch) issue mma.sync m16n8k16 with fp32 accumulation
     (the inline PTX behind #ifdef __CUDACC__, which NVRTC defines): 32 a K step of 64 (2 x 4
     tiles a warp, 4 k16 steps), unrolled; the other kernels none."""
