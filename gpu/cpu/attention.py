@@ -46,14 +46,15 @@ PARALLEL_KEY_READS = 256
 def attention_scratch(num_heads, num_kv_heads, head_dim, max_len):  # pragma: no cover - compiled
     """One thread's scratch for _attend: (qs, scores, totals, probs, acc, kb, vb). KV head i's
     query heads are rows i * gpad + g, g < group, of runs of gpad rows (the group rounded up to
-    ROWS; the rows past the group stay zero, as the columns past head_dim: the micro-kernels take
-    whole steps of ROWS rows and 16 columns)."""
+    ROWS: _attend gives the rows past the group probabilities 0; the columns past head_dim stay
+    zero: the micro-kernels take whole steps of ROWS rows and 16 columns). PERF: the [keys, rows]
+    arrays are not zeroed (a long context's are MBs, allocated every layer)."""
     group = num_heads // num_kv_heads
     gpad = (group + ROWS - 1) // ROWS * ROWS
     dpad = (head_dim + 15) // 16 * 16
     rows, keys = num_kv_heads * gpad, max_len + KEYS
     return (np.zeros((rows, dpad), np.float32), np.empty((rows, keys), np.float32),
-            np.empty(rows, np.float32), np.zeros((keys, rows), np.float32),
+            np.empty(rows, np.float32), np.empty((keys, rows), np.float32),
             np.zeros((rows, dpad), np.float32), np.zeros((num_kv_heads, KEYS, dpad), np.float32),
             np.zeros((num_kv_heads, KEYS, dpad), np.float32))
 
@@ -119,6 +120,9 @@ def _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_table, sc
             totals[r] = total
             for j in range(n):  # NOTE: apart: a strided store in the loop above kept it scalar
                 probs[j, r] = scores[r, j]
+        for r in range(i * gpad + group, (i + 1) * gpad):  # a padding row: probabilities 0
+            for j in range(n):
+                probs[j, r] = 0.0
     acc[:nk * gpad, :] = 0.0
     fill, o = 0, 0
     for j0 in range(start, num_keys, block_size):
