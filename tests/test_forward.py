@@ -131,6 +131,29 @@ def test_the_mlp_in_row_blocks_gives_the_step_in_one(make_runner, seqs, monkeypa
         np.testing.assert_allclose(blocks[name], whole[name], rtol=0, atol=1e-5, err_msg=name)
 
 
+def test_the_last_layer_runs_for_the_logit_rows_only(make_runner, seqs):
+    """Past the last layer's attention only the rows whose logits are asked for go on
+    (CpuStepBuffers.keep_output_rows): asked in any order, or twice, they are what every row's
+    final hidden state gives there."""
+    runner = make_runner()
+    pool = list(range(64))
+    A, B = seqs["A"], seqs["B"]
+    batch = pack([Chunk(A, 0, blocks_for(len(A), pool)), Chunk(B, 0, blocks_for(len(B), pool))])
+    rows = np.array([30, 3, 22, 3, 0])
+    down_rows, linear = [], runner.ops.linear
+
+    def counted(x, w, out):
+        if w is runner.weights.layers[-1].down:
+            down_rows.append(len(x))
+        linear(x, w, out)
+    runner.ops.linear = counted
+    got = runner.execute(batch, rows)
+    every = runner._hidden_states(batch)  # every row through every layer
+    np.testing.assert_allclose(got, runner._logits(every, rows), rtol=0, atol=1e-5)
+    assert down_rows == [4, len(A) + len(B)]
+    assert np.ptp(got) > 3.0
+
+
 def test_default_block_size(tiny_model_dir, weights, make_runner, seqs):
     runner = make_runner(num_blocks=8, block_size=16)
     seq = seqs["A"]

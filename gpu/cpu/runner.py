@@ -157,13 +157,14 @@ class CpuModelRunner:
             self._ropes = rope_tables_by_type(self.config, n, self.max_model_len)
         return self._ropes
 
-    def _hidden_states(self, batch: Batch) -> np.ndarray:
-        """Every token's final-normed hidden state [T, hidden]; writes the step's K/V."""
+    def _hidden_states(self, batch: Batch, output_rows: np.ndarray | None = None) -> np.ndarray:
+        """Every token's final-normed hidden state [T, hidden], or output_rows' (sorted, unique)
+        [len(output_rows), hidden]; writes the step's K/V."""
         # NOTE: per calling thread in Numba; also at 1: the tiled prefill attention is a parallel
         # region whatever the setting, and would otherwise take all NUMBA_NUM_THREADS
         numba.set_num_threads(self.num_threads)
         ropes = self.rope_tables(int(batch.positions.max()))
-        buf = CpuStepBuffers(self.config, batch)
+        buf = CpuStepBuffers(self.config, batch, output_rows)
         self.model.hidden_states(self.ops, self.weights, buf, self.kv_caches, None, ropes)
         return buf.x
 
@@ -182,9 +183,11 @@ class CpuModelRunner:
         # BLAS (the many-token matmuls) gets the same threads as our kernels, no more: OpenBLAS
         # threads spin while they wait, and a second process on a busy core made a step ~4x
         # slower (docs/bench_forward.md). Per call, so that nothing leaks into the process.
+        rows = np.asarray(batch.logits_indices if logits_indices is None else logits_indices)
+        kept = np.unique(rows)  # NOTE: the last layer runs for these rows only (CpuStepBuffers)
         with _BLAS.limit(limits=self.num_threads, user_api="blas"):
-            x = self._hidden_states(batch)
-            return self._logits(x, batch.logits_indices if logits_indices is None else logits_indices)
+            x = self._hidden_states(batch, kept)
+            return self._logits(x, np.searchsorted(kept, rows) if len(x) < batch.num_tokens else rows)
 
     def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata,
                prompt_logprobs: PromptLogprobsSpec | None = None) -> CompletedStep:

@@ -124,6 +124,9 @@ class StepBuffers:
 
     PER_TOKEN = ("input_ids", "positions", "slot_mapping", "h", "x", "delta", "qkv", "attn",
                  "gate_up", "act")
+    # Every row goes through the last layer (CpuStepBuffers narrows to the rows that need logits
+    # there): a graph's shapes are fixed, and a GPU's prefill is not where its time goes.
+    output_rows = None
     PER_REQUEST = ("seq_lens", "block_tables")
     PER_ROW = ("logits_indices", "last", "logits16", "logits")
 

@@ -90,7 +90,8 @@ class Gemma3Weights:
 def gemma3_hidden_states(ops: ModelOps, w: Gemma3Weights, buf, caches, attention,
                          ropes: dict[str, tuple[Any, Any]]) -> None:
     """The layers over buf.input_ids (as model.hidden_states): K/V written into caches, the
-    final-normed hidden state of every token in buf.x. ropes: (cos, sin) by layer type."""
+    final-normed hidden state of every token (or of buf.output_rows) in buf.x. ropes: (cos,
+    sin) by layer type."""
     ops.embedding(buf.input_ids, w.embed, buf.h)
     ops.scale_embedding(buf.h, w.embed_scale)
     ops.add_rms_norm(buf.h, None, w.layers[0].input_norm, buf.x)
@@ -99,6 +100,8 @@ def gemma3_hidden_states(ops: ModelOps, w: Gemma3Weights, buf, caches, attention
         ops.qk_norm(buf.qkv, layer.qk_norm)
         cos, sin = ropes[layer.layer_type]
         ops.attention(buf, cos, sin, k_cache, v_cache, attention, layer.sliding_window)
+        if buf.output_rows is not None and i + 1 == len(w.layers):
+            buf.keep_output_rows()  # PERF: as model.hidden_states
         ops.linear(buf.attn, layer.o, buf.delta)
         ops.rms_norm(buf.delta, layer.post_attention_norm)
         ops.add_rms_norm(buf.h, buf.delta, layer.pre_feedforward_norm, buf.x)

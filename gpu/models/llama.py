@@ -83,7 +83,9 @@ class LlamaWeights:
 
 def hidden_states(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, sin) -> None:
     """The layers over buf.input_ids: K/V written into caches ((k, v) per layer) at
-    buf.slot_mapping, the final-normed hidden state of every token in buf.x."""
+    buf.slot_mapping, the final-normed hidden state of every token in buf.x (of each of
+    buf.output_rows, in order, where the backend set them: the last layer's o projection and MLP
+    run for those rows only)."""
     ops.embedding(buf.input_ids, w.embed, buf.h)
     ops.add_rms_norm(buf.h, None, w.layers[0].input_norm, buf.x)
     for i, (layer, (k_cache, v_cache)) in enumerate(zip(w.layers, caches, strict=True)):
@@ -93,6 +95,8 @@ def hidden_states(ops: ModelOps, w: LlamaWeights, buf, caches, attention, cos, s
         if layer.qk_norm is not None:
             ops.qk_norm(buf.qkv, layer.qk_norm)
         ops.attention(buf, cos, sin, k_cache, v_cache, attention, layer.sliding_window)
+        if buf.output_rows is not None and i + 1 == len(w.layers):
+            buf.keep_output_rows()  # PERF: the rest of the last layer for the rows that need logits
         ops.linear(buf.attn, layer.o, buf.delta)
         ops.add_rms_norm(buf.h, buf.delta, layer.post_norm, buf.x)
         gated_mlp(ops, buf, layer, ops.silu_mul)
