@@ -122,12 +122,17 @@ def _rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_o
     v_off = k_off + num_kv_heads * head_dim
     for t in prange(qkv.shape[0]):  # NOTE: each token its own rows and slot (a range where not parallel)
         p = positions[t]
+        c, s = cos[p], sin[p]
+        # PERF: each head's halves as slices indexed from 0: an index like base + half + i is
+        # signed, and its negative-index check kept these loops scalar
         for h in range(num_heads):
             base = h * head_dim
+            lo, hi = qkv[t, base:base + half], qkv[t, base + half:base + 2 * half]
+            out_lo, out_hi = q_out[t, h, :half], q_out[t, h, half:2 * half]
             for i in range(half):
-                x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
-                q_out[t, h, i] = x1 * cos[p, i] - x2 * sin[p, i]
-                q_out[t, h, half + i] = x2 * cos[p, i] + x1 * sin[p, i]
+                x1, x2 = lo[i], hi[i]
+                out_lo[i] = x1 * c[i] - x2 * s[i]
+                out_hi[i] = x2 * c[i] + x1 * s[i]
             for i in range(2 * half, head_dim):
                 q_out[t, h, i] = qkv[t, base + i]
         slot = slot_mapping[t]
@@ -136,14 +141,17 @@ def _rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_o
         block, row = slot // block_size, slot % block_size
         for h in range(num_kv_heads):
             base = k_off + h * head_dim
+            lo, hi = qkv[t, base:base + half], qkv[t, base + half:base + 2 * half]
+            k_lo, k_hi = k_cache[block, row, h, :half], k_cache[block, row, h, half:2 * half]
             for i in range(half):
-                x1, x2 = qkv[t, base + i], qkv[t, base + half + i]
-                k_cache[block, row, h, i] = kv_store(x1 * cos[p, i] - x2 * sin[p, i], k_cache)
-                k_cache[block, row, h, half + i] = kv_store(x2 * cos[p, i] + x1 * sin[p, i], k_cache)
+                x1, x2 = lo[i], hi[i]
+                k_lo[i] = kv_store(x1 * c[i] - x2 * s[i], k_cache)
+                k_hi[i] = kv_store(x2 * c[i] + x1 * s[i], k_cache)
             for i in range(2 * half, head_dim):
                 k_cache[block, row, h, i] = kv_store(qkv[t, base + i], k_cache)
+            v_src, v_dst = qkv[t, v_off + h * head_dim:v_off + (h + 1) * head_dim], v_cache[block, row, h]
             for i in range(head_dim):
-                v_cache[block, row, h, i] = kv_store(qkv[t, v_off + h * head_dim + i], v_cache)
+                v_dst[i] = kv_store(v_src[i], v_cache)
 
 
 # One serial kernel (decodes, short chunks: a parallel region's fork and join cost more than the
