@@ -144,7 +144,8 @@ class CpuStepBuffers:
         first rows, x and delta narrowed to them (buf.x then holds the kept rows in order).
         PERF: a prompt's other rows feed nothing past the last layer's K/V (llama.cpp's
         inp_out_ids): its last o, gate_up and down run for one row, not 128 (~6 % of a 16-layer
-        model's prefill). A row's result is the same bits whatever rows run beside it."""
+        model's prefill). The int8 tiles give a row the same bits whatever rows run beside it;
+        float weights past SMALL_ROWS rows go through sgemm, which rounds by row count (~1e-6)."""
         rows = self.output_rows
         assert rows is not None, "once a step"
         n = len(rows)
