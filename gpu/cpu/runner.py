@@ -187,7 +187,7 @@ class CpuModelRunner:
         kept = np.unique(rows)  # NOTE: the last layer runs for these rows only (CpuStepBuffers)
         with _BLAS.limit(limits=self.num_threads, user_api="blas"):
             x = self._hidden_states(batch, kept)
-            return self._logits(x, np.searchsorted(kept, rows) if len(x) < batch.num_tokens else rows)
+            return self._logits(x, np.searchsorted(kept, rows))  # x's row of each asked row
 
     def submit(self, batch: Batch, rows: np.ndarray, metadata: SamplingMetadata,
                prompt_logprobs: PromptLogprobsSpec | None = None) -> CompletedStep:
