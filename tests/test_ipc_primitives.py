@@ -87,6 +87,7 @@ def test_attach_refuses_foreign_names():
         Segment.attach("../etc/passwd")
 
 
+@pytest.mark.serial  # another worker's server start would sweep its stale segments
 def test_stale_segments_of_dead_creators_are_removed():
     mine = Segment.create(4096)
     parent, child = ctx.Pipe()
@@ -120,6 +121,7 @@ def _hold_under_foreign_name(conn, foreign_pid: int) -> None:
     time.sleep(120)
 
 
+@pytest.mark.serial  # another worker's server start would sweep its stale segments
 def test_cleanup_spares_a_locked_segment_whatever_pid_its_name_carries():
     """Liveness is the creator's lock, not a pid: a live creator in another PID namespace
     (its pid does not exist here) keeps its segment; once it is gone, the segment goes."""
@@ -137,6 +139,7 @@ def test_cleanup_spares_a_locked_segment_whatever_pid_its_name_carries():
     assert not (SHM_DIR / foreign).exists()
 
 
+@pytest.mark.serial  # another worker's server start would sweep its stale segments
 def test_cleanup_removes_an_unlocked_segment_even_if_its_pid_is_alive():
     """A segment nobody holds is stale even when its name's pid is alive (reused by someone)."""
     path = SHM_DIR / f"ringserve-{os.getpid()}-{os.urandom(8).hex()}"

@@ -264,6 +264,7 @@ def _segments_of(pids: list[int]) -> list:
     return sorted(p for p in SHM_DIR.glob("ringserve-*") if int(p.name.split("-")[1]) in pids)
 
 
+@pytest.mark.serial  # its left-behind segments must outlive other workers' server starts
 def test_killed_launcher_takes_its_tree_and_the_next_start_cleans_up(launch, tiny_model_dir):
     """SIGKILL the launcher: the engine, the Gunicorn master and its workers exit within
     seconds; its runtime folder and segments stay behind until the next start removes them."""
