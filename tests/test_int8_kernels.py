@@ -174,6 +174,24 @@ def test_a_tokens_result_does_not_depend_on_the_rows_beside_it(qtype, six_bit, s
             assert np.array_equal(linear(x[lo:hi], parallel), whole[lo:hi]), (lo, hi)
 
 
+@pytest.mark.parametrize("qtype,shape", [("Q4_K", (1024, 4096)), ("Q5_K", (1024, 2560)),
+                                         ("Q6_K", (1024, 2560))])
+def test_a_streamed_matrix_gives_the_bits_of_the_serial_kernels(qtype, shape):
+    """A K-quant matrix of STREAM_MIN_BYTES or more runs on two threads through a streaming
+    driver (other prefetches in its few-token kernels, STREAM_PREFETCHES): its outputs are the
+    serial driver's bits at every token count, short tiles and whole ones."""
+    rng = np.random.default_rng(8)
+    tiled = tiles(repack(random_raw(qtype, shape, rng), qtype, shape, factored=True))
+    assert tiled.nbytes >= cpu_int8_kernels.STREAM_MIN_BYTES
+    assert tiled.kind in cpu_int8_kernels.STREAM_PREFETCHES
+    driver = cpu_int8_kernels._STREAM_DRIVERS[(tiled.block, cpu_int8_kernels.VECTORS[tiled.kind])]
+    x = rng.standard_normal((13, shape[1])).astype(np.float32)
+    for t in (1, 2, 3, 4, 5, 8, 13):
+        serial = int8_linear(x[:t], tiled)
+        assert np.array_equal(int8_linear(x[:t], tiled, parallel=True), serial), t
+    assert driver.signatures, "the streaming driver ran"
+
+
 def test_the_activations_scratch_does_not_grow_with_every_step_size():
     """A server runs steps of every token count up to max_num_batched_tokens: the int8 rows are one
     scratch a width, grown to the largest count and read as its first rows (one per count held

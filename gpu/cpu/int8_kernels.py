@@ -63,13 +63,35 @@ TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit 
 ACT_BLOCK = 32           # activation weights per int8 scale (llama.cpp's q8_0 / q8_1)
 STEP = 64                # weights of a row per loop step (16 vectors of int8, 8 of nibbles)
 TOKEN_TILE = 8           # token rows sharing each loaded weight vector (then 4, then 1-3 left over)
-PREFETCH_BYTES = 8192    # how far ahead of its loads the kernel asks for the weight's bytes
-# llvm.prefetch's locality a kind's weight lines are asked for with: 3 (prefetcht0, into L1) or 2
-# (prefetcht1, into L2). PERF, AMD EPYC Zen 4 VM, six alternating runs each (docs/bench_forward.md,
-# "Prefetch locality"): u6 into L1 held its DRAM stream to ~16 GB/s a thread against ~25 into
-# L2, and the 1B shape's decode step (41 % of its bytes u6) went 34.4 -> 31.3 ms at batch 1, 118
-# -> 111 at 16; u4 into L2 made the default model's batch-1 step 5.8 -> 6.2 ms, so u4 stays in L1
-PREFETCH_LOCALITY = {"i8": 3, "u6": 2, "u4": 3}
+
+
+class Prefetch(NamedTuple):
+    """Software prefetches for a kind's weight lines: one for every `every`-th 64-byte vector the
+    kernel loads, `ahead` bytes past it, with llvm.prefetch's `locality` (3: prefetcht0, into L1;
+    2: prefetcht1, into L2)."""
+    every: int
+    ahead: int
+    locality: int
+
+
+# The prefetches each kind's weight loads carry (_prefetch): PREFETCHES in every kernel but the
+# few-token ones of a streaming driver (a large matrix at batch 1-4: int8_linear), which take
+# STREAM_PREFETCHES[kind] = (most token rows, prefetches) where a kind has one. PERF, AMD EPYC
+# Zen 4 VM, two threads, the matrices from DRAM against a plain read of the same bytes in the same
+# minute (docs/bench_forward.md, "Prefetches for a streamed matrix"): with one prefetch a line
+# 8 KB ahead the 1B shape's Q4_K matrices at one token read 19-31 GB/s where the plain read took
+# 25-52, its Q6_K 15-31 against 26-57. The kernel's unpacking and sums keep the core's own window
+# of loads short, so the loads do not overlap the work unless asked for early: u4 reads +15-40 %
+# faster with one prefetcht1 every fourth line 16 KB ahead (the hardware prefetchers fill the
+# rest; lost at 2-4 tokens), u6 +10-35 % at 1-4 tokens with every line into L2 16 KB ahead and
+# into L1 1 KB ahead. Small matrices (the default model's, 0.3-1 MB) keep PREFETCHES: their
+# claimed tasks of 20-70 KB start mostly inside the first 16 KB the far prefetches skip, and the
+# default model's batch-1 step went 5.6 -> 6.1 ms with them. Tiles of TOKEN_TILE tokens (batch
+# 16, prefill) are bound by their arithmetic.
+PREFETCHES = {"i8": (Prefetch(1, 8192, 3),), "u6": (Prefetch(1, 8192, 2),), "u4": (Prefetch(1, 8192, 3),)}
+STREAM_PREFETCHES = {"u6": (4, (Prefetch(1, 16384, 2), Prefetch(1, 1024, 3))),
+                     "u4": (1, (Prefetch(4, 16384, 2),))}
+STREAM_MIN_BYTES = 2 << 20   # a matrix this large or larger streams (int8_linear, parallel only)
 INT8_KINDS = ("i8", "u4")
 # Types whose quants all fit 6 bits (-32..31 centred, or 0..31): tiled as u6, 0.75 B/weight, not 1
 U6_TYPES = ("Q6_K", "Q5_K", "Q5_0", "Q5_1", "Q3_K", "Q2_K")
@@ -270,8 +292,8 @@ class Int8Weight:
     scale_super: np.ndarray | None = None    # [out / 16, in / 256 * 16] half bits or float32: K-quants' d
     offset_super: np.ndarray | None = None   # their -dmin
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # NOTE: cached: int8_linear asks on every call (the planes never change)
         return sum(a.nbytes for a in self.planes() if a is not None)
 
     def planes(self) -> tuple:
@@ -395,20 +417,23 @@ def _function(builder, name: str, fnty: ir.FunctionType):
     return fn if fn is not None else ir.Function(builder.module, fnty, name)
 
 
-def _prefetch(builder, ptr, index, ty: ir.Type, kind: str) -> None:
-    """Ask for the line PREFETCH_BYTES past the index-th ty after ptr (llvm.prefetch: read, into
-    L2: PREFETCH_LOCALITY). A weight streams once, in order: the hardware prefetchers ramp up anew
-    for every matrix and stop at page ends, and a small model's 0.1-1 MB matrices never reach full
-    speed; the kernel has issue slots to spare at batch 1 (it runs at ~110 G weights/s from L2)."""
+def _prefetch(builder, ptr, index, ty: ir.Type, kind: str, vector: int, tokens: int, stream: bool) -> None:
+    """The prefetches of the index-th ty after ptr, the step's vector-th weight vector, in a
+    kernel of `tokens` token rows (llvm.prefetch, read): PREFETCHES[kind], or in a streaming
+    driver's kernel STREAM_PREFETCHES[kind] up to its token count. A weight streams once, in
+    order: the hardware prefetchers ramp up anew for every matrix and stop at page ends."""
     fn = _function(builder, "llvm.prefetch.p0i8", ir.FunctionType(ir.VoidType(), [
         _I8.as_pointer(), _I32, _I32, _I32]))
-    at = builder.gep(builder.bitcast(builder.gep(builder.bitcast(ptr, ty.as_pointer()), [index]),
-                                     _I8.as_pointer()), [_const(builder, PREFETCH_BYTES)])
-    locality = ir.Constant(_I32, PREFETCH_LOCALITY[kind])
-    builder.call(fn, [at, ir.Constant(_I32, 0), locality, ir.Constant(_I32, 1)])
+    line = builder.bitcast(builder.gep(builder.bitcast(ptr, ty.as_pointer()), [index]), _I8.as_pointer())
+    most, streamed = STREAM_PREFETCHES.get(kind, (0, ()))
+    plan = streamed if stream and tokens <= most else PREFETCHES[kind]
+    for every, ahead, locality in plan:
+        if vector % every == 0:
+            builder.call(fn, [builder.gep(line, [_const(builder, ahead)]), ir.Constant(_I32, 0),
+                              ir.Constant(_I32, locality), ir.Constant(_I32, 1)])
 
 
-def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
+def _weight_vectors(builder, kind: str, qtile, g, tokens: int, stream: bool) -> Iterable[tuple[Any, int]]:
     """Step g's weight vectors (16 rows x 4 weights, unsigned bytes), each with the offset in
     the step of its first weight (which activation bytes it meets). u4's high nibbles stay where
     they are, 16 times their value: the step's second half sums 16 times over, and its scales
@@ -420,7 +445,7 @@ def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
         out = []
         for v in range(16):
             at = builder.add(first, _const(builder, v))
-            _prefetch(builder, qtile, at, v64b, kind)
+            _prefetch(builder, qtile, at, v64b, kind, v, tokens, stream)
             out.append((_load(builder, qtile, at, v64b), 4 * v))
         return out
     if kind == "u6":
@@ -428,14 +453,14 @@ def _weight_vectors(builder, kind: str, qtile, g) -> Iterable[tuple[Any, int]]:
         packed = []
         for v in range(12):
             at = builder.add(first, _const(builder, v))
-            _prefetch(builder, qtile, at, v64b, kind)
+            _prefetch(builder, qtile, at, v64b, kind, v, tokens, stream)
             packed.append(_load(builder, qtile, at, v64b))
         return ((vec, 4 * u) for u, vec in enumerate(_u6_vectors(builder, packed[:8], packed[8:])))
     low, out = ir.Constant(v64b, [15] * 64), []
     first = builder.mul(g, _const(builder, 8))
     for v in range(8):
         at = builder.add(first, _const(builder, v))
-        _prefetch(builder, qtile, at, v64b, kind)
+        _prefetch(builder, qtile, at, v64b, kind, v, tokens, stream)
         packed = _load(builder, qtile, at, v64b)
         out.append((builder.and_(packed, low), 4 * v))
         out.append((builder.and_(packed, ir.Constant(v64b, [0xF0] * 64)), 32 + 4 * v))
@@ -629,7 +654,7 @@ def _tile_frame(body, tokens: int, per_loop: int):
     return codegen
 
 
-def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str):
+def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str, stream: bool):
     """IR for: out[t0 + t, 16 r: 16 r + 16] = W[16 r: 16 r + 16] . x[t0 + t] for t < tokens, a
     64-weight step a loop iteration. form: the scale planes' (_scale_loader); "i8" reads the super
     planes too, of super_form."""
@@ -639,13 +664,13 @@ def _tile_codegen(kind: str, block: int, tokens: int, form: str, super_form: str
         xrow, drow, srow = token_rows
         xbase = [builder.bitcast(builder.gep(x, [builder.mul(g, _const(builder, STEP))]), _I32.as_pointer())
                  for x in xrow]
-        sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block)
+        sums = _int_sums(builder, _weight_vectors(builder, kind, qtile, g, tokens, stream), xbase, block)
         return float_terms(builder, form, super_form, planes, g, sums, list(acc), drow, srow, block,
                            zero_point, kind)
     return _tile_frame(step, tokens, STEP)
 
 
-def _super_codegen(kind: str, block: int, tokens: int, super_form: str):
+def _super_codegen(kind: str, block: int, tokens: int, super_form: str, stream: bool):
     """IR for the K-quant tiles (int8 factors) against SuperRows, as _tile_codegen's, a super-block
     of 256 weights (4 steps) a loop iteration. With one activation scale per super-block, the
     sub-block factors sc (and minimums m) multiply the exact integer sums inside it, and the
@@ -658,12 +683,12 @@ def _super_codegen(kind: str, block: int, tokens: int, super_form: str):
     `vpdpwssd` for the minimums), against float_terms' four; per super-block and token two or
     four."""
     def super_block(builder, sup, acc, qtile, planes, token_rows, k):
-        return _super_block(builder, kind, block, super_form, qtile, planes, token_rows, sup, k, acc)
+        return _super_block(builder, kind, block, super_form, qtile, planes, token_rows, sup, k, acc, stream)
     return _tile_frame(super_block, tokens, QK_K)
 
 
 def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes, token_rows, sup, k,
-                 totals: list) -> list:
+                 totals: list, stream: bool) -> list:
     """totals[t] + super-block sup's terms for each token (_super_codegen): its 4 steps' integer
     sums scaled by the sub-block factors in float32 (a loop: one step's IR, as _tile_codegen's),
     then the minimums' sum and d * dx (and -dmin * dx) once. Leaves the builder in the block after
@@ -701,7 +726,8 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
         factor = _second_half_scale(builder, kind, sb, subs, load_factor(builder, stile, indices[sb]))
         for t, isum in enumerate(done):
             scaled[t] = add(scaled[t], builder.sitofp(isum, v16f), factor)
-    _int_sums(builder, _weight_vectors(builder, kind, qtile, g), xbase, block, start, scale)
+    vectors = _weight_vectors(builder, kind, qtile, g, len(srow), stream)
+    _int_sums(builder, vectors, xbase, block, start, scale)
     for phi, value in zip(scaled_in, scaled, strict=True):
         phi.add_incoming(zero, before)
         phi.add_incoming(value, step)
@@ -744,15 +770,15 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     return out
 
 
-def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors):
+def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors, stream):
     """out[t0 + t, 16 r: 16 r + 16] = the tile's 16 rows . x[t0 + t], for t < tokens. q, s, m, ss,
     ms: Int8Weight's planes as 2-D arrays (one tile a row), None for none; s and m float32, both
     half bits (uint16) or both int8 factors of the super planes ss and ms (float32 or half bits;
     a kernel each); xq / xd / xs: Int8Rows' q, scale and the sums at the weight's sub-block size,
     or SuperRows' q, scale and sums (int32: the K-quants' kernel, _super_codegen).
     Literals, one kernel each: tokens (1..TOKEN_TILE), block (16, 32), vectors (VECTORS: 16 int8
-    bytes, 12 u6, 8 nibbles)."""
-    if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, block, vectors)):
+    bytes, 12 u6, 8 nibbles), stream (1: a streaming driver's, STREAM_PREFETCHES)."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (tokens, block, vectors, stream)):
         return None
     kind = {v: k for k, v in VECTORS.items()}[vectors.literal_value]
     form = {types.uint16: "f16", types.int8: "i8"}.get(s.dtype, "f32")
@@ -762,11 +788,12 @@ def _tile_typing(typingctx, q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, blo
         "int8 factors come with their super planes"
     super_form = "f16" if factored and ss.dtype == types.uint16 else "f32"
     assert ms == types.none or ms.dtype == ss.dtype, "the super planes share a dtype"
-    sig = types.none(q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors)
+    sig = types.none(q, s, m, ss, ms, xq, xd, xs, out, r, t0, tokens, block, vectors, stream)
+    streamed = bool(stream.literal_value)
     if xs.dtype == types.int32:  # SuperRows: one activation scale per 256
         assert factored, "activations in blocks of 256 meet the K-quants' int8 factors only"
-        return sig, _super_codegen(kind, block.literal_value, tokens.literal_value, super_form)
-    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, form, super_form)
+        return sig, _super_codegen(kind, block.literal_value, tokens.literal_value, super_form, streamed)
+    return sig, _tile_codegen(kind, block.literal_value, tokens.literal_value, form, super_form, streamed)
 
 
 _tile: Any = intrinsic(_tile_typing)
@@ -775,10 +802,11 @@ _tile: Any = intrinsic(_tile_typing)
 # ---- drivers -------------------------------------------------------------------------------------
 
 @njit(inline="always")
-def _run(q, s, m, ss, ms, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: no cover - compiled
+def _run(q, s, m, ss, ms, xq, xd, xs, out, lo, hi, block, vectors, stream):  # pragma: no cover - compiled
     """Row tiles lo..hi against every token, TOKEN_TILE tokens at a time (a tile's bytes, 16 x K,
     stay in L2 across its token tiles; so do the activations, T x K bytes). block and vectors:
-    constants of the caller (inlined: the kernel's literals). Each token's terms are summed in
+    constants of the caller (inlined: the kernel's literals); so is stream (1: a streaming
+    driver's prefetches, STREAM_PREFETCHES). Each token's terms are summed in
     the same order whatever tile it is in: its result does not depend on the step's row count.
     PERF: 8 tokens a tile share each step's unpacking and scale loads (1 thread, Zen 4, 16-64
     rows: Q4_K 121-135 -> 130-147 G MAC/s against 4, Q6_K 94-97 -> 100-107, Q8_0 132-146 ->
@@ -789,22 +817,22 @@ def _run(q, s, m, ss, ms, xq, xd, xs, out, lo, hi, block, vectors):  # pragma: n
     for r in range(lo, hi):
         t = 0
         while t + TOKEN_TILE <= num_tokens:  # NOTE: a global int is a literal to Numba, as _tile needs
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors)
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors, stream)
             t += TOKEN_TILE
         if t + 4 <= num_tokens:
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 4, block, vectors)
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 4, block, vectors, stream)
             t += 4
         left = num_tokens - t  # the tokens left over: one kernel per count below 4
         if left == 3:
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 3, block, vectors)
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 3, block, vectors, stream)
         elif left == 2:
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 2, block, vectors)
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 2, block, vectors, stream)
         elif left == 1:
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 1, block, vectors)
+            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 1, block, vectors, stream)
 
 
 @njit(inline="always")
-def _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, block, vectors):  # pragma: no cover - compiled
+def _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, block, vectors, stream):  # pragma: no cover
     """Row tiles in `tasks` runs, claimed by the threads as they come free (gpu/cpu/tasks.py);
     counter: [0] the next task, [1] the threads to start."""
     n = q.shape[0]
@@ -812,7 +840,8 @@ def _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, block, vectors):  #
     for _ in prange(counter[1]):
         i = claim(counter)
         while i < tasks:
-            _run(q, s, m, ss, ms, xq, xd, xs, out, i * n // tasks, (i + 1) * n // tasks, block, vectors)
+            lo, hi = i * n // tasks, (i + 1) * n // tasks
+            _run(q, s, m, ss, ms, xq, xd, xs, out, lo, hi, block, vectors, stream)
             i = claim(counter)
 
 
@@ -826,61 +855,61 @@ _parallel_driver = njit(cache=True, nogil=True, error_model="numpy", parallel=Tr
 @_serial_driver
 def _serial_16_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _run(q, s, m, ss, ms, xq, xd, xs16, out, 0, q.shape[0], 16, 16)
+    _run(q, s, m, ss, ms, xq, xd, xs16, out, 0, q.shape[0], 16, 16, 0)
 
 
 @_serial_driver
 def _serial_32_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 16)
+    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 16, 0)
 
 
 @_serial_driver
 def _serial_32_8(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 8)
+    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 8, 0)
 
 
 @_parallel_driver
 def _parallel_16_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, ss, ms, xq, xd, xs16, out, tasks, counter, 16, 16)
+    _split(q, s, m, ss, ms, xq, xd, xs16, out, tasks, counter, 16, 16, 0)
 
 
 @_parallel_driver
 def _parallel_32_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 16)
+    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 16, 0)
 
 
 @_parallel_driver
 def _parallel_32_8(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 8)
+    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 8, 0)
 
 
 @_serial_driver
 def _serial_16_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _run(q, s, m, ss, ms, xq, xd, xs16, out, 0, q.shape[0], 16, 12)
+    _run(q, s, m, ss, ms, xq, xd, xs16, out, 0, q.shape[0], 16, 12, 0)
 
 
 @_serial_driver
 def _serial_32_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cover - compiled
     _quantize(x, xq, xd, xs16, xs32)
-    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 12)
+    _run(q, s, m, ss, ms, xq, xd, xs32, out, 0, q.shape[0], 32, 12, 0)
 
 
 @_parallel_driver
 def _parallel_16_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, ss, ms, xq, xd, xs16, out, tasks, counter, 16, 12)
+    _split(q, s, m, ss, ms, xq, xd, xs16, out, tasks, counter, 16, 12, 0)
 
 
 @_parallel_driver
 def _parallel_32_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
     _quantize(x, xq, xd, xs16, xs32)
-    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 12)
+    _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 12, 0)
 
 
 # (block, vectors) -> (serial, parallel); nibbles come in 32-weight sub-blocks only
@@ -894,61 +923,61 @@ _DRIVERS = {(16, 16): (_serial_16_16, _parallel_16_16), (32, 16): (_serial_32_16
 @_serial_driver
 def _super_serial_16_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
     _quantize_super(x, xq, xd, xs, xf, 16, 128)
-    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 16, 16)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 16, 16, 0)
 
 
 @_serial_driver
 def _super_serial_32_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
     _quantize_super(x, xq, xd, xs, xf, 32, 128)
-    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 32, 16)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 32, 16, 0)
 
 
 @_serial_driver
 def _super_serial_32_8(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
     _quantize_super(x, xq, xd, xs, xf, 32, 0)
-    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 32, 8)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 32, 8, 0)
 
 
 @_serial_driver
 def _super_serial_16_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
     _quantize_super(x, xq, xd, xs, xf, 16, 32)
-    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 16, 12)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 16, 12, 0)
 
 
 @_serial_driver
 def _super_serial_32_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no cover - compiled
     _quantize_super(x, xq, xd, xs, xf, 32, 32)
-    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 32, 12)
+    _run(q, s, m, ss, ms, xq, xd, xs, out, 0, q.shape[0], 32, 12, 0)
 
 
 @_parallel_driver
 def _super_parallel_16_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
     _quantize_super(x, xq, xd, xs, xf, 16, 128)
-    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 16)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 16, 0)
 
 
 @_parallel_driver
 def _super_parallel_32_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
     _quantize_super(x, xq, xd, xs, xf, 32, 128)
-    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 16)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 16, 0)
 
 
 @_parallel_driver
 def _super_parallel_32_8(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
     _quantize_super(x, xq, xd, xs, xf, 32, 0)
-    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 8)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 8, 0)
 
 
 @_parallel_driver
 def _super_parallel_16_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
     _quantize_super(x, xq, xd, xs, xf, 16, 32)
-    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 12)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 12, 0)
 
 
 @_parallel_driver
 def _super_parallel_32_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
     _quantize_super(x, xq, xd, xs, xf, 32, 32)
-    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 12)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 12, 0)
 
 
 _SUPER_DRIVERS = {(16, 16): (_super_serial_16_16, _super_parallel_16_16),
@@ -956,6 +985,30 @@ _SUPER_DRIVERS = {(16, 16): (_super_serial_16_16, _super_parallel_16_16),
                   (32, 8): (_super_serial_32_8, _super_parallel_32_8),
                   (16, 12): (_super_serial_16_12, _super_parallel_16_12),
                   (32, 12): (_super_serial_32_12, _super_parallel_32_12)}
+
+
+# Streaming drivers: the K-quants' parallel drivers again, their few-token kernels with
+# STREAM_PREFETCHES (a matrix of STREAM_MIN_BYTES or more: the 1B-8B models' linears at batch 1)
+@_parallel_driver
+def _super_stream_32_8(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
+    _quantize_super(x, xq, xd, xs, xf, 32, 0)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 8, 1)
+
+
+@_parallel_driver
+def _super_stream_16_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
+    _quantize_super(x, xq, xd, xs, xf, 16, 32)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 12, 1)
+
+
+@_parallel_driver
+def _super_stream_32_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
+    _quantize_super(x, xq, xd, xs, xf, 32, 32)
+    _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 12, 1)
+
+
+_STREAM_DRIVERS = {(32, 8): _super_stream_32_8, (16, 12): _super_stream_16_12, (32, 12): _super_stream_32_12}
+assert {VECTORS[kind] for kind in STREAM_PREFETCHES} == {v for _, v in _STREAM_DRIVERS}
 
 
 def super_activations(w: Int8Weight) -> bool:
@@ -976,6 +1029,8 @@ def int8_linear(x: np.ndarray, w: Int8Weight, out: np.ndarray | None = None, *,
     weights = (w.q, w.scale, w.offset, w.scale_super, w.offset_super)
     if super_blocks and super_activations(w):
         serial, par = _SUPER_DRIVERS[(w.block, VECTORS[w.kind])]
+        if w.nbytes >= STREAM_MIN_BYTES:
+            par = _STREAM_DRIVERS.get((w.block, VECTORS[w.kind]), par)
         args = (x, *weights, *super_scratch_rows(t, k, w.block), out)
     else:
         rows = scratch_rows(t, k)
