@@ -179,14 +179,61 @@ def test_a_token_with_more_than_a_threads_share_of_keys_is_split_into_its_kv_hea
     positions = np.array([99, 2999, 9, 999, 0], np.int64)
     seq_lens = np.array([100, 3000, 10, 1000], np.int32)
     owner = np.array([0, 1, 2, 3, -1], np.int64)
-    whole = [[t, 0, 4] for t in range(4)]
+    whole = [[t, 1, 0, 4] for t in range(4)]  # (first token, tokens, first KV head, end KV head)
     assert plan_tasks(positions, seq_lens, 0, owner, 4, 1).tolist() == whole
     assert plan_tasks(positions, seq_lens, 0, owner, 4, 2).tolist() == (  # 3,000 x 2 > 4,110
-        [[1, h, h + 1] for h in range(4)] + [[0, 0, 4], [2, 0, 4], [3, 0, 4]])
+        [[1, 1, h, h + 1] for h in range(4)] + [[0, 1, 0, 4], [2, 1, 0, 4], [3, 1, 0, 4]])
     assert plan_tasks(positions, seq_lens, 0, owner, 4, 5).tolist() == (  # 1,000 x 5 > 4,110 too
-        [[1, h, h + 1] for h in range(4)] + [[3, h, h + 1] for h in range(4)] + [[0, 0, 4], [2, 0, 4]])
+        [[1, 1, h, h + 1] for h in range(4)] + [[3, 1, h, h + 1] for h in range(4)]
+        + [[0, 1, 0, 4], [2, 1, 0, 4]])
     # a window of 50 keys: every token reads 50 (token 2: 10) of 160; none has more than half
     assert plan_tasks(positions, seq_lens, 50, owner, 4, 2).tolist() == whole
     # one decode alone on 2 threads: its heads over them
     assert plan_tasks(positions[:1], seq_lens[:1], 0, owner[:1], 8, 2).tolist() == [
-        [0, h, h + 1] for h in range(8)]
+        [0, 1, h, h + 1] for h in range(8)]
+
+
+def test_a_prompt_chunks_tokens_go_in_runs_of_adjacent_positions():
+    """A chunk's tokens in runs of up to RUN_TOKENS (one request, adjacent positions, no window);
+    decodes, a window, or a token past the run limit start a run of their own."""
+    # request 0: a 40-token chunk at 100..139; request 1: a decode at 7; request 2: 3 tokens at 0..2
+    positions = np.concatenate([np.arange(100, 140), [7], np.arange(3)]).astype(np.int64)
+    seq_lens = np.array([140, 8, 3], np.int32)
+    owner = np.array([0] * 40 + [1] + [2] * 3, np.int64)
+    assert plan_tasks(positions, seq_lens, 0, owner, 2, 1, 16).tolist() == [
+        [0, 16, 0, 2], [16, 16, 0, 2], [32, 8, 0, 2], [40, 1, 0, 2], [41, 3, 0, 2]]
+    assert plan_tasks(positions, seq_lens, 0, owner, 2, 1, 1).tolist() == [[t, 1, 0, 2] for t in range(44)]
+    assert plan_tasks(positions, seq_lens, 30, owner, 2, 1, 16).tolist() == [[t, 1, 0, 2] for t in range(44)]
+    # on 2 threads too, every token in exactly one task (with all its heads, or one a head)
+    tasks = plan_tasks(positions, seq_lens, 0, owner, 2, 2, 16).tolist()
+    assert sorted(u for t, count, h0, h1 in tasks for u in range(t, t + count) for _ in range(h0, h1)) == (
+        sorted(list(range(44)) * 2))
+
+
+def _a_request_a_token(positions, qsl, seq_lens, tables, scale, window):
+    """The same step's tokens, each a request of its own (seeing what it saw: its keys through
+    its request's table): every token then a task alone, no run."""
+    owner = np.repeat(np.arange(len(seq_lens)), np.diff(qsl))
+    return (positions, np.arange(len(positions) + 1, dtype=qsl.dtype),
+            np.minimum(positions + 1, seq_lens[owner]).astype(seq_lens.dtype), tables[owner], scale, window)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (32, 8), (9, 3)])
+def test_a_token_in_a_run_is_the_token_alone(dtype, heads, kv_heads):
+    """Bit for bit: a chunk's tokens in runs (sharing each widened key) give what each token gives
+    as a task alone, on one thread and on more: a prompt's numbers must not depend on how it
+    was chunked or batched."""
+    requests = MIXED + [(191, 40), (0, 17), (5, 33)]
+    q, (k, v), _, args = _case(dtype, heads, kv_heads, 0, requests=requests, head_dim=64, seed=4)
+    for threads in (1, 2):
+        runs, alone = np.full_like(q, 7.0), np.full_like(q, 7.0)
+        counter = task_counter(q.shape[0] * kv_heads)
+        counter[1] = threads
+        paged_attention_parallel(q, k, v, *args, runs, MIN_TOKENS - 1, counter)
+        single = _a_request_a_token(*args)
+        counter = task_counter(q.shape[0] * kv_heads)
+        counter[1] = threads
+        paged_attention_parallel(q, k, v, *single, alone, MIN_TOKENS - 1, counter)
+        short = np.repeat(np.diff(args[1]) < MIN_TOKENS, np.diff(args[1]))  # the loop's tokens
+        np.testing.assert_array_equal(runs[short], alone[short], err_msg=f"{threads} threads")

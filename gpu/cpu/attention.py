@@ -15,9 +15,10 @@ a step whose tokens read many keys (4,000 keys x 8 KV heads are ~1 ms a layer on
 one thread otherwise. The body scores and sums 16 keys at a time in gpu/cpu/fma_tiles.py's
 register-held micro-kernels, and asks for the next block's rows while it reads a block's (the
 blocks of a request lie anywhere in the pool). A task is a whole token (a cache row [KV heads,
-head_dim] read in one sweep, not one head's slice of every row), or one KV head of a token that
-has more than a thread's share of the step's keys (`plan_tasks`: a decode alone, a long context among short
-ones). NOTE: one driver in the engine, because the two drivers' copies of `_attend` are
+head_dim] read in one sweep, not one head's slice of every row), a run of a prompt chunk's
+adjacent tokens (each row widened once for the run), or one KV head of a token that has more
+than a thread's share of the step's keys (`plan_tasks`: a decode alone, a long context among
+short ones). NOTE: one driver in the engine, because the two drivers' copies of `_attend` are
 optimized apart (LLVM inlines it into each, and a driver loaded from Numba's cache was compiled
 in another process): they agree within float32 rounding, not bit for bit, and a token's result
 must not depend on the batch it ran in.
@@ -40,19 +41,24 @@ from ringserve.gpu.cpu.tasks import claim
 # (~30 ns a key and KV head on one thread; a TBB fork and join is ~10-20 us): one decode at 256
 # keys of the 1B shape, 0.09 -> 0.05 ms a layer (docs/bench_forward.md)
 PARALLEL_KEY_READS = 256
+# Adjacent tokens of one prompt chunk a task takes together (plan_tasks), sharing each widened key
+# and value row: a chunk under the tiled kernel's SERVED_MIN_TOKENS reads its keys once a run,
+# not once a token (docs/bench_forward.md, "Runs of a prompt's tokens in the per-token attention")
+RUN_TOKENS = 16
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def attention_scratch(num_heads, num_kv_heads, head_dim, max_len):  # pragma: no cover - compiled
-    """One thread's scratch for _attend: (qs, scores, totals, probs, acc, kb, vb). KV head i's
-    query heads are rows i * gpad + g, g < group, of runs of gpad rows (the group rounded up to
-    ROWS: _attend gives the rows past the group probabilities 0; the columns past head_dim stay
-    zero: the micro-kernels take whole steps of ROWS rows and 16 columns). PERF: the [keys, rows]
-    arrays are not zeroed (a long context's are MBs, allocated every layer)."""
+def attention_scratch(num_heads, num_kv_heads, head_dim, max_len, tokens=1):  # pragma: no cover - compiled
+    """One thread's scratch for _attend of up to `tokens` tokens: (qs, scores, totals, probs, acc,
+    kb, vb). Token u's KV head i's query heads are rows u * R + i * gpad + g, g < group, R =
+    num_kv_heads * gpad (the group rounded up to ROWS: _attend gives the rows past the group
+    probabilities 0; the columns past head_dim stay zero: the micro-kernels take whole steps of
+    ROWS rows and 16 columns). PERF: the [keys, rows] arrays are not zeroed (a long context's are
+    MBs, allocated every layer)."""
     group = num_heads // num_kv_heads
     gpad = (group + ROWS - 1) // ROWS * ROWS
     dpad = (head_dim + 15) // 16 * 16
-    rows, keys = num_kv_heads * gpad, max_len + KEYS
+    rows, keys = tokens * num_kv_heads * gpad, max_len + KEYS
     return (np.zeros((rows, dpad), np.float32), np.empty((rows, keys), np.float32),
             np.empty(rows, np.float32), np.empty((keys, rows), np.float32),
             np.zeros((rows, dpad), np.float32), np.zeros((num_kv_heads, KEYS, dpad), np.float32),
@@ -69,81 +75,98 @@ def _gather_keys(cache, block, row, kvh0, kvh1, fill, dst):  # pragma: no cover 
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
-def _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_table, scale, scratch,  # noqa: C901
-            out):  # pragma: no cover - compiled
-    """Token t's query heads of KV heads kvh0..kvh1-1 over keys first..num_keys-1 -> out[t, heads].
-    Scores KEYS keys at a time (fma_tiles.key_scores: head_dim in the lanes, a fixed tree to one
-    lane a key), an exact softmax over all of them, then the values KEYS keys at a time into
-    register-held accumulators (accumulate_rows). PERF: the keys and values are widened KEYS
-    cache rows at a time, each row's KV heads in one sweep (contiguous bytes the hardware
-    prefetcher follows); the query heads of a KV head share each widened key. Every (head, key)
-    takes the same arithmetic in the same order whatever the run, the batch or the threads."""
+def _attend(q, k_cache, v_cache, t, count, kvh0, kvh1, num_keys, first, block_table, scale,  # noqa: C901
+            scratch, out):  # pragma: no cover - compiled
+    """Tokens t..t + count - 1 of one request (adjacent positions: token t + u sees keys
+    first..num_keys + u - 1; a run of more than one only where first is 0), their query heads of
+    KV heads kvh0..kvh1-1 -> out[t + u, heads]. Scores KEYS keys at a time (fma_tiles.key_scores:
+    head_dim in the lanes, a fixed tree to one lane a key), an exact softmax over each token's
+    keys, then the values KEYS keys at a time into register-held accumulators (accumulate_rows).
+    PERF: the keys and values are widened KEYS cache rows at a time, each row's KV heads in one
+    sweep (contiguous bytes the hardware prefetcher follows), once for the whole run; the query
+    heads of a KV head, and the run's tokens, share each widened key. A token takes the same
+    calls on the same operands whatever the run (lanes past its own keys in a run's last vector
+    are other keys, not zeros: each lane's score is its key's alone, and past the token's keys
+    nothing reads them): its result is the same bits alone, in any run, batch or thread."""
     qs, scores, totals, probs, acc, kb, vb = scratch
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     gpad = (group + ROWS - 1) // ROWS * ROWS
     nk = kvh1 - kvh0
-    n = num_keys - first
-    for i in range(nk):  # the queries, scaled, in zero-padded rows
-        for g in range(group):
-            for d in range(head_dim):
-                qs[i * gpad + g, d] = q[t, (kvh0 + i) * group + g, d] * scale
+    R = nk * gpad  # rows a token
+    n_all = num_keys + count - 1 - first  # the last token's keys: every key the run reads
+    for u in range(count):  # the queries, scaled, in zero-padded rows
+        for i in range(nk):
+            for g in range(group):
+                for d in range(head_dim):
+                    qs[u * R + i * gpad + g, d] = q[t + u, (kvh0 + i) * group + g, d] * scale
     start = first - first % block_size  # NOTE: from the window's first block, never before it
+    last_key = num_keys + count - 1
     fill, o = 0, 0
-    for j0 in range(start, num_keys, block_size):  # block by block: no division per key
+    for j0 in range(start, last_key, block_size):  # block by block: no division per key
         block = block_table[j0 // block_size]
-        last = j0 + block_size >= num_keys  # then the values' first block is the one to ask for
+        last = j0 + block_size >= last_key  # then the values' first block is the one to ask for
         ahead = block_table[start // block_size] if last else block_table[j0 // block_size + 1]
-        for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
+        for row in range(max(0, first - j0), min(block_size, last_key - j0)):
             prefetch_heads(v_cache if last else k_cache, np.int64(ahead), np.int64(row), np.int64(kvh0),
                            np.int64(kvh1))
             _gather_keys(k_cache, block, row, kvh0, kvh1, fill, kb)
             fill += 1
-            if fill == KEYS or o + fill == n:
+            if fill == KEYS or o + fill == n_all:
                 for i in range(nk):
                     kb[i, fill:, :] = 0.0  # a last, partial run: finite lanes, ignored below
-                    for g in range(group):
-                        key_scores(kb[i], qs, scores, i * gpad + g, i * gpad + g, o)
+                for u in range(count):
+                    if o < num_keys + u - first:  # the token has keys in this run
+                        for i in range(nk):
+                            for g in range(group):
+                                r = u * R + i * gpad + g
+                                key_scores(kb[i], qs, scores, r, r, o)
                 o += fill
                 fill = 0
-    for i in range(nk):
-        for g in range(group):
-            r = i * gpad + g
-            m = scores[r, 0]
-            for j in range(1, n):
-                m = max(m, scores[r, j])
-            total = np.float32(0.0)
-            for j in range(n):
-                e = fast_exp(scores[r, j] - m)
-                scores[r, j] = e
-                total += e
-            totals[r] = total
-            for j in range(n):  # NOTE: apart: a strided store in the loop above kept it scalar
-                probs[j, r] = scores[r, j]
-        for r in range(i * gpad + group, (i + 1) * gpad):  # a padding row: probabilities 0
-            for j in range(n):
-                probs[j, r] = 0.0
-    acc[:nk * gpad, :] = 0.0
+    for u in range(count):
+        n = num_keys + u - first
+        for i in range(nk):
+            for g in range(group):
+                r = u * R + i * gpad + g
+                m = scores[r, 0]
+                for j in range(1, n):
+                    m = max(m, scores[r, j])
+                total = np.float32(0.0)
+                for j in range(n):
+                    e = fast_exp(scores[r, j] - m)
+                    scores[r, j] = e
+                    total += e
+                totals[r] = total
+                for j in range(n):  # NOTE: apart: a strided store in the loop above kept it scalar
+                    probs[j, r] = scores[r, j]
+            for r in range(u * R + i * gpad + group, u * R + (i + 1) * gpad):  # padding: probabilities 0
+                for j in range(n):
+                    probs[j, r] = 0.0
+    acc[:count * R, :] = 0.0
     fill, o = 0, 0
-    for j0 in range(start, num_keys, block_size):
+    for j0 in range(start, last_key, block_size):
         block = block_table[j0 // block_size]
-        ahead = block_table[j0 // block_size + 1] if j0 + block_size < num_keys else block
-        for row in range(max(0, first - j0), min(block_size, num_keys - j0)):
+        ahead = block_table[j0 // block_size + 1] if j0 + block_size < last_key else block
+        for row in range(max(0, first - j0), min(block_size, last_key - j0)):
             prefetch_heads(v_cache, np.int64(ahead), np.int64(row), np.int64(kvh0), np.int64(kvh1))
             _gather_keys(v_cache, block, row, kvh0, kvh1, fill, vb)
             fill += 1
-            if fill == KEYS or o + fill == n:
-                for i in range(nk):
-                    rows = slice(i * gpad, (i + 1) * gpad)
-                    accumulate_rows(probs[o:o + fill, rows], vb[i, :fill], acc[rows])
+            if fill == KEYS or o + fill == n_all:
+                for u in range(count):
+                    mine = min(fill, num_keys + u - first - o)  # the token's keys in this run
+                    if mine > 0:
+                        for i in range(nk):
+                            rows = slice(u * R + i * gpad, u * R + (i + 1) * gpad)
+                            accumulate_rows(probs[o:o + mine, rows], vb[i, :mine], acc[rows])
                 o += fill
                 fill = 0
-    for i in range(nk):
-        for g in range(group):
-            r = i * gpad + g
-            inv = np.float32(1.0) / totals[r]
-            for d in range(head_dim):
-                out[t, (kvh0 + i) * group + g, d] = acc[r, d] * inv
+    for u in range(count):
+        for i in range(nk):
+            for g in range(group):
+                r = u * R + i * gpad + g
+                inv = np.float32(1.0) / totals[r]
+                for d in range(head_dim):
+                    out[t + u, (kvh0 + i) * group + g, d] = acc[r, d] * inv
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
@@ -175,37 +198,50 @@ def paged_attention(q, k_cache, v_cache, positions, query_start_loc, seq_lens, b
             if num_keys <= first:
                 out[t, :, :] = 0.0
                 continue
-            _attend(q, k_cache, v_cache, t, 0, num_kv_heads, num_keys, first, block_tables[r],
+            _attend(q, k_cache, v_cache, t, 1, 0, num_kv_heads, num_keys, first, block_tables[r],
                     scale, scratch, out)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def plan_tasks(positions, seq_lens, window, owner, num_kv_heads, threads):  # pragma: no cover
-    """The step's tasks [n, 3] (token, first KV head, end KV head), heaviest first: a token whose
-    keys are more than a thread's share of the step's (a decode alone, a long context among short
-    ones) one task per KV head, so its heads spread over the threads; every other token one
-    task for all its heads (each cache row read in one sweep). NOTE: never a token's heads in
-    runs swept side by side: two threads sweeping halves of the same rows took 2.5x as long as
-    one sweeping them whole (docs/bench_forward.md)."""
+def plan_tasks(positions, seq_lens, window, owner, num_kv_heads, threads,
+               run_tokens=RUN_TOKENS):  # pragma: no cover - compiled
+    """The step's tasks [n, 4] (first token, tokens, first KV head, end KV head), heaviest first: a
+    token whose keys are more than a thread's share of the step's (a decode alone, a long context
+    among short ones) one task per KV head, so its heads spread over the threads; every other
+    token with all its heads, in runs of up to run_tokens adjacent tokens of one request (a
+    prompt chunk's; with no window: they share the first key, and each widened key) or alone.
+    NOTE: never a token's heads in runs swept side by side: two threads sweeping halves of the
+    same rows took 2.5x as long as one sweeping them whole (docs/bench_forward.md)."""
     total = 0
     for t in range(owner.shape[0]):
         if owner[t] >= 0:
             num_keys, first = _key_range(positions, seq_lens[owner[t]], window, t)
             total += max(num_keys - first, 0)
-    tasks = np.empty((owner.shape[0] * num_kv_heads, 3), np.int64)
+    tasks = np.empty((owner.shape[0] * num_kv_heads, 4), np.int64)
     n = 0
-    for split in (True, False):
-        for t in range(owner.shape[0]):
-            if owner[t] < 0:
-                continue
-            num_keys, first = _key_range(positions, seq_lens[owner[t]], window, t)
-            if ((num_keys - first) * threads > total) != split:
-                continue
-            for kvh0 in range(0, num_kv_heads, 1 if split else num_kv_heads):
-                tasks[n, 0] = t
-                tasks[n, 1] = kvh0
-                tasks[n, 2] = kvh0 + 1 if split else num_kv_heads
+    for t in range(owner.shape[0]):  # the split tokens first
+        if owner[t] < 0:
+            continue
+        num_keys, first = _key_range(positions, seq_lens[owner[t]], window, t)
+        if (num_keys - first) * threads > total:
+            for kvh0 in range(num_kv_heads):
+                tasks[n, 0], tasks[n, 1], tasks[n, 2], tasks[n, 3] = t, 1, kvh0, kvh0 + 1
                 n += 1
+    t = 0
+    while t < owner.shape[0]:
+        num_keys, first = (0, 0) if owner[t] < 0 else _key_range(positions, seq_lens[owner[t]], window, t)
+        if owner[t] < 0 or (num_keys - first) * threads > total:
+            t += 1
+            continue
+        count = 1
+        while (window <= 0 and count < run_tokens and t + count < owner.shape[0]
+               and owner[t + count] == owner[t] and positions[t + count] == positions[t] + count
+               and positions[t + count] < seq_lens[owner[t]]
+               and (num_keys + count) * threads <= total):
+            count += 1
+        tasks[n, 0], tasks[n, 1], tasks[n, 2], tasks[n, 3] = t, count, 0, num_kv_heads
+        n += 1
+        t += count
     return tasks[:n]
 
 
@@ -216,16 +252,19 @@ def _claimed_tasks(q, k_cache, v_cache, positions, seq_lens, block_tables, scale
     scratch of its own. NOTE: a function of its own, not the prange body, so that the scratch is
     per thread by construction, whatever Numba's parfor pass decides to hoist out of a loop."""
     group = q.shape[1] // k_cache.shape[2]
-    scratch = attention_scratch(q.shape[1], k_cache.shape[2], q.shape[2], max_len)
+    run = 1
+    for w in range(tasks.shape[0]):
+        run = max(run, tasks[w, 1])
+    scratch = attention_scratch(q.shape[1], k_cache.shape[2], q.shape[2], max_len, run)
     w = claim(counter)
     while w < tasks.shape[0]:
-        t, kvh0, kvh1 = tasks[w, 0], tasks[w, 1], tasks[w, 2]
+        t, count, kvh0, kvh1 = tasks[w, 0], tasks[w, 1], tasks[w, 2], tasks[w, 3]
         r = owner[t]
         num_keys, first = _key_range(positions, seq_lens[r], window, t)
-        if num_keys <= first:
+        if num_keys <= first:  # NOTE: a window's empty range: alone (a run has first == 0)
             out[t, kvh0 * group:kvh1 * group, :] = 0.0
         else:
-            _attend(q, k_cache, v_cache, t, kvh0, kvh1, num_keys, first, block_tables[r],
+            _attend(q, k_cache, v_cache, t, count, kvh0, kvh1, num_keys, first, block_tables[r],
                     scale, scratch, out)
         w = claim(counter)
 
