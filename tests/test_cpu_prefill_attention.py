@@ -12,7 +12,7 @@ import pytest
 from numba import njit
 
 from paged_cases import free_before_windows, load_all, paged_layout, store_all
-from ringserve.gpu.cpu.attention import paged_attention, paged_attention_parallel, plan_tasks
+from ringserve.gpu.cpu.attention import RUN_KEY_PAIRS, paged_attention, paged_attention_parallel, plan_tasks
 from ringserve.gpu.cpu.fma_tiles import KEYS, key_scores
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.prefill_attention import KEY_BLOCK, MIN_TOKENS, prefill_attention
@@ -204,6 +204,11 @@ def test_a_prompt_chunks_tokens_go_in_runs_of_adjacent_positions():
         [0, 16, 0, 2], [16, 16, 0, 2], [32, 8, 0, 2], [40, 1, 0, 2], [41, 3, 0, 2]]
     assert plan_tasks(positions, seq_lens, 0, owner, 2, 1, 1).tolist() == [[t, 1, 0, 2] for t in range(44)]
     assert plan_tasks(positions, seq_lens, 30, owner, 2, 1, 16).tolist() == [[t, 1, 0, 2] for t in range(44)]
+    # a chunk deep in a long context: runs short enough that their scores stay small
+    deep = np.arange(4000, 4040, dtype=np.int64)
+    tasks = plan_tasks(deep, np.array([4040], np.int32), 0, np.zeros(40, np.int64), 2, 1, 16).tolist()
+    assert [count for _, count, _, _ in tasks] == [2] * 20
+    assert all((4000 + t + count) * count <= RUN_KEY_PAIRS for t, count, _, _ in tasks)
     # on 2 threads too, every token in exactly one task (with all its heads, or one a head)
     tasks = plan_tasks(positions, seq_lens, 0, owner, 2, 2, 16).tolist()
     assert sorted(u for t, count, h0, h1 in tasks for u in range(t, t + count) for _ in range(h0, h1)) == (

@@ -45,6 +45,9 @@ PARALLEL_KEY_READS = 256
 # and value row: a chunk under the tiled kernel's SERVED_MIN_TOKENS reads its keys once a run,
 # not once a token (docs/bench_forward.md, "Runs of a prompt's tokens in the per-token attention")
 RUN_TOKENS = 16
+# ... and no more (token, key) pairs than this a run: its scores and probabilities (tokens x query
+# heads x keys, twice) stay in L2 (16 tokens at 512 keys, 2 at 4,000), as one token's do
+RUN_KEY_PAIRS = 8192
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -209,7 +212,8 @@ def plan_tasks(positions, seq_lens, window, owner, num_kv_heads, threads,
     token whose keys are more than a thread's share of the step's (a decode alone, a long context
     among short ones) one task per KV head, so its heads spread over the threads; every other
     token with all its heads, in runs of up to run_tokens adjacent tokens of one request (a
-    prompt chunk's; with no window: they share the first key, and each widened key) or alone.
+    prompt chunk's; with no window: they share the first key, and each widened key; at most
+    RUN_KEY_PAIRS tokens x keys) or alone.
     NOTE: never a token's heads in runs swept side by side: two threads sweeping halves of the
     same rows took 2.5x as long as one sweeping them whole (docs/bench_forward.md)."""
     total = 0
@@ -237,7 +241,8 @@ def plan_tasks(positions, seq_lens, window, owner, num_kv_heads, threads,
         while (window <= 0 and count < run_tokens and t + count < owner.shape[0]
                and owner[t + count] == owner[t] and positions[t + count] == positions[t] + count
                and positions[t + count] < seq_lens[owner[t]]
-               and (num_keys + count) * threads <= total):
+               and (num_keys + count) * threads <= total
+               and (num_keys + count) * (count + 1) <= RUN_KEY_PAIRS):
             count += 1
         tasks[n, 0], tasks[n, 1], tasks[n, 2], tasks[n, 3] = t, count, 0, num_kv_heads
         n += 1
