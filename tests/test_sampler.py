@@ -79,6 +79,21 @@ def test_penalties_follow_vllm():
     assert y.tolist() == pytest.approx([1.0, -4.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.25, 0.5, 3.0])
 
 
+def test_a_tiny_repetition_penalty_keeps_the_logits_finite_and_top_p_samples_a_seen_token():
+    """repetition_penalty 1.17549435e-38 (float32's smallest normal: valid, > 0) divides the seen
+    positive logits past float32's range: they stop at its largest finite value, not +inf
+    (a NaN softmax that left top_p nothing to keep: a hypothesis case of
+    tests/test_validation_edges.py, a 500 before)."""
+    x = np.array([[30.0, -2.0, 10.0, 0.5, 3.0]], np.float32)
+    m = meta(1, temperature=1.0, top_p=0.5, presence_penalty=np.zeros(1, np.float32),
+             frequency_penalty=np.zeros(1, np.float32),
+             repetition_penalty=np.array([1.17549435e-38], np.float32), prompt_token_ids=[[0, 2]],
+             output_token_ids=[[]])
+    y = apply_penalties(x.copy(), m)[0]
+    assert np.isfinite(y).all() and y[0] == y[2] == np.finfo(np.float32).max
+    assert sample(x.copy(), m).token_ids[0] in (0, 2)
+
+
 def test_banned_tokens_are_never_sampled():
     x = logits(1)
     top = int(x[0].argmax())

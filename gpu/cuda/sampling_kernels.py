@@ -28,7 +28,7 @@ import numpy as np
 from numba import config, cuda, float32, int32, int64
 
 from ringserve.gpu.cuda.block_reduce import block_argmax, block_sum
-from ringserve.gpu.sampling.sampler import GREEDY_EPS  # temperature below this is greedy
+from ringserve.gpu.sampling.sampler import F32_MAX, GREEDY_EPS  # GREEDY_EPS: temperature below it is greedy
 
 SAMPLE_MAX_THREADS = 1024
 
@@ -79,7 +79,7 @@ def penalties_kernel(x, seen_ids, seen_offsets, count_ids, counts, count_offsets
         for e in range(seen_offsets[row] + tid, seen_offsets[row + 1], nt):
             j = seen_ids[e]
             v = x[row, j]
-            x[row, j] = v / rep if v > float32(0.0) else v * rep
+            x[row, j] = min(v / rep, F32_MAX) if v > float32(0.0) else v * rep  # finite: sampler.py
     cuda.syncthreads()
     freq = frequency[row]
     pres = presence[row]

@@ -147,6 +147,9 @@ def gather_logprobs(logits: np.ndarray, token_ids: np.ndarray, num_top: int) -> 
     return Logprobs(ids, vals.astype(np.float32), ranks.astype(np.int32))
 
 
+F32_MAX = np.float32(np.finfo(np.float32).max)  # the largest finite logit a penalty leaves
+
+
 def apply_penalties(logits: np.ndarray, meta: SamplingMetadata,
                     failed: dict[int, str] | None = None) -> np.ndarray:
     """Penalties and bans, in place on a float32 copy the caller owns. failed: where a row
@@ -169,7 +172,10 @@ def apply_penalties(logits: np.ndarray, meta: SamplingMetadata,
                 seen = np.zeros(vocab, dtype=bool)
                 seen[np.asarray(prompts[i], dtype=np.int64)] = True
                 seen[out] = True
-                row[seen] = np.where(row[seen] > 0, row[seen] / rep, row[seen] * rep)
+                # NOTE: a positive logit over a tiny penalty (1e-38 is valid) stays finite: +inf would
+                # make the softmax NaN and leave top_p nothing to keep
+                with np.errstate(over="ignore"):
+                    row[seen] = np.where(row[seen] > 0, np.minimum(row[seen] / rep, F32_MAX), row[seen] * rep)
             if freq != 0.0 or pres != 0.0:
                 counts = np.bincount(out, minlength=vocab)[:vocab]
                 row -= freq * counts + pres * (counts > 0)
