@@ -97,14 +97,14 @@ def _attend(q, k_cache, v_cache, t, count, kvh0, kvh1, num_keys, first, block_ta
     gpad = (group + ROWS - 1) // ROWS * ROWS
     nk = kvh1 - kvh0
     R = nk * gpad  # rows a token
-    n_all = num_keys + count - 1 - first  # the last token's keys: every key the run reads
+    last_key = num_keys + count - 1  # the last token's key count: every key the run reads ends here
+    n_all = last_key - first
     for u in range(count):  # the queries, scaled, in zero-padded rows
         for i in range(nk):
             for g in range(group):
                 for d in range(head_dim):
                     qs[u * R + i * gpad + g, d] = q[t + u, (kvh0 + i) * group + g, d] * scale
     start = first - first % block_size  # NOTE: from the window's first block, never before it
-    last_key = num_keys + count - 1
     fill, o = 0, 0
     for j0 in range(start, last_key, block_size):  # block by block: no division per key
         block = block_table[j0 // block_size]
@@ -252,14 +252,11 @@ def plan_tasks(positions, seq_lens, window, owner, num_kv_heads, threads,
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _claimed_tasks(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
-                   owner, max_len, tasks, counter):  # pragma: no cover - compiled
+                   owner, max_len, run, tasks, counter):  # pragma: no cover - compiled
     """One thread's share of paged_attention_parallel: tasks claimed until none is left, with
     scratch of its own. NOTE: a function of its own, not the prange body, so that the scratch is
     per thread by construction, whatever Numba's parfor pass decides to hoist out of a loop."""
     group = q.shape[1] // k_cache.shape[2]
-    run = 1
-    for w in range(tasks.shape[0]):
-        run = max(run, tasks[w, 1])
     scratch = attention_scratch(q.shape[1], k_cache.shape[2], q.shape[2], max_len, run)
     w = claim(counter)
     while w < tasks.shape[0]:
@@ -291,7 +288,10 @@ def paged_attention_parallel(q, k_cache, v_cache, positions, query_start_loc, se
             owner[query_start_loc[r]:query_start_loc[r + 1]] = r
             max_len = max(max_len, seq_lens[r])
     tasks = plan_tasks(positions, seq_lens, window, owner, k_cache.shape[2], counter[1])
+    run = 1  # the longest run: each thread's scratch holds its rows
+    for w in range(tasks.shape[0]):
+        run = max(run, tasks[w, 1])
     counter[0] = 0
     for _ in prange(counter[1]):
         _claimed_tasks(q, k_cache, v_cache, positions, seq_lens, block_tables, scale, window, out,
-                       owner, max_len, tasks, counter)
+                       owner, max_len, run, tasks, counter)

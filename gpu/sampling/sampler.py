@@ -174,8 +174,9 @@ def apply_penalties(logits: np.ndarray, meta: SamplingMetadata,
                 seen[out] = True
                 # NOTE: a positive logit over a tiny penalty (1e-38 is valid) stays finite: +inf would
                 # make the softmax NaN and leave top_p nothing to keep
+                vals = row[seen]  # NOTE: one gather, not three
                 with np.errstate(over="ignore"):
-                    row[seen] = np.where(row[seen] > 0, np.minimum(row[seen] / rep, F32_MAX), row[seen] * rep)
+                    row[seen] = np.where(vals > 0, np.minimum(vals / rep, F32_MAX), vals * rep)
             if freq != 0.0 or pres != 0.0:
                 counts = np.bincount(out, minlength=vocab)[:vocab]
                 row -= freq * counts + pres * (counts > 0)
