@@ -174,6 +174,26 @@ def test_a_tokens_result_does_not_depend_on_the_rows_beside_it(qtype, six_bit, s
             assert np.array_equal(linear(x[lo:hi], parallel), whole[lo:hi]), (lo, hi)
 
 
+@pytest.mark.parametrize("qtype,super_blocks", [("Q4_K", True), ("Q6_K", True), ("Q8_0", True),
+                                                ("Q4_K", False)])
+def test_a_long_steps_token_blocks_and_threads_give_each_rows_bits_alone(qtype, super_blocks):
+    """A prompt step's rows run in blocks of TOKEN_BLOCK_BYTES of int8 activations (here 64 rows of
+    4,096: blocks of 64, 64 and 16, then 4 and 2 left over with the last block) and a parallel
+    driver quantizes them over its threads (PARALLEL_QUANTIZE_VALUES): each row's bits are still
+    its own, alone, serial or parallel."""
+    rng = np.random.default_rng(9)
+    shape = (64, 4096)
+    tiled = tiles(repack(random_raw(qtype, shape, rng), qtype, shape, factored=True))
+    x = rng.standard_normal((150, shape[1])).astype(np.float32)
+    assert cpu_int8_kernels.TOKEN_BLOCK_BYTES // shape[1] < len(x) // 2
+    assert x.size >= cpu_int8_kernels.PARALLEL_QUANTIZE_VALUES
+
+    def linear(rows: np.ndarray, parallel: bool = False) -> np.ndarray:
+        return int8_linear(rows, tiled, parallel=parallel, super_blocks=super_blocks)
+    alone = np.concatenate([linear(x[i:i + 1]) for i in range(len(x))])
+    assert np.array_equal(linear(x), alone)
+    assert np.array_equal(linear(x, parallel=True), alone)
+
 @pytest.mark.parametrize("qtype,shape", [("Q4_K", (1024, 4096)), ("Q5_K", (1024, 2560)),
                                          ("Q6_K", (1024, 2560))])
 def test_a_streamed_matrix_gives_the_bits_of_the_serial_kernels(qtype, shape):

@@ -63,6 +63,14 @@ TILE_ROWS = 16           # weight rows a tile: one int32 lane each in a 512-bit 
 ACT_BLOCK = 32           # activation weights per int8 scale (llama.cpp's q8_0 / q8_1)
 STEP = 64                # weights of a row per loop step (16 vectors of int8, 8 of nibbles)
 TOKEN_TILE = 8           # token rows sharing each loaded weight vector (then 4, then 1-3 left over)
+# The int8 token rows a block of TOKEN_TILE tiles holds (_run): the row tiles then stream past
+# activations in L2, not L3 (512 rows of the 1B shape's 2,048 are 1 MB, of 8,192 4 MB). PERF:
+# the 1B shape's linears at 512 rows, two threads: 373-375 -> 359-363 ms for 4 layers (gate_up
+# -5 %; blocks of 64 or 128 KB alike), docs/bench_forward.md
+TOKEN_BLOCK_BYTES = 256 << 10
+# A parallel driver quantizes its activations over the threads from this many values (a prompt
+# step's: 128 rows of 2,048 are ~80 us on one thread, 0.3 ns a value; a fork and join is 10-20 us)
+PARALLEL_QUANTIZE_VALUES = 1 << 18
 
 
 class Prefetch(NamedTuple):
@@ -243,6 +251,31 @@ def _quantize_super(x, q, scale, sums, half_sums, sub, zero_point):  # pragma: n
                 sums[t, lo // sub + i] = -zero_point * total
                 half_sums[t, halves + lo // sub + i] = np.int16(total)  # |total| <= 256 * 127: an int16
             scale[t, b] = d
+
+
+@njit(inline="always")
+def _quantize_split(x, q, scale, sum16, sum32, counter):  # pragma: no cover - compiled
+    """_quantize in a parallel driver: its rows over counter[1] threads where x holds
+    PARALLEL_QUANTIZE_VALUES or more (else on the calling thread, as every row's own)."""
+    if x.size < PARALLEL_QUANTIZE_VALUES or counter[1] < 2:
+        _quantize(x, q, scale, sum16, sum32)
+        return
+    n, parts = x.shape[0], counter[1]
+    for i in prange(parts):
+        lo, hi = i * n // parts, (i + 1) * n // parts
+        _quantize(x[lo:hi], q[lo:hi], scale[lo:hi], sum16[lo:hi], sum32[lo:hi])
+
+
+@njit(inline="always")
+def _quantize_super_split(x, q, scale, sums, half_sums, sub, zero_point, counter):  # pragma: no cover
+    """_quantize_super in a parallel driver, as _quantize_split."""
+    if x.size < PARALLEL_QUANTIZE_VALUES or counter[1] < 2:
+        _quantize_super(x, q, scale, sums, half_sums, sub, zero_point)
+        return
+    n, parts = x.shape[0], counter[1]
+    for i in prange(parts):
+        lo, hi = i * n // parts, (i + 1) * n // parts
+        _quantize_super(x[lo:hi], q[lo:hi], scale[lo:hi], sums[lo:hi], half_sums[lo:hi], sub, zero_point)
 
 
 def _empty_rows(t: int, k: int) -> Int8Rows:
@@ -804,31 +837,38 @@ _tile: Any = intrinsic(_tile_typing)
 @njit(inline="always")
 def _run(q, s, m, ss, ms, xq, xd, xs, out, lo, hi, block, vectors, stream):  # pragma: no cover - compiled
     """Row tiles lo..hi against every token, TOKEN_TILE tokens at a time (a tile's bytes, 16 x K,
-    stay in L2 across its token tiles; so do the activations, T x K bytes). block and vectors:
-    constants of the caller (inlined: the kernel's literals); so is stream (1: a streaming
-    driver's prefetches, STREAM_PREFETCHES). Each token's terms are summed in
-    the same order whatever tile it is in: its result does not depend on the step's row count.
+    stay in L1 and L2 across its token tiles), in blocks of tokens whose int8 rows fit in
+    TOKEN_BLOCK_BYTES (they stay in L2 across the row tiles; the row tiles stream again for each
+    block). block and vectors: constants of the caller (inlined: the kernel's literals); so is
+    stream (1: a streaming driver's prefetches, STREAM_PREFETCHES). Each token's terms are
+    summed in the same order whatever tile it is in: its result does not depend on the step's
+    row count.
     PERF: 8 tokens a tile share each step's unpacking and scale loads (1 thread, Zen 4, 16-64
     rows: Q4_K 121-135 -> 130-147 G MAC/s against 4, Q6_K 94-97 -> 100-107, Q8_0 132-146 ->
     144-152); prefill's long steps too, since the nibbles' high halves are ANDed in place (two
     threads at 128 rows: Q4_K +5 %, Q4_0 +5 %, Q8_0 +2-4 %; at 512 equal or better). A remainder
     takes one tile of 4, then one of 1-3 (5 kernels a driver, not 8)."""
     num_tokens = xq.shape[0]
-    for r in range(lo, hi):
-        t = 0
-        while t + TOKEN_TILE <= num_tokens:  # NOTE: a global int is a literal to Numba, as _tile needs
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors, stream)
-            t += TOKEN_TILE
-        if t + 4 <= num_tokens:
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 4, block, vectors, stream)
-            t += 4
-        left = num_tokens - t  # the tokens left over: one kernel per count below 4
-        if left == 3:
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 3, block, vectors, stream)
-        elif left == 2:
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 2, block, vectors, stream)
-        elif left == 1:
-            _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 1, block, vectors, stream)
+    whole = num_tokens // TOKEN_TILE * TOKEN_TILE
+    per_block = max(TOKEN_TILE, TOKEN_BLOCK_BYTES // xq.shape[1] // TOKEN_TILE * TOKEN_TILE)
+    for first in range(0, max(whole, 1), per_block):  # NOTE: one pass at least: fewer than 8 tokens
+        for r in range(lo, hi):
+            for t in range(first, min(first + per_block, whole), TOKEN_TILE):
+                # NOTE: a global int is a literal to Numba, as _tile needs
+                _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, TOKEN_TILE, block, vectors, stream)
+            if first + per_block < whole:
+                continue
+            t = whole  # the last block's row tile, still in L1, takes the tokens left over
+            if t + 4 <= num_tokens:
+                _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 4, block, vectors, stream)
+                t += 4
+            left = num_tokens - t  # one kernel per count below 4
+            if left == 3:
+                _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 3, block, vectors, stream)
+            elif left == 2:
+                _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 2, block, vectors, stream)
+            elif left == 1:
+                _tile(q, s, m, ss, ms, xq, xd, xs, out, r, t, 1, block, vectors, stream)
 
 
 @njit(inline="always")
@@ -872,19 +912,19 @@ def _serial_32_8(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no cov
 
 @_parallel_driver
 def _parallel_16_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
-    _quantize(x, xq, xd, xs16, xs32)
+    _quantize_split(x, xq, xd, xs16, xs32, counter)
     _split(q, s, m, ss, ms, xq, xd, xs16, out, tasks, counter, 16, 16, 0)
 
 
 @_parallel_driver
 def _parallel_32_16(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
-    _quantize(x, xq, xd, xs16, xs32)
+    _quantize_split(x, xq, xd, xs16, xs32, counter)
     _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 16, 0)
 
 
 @_parallel_driver
 def _parallel_32_8(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
-    _quantize(x, xq, xd, xs16, xs32)
+    _quantize_split(x, xq, xd, xs16, xs32, counter)
     _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 8, 0)
 
 
@@ -902,13 +942,13 @@ def _serial_32_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out):  # pragma: no co
 
 @_parallel_driver
 def _parallel_16_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
-    _quantize(x, xq, xd, xs16, xs32)
+    _quantize_split(x, xq, xd, xs16, xs32, counter)
     _split(q, s, m, ss, ms, xq, xd, xs16, out, tasks, counter, 16, 12, 0)
 
 
 @_parallel_driver
 def _parallel_32_12(x, q, s, m, ss, ms, xq, xd, xs16, xs32, out, tasks, counter):  # pragma: no cover
-    _quantize(x, xq, xd, xs16, xs32)
+    _quantize_split(x, xq, xd, xs16, xs32, counter)
     _split(q, s, m, ss, ms, xq, xd, xs32, out, tasks, counter, 32, 12, 0)
 
 
@@ -952,31 +992,31 @@ def _super_serial_32_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out):  # pragma: no 
 
 @_parallel_driver
 def _super_parallel_16_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
-    _quantize_super(x, xq, xd, xs, xf, 16, 128)
+    _quantize_super_split(x, xq, xd, xs, xf, 16, 128, counter)
     _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 16, 0)
 
 
 @_parallel_driver
 def _super_parallel_32_16(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
-    _quantize_super(x, xq, xd, xs, xf, 32, 128)
+    _quantize_super_split(x, xq, xd, xs, xf, 32, 128, counter)
     _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 16, 0)
 
 
 @_parallel_driver
 def _super_parallel_32_8(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
-    _quantize_super(x, xq, xd, xs, xf, 32, 0)
+    _quantize_super_split(x, xq, xd, xs, xf, 32, 0, counter)
     _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 8, 0)
 
 
 @_parallel_driver
 def _super_parallel_16_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
-    _quantize_super(x, xq, xd, xs, xf, 16, 32)
+    _quantize_super_split(x, xq, xd, xs, xf, 16, 32, counter)
     _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 12, 0)
 
 
 @_parallel_driver
 def _super_parallel_32_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
-    _quantize_super(x, xq, xd, xs, xf, 32, 32)
+    _quantize_super_split(x, xq, xd, xs, xf, 32, 32, counter)
     _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 12, 0)
 
 
@@ -991,19 +1031,19 @@ _SUPER_DRIVERS = {(16, 16): (_super_serial_16_16, _super_parallel_16_16),
 # STREAM_PREFETCHES (a matrix of STREAM_MIN_BYTES or more: the 1B-8B models' linears at batch 1)
 @_parallel_driver
 def _super_stream_32_8(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
-    _quantize_super(x, xq, xd, xs, xf, 32, 0)
+    _quantize_super_split(x, xq, xd, xs, xf, 32, 0, counter)
     _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 8, 1)
 
 
 @_parallel_driver
 def _super_stream_16_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
-    _quantize_super(x, xq, xd, xs, xf, 16, 32)
+    _quantize_super_split(x, xq, xd, xs, xf, 16, 32, counter)
     _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 16, 12, 1)
 
 
 @_parallel_driver
 def _super_stream_32_12(x, q, s, m, ss, ms, xq, xd, xs, xf, out, tasks, counter):  # pragma: no cover
-    _quantize_super(x, xq, xd, xs, xf, 32, 32)
+    _quantize_super_split(x, xq, xd, xs, xf, 32, 32, counter)
     _split(q, s, m, ss, ms, xq, xd, xs, out, tasks, counter, 32, 12, 1)
 
 
