@@ -714,7 +714,7 @@ def _super_codegen(kind: str, block: int, tokens: int, super_form: str, stream: 
     the zero point's part is the vpdpbusd sums' starting value (-z sum(xq), SuperRows.sums):
     no instruction. Per sub-block and token a convert and a fused multiply-add (and half a
     `vpdpwssd` for the minimums), against float_terms' four; per super-block and token two or
-    four."""
+    three: ``(d * S + (-dmin) * M) * dx`` (S and M the scaled and the minimums' sums)."""
     def super_block(builder, sup, acc, qtile, planes, token_rows, k):
         return _super_block(builder, kind, block, super_form, qtile, planes, token_rows, sup, k, acc, stream)
     return _tile_frame(super_block, tokens, QK_K)
@@ -724,8 +724,8 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
                  totals: list, stream: bool) -> list:
     """totals[t] + super-block sup's terms for each token (_super_codegen): its 4 steps' integer
     sums scaled by the sub-block factors in float32 (a loop: one step's IR, as _tile_codegen's),
-    then the minimums' sum and d * dx (and -dmin * dx) once. Leaves the builder in the block after
-    the loop."""
+    then the minimums' sum, d and -dmin, and dx once. Leaves the builder in the block after the
+    loop."""
     v16f, flags = _vec(_F32, 16), ["contract"]  # NOTE: fused multiply-adds, no reassociation (float_terms)
     stile, mtile, sstile, mstile = planes
     xrow, drow, srow = token_rows
@@ -796,10 +796,15 @@ def _super_block(builder, kind: str, block: int, super_form: str, qtile, planes,
     d = load_super(builder, sstile, sup)
     dmin = None if mstile is None else load_super(builder, mstile, sup)  # -dmin
     out = []
+    # PERF: dx last, once: (d S - dmin M) dx is three vpdpbusd slots a token and super-block, where
+    # d dx S - dmin dx M was four (a product d dx and dmin dx each): Q4_K's tiles at 8 tokens, one
+    # thread, 174-175 -> 178.5 G multiply-adds/s (docs/bench_forward.md); other bits, as exact
     for t, row in enumerate(drow):
         dx = _splat(builder, _load(builder, row, sup, _F32), 16)
-        total = add(totals[t], scaled[t], builder.fmul(d, dx, flags=flags))
-        out.append(total if dmin is None else add(total, mins[t], builder.fmul(dmin, dx, flags=flags)))
+        terms = builder.fmul(scaled[t], d, flags=flags)
+        if dmin is not None:
+            terms = add(terms, mins[t], dmin)
+        out.append(add(totals[t], terms, dx))
     return out
 
 
