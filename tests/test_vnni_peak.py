@@ -40,3 +40,12 @@ def test_each_instruction_beside_compiles_and_prints_its_row(capsys):
     assert len(rows) == 2 and all(len(r.split("|")) == 6 for r in rows), out
     with pytest.raises(SystemExit):
         vnni_peak.main(["--beside", "divide"])
+
+
+@pytest.mark.skipif(not has_vnni(), reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("kind,mnemonic", [("mulld", "vpmulld"), ("fma", "vfmadd"), ("convert", "vcvtdq2ps"),
+                                           ("word-shift", "vpsrlw")])  # (a byte shift: GFNI's where it has one)
+def test_each_instruction_beside_is_the_instruction_it_names(kind, mnemonic):
+    """The probe times the instruction its row names: a multiply by 3 had become a shift and an
+    add (LLVM's strength reduction), and the "vpmulld" row said 0 slots where vpmulld takes one."""
+    assert mnemonic in vnni_peak.compile_probe(12, kind, 4).assembly

@@ -17,7 +17,7 @@ with 4 and then 8 chains of one 512-bit instruction each (BESIDE) added to the 1
 and the extra time per added instruction in `vpdpbusd` slots (the base loop's time / 12). 1.0:
 it takes the pipes `vpdpbusd` runs on; 0: it runs beside them. On the Zen 4 VM of
 docs/bench_quant.md a byte shift (LLVM's gf2p8affineqb) and a float multiply-add take a slot
-each; word shifts and integer adds none.
+each, and so does `vpmulld`; word shifts and integer adds none.
 """
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def _beside_op(b, kind: str, x):
         return as_(v16, b.fadd(product, ir.Constant(v16f, [1.0] * 16), flags=["contract"]))
     if kind == "convert":
         return as_(v16, b.sitofp(x, v16f))
-    if kind == "mulld":
-        return b.mul(x, ir.Constant(v16, [3] * 16))
+    if kind == "mulld":  # NOTE: by a constant LLVM cannot write as shifts and adds (3 it did)
+        return b.mul(x, ir.Constant(v16, [0x12345679] * 16))
     raise ValueError(f"unknown instruction {kind!r}: one of {', '.join(BESIDE)}")
 
 
@@ -113,10 +113,12 @@ def compile_probe(chains: int, beside: str | None = None, count: int = 0) -> Cal
         cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3)
     parsed = llvm.parse_assembly(str(module))
     parsed.verify()
+    assembly = machine.emit_assembly(parsed)  # what the probe runs (tests check its instructions)
     engine = llvm.create_mcjit_compiler(parsed, machine)
     engine.finalize_object()
     run = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)(engine.get_function_address("run"))
     run.engine = engine  # type: ignore[attr-defined]  # NOTE: the code lives as long as the engine
+    run.assembly = assembly  # type: ignore[attr-defined]
     return run
 
 
