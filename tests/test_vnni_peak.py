@@ -43,8 +43,9 @@ def test_each_instruction_beside_compiles_and_prints_its_row(capsys):
 
 
 @pytest.mark.skipif(not has_vnni(), reason="this CPU has no AVX-512 VNNI")
+# (not the byte shift: its instruction is GFNI's where the CPU has it, shifts and masks elsewhere)
 @pytest.mark.parametrize("kind,mnemonic", [("mulld", "vpmulld"), ("fma", "vfmadd"), ("convert", "vcvtdq2ps"),
-                                           ("word-shift", "vpsrlw")])  # (a byte shift: GFNI's where it has one)
+                                           ("word-shift", "vpsrlw")])
 def test_each_instruction_beside_is_the_instruction_it_names(kind, mnemonic):
     """The probe times the instruction its row names: a multiply by 3 had become a shift and an
     add (LLVM's strength reduction), and the "vpmulld" row said 0 slots where vpmulld takes one."""
