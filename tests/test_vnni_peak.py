@@ -47,6 +47,6 @@ def test_each_instruction_beside_compiles_and_prints_its_row(capsys):
 @pytest.mark.parametrize("kind,mnemonic", [("mulld", "vpmulld"), ("fma", "vfmadd"), ("convert", "vcvtdq2ps"),
                                            ("word-shift", "vpsrlw")])
 def test_each_instruction_beside_is_the_instruction_it_names(kind, mnemonic):
-    """The probe times the instruction its row names: a multiply by 3 had become a shift and an
-    add (LLVM's strength reduction), and the "vpmulld" row said 0 slots where vpmulld takes one."""
+    """The probe times the instruction its row names: a multiply by 3 had become two vpaddd
+    (LLVM's strength reduction), and the "vpmulld" row said 0 slots where vpmulld takes one."""
     assert mnemonic in vnni_peak.compile_probe(12, kind, 4).assembly

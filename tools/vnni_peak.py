@@ -63,7 +63,7 @@ def _beside_op(b, kind: str, x):
         return as_(v16, b.fadd(product, ir.Constant(v16f, [1.0] * 16), flags=["contract"]))
     if kind == "convert":
         return as_(v16, b.sitofp(x, v16f))
-    if kind == "mulld":  # NOTE: by a constant LLVM cannot write as shifts and adds (3 it did)
+    if kind == "mulld":  # NOTE: a constant LLVM cannot write as adds and shifts (x * 3: two vpaddd)
         return b.mul(x, ir.Constant(v16, [0x12345679] * 16))
     raise ValueError(f"unknown instruction {kind!r}: one of {', '.join(BESIDE)}")
 
