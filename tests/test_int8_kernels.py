@@ -194,6 +194,7 @@ def test_a_long_steps_token_blocks_and_threads_give_each_rows_bits_alone(qtype, 
     assert np.array_equal(linear(x), alone)
     assert np.array_equal(linear(x, parallel=True), alone)
 
+
 @pytest.mark.parametrize("qtype,shape", [("Q4_K", (1024, 4096)), ("Q5_K", (1024, 2560)),
                                          ("Q6_K", (1024, 2560))])
 def test_a_streamed_matrix_gives_the_bits_of_the_serial_kernels(qtype, shape):

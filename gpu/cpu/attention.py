@@ -62,11 +62,11 @@ def attention_scratch(num_heads, num_kv_heads, head_dim, max_len, tokens=1):  # 
     gpad = (group + ROWS - 1) // ROWS * ROWS
     dpad = (head_dim + 15) // 16 * 16
     rows, keys = tokens * num_kv_heads * gpad, max_len + KEYS
-    # PERF: the [rows, keys] and [keys, rows] arrays' rows an odd number of cache lines apart: at a
-    # power of two (a run of 16 tokens' 512 rows: 2 KB; of 32: 4 KB) the keys' rows of probs that
-    # accumulate_rows reads share a few L1 sets (4 x 128 prompt tokens: 57 -> 48 ms, 16 layers)
-    # (the columns past keys and rows: never read). Likewise each KV head's widened keys and values
-    # one row (4+ lines) past the last's 4 KB: a row's 8 heads were written to the same L1 sets
+    # PERF: scores' and probs' rows an odd number of cache lines apart (the columns past keys and
+    # rows are never read): a power of two apart (a run of 16 tokens' 512 rows: 2 KB) put the keys'
+    # rows of probs that accumulate_rows reads into a few L1 sets (4 x 128 prompt tokens, 16
+    # layers: 57 -> 47 ms). kb and vb get a spare row a KV head for the same reason: 16 rows of 64
+    # floats put each head 4 KB after the last, and a cache row's 8 heads into the same L1 sets
     # (16 decodes at 160 keys, 16 layers: 6.2-6.3 -> 5.8 ms)
     scores = np.empty((rows, _odd_lines(keys)), np.float32)
     probs = np.empty((keys, _odd_lines(rows)), np.float32)
