@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ringserve.gpu.cpu import int8_kernels as cpu_int8_kernels
-from ringserve.gpu.cpu.amx_kernels import AMX_BLOCKS, AMX_KINDS, on_amx
+from ringserve.gpu.cpu.amx_kernels import AMX_BLOCKS, AMX_KINDS, on_amx, tiles_linear
 from ringserve.gpu.cpu.int8_kernels import (
     U6_TYPES,
     ZERO_POINTS,
@@ -266,24 +266,27 @@ def test_rows_that_are_not_whole_tiles_and_float_types_stay_on_the_float_path():
     assert supports(repack(random_raw("Q4_K", (16, 256), rng), "Q4_K", (16, 256)))
 
 
-def test_a_mixed_fused_linear_quantizes_once_and_runs_each_part_on_its_path():
+@pytest.mark.parametrize("rows, parallel", [(3, False), (9, True), (20, False)])
+def test_a_mixed_fused_linear_runs_each_part_on_its_path_into_its_own_columns(rows, parallel):
     rng = np.random.default_rng(0)
     shapes = [("Q4_K", 256), ("Q6_K", 128)]
-    tensors = [GGMLTensor(kind, (rows, 512), random_raw(kind, (rows, 512), rng)) for kind, rows in shapes]
+    tensors = [GGMLTensor(kind, (n, 512), random_raw(kind, (n, 512), rng)) for kind, n in shapes]
     tensors.append(rng.standard_normal((8, 512)).astype(np.float16))  # F16: float32 activations
     fused = fuse_packed(tensors, int8=True)
     assert isinstance(fused, SplitWeight)
     assert [type(p) for p in fused.parts] == [Int8Weight, Int8Weight, QuantWeight]
     plain = fuse_packed(tensors)
     assert isinstance(plain, SplitWeight)
-    x = rng.standard_normal((3, 512)).astype(np.float32)
-    out = np.empty((3, 392), np.float32)
-    packed_linear(x, fused, out, parallel=False)
+    x = rng.standard_normal((rows, 512)).astype(np.float32)
+    out = np.full((rows, 392), np.nan, np.float32)
+    packed_linear(x, fused, out, parallel=parallel)
     for i, (lo, hi) in enumerate(((0, 256), (256, 384))):
         part = fused.parts[i]
         assert isinstance(part, Int8Weight)
         want, bound = reference(x, plain.parts[i], super_blocks=super_activations(part) and not on_amx(part))
         assert np.all(np.abs(out[:, lo:hi] - want) <= bound)
+        # the part's tiles store into out's columns in place: the bits of the part alone
+        assert np.array_equal(out[:, lo:hi], tiles_linear(x, part, parallel=parallel))
     f16_want = x.astype(np.float64) @ np.asarray(tensors[2], dtype=np.float64).T
     np.testing.assert_allclose(out[:, 384:], f16_want, rtol=1e-4, atol=1e-4 * np.abs(f16_want).max())
 

@@ -48,14 +48,15 @@ def packed_linear(x: np.ndarray, w: PackedWeight, out: np.ndarray, parallel: boo
     lo = 0
     for part in parts:
         hi = lo + part.shape[0]
-        # NOTE: a part writes into its own buffer when there are several: the kernels write whole rows
-        dst = out if len(parts) == 1 else None
         if isinstance(part, Int8Weight):  # NOTE: each part quantizes x again: T x K values, not T x K x N
-            y = tiles_linear(x, part, dst, parallel=parallel)
-        else:
-            y = quant_linear(x, part, dst, parallel=parallel)
-        if dst is None:
-            out[:, lo:hi] = y
+            # PERF: the tiles store whole 16-column groups through out's row stride: a part
+            # writes its own columns in place (Q4_K_M's split qkv at 512 rows, 8 layers of the
+            # 1B shape: 11.6 -> 9.9 ms a layer, no buffer to fault in and copy)
+            tiles_linear(x, part, out if len(parts) == 1 else out[:, lo:hi], parallel=parallel)
+        elif len(parts) == 1:
+            quant_linear(x, part, out, parallel=parallel)
+        else:  # NOTE: quant_linear's kernels write C-contiguous rows: its own buffer, then copied
+            out[:, lo:hi] = quant_linear(x, part, None, parallel=parallel)
         lo = hi
 
 
