@@ -71,3 +71,27 @@ def test_fast_exp_and_silu_mul():
     silu_mul(gate_up, out)
     g = gate_up[:, :32].astype(np.float64)
     np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * gate_up[:, 32:], rtol=1e-6, atol=1e-30)
+
+
+def test_each_row_kernels_parallel_twin_is_compiled_apart_and_gives_the_serial_bits():
+    """kernels._twins: the serial and the parallel compilation of one body. Numba's cache keys a
+    function by name, line and argument types, not by its flags: twins under one name shared an
+    entry, and the parallel RoPE ran the serial code. Each twin its own name, the same bits."""
+    from ringserve.gpu.cpu import kernels as k
+    rng = np.random.default_rng(5)
+    T, n = 70, 576
+    h, delta = rng.standard_normal((2, T, n)).astype(np.float32) * 3
+    weight, eps = rng.standard_normal(n).astype(np.float32), np.float32(1e-5)
+    gate_up = rng.standard_normal((T, 2 * n)).astype(np.float32) * 4
+    calls = {"rms_norm": lambda f, out: f(h, weight, eps, out),
+             "add_rms_norm": lambda f, out: f(h.copy(), delta, weight, eps, out),
+             "silu_mul": lambda f, out: f(gate_up, out), "gelu_tanh_mul": lambda f, out: f(gate_up, out)}
+    for name, call in calls.items():
+        serial, parallel = getattr(k, name), getattr(k, name + "_parallel")
+        assert parallel.targetoptions["parallel"] and not serial.targetoptions.get("parallel")
+        assert serial.py_func.__qualname__ != parallel.py_func.__qualname__
+        want, got = np.empty((T, n), np.float32), np.empty((T, n), np.float32)
+        call(serial, want)
+        call(parallel, got)
+        assert np.array_equal(got, want), name
+    assert k.rope_store_kv.py_func.__qualname__ != k.rope_store_kv_parallel.py_func.__qualname__

@@ -22,12 +22,16 @@ from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.attention import PARALLEL_KEY_READS, paged_attention_parallel
 from ringserve.gpu.cpu.kernels import (
     add_rms_norm,
+    add_rms_norm_parallel,
     gelu_tanh_mul,
+    gelu_tanh_mul_parallel,
     qk_norm,
     rms_norm,
+    rms_norm_parallel,
     rope_store_kv,
     rope_store_kv_parallel,
     silu_mul,
+    silu_mul_parallel,
 )
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES
 from ringserve.gpu.cpu.linear import linear
@@ -43,7 +47,9 @@ F32 = np.float32
 # Multiply-adds below which a linear runs on one thread even when the step has several: ~100 us
 # of one thread's work (int8 kernels at batch 1), against a parallel region's fork and join.
 PARALLEL_MIN_MACS = 4 << 20
-PARALLEL_ROPE_TOKENS = 64  # tokens from which RoPE and the K/V write run over the step's threads
+# Token rows from which the row-wise kernels (RoPE and the K/V write, the norms, the MLP's
+# activation) run over the step's threads: ~30 us of one thread's work at the 1B shape's widths
+PARALLEL_ROWS = 64
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
@@ -191,14 +197,19 @@ class CpuOps:
     def add_bias(self, x, bias) -> None:
         x += bias
 
+    def _rows_parallel(self, x) -> bool:
+        return self.parallel and len(x) >= PARALLEL_ROWS
+
     def add_rms_norm(self, h, delta, weight, out) -> None:
+        parallel = self._rows_parallel(h)
         if delta is None:
-            rms_norm(h, weight, self.eps, out)
+            (rms_norm_parallel if parallel else rms_norm)(h, weight, self.eps, out)
         else:
-            add_rms_norm(h, delta, weight, self.eps, out)
+            (add_rms_norm_parallel if parallel else add_rms_norm)(h, delta, weight, self.eps, out)
 
     def rms_norm(self, x, weight) -> None:
-        rms_norm(x, weight, self.eps, x)  # NOTE: in place: each value is read before it is written
+        # NOTE: in place: each value is read before it is written
+        (rms_norm_parallel if self._rows_parallel(x) else rms_norm)(x, weight, self.eps, x)
 
     def scale_embedding(self, h, factor: float) -> None:
         h *= F32(factor)
@@ -209,8 +220,7 @@ class CpuOps:
     def attention(self, buf: CpuStepBuffers, cos, sin, k_cache, v_cache, launch: None, window: int) -> None:
         # PERF: one pass: q rotated into buf.q, k rotated and v copied straight into the cache; over
         # the threads for a long chunk
-        long_chunk = self.parallel and len(buf.positions) >= PARALLEL_ROPE_TOKENS
-        rope = rope_store_kv_parallel if long_chunk else rope_store_kv
+        rope = rope_store_kv_parallel if self._rows_parallel(buf.positions) else rope_store_kv
         rope(buf.qkv, buf.positions, cos, sin, buf.slot_mapping, k_cache, v_cache, buf.q)
         args = (buf.q, k_cache, v_cache, buf.positions, buf.query_start_loc, buf.seq_lens,
                 buf.block_tables, self.scale, window, buf.attn_heads)
@@ -227,10 +237,10 @@ class CpuOps:
             prefill_attention(*args, TILED_MIN_TOKENS)
 
     def silu_mul(self, gate_up, out) -> None:
-        silu_mul(gate_up, out)
+        (silu_mul_parallel if self._rows_parallel(out) else silu_mul)(gate_up, out)
 
     def gelu_tanh_mul(self, gate_up, out) -> None:
-        gelu_tanh_mul(gate_up, out)
+        (gelu_tanh_mul_parallel if self._rows_parallel(out) else gelu_tanh_mul)(gate_up, out)
 
     def gather_rows(self, x, rows, out) -> None:
         np.take(x, rows, axis=0, out=out)

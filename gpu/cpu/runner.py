@@ -20,7 +20,7 @@ from ringserve.gpu.cpu.attention import paged_attention_parallel
 from ringserve.gpu.cpu.int8_kernels import has_vnni
 from ringserve.gpu.cpu.kv_dtypes import KV_CACHE_DTYPES as CPU_KV_STORAGE
 from ringserve.gpu.cpu.memory import map_large_blocks, page_out_library
-from ringserve.gpu.cpu.ops import PARALLEL_ROPE_TOKENS, CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
+from ringserve.gpu.cpu.ops import PARALLEL_ROWS, CpuOps, CpuStepBuffers, CpuWeightStore, KVCache
 from ringserve.gpu.cpu.prefill_attention import SERVED_MIN_TOKENS
 from ringserve.gpu.devices import cpu_threads_per_engine, host_memory_available
 from ringserve.gpu.errors import ModelError
@@ -118,8 +118,8 @@ class CpuModelRunner:
         t0 = time.perf_counter()
         # Every kernel a step of this server can take (one loaded later would fault LLVM's pages
         # back in after page_out_library below): a decode and a prefill (linears pick their
-        # kernels by size; RoPE from PARALLEL_ROPE_TOKENS on takes its parallel kernel) ...
-        step = min(self.max_step_tokens or PARALLEL_ROPE_TOKENS, PARALLEL_ROPE_TOKENS)
+        # kernels by size; the row-wise kernels from PARALLEL_ROWS on take their parallel twins) ...
+        step = min(self.max_step_tokens or PARALLEL_ROWS, PARALLEL_ROWS)
         for tokens in sorted({1, step}):
             self.execute(self._warm_up_batch(tokens))
         # ... and the tiled prefill attention, where a prompt chunk can reach SERVED_MIN_TOKENS,
