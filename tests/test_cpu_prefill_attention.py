@@ -242,3 +242,23 @@ def test_a_token_in_a_run_is_the_token_alone(dtype, heads, kv_heads):
         paged_attention_parallel(q, k, v, *single, alone, MIN_TOKENS - 1, counter)
         short = np.repeat(np.diff(args[1]) < MIN_TOKENS, np.diff(args[1]))  # the loop's tokens
         np.testing.assert_array_equal(runs[short], alone[short], err_msg=f"{threads} threads")
+
+
+def test_a_rows_maximum_through_its_flipped_bits_is_numpys():
+    """attention._row_max: the integer maximum of each float's bits flipped below the sign (a
+    vector loop) is the float maximum, for rows of every length, sign and magnitude."""
+    from ringserve.gpu.cpu.attention import _row_max
+
+    @njit(cache=False)
+    def row_max(row, n):
+        return _row_max(row, n, np.empty(1, np.int32))
+
+    rng = np.random.default_rng(9)
+    for n in (1, 2, 15, 16, 17, 64, 161):
+        for scale in (1e-30, 1.0, 1e30):
+            for sign in (1.0, -1.0):
+                row = (rng.standard_normal(n + 5) * scale).astype(np.float32)
+                row = row if sign > 0 else -np.abs(row)
+                assert row_max(row, n) == row[:n].max(), (n, scale, sign)
+    row = np.array([-0.0, -1.0, -0.0, -3.0], np.float32)
+    assert row_max(row, 4) == 0.0 and row_max(np.array([-2.0, -1.5], np.float32), 2) == -1.5

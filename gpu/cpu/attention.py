@@ -52,8 +52,8 @@ RUN_KEY_PAIRS = 8192
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def attention_scratch(num_heads, num_kv_heads, head_dim, max_len, tokens=1):  # pragma: no cover - compiled
-    """One thread's scratch for _attend of up to `tokens` tokens: (qs, scores, totals, probs, acc,
-    kb, vb). Token u's KV head i's query heads are rows u * R + i * gpad + g, g < group, R =
+    """One thread's scratch for _attend of up to `tokens` tokens: (qs, scores, totals, acc, kb, vb,
+    top). Token u's KV head i's query heads are rows u * R + i * gpad + g, g < group, R =
     num_kv_heads * gpad (the group rounded up to ROWS: _attend gives the rows past the group
     probabilities 0; the columns past head_dim stay zero: the micro-kernels take whole steps of
     ROWS rows and 16 columns). PERF: the [keys, rows] arrays are not zeroed (a long context's are
@@ -62,17 +62,16 @@ def attention_scratch(num_heads, num_kv_heads, head_dim, max_len, tokens=1):  # 
     gpad = (group + ROWS - 1) // ROWS * ROWS
     dpad = (head_dim + 15) // 16 * 16
     rows, keys = tokens * num_kv_heads * gpad, max_len + KEYS
-    # PERF: scores' and probs' rows an odd number of cache lines apart (the columns past keys and
-    # rows are never read): a power of two apart (a run of 16 tokens' 512 rows: 2 KB) put the keys'
-    # rows of probs that accumulate_rows reads into a few L1 sets (4 x 128 prompt tokens, 16
-    # layers: 57 -> 47 ms). kb and vb get a spare row a KV head for the same reason: 16 rows of 64
-    # floats put each head 4 KB after the last, and a cache row's 8 heads into the same L1 sets
-    # (16 decodes at 160 keys, 16 layers: 6.2-6.3 -> 5.8 ms)
+    # PERF: scores' rows an odd number of cache lines apart (the columns past keys are never
+    # read): accumulate_rows reads a key's probabilities from ROWS rows at once, which a power of
+    # two apart put into a few L1 sets (4 x 128 prompt tokens, 16 layers: 57 -> 47 ms, when they
+    # were a transposed copy). kb and vb get a spare row a KV head for the same reason: 16 rows
+    # of 64 floats put each head 4 KB after the last, and a cache row's 8 heads into the same L1
+    # sets (16 decodes at 160 keys, 16 layers: 6.2-6.3 -> 5.8 ms)
     scores = np.empty((rows, _odd_lines(keys)), np.float32)
-    probs = np.empty((keys, _odd_lines(rows)), np.float32)
-    return (np.zeros((rows, dpad), np.float32), scores, np.empty(rows, np.float32), probs,
+    return (np.zeros((rows, dpad), np.float32), scores, np.empty(rows, np.float32),
             np.zeros((rows, dpad), np.float32), np.zeros((num_kv_heads, KEYS + 1, dpad), np.float32),
-            np.zeros((num_kv_heads, KEYS + 1, dpad), np.float32))
+            np.zeros((num_kv_heads, KEYS + 1, dpad), np.float32), np.empty(1, np.int32))
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -80,6 +79,22 @@ def _odd_lines(n):  # pragma: no cover - compiled
     """n float32 rounded up to a whole, odd number of 64-byte cache lines."""
     lines = (n + 15) // 16
     return (lines + 1 - lines % 2) * 16
+
+
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
+def _row_max(row, n, top):  # pragma: no cover - compiled
+    """max(row[:n]), n >= 1 (top: an int32 scratch of one). PERF: a float max without fast-math's
+    no-NaNs stays one chain of dependent compares; the bits of a float flipped below its sign
+    (b ^ (b >> 31 & 0x7FFFFFFF)) order as its value, and an integer max is a vector loop: 160
+    keys 57 -> 19 ns a row, 64 keys 19 -> 13 (-0.0 orders below 0.0: either is the maximum's
+    value, and the differences from it the same)."""
+    bits = row[:n].view(np.int32)
+    key = np.int32(-2**31)
+    for j in range(n):
+        b = bits[j]
+        key = max(key, b ^ ((b >> 31) & np.int32(0x7FFFFFFF)))
+    top[0] = key ^ ((key >> 31) & np.int32(0x7FFFFFFF))  # NOTE: the same flip undoes itself
+    return top.view(np.float32)[0]
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
@@ -105,7 +120,7 @@ def _attend(q, k_cache, v_cache, t, count, kvh0, kvh1, num_keys, first, block_ta
     calls on the same operands whatever the run (lanes past its own keys in a run's last vector
     are other keys, not zeros: each lane's score is its key's alone, and past the token's keys
     nothing reads them): its result is the same bits alone, in any run, batch or thread."""
-    qs, scores, totals, probs, acc, kb, vb = scratch
+    qs, scores, totals, acc, kb, vb, top = scratch
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     gpad = (group + ROWS - 1) // ROWS * ROWS
@@ -145,20 +160,16 @@ def _attend(q, k_cache, v_cache, t, count, kvh0, kvh1, num_keys, first, block_ta
         for i in range(nk):
             for g in range(group):
                 r = u * R + i * gpad + g
-                m = scores[r, 0]
-                for j in range(1, n):
-                    m = max(m, scores[r, j])
+                row = scores[r]  # NOTE: a 1-D row indexed from 0: LLVM vectorizes what [r, j] kept scalar
+                m = _row_max(row, n, top)
                 total = np.float32(0.0)
                 for j in range(n):
-                    e = fast_exp(scores[r, j] - m)
-                    scores[r, j] = e
+                    e = fast_exp(row[j] - m)
+                    row[j] = e
                     total += e
                 totals[r] = total
-                for j in range(n):  # NOTE: apart: a strided store in the loop above kept it scalar
-                    probs[j, r] = scores[r, j]
             for r in range(u * R + i * gpad + group, u * R + (i + 1) * gpad):  # padding: probabilities 0
-                for j in range(n):
-                    probs[j, r] = 0.0
+                scores[r, :n] = 0.0
     acc[:count * R, :] = 0.0
     fill, o = 0, 0
     for j0 in range(start, last_key, block_size):
@@ -174,7 +185,7 @@ def _attend(q, k_cache, v_cache, t, count, kvh0, kvh1, num_keys, first, block_ta
                     if mine > 0:
                         for i in range(nk):
                             rows = slice(u * R + i * gpad, u * R + (i + 1) * gpad)
-                            accumulate_rows(probs[o:o + mine, rows], vb[i, :mine], acc[rows])
+                            accumulate_rows(scores[rows, o:o + mine], vb[i, :mine], acc[rows])
                 o += fill
                 fill = 0
     for u in range(count):

@@ -19,8 +19,9 @@ Both are bound by the multiply-add units, not by loads.
 The per-token attention (gpu/cpu/attention.py: decodes and short prompt chunks, one query row a
 head) takes two more: ``key_scores`` (a query against KEYS keys: head_dim in the lanes, one
 accumulator a key, then a transpose-and-add tree puts key j's sum in lane j) and
-``accumulate_rows`` (update_tile over a whole head_dim in column chunks of 4 vectors, then single
-vectors, so two literal kernels serve every head size)."""
+``accumulate_rows`` (update_tile, reading the probabilities a query row a row as the softmax leaves
+them, over a whole head_dim in column chunks of 4 vectors, then single vectors, so two literal
+kernels serve every head size)."""
 from __future__ import annotations
 
 from typing import Any
@@ -115,7 +116,8 @@ def _scores_typing(typingctx, kb, qt, st, j0, i0):
     return types.none(kb, qt, st, j0, i0), _scores_codegen()
 
 
-def _update_codegen(rows: int, vectors: int):
+def _update_codegen(rows: int, vectors: int, by_row: bool = False):
+    """by_row: s holds a query row's probabilities a row ([R, K]), not a key's ([K, R])."""
     def codegen(context, builder, sig, args):
         s, vb, acc, i0 = args[:4]
         sty, vbty, accty = sig.args[:3]
@@ -125,15 +127,18 @@ def _update_codegen(rows: int, vectors: int):
         i0_bytes = builder.mul(i0, _const(builder, 4))
         initial = [builder.load(builder.gep(arow[r], [_const(builder, v)]), align=4)
                    for r in range(rows) for v in range(vectors)]
+        srow = [builder.bitcast(_row_ptr(context, builder, sty, s, builder.add(i0, _const(builder, r))),
+                                _F32.as_pointer()) for r in range(rows)] if by_row else []
 
         def body(j, a):
             vrow = _row_ptr(context, builder, vbty, vb, j)
             values = [_load(builder, vrow, _const(builder, v), _V16F) for v in range(vectors)]
             out = list(a)
-            prow = builder.bitcast(builder.gep(_row_ptr(context, builder, sty, s, j), [i0_bytes]),
-                                   _F32.as_pointer())
+            prow = srow or builder.bitcast(builder.gep(_row_ptr(context, builder, sty, s, j), [i0_bytes]),
+                                           _F32.as_pointer())
             for r in range(rows):
-                p = _splat(builder, builder.load(builder.gep(prow, [_const(builder, r)]), align=4), LANES)
+                at = builder.gep(srow[r], [j]) if by_row else builder.gep(prow, [_const(builder, r)])
+                p = _splat(builder, builder.load(at, align=4), LANES)
                 for v in range(vectors):
                     out[r * vectors + v] = _fma(builder, p, values[v], a[r * vectors + v])
             return out
@@ -155,6 +160,15 @@ def _update_typing(typingctx, s, vb, acc, i0, rows, vectors):
         return None
     sig = types.none(s, vb, acc, i0, rows, vectors)
     return sig, _update_codegen(rows.literal_value, vectors.literal_value)
+
+
+def _row_update_typing(typingctx, p, vb, acc, i0, rows, vectors):
+    """acc[i0 + r] += p[i0 + r, :K] @ vb for r < rows, K = vb.shape[0]: update_tile with the
+    probabilities a query row a row (p float32 [R, >= K], as the per-token softmax leaves them)."""
+    if not all(isinstance(a, types.IntegerLiteral) for a in (rows, vectors)):
+        return None
+    sig = types.none(p, vb, acc, i0, rows, vectors)
+    return sig, _update_codegen(rows.literal_value, vectors.literal_value, by_row=True)
 
 
 def _lane_tree_sum(builder, vectors: list) -> Any:
@@ -235,16 +249,18 @@ scores_tile: Any = intrinsic(_scores_typing)
 prefetch_heads: Any = intrinsic(_prefetch_heads_typing)
 key_scores: Any = intrinsic(_key_scores_typing)
 update_tile: Any = intrinsic(_update_typing)
+row_update_tile: Any = intrinsic(_row_update_typing)
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def accumulate_rows(s, vb, acc):  # pragma: no cover - compiled
-    """acc += s[:K] @ vb, K = vb.shape[0], acc [R, D] with R a multiple of ROWS and D of 16 (s
-    [>= K, R]): update_tile over ROWS rows and column chunks of 4 vectors, then single vectors
-    (two literal kernels for every head size: each one compiled costs ~1 s a driver)."""
+def accumulate_rows(p, vb, acc):  # pragma: no cover - compiled
+    """acc += p[:, :K] @ vb, K = vb.shape[0], acc [R, D] with R a multiple of ROWS and D of 16 (p
+    [R, >= K]: a query row's probabilities a row): row_update_tile over ROWS rows and column
+    chunks of 4 vectors, then single vectors (two literal kernels for every head size: each one
+    compiled costs ~1 s a driver)."""
     full = vb.shape[1] // 64 * 64
     for i in range(0, acc.shape[0], ROWS):
         for c in range(0, full, 64):
-            update_tile(s, vb[:, c:c + 64], acc[:, c:c + 64], i, 4, 4)
+            row_update_tile(p, vb[:, c:c + 64], acc[:, c:c + 64], i, 4, 4)
         for c in range(full, vb.shape[1], 16):
-            update_tile(s, vb[:, c:c + 16], acc[:, c:c + 16], i, 4, 1)
+            row_update_tile(p, vb[:, c:c + 16], acc[:, c:c + 16], i, 4, 1)
