@@ -134,10 +134,10 @@ def _update_codegen(rows: int, vectors: int, by_row: bool = False):
             vrow = _row_ptr(context, builder, vbty, vb, j)
             values = [_load(builder, vrow, _const(builder, v), _V16F) for v in range(vectors)]
             out = list(a)
-            prow = srow or builder.bitcast(builder.gep(_row_ptr(context, builder, sty, s, j), [i0_bytes]),
-                                           _F32.as_pointer())
+            prow = None if by_row else builder.bitcast(
+                builder.gep(_row_ptr(context, builder, sty, s, j), [i0_bytes]), _F32.as_pointer())
             for r in range(rows):
-                at = builder.gep(srow[r], [j]) if by_row else builder.gep(prow, [_const(builder, r)])
+                at = builder.gep(srow[r], [j]) if prow is None else builder.gep(prow, [_const(builder, r)])
                 p = _splat(builder, builder.load(at, align=4), LANES)
                 for v in range(vectors):
                     out[r * vectors + v] = _fma(builder, p, values[v], a[r * vectors + v])

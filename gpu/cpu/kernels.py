@@ -86,17 +86,6 @@ def qk_norm(qkv, num_heads, num_kv_heads, weight, eps):  # pragma: no cover - co
                 qkv[t, base + i] = weight[w + i] * (qkv[t, base + i] * r)
 
 
-_GELU_C = np.float32(2.0 * 0.7978845608028654)  # 2 sqrt(2 / pi)
-
-
-@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
-def _gelu_tanh(g):  # pragma: no cover - compiled
-    """transformers' gelu_pytorch_tanh: 0.5 x (1 + tanh(u)) is x / (1 + e^(-2u)), SiLU's form, so
-    fast_exp serves it (libm's tanh is a call per value)."""
-    u = _GELU_C * (g + np.float32(0.044715) * g * g * g)
-    return g / (np.float32(1.0) + fast_exp(-u))
-
-
 def _silu_mul(gate_up, out):  # pragma: no cover - compiled
     """gate_up [T, 2I] (gate then up) -> out [T, I] = silu(gate) * up."""
     inter = out.shape[1]
@@ -107,11 +96,16 @@ def _silu_mul(gate_up, out):  # pragma: no cover - compiled
 
 
 def _gelu_tanh_mul(gate_up, out):  # pragma: no cover - compiled
-    """gate_up [T, 2I] (gate then up) -> out [T, I] = gelu_tanh(gate) * up (Gemma 3's MLP)."""
+    """gate_up [T, 2I] (gate then up) -> out [T, I] = gelu_tanh(gate) * up (Gemma 3's MLP:
+    transformers' gelu_pytorch_tanh). 0.5 x (1 + tanh(u)) is x / (1 + e^(-2u)): SiLU's form,
+    so fast_exp serves it (libm's tanh is a call per value)."""
     inter = out.shape[1]
+    c = np.float32(2.0 * 0.7978845608028654)  # 2 sqrt(2 / pi)
     for t in prange(out.shape[0]):
         for i in range(inter):
-            out[t, i] = _gelu_tanh(gate_up[t, i]) * gate_up[t, inter + i]
+            g = gate_up[t, i]
+            u = c * (g + np.float32(0.044715) * g * g * g)
+            out[t, i] = g / (np.float32(1.0) + fast_exp(-u)) * gate_up[t, inter + i]
 
 
 def _rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_out):  # pragma: no cover
