@@ -74,24 +74,42 @@ def test_fast_exp_and_silu_mul():
 
 
 def test_each_row_kernels_parallel_twin_is_compiled_apart_and_gives_the_serial_bits():
-    """kernels._twins: the serial and the parallel compilation of one body. Numba's cache keys a
-    function by name, line and argument types, not by its flags: twins under one name shared an
-    entry, and the parallel RoPE ran the serial code. Each twin its own name, the same bits."""
+    """kernels._twins: the serial and the parallel compilation of one element-wise body. Numba's
+    cache keys a function by name, line and argument types, not by its flags: twins under one
+    name shared an entry, and the parallel RoPE ran the serial code. Each twin its own name,
+    the same bits."""
     from ringserve.gpu.cpu import kernels as k
     rng = np.random.default_rng(5)
-    T, n = 70, 576
-    h, delta = rng.standard_normal((2, T, n)).astype(np.float32) * 3
-    weight, eps = rng.standard_normal(n).astype(np.float32), np.float32(1e-5)
-    gate_up = rng.standard_normal((T, 2 * n)).astype(np.float32) * 4
-    calls = {"rms_norm": lambda f, out: f(h, weight, eps, out),
-             "add_rms_norm": lambda f, out: f(h.copy(), delta, weight, eps, out),
-             "silu_mul": lambda f, out: f(gate_up, out), "gelu_tanh_mul": lambda f, out: f(gate_up, out)}
-    for name, call in calls.items():
-        serial, parallel = getattr(k, name), getattr(k, name + "_parallel")
-        assert parallel.targetoptions["parallel"] and not serial.targetoptions.get("parallel")
-        assert serial.py_func.__qualname__ != parallel.py_func.__qualname__
-        want, got = np.empty((T, n), np.float32), np.empty((T, n), np.float32)
-        call(serial, want)
-        call(parallel, got)
-        assert np.array_equal(got, want), name
+    for T, n in ((70, 576), (65, 100)):
+        gate_up = rng.standard_normal((T, 2 * n)).astype(np.float32) * 4
+        for name in ("silu_mul", "gelu_tanh_mul"):
+            serial, parallel = getattr(k, name), getattr(k, name + "_parallel")
+            assert parallel.targetoptions["parallel"] and not serial.targetoptions.get("parallel")
+            assert serial.py_func.__qualname__ != parallel.py_func.__qualname__
+            want, got = np.empty((T, n), np.float32), np.empty((T, n), np.float32)
+            serial(gate_up, want)
+            parallel(gate_up, got)
+            assert np.array_equal(got, want), name
     assert k.rope_store_kv.py_func.__qualname__ != k.rope_store_kv_parallel.py_func.__qualname__
+
+
+@pytest.mark.parametrize("n", [100, 576, 2048])
+def test_a_norms_rows_are_the_same_bits_on_one_thread_or_two(n):
+    """The norms are one compilation whose rows split over a thread count: a row's sum of squares
+    is the same code however many rows the step has (serial and parallel twins of it, vectorized
+    apart by LLVM, differed at a width of 100)."""
+    from ringserve.gpu.cpu.kernels import add_rms_norm, rms_norm
+    rng = np.random.default_rng(6)
+    h, delta = rng.standard_normal((2, 67, n)).astype(np.float32) * 3
+    weight, eps = rng.standard_normal(n).astype(np.float32), np.float32(1e-5)
+    outs = []
+    for threads in (1, 2):
+        h1, out, normed = h.copy(), np.empty_like(h), np.empty_like(h)
+        add_rms_norm(h1, delta, weight, eps, out, threads)
+        rms_norm(h, weight, eps, normed, threads)
+        outs.append((h1, out, normed))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert np.array_equal(got, want)
+    alone = np.empty((1, n), np.float32)
+    rms_norm(h[5:6], weight, eps, alone, 1)
+    assert np.array_equal(alone[0], outs[1][2][5])

@@ -56,18 +56,28 @@ def _norm_row(h, t, weight, eps, out):  # pragma: no cover - compiled
         out[t, i] = weight[i] * (h[t, i] * r)
 
 
-def _rms_norm(h, weight, eps, out):  # pragma: no cover - compiled
+# The norms: one compilation each, its rows split over `threads` (1: on the calling thread, ~3 us a
+# region). NOTE: not serial and parallel twins (below): LLVM vectorized a row's sum of squares
+# apart in the two (rows of 100 differed by 5e-7), and a token's result must not depend on the
+# step's row count. PERF, 4 x 128-token step of the 1B shape, two threads: 28 -> 13 ms.
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
+def rms_norm(h, weight, eps, out, threads):  # pragma: no cover - compiled
     """out [T, n] = RMSNorm(h [T, n]) * weight."""
-    for t in prange(h.shape[0]):  # NOTE: each row alone (a range where not parallel), as below
-        _norm_row(h, t, weight, eps, out)
+    rows = h.shape[0]
+    for p in prange(threads):
+        for t in range(p * rows // threads, (p + 1) * rows // threads):
+            _norm_row(h, t, weight, eps, out)
 
 
-def _add_rms_norm(h, delta, weight, eps, out):  # pragma: no cover - compiled
+@njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy", parallel=True)
+def add_rms_norm(h, delta, weight, eps, out, threads):  # pragma: no cover - compiled
     """The residual step: h += delta (in place), then out = RMSNorm(h) * weight."""
-    for t in prange(h.shape[0]):
-        for i in range(h.shape[1]):
-            h[t, i] += delta[t, i]
-        _norm_row(h, t, weight, eps, out)
+    rows = h.shape[0]
+    for p in prange(threads):
+        for t in range(p * rows // threads, (p + 1) * rows // threads):
+            for i in range(h.shape[1]):
+                h[t, i] += delta[t, i]
+            _norm_row(h, t, weight, eps, out)
 
 
 @njit(cache=True, fastmath=FASTMATH, nogil=True, error_model="numpy")
@@ -156,7 +166,8 @@ def _rope_store_kv(qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q_o
 def _twins(body: Callable) -> tuple[Any, Any]:
     """body compiled twice: on the calling thread (decodes, short chunks: a parallel region's fork
     and join cost more than the work) and over the step's threads (its prange) for long ones; the
-    same arithmetic per row. NOTE: the parallel one from a copy of body under another name:
+    same arithmetic per value (element-wise kernels only: no sums, whose vectorization the two
+    compilations may choose apart). NOTE: the parallel one from a copy of body under another name:
     Numba's cache keys a function by its name, line and argument types, not by its flags, so
     twins of one function shared a cache entry, and whichever compiled first served both (the
     parallel RoPE ran on one thread)."""
@@ -168,10 +179,8 @@ def _twins(body: Callable) -> tuple[Any, Any]:
     return serial, parallel
 
 
-# PERF, the 1B shape's 4 x 128-token step on two threads: silu_mul 37 -> 23 ms, the norms 28 ->
-# 13, RoPE and attention 63 -> 58; the step 1579 -> 1551 ms (docs/bench_forward.md)
+# PERF, the 1B shape's 4 x 128-token step on two threads: silu_mul 37 -> 23 ms, RoPE and
+# attention 63 -> 58 (docs/bench_forward.md)
 rope_store_kv, rope_store_kv_parallel = _twins(_rope_store_kv)
-rms_norm, rms_norm_parallel = _twins(_rms_norm)
-add_rms_norm, add_rms_norm_parallel = _twins(_add_rms_norm)
 silu_mul, silu_mul_parallel = _twins(_silu_mul)
 gelu_tanh_mul, gelu_tanh_mul_parallel = _twins(_gelu_tanh_mul)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
+import numba
 import numpy as np
 
 from ringserve.gpu.batch import Batch
@@ -22,12 +23,10 @@ from ringserve.gpu.bfloat16 import to_bfloat16, widen_bfloat16
 from ringserve.gpu.cpu.attention import PARALLEL_KEY_READS, paged_attention_parallel
 from ringserve.gpu.cpu.kernels import (
     add_rms_norm,
-    add_rms_norm_parallel,
     gelu_tanh_mul,
     gelu_tanh_mul_parallel,
     qk_norm,
     rms_norm,
-    rms_norm_parallel,
     rope_store_kv,
     rope_store_kv_parallel,
     silu_mul,
@@ -200,16 +199,18 @@ class CpuOps:
     def _rows_parallel(self, x) -> bool:
         return self.parallel and len(x) >= PARALLEL_ROWS
 
+    def _norm_threads(self, x) -> int:
+        return numba.get_num_threads() if self._rows_parallel(x) else 1
+
     def add_rms_norm(self, h, delta, weight, out) -> None:
-        parallel = self._rows_parallel(h)
         if delta is None:
-            (rms_norm_parallel if parallel else rms_norm)(h, weight, self.eps, out)
+            rms_norm(h, weight, self.eps, out, self._norm_threads(h))
         else:
-            (add_rms_norm_parallel if parallel else add_rms_norm)(h, delta, weight, self.eps, out)
+            add_rms_norm(h, delta, weight, self.eps, out, self._norm_threads(h))
 
     def rms_norm(self, x, weight) -> None:
         # NOTE: in place: each value is read before it is written
-        (rms_norm_parallel if self._rows_parallel(x) else rms_norm)(x, weight, self.eps, x)
+        rms_norm(x, weight, self.eps, x, self._norm_threads(x))
 
     def scale_embedding(self, h, factor: float) -> None:
         h *= F32(factor)
