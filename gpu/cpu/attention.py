@@ -56,7 +56,7 @@ def attention_scratch(num_heads, num_kv_heads, head_dim, max_len, tokens=1):  # 
     top). Token u's KV head i's query heads are rows u * R + i * gpad + g, g < group, R =
     num_kv_heads * gpad (the group rounded up to ROWS: _attend gives the rows past the group
     probabilities 0; the columns past head_dim stay zero: the micro-kernels take whole steps of
-    ROWS rows and 16 columns). PERF: the [keys, rows] arrays are not zeroed (a long context's are
+    ROWS rows and 16 columns). PERF: the scores [rows, keys] are not zeroed (a long context's are
     MBs, allocated every layer)."""
     group = num_heads // num_kv_heads
     gpad = (group + ROWS - 1) // ROWS * ROWS
