@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 
 import httpx
 import pytest
@@ -77,6 +78,39 @@ def test_a_real_server_under_load(tiny_server, tmp_path, capsys):
     assert math.isclose(s["busy_s"], sum(g["seconds"] for g in groups.values()))
     assert math.isclose(s["span_s"], s["busy_s"] + s["idle_s"] + s["unseen_s"]) and s["idle_s"] >= 0
     assert "| decodes only" in capsys.readouterr().out
+
+
+def test_the_steps_an_engine_kept_from_before_the_first_poll_are_not_counted(tiny_server, capsys):
+    """An engine's snapshot holds its last steps whenever they ran (a client's warm-up request, an
+    earlier run): those the first poll sees are left out, the ones after it counted."""
+    url = tiny_server("--enable-debug-endpoints")
+    body = {"prompt": "a b c d e f", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client:
+        for _ in range(2):
+            assert client.post(url + "/v1/completions", json=body).status_code == 200
+        deadline, kept = time.monotonic() + 30, []
+        while not kept and time.monotonic() < deadline:  # the engine publishes once more when idle
+            snapshot = client.get(url + "/debug/engines").json()["engines"][0].get("snapshot") or {}
+            kept = [s["step"] for s in snapshot.get("steps") or ()]
+            time.sleep(0.1)
+    assert len(kept) >= 12  # both requests' steps, on record before the tool starts
+    assert step_mix.main(["--base-url", url, "--duration", "0.6", "--every", "0.2"]) == 1
+    assert "not counted" in capsys.readouterr().err
+
+    stop = threading.Event()
+
+    def stream() -> None:
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                assert client.post(url + "/v1/completions", json=body).status_code == 200
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    try:
+        steps, polls = step_mix.poll(url, 2.0, 0.2)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert polls >= 2 and steps and min(step for _, step in steps) > max(kept)
 
 
 def test_a_server_without_debug_endpoints_is_told_how_to_serve(tiny_server):

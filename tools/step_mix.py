@@ -2,7 +2,7 @@
 
     ringserve serve --model M --enable-debug-endpoints &
     python -m ringserve.tools.step_mix --base-url http://127.0.0.1:8000 --duration 120 &
-    ringserve loadgen --mode http --base-url http://127.0.0.1:8000 --concurrency 16 ...
+    ringserve loadgen --mode http --base-url http://127.0.0.1:8000 --concurrency 16 --warmup 0 ...
 
 Polls the server's GET /debug/engines (each engine's last steps, their sizes and times:
 engine/trace.py) while a load runs elsewhere, then prints the steps grouped by what they held
@@ -11,7 +11,9 @@ count, mean step, time per token row and share of the engines' time, and the tim
 steps. It answered where a c=16 run against llama-server spends its time (docs/bench_quant.md,
 the eighth session): in the rows' compute, not between steps. A poll must come before an engine
 runs DEBUG_STEPS more steps (engine/process.py), or steps are missed: the tool counts the step
-numbers it did not see and shows the time around them apart ("around steps not seen").
+numbers it did not see and shows the time around them apart ("around steps not seen"). Only
+the steps after its first poll count: those an engine kept from before are another run's (start
+the tool first; loadgen's warm-up request, alone in the engine, is left out with --warmup 0).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -36,9 +38,11 @@ GROUPS = (("decodes only", 0, 0), ("prompt tokens 1-63", 1, 63), ("prompt tokens
 
 def poll(url: str, duration: float, every: float, api_key: str | None = None
          ) -> tuple[dict[tuple[int, int], dict], int]:
-    """Every engine's steps seen in `duration` seconds, by (engine pid, step), and the polls made.
+    """Every engine's steps seen in `duration` seconds, by (engine pid, step), and the polls made:
+    the steps that ran after the first poll (an engine first seen later: all of its steps).
     Ctrl-C ends it early; a server that refuses or cannot be reached ends it with one line."""
     steps: dict[tuple[int, int], dict] = {}
+    before: dict[int, int] = {}  # engine pid -> its last step number at the first poll
     polls = 0
     end = time.monotonic() + duration
     where = url.rstrip("/") + "/debug/engines"
@@ -55,16 +59,31 @@ def poll(url: str, duration: float, every: float, api_key: str | None = None
                             401: "give the server's key (--api-key)"}.get(r.status_code, r.text[:200])
                     raise SystemExit(f"GET {where}: {r.status_code}; {hint}")
                 polls += 1
-                for engine in r.json()["engines"]:
-                    snapshot = engine.get("snapshot") or {}
-                    for s in snapshot.get("steps") or ():
-                        steps[(snapshot["pid"], s["step"])] = s
+                steps.update(_new_steps(r.json()["engines"], before, first=polls == 1))
                 if time.monotonic() + every > end:
                     break
                 time.sleep(every)
         except KeyboardInterrupt:
             pass
     return steps, polls
+
+
+def _new_steps(engines: list[dict], before: dict[int, int], first: bool
+               ) -> Iterator[tuple[tuple[int, int], dict]]:
+    """((engine pid, step), step) of each engine's snapshot past its mark in `before`; first: the
+    first poll's, which sets the marks. NOTE: a snapshot keeps an engine's last steps whenever they
+    ran: those the first poll sees came before the tool (a client's warm-up request, an earlier
+    run), and counted, a warm-up's 64 one-row steps read as a c=16 run's decodes at 10 rows a step."""
+    for engine in engines:
+        snapshot = engine.get("snapshot")
+        if not snapshot:  # an engine that has not published one yet
+            continue
+        pid, seen = int(snapshot["pid"]), snapshot.get("steps") or ()
+        if first:
+            before[pid] = max((s["step"] for s in seen), default=-1)
+        for s in seen:
+            if s["step"] > before.get(pid, -1):
+                yield (pid, s["step"]), s
 
 
 def summarize(steps: dict[tuple[int, int], dict]) -> dict[str, Any]:
@@ -138,7 +157,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = parse_args(argv)
     steps, polls = poll(args.base_url, args.duration, args.every, args.api_key)
     if not steps:
-        print(f"no steps in {polls} poll(s): was the server under load?", file=sys.stderr)
+        print(f"no steps in {polls} poll(s): was the server under load? (the steps before the first poll "
+              "are not counted: start the tool, then the load)", file=sys.stderr)
         return 1
     summary = summarize(steps)
     print(render(summary))
