@@ -2,16 +2,39 @@
 /debug/engines under load, and its arithmetic on known steps."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from conftest import free_port
 from ringserve.tools import step_mix
+
+
+@contextlib.contextmanager
+def _streams(url: str, bodies: list[dict]) -> Iterator[None]:
+    """A thread per body posting it to /v1/completions again and again while the block runs."""
+    stop = threading.Event()
+
+    def stream(body: dict) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                assert client.post(url + "/v1/completions", json=body).status_code == 200
+
+    threads = [threading.Thread(target=stream, args=(body,), daemon=True) for body in bodies]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
 
 
 def _step(n: int, start: float, seconds: float, decode: int, prompt: int) -> dict:
@@ -52,25 +75,12 @@ def test_a_real_server_under_load(tiny_server, tmp_path, capsys):
     """Prompts of ~100 bytes (the tiny model's tokens are bytes) and decodes from four streams: every step the
     polls saw lands in one group, and the groups' rows are the steps'."""
     url = tiny_server("--enable-debug-endpoints")
-    stop = threading.Event()
-
-    def stream(i: int) -> None:
-        body = {"prompt": f"s{i} " * 25, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-        with httpx.Client(timeout=60) as client:
-            while not stop.is_set():
-                assert client.post(url + "/v1/completions", json=body).status_code == 200
-
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        out = tmp_path / "mix.json"
+    bodies = [{"prompt": f"s{i} " * 25, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+              for i in range(4)]
+    out = tmp_path / "mix.json"
+    with _streams(url, bodies):
         args = ["--base-url", url, "--duration", "3", "--every", "0.2", "--json", str(out)]
         assert step_mix.main(args) == 0
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
     s = json.loads(out.read_text())
     groups = {g["group"]: g for g in s["groups"]}
     assert s["steps"] == sum(g["steps"] for g in groups.values()) > 0
@@ -99,19 +109,8 @@ def test_the_steps_an_engine_kept_from_before_the_first_poll_are_not_counted(tin
     assert step_mix.main(["--base-url", url, "--duration", "0.6", "--every", "0.2"]) == 1
     assert "not counted" in capsys.readouterr().err
 
-    stop = threading.Event()
-
-    def stream() -> None:
-        with httpx.Client(timeout=60) as client:
-            while not stop.is_set():
-                assert client.post(url + "/v1/completions", json=body).status_code == 200
-    thread = threading.Thread(target=stream, daemon=True)
-    thread.start()
-    try:
+    with _streams(url, [body]):
         steps, polls = step_mix.poll(url, 2.0, 0.2)
-    finally:
-        stop.set()
-        thread.join(60)
     assert polls >= 2 and steps and min(step for _, step in steps) > max(kept)
 
 
